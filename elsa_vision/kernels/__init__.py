@@ -1,0 +1,40 @@
+"""ELSA kernels: the torch reference (the specification) and the Triton implementations."""
+
+from __future__ import annotations
+
+import functools
+
+from .reference import (
+    ElsaState,
+    block_state,
+    finalize,
+    identity_state,
+    log_sum_exp,
+    merge_depth,
+    merge_states,
+    scan_attention,
+    softmax_attention,
+)
+
+__all__ = [
+    "ElsaState",
+    "block_state",
+    "finalize",
+    "identity_state",
+    "log_sum_exp",
+    "merge_depth",
+    "merge_states",
+    "scan_attention",
+    "softmax_attention",
+    "triton_available",
+]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when Triton imports (the kernels then run on CUDA, or on CPU under TRITON_INTERPRET=1)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,305 @@
+"""The ELSA monoid and a two-level scan in plain PyTorch: the executable specification.
+
+ELSA ("Exact Linear-Scan Attention", arXiv 2604.23798) writes softmax attention for one query row as a
+fold over the keys with the associative monoid of states ``(m, S, W)``:
+
+* ``m`` -- the running maximum logit,
+* ``S`` -- the sum of ``exp(score - m)`` over the keys seen so far,
+* ``W`` -- the value sum weighted by the same ``exp(score - m)``.
+
+The merge ``a (+) b`` rescales both sides to the common maximum ``m = max(a.m, b.m)``::
+
+    S = exp(a.m - m) * a.S + exp(b.m - m) * b.S
+    W = exp(a.m - m) * a.W + exp(b.m - m) * b.W
+
+with identity ``e = (-inf, 0, 0)``; the output row is ``W / S`` (0 where ``S == 0``, i.e. where no key is
+visible). Because ``(+)`` is associative, any bracketing of any split of a row gives the same result up to
+rounding, which is what lets the scan run in parallel: key blocks of ``B`` tokens are folded into states
+(level one), then the block states are combined by a log-depth tree (level two).
+
+Every other backend of this package (the Triton kernels, the window and decode kernels, context parallel
+attention) is tested against the functions in this file. Everything here is differentiable by autograd.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ElsaState",
+    "block_state",
+    "merge_states",
+    "identity_state",
+    "finalize",
+    "log_sum_exp",
+    "merge_depth",
+    "attention_scores",
+    "scan_attention",
+    "softmax_attention",
+]
+
+
+class ElsaState(NamedTuple):
+    """A monoid element for a batch of query rows.
+
+    ``m``: running max logit ``[..., Nq]``; ``s``: sum of ``exp(score - m)`` ``[..., Nq]``;
+    ``w``: the same-weighted value sum ``[..., Nq, Dv]``.
+    """
+
+    m: Tensor
+    s: Tensor
+    w: Tensor
+
+
+def _finite_or_zero(m: Tensor) -> Tensor:
+    # Rows whose max is -inf (nothing visible) use 0 as the shift: exp(-inf - 0) = 0, never NaN.
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def identity_state(like: ElsaState | Tensor, dv: int | None = None) -> ElsaState:
+    """The identity ``(-inf, 0, 0)``.
+
+    ``like`` is either a state (the identity gets its shapes, dtype and device) or a tensor of row shape
+    ``[..., Nq]`` together with ``dv``, the value head dim.
+    """
+    if isinstance(like, ElsaState):
+        m, w = like.m, like.w
+        return ElsaState(torch.full_like(m, -math.inf), torch.zeros_like(like.s), torch.zeros_like(w))
+    if dv is None:
+        raise ValueError("identity_state(tensor, dv): dv (the value head dim) is required when `like` is a tensor")
+    m = torch.full_like(like, -math.inf)
+    return ElsaState(m, torch.zeros_like(like), like.new_zeros(*like.shape, dv))
+
+
+def block_state(scores: Tensor, v: Tensor, keep: Tensor | None = None) -> ElsaState:
+    """Fold one key block into a state.
+
+    Args:
+        scores: already scaled and biased logits ``[..., Nq, n]``; ``-inf`` marks an invisible key.
+        v: values ``[..., n, Dv]`` (broadcastable against ``scores``' leading dims).
+        keep: optional multiplier ``[..., Nq, n]`` applied to the weights of ``W`` only (attention dropout:
+            ``S`` keeps the undropped normaliser, so ``W / S`` equals ``dropout(softmax) @ v``).
+
+    A block with every score ``-inf`` returns the identity exactly.
+    """
+    m = scores.amax(dim=-1).detach()  # the output is shift invariant: no gradient flows through m
+    p = torch.exp(scores - _finite_or_zero(m).unsqueeze(-1))
+    s = p.sum(dim=-1)
+    if keep is not None:
+        p = p * keep
+    w = p.to(v.dtype) @ v
+    return ElsaState(m, s, w)
+
+
+def merge_states(a: ElsaState, b: ElsaState) -> ElsaState:
+    """``a (+) b`` in the symmetric max form; exact for the identity on either side."""
+    m = torch.maximum(a.m, b.m)
+    shift = _finite_or_zero(m)
+    ca = torch.exp(a.m - shift)
+    cb = torch.exp(b.m - shift)
+    return ElsaState(m, ca * a.s + cb * b.s, ca.unsqueeze(-1) * a.w + cb.unsqueeze(-1) * b.w)
+
+
+def finalize(state: ElsaState) -> Tensor:
+    """``W / S`` with 0 where ``S == 0`` (rows with no visible key): never NaN."""
+    visible = state.s > 0
+    denom = torch.where(visible, state.s, torch.ones_like(state.s))
+    return (state.w / denom.unsqueeze(-1)) * visible.unsqueeze(-1).to(state.w.dtype)
+
+
+def log_sum_exp(state: ElsaState) -> Tensor:
+    """Per-row ``log(sum_j exp(score_j)) = m + log(S)``; ``-inf`` for rows with no visible key."""
+    return torch.where(state.s > 0, state.m + torch.log(state.s), torch.full_like(state.s, -math.inf))
+
+
+def merge_depth(n: int, block: int) -> int:
+    """L(n, B) = ceil(log2(ceil(n / B))): levels of the merge tree over the key blocks."""
+    if n <= 0 or block <= 0:
+        raise ValueError(f"merge_depth needs n > 0 and block > 0, got n={n}, block={block}")
+    nb = -(-n // block)
+    return max(0, math.ceil(math.log2(nb)))
+
+
+def attention_scores(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float,
+    attn_bias: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    q_offset: int = 0,
+) -> Tensor:
+    """Scaled, biased, masked logits ``[B, H, nq, Nk]`` for queries ``q`` (rows ``q_offset...``).
+
+    ``attn_bias`` must already be sliced to the same query rows; ``causal`` is bottom-right aligned:
+    query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq_total)`` where the caller folds the offset into
+    ``q_offset`` (``q_offset = row0 + Nk - Nq``).
+    """
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if attn_bias is not None:
+        scores = scores + attn_bias.to(scores.dtype)
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(~key_padding_mask[:, None, None, :], -math.inf)
+    if causal:
+        nq, nk = scores.shape[-2], scores.shape[-1]
+        rows = torch.arange(nq, device=scores.device).unsqueeze(-1) + q_offset
+        cols = torch.arange(nk, device=scores.device).unsqueeze(0)
+        scores = scores.masked_fill(cols > rows, -math.inf)
+    return scores
+
+
+def _tree_reduce(states: ElsaState) -> ElsaState:
+    """Blelloch up-sweep over the leading block axis: ceil(log2 nb) levels of pairwise merges."""
+    while states.m.shape[0] > 1:
+        if states.m.shape[0] % 2:
+            states = ElsaState(*(torch.cat([t, e]) for t, e in zip(states, identity_state(
+                ElsaState(*(t[:1] for t in states))))))
+        left = ElsaState(*(t[0::2] for t in states))
+        right = ElsaState(*(t[1::2] for t in states))
+        states = merge_states(left, right)
+    return ElsaState(*(t[0] for t in states))
+
+
+def _exclusive_scan(states: ElsaState) -> ElsaState:
+    """Blelloch exclusive prefix scan over the leading block axis (up-sweep, then down-sweep).
+
+    Returns ``E_j = b_0 (+) ... (+) b_{j-1}`` (``E_0 = e``), the prefix every causal query tile merges with
+    its own diagonal block.
+    """
+    nb = states.m.shape[0]
+    size = 1 << max(0, math.ceil(math.log2(nb)))
+    if size > nb:
+        pad = identity_state(ElsaState(*(t[:1] for t in states)))
+        states = ElsaState(*(torch.cat([t] + [p] * (size - nb)) for t, p in zip(states, pad)))
+    tree = [list(t.unbind(0)) for t in states]  # per component, a list of per-block tensors
+
+    def get(i: int) -> ElsaState:
+        return ElsaState(tree[0][i], tree[1][i], tree[2][i])
+
+    def put(i: int, st: ElsaState) -> None:
+        for c in range(3):
+            tree[c][i] = st[c]
+
+    step = 1
+    while step < size:  # up-sweep
+        for i in range(2 * step - 1, size, 2 * step):
+            put(i, merge_states(get(i - step), get(i)))
+        step *= 2
+    put(size - 1, identity_state(get(size - 1)))
+    step = size // 2
+    while step >= 1:  # down-sweep
+        for i in range(2 * step - 1, size, 2 * step):
+            left = get(i - step)
+            put(i - step, get(i))
+            put(i, merge_states(get(i), left))
+        step //= 2
+    return ElsaState(*(torch.stack(c[:nb]) for c in tree))
+
+
+def scan_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_bias: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    block_size: int = 64,
+    query_chunk: int | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Softmax attention as the ELSA two-level scan, in PyTorch.
+
+    Layout as SDPA: ``q [B, H, Nq, D]``, ``k [B, H, Nk, D]``, ``v [B, H, Nk, Dv]``; ``attn_bias``
+    broadcastable to ``[B, H, Nq, Nk]``; ``key_padding_mask`` bool ``[B, Nk]`` (True = key takes part).
+
+    Level one folds each block of ``block_size`` keys into a state per query row; level two combines the
+    block states with a log-depth tree (non-causal) or, for ``causal``, an exclusive prefix scan over the key
+    blocks whose entry at a row's diagonal block is merged with that block. Queries are processed in chunks
+    of ``query_chunk`` rows (default: all), bounding the memory at ``O(query_chunk * Nk)``.
+
+    Arithmetic runs in the inputs' dtype (float32 or float64); callers upcast half precision first.
+    Returns the output ``[B, H, Nq, Dv]`` (and the per-row log-sum-exp ``[B, H, Nq]`` with ``return_lse``).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[-2], v.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    chunk = Nq if query_chunk is None else max(1, int(query_chunk))
+    nb = max(1, -(-Nk // block_size))
+    pad = nb * block_size - Nk
+    # Values padded with zeros: a padded key has score -inf, so it contributes exp(-inf) * 0 = 0.
+    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad)).unflatten(-2, (nb, block_size)).movedim(-3, 0)
+    if attn_bias is not None:
+        attn_bias = attn_bias.expand(attn_bias.shape[:-2] + (Nq, Nk)) if attn_bias.dim() >= 2 else attn_bias
+
+    outs, lses = [], []
+    for r0 in range(0, Nq, chunk):
+        r1 = min(Nq, r0 + chunk)
+        bias = None
+        if attn_bias is not None:
+            bias = attn_bias[..., r0:r1, :] if attn_bias.dim() >= 2 else attn_bias
+        scores = attention_scores(
+            q[..., r0:r1, :], k, scale=scale, attn_bias=bias, key_padding_mask=key_padding_mask,
+            causal=causal, q_offset=r0 + Nk - Nq,
+        )
+        keep = None
+        if dropout_p > 0.0:
+            keep = torch.bernoulli(torch.full_like(scores, 1.0 - dropout_p), generator=generator) / (1.0 - dropout_p)
+            keep = torch.nn.functional.pad(keep, (0, pad)).unflatten(-1, (nb, block_size)).movedim(-2, 0)
+        scores = torch.nn.functional.pad(scores, (0, pad), value=-math.inf)
+        blocks = scores.unflatten(-1, (nb, block_size)).movedim(-2, 0)  # [nb, B, H, rows, block]
+        states = block_state(blocks, v_blocks, keep)
+        if causal:
+            prefix = _exclusive_scan(states)
+            inclusive = merge_states(prefix, states)
+            # The diagonal block of row i holds its last visible key; later blocks are fully masked.
+            last = torch.arange(r0, r1, device=q.device) + (Nk - Nq)
+            diag = (last.clamp(min=0) // block_size).clamp(max=nb - 1)
+            rows = torch.arange(r1 - r0, device=q.device)
+            st = ElsaState(
+                inclusive.m[diag, :, :, rows].movedim(0, -1),
+                inclusive.s[diag, :, :, rows].movedim(0, -1),
+                inclusive.w[diag, :, :, rows, :].movedim(0, -2),
+            )
+        else:
+            st = _tree_reduce(states)
+        outs.append(finalize(st))
+        if return_lse:
+            lses.append(log_sum_exp(st))
+    out = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+    if return_lse:
+        return out, (torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0])
+    return out
+
+
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_bias: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """The textbook ``softmax(S) @ V`` (materialises all scores) with the same conventions: the oracle.
+
+    Rows with no visible key return 0. Used by the tests, in float64, as ground truth.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    scores = attention_scores(q, k, scale=scale, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+                              causal=causal, q_offset=Nk - Nq)
+    visible = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    p = torch.softmax(scores.masked_fill(~visible, 0.0), dim=-1) * visible
+    return p.to(v.dtype) @ v

@@ -1,0 +1,188 @@
+"""The public attention function: ``elsa_attention``.
+
+Layout and conventions follow ``torch.nn.functional.scaled_dot_product_attention`` (``[B, H, N, D]``) and
+FlashAttention (bottom-right aligned causal mask; rows that see no key return 0, never NaN).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import Tensor
+
+from ..kernels.reference import scan_attention
+
+__all__ = ["elsa_attention", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend"]
+
+PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
+BACKENDS = ("auto", "torch", "triton")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Rows per query chunk of the torch backend: bounds its memory at O(chunk * Nk) for long sequences.
+_TORCH_QUERY_CHUNK = 1024
+
+
+def _shape(t: Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"elsa_attention: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"elsa_attention: `{name}` must have rank 4 [B, H, N, D], got shape {_shape(t)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"elsa_attention: `{name}` has unsupported dtype {t.dtype}; expected one of "
+                f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"elsa_attention: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"elsa_attention: q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    B, H, Nq, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"elsa_attention: batch size B must match: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    if k.shape[1] != H or v.shape[1] != H:
+        raise ValueError(f"elsa_attention: head count H must match: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    if k.shape[3] != D:
+        raise ValueError(f"elsa_attention: head dim D of k must equal q's ({D}), got k {_shape(k)}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"elsa_attention: k and v must have the same length Nk, got k {_shape(k)}, v {_shape(v)}")
+    if D == 0 or v.shape[3] == 0:
+        raise ValueError(f"elsa_attention: head dims must be >= 1, got q {_shape(q)}, v {_shape(v)}")
+    Nk = k.shape[2]
+    if attn_bias is not None:
+        if not isinstance(attn_bias, Tensor):
+            raise TypeError(f"elsa_attention: `attn_bias` must be a tensor, got {type(attn_bias).__name__}")
+        if not attn_bias.is_floating_point():
+            raise TypeError(
+                f"elsa_attention: `attn_bias` must be a floating-point tensor (use -inf to hide keys, or "
+                f"`key_padding_mask` for a bool mask), got dtype {attn_bias.dtype}"
+            )
+        if attn_bias.device != q.device:
+            raise ValueError(f"elsa_attention: `attn_bias` is on {attn_bias.device}, q on {q.device}")
+        target = (B, H, Nq, Nk)
+        ok = attn_bias.dim() <= 4 and all(
+            s in (1, t) for s, t in zip(reversed(attn_bias.shape), reversed(target))
+        )
+        if not ok:
+            raise ValueError(
+                f"elsa_attention: `attn_bias` of shape {_shape(attn_bias)} is not broadcastable to "
+                f"[B, H, Nq, Nk] = [{B}, {H}, {Nq}, {Nk}]"
+            )
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor):
+            raise TypeError(
+                f"elsa_attention: `key_padding_mask` must be a bool tensor, got {type(key_padding_mask).__name__}"
+            )
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"elsa_attention: `key_padding_mask` must have dtype torch.bool (True = key takes part), "
+                f"got {key_padding_mask.dtype}"
+            )
+        if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] not in (1, B) or key_padding_mask.shape[1] != Nk:
+            raise ValueError(
+                f"elsa_attention: `key_padding_mask` must have shape [B, Nk] = [{B}, {Nk}], "
+                f"got {_shape(key_padding_mask)}"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"elsa_attention: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"elsa_attention: `causal` must be a bool, got {type(causal).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise TypeError(f"elsa_attention: `scale` must be a finite float or None, got {scale!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"elsa_attention: unknown `precision` {precision!r}; expected one of {PRECISIONS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"elsa_attention: unknown `backend` {backend!r}; expected one of {BACKENDS}")
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"elsa_attention: `dropout_p` must be in [0, 1), got {dropout_p}")
+
+
+def resolve_backend(backend: str, q: Tensor, dropout_p: float = 0.0) -> str:
+    """The backend ``"auto"`` stands for: ``"triton"`` where a kernel covers the call, else ``"torch"``."""
+    if backend != "auto":
+        return backend
+    from ..kernels import triton_available
+
+    if q.is_cuda and q.dtype != torch.float64 and dropout_p == 0.0 and triton_available():
+        return "triton"
+    return "torch"
+
+
+@contextlib.contextmanager
+def _cuda_matmul_precision(tf32: bool):
+    """Pin CUDA float32 matmuls to IEEE (or TF32) for the torch backend; restores the setting on exit."""
+    flag = torch.backends.cuda.matmul
+    old = flag.allow_tf32
+    flag.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        flag.allow_tf32 = old
+
+
+def _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p):
+    dtype = q.dtype
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    qc, kc, vc = (t.to(compute) for t in (q, k, v))
+    ctx = _cuda_matmul_precision(precision == "tf32") if q.is_cuda and dtype == torch.float32 else (
+        contextlib.nullcontext())
+    with ctx:
+        out = scan_attention(
+            qc, kc, vc, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal, scale=scale,
+            query_chunk=_TORCH_QUERY_CHUNK, dropout_p=dropout_p,
+        )
+    return out.to(dtype)
+
+
+def elsa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_bias: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    precision: str = "auto",
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Exact softmax attention computed as the ELSA scan.
+
+    Args:
+        q: queries ``[B, H, Nq, D]``.
+        k: keys ``[B, H, Nk, D]`` (``Nk`` may differ from ``Nq``: cross-attention).
+        v: values ``[B, H, Nk, Dv]`` (``Dv`` may differ from ``D``). Any strides.
+        attn_bias: float tensor broadcastable to ``[B, H, Nq, Nk]``, added after scaling; ``-inf`` hides a
+            key; differentiable.
+        key_padding_mask: bool ``[B, Nk]``; True = the key takes part (SDPA's convention).
+        causal: query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)`` (bottom-right aligned, as
+            FlashAttention; equal to SDPA's ``is_causal`` when ``Nq == Nk``).
+        scale: logit scale, default ``D ** -0.5``.
+        precision: for float32 inputs: ``"auto"`` (FP32-accurate, relative error <= 1e-6 vs float64),
+            ``"ieee"`` (plain FP32 arithmetic, no tensor cores), ``"tf32x3"`` (FP32-accurate on tensor
+            cores), ``"tf32"`` (one TF32 pass, ~1e-3). Ignored for float16/bfloat16 (float32 accumulation
+            always) and float64.
+        backend: ``"auto"`` (Triton on CUDA where available, else torch), ``"torch"`` (the reference scan;
+            any device, full autograd), ``"triton"``.
+        dropout_p: attention dropout probability (torch backend; 0 in eval).
+
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``q``. Rows with no visible key are 0, never NaN.
+    """
+    _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
+    chosen = resolve_backend(backend, q, dropout_p)
+    if chosen == "triton":
+        from ..kernels import triton_attention
+
+        if dropout_p > 0.0:
+            raise ValueError("elsa_attention: backend='triton' has no attention dropout; use backend='torch'")
+        return triton_attention(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal,
+                                scale=scale, precision=precision)
+    return _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p)
