@@ -1,0 +1,5 @@
+"""Models on ELSA attention; importing this registers the ``elsa_*`` names with timm."""
+
+from .vit import ElsaViT
+
+__all__ = ["ElsaViT"]
