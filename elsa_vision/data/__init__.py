@@ -1,0 +1,10 @@
+"""LightningDataModules: the embedded digits default, generic class folders, ImageNet."""
+
+from .digits import DigitsDataModule, load_digits_splits
+from .imagefolder import ImageFolderDataModule, RobustImageFolder, load_rgb, scan_class_folders
+from .imagenet import ImageNetDataModule
+
+__all__ = [
+    "DigitsDataModule", "ImageFolderDataModule", "ImageNetDataModule", "RobustImageFolder", "load_digits_splits",
+    "load_rgb", "scan_class_folders",
+]

@@ -1,0 +1,294 @@
+"""Class-folder image datasets (``root/{train,val[,test]}/<class>/<image>``) with robust image loading.
+
+Every image is decoded with Pillow and converted to RGB, so grayscale (``L``, ``I;16``), palette, RGBA, LA and
+CMYK files all load. Zero-byte files are dropped when the tree is scanned; an image that fails to decode
+(truncated, corrupt) is skipped when it is read: the path is logged, a per-process counter is incremented, and
+the next readable image of the split takes its place, so a batch is always full and ``collate`` never sees a
+broken sample. ``verify=True`` decodes every image once in ``setup`` and drops the broken ones up front.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import create_transform
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["IMG_EXTENSIONS", "ImageFolderDataModule", "RobustImageFolder", "load_rgb", "scan_class_folders"]
+
+log = logging.getLogger(__name__)
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+
+
+def load_rgb(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
+    """Decode ``path`` fully; return an RGB (or ``mode="L"`` grey) image. Unreadable data raises
+    ``OSError``/``ValueError``/``SyntaxError`` (Pillow's three ways of reporting a corrupt file)."""
+    if mode not in ("RGB", "L"):
+        raise ValueError(f"load_rgb: mode must be 'RGB' or 'L', got {mode!r}")
+    return _load(path).convert(mode) if mode == "L" else _load(path)
+
+
+def _load(path: str | os.PathLike) -> Image.Image:
+    with Image.open(path) as im:
+        im.load()  # decode now: truncated data raises here, not later inside a transform
+        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+            rgba = im.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(background, rgba).convert("RGB")
+        if im.mode.startswith("I;16") or im.mode in ("I", "F"):
+            # 16-bit / integer / float grey: rescale to 8 bit before the RGB conversion.
+            arr = np.asarray(im, dtype=np.float32)
+            lo, hi = float(arr.min()), float(arr.max())
+            arr = (arr - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(arr)
+            return Image.fromarray(arr.round().astype(np.uint8)).convert("RGB")
+        return im.convert("RGB")
+
+
+def scan_class_folders(split_dir: str | os.PathLike) -> tuple[list[str], list[tuple[str, int]], list[str]]:
+    """List ``split_dir/<class>/<image>``.
+
+    Returns:
+        ``(classes sorted by name, [(path, class_index)], [zero-byte paths that were dropped])``.
+
+    Raises:
+        FileNotFoundError: ``split_dir`` does not exist.
+        ValueError: ``split_dir`` has no class folders, or a class folder holds no non-empty image file.
+    """
+    split_dir = Path(split_dir)
+    if not split_dir.is_dir():
+        raise FileNotFoundError(f"image folder split not found: {str(split_dir)!r} is not a directory")
+    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise ValueError(f"{str(split_dir)!r} has no class folders; expected {str(split_dir)}/<class>/<image>")
+    samples: list[tuple[str, int]] = []
+    empty_files: list[str] = []
+    for ci, name in enumerate(classes):
+        n_before = len(samples)
+        for dirpath, _, files in sorted(os.walk(split_dir / name, followlinks=True)):
+            for f in sorted(files):
+                if not f.lower().endswith(IMG_EXTENSIONS):
+                    continue
+                p = os.path.join(dirpath, f)
+                if os.path.getsize(p) == 0:
+                    empty_files.append(p)
+                    continue
+                samples.append((p, ci))
+        if len(samples) == n_before:
+            raise ValueError(
+                f"class folder {str(split_dir / name)!r} holds no non-empty image file "
+                f"(extensions {', '.join(IMG_EXTENSIONS)}); remove the folder or add images"
+            )
+    for p in empty_files:
+        log.warning("skipping zero-byte image %s", p)
+    if empty_files:
+        log.warning("%s: skipped %d zero-byte image(s)", split_dir, len(empty_files))
+    return classes, samples, empty_files
+
+
+class RobustImageFolder(Dataset):
+    """``root/<class>/<image>`` as ``(transform(rgb_image), class_index)`` that never yields a broken sample.
+
+    Attributes:
+        classes: class folder names (sorted); ``class_to_idx`` maps them to indices.
+        samples: ``[(path, class_index)]`` of the non-empty files.
+        skipped: paths found unreadable *in this process* (zero-byte files and failed decodes).
+    """
+
+    max_consecutive_failures = 64
+
+    def __init__(
+        self, root: str | os.PathLike, transform: Callable | None = None, verify: bool = False, mode: str = "RGB"
+    ):
+        if mode not in ("RGB", "L"):
+            raise ValueError(f"RobustImageFolder: mode must be 'RGB' or 'L', got {mode!r}")
+        self.root = str(root)
+        self.mode = mode
+        self.classes, self.samples, empty = scan_class_folders(root)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.transform = transform
+        self.skipped: list[str] = list(empty)
+        if verify:
+            good = []
+            for p, c in self.samples:
+                try:
+                    load_rgb(p, self.mode)
+                    good.append((p, c))
+                except (OSError, ValueError, SyntaxError) as e:
+                    self._record_skip(p, e)
+            if not good:
+                raise ValueError(f"{self.root!r}: no readable image among {len(self.samples)} files")
+            self.samples = good
+
+    @property
+    def targets(self) -> list[int]:
+        return [c for _, c in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _record_skip(self, path: str, err: Exception) -> None:
+        self.skipped.append(path)
+        log.warning("skipping unreadable image %s (%s: %s); %d skipped so far in %s",
+                    path, type(err).__name__, err, len(self.skipped), self.root)
+
+    def __getitem__(self, index: int):
+        n = len(self.samples)
+        for attempt in range(min(n, self.max_consecutive_failures)):
+            path, target = self.samples[(index + attempt) % n]
+            try:
+                img = load_rgb(path, self.mode)
+            except (OSError, ValueError, SyntaxError) as e:  # PIL raises all three on corrupt data
+                self._record_skip(path, e)
+                continue
+            return (self.transform(img) if self.transform is not None else img), target
+        raise RuntimeError(
+            f"{self.root!r}: {self.max_consecutive_failures} consecutive images after index {index} are "
+            f"unreadable (last: {path!r}); the dataset is mostly corrupt"
+        )
+
+
+class ImageFolderDataModule(L.LightningDataModule):
+    """Any ``root/{train,val[,test]}/<class>/<image>`` tree; ``test`` falls back to ``val`` when absent.
+
+    Args:
+        root: dataset root.
+        img_size: training crop / evaluation size.
+        patch_size: the ViT patch size suited to ``img_size`` (model configs read ``${data.patch_size}``).
+        in_chans: 3 (RGB) or 1 (images converted to grey).
+        num_classes: expected class count (``None``: whatever the train split holds); a mismatch is an error.
+        batch_size: per-device batch size.
+        mean, std: normalisation (ImageNet statistics by default).
+        crop_pct: evaluation resize ratio (timm's ``crop_pct``).
+        interpolation: resize interpolation.
+        auto_augment: timm auto-augment string for training (e.g. ``"rand-m9-mstd0.5-inc1"``) or ``None``.
+        re_prob: random-erasing probability for training.
+        verify: decode every image once in ``setup`` and drop unreadable ones.
+        num_workers, pin_memory, persistent_workers: DataLoader settings.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int | None = None,
+        batch_size: int = 64,
+        mean: Sequence[float] = (0.485, 0.456, 0.406),
+        std: Sequence[float] = (0.229, 0.224, 0.225),
+        crop_pct: float = 0.875,
+        interpolation: str = "bicubic",
+        auto_augment: str | None = None,
+        re_prob: float = 0.0,
+        hflip: float = 0.5,
+        verify: bool = False,
+        num_workers: int = 4,
+        pin_memory: bool = True,
+        persistent_workers: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"{type(self).__name__}: batch_size must be >= 1, got {batch_size}")
+        if patch_size < 1 or img_size % patch_size:
+            raise ValueError(f"{type(self).__name__}: patch_size ({patch_size}) must divide img_size ({img_size})")
+        if in_chans not in (1, 3):
+            raise ValueError(f"{type(self).__name__}: in_chans must be 1 or 3, got {in_chans}")
+        if len(mean) != len(std) or len(mean) not in (1, 3):
+            raise ValueError(f"{type(self).__name__}: mean/std must both have 1 or 3 values, got {mean}, {std}")
+        self.in_chans = in_chans
+        self.save_hyperparameters(logger=False)
+        self.root = Path(root)
+        self.data_train: RobustImageFolder | None = None
+        self.data_val: RobustImageFolder | None = None
+        self.data_test: RobustImageFolder | None = None
+        self.class_names: tuple[str, ...] = ()
+
+    # ----------------------------------------------------------------------------------------- transforms
+    def build_transform(self, is_training: bool) -> Callable:
+        hp = self.hparams
+        mean, std = tuple(hp.mean), tuple(hp.std)
+        if hp.in_chans == 1 and len(mean) == 3:
+            mean, std = (sum(mean) / 3,), (sum(std) / 3,)
+        return create_transform(
+            input_size=(hp.in_chans, hp.img_size, hp.img_size), is_training=is_training, mean=mean, std=std, crop_pct=hp.crop_pct, interpolation=hp.interpolation,
+            auto_augment=hp.auto_augment if is_training else None, re_prob=hp.re_prob if is_training else 0.0,
+            hflip=hp.hflip if is_training else 0.0,
+        )
+
+    # ---------------------------------------------------------------------------------------------- setup
+    def check_root(self) -> None:
+        if not self.root.is_dir():
+            raise FileNotFoundError(
+                f"{type(self).__name__}: data root {str(self.root)!r} does not exist; expected "
+                f"{str(self.root)}/train/<class>/<image> and {str(self.root)}/val/<class>/<image> "
+                "(set data.root=...)"
+            )
+        for split in ("train", "val"):
+            if not (self.root / split).is_dir():
+                raise FileNotFoundError(
+                    f"{type(self).__name__}: split folder {str(self.root / split)!r} is missing under data root "
+                    f"{str(self.root)!r}"
+                )
+
+    def prepare_data(self) -> None:
+        self.check_root()
+
+    def _dataset(self, split: str, train: bool) -> RobustImageFolder:
+        return RobustImageFolder(
+            self.root / split, self.build_transform(train), verify=self.hparams.verify,
+            mode="L" if self.in_chans == 1 else "RGB",
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.data_train is not None:
+            return
+        self.check_root()
+        self.data_train = self._dataset("train", True)
+        self.data_val = self._dataset("val", False)
+        test_split = "test" if (self.root / "test").is_dir() else "val"
+        self.data_test = self.data_val if test_split == "val" else self._dataset("test", False)
+        classes = self.data_train.classes
+        for name, ds in (("val", self.data_val), (test_split, self.data_test)):
+            if ds.classes != classes:
+                extra, missing = sorted(set(ds.classes) - set(classes)), sorted(set(classes) - set(ds.classes))
+                raise ValueError(
+                    f"{type(self).__name__}: class folders of {str(self.root / name)!r} differ from "
+                    f"{str(self.root / 'train')!r}: extra {extra[:10]}, missing {missing[:10]}"
+                )
+        expected = self.hparams.num_classes
+        if expected is not None and expected != len(classes):
+            raise ValueError(
+                f"{type(self).__name__}: data.num_classes={expected} but {str(self.root / 'train')!r} holds "
+                f"{len(classes)} class folders"
+            )
+        self.class_names = tuple(classes)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names) if self.class_names else int(self.hparams.num_classes or 0)
+
+    # ------------------------------------------------------------------------------------------- loaders
+    def _loader(self, ds: Dataset, train: bool) -> DataLoader:
+        hp = self.hparams
+        return DataLoader(
+            ds, batch_size=hp.batch_size, shuffle=train, drop_last=train and len(ds) > hp.batch_size,
+            num_workers=hp.num_workers, pin_memory=hp.pin_memory and torch.cuda.is_available(),
+            persistent_workers=hp.persistent_workers and hp.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.data_train, True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.data_val, False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.data_test, False)

@@ -1,0 +1,152 @@
+"""``evaluate(cfg)``: top-1/top-5, per-class accuracy and a confusion matrix for any checkpoint or weights file.
+
+Weights come from ``cfg.ckpt_path`` (a Lightning ``.ckpt`` of ``ClassificationModule``, or a backbone
+state_dict in ``.safetensors``/``.pth``/``.bin`` with exactly the configured model's keys) or from
+``cfg.model.pretrained_file`` (timm-layout weights adapted by the model's pretrained filter). Files are read
+with ``torch.load(weights_only=True)`` or safetensors. The run directory receives ``confusion_matrix.png``,
+``per_class_accuracy.csv`` and ``metrics.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from lightning import LightningModule, Trainer
+from omegaconf import DictConfig
+from timm.models import load_state_dict
+
+from .train import instantiate_data
+from .utils.run import extras, instantiate_loggers, save_resolved_config
+
+__all__ = ["evaluate", "load_weights", "plot_confusion_matrix", "format_table"]
+
+log = logging.getLogger(__name__)
+
+
+def load_weights(model: LightningModule, path: str) -> str:
+    """Load ``path`` into ``model`` (strict): a Lightning checkpoint's ``state_dict`` (keys ``net.*``) or a
+    backbone state_dict (keys of ``model.net``). Returns which of the two it was."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ckpt_path={path!r} is not a file")
+    state = load_state_dict(path, use_ema=False, device="cpu", weights_only=True)
+    net_keys = {k[len("net."):]: v for k, v in state.items() if k.startswith("net.")}
+    if net_keys and len(net_keys) == len(state):
+        model.net.load_state_dict(net_keys, strict=True)
+        return "lightning"
+    model.net.load_state_dict(state, strict=True)
+    return "backbone"
+
+
+def plot_confusion_matrix(
+    confmat: torch.Tensor, class_names: Sequence[str], png_path: str, max_labels: int = 50
+) -> str:
+    """Row-normalised confusion matrix (rows: true class, columns: prediction) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cm = confmat.double()
+    norm = cm / cm.sum(dim=1, keepdim=True).clamp_min(1)
+    k = cm.shape[0]
+    size = min(16.0, 3.0 + 0.45 * k)
+    fig, ax = plt.subplots(figsize=(size, size))
+    im = ax.imshow(norm.numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    if k <= max_labels:
+        ax.set_xticks(range(k), labels=list(class_names), rotation=90)
+        ax.set_yticks(range(k), labels=list(class_names))
+        if k <= 20:
+            for i in range(k):
+                for j in range(k):
+                    if cm[i, j] > 0:
+                        ax.text(j, i, int(cm[i, j]), ha="center", va="center", fontsize=8,
+                                color="white" if norm[i, j] > 0.5 else "black")
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title("confusion matrix (row-normalised)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def format_table(metrics: dict[str, float], per_class: list[tuple[str, int, float]]) -> str:
+    """A plain-text table: overall metrics, then per-class support and accuracy."""
+    lines = ["metric       value", "-----------  --------"]
+    for key in ("test/acc", "test/acc5", "test/loss"):
+        if key in metrics:
+            lines.append(f"{key:<11}  {metrics[key]:.4f}")
+    width = max([5] + [len(n) for n, _, _ in per_class])
+    lines += ["", f"{'class':<{width}}  support  accuracy", f"{'-' * width}  -------  --------"]
+    lines += [f"{name:<{width}}  {n:>7d}  {acc:.4f}" for name, n, acc in per_class]
+    return "\n".join(lines)
+
+
+def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Evaluate ``cfg.model`` with weights from ``cfg.ckpt_path`` or ``cfg.model.pretrained_file`` on the
+    test split of ``cfg.data`` (FP32 unless ``trainer.precision`` says otherwise).
+
+    Returns:
+        ``(metrics, objects)``; ``metrics`` holds ``test/acc``, ``test/acc5``, ``test/loss``,
+        ``per_class_acc`` (class name -> accuracy), ``num_samples``, ``time_s``.
+    """
+    start = time.perf_counter()
+    ckpt_path, pretrained = cfg.get("ckpt_path"), cfg.model.get("pretrained_file")
+    if not ckpt_path and not pretrained:
+        raise ValueError(
+            "evaluate.py needs weights: set ckpt_path=/path/to/checkpoint.ckpt (or a backbone .safetensors/.pth) "
+            "or model.pretrained_file=/path/to/timm_weights.safetensors"
+        )
+    extras(cfg)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    run_dir = str(cfg.paths.output_dir)
+
+    datamodule = instantiate_data(cfg)
+    save_resolved_config(cfg, run_dir)
+    model: LightningModule = hydra.utils.instantiate(cfg.model, _convert_="partial")
+    source = f"pretrained_file {pretrained}"
+    if ckpt_path:
+        kind = load_weights(model, str(ckpt_path))
+        source = f"{kind} checkpoint {ckpt_path}"
+    log.info("Evaluating %s", source)
+
+    loggers = instantiate_loggers(cfg.get("logger"))
+    trainer: Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
+    trainer.test(model=model, datamodule=datamodule, verbose=False)
+
+    metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+    confmat = model.confusion_matrix
+    names = list(getattr(datamodule, "class_names", ()) or [str(i) for i in range(confmat.shape[0])])
+    support = confmat.sum(dim=1)
+    correct = confmat.diagonal()
+    per_class = [(names[i], int(support[i]), float(correct[i] / support[i]) if support[i] > 0 else float("nan"))
+                 for i in range(confmat.shape[0])]
+    metrics["per_class_acc"] = {n: a for n, _, a in per_class}
+    metrics["num_samples"] = int(support.sum())
+    metrics["time_s"] = round(time.perf_counter() - start, 2)
+
+    png = None
+    if trainer.is_global_zero:
+        os.makedirs(run_dir, exist_ok=True)
+        png = plot_confusion_matrix(confmat, names, os.path.join(run_dir, "confusion_matrix.png"),
+                                    int(cfg.get("confusion_matrix_max_labels", 50)))
+        with open(os.path.join(run_dir, "per_class_accuracy.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["class", "support", "correct", "accuracy"])
+            for i, (n, s, a) in enumerate(per_class):
+                w.writerow([n, s, int(correct[i]), a])
+        torch.save(confmat, os.path.join(run_dir, "confusion_matrix.pt"))
+        print(format_table(metrics, per_class), flush=True)
+    objects = dict(cfg=cfg, datamodule=datamodule, model=model, trainer=trainer, run_dir=run_dir,
+                   confusion_matrix=confmat, confusion_matrix_png=png, weights=source)
+    return metrics, objects

@@ -1,0 +1,225 @@
+"""Image classification as a LightningModule around any timm-style backbone.
+
+``ClassificationModule(net, optimizer, scheduler, ...)`` follows lightning-hydra-template: the backbone is
+injected (built by Hydra from ``model.net``), the optimizer and the scheduler arrive as partials, and every
+stage keeps its own torchmetrics objects (``train/acc``, ``val/acc``, ``val/acc5``, ``test/acc`` ...).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from timm.data import Mixup
+from timm.loss import SoftTargetCrossEntropy
+from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+
+__all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule"]
+
+
+def create_backbone(
+    model_name: str,
+    num_classes: int,
+    pretrained_file: str | None = None,
+    checkpoint_path: str | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """``timm.create_model`` for ``elsa_*`` (or any timm) names, with local weights only.
+
+    Args:
+        model_name: a registered timm name, e.g. ``"elsa_vit_small_patch16_224"``.
+        num_classes: classifier width (the pretrained head is dropped when it differs).
+        pretrained_file: ``.safetensors``/``.pth``/``.bin`` of timm (or OpenAI-CLIP / DINOv2) weights; loaded
+            through the model's pretrained filter fn (pos-embed resampling, ``in_chans`` adaptation).
+        checkpoint_path: a raw state_dict with exactly this model's keys, loaded strictly after building.
+        **kwargs: model arguments (``img_size``, ``patch_size``, ``in_chans``, ``attn_backend``, ...).
+    """
+    import elsa_vision.models  # noqa: F401  (registers the elsa_* names with timm)
+
+    if not timm.is_model(model_name):
+        valid = ", ".join(timm.list_models("elsa_*"))
+        raise ValueError(f"create_backbone: unknown model_name {model_name!r}; registered ELSA models: {valid}")
+    for arg, path in (("pretrained_file", pretrained_file), ("checkpoint_path", checkpoint_path)):
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"create_backbone: {arg}={str(path)!r} is not a file")
+    if pretrained_file is not None:
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(file=str(pretrained_file)))
+    net = timm.create_model(model_name, num_classes=num_classes, **kwargs)
+    if checkpoint_path is not None:
+        timm.models.load_checkpoint(net, checkpoint_path, strict=True)
+    return net
+
+
+def cosine_warmup_schedule(
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    steps_per_epoch: int,
+    warmup_epochs: float = 5.0,
+    warmup_lr_ratio: float = 1e-3,
+    min_lr_ratio: float = 1e-2,
+) -> LambdaLR:
+    """Linear warmup then half-cosine decay, evaluated per optimizer step (a ``LambdaLR``).
+
+    The learning rate is ``base_lr * f(step)`` with ``f`` rising linearly from ``warmup_lr_ratio`` to 1 over
+    ``warmup_epochs * steps_per_epoch`` steps, then ``min_lr_ratio + (1 - min_lr_ratio)·(1 + cos(pi·t))/2`` for
+    ``t`` going from 0 to 1 at ``total_steps``.
+    """
+    if total_steps < 1 or steps_per_epoch < 1:
+        raise ValueError(
+            f"cosine_warmup_schedule: total_steps and steps_per_epoch must be >= 1, got {total_steps}, "
+            f"{steps_per_epoch}"
+        )
+    warmup = min(int(round(warmup_epochs * steps_per_epoch)), max(total_steps - 1, 0))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return warmup_lr_ratio + (1.0 - warmup_lr_ratio) * step / warmup
+        t = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return LambdaLR(optimizer, factor)
+
+
+class ClassificationModule(LightningModule):
+    """Supervised image classification.
+
+    Args:
+        net: backbone mapping ``[B, C, H, W]`` to logits ``[B, num_classes]``.
+        optimizer: ``partial`` taking the module (e.g. ``timm.optim.create_optimizer_v2`` with ``opt``, ``lr``,
+            ``weight_decay``): timm excludes biases, norms and ``no_weight_decay()`` params from decay.
+        scheduler: ``partial`` taking ``(optimizer, total_steps=, steps_per_epoch=)`` and returning a
+            torch LR scheduler stepped every optimizer step, or ``None`` for a constant rate.
+        num_classes: number of classes (metrics).
+        label_smoothing: cross-entropy label smoothing (folded into the soft targets when mixup is on).
+        mixup: ``None`` or timm ``Mixup`` arguments (``mixup_alpha``, ``cutmix_alpha``, ``prob``,
+            ``switch_prob``, ``mode``); the loss becomes ``SoftTargetCrossEntropy``.
+        compile: ``torch.compile`` the backbone in place for fitting (state_dict keys are unchanged).
+        attention: the ``{backend, precision}`` the backbone was built with (recorded in the hyperparameters).
+        pretrained_file: the weights file the backbone started from (recorded in the hyperparameters).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        num_classes: int = 1000,
+        label_smoothing: float = 0.0,
+        mixup: Mapping[str, Any] | None = None,
+        compile: bool = False,
+        attention: Mapping[str, Any] | None = None,
+        pretrained_file: str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"ClassificationModule: num_classes must be >= 2, got {num_classes}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"ClassificationModule: label_smoothing must be in [0, 1), got {label_smoothing}")
+        # Only plain values go to the checkpoint (it must load with torch.load(weights_only=True)); the
+        # optimizer/scheduler recipe lives in the run's resolved config.
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+
+        self.mixup_fn = None
+        if mixup:
+            self.mixup_fn = Mixup(**dict(mixup), label_smoothing=label_smoothing, num_classes=num_classes)
+            self.train_criterion: nn.Module = SoftTargetCrossEntropy()
+        else:
+            self.train_criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+
+        top5 = min(5, num_classes)
+        self.train_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.test_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        self.test_confmat = MulticlassConfusionMatrix(num_classes)
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.val_acc_best = MaxMetric()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    # ------------------------------------------------------------------------------------------- training
+    def on_train_start(self) -> None:
+        # Sanity-check batches must not count towards the best validation accuracy.
+        self.val_loss.reset()
+        self.val_acc.reset()
+        self.val_acc5.reset()
+        self.val_acc_best.reset()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        if self.mixup_fn is not None:
+            if x.shape[0] % 2:
+                raise ValueError(f"mixup needs an even per-device batch size, got {x.shape[0]}")
+            x_mix, y_soft = self.mixup_fn(x, y)
+            logits = self(x_mix)
+            loss = self.train_criterion(logits, y_soft)
+        else:
+            logits = self(x)
+            loss = self.train_criterion(logits, y)
+        self.train_loss(loss.detach())
+        self.train_acc(logits.detach(), y)
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    # ---------------------------------------------------------------------------------- validation / test
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_loss(F.cross_entropy(logits, y))
+        self.val_acc(logits, y)
+        self.val_acc5(logits, y)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/acc5", self.val_acc5, on_step=False, on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.val_acc_best(self.val_acc.compute())
+        self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.test_loss(F.cross_entropy(logits, y))
+        self.test_acc(logits, y)
+        self.test_acc5(logits, y)
+        self.test_confmat.update(logits, y)
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
+        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
+        self.log("test/acc5", self.test_acc5, on_step=False, on_epoch=True)
+
+    def on_test_epoch_start(self) -> None:
+        self.test_confmat.reset()
+
+    def on_test_epoch_end(self) -> None:
+        # Kept (synchronised across processes) for evaluate.py: rows are true classes, columns predictions.
+        self.confusion_matrix = self.test_confmat.compute().cpu()
+
+    # ---------------------------------------------------------------------------------------- optimizers
+    def setup(self, stage: str) -> None:
+        if self.hparams.compile and stage == "fit":
+            self.net.compile()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = self.optimizer_factory(self.net)
+        if self.scheduler_factory is None:
+            return {"optimizer": optimizer}
+        total = int(self.trainer.estimated_stepping_batches)
+        epochs = self.trainer.max_epochs
+        per_epoch = max(1, math.ceil(total / epochs)) if epochs is not None and epochs > 0 else max(1, total)
+        scheduler = self.scheduler_factory(optimizer, total_steps=total, steps_per_epoch=per_epoch)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

@@ -1,0 +1,115 @@
+"""``train(cfg)``: instantiate data, model, callbacks, loggers and trainer from a Hydra config; fit; test.
+
+The repository's ``train.py`` is a thin ``@hydra.main`` around this function (lightning-hydra-template's
+layout). Everything a run produces lands in ``cfg.paths.output_dir``: ``checkpoints/{last,epoch_NNN}.ckpt``,
+``metrics.csv``, ``tensorboard/``, ``curves.png``, ``config_resolved.yaml`` (and Hydra's ``.hydra/``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import hydra
+import lightning as L
+from lightning import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, open_dict
+
+from .utils.run import (
+    extras,
+    find_last_checkpoint,
+    instantiate_callbacks,
+    instantiate_loggers,
+    plot_curves,
+    save_resolved_config,
+)
+
+__all__ = ["instantiate_data", "resolve_ckpt_path", "train"]
+
+log = logging.getLogger(__name__)
+
+
+def instantiate_data(cfg: DictConfig) -> LightningDataModule:
+    """Build ``cfg.data``; when ``data.num_classes`` is null, count the classes and write it back into ``cfg``
+    (the model config reads ``${data.num_classes}``)."""
+    datamodule: LightningDataModule = hydra.utils.instantiate(cfg.data, _convert_="partial")
+    if cfg.data.get("num_classes") is None:
+        datamodule.setup("fit")
+        with open_dict(cfg):
+            cfg.data.num_classes = int(datamodule.num_classes)
+        log.info("data.num_classes = %d (counted from the data)", cfg.data.num_classes)
+    return datamodule
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """``cfg.ckpt_path`` as a file path: ``last`` is looked up, other paths must exist."""
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None or ckpt_path == "":
+        return None
+    if ckpt_path == "last":
+        pattern = os.path.join(cfg.paths.log_dir, cfg.task_name, "runs", "*", "checkpoints", "last.ckpt")
+        return find_last_checkpoint(cfg.paths.output_dir, pattern)
+    if not os.path.isfile(ckpt_path):
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r} is not a file")
+    return str(ckpt_path)
+
+
+def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fit ``cfg.model`` on ``cfg.data`` and test the best checkpoint.
+
+    Returns:
+        ``(metrics, objects)``: ``metrics`` holds the final ``train/*``, ``val/*`` and ``test/*`` values plus
+        ``epochs``, ``time_s``; ``objects`` holds ``cfg``, ``datamodule``, ``model``, ``trainer``,
+        ``callbacks``, ``loggers``, ``run_dir``, ``best_checkpoint``, ``last_checkpoint``.
+    """
+    start = time.perf_counter()
+    extras(cfg)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    run_dir = str(cfg.paths.output_dir)
+
+    log.info("Instantiating datamodule <%s>", cfg.data._target_)
+    datamodule = instantiate_data(cfg)
+    save_resolved_config(cfg, run_dir)
+
+    log.info("Instantiating model <%s> (net %s)", cfg.model._target_, cfg.model.net.get("model_name"))
+    model: LightningModule = hydra.utils.instantiate(cfg.model, _convert_="partial")
+
+    callbacks: list[Callback] = instantiate_callbacks(cfg.get("callbacks"))
+    loggers: list[Logger] = instantiate_loggers(cfg.get("logger"))
+    log.info("Instantiating trainer <%s>", cfg.trainer._target_)
+    trainer: Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+
+    ckpt_path = resolve_ckpt_path(cfg)
+    if ckpt_path is not None:
+        log.info("Resuming from %s", ckpt_path)
+
+    metrics: dict[str, Any] = {}
+    if cfg.get("train", True):
+        trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    ckpt_cb = trainer.checkpoint_callback
+    best = getattr(ckpt_cb, "best_model_path", "") or ""
+    last = getattr(ckpt_cb, "last_model_path", "") or ""
+    best, last = (p if p and os.path.isfile(p) else "" for p in (best, last))
+    if cfg.get("test", False):
+        test_ckpt = best or None
+        if test_ckpt is None:
+            log.warning("No best checkpoint (no ModelCheckpoint or fast_dev_run): testing the current weights")
+        trainer.test(model=model, datamodule=datamodule, ckpt_path=test_ckpt)
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
+
+    if trainer.is_global_zero and cfg.get("train", True):
+        plot_curves(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "curves.png"))
+
+    metrics["epochs"] = int(trainer.current_epoch)
+    metrics["time_s"] = round(time.perf_counter() - start, 2)
+    objects = dict(
+        cfg=cfg, datamodule=datamodule, model=model, trainer=trainer, callbacks=callbacks, loggers=loggers,
+        run_dir=run_dir, best_checkpoint=best or None, last_checkpoint=last or None,
+    )
+    return metrics, objects

@@ -1,0 +1,18 @@
+"""Run plumbing for train.py / evaluate.py: callbacks, strategies, instantiation and run-directory helpers."""
+
+from .callbacks import EpochSeed, progress_bar
+from .run import (
+    extras,
+    find_last_checkpoint,
+    instantiate_callbacks,
+    instantiate_loggers,
+    plot_curves,
+    print_json_line,
+    save_resolved_config,
+)
+from .strategies import fsdp_strategy
+
+__all__ = [
+    "EpochSeed", "extras", "find_last_checkpoint", "fsdp_strategy", "instantiate_callbacks",
+    "instantiate_loggers", "plot_curves", "print_json_line", "progress_bar", "save_resolved_config",
+]

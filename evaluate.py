@@ -1,0 +1,29 @@
+"""Evaluate a checkpoint or weights file: ``python evaluate.py ckpt_path=... [data=... model=...]``.
+
+Prints a table of top-1/top-5 and per-class accuracy, writes ``confusion_matrix.png`` into the run directory;
+the last line of stdout is one JSON object with the metrics and the run directory.
+"""
+
+import os
+
+import hydra
+from omegaconf import DictConfig
+
+os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    from elsa_vision.evaluate import evaluate
+    from elsa_vision.utils.run import print_json_line
+
+    metrics, objects = evaluate(cfg)
+    if objects["trainer"].is_global_zero:
+        print_json_line({
+            "metrics": metrics, "run_dir": objects["run_dir"], "weights": objects["weights"],
+            "confusion_matrix_png": objects["confusion_matrix_png"],
+        })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Train a model: ``python train.py [group=option ...] [key=value ...]`` (configs in ``configs/``).
+
+With no arguments it trains the embedded default (a small ElsaViT on scikit-learn's digits, on CPU). The last
+line of stdout is one JSON object: the final metrics, the run directory and the checkpoints.
+"""
+
+import os
+
+import hydra
+from omegaconf import DictConfig
+
+os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from elsa_vision.train import train
+    from elsa_vision.utils.run import print_json_line
+
+    metrics, objects = train(cfg)
+    if objects["trainer"].is_global_zero:
+        print_json_line({
+            "metrics": metrics, "run_dir": objects["run_dir"],
+            "best_checkpoint": objects["best_checkpoint"], "last_checkpoint": objects["last_checkpoint"],
+        })
+    return metrics.get(cfg.get("optimized_metric", "val/acc_best"))
+
+
+if __name__ == "__main__":
+    main()
