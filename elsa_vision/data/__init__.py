@@ -2,9 +2,10 @@
 
 from .digits import DigitsDataModule, load_digits_splits
 from .imagefolder import ImageFolderDataModule, RobustImageFolder, load_rgb, scan_class_folders
+from .samplers import EpochShuffleSampler
 from .imagenet import ImageNetDataModule
 
 __all__ = [
-    "DigitsDataModule", "ImageFolderDataModule", "ImageNetDataModule", "RobustImageFolder", "load_digits_splits",
+    "DigitsDataModule", "EpochShuffleSampler", "ImageFolderDataModule", "ImageNetDataModule", "RobustImageFolder", "load_digits_splits",
     "load_rgb", "scan_class_folders",
 ]

@@ -17,6 +17,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
+from .samplers import EpochShuffleSampler
+
 __all__ = ["DigitsDataModule", "DigitsDataset", "load_digits_splits"]
 
 
@@ -83,6 +85,7 @@ class DigitsDataModule(L.LightningDataModule):
         val_fraction, test_fraction: stratified split fractions of the 1797 images.
         split_seed: seed of the split (fixed: the same images are in test for every run).
         augment: random affine jitter of training images.
+        seed: training-order seed (the train config passes ``${seed}``); order = f(seed, epoch).
         num_workers: DataLoader workers (the data is in memory; 0 is fastest on CPU).
     """
 
@@ -99,6 +102,7 @@ class DigitsDataModule(L.LightningDataModule):
         test_fraction: float = 0.2,
         split_seed: int = 0,
         augment: bool = True,
+        seed: int = 0,
         num_workers: int = 0,
         pin_memory: bool = False,
     ) -> None:
@@ -132,8 +136,10 @@ class DigitsDataModule(L.LightningDataModule):
 
     def _loader(self, ds: Dataset, train: bool) -> DataLoader:
         hp = self.hparams
+        sampler = EpochShuffleSampler(len(ds), hp.seed) if train else None
         return DataLoader(
-            ds, batch_size=hp.batch_size, shuffle=train, drop_last=train and len(ds) > hp.batch_size,
+            ds, batch_size=hp.batch_size, sampler=sampler, generator=sampler.generator if train else None,
+            drop_last=train and len(ds) > hp.batch_size,
             num_workers=hp.num_workers, persistent_workers=hp.num_workers > 0, pin_memory=hp.pin_memory,
         )
 

@@ -21,6 +21,8 @@ from PIL import Image
 from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset
 
+from .samplers import EpochShuffleSampler
+
 __all__ = ["IMG_EXTENSIONS", "ImageFolderDataModule", "RobustImageFolder", "load_rgb", "scan_class_folders"]
 
 log = logging.getLogger(__name__)
@@ -171,6 +173,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         auto_augment: timm auto-augment string for training (e.g. ``"rand-m9-mstd0.5-inc1"``) or ``None``.
         re_prob: random-erasing probability for training.
         verify: decode every image once in ``setup`` and drop unreadable ones.
+        seed: training-order seed (the train config passes ``${seed}``); order = f(seed, epoch).
         num_workers, pin_memory, persistent_workers: DataLoader settings.
     """
 
@@ -190,6 +193,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         re_prob: float = 0.0,
         hflip: float = 0.5,
         verify: bool = False,
+        seed: int = 0,
         num_workers: int = 4,
         pin_memory: bool = True,
         persistent_workers: bool = True,
@@ -278,8 +282,10 @@ class ImageFolderDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------------------------------- loaders
     def _loader(self, ds: Dataset, train: bool) -> DataLoader:
         hp = self.hparams
+        sampler = EpochShuffleSampler(len(ds), hp.seed) if train else None
         return DataLoader(
-            ds, batch_size=hp.batch_size, shuffle=train, drop_last=train and len(ds) > hp.batch_size,
+            ds, batch_size=hp.batch_size, sampler=sampler, generator=sampler.generator if train else None,
+            drop_last=train and len(ds) > hp.batch_size,
             num_workers=hp.num_workers, pin_memory=hp.pin_memory and torch.cuda.is_available(),
             persistent_workers=hp.persistent_workers and hp.num_workers > 0,
         )

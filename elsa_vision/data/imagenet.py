@@ -54,6 +54,7 @@ class ImageNetDataModule(ImageFolderDataModule):
         scale: Sequence[float] = (0.08, 1.0),
         color_jitter: float | None = 0.4,
         verify: bool = False,
+        seed: int = 0,
         num_workers: int = 8,
         pin_memory: bool = True,
         persistent_workers: bool = True,
@@ -62,7 +63,7 @@ class ImageNetDataModule(ImageFolderDataModule):
             raise ValueError(f"ImageNetDataModule: ImageNet is RGB, in_chans must be 3, got {in_chans}")
         super().__init__(
             root=root, img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes, batch_size=batch_size,
-            auto_augment=auto_augment, re_prob=re_prob, hflip=hflip, verify=verify, num_workers=num_workers,
+            auto_augment=auto_augment, re_prob=re_prob, hflip=hflip, verify=verify, seed=seed, num_workers=num_workers,
             pin_memory=pin_memory, persistent_workers=persistent_workers,
         )
         self.save_hyperparameters(logger=False)

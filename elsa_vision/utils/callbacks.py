@@ -32,4 +32,4 @@ def progress_bar(refresh_rate: int = 1, leave: bool = False):
     """``RichProgressBar`` on an interactive terminal, ``TQDMProgressBar`` when stdout is a file or a pipe."""
     if sys.stdout.isatty():
         return RichProgressBar(refresh_rate=refresh_rate, leave=leave)
-    return TQDMProgressBar(refresh_rate=max(refresh_rate, 1), leave=leave)
+    return TQDMProgressBar(refresh_rate=refresh_rate, leave=leave)

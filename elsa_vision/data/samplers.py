@@ -1,0 +1,43 @@
+"""A shuffling sampler whose order depends only on ``(seed, epoch)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["EpochShuffleSampler"]
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A random permutation of ``range(num_samples)`` that is a function of ``(seed, epoch)`` only.
+
+    Lightning calls ``set_epoch`` before every training epoch; the permutation is drawn when iteration starts,
+    from a generator seeded then. ``generator`` (reseeded by ``set_epoch`` too) is meant for the DataLoader:
+    its worker base seeds then come from an epoch-seeded stream instead of the global torch RNG. An epoch
+    therefore replays identically after a restart, whatever the process consumed before.
+    """
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        if num_samples < 1:
+            raise ValueError(f"EpochShuffleSampler: num_samples must be >= 1, got {num_samples}")
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.generator = torch.Generator()
+        self.set_epoch(0)
+
+    def _epoch_seed(self) -> int:
+        return (self.seed + 1_000_003 * self.epoch) % (2**63)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        self.generator.manual_seed(self._epoch_seed() ^ 0x5DEECE66D)
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self._epoch_seed())
+        yield from torch.randperm(self.num_samples, generator=g).tolist()
+
+    def __len__(self) -> int:
+        return self.num_samples

@@ -1,0 +1,206 @@
+"""train(cfg): smoke runs, exact resume, DDP on CPU, bad inputs, the CLI's JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra.errors import MissingConfigException
+from lightning import Callback
+from train_helpers import QUIET, ROOT, TINY_NET, compose_cfg, make_image_tree, write_image
+
+import elsa_vision.train as train_mod
+from elsa_vision.tasks import ClassificationModule, cosine_warmup_schedule
+from elsa_vision.train import train
+
+FAST = ["trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
+
+
+def test_train_digits_smoke(tmp_path):
+    cfg = compose_cfg("train", TINY_NET + FAST + ["trainer.max_epochs=1", "logger=csv"], tmp_path / "run")
+    metrics, obj = train(cfg)
+    run = tmp_path / "run"
+    for rel in ("checkpoints/last.ckpt", "metrics.csv", "curves.png", "config_resolved.yaml"):
+        assert (run / rel).is_file(), rel
+    assert obj["best_checkpoint"] and os.path.isfile(obj["best_checkpoint"])
+    for key in ("train/loss", "val/acc", "val/acc5", "test/acc", "test/acc5", "test/loss"):
+        assert key in metrics, key
+    assert 0.0 <= metrics["test/acc"] <= metrics["test/acc5"] <= 1.0
+    # checkpoints load without unpickling code
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ckpt["epoch"] == 0 and "lr_schedulers" in ckpt and "optimizer_states" in ckpt
+    assert ckpt["hyper_parameters"]["attention"] == {"backend": "auto", "precision": "auto"}
+
+
+def test_default_config_is_digits_on_cpu(tmp_path):
+    cfg = compose_cfg("train", [], tmp_path / "run")
+    assert cfg.data._target_.endswith("DigitsDataModule") and cfg.trainer.accelerator == "cpu"
+    assert cfg.model.net.img_size == 32 and cfg.model.net.patch_size == 4 and cfg.model.net.in_chans == 1
+    assert cfg.model.net.attn_backend == cfg.model.attention.backend
+
+
+@pytest.mark.parametrize("model", ["elsa_vit_t", "elsa_vit_s", "elsa_vit_b", "elsa_vit_l"])
+def test_every_model_config_adapts_to_the_data(tmp_path, model):
+    import hydra
+
+    cfg = compose_cfg("train", [f"model={model}", "+model.net.depth=1"], tmp_path / "run")
+    net = hydra.utils.instantiate(cfg.model.net)
+    assert net.patch_embed.img_size == (32, 32) and net.patch_embed.patch_size == (4, 4)
+    assert net.patch_embed.proj.in_channels == 1 and net.head.out_features == 10
+    assert net(torch.randn(2, 1, 32, 32)).shape == (2, 10)
+
+
+def test_train_vit_s_fast_dev_run_with_mixup_and_attention_options(tmp_path):
+    cfg = compose_cfg("train", [
+        "model=elsa_vit_s", "+model.net.depth=1", "debug=fdr", "data.batch_size=8",
+        "model.attention.backend=torch", "model.attention.precision=ieee",
+        "+model.mixup={mixup_alpha: 0.8, cutmix_alpha: 1.0, prob: 1.0, switch_prob: 0.5, mode: batch}",
+    ], tmp_path / "run")
+    metrics, obj = train(cfg)
+    net = obj["model"].net
+    assert net.blocks[0].attn.backend == "torch" and net.blocks[0].attn.precision == "ieee"
+    assert obj["model"].mixup_fn is not None and "train/loss" in metrics
+
+
+class StopAfterEpoch(Callback):
+    """Ends fitting after ``epoch`` epochs, like a job killed right after its end-of-epoch checkpoint."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch + 1 >= self.epoch:
+            trainer.should_stop = True
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
+    base = TINY_NET + QUIET + ["trainer.limit_train_batches=4", "trainer.limit_val_batches=1", "test=false",
+                               "trainer.max_epochs=2", "trainer.min_epochs=1", "model.net.drop_path_rate=0.1",
+                               "+model.mixup={mixup_alpha: 0.8, cutmix_alpha: 0.0, prob: 0.5}"]
+    _, full = train(compose_cfg("train", base, tmp_path / "full"))
+    assert full["trainer"].current_epoch == 2
+
+    orig = train_mod.instantiate_callbacks
+    monkeypatch.setattr(train_mod, "instantiate_callbacks", lambda c: orig(c) + [StopAfterEpoch(1)])
+    _, part = train(compose_cfg("train", base, tmp_path / "resumed"))
+    monkeypatch.undo()
+    assert part["trainer"].current_epoch == 1
+    first = {k: v.clone() for k, v in part["model"].net.state_dict().items()}
+
+    _, resumed = train(compose_cfg("train", base + ["ckpt_path=last"], tmp_path / "resumed"))
+    tr = resumed["trainer"]
+    assert tr.current_epoch == 2 and tr.global_step == 8
+    sched = tr.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == 8  # the LambdaLR continued, per step
+    a, b = full["model"].net.state_dict(), resumed["model"].net.state_dict()
+    moved = max(float((b[k] - first[k]).abs().max()) for k in a)
+    assert moved > 1e-4  # the second epoch really trained
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= 1e-6, f"resumed weights differ from the uninterrupted run by {worst}"
+
+
+def test_resume_last_without_checkpoint_is_an_error(tmp_path):
+    cfg = compose_cfg("train", TINY_NET + ["ckpt_path=last"], tmp_path / "sub" / "run")
+    with pytest.raises(FileNotFoundError, match="no last.ckpt"):
+        train(cfg)
+    cfg = compose_cfg("train", TINY_NET + ["ckpt_path=/no/such/file.ckpt"], tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="/no/such/file.ckpt"):
+        train(cfg)
+
+
+def test_cosine_warmup_schedule_shape():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    s = cosine_warmup_schedule(opt, total_steps=100, steps_per_epoch=10, warmup_epochs=2, warmup_lr_ratio=0.0,
+                               min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        s.step()
+    assert lrs[0] == 0.0 and abs(lrs[10] - 0.5) < 1e-12 and abs(lrs[20] - 1.0) < 1e-12
+    assert abs(lrs[60] - (0.1 + 0.9 * 0.5)) < 1e-12  # half-way through the cosine
+    assert all(x >= y for x, y in zip(lrs[20:], lrs[21:])) and lrs[-1] > 0.1
+    with pytest.raises(ValueError, match="total_steps"):
+        cosine_warmup_schedule(opt, total_steps=0, steps_per_epoch=1)
+
+
+def test_module_rejects_bad_arguments():
+    net = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="num_classes"):
+        ClassificationModule(net, optimizer=torch.optim.SGD, num_classes=1)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        ClassificationModule(net, optimizer=torch.optim.SGD, num_classes=3, label_smoothing=1.0)
+
+
+def test_ddp_two_cpu_processes_run_a_step(tmp_path):
+    cfg = compose_cfg("train", TINY_NET + QUIET + [
+        "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.start_method=fork",
+        "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "test=false",
+        "data.batch_size=16",
+    ], tmp_path / "run")
+    metrics, obj = train(cfg)
+    tr = obj["trainer"]
+    assert tr.world_size == 2 and tr.strategy._get_process_group_backend() == "gloo"
+    # the workers' results come back to this process: metrics, and the checkpoint rank 0 wrote
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ckpt["global_step"] == 2  # 2 steps of 2 processes x 16 images
+
+
+def test_fsdp_config_wraps_timm_blocks(tmp_path):
+    import hydra
+    from timm.models.vision_transformer import Block
+
+    cfg = compose_cfg("train", ["trainer=fsdp", "trainer.strategy.activation_checkpointing=true"], tmp_path / "r")
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+    assert strategy._activation_checkpointing_kwargs
+
+
+def test_train_on_messy_imagefolder(tmp_path):
+    root = make_image_tree(tmp_path / "ds", classes=("a", "b", "c"), n_train=4, n_val=2)
+    write_image(root / "train" / "a" / "rgba.png", "RGBA")
+    write_image(root / "train" / "b" / "gray.png", "L")
+    (root / "train" / "c" / "zero.png").write_bytes(b"")
+    (root / "train" / "c" / "broken.png").write_bytes((root / "train" / "c" / "0.png").read_bytes()[:60])
+    cfg = compose_cfg("train", TINY_NET + QUIET + [
+        "data=imagefolder", f"data.root={root}", "data.img_size=32", "data.patch_size=8", "data.batch_size=4",
+        "data.num_workers=0", "trainer.max_epochs=1",
+    ], tmp_path / "run")
+    metrics, obj = train(cfg)
+    assert cfg.data.num_classes == 3 and obj["model"].net.head.out_features == 3
+    assert "test/acc" in metrics
+
+
+def test_missing_data_root_names_it(tmp_path):
+    cfg = compose_cfg("train", TINY_NET + ["data=imagefolder", f"data.root={tmp_path}/nowhere"], tmp_path / "r")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        train(cfg)
+
+
+@pytest.mark.parametrize("group, name", [("model", "elsa_vit_xl"), ("data", "mnist")])
+def test_unknown_group_option_lists_valid_names(tmp_path, group, name):
+    with pytest.raises(MissingConfigException) as e:
+        compose_cfg("train", [f"{group}={name}"], tmp_path / "r")
+    valid = ["elsa_vit_b", "elsa_vit_digits", "elsa_vit_s"] if group == "model" else ["digits", "imagefolder"]
+    for v in valid:
+        assert v in str(e.value)
+
+
+def test_cli_last_line_is_json_and_bad_names_exit_nonzero(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "train.py", "debug=fdr", "model.net.depth=1", f"hydra.run.dir={tmp_path}/cli"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads(out.stdout.strip().splitlines()[-1])
+    assert payload["run_dir"] == f"{tmp_path}/cli" and "train/loss" in payload["metrics"]
+    bad = subprocess.run([sys.executable, "train.py", "model=elsa_vit_xl"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0
+    assert "elsa_vit_xl" in bad.stderr and "elsa_vit_s" in bad.stderr and "elsa_vit_digits" in bad.stderr
