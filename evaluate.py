@@ -19,10 +19,14 @@ def main(cfg: DictConfig) -> None:
 
     metrics, objects = evaluate(cfg)
     if objects["trainer"].is_global_zero:
-        print_json_line({
-            "metrics": metrics, "run_dir": objects["run_dir"], "weights": objects["weights"],
-            "confusion_matrix_png": objects["confusion_matrix_png"],
-        })
+        print_json_line(
+            {
+                "metrics": metrics,
+                "run_dir": objects["run_dir"],
+                "weights": objects["weights"],
+                "confusion_matrix_png": objects["confusion_matrix_png"],
+            }
+        )
 
 
 if __name__ == "__main__":

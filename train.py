@@ -19,10 +19,14 @@ def main(cfg: DictConfig) -> float | None:
 
     metrics, objects = train(cfg)
     if objects["trainer"].is_global_zero:
-        print_json_line({
-            "metrics": metrics, "run_dir": objects["run_dir"],
-            "best_checkpoint": objects["best_checkpoint"], "last_checkpoint": objects["last_checkpoint"],
-        })
+        print_json_line(
+            {
+                "metrics": metrics,
+                "run_dir": objects["run_dir"],
+                "best_checkpoint": objects["best_checkpoint"],
+                "last_checkpoint": objects["last_checkpoint"],
+            }
+        )
     return metrics.get(cfg.get("optimized_metric", "val/acc_best"))
 
 

@@ -1,4 +1,4 @@
-"""``evaluate(cfg)``: top-1/top-5, per-class accuracy and a confusion matrix for any checkpoint or weights file.
+"""``evaluate(cfg)``: top-1/top-5, per-class accuracy, confusion matrix, for any checkpoint or weights file.
 
 Weights come from ``cfg.ckpt_path`` (a Lightning ``.ckpt`` of ``ClassificationModule``, or a backbone
 state_dict in ``.safetensors``/``.pth``/``.bin`` with exactly the configured model's keys) or from
@@ -37,7 +37,7 @@ def load_weights(model: LightningModule, path: str) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"ckpt_path={path!r} is not a file")
     state = load_state_dict(path, use_ema=False, device="cpu", weights_only=True)
-    net_keys = {k[len("net."):]: v for k, v in state.items() if k.startswith("net.")}
+    net_keys = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
     if net_keys and len(net_keys) == len(state):
         model.net.load_state_dict(net_keys, strict=True)
         return "lightning"
@@ -68,8 +68,15 @@ def plot_confusion_matrix(
             for i in range(k):
                 for j in range(k):
                     if cm[i, j] > 0:
-                        ax.text(j, i, int(cm[i, j]), ha="center", va="center", fontsize=8,
-                                color="white" if norm[i, j] > 0.5 else "black")
+                        ax.text(
+                            j,
+                            i,
+                            int(cm[i, j]),
+                            ha="center",
+                            va="center",
+                            fontsize=8,
+                            color="white" if norm[i, j] > 0.5 else "black",
+                        )
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title("confusion matrix (row-normalised)")
@@ -103,7 +110,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     ckpt_path, pretrained = cfg.get("ckpt_path"), cfg.model.get("pretrained_file")
     if not ckpt_path and not pretrained:
         raise ValueError(
-            "evaluate.py needs weights: set ckpt_path=/path/to/checkpoint.ckpt (or a backbone .safetensors/.pth) "
+            "evaluate.py needs weights: set ckpt_path=/path/to/run.ckpt (or a backbone .safetensors/.pth) "
             "or model.pretrained_file=/path/to/timm_weights.safetensors"
         )
     extras(cfg)
@@ -124,13 +131,17 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     trainer: Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
     trainer.test(model=model, datamodule=datamodule, verbose=False)
 
-    metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+    metrics: dict[str, Any] = {
+        k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")
+    }
     confmat = model.confusion_matrix
     names = list(getattr(datamodule, "class_names", ()) or [str(i) for i in range(confmat.shape[0])])
     support = confmat.sum(dim=1)
     correct = confmat.diagonal()
-    per_class = [(names[i], int(support[i]), float(correct[i] / support[i]) if support[i] > 0 else float("nan"))
-                 for i in range(confmat.shape[0])]
+    per_class = [
+        (names[i], int(support[i]), float(correct[i] / support[i]) if support[i] > 0 else float("nan"))
+        for i in range(confmat.shape[0])
+    ]
     metrics["per_class_acc"] = {n: a for n, _, a in per_class}
     metrics["num_samples"] = int(support.sum())
     metrics["time_s"] = round(time.perf_counter() - start, 2)
@@ -138,8 +149,12 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     png = None
     if trainer.is_global_zero:
         os.makedirs(run_dir, exist_ok=True)
-        png = plot_confusion_matrix(confmat, names, os.path.join(run_dir, "confusion_matrix.png"),
-                                    int(cfg.get("confusion_matrix_max_labels", 50)))
+        png = plot_confusion_matrix(
+            confmat,
+            names,
+            os.path.join(run_dir, "confusion_matrix.png"),
+            int(cfg.get("confusion_matrix_max_labels", 50)),
+        )
         with open(os.path.join(run_dir, "per_class_accuracy.csv"), "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["class", "support", "correct", "accuracy"])
@@ -147,6 +162,14 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
                 w.writerow([n, s, int(correct[i]), a])
         torch.save(confmat, os.path.join(run_dir, "confusion_matrix.pt"))
         print(format_table(metrics, per_class), flush=True)
-    objects = dict(cfg=cfg, datamodule=datamodule, model=model, trainer=trainer, run_dir=run_dir,
-                   confusion_matrix=confmat, confusion_matrix_png=png, weights=source)
+    objects = dict(
+        cfg=cfg,
+        datamodule=datamodule,
+        model=model,
+        trainer=trainer,
+        run_dir=run_dir,
+        confusion_matrix=confmat,
+        confusion_matrix_png=png,
+        weights=source,
+    )
     return metrics, objects

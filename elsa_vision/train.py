@@ -99,7 +99,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     if cfg.get("test", False):
         test_ckpt = best or None
         if test_ckpt is None:
-            log.warning("No best checkpoint (no ModelCheckpoint or fast_dev_run): testing the current weights")
+            log.warning(
+                "No best checkpoint (no ModelCheckpoint or fast_dev_run): testing the current weights"
+            )
         trainer.test(model=model, datamodule=datamodule, ckpt_path=test_ckpt)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
 
@@ -109,7 +111,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     metrics["epochs"] = int(trainer.current_epoch)
     metrics["time_s"] = round(time.perf_counter() - start, 2)
     objects = dict(
-        cfg=cfg, datamodule=datamodule, model=model, trainer=trainer, callbacks=callbacks, loggers=loggers,
-        run_dir=run_dir, best_checkpoint=best or None, last_checkpoint=last or None,
+        cfg=cfg,
+        datamodule=datamodule,
+        model=model,
+        trainer=trainer,
+        callbacks=callbacks,
+        loggers=loggers,
+        run_dir=run_dir,
+        best_checkpoint=best or None,
+        last_checkpoint=last or None,
     )
     return metrics, objects

@@ -68,8 +68,12 @@ def test_digits_datamodule_loaders_and_channels():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(img_size=30, patch_size=4), "patch_size"), (dict(in_chans=2), "in_chans"),
-     (dict(num_classes=12), "num_classes"), (dict(batch_size=0), "batch_size")],
+    [
+        (dict(img_size=30, patch_size=4), "patch_size"),
+        (dict(in_chans=2), "in_chans"),
+        (dict(num_classes=12), "num_classes"),
+        (dict(batch_size=0), "batch_size"),
+    ],
 )
 def test_digits_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -183,10 +187,12 @@ def test_class_mismatch_between_splits(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ imagenet
 def test_imagenet_transforms_follow_the_pretrained_cfg(tmp_path):
-    root = make_image_tree(tmp_path / "in1k", classes=("n01440764", "n01443537"), n_train=2, n_val=1,
-                           size=(300, 200))
-    dm = ImageNetDataModule(root=str(root), model_name="elsa_vit_small_patch16_224", num_classes=2,
-                            batch_size=2, num_workers=0)
+    root = make_image_tree(
+        tmp_path / "in1k", classes=("n01440764", "n01443537"), n_train=2, n_val=1, size=(300, 200)
+    )
+    dm = ImageNetDataModule(
+        root=str(root), model_name="elsa_vit_small_patch16_224", num_classes=2, batch_size=2, num_workers=0
+    )
     assert dm.data_config["mean"] == (0.5, 0.5, 0.5) and dm.data_config["crop_pct"] == 0.9
     dm.setup("fit")
     x, _ = next(iter(dm.val_dataloader()))

@@ -55,11 +55,19 @@ def test_every_model_config_adapts_to_the_data(tmp_path, model):
 
 
 def test_train_vit_s_fast_dev_run_with_mixup_and_attention_options(tmp_path):
-    cfg = compose_cfg("train", [
-        "model=elsa_vit_s", "+model.net.depth=1", "debug=fdr", "data.batch_size=8",
-        "model.attention.backend=torch", "model.attention.precision=ieee",
-        "+model.mixup={mixup_alpha: 0.8, cutmix_alpha: 1.0, prob: 1.0, switch_prob: 0.5, mode: batch}",
-    ], tmp_path / "run")
+    cfg = compose_cfg(
+        "train",
+        [
+            "model=elsa_vit_s",
+            "+model.net.depth=1",
+            "debug=fdr",
+            "data.batch_size=8",
+            "model.attention.backend=torch",
+            "model.attention.precision=ieee",
+            "+model.mixup={mixup_alpha: 0.8, cutmix_alpha: 1.0, prob: 1.0, switch_prob: 0.5, mode: batch}",
+        ],
+        tmp_path / "run",
+    )
     metrics, obj = train(cfg)
     net = obj["model"].net
     assert net.blocks[0].attn.backend == "torch" and net.blocks[0].attn.precision == "ieee"
@@ -78,9 +86,19 @@ class StopAfterEpoch(Callback):
 
 
 def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
-    base = TINY_NET + QUIET + ["trainer.limit_train_batches=4", "trainer.limit_val_batches=1", "test=false",
-                               "trainer.max_epochs=2", "trainer.min_epochs=1", "model.net.drop_path_rate=0.1",
-                               "+model.mixup={mixup_alpha: 0.8, cutmix_alpha: 0.0, prob: 0.5}"]
+    base = (
+        TINY_NET
+        + QUIET
+        + [
+            "trainer.limit_train_batches=4",
+            "trainer.limit_val_batches=1",
+            "test=false",
+            "trainer.max_epochs=2",
+            "trainer.min_epochs=1",
+            "model.net.drop_path_rate=0.1",
+            "+model.mixup={mixup_alpha: 0.8, cutmix_alpha: 0.0, prob: 0.5}",
+        ]
+    )
     _, full = train(compose_cfg("train", base, tmp_path / "full"))
     assert full["trainer"].current_epoch == 2
 
@@ -114,8 +132,9 @@ def test_resume_last_without_checkpoint_is_an_error(tmp_path):
 
 def test_cosine_warmup_schedule_shape():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    s = cosine_warmup_schedule(opt, total_steps=100, steps_per_epoch=10, warmup_epochs=2, warmup_lr_ratio=0.0,
-                               min_lr_ratio=0.1)
+    s = cosine_warmup_schedule(
+        opt, total_steps=100, steps_per_epoch=10, warmup_epochs=2, warmup_lr_ratio=0.0, min_lr_ratio=0.1
+    )
     lrs = []
     for _ in range(100):
         lrs.append(opt.param_groups[0]["lr"])
@@ -137,11 +156,23 @@ def test_module_rejects_bad_arguments():
 
 
 def test_ddp_two_cpu_processes_run_a_step(tmp_path):
-    cfg = compose_cfg("train", TINY_NET + QUIET + [
-        "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.start_method=fork",
-        "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "test=false",
-        "data.batch_size=16",
-    ], tmp_path / "run")
+    cfg = compose_cfg(
+        "train",
+        TINY_NET
+        + QUIET
+        + [
+            "trainer=ddp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "trainer.strategy.start_method=fork",
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=2",
+            "trainer.limit_val_batches=1",
+            "test=false",
+            "data.batch_size=16",
+        ],
+        tmp_path / "run",
+    )
     metrics, obj = train(cfg)
     tr = obj["trainer"]
     assert tr.world_size == 2 and tr.strategy._get_process_group_backend() == "gloo"
@@ -155,7 +186,9 @@ def test_fsdp_config_wraps_timm_blocks(tmp_path):
     import hydra
     from timm.models.vision_transformer import Block
 
-    cfg = compose_cfg("train", ["trainer=fsdp", "trainer.strategy.activation_checkpointing=true"], tmp_path / "r")
+    cfg = compose_cfg(
+        "train", ["trainer=fsdp", "trainer.strategy.activation_checkpointing=true"], tmp_path / "r"
+    )
     strategy = hydra.utils.instantiate(cfg.trainer.strategy)
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
     assert strategy._activation_checkpointing_kwargs
@@ -167,17 +200,30 @@ def test_train_on_messy_imagefolder(tmp_path):
     write_image(root / "train" / "b" / "gray.png", "L")
     (root / "train" / "c" / "zero.png").write_bytes(b"")
     (root / "train" / "c" / "broken.png").write_bytes((root / "train" / "c" / "0.png").read_bytes()[:60])
-    cfg = compose_cfg("train", TINY_NET + QUIET + [
-        "data=imagefolder", f"data.root={root}", "data.img_size=32", "data.patch_size=8", "data.batch_size=4",
-        "data.num_workers=0", "trainer.max_epochs=1",
-    ], tmp_path / "run")
+    cfg = compose_cfg(
+        "train",
+        TINY_NET
+        + QUIET
+        + [
+            "data=imagefolder",
+            f"data.root={root}",
+            "data.img_size=32",
+            "data.patch_size=8",
+            "data.batch_size=4",
+            "data.num_workers=0",
+            "trainer.max_epochs=1",
+        ],
+        tmp_path / "run",
+    )
     metrics, obj = train(cfg)
     assert cfg.data.num_classes == 3 and obj["model"].net.head.out_features == 3
     assert "test/acc" in metrics
 
 
 def test_missing_data_root_names_it(tmp_path):
-    cfg = compose_cfg("train", TINY_NET + ["data=imagefolder", f"data.root={tmp_path}/nowhere"], tmp_path / "r")
+    cfg = compose_cfg(
+        "train", TINY_NET + ["data=imagefolder", f"data.root={tmp_path}/nowhere"], tmp_path / "r"
+    )
     with pytest.raises(FileNotFoundError, match="nowhere"):
         train(cfg)
 
@@ -195,12 +241,31 @@ def test_cli_last_line_is_json_and_bad_names_exit_nonzero(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     out = subprocess.run(
         [sys.executable, "train.py", "debug=fdr", "model.net.depth=1", f"hydra.run.dir={tmp_path}/cli"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     payload = json.loads(out.stdout.strip().splitlines()[-1])
     assert payload["run_dir"] == f"{tmp_path}/cli" and "train/loss" in payload["metrics"]
-    bad = subprocess.run([sys.executable, "train.py", "model=elsa_vit_xl"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "train.py", "model=elsa_vit_xl"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0
     assert "elsa_vit_xl" in bad.stderr and "elsa_vit_s" in bad.stderr and "elsa_vit_digits" in bad.stderr
+
+
+def test_unknown_backbone_name_lists_registered_models(tmp_path):
+    cfg = compose_cfg("train", ["model.net.model_name=elsa_vit_huge_patch16_224"], tmp_path / "r")
+    with pytest.raises(ValueError, match=r"unknown model_name 'elsa_vit_huge_patch16_224'.*elsa_vit_small"):
+        train(cfg)
+    cfg = compose_cfg("train", ["model.pretrained_file=/no/weights.safetensors"], tmp_path / "r2")
+    with pytest.raises(FileNotFoundError, match="/no/weights.safetensors"):
+        train(cfg)

@@ -36,7 +36,7 @@ def compose_cfg(config_name: str, overrides: list[str], out_dir: Path) -> DictCo
 
 
 def write_image(path: Path, mode: str = "RGB", size: tuple[int, int] = (20, 24), seed: int = 0) -> Path:
-    """A random image of Pillow ``mode`` (RGB, RGBA, L, LA, CMYK, I;16) at ``path``, format from the suffix."""
+    """A random image of Pillow ``mode`` (RGB, RGBA, L, LA, CMYK, I;16) at ``path`` (format: suffix)."""
     rng = np.random.default_rng(seed)
     w, h = size
     if mode == "I;16":
@@ -49,10 +49,14 @@ def write_image(path: Path, mode: str = "RGB", size: tuple[int, int] = (20, 24),
     return path
 
 
-def make_image_tree(root: Path, classes=("cat", "dog"), n_train: int = 6, n_val: int = 2, size=(20, 24)) -> Path:
+def make_image_tree(
+    root: Path, classes=("cat", "dog"), n_train: int = 6, n_val: int = 2, size=(20, 24)
+) -> Path:
     """``root/{train,val}/<class>/<i>.png`` of clean RGB images."""
     for split, n in (("train", n_train), ("val", n_val)):
         for ci, c in enumerate(classes):
             for i in range(n):
-                write_image(root / split / c / f"{i}.png", size=size, seed=1000 * ci + 10 * i + (split == 'val'))
+                write_image(
+                    root / split / c / f"{i}.png", size=size, seed=1000 * ci + 10 * i + (split == "val")
+                )
     return root

@@ -2,10 +2,16 @@
 
 from .digits import DigitsDataModule, load_digits_splits
 from .imagefolder import ImageFolderDataModule, RobustImageFolder, load_rgb, scan_class_folders
-from .samplers import EpochShuffleSampler
 from .imagenet import ImageNetDataModule
+from .samplers import EpochShuffleSampler
 
 __all__ = [
-    "DigitsDataModule", "EpochShuffleSampler", "ImageFolderDataModule", "ImageNetDataModule", "RobustImageFolder", "load_digits_splits",
-    "load_rgb", "scan_class_folders",
+    "DigitsDataModule",
+    "EpochShuffleSampler",
+    "ImageFolderDataModule",
+    "ImageNetDataModule",
+    "RobustImageFolder",
+    "load_digits_splits",
+    "load_rgb",
+    "scan_class_folders",
 ]

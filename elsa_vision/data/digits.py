@@ -33,7 +33,7 @@ def load_digits_splits(
     """
     if not 0.0 < val_fraction < 1.0 or not 0.0 < test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
         raise ValueError(
-            "load_digits_splits: expected 0 < val_fraction, test_fraction and val_fraction + test_fraction < 1, "
+            "load_digits_splits: expected 0 < val_fraction, 0 < test_fraction and a sum below 1, "
             f"got val_fraction={val_fraction}, test_fraction={test_fraction}"
         )
     if img_size < 8:
@@ -42,14 +42,21 @@ def load_digits_splits(
     x = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)  # [1797, 1, 8, 8]
     y = torch.from_numpy(bunch.target).long()
     idx = torch.arange(len(y)).numpy()
-    idx_trval, idx_test = train_test_split(idx, test_size=test_fraction, stratify=y.numpy(), random_state=seed)
+    idx_trval, idx_test = train_test_split(
+        idx, test_size=test_fraction, stratify=y.numpy(), random_state=seed
+    )
     idx_train, idx_val = train_test_split(
-        idx_trval, test_size=val_fraction / (1.0 - test_fraction), stratify=y.numpy()[idx_trval], random_state=seed
+        idx_trval,
+        test_size=val_fraction / (1.0 - test_fraction),
+        stratify=y.numpy()[idx_trval],
+        random_state=seed,
     )
     if img_size != 8:
         x = F.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False).clamp_(0.0, 1.0)
-    return {name: (x[torch.as_tensor(i)], y[torch.as_tensor(i)])
-            for name, i in (("train", idx_train), ("val", idx_val), ("test", idx_test))}
+    return {
+        name: (x[torch.as_tensor(i)], y[torch.as_tensor(i)])
+        for name, i in (("train", idx_train), ("val", idx_val), ("test", idx_test))
+    }
 
 
 class DigitsDataset(Dataset):
@@ -138,9 +145,14 @@ class DigitsDataModule(L.LightningDataModule):
         hp = self.hparams
         sampler = EpochShuffleSampler(len(ds), hp.seed) if train else None
         return DataLoader(
-            ds, batch_size=hp.batch_size, sampler=sampler, generator=sampler.generator if train else None,
+            ds,
+            batch_size=hp.batch_size,
+            sampler=sampler,
+            generator=sampler.generator if train else None,
             drop_last=train and len(ds) > hp.batch_size,
-            num_workers=hp.num_workers, persistent_workers=hp.num_workers > 0, pin_memory=hp.pin_memory,
+            num_workers=hp.num_workers,
+            persistent_workers=hp.num_workers > 0,
+            pin_memory=hp.pin_memory,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -69,7 +69,9 @@ def scan_class_folders(split_dir: str | os.PathLike) -> tuple[list[str], list[tu
         raise FileNotFoundError(f"image folder split not found: {str(split_dir)!r} is not a directory")
     classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
     if not classes:
-        raise ValueError(f"{str(split_dir)!r} has no class folders; expected {str(split_dir)}/<class>/<image>")
+        raise ValueError(
+            f"{str(split_dir)!r} has no class folders; expected {str(split_dir)}/<class>/<image>"
+        )
     samples: list[tuple[str, int]] = []
     empty_files: list[str] = []
     for ci, name in enumerate(classes):
@@ -107,7 +109,11 @@ class RobustImageFolder(Dataset):
     max_consecutive_failures = 64
 
     def __init__(
-        self, root: str | os.PathLike, transform: Callable | None = None, verify: bool = False, mode: str = "RGB"
+        self,
+        root: str | os.PathLike,
+        transform: Callable | None = None,
+        verify: bool = False,
+        mode: str = "RGB",
     ):
         if mode not in ("RGB", "L"):
             raise ValueError(f"RobustImageFolder: mode must be 'RGB' or 'L', got {mode!r}")
@@ -138,8 +144,14 @@ class RobustImageFolder(Dataset):
 
     def _record_skip(self, path: str, err: Exception) -> None:
         self.skipped.append(path)
-        log.warning("skipping unreadable image %s (%s: %s); %d skipped so far in %s",
-                    path, type(err).__name__, err, len(self.skipped), self.root)
+        log.warning(
+            "skipping unreadable image %s (%s: %s); %d skipped so far in %s",
+            path,
+            type(err).__name__,
+            err,
+            len(self.skipped),
+            self.root,
+        )
 
     def __getitem__(self, index: int):
         n = len(self.samples)
@@ -202,11 +214,15 @@ class ImageFolderDataModule(L.LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"{type(self).__name__}: batch_size must be >= 1, got {batch_size}")
         if patch_size < 1 or img_size % patch_size:
-            raise ValueError(f"{type(self).__name__}: patch_size ({patch_size}) must divide img_size ({img_size})")
+            raise ValueError(
+                f"{type(self).__name__}: patch_size ({patch_size}) must divide img_size ({img_size})"
+            )
         if in_chans not in (1, 3):
             raise ValueError(f"{type(self).__name__}: in_chans must be 1 or 3, got {in_chans}")
         if len(mean) != len(std) or len(mean) not in (1, 3):
-            raise ValueError(f"{type(self).__name__}: mean/std must both have 1 or 3 values, got {mean}, {std}")
+            raise ValueError(
+                f"{type(self).__name__}: mean/std must both have 1 or 3 values, got {mean}, {std}"
+            )
         self.in_chans = in_chans
         self.save_hyperparameters(logger=False)
         self.root = Path(root)
@@ -222,8 +238,14 @@ class ImageFolderDataModule(L.LightningDataModule):
         if hp.in_chans == 1 and len(mean) == 3:
             mean, std = (sum(mean) / 3,), (sum(std) / 3,)
         return create_transform(
-            input_size=(hp.in_chans, hp.img_size, hp.img_size), is_training=is_training, mean=mean, std=std, crop_pct=hp.crop_pct, interpolation=hp.interpolation,
-            auto_augment=hp.auto_augment if is_training else None, re_prob=hp.re_prob if is_training else 0.0,
+            input_size=(hp.in_chans, hp.img_size, hp.img_size),
+            is_training=is_training,
+            mean=mean,
+            std=std,
+            crop_pct=hp.crop_pct,
+            interpolation=hp.interpolation,
+            auto_augment=hp.auto_augment if is_training else None,
+            re_prob=hp.re_prob if is_training else 0.0,
             hflip=hp.hflip if is_training else 0.0,
         )
 
@@ -238,7 +260,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         for split in ("train", "val"):
             if not (self.root / split).is_dir():
                 raise FileNotFoundError(
-                    f"{type(self).__name__}: split folder {str(self.root / split)!r} is missing under data root "
+                    f"{type(self).__name__}: split folder {str(self.root / split)!r} missing under data root "
                     f"{str(self.root)!r}"
                 )
 
@@ -247,7 +269,9 @@ class ImageFolderDataModule(L.LightningDataModule):
 
     def _dataset(self, split: str, train: bool) -> RobustImageFolder:
         return RobustImageFolder(
-            self.root / split, self.build_transform(train), verify=self.hparams.verify,
+            self.root / split,
+            self.build_transform(train),
+            verify=self.hparams.verify,
             mode="L" if self.in_chans == 1 else "RGB",
         )
 
@@ -262,7 +286,10 @@ class ImageFolderDataModule(L.LightningDataModule):
         classes = self.data_train.classes
         for name, ds in (("val", self.data_val), (test_split, self.data_test)):
             if ds.classes != classes:
-                extra, missing = sorted(set(ds.classes) - set(classes)), sorted(set(classes) - set(ds.classes))
+                extra, missing = (
+                    sorted(set(ds.classes) - set(classes)),
+                    sorted(set(classes) - set(ds.classes)),
+                )
                 raise ValueError(
                     f"{type(self).__name__}: class folders of {str(self.root / name)!r} differ from "
                     f"{str(self.root / 'train')!r}: extra {extra[:10]}, missing {missing[:10]}"
@@ -284,9 +311,13 @@ class ImageFolderDataModule(L.LightningDataModule):
         hp = self.hparams
         sampler = EpochShuffleSampler(len(ds), hp.seed) if train else None
         return DataLoader(
-            ds, batch_size=hp.batch_size, sampler=sampler, generator=sampler.generator if train else None,
+            ds,
+            batch_size=hp.batch_size,
+            sampler=sampler,
+            generator=sampler.generator if train else None,
             drop_last=train and len(ds) > hp.batch_size,
-            num_workers=hp.num_workers, pin_memory=hp.pin_memory and torch.cuda.is_available(),
+            num_workers=hp.num_workers,
+            pin_memory=hp.pin_memory and torch.cuda.is_available(),
             persistent_workers=hp.persistent_workers and hp.num_workers > 0,
         )
 

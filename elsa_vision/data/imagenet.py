@@ -62,9 +62,20 @@ class ImageNetDataModule(ImageFolderDataModule):
         if in_chans != 3:
             raise ValueError(f"ImageNetDataModule: ImageNet is RGB, in_chans must be 3, got {in_chans}")
         super().__init__(
-            root=root, img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes, batch_size=batch_size,
-            auto_augment=auto_augment, re_prob=re_prob, hflip=hflip, verify=verify, seed=seed, num_workers=num_workers,
-            pin_memory=pin_memory, persistent_workers=persistent_workers,
+            root=root,
+            img_size=img_size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            num_classes=num_classes,
+            batch_size=batch_size,
+            auto_augment=auto_augment,
+            re_prob=re_prob,
+            hflip=hflip,
+            verify=verify,
+            seed=seed,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
         )
         self.save_hyperparameters(logger=False)
         import elsa_vision.models  # noqa: F401  (registers the elsa_* names before timm looks them up)
@@ -78,10 +89,17 @@ class ImageNetDataModule(ImageFolderDataModule):
 
     def build_transform(self, is_training: bool) -> Callable:
         hp, dc = self.hparams, self.data_config
-        kw = dict(input_size=dc["input_size"], mean=dc["mean"], std=dc["std"], interpolation=dc["interpolation"])
+        kw = dict(
+            input_size=dc["input_size"], mean=dc["mean"], std=dc["std"], interpolation=dc["interpolation"]
+        )
         if is_training:
             return create_transform(
-                **kw, is_training=True, scale=tuple(hp.scale), hflip=hp.hflip, color_jitter=hp.color_jitter,
-                auto_augment=hp.auto_augment, re_prob=hp.re_prob,
+                **kw,
+                is_training=True,
+                scale=tuple(hp.scale),
+                hflip=hp.hflip,
+                color_jitter=hp.color_jitter,
+                auto_augment=hp.auto_augment,
+                re_prob=hp.re_prob,
             )
         return create_transform(**kw, is_training=False, crop_pct=dc["crop_pct"])

@@ -47,7 +47,9 @@ def create_backbone(
 
     if not timm.is_model(model_name):
         valid = ", ".join(timm.list_models("elsa_*"))
-        raise ValueError(f"create_backbone: unknown model_name {model_name!r}; registered ELSA models: {valid}")
+        raise ValueError(
+            f"create_backbone: unknown model_name {model_name!r}; registered ELSA models: {valid}"
+        )
     for arg, path in (("pretrained_file", pretrained_file), ("checkpoint_path", checkpoint_path)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"create_backbone: {arg}={str(path)!r} is not a file")
@@ -70,8 +72,8 @@ def cosine_warmup_schedule(
     """Linear warmup then half-cosine decay, evaluated per optimizer step (a ``LambdaLR``).
 
     The learning rate is ``base_lr * f(step)`` with ``f`` rising linearly from ``warmup_lr_ratio`` to 1 over
-    ``warmup_epochs * steps_per_epoch`` steps, then ``min_lr_ratio + (1 - min_lr_ratio)·(1 + cos(pi·t))/2`` for
-    ``t`` going from 0 to 1 at ``total_steps``.
+    ``warmup_epochs * steps_per_epoch`` steps, then ``min_lr_ratio + (1 - min_lr_ratio)·(1 + cos(pi·t))/2``
+    for ``t`` going from 0 to 1 at ``total_steps``.
     """
     if total_steps < 1 or steps_per_epoch < 1:
         raise ValueError(
@@ -94,8 +96,8 @@ class ClassificationModule(LightningModule):
 
     Args:
         net: backbone mapping ``[B, C, H, W]`` to logits ``[B, num_classes]``.
-        optimizer: ``partial`` taking the module (e.g. ``timm.optim.create_optimizer_v2`` with ``opt``, ``lr``,
-            ``weight_decay``): timm excludes biases, norms and ``no_weight_decay()`` params from decay.
+        optimizer: ``partial`` taking the module (e.g. ``timm.optim.create_optimizer_v2`` with ``opt``,
+            ``lr``, ``weight_decay``); timm exempts biases, norms and ``no_weight_decay()`` from decay.
         scheduler: ``partial`` taking ``(optimizer, total_steps=, steps_per_epoch=)`` and returning a
             torch LR scheduler stepped every optimizer step, or ``None`` for a constant rate.
         num_classes: number of classes (metrics).
@@ -123,7 +125,9 @@ class ClassificationModule(LightningModule):
         if num_classes < 2:
             raise ValueError(f"ClassificationModule: num_classes must be >= 2, got {num_classes}")
         if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"ClassificationModule: label_smoothing must be in [0, 1), got {label_smoothing}")
+            raise ValueError(
+                f"ClassificationModule: label_smoothing must be in [0, 1), got {label_smoothing}"
+            )
         # Only plain values go to the checkpoint (it must load with torch.load(weights_only=True)); the
         # optimizer/scheduler recipe lives in the run's resolved config.
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
@@ -222,4 +226,7 @@ class ClassificationModule(LightningModule):
         epochs = self.trainer.max_epochs
         per_epoch = max(1, math.ceil(total / epochs)) if epochs is not None and epochs > 0 else max(1, total)
         scheduler = self.scheduler_factory(optimizer, total_steps=total, steps_per_epoch=per_epoch)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }

@@ -13,6 +13,14 @@ from .run import (
 from .strategies import fsdp_strategy
 
 __all__ = [
-    "EpochSeed", "extras", "find_last_checkpoint", "fsdp_strategy", "instantiate_callbacks",
-    "instantiate_loggers", "plot_curves", "print_json_line", "progress_bar", "save_resolved_config",
+    "EpochSeed",
+    "extras",
+    "find_last_checkpoint",
+    "fsdp_strategy",
+    "instantiate_callbacks",
+    "instantiate_loggers",
+    "plot_curves",
+    "print_json_line",
+    "progress_bar",
+    "save_resolved_config",
 ]

@@ -19,8 +19,13 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = [
-    "extras", "find_last_checkpoint", "instantiate_callbacks", "instantiate_loggers", "plot_curves",
-    "print_json_line", "save_resolved_config",
+    "extras",
+    "find_last_checkpoint",
+    "instantiate_callbacks",
+    "instantiate_loggers",
+    "plot_curves",
+    "print_json_line",
+    "save_resolved_config",
 ]
 
 log = logging.getLogger(__name__)
@@ -42,12 +47,16 @@ def _instantiate_group(group: DictConfig | None, kind: str, base: type) -> list:
     if not group:
         return out
     if not isinstance(group, DictConfig):
-        raise TypeError(f"{kind} config must be a mapping of name -> {{_target_: ...}}, got {type(group).__name__}")
+        raise TypeError(
+            f"{kind} config must be a mapping of name -> {{_target_: ...}}, got {type(group).__name__}"
+        )
     for name, conf in group.items():
         if isinstance(conf, DictConfig) and "_target_" in conf:
             obj = hydra.utils.instantiate(conf)
             if not isinstance(obj, base):
-                raise TypeError(f"{kind} {name!r} instantiated {type(obj).__name__}, expected a {base.__name__}")
+                raise TypeError(
+                    f"{kind} {name!r} instantiated {type(obj).__name__}, expected a {base.__name__}"
+                )
             out.append(obj)
     return out
 
@@ -71,7 +80,7 @@ def save_resolved_config(cfg: DictConfig, output_dir: str | os.PathLike) -> Path
 
 
 def find_last_checkpoint(output_dir: str | os.PathLike, search_glob: str) -> str:
-    """Resolve ``ckpt_path=last``: this run's ``checkpoints/last.ckpt``, else the newest one of ``search_glob``.
+    """Resolve ``ckpt_path=last``: this run's ``checkpoints/last.ckpt``, else the newest match of the glob.
 
     Raises:
         FileNotFoundError: naming both places when no ``last.ckpt`` exists.
@@ -119,7 +128,9 @@ def plot_curves(metrics_csv: str | os.PathLike, png_path: str | os.PathLike) -> 
             points = series.get(f"{stage}/{kind}")
             if points:
                 epochs = sorted(points)
-                ax.plot(epochs, [points[e] for e in epochs], marker="o", markersize=3, label=f"{stage}/{kind}")
+                ax.plot(
+                    epochs, [points[e] for e in epochs], marker="o", markersize=3, label=f"{stage}/{kind}"
+                )
         ax.set_xlabel("epoch")
         ax.set_title("loss" if kind == "loss" else "top-1 accuracy")
         ax.grid(True, alpha=0.3)
