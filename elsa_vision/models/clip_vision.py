@@ -352,10 +352,10 @@ def _sincos_2d(width: int, grid: tuple[int, int]) -> Tensor:
     ys, xs = torch.meshgrid(torch.arange(gh, dtype=torch.float64), torch.arange(gw, dtype=torch.float64),
                             indexing="ij")
     parts = []
-    for coord in (xs.reshape(-1), ys.reshape(-1)):  # first half encodes w, second half h
+    for coord in (xs.reshape(-1), ys.reshape(-1)):  # first half encodes the column (w), second half the row (h)
         out = coord[:, None] * omega[None]
         parts += [out.sin(), out.cos()]
-    emb = torch.cat([torch.cat(parts[2:], 1), torch.cat(parts[:2], 1)], dim=1)
+    emb = torch.cat(parts, dim=1)
     return torch.cat([torch.zeros(1, width, dtype=torch.float64), emb], 0).float()
 
 
