@@ -715,7 +715,7 @@ def _config_from_visual(visual: nn.Module) -> dict[str, Any]:
                         f"{type(visual).__name__} (timm / ResNet towers are not converted)")
     blocks = visual.transformer.resblocks
     blk = blocks[0]
-    if not isinstance(blk.attn, nn.MultiheadAttention):
+    if not isinstance(blk.attn, (nn.MultiheadAttention, ElsaMultiheadAttention)):  # stock or elsa_clip-patched
         raise ValueError("from_open_clip: custom attention blocks (qk_norm / scaled_cosine_attn / scale_heads / "
                          "scale_attn / scale_fc) are not supported; expected default ResidualAttentionBlocks")
     if visual.proj is None:
