@@ -1,4 +1,4 @@
-"""Zero-shot classification, embedding export and the CLI on a tiny generated image folder (random weights)."""
+"""Zero-shot classification, embedding export and the CLI on a tiny generated image folder (random init)."""
 
 import json
 
@@ -26,9 +26,11 @@ from tests.helpers import relerr  # noqa: E402
 
 CLASSES = ["cat", "dog", "red_car", "tree"]
 TEMPLATES = ["a photo of a {}.", "a drawing of the {}."]
-TINY_CFG = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "head_width": 16,
-                                            "patch_size": 8},
-            "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+TINY_CFG = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "head_width": 16, "patch_size": 8},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,9 @@ def test_classifier_is_mean_of_normalised_prompt_embeddings(model_and_loader):
     cols = []
     with torch.no_grad():
         for c in names:
-            e = torch.cat([F.normalize(ref_model.encode_text(tokenizer([t.format(c)])), dim=-1) for t in TEMPLATES])
+            e = torch.cat(
+                [F.normalize(ref_model.encode_text(tokenizer([t.format(c)])), dim=-1) for t in TEMPLATES]
+            )
             cols.append(F.normalize(e.mean(0), dim=0))
     ref = torch.stack(cols, dim=1)
     assert relerr(clf, ref) <= 1e-5
@@ -183,7 +187,13 @@ def test_bad_inputs(model_and_loader, image_folder, tiny_name):
     with pytest.raises(ValueError, match="unknown open_clip model"):
         run(model="ViT-Nope", data=str(image_folder))
     with pytest.raises(ValueError, match="3 names for 4 class folders"):
-        run(model=tiny_name, data=str(image_folder), classnames=["a", "b", "c"], templates=TEMPLATES, num_workers=0)
+        run(
+            model=tiny_name,
+            data=str(image_folder),
+            classnames=["a", "b", "c"],
+            templates=TEMPLATES,
+            num_workers=0,
+        )
     with pytest.raises(ValueError, match="not a directory"):
         ImageFolderWithPaths(image_folder / "nope")
 
@@ -195,8 +205,22 @@ def test_cli_zeroshot_and_embed(tiny_name, image_folder, tmp_path, capsys):
     tfile = tmp_path / "templates.json"
     tfile.write_text(json.dumps(TEMPLATES))
     out = tmp_path / "out"
-    common = ["--model", tiny_name, "--pretrained", str(ckpt), "--data", str(image_folder), "--workers", "0",
-              "--batch-size", "5", "--out", str(out), "--device", "cpu"]
+    common = [
+        "--model",
+        tiny_name,
+        "--pretrained",
+        str(ckpt),
+        "--data",
+        str(image_folder),
+        "--workers",
+        "0",
+        "--batch-size",
+        "5",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
     main(common + ["--templates", str(tfile)])
     lines = capsys.readouterr().out.strip().splitlines()
     res = json.loads(lines[-1])
@@ -205,8 +229,15 @@ def test_cli_zeroshot_and_embed(tiny_name, image_folder, tmp_path, capsys):
     assert 0.0 <= res["top1"] <= res["top5"] <= 1.0
     assert json.loads((out / "zeroshot_metrics.json").read_text())["top1"] == res["top1"]
     # the same checkpoint with stock attention gives the same accuracy
-    stock = run(model=tiny_name, data=str(image_folder), pretrained=str(ckpt), templates=str(tfile), elsa=False,
-                num_workers=0, device="cpu")
+    stock = run(
+        model=tiny_name,
+        data=str(image_folder),
+        pretrained=str(ckpt),
+        templates=str(tfile),
+        elsa=False,
+        num_workers=0,
+        device="cpu",
+    )
     assert stock["top1"] == res["top1"] and stock["elsa"] is False
     # high-resolution embeddings through ElsaCLIPVision (positional embedding resampled 4x4 -> 6x6)
     main(common + ["--task", "embed", "--image-size", "48", "--embed-format", "npz"])

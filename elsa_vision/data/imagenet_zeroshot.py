@@ -1,8 +1,8 @@
 """ImageNet-1k class names and the 80 OpenAI prompt templates for zero-shot classification.
 
 Both come from ``open_clip.zero_shot_metadata`` (the lists the CLIP paper used): class names are in the
-order of the sorted WordNet ids, i.e. the label order of an ImageNet ``ImageFolder``. Templates are turned into
-``str.format`` strings with one ``{}`` slot.
+order of the sorted WordNet ids, i.e. the label order of an ImageNet ``ImageFolder``. Templates are turned
+into ``str.format`` strings with one ``{}`` slot.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``elsa_clip(model)`` replaces every ``nn.MultiheadAttention`` inside ``model.visual`` (the blocks'
 self-attention and the CoCa attentional poolers' cross-attention) by
-:class:`elsa_vision.models.clip_vision.ElsaMultiheadAttention` sharing the same parameter tensors, so the state
-dict, optimiser references and ``encode_image`` / ``encode_text`` / ``forward`` keep working unchanged.
+:class:`elsa_vision.models.clip_vision.ElsaMultiheadAttention` sharing the same parameter tensors, so the
+state dict, optimiser references and ``encode_image`` / ``encode_text`` / ``forward`` keep working unchanged.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def elsa_clip(model: nn.Module, *, backend: str = "auto", precision: str = "auto
 
     Returns:
         ``{"replaced": n, "modules": [qualified names under visual], "skipped": [(name, type)], "text_tower":
-        "unchanged"}``. ``skipped`` lists attention modules that are not ``nn.MultiheadAttention`` (open_clip's
-        custom ``Attention`` of qk-norm / scaled-cosine towers), left as they are.
+        "unchanged"}``. ``skipped`` lists attention modules that are not ``nn.MultiheadAttention``
+        (open_clip's custom ``Attention`` of qk-norm / scaled-cosine towers), left as they are.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"elsa_clip: model must be an nn.Module, got {type(model).__name__}")
@@ -43,12 +43,21 @@ def elsa_clip(model: nn.Module, *, backend: str = "auto", precision: str = "auto
             if isinstance(child, ElsaMultiheadAttention):
                 continue
             if isinstance(child, nn.MultiheadAttention):
-                setattr(parent, child_name, ElsaMultiheadAttention.from_torch(child, backend=backend,
-                                                                              precision=precision))
+                setattr(
+                    parent,
+                    child_name,
+                    ElsaMultiheadAttention.from_torch(child, backend=backend, precision=precision),
+                )
                 replaced.append(full)
             elif type(child).__name__ == "Attention" and hasattr(child, "in_proj_weight"):
                 skipped.append((full, type(child).__name__))
-    if not replaced and not skipped and not any(isinstance(m, ElsaMultiheadAttention) for m in visual.modules()):
-        raise ValueError(f"elsa_clip: found no nn.MultiheadAttention in the image tower "
-                         f"({type(visual).__name__}); expected an open_clip ViT tower")
+    if (
+        not replaced
+        and not skipped
+        and not any(isinstance(m, ElsaMultiheadAttention) for m in visual.modules())
+    ):
+        raise ValueError(
+            f"elsa_clip: found no nn.MultiheadAttention in the image tower "
+            f"({type(visual).__name__}); expected an open_clip ViT tower"
+        )
     return {"replaced": len(replaced), "modules": replaced, "skipped": skipped, "text_tower": "unchanged"}

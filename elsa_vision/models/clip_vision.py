@@ -13,8 +13,8 @@ learned queries. This module keeps open_clip's ``VisionTransformer`` state_dict 
     ln_post.*                             proj (D or E, E)
 
 so open_clip and OpenAI checkpoints load unchanged, while every attention (self-attention in the blocks and
-cross-attention of the pooler's learned queries) runs through :func:`elsa_vision.elsa_attention` with q, k, v as
-strided views of the fused ``in_proj`` output in SDPA layout ``[B, H, N, Dh]``.
+cross-attention of the pooler's learned queries) runs through :func:`elsa_vision.elsa_attention` with q, k, v
+as strided views of the fused ``in_proj`` output in SDPA layout ``[B, H, N, Dh]``.
 
 Inputs larger (or smaller) than ``image_size`` are accepted: the patch-grid positional embedding is resampled
 bicubically (antialiased), as open_clip's ``resize_pos_embed`` does when loading a checkpoint at another
@@ -60,7 +60,7 @@ def _pair(x) -> tuple[int, int]:
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm returning the input dtype; ``fp32=True`` normalises in float32 (open_clip's LayerNormFp32)."""
+    """LayerNorm returning the input dtype; ``fp32=True`` normalises in float32 (LayerNormFp32)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, fp32: bool = False, **kwargs) -> None:
         super().__init__(normalized_shape, eps=eps, **kwargs)
@@ -92,7 +92,7 @@ class LayerScale(nn.Module):
 
 
 class PatchDropout(nn.Module):
-    """Drops a random subset of patch tokens while training (https://arxiv.org/abs/2212.00794); keeps token 0."""
+    """Drops random patch tokens while training (https://arxiv.org/abs/2212.00794); keeps token 0."""
 
     def __init__(self, prob: float) -> None:
         super().__init__()
@@ -116,8 +116,8 @@ class ElsaMultiheadAttention(nn.Module):
 
     Parameters are those of ``torch.nn.MultiheadAttention`` (``in_proj_weight (3E, E)`` when
     ``kdim == vdim == embed_dim``, else ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``; ``in_proj_bias
-    (3E,)``; ``out_proj``), so its state_dict (and open_clip's) loads unchanged. Self-attention projects q, k, v
-    with one GEMM and hands ELSA strided views; cross-attention projects k and v together.
+    (3E,)``; ``out_proj``), so its state_dict (and open_clip's) loads unchanged. Self-attention projects
+    q, k, v with one GEMM and hands ELSA strided views; cross-attention projects k and v together.
 
     ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None, ...)`` returns
     ``(out, None)`` like ``nn.MultiheadAttention``. Mask semantics are torch's: bool ``attn_mask`` /
@@ -126,7 +126,8 @@ class ElsaMultiheadAttention(nn.Module):
 
     Args:
         embed_dim: query width E. num_heads: heads (E divisible by it). bias: projection biases.
-        kdim, vdim: key / value input widths (default E). batch_first: ``[B, N, E]`` inputs (else ``[N, B, E]``).
+        kdim, vdim: key / value input widths (default E).
+        batch_first: ``[B, N, E]`` inputs (else ``[N, B, E]``).
         dropout: attention dropout (training only). backend, precision: passed to ``elsa_attention``.
     """
 
@@ -145,13 +146,18 @@ class ElsaMultiheadAttention(nn.Module):
     ) -> None:
         super().__init__()
         if embed_dim % num_heads:
-            raise ValueError(f"ElsaMultiheadAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
-                             f"({num_heads})")
+            raise ValueError(
+                f"ElsaMultiheadAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
+                f"({num_heads})"
+            )
         if backend not in BACKENDS:
-            raise ValueError(f"ElsaMultiheadAttention: unknown backend {backend!r}; expected one of {BACKENDS}")
+            raise ValueError(
+                f"ElsaMultiheadAttention: unknown backend {backend!r}; expected one of {BACKENDS}"
+            )
         if precision not in PRECISIONS:
-            raise ValueError(f"ElsaMultiheadAttention: unknown precision {precision!r}; expected one of "
-                             f"{PRECISIONS}")
+            raise ValueError(
+                f"ElsaMultiheadAttention: unknown precision {precision!r}; expected one of {PRECISIONS}"
+            )
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
@@ -192,9 +198,17 @@ class ElsaMultiheadAttention(nn.Module):
         if mha.bias_k is not None or mha.bias_v is not None or mha.add_zero_attn:
             raise ValueError("from_torch: add_bias_kv / add_zero_attn are not supported (expected False)")
         with torch.device("meta"):
-            new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
-                      kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, backend=backend,
-                      precision=precision)
+            new = cls(
+                mha.embed_dim,
+                mha.num_heads,
+                dropout=mha.dropout,
+                bias=mha.in_proj_bias is not None,
+                kdim=mha.kdim,
+                vdim=mha.vdim,
+                batch_first=mha.batch_first,
+                backend=backend,
+                precision=precision,
+            )
         for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias"):
             setattr(new, name, getattr(mha, name))
         new.out_proj = mha.out_proj
@@ -202,7 +216,7 @@ class ElsaMultiheadAttention(nn.Module):
         return new
 
     def _bias(self, attn_mask, key_padding_mask, B, Nq, Nk, dtype, device) -> Tensor | None:
-        """torch MHA masks (bool True = hidden, or additive float) as one float bias ``[B|1, H|1, Nq, Nk]``."""
+        """torch MHA masks (bool True = hidden, or additive float) as a float bias ``[B|1, H|1, Nq, Nk]``."""
         bias = None
         if attn_mask is not None:
             if attn_mask.dim() == 2:
@@ -210,17 +224,27 @@ class ElsaMultiheadAttention(nn.Module):
             elif attn_mask.dim() == 3 and attn_mask.shape[0] == B * self.num_heads:
                 m = attn_mask.reshape(B, self.num_heads, Nq, Nk)
             else:
-                raise ValueError(f"ElsaMultiheadAttention: attn_mask must be [Nq, Nk] or [B*H, Nq, Nk] = "
-                                 f"[{B * self.num_heads}, {Nq}, {Nk}], got {list(attn_mask.shape)}")
-            bias = (torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(m, -math.inf)
-                    if m.dtype == torch.bool else m.to(dtype))
+                raise ValueError(
+                    f"ElsaMultiheadAttention: attn_mask must be [Nq, Nk] or [B*H, Nq, Nk] = "
+                    f"[{B * self.num_heads}, {Nq}, {Nk}], got {list(attn_mask.shape)}"
+                )
+            bias = (
+                torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(m, -math.inf)
+                if m.dtype == torch.bool
+                else m.to(dtype)
+            )
         if key_padding_mask is not None:
             if key_padding_mask.shape != (B, Nk):
-                raise ValueError(f"ElsaMultiheadAttention: key_padding_mask must be [B, Nk] = [{B}, {Nk}], got "
-                                 f"{list(key_padding_mask.shape)}")
+                raise ValueError(
+                    f"ElsaMultiheadAttention: key_padding_mask must be [B, Nk] = [{B}, {Nk}], got "
+                    f"{list(key_padding_mask.shape)}"
+                )
             kp = key_padding_mask.reshape(B, 1, 1, Nk)
-            kp = (torch.zeros(kp.shape, dtype=dtype, device=device).masked_fill_(kp, -math.inf)
-                  if kp.dtype == torch.bool else kp.to(dtype))
+            kp = (
+                torch.zeros(kp.shape, dtype=dtype, device=device).masked_fill_(kp, -math.inf)
+                if kp.dtype == torch.bool
+                else kp.to(dtype)
+            )
             bias = kp if bias is None else bias + kp
         return bias
 
@@ -236,8 +260,10 @@ class ElsaMultiheadAttention(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, None]:
         if need_weights:
-            raise ValueError("ElsaMultiheadAttention: need_weights=True is not supported (ELSA never forms the "
-                             "attention matrix); pass need_weights=False")
+            raise ValueError(
+                "ElsaMultiheadAttention: need_weights=True is not supported (ELSA never forms the "
+                "attention matrix); pass need_weights=False"
+            )
         self_attn = (key is None or key is query) and (value is None or value is query)
         key = query if key is None else key
         value = key if value is None else value
@@ -266,32 +292,57 @@ class ElsaMultiheadAttention(nn.Module):
                 v = F.linear(value, wv, bv).view(B, Nk, H, Dh).transpose(1, 2)
         bias = self._bias(attn_mask, key_padding_mask, B, Nq, Nk, q.dtype, q.device)
         dropout_p = self.dropout if self.training else 0.0
-        out = elsa_attention(q, k, v, attn_bias=bias, causal=bool(is_causal), precision=self.precision,
-                             backend="torch" if dropout_p > 0 else self.backend, dropout_p=dropout_p)
+        out = elsa_attention(
+            q,
+            k,
+            v,
+            attn_bias=bias,
+            causal=bool(is_causal),
+            precision=self.precision,
+            backend="torch" if dropout_p > 0 else self.backend,
+            dropout_p=dropout_p,
+        )
         out = self.out_proj(out.transpose(1, 2).reshape(B, Nq, E))
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, None
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, heads={self.num_heads}, kdim={self.kdim}, vdim={self.vdim}, "
-                f"backend={self.backend}, precision={self.precision}")
+        return (
+            f"embed_dim={self.embed_dim}, heads={self.num_heads}, kdim={self.kdim}, vdim={self.vdim}, "
+            f"backend={self.backend}, precision={self.precision}"
+        )
 
 
 class ResidualAttentionBlock(nn.Module):
     """Pre-norm block ``x + ls_1(attn(ln_1(x)))``, ``x + ls_2(mlp(ln_2(x)))`` with open_clip's names."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float, ls_init_value: float | None,
-                 act_layer: type[nn.Module], norm_layer, backend: str, precision: str) -> None:
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp_ratio: float,
+        ls_init_value: float | None,
+        act_layer: type[nn.Module],
+        norm_layer,
+        backend: str,
+        precision: str,
+    ) -> None:
         super().__init__()
         self.ln_1 = norm_layer(width)
         self.attn = ElsaMultiheadAttention(width, heads, backend=backend, precision=precision)
         self.ls_1 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
         self.ln_2 = norm_layer(width)
         hidden = int(width * mlp_ratio)
-        self.mlp = nn.Sequential(OrderedDict([
-            ("c_fc", nn.Linear(width, hidden)), ("gelu", act_layer()), ("c_proj", nn.Linear(hidden, width)),
-        ]))
+        self.mlp = nn.Sequential(
+            OrderedDict(
+                [
+                    ("c_fc", nn.Linear(width, hidden)),
+                    ("gelu", act_layer()),
+                    ("c_proj", nn.Linear(hidden, width)),
+                ]
+            )
+        )
         self.ls_2 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -303,15 +354,29 @@ class ResidualAttentionBlock(nn.Module):
 class Transformer(nn.Module):
     """``resblocks``: a stack of :class:`ResidualAttentionBlock` over ``[B, N, width]``."""
 
-    def __init__(self, width: int, layers: int, heads: int, mlp_ratio: float, ls_init_value: float | None,
-                 act_layer, norm_layer, backend: str, precision: str) -> None:
+    def __init__(
+        self,
+        width: int,
+        layers: int,
+        heads: int,
+        mlp_ratio: float,
+        ls_init_value: float | None,
+        act_layer,
+        norm_layer,
+        backend: str,
+        precision: str,
+    ) -> None:
         super().__init__()
         self.width, self.layers = width, layers
         self.grad_checkpointing = False
-        self.resblocks = nn.ModuleList([
-            ResidualAttentionBlock(width, heads, mlp_ratio, ls_init_value, act_layer, norm_layer, backend, precision)
-            for _ in range(layers)
-        ])
+        self.resblocks = nn.ModuleList(
+            [
+                ResidualAttentionBlock(
+                    width, heads, mlp_ratio, ls_init_value, act_layer, norm_layer, backend, precision
+                )
+                for _ in range(layers)
+            ]
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         for blk in self.resblocks:
@@ -328,12 +393,21 @@ class AttentionalPooler(nn.Module):
     ``[B, N, context_dim] -> [B, n_queries, d_model]``.
     """
 
-    def __init__(self, d_model: int, context_dim: int, n_head: int, n_queries: int, norm_layer,
-                 backend: str, precision: str) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        context_dim: int,
+        n_head: int,
+        n_queries: int,
+        norm_layer,
+        backend: str,
+        precision: str,
+    ) -> None:
         super().__init__()
         self.query = nn.Parameter(torch.randn(n_queries, d_model))
-        self.attn = ElsaMultiheadAttention(d_model, n_head, kdim=context_dim, vdim=context_dim,
-                                           backend=backend, precision=precision)
+        self.attn = ElsaMultiheadAttention(
+            d_model, n_head, kdim=context_dim, vdim=context_dim, backend=backend, precision=precision
+        )
         self.ln_q = norm_layer(d_model)
         self.ln_k = norm_layer(context_dim)
 
@@ -349,26 +423,33 @@ def _sincos_2d(width: int, grid: tuple[int, int]) -> Tensor:
         raise ValueError(f"sin_cos_2d positional embedding needs width divisible by 4, got {width}")
     gh, gw = grid
     omega = 1.0 / 10000 ** (torch.arange(width // 4, dtype=torch.float64) / (width / 4.0))
-    ys, xs = torch.meshgrid(torch.arange(gh, dtype=torch.float64), torch.arange(gw, dtype=torch.float64),
-                            indexing="ij")
+    ys, xs = torch.meshgrid(
+        torch.arange(gh, dtype=torch.float64), torch.arange(gw, dtype=torch.float64), indexing="ij"
+    )
     parts = []
-    for coord in (xs.reshape(-1), ys.reshape(-1)):  # first half encodes the column (w), second half the row (h)
+    for coord in (
+        xs.reshape(-1),
+        ys.reshape(-1),
+    ):  # first half encodes the column (w), second half the row (h)
         out = coord[:, None] * omega[None]
         parts += [out.sin(), out.cos()]
     emb = torch.cat(parts, dim=1)
     return torch.cat([torch.zeros(1, width, dtype=torch.float64), emb], 0).float()
 
 
-def resample_positional_embedding(pos: Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int],
-                                  num_prefix_tokens: int = 1) -> Tensor:
+def resample_positional_embedding(
+    pos: Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int], num_prefix_tokens: int = 1
+) -> Tensor:
     """Resample the patch rows of ``pos (prefix + gh*gw, D)`` to ``new_grid`` (bicubic, antialiased).
 
     The prefix (class) rows are kept; this is open_clip's ``resize_pos_embed`` for any (also non-square) grid.
     """
     old_grid, new_grid = _pair(old_grid), _pair(new_grid)
     if pos.shape[0] != num_prefix_tokens + old_grid[0] * old_grid[1]:
-        raise ValueError(f"positional embedding has {pos.shape[0]} rows, expected {num_prefix_tokens} + "
-                         f"{old_grid[0]}*{old_grid[1]} for grid {old_grid}")
+        raise ValueError(
+            f"positional embedding has {pos.shape[0]} rows, expected {num_prefix_tokens} + "
+            f"{old_grid[0]}*{old_grid[1]} for grid {old_grid}"
+        )
     if old_grid == new_grid:
         return pos
     prefix, grid = pos[:num_prefix_tokens], pos[num_prefix_tokens:]
@@ -392,7 +473,8 @@ class ElsaCLIPVision(nn.Module):
         attn_pooler_queries, attn_pooler_heads: pooler shape.
         output_dim: embedding width E (``proj`` is ``(D, E)``, or ``(E, E)`` with an attentional pooler).
         patch_dropout: training-time patch drop fraction. no_ln_pre: drop ``ln_pre``.
-        pos_embed_type: ``"learnable"`` or ``"sin_cos_2d"`` (fixed). pool_type: ``"tok"``, ``"avg"``, ``"none"``.
+        pos_embed_type: ``"learnable"`` or ``"sin_cos_2d"`` (fixed).
+        pool_type: ``"tok"``, ``"avg"``, ``"none"``.
         final_ln_after_pool: apply ``ln_post`` after pooling (no attentional pool).
         act_layer: ``"gelu"``, ``"quick_gelu"`` or an ``nn.Module`` class. norm_eps: LayerNorm eps.
         norm_fp32: LayerNorm in float32 for half inputs (open_clip's ``LayerNormFp32``).
@@ -400,8 +482,8 @@ class ElsaCLIPVision(nn.Module):
         attn_backend, attn_precision: ``elsa_attention`` backend / float32 precision of every attention.
 
     Shapes: ``forward(x [B, 3, H, W]) -> [B, E]`` (``[B, 1, E]`` for ``"parallel"``/``"cascade"``), tokens
-    ``[B, gh*gw, D]`` (``[B, n_queries - 1, E]`` with CoCa pooling). ``H, W`` must be multiples of the patch size;
-    other than ``image_size`` they use a resampled positional embedding.
+    ``[B, gh*gw, D]`` (``[B, n_queries - 1, E]`` with CoCa pooling). ``H, W`` must be multiples of the patch
+    size; other than ``image_size`` they use a resampled positional embedding.
     """
 
     def __init__(
@@ -434,24 +516,31 @@ class ElsaCLIPVision(nn.Module):
         if pool_type not in ("tok", "avg", "none"):
             raise ValueError(f"ElsaCLIPVision: pool_type must be 'tok', 'avg' or 'none', got {pool_type!r}")
         if pos_embed_type not in ("learnable", "sin_cos_2d"):
-            raise ValueError(f"ElsaCLIPVision: pos_embed_type must be 'learnable' or 'sin_cos_2d', got "
-                             f"{pos_embed_type!r}")
+            raise ValueError(
+                f"ElsaCLIPVision: pos_embed_type must be 'learnable' or 'sin_cos_2d', got {pos_embed_type!r}"
+            )
         if attentional_pool not in (False, True, "parallel", "cascade"):
-            raise ValueError(f"ElsaCLIPVision: attentional_pool must be False, True, 'parallel' or 'cascade', "
-                             f"got {attentional_pool!r}")
+            raise ValueError(
+                f"ElsaCLIPVision: attentional_pool must be False, True, 'parallel' or 'cascade', "
+                f"got {attentional_pool!r}"
+            )
         if isinstance(act_layer, str):
             acts = {"gelu": nn.GELU, "quick_gelu": QuickGELU}
             if act_layer not in acts:
-                raise ValueError(f"ElsaCLIPVision: act_layer must be one of {sorted(acts)} or a module class, "
-                                 f"got {act_layer!r}")
+                raise ValueError(
+                    f"ElsaCLIPVision: act_layer must be one of {sorted(acts)} or a module class, "
+                    f"got {act_layer!r}"
+                )
             act_layer = acts[act_layer]
         if width % heads:
             raise ValueError(f"ElsaCLIPVision: width ({width}) must be divisible by heads ({heads})")
         self.image_size = _pair(image_size)
         self.patch_size = _pair(patch_size)
         if self.image_size[0] % self.patch_size[0] or self.image_size[1] % self.patch_size[1]:
-            raise ValueError(f"ElsaCLIPVision: image_size {self.image_size} must be a multiple of patch_size "
-                             f"{self.patch_size}")
+            raise ValueError(
+                f"ElsaCLIPVision: image_size {self.image_size} must be a multiple of patch_size "
+                f"{self.patch_size}"
+            )
         self.grid_size = (self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1])
         self.width, self.output_dim = width, output_dim
         self.output_tokens = output_tokens
@@ -471,15 +560,32 @@ class ElsaCLIPVision(nn.Module):
             self.positional_embedding = nn.Parameter(_sincos_2d(width, self.grid_size), requires_grad=False)
         self.patch_dropout = PatchDropout(patch_dropout) if patch_dropout > 0 else nn.Identity()
         self.ln_pre = nn.Identity() if no_ln_pre else norm_layer(width)
-        self.transformer = Transformer(width, layers, heads, mlp_ratio, ls_init_value, act_layer, norm_layer,
-                                       attn_backend, attn_precision)
+        self.transformer = Transformer(
+            width,
+            layers,
+            heads,
+            mlp_ratio,
+            ls_init_value,
+            act_layer,
+            norm_layer,
+            attn_backend,
+            attn_precision,
+        )
         self.attn_pool_type = attentional_pool if isinstance(attentional_pool, str) else ""
         if attentional_pool:
-            self.attn_pool = AttentionalPooler(output_dim, width, attn_pooler_heads, attn_pooler_queries,
-                                               norm_layer, attn_backend, attn_precision)
+            self.attn_pool = AttentionalPooler(
+                output_dim,
+                width,
+                attn_pooler_heads,
+                attn_pooler_queries,
+                norm_layer,
+                attn_backend,
+                attn_precision,
+            )
             if isinstance(attentional_pool, str):
-                self.attn_pool_contrastive = AttentionalPooler(output_dim, width, attn_pooler_heads, 1,
-                                                               norm_layer, attn_backend, attn_precision)
+                self.attn_pool_contrastive = AttentionalPooler(
+                    output_dim, width, attn_pooler_heads, 1, norm_layer, attn_backend, attn_precision
+                )
                 self.pool_type = "none"
             else:
                 self.attn_pool_contrastive = None
@@ -512,11 +618,12 @@ class ElsaCLIPVision(nn.Module):
         return {"positional_embedding", "class_embedding"}
 
     def set_image_size(self, image_size) -> None:
-        """Resample ``positional_embedding`` to a new default input size (in place, like loading at that size)."""
+        """Resample ``positional_embedding`` to a new default input size (in place)."""
         image_size = _pair(image_size)
         if image_size[0] % self.patch_size[0] or image_size[1] % self.patch_size[1]:
-            raise ValueError(f"set_image_size: image_size {image_size} must be a multiple of patch_size "
-                             f"{self.patch_size}")
+            raise ValueError(
+                f"set_image_size: image_size {image_size} must be a multiple of patch_size {self.patch_size}"
+            )
         grid = (image_size[0] // self.patch_size[0], image_size[1] // self.patch_size[1])
         with torch.no_grad():
             new = resample_positional_embedding(self.positional_embedding.data, self.grid_size, grid)
@@ -534,8 +641,9 @@ class ElsaCLIPVision(nn.Module):
             raise ValueError(f"ElsaCLIPVision: expected images [B, 3, H, W], got {list(x.shape)}")
         H, W = x.shape[-2:]
         if H % self.patch_size[0] or W % self.patch_size[1]:
-            raise ValueError(f"ElsaCLIPVision: input size ({H}, {W}) must be a multiple of patch_size "
-                             f"{self.patch_size}")
+            raise ValueError(
+                f"ElsaCLIPVision: input size ({H}, {W}) must be a multiple of patch_size {self.patch_size}"
+            )
         x = self.conv1(x)
         grid = (x.shape[-2], x.shape[-1])
         x = x.flatten(2).transpose(1, 2)
@@ -596,10 +704,12 @@ def vision_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     sd = {k[7:] if k.startswith("module.") else k: v for k, v in state_dict.items()}
     if "conv1.weight" in sd:
         return dict(sd)
-    vis = {k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")}
+    vis = {k[len("visual.") :]: v for k, v in sd.items() if k.startswith("visual.")}
     if not vis:
-        raise ValueError("state_dict has neither 'visual.*' keys (a CLIP checkpoint) nor 'conv1.weight' (an image "
-                         f"tower); first keys: {list(sd)[:5]}")
+        raise ValueError(
+            "state_dict has neither 'visual.*' keys (a CLIP checkpoint) nor 'conv1.weight' (an image "
+            f"tower); first keys: {list(sd)[:5]}"
+        )
     return vis
 
 
@@ -635,7 +745,9 @@ def load_clip_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
         if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
             sd = sd["state_dict"]
         if not isinstance(sd, Mapping):
-            raise ValueError(f"checkpoint {path!r} holds a {type(sd).__name__}, expected a state_dict mapping")
+            raise ValueError(
+                f"checkpoint {path!r} holds a {type(sd).__name__}, expected a state_dict mapping"
+            )
     for key in ("input_resolution", "context_length", "vocab_size"):
         sd.pop(key, None)
     return {k[7:] if k.startswith("module.") else k: v for k, v in sd.items() if isinstance(v, Tensor)}
@@ -648,14 +760,23 @@ def _infer_config(vis: Mapping[str, Tensor]) -> dict[str, Any]:
         n_pos = vis["positional_embedding"].shape[0]
         proj = vis["proj"]
     except KeyError as e:
-        raise ValueError(f"image-tower state_dict lacks {e.args[0]!r}; not an open_clip/OpenAI ViT tower") from e
+        raise ValueError(
+            f"image-tower state_dict lacks {e.args[0]!r}; not an open_clip/OpenAI ViT tower"
+        ) from e
     layers = len({k.split(".")[2] for k in vis if k.startswith("transformer.resblocks.")})
     gh = math.isqrt(n_pos - 1)
     if gh * gh != n_pos - 1:
         raise ValueError(f"positional_embedding has {n_pos} rows, not 1 + a square grid; pass a config name")
-    cfg = dict(image_size=gh * ph, patch_size=ph, width=width, layers=layers, heads=width // 64,
-               output_dim=proj.shape[1], mlp_ratio=vis["transformer.resblocks.0.mlp.c_fc.weight"].shape[0] / width,
-               no_ln_pre="ln_pre.weight" not in vis)
+    cfg = dict(
+        image_size=gh * ph,
+        patch_size=ph,
+        width=width,
+        layers=layers,
+        heads=width // 64,
+        output_dim=proj.shape[1],
+        mlp_ratio=vis["transformer.resblocks.0.mlp.c_fc.weight"].shape[0] / width,
+        no_ln_pre="ln_pre.weight" not in vis,
+    )
     if "transformer.resblocks.0.ls_1.gamma" in vis:
         cfg["ls_init_value"] = 1e-5
     if "attn_pool.query" in vis:
@@ -667,8 +788,11 @@ def _infer_config(vis: Mapping[str, Tensor]) -> dict[str, Any]:
 def _load_tower(model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str) -> None:
     vis = dict(vis)
     pos = vis.get("positional_embedding")
-    if pos is not None and pos.shape != model.positional_embedding.shape and pos.shape[1:] == \
-            model.positional_embedding.shape[1:]:
+    if (
+        pos is not None
+        and pos.shape != model.positional_embedding.shape
+        and pos.shape[1:] == model.positional_embedding.shape[1:]
+    ):
         gh = math.isqrt(pos.shape[0] - 1)
         if gh * gh == pos.shape[0] - 1:
             vis["positional_embedding"] = resample_positional_embedding(pos, (gh, gh), model.grid_size)
@@ -679,17 +803,23 @@ def _load_tower(model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str) -
         if k not in vis:
             missing.append(k)
         elif vis[k].shape != own[k].shape:
-            raise ValueError(f"checkpoint {source}: {k!r} has shape {list(vis[k].shape)}, the model expects "
-                             f"{list(own[k].shape)}")
+            raise ValueError(
+                f"checkpoint {source}: {k!r} has shape {list(vis[k].shape)}, the model expects "
+                f"{list(own[k].shape)}"
+            )
     unexpected = [k for k in vis if k not in own]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {source} does not match the image tower: missing {missing[:6]}"
-                         f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
-                         f"{'...' if len(unexpected) > 6 else ''}")
+        raise ValueError(
+            f"checkpoint {source} does not match the image tower: missing {missing[:6]}"
+            f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
+            f"{'...' if len(unexpected) > 6 else ''}"
+        )
     model.load_state_dict(vis, strict=True)
 
 
-def create_elsa_clip_vision(name: str, pretrained: str | os.PathLike | None = None, **kwargs) -> ElsaCLIPVision:
+def create_elsa_clip_vision(
+    name: str, pretrained: str | os.PathLike | None = None, **kwargs
+) -> ElsaCLIPVision:
     """Build a registered architecture (:data:`CLIP_VISION_ARCHITECTURES`), optionally loading a local file.
 
     ``pretrained``: a CLIP checkpoint (full model or image tower, open_clip or OpenAI format); a positional
@@ -697,8 +827,10 @@ def create_elsa_clip_vision(name: str, pretrained: str | os.PathLike | None = No
     ``act_layer="quick_gelu"`` for OpenAI weights, ``attn_backend``).
     """
     if name not in CLIP_VISION_ARCHITECTURES:
-        raise ValueError(f"create_elsa_clip_vision: unknown name {name!r}; expected one of "
-                         f"{sorted(CLIP_VISION_ARCHITECTURES)}")
+        raise ValueError(
+            f"create_elsa_clip_vision: unknown name {name!r}; expected one of "
+            f"{sorted(CLIP_VISION_ARCHITECTURES)}"
+        )
     model = ElsaCLIPVision(**{**CLIP_VISION_ARCHITECTURES[name], **kwargs})
     if pretrained is not None:
         _load_tower(model, vision_state_dict(load_clip_state_dict(pretrained)), repr(os.fspath(pretrained)))
@@ -711,13 +843,19 @@ def _config_from_visual(visual: nn.Module) -> dict[str, Any]:
     from open_clip.transformer import QuickGELU as OcQuickGELU
 
     if not isinstance(visual, VisionTransformer):
-        raise TypeError(f"from_open_clip: the image tower must be open_clip's VisionTransformer, got "
-                        f"{type(visual).__name__} (timm / ResNet towers are not converted)")
+        raise TypeError(
+            f"from_open_clip: the image tower must be open_clip's VisionTransformer, got "
+            f"{type(visual).__name__} (timm / ResNet towers are not converted)"
+        )
     blocks = visual.transformer.resblocks
     blk = blocks[0]
-    if not isinstance(blk.attn, (nn.MultiheadAttention, ElsaMultiheadAttention)):  # stock or elsa_clip-patched
-        raise ValueError("from_open_clip: custom attention blocks (qk_norm / scaled_cosine_attn / scale_heads / "
-                         "scale_attn / scale_fc) are not supported; expected default ResidualAttentionBlocks")
+    if not isinstance(
+        blk.attn, (nn.MultiheadAttention, ElsaMultiheadAttention)
+    ):  # stock or elsa_clip-patched
+        raise ValueError(
+            "from_open_clip: custom attention blocks (qk_norm / scaled_cosine_attn / scale_heads / "
+            "scale_attn / scale_fc) are not supported; expected default ResidualAttentionBlocks"
+        )
     if visual.proj is None:
         raise ValueError("from_open_clip: the tower's `proj` was pruned (None); expected a projection matrix")
     act = blk.mlp.gelu
@@ -726,23 +864,36 @@ def _config_from_visual(visual: nn.Module) -> dict[str, Any]:
     elif isinstance(act, nn.GELU) and act.approximate == "none":
         act_layer = "gelu"
     else:
-        raise ValueError(f"from_open_clip: unsupported activation {type(act).__name__}; expected GELU or QuickGELU")
+        raise ValueError(
+            f"from_open_clip: unsupported activation {type(act).__name__}; expected GELU or QuickGELU"
+        )
     width = visual.conv1.out_channels
     ls = blk.ls_1
     cfg = dict(
-        image_size=visual.image_size, patch_size=visual.patch_size, width=width, layers=len(blocks),
-        heads=blk.attn.num_heads, mlp_ratio=blk.mlp.c_fc.out_features / width,
+        image_size=visual.image_size,
+        patch_size=visual.patch_size,
+        width=width,
+        layers=len(blocks),
+        heads=blk.attn.num_heads,
+        mlp_ratio=blk.mlp.c_fc.out_features / width,
         ls_init_value=float(ls.gamma.detach().flatten()[0]) if hasattr(ls, "gamma") else None,
-        output_dim=visual.proj.shape[1], no_ln_pre=isinstance(visual.ln_pre, nn.Identity),
+        output_dim=visual.proj.shape[1],
+        no_ln_pre=isinstance(visual.ln_pre, nn.Identity),
         patch_dropout=getattr(visual.patch_dropout, "prob", 0.0),
         pos_embed_type="learnable" if visual.positional_embedding.requires_grad else "sin_cos_2d",
-        pool_type=visual.pool_type, final_ln_after_pool=visual.final_ln_after_pool, act_layer=act_layer,
-        norm_eps=blk.ln_1.eps, norm_fp32=isinstance(blk.ln_1, LayerNormFp32), output_tokens=visual.output_tokens,
+        pool_type=visual.pool_type,
+        final_ln_after_pool=visual.final_ln_after_pool,
+        act_layer=act_layer,
+        norm_eps=blk.ln_1.eps,
+        norm_fp32=isinstance(blk.ln_1, LayerNormFp32),
+        output_tokens=visual.output_tokens,
     )
     if visual.attn_pool is not None:
-        cfg.update(attentional_pool=visual.attn_pool_type or True,
-                   attn_pooler_queries=visual.attn_pool.query.shape[0],
-                   attn_pooler_heads=visual.attn_pool.attn.num_heads)
+        cfg.update(
+            attentional_pool=visual.attn_pool_type or True,
+            attn_pooler_queries=visual.attn_pool.query.shape[0],
+            attn_pooler_heads=visual.attn_pool.attn.num_heads,
+        )
         if not visual.attn_pool_type:
             cfg["pool_type"] = visual.pool_type
     return cfg
@@ -758,8 +909,18 @@ def _config_from_name(name: str) -> dict[str, Any]:
     vc = dict(mc["vision_cfg"])
     if vc.get("timm_model_name") or isinstance(vc.get("layers"), (list, tuple)):
         raise ValueError(f"from_open_clip: {name!r} has a timm/ResNet image tower; only ViT towers convert")
-    custom = [k for k in ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner", "scale_attn",
-                          "scale_fc") if vc.get(k)]
+    custom = [
+        k
+        for k in (
+            "qk_norm",
+            "scaled_cosine_attn",
+            "scale_heads",
+            "scale_attn_inner",
+            "scale_attn",
+            "scale_fc",
+        )
+        if vc.get(k)
+    ]
     if custom or vc.get("block_type") == "custom":
         raise ValueError(f"from_open_clip: {name!r} uses custom attention blocks ({custom}); not supported")
     if vc.get("act_kwargs"):
@@ -767,14 +928,24 @@ def _config_from_name(name: str) -> dict[str, Any]:
     width = vc.get("width", 768)
     norm_kwargs = vc.get("norm_kwargs") or {}
     return dict(
-        image_size=vc.get("image_size", 224), patch_size=vc.get("patch_size", 16), width=width,
-        layers=vc.get("layers", 12), heads=width // vc.get("head_width", 64), mlp_ratio=vc.get("mlp_ratio", 4.0),
-        ls_init_value=vc.get("ls_init_value"), attentional_pool=vc.get("attentional_pool", False),
-        attn_pooler_queries=vc.get("attn_pooler_queries", 256), attn_pooler_heads=vc.get("attn_pooler_heads", 8),
-        output_dim=mc["embed_dim"], patch_dropout=vc.get("patch_dropout", 0.0), no_ln_pre=vc.get("no_ln_pre", False),
-        pos_embed_type=vc.get("pos_embed_type", "learnable"), pool_type=vc.get("pool_type", "tok"),
+        image_size=vc.get("image_size", 224),
+        patch_size=vc.get("patch_size", 16),
+        width=width,
+        layers=vc.get("layers", 12),
+        heads=width // vc.get("head_width", 64),
+        mlp_ratio=vc.get("mlp_ratio", 4.0),
+        ls_init_value=vc.get("ls_init_value"),
+        attentional_pool=vc.get("attentional_pool", False),
+        attn_pooler_queries=vc.get("attn_pooler_queries", 256),
+        attn_pooler_heads=vc.get("attn_pooler_heads", 8),
+        output_dim=mc["embed_dim"],
+        patch_dropout=vc.get("patch_dropout", 0.0),
+        no_ln_pre=vc.get("no_ln_pre", False),
+        pos_embed_type=vc.get("pos_embed_type", "learnable"),
+        pool_type=vc.get("pool_type", "tok"),
         final_ln_after_pool=vc.get("final_ln_after_pool", False),
-        act_layer="quick_gelu" if mc.get("quick_gelu", False) else "gelu", norm_eps=norm_kwargs.get("eps", 1e-5),
+        act_layer="quick_gelu" if mc.get("quick_gelu", False) else "gelu",
+        norm_eps=norm_kwargs.get("eps", 1e-5),
         output_tokens=vc.get("output_tokens", False),
     )
 
@@ -792,33 +963,44 @@ def from_open_clip(
 
     Args:
         model_or_name: one of
-            * an open_clip ``CLIP`` / ``CustomTextCLIP`` / ``CoCa`` (its ``.visual``) or a ``VisionTransformer``:
-              configuration and weights are copied as float32 on the tower's device (the source is untouched);
-            * an open_clip config name (``"ViT-B-16"``, ``"coca_ViT-B-32"``, ``"ViT-L-14-336-quickgelu"``): the
-              tower is built from the config, with weights from ``pretrained``;
+            * an open_clip ``CLIP`` / ``CustomTextCLIP`` / ``CoCa`` (its ``.visual``) or a
+              ``VisionTransformer``: configuration and weights are copied as float32 on the tower's device
+              (the source is untouched);
+            * an open_clip config name (``"ViT-B-16"``, ``"coca_ViT-B-32"``, ``"ViT-L-14-336-quickgelu"``):
+              the tower is built from the config, with weights from ``pretrained``;
             * the path of an OpenAI-format checkpoint (``visual.*`` keys; TorchScript or state_dict): the
               architecture is read from the weights, QuickGELU unless ``act_layer`` says otherwise.
         pretrained: a local checkpoint file for a config name (open_clip or OpenAI format, ``.pt``, ``.bin``,
             ``.safetensors``). Nothing is downloaded: tags such as ``"openai"`` are rejected.
         image_size: default input size; the positional embedding is resampled to it (bicubic).
-        attn_backend, attn_precision: ELSA settings. kwargs: ElsaCLIPVision overrides (e.g. ``output_tokens``).
+        attn_backend, attn_precision: ELSA settings.
+        kwargs: ElsaCLIPVision overrides (e.g. ``output_tokens``).
     """
     if isinstance(model_or_name, nn.Module):
         if pretrained is not None:
-            raise ValueError("from_open_clip: `pretrained` applies to a config name; got a model instance (load "
-                             "its weights first)")
+            raise ValueError(
+                "from_open_clip: `pretrained` applies to a config name; got a model instance (load "
+                "its weights first)"
+            )
         visual = getattr(model_or_name, "visual", model_or_name)
         cfg = {**_config_from_visual(visual), **kwargs}
         model = ElsaCLIPVision(**cfg, attn_backend=attn_backend, attn_precision=attn_precision)
-        model.load_state_dict({k: v.detach().clone().float() if v.is_floating_point() else v
-                               for k, v in visual.state_dict().items()}, strict=True)
+        model.load_state_dict(
+            {
+                k: v.detach().clone().float() if v.is_floating_point() else v
+                for k, v in visual.state_dict().items()
+            },
+            strict=True,
+        )
         model.to(visual.conv1.weight.device)
     elif isinstance(model_or_name, (str, os.PathLike)):
         name = os.fspath(model_or_name)
         if os.path.isfile(name):
             if pretrained is not None:
-                raise ValueError(f"from_open_clip: got a checkpoint path {name!r} and pretrained={pretrained!r}; "
-                                 "pass a config name with pretrained=<file>, or the OpenAI checkpoint alone")
+                raise ValueError(
+                    f"from_open_clip: got a checkpoint path {name!r} and pretrained={pretrained!r}; "
+                    "pass a config name with pretrained=<file>, or the OpenAI checkpoint alone"
+                )
             vis = vision_state_dict(load_clip_state_dict(name))
             cfg = {**_infer_config(vis), "act_layer": "quick_gelu", **kwargs}
             model = ElsaCLIPVision(**cfg, attn_backend=attn_backend, attn_precision=attn_precision)
@@ -829,13 +1011,16 @@ def from_open_clip(
             if pretrained is not None:
                 path = os.fspath(pretrained)
                 if not os.path.isfile(path):
-                    raise ValueError(f"from_open_clip: pretrained must be a local checkpoint file, got {path!r} "
-                                     "(weights are never downloaded)")
+                    raise ValueError(
+                        f"from_open_clip: pretrained must be a local checkpoint file, got {path!r} "
+                        "(weights are never downloaded)"
+                    )
                 _load_tower(model, vision_state_dict(load_clip_state_dict(path)), repr(path))
     else:
-        raise TypeError(f"from_open_clip: model_or_name must be an open_clip model, a config name or a checkpoint "
-                        f"path, got {type(model_or_name).__name__}")
+        raise TypeError(
+            f"from_open_clip: model_or_name must be an open_clip model, a config name or a checkpoint "
+            f"path, got {type(model_or_name).__name__}"
+        )
     if image_size is not None:
         model.set_image_size(image_size)
     return model
-

@@ -1,20 +1,20 @@
 """Zero-shot classification and image-embedding export for CLIP models (image tower on ELSA).
 
-The protocol is CLIP's (https://arxiv.org/abs/2103.00020, open_clip's ``zero_shot.py``): for every class the text
-embeddings of all prompt templates are L2-normalised, averaged and re-normalised; an image is classified by
-``logits = 100 · normalize(encode_image(x)) @ classifier``; top-1 / top-5 accuracy over an image folder.
+The protocol is CLIP's (https://arxiv.org/abs/2103.00020, open_clip's ``zero_shot.py``): for every class the
+text embeddings of all prompt templates are L2-normalised, averaged and re-normalised; an image is classified
+by ``logits = 100 · normalize(encode_image(x)) @ classifier``; top-1 / top-5 accuracy over an image folder.
 
 Library functions (used by ``evaluate.py task=zeroshot|embed``):
 
 * :func:`build_zeroshot_classifier` -> ``[E, C]`` text classifier;
 * :func:`zeroshot_evaluate` -> ``{"top1", "top5", "num_samples"}``;
-* :func:`export_embeddings` -> ``.safetensors`` / ``.npz`` with ``embeddings [N, E]``, ``labels [N]``, ``paths``;
+* :func:`export_embeddings` -> ``.safetensors`` / ``.npz``: ``embeddings [N, E]``, ``labels [N]``, ``paths``;
 * :func:`load_classnames`, :func:`load_templates` (YAML / JSON files, or the built-in ImageNet lists);
 * :func:`run` -> the whole pipeline from plain arguments (a Hydra config maps onto its keyword arguments).
 
 Command line::
 
-    python -m elsa_vision.tasks.zeroshot --model ViT-B-16 --pretrained /path/ckpt.pt --data /path/imagefolder \\
+    python -m elsa_vision.tasks.zeroshot --model ViT-B-16 --pretrained /path/ckpt.pt --data /path/folder \\
         [--classnames f.yaml] [--templates f.json] [--task zeroshot|embed] [--out DIR]
 """
 
@@ -49,7 +49,7 @@ __all__ = [
 TASKS = ("zeroshot", "embed")
 
 
-# --------------------------------------------------------------------------------------- class names, templates
+# ----------------------------------------------------------------------------------- class names, templates
 
 
 def _read_structured(path: str | os.PathLike) -> Any:
@@ -65,14 +65,16 @@ def _read_structured(path: str | os.PathLike) -> Any:
         return json.loads(text)
     if path.suffix.lower() == ".txt":
         return [line.strip() for line in text.splitlines() if line.strip()]
-    raise ValueError(f"file {str(path)!r}: expected a .yaml, .yml, .json or .txt file, got suffix {path.suffix!r}")
+    raise ValueError(
+        f"file {str(path)!r}: expected a .yaml, .yml, .json or .txt file, got suffix {path.suffix!r}"
+    )
 
 
 def load_classnames(source: str | os.PathLike | Sequence[str] | None) -> list[str]:
     """Class names, in label order.
 
-    ``source``: ``None`` or ``"imagenet"`` (the 1000 ImageNet names); a sequence of strings; or a YAML / JSON /
-    TXT file holding a list, a mapping ``{label_index: name}``, or a mapping with a ``classnames`` list.
+    ``source``: ``None`` or ``"imagenet"`` (the 1000 ImageNet names); a sequence of strings; or a YAML /
+    JSON / TXT file holding a list, a mapping ``{label_index: name}`` or a mapping with a ``classnames`` list.
     """
     if source is None or (isinstance(source, str) and source == "imagenet"):
         from ..data.imagenet_zeroshot import IMAGENET_CLASSNAMES
@@ -86,15 +88,25 @@ def load_classnames(source: str | os.PathLike | Sequence[str] | None) -> list[st
             try:
                 keys = sorted(int(k) for k in data)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"classnames {source!r}: a mapping must have a 'classnames' list or integer keys "
-                                 f"(label -> name), got keys {list(data)[:5]}") from e
+                raise ValueError(
+                    f"classnames {source!r}: a mapping must have a 'classnames' list or integer keys "
+                    f"(label -> name), got keys {list(data)[:5]}"
+                ) from e
             if keys != list(range(len(keys))):
-                raise ValueError(f"classnames {source!r}: label keys must be 0..{len(keys) - 1}, got {keys[:5]}...")
+                raise ValueError(
+                    f"classnames {source!r}: label keys must be 0..{len(keys) - 1}, got {keys[:5]}..."
+                )
             data = [data[k] if k in data else data[str(k)] for k in keys]
-    if isinstance(data, str) or not isinstance(data, Sequence) or not data or not all(
-            isinstance(c, str) and c for c in data):
-        raise ValueError(f"classnames {source!r}: expected a non-empty list of non-empty strings, got "
-                         f"{type(data).__name__}")
+    if (
+        isinstance(data, str)
+        or not isinstance(data, Sequence)
+        or not data
+        or not all(isinstance(c, str) and c for c in data)
+    ):
+        raise ValueError(
+            f"classnames {source!r}: expected a non-empty list of non-empty strings, got "
+            f"{type(data).__name__}"
+        )
     return list(data)
 
 
@@ -111,10 +123,14 @@ def load_templates(source: str | os.PathLike | Sequence[str] | None) -> list[str
     data = _read_structured(source) if isinstance(source, (str, os.PathLike)) else source
     if isinstance(data, Mapping):
         if "templates" not in data:
-            raise ValueError(f"templates {source!r}: a mapping must have a 'templates' list, got keys {list(data)}")
+            raise ValueError(
+                f"templates {source!r}: a mapping must have a 'templates' list, got keys {list(data)}"
+            )
         data = data["templates"]
     if isinstance(data, str) or not isinstance(data, Sequence) or not data:
-        raise ValueError(f"templates {source!r}: expected a non-empty list of strings, got {type(data).__name__}")
+        raise ValueError(
+            f"templates {source!r}: expected a non-empty list of strings, got {type(data).__name__}"
+        )
     out = []
     for t in data:
         if not isinstance(t, str):
@@ -139,7 +155,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def encode_images(model: nn.Module, images: Tensor) -> Tensor:
-    """Image embeddings ``[B, E]`` (not normalised) from an open_clip model (``encode_image``) or an image tower."""
+    """Image embeddings ``[B, E]`` (not normalised) of an open_clip model (``encode_image``) or a tower."""
     if hasattr(model, "encode_image"):
         out = model.encode_image(images)
     else:
@@ -162,7 +178,7 @@ def build_zeroshot_classifier(
     device: torch.device | str | None = None,
     classes_per_batch: int = 16,
 ) -> Tensor:
-    """The zero-shot classifier ``[E, C]``: per class the re-normalised mean of its normalised prompt embeddings.
+    """Zero-shot classifier ``[E, C]``: per class the re-normalised mean of its normalised prompt embeddings.
 
     Args:
         model: anything with ``encode_text(tokens) -> [T, E]`` (an open_clip model).
@@ -177,12 +193,14 @@ def build_zeroshot_classifier(
     if isinstance(templates, str) or len(templates) == 0:
         raise ValueError("build_zeroshot_classifier: templates must be a non-empty sequence")
     if classes_per_batch < 1:
-        raise ValueError(f"build_zeroshot_classifier: classes_per_batch must be >= 1, got {classes_per_batch}")
+        raise ValueError(
+            f"build_zeroshot_classifier: classes_per_batch must be >= 1, got {classes_per_batch}"
+        )
     device = torch.device(device) if device is not None else _model_device(model)
     T = len(templates)
     columns = []
     for i in range(0, len(classnames), classes_per_batch):
-        names = classnames[i:i + classes_per_batch]
+        names = classnames[i : i + classes_per_batch]
         tokens = tokenizer([_render(t, c) for c in names for t in templates]).to(device)
         emb = F.normalize(model.encode_text(tokens).float(), dim=-1)
         emb = F.normalize(emb.reshape(len(names), T, -1).mean(dim=1), dim=-1)
@@ -200,7 +218,9 @@ def _unpack(batch) -> tuple[Tensor, Tensor | None, list[str] | None]:
         labels = batch[1] if len(batch) > 1 else None
         paths = list(batch[2]) if len(batch) > 2 else None
         return images, labels, paths
-    raise TypeError(f"batches must be images, (images, labels[, paths]) or a mapping; got {type(batch).__name__}")
+    raise TypeError(
+        f"batches must be images, (images, labels[, paths]) or a mapping; got {type(batch).__name__}"
+    )
 
 
 @torch.no_grad()
@@ -219,8 +239,10 @@ def zeroshot_evaluate(
     from torchmetrics.classification import MulticlassAccuracy
 
     if not isinstance(classifier, Tensor) or classifier.dim() != 2:
-        raise ValueError(f"zeroshot_evaluate: classifier must be a [E, C] tensor, got "
-                         f"{getattr(classifier, 'shape', type(classifier).__name__)}")
+        raise ValueError(
+            f"zeroshot_evaluate: classifier must be a [E, C] tensor, got "
+            f"{getattr(classifier, 'shape', type(classifier).__name__)}"
+        )
     device = torch.device(device) if device is not None else _model_device(model)
     C = classifier.shape[1]
     classifier = classifier.to(device=device, dtype=torch.float32)
@@ -233,8 +255,10 @@ def zeroshot_evaluate(
             raise ValueError("zeroshot_evaluate: batches must carry labels: (images, labels[, paths])")
         feats = F.normalize(encode_images(model, images.to(device)).float(), dim=-1)
         if feats.shape[1] != classifier.shape[0]:
-            raise ValueError(f"zeroshot_evaluate: image embeddings have width {feats.shape[1]}, the classifier "
-                             f"expects {classifier.shape[0]}")
+            raise ValueError(
+                f"zeroshot_evaluate: image embeddings have width {feats.shape[1]}, the classifier "
+                f"expects {classifier.shape[0]}"
+            )
         logits = logit_scale * feats @ classifier
         labels = torch.as_tensor(labels, device=device)
         top1.update(logits, labels)
@@ -261,7 +285,9 @@ def export_embeddings(
     """
     out_path = Path(out_path)
     if out_path.suffix not in (".safetensors", ".npz"):
-        raise ValueError(f"export_embeddings: out_path must end in .safetensors or .npz, got {str(out_path)!r}")
+        raise ValueError(
+            f"export_embeddings: out_path must end in .safetensors or .npz, got {str(out_path)!r}"
+        )
     device = torch.device(device) if device is not None else _model_device(model)
     embs, labels, paths = [], [], []
     for batch in dataloader:
@@ -278,8 +304,11 @@ def export_embeddings(
     if out_path.suffix == ".safetensors":
         from safetensors.torch import save_file
 
-        save_file({"embeddings": emb.contiguous(), "labels": lab.contiguous()}, str(out_path),
-                  metadata={"paths": json.dumps(paths), "normalized": str(bool(normalize))})
+        save_file(
+            {"embeddings": emb.contiguous(), "labels": lab.contiguous()},
+            str(out_path),
+            metadata={"paths": json.dumps(paths), "normalized": str(bool(normalize))},
+        )
     else:
         import numpy as np
 
@@ -291,7 +320,7 @@ def export_embeddings(
 
 
 class ImageFolderWithPaths:
-    """``torchvision.datasets.ImageFolder`` yielding ``(image, label, path)``; classes are the sorted folders."""
+    """``torchvision`` ``ImageFolder`` yielding ``(image, label, path)``; classes are the sorted folders."""
 
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None) -> None:
         from torchvision.datasets import ImageFolder
@@ -313,8 +342,15 @@ class ImageFolderWithPaths:
 # ------------------------------------------------------------------------------------------------- pipeline
 
 
-def _build_model(model_name: str, pretrained: str | None, device: torch.device, image_size: int | None,
-                 elsa: bool, backend: str, precision: str):
+def _build_model(
+    model_name: str,
+    pretrained: str | None,
+    device: torch.device,
+    image_size: int | None,
+    elsa: bool,
+    backend: str,
+    precision: str,
+):
     """An open_clip model with its image tower on ELSA, and its eval preprocessing."""
     import open_clip
 
@@ -322,7 +358,9 @@ def _build_model(model_name: str, pretrained: str | None, device: torch.device, 
     from ..models.clip_vision import from_open_clip
 
     if pretrained is not None and not os.path.isfile(pretrained):
-        raise ValueError(f"pretrained must be a local checkpoint file, got {pretrained!r} (nothing is downloaded)")
+        raise ValueError(
+            f"pretrained must be a local checkpoint file, got {pretrained!r} (nothing is downloaded)"
+        )
     if open_clip.get_model_config(model_name) is None:
         raise ValueError(f"unknown open_clip model {model_name!r}; see open_clip.list_models()")
     model = open_clip.create_model(model_name, pretrained=pretrained, device="cpu")
@@ -331,7 +369,9 @@ def _build_model(model_name: str, pretrained: str | None, device: torch.device, 
     report = {"elsa": False}
     if image_size is not None:
         # ElsaCLIPVision resamples the positional embedding to the requested input size.
-        model.visual = from_open_clip(model, image_size=image_size, attn_backend=backend, attn_precision=precision)
+        model.visual = from_open_clip(
+            model, image_size=image_size, attn_backend=backend, attn_precision=precision
+        )
         report = {"elsa": True, "image_tower": "ElsaCLIPVision", "image_size": image_size}
     elif elsa:
         report = {"elsa": True, **elsa_clip(model, backend=backend, precision=precision)}
@@ -339,9 +379,14 @@ def _build_model(model_name: str, pretrained: str | None, device: torch.device, 
     size = image_size if image_size is not None else pp.get("size", model.visual.image_size)
     if isinstance(size, (tuple, list)) and size[0] == size[1]:
         size = size[0]
-    transform = open_clip.image_transform(size, is_train=False, mean=pp.get("mean"), std=pp.get("std"),
-                                          interpolation=pp.get("interpolation", "bicubic"),
-                                          resize_mode=pp.get("resize_mode", "shortest"))
+    transform = open_clip.image_transform(
+        size,
+        is_train=False,
+        mean=pp.get("mean"),
+        std=pp.get("std"),
+        interpolation=pp.get("interpolation", "bicubic"),
+        resize_mode=pp.get("resize_mode", "shortest"),
+    )
     return model, open_clip.get_tokenizer(model_name), transform, report
 
 
@@ -366,7 +411,8 @@ def run(
 
     Args:
         model: open_clip config name. data: ImageFolder root (one sub-folder per class).
-        pretrained: local checkpoint (None: random init, for smoke tests). classnames: file / list / "imagenet";
+        pretrained: local checkpoint (None: random init, for smoke tests).
+        classnames: file / list / "imagenet";
             None uses ImageNet names for a 1000-class folder, else the folder names ("_" -> " ").
         templates: file / list / "openai" / "simple" (None: the 80 OpenAI templates).
         out: directory for ``metrics.json`` / ``embeddings.<fmt>`` (None: embeddings go to ``./embeddings``).
@@ -381,23 +427,35 @@ def run(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    net, tokenizer, transform, report = _build_model(model, pretrained, dev, image_size, elsa, attn_backend,
-                                                     attn_precision)
+    net, tokenizer, transform, report = _build_model(
+        model, pretrained, dev, image_size, elsa, attn_backend, attn_precision
+    )
     dataset = ImageFolderWithPaths(data, transform=transform)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                                         pin_memory=dev.type == "cuda")
-    result: dict[str, Any] = {"task": task, "model": model, "pretrained": pretrained, "data": str(data),
-                              "num_classes": len(dataset.classes), **{k: v for k, v in report.items()
-                                                                       if k in ("elsa", "replaced", "image_size")}}
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=dev.type == "cuda"
+    )
+    result: dict[str, Any] = {
+        "task": task,
+        "model": model,
+        "pretrained": pretrained,
+        "data": str(data),
+        "num_classes": len(dataset.classes),
+        **{k: v for k, v in report.items() if k in ("elsa", "replaced", "image_size")},
+    }
     t0 = time.perf_counter()
     if task == "zeroshot":
         if classnames is None:
-            names = (load_classnames("imagenet") if len(dataset.classes) == 1000
-                     else [c.replace("_", " ") for c in dataset.classes])
+            names = (
+                load_classnames("imagenet")
+                if len(dataset.classes) == 1000
+                else [c.replace("_", " ") for c in dataset.classes]
+            )
         else:
             names = load_classnames(classnames)
         if len(names) != len(dataset.classes):
-            raise ValueError(f"classnames: {len(names)} names for {len(dataset.classes)} class folders in {data!r}")
+            raise ValueError(
+                f"classnames: {len(names)} names for {len(dataset.classes)} class folders in {data!r}"
+            )
         classifier = build_zeroshot_classifier(net, tokenizer, names, load_templates(templates), device=dev)
         result.update(zeroshot_evaluate(net, classifier, loader, device=dev))
     else:
@@ -411,13 +469,17 @@ def run(
 
 
 def _table(result: Mapping[str, Any]) -> str:
-    rows = [(k, f"{v:.4f}" if isinstance(v, float) and not math.isnan(v) else str(v)) for k, v in result.items()]
+    rows = [
+        (k, f"{v:.4f}" if isinstance(v, float) and not math.isnan(v) else str(v)) for k, v in result.items()
+    ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m elsa_vision.tasks.zeroshot", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m elsa_vision.tasks.zeroshot", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", required=True, help="open_clip config name, e.g. ViT-B-16")
     p.add_argument("--pretrained", default=None, help="local checkpoint file (omit: random init)")
     p.add_argument("--data", required=True, help="ImageFolder root")
@@ -434,10 +496,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--attn-precision", default="auto")
     p.add_argument("--embed-format", default="safetensors", choices=("safetensors", "npz"))
     a = p.parse_args(argv)
-    result = run(model=a.model, data=a.data, pretrained=a.pretrained, task=a.task, classnames=a.classnames,
-                 templates=a.templates, out=a.out, batch_size=a.batch_size, num_workers=a.workers, device=a.device,
-                 image_size=a.image_size, elsa=not a.no_elsa, attn_backend=a.attn_backend,
-                 attn_precision=a.attn_precision, embed_format=a.embed_format)
+    result = run(
+        model=a.model,
+        data=a.data,
+        pretrained=a.pretrained,
+        task=a.task,
+        classnames=a.classnames,
+        templates=a.templates,
+        out=a.out,
+        batch_size=a.batch_size,
+        num_workers=a.workers,
+        device=a.device,
+        image_size=a.image_size,
+        elsa=not a.no_elsa,
+        attn_backend=a.attn_backend,
+        attn_precision=a.attn_precision,
+        embed_format=a.embed_format,
+    )
     print(_table(result))
     print(json.dumps(result))
     sys.stdout.flush()
