@@ -614,6 +614,31 @@ class ElsaCLIPVision(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.transformer.grad_checkpointing = enable
 
+    def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
+        """Freeze the tower except its last ``unlocked_groups`` groups (LiT; open_clip's grouping).
+
+        Groups, first to last: the embedding (``conv1``, ``class_embedding``, ``positional_embedding``,
+        ``ln_pre``), each block but the last, the last block with ``ln_post``, and ``proj``.
+        """
+        if unlocked_groups < 0:
+            raise ValueError(f"lock: unlocked_groups must be >= 0, got {unlocked_groups}")
+        for p in self.parameters():
+            p.requires_grad = False
+        if unlocked_groups == 0:
+            return
+        blocks = list(self.transformer.resblocks)
+        groups = [
+            [self.conv1, self.class_embedding, self.positional_embedding, self.ln_pre],
+            *[[b] for b in blocks[:-1]],
+            [blocks[-1], self.ln_post],
+            [self.proj],
+        ]
+        for group in groups[-unlocked_groups:]:
+            for item in group:
+                params = [item] if isinstance(item, nn.Parameter) else list(item.parameters())
+                for p in params:
+                    p.requires_grad = True
+
     def no_weight_decay(self) -> set[str]:
         return {"positional_embedding", "class_embedding"}
 

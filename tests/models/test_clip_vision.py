@@ -168,6 +168,17 @@ def test_variant_matches_open_clip(variant):
         assert out[1].shape[:2] == (3, n_tok)
 
 
+@pytest.mark.parametrize("unlocked", [0, 1, 2, 4])
+def test_lock_matches_open_clip(unlocked):
+    ref = _tower(layers=3)
+    ours = from_open_clip(ref)
+    ref.lock(unlocked_groups=unlocked)
+    ours.lock(unlocked_groups=unlocked)
+    trainable = [n for n, p in ours.named_parameters() if p.requires_grad]
+    assert trainable == [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert (len(trainable) > 0) == (unlocked > 0)
+
+
 def test_coca_pooler_uses_elsa_cross_attention(monkeypatch):
     """The pooler's learned queries go through elsa_attention with Nq = n_queries, Nk = 1 + grid tokens."""
     import elsa_vision.models.clip_vision as cv
