@@ -141,6 +141,15 @@ def save_random_weights(path: str, model_name: str, *, num_classes: int | None, 
     return dict(weights_shape_info(sd), model=name, path=path)
 
 
+def _saved_as_random(path: str) -> bool:
+    if not path.endswith(".safetensors"):
+        return False
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return (f.metadata() or {}).get("init") == "random"
+
+
 def heatmap_overlay(image: np.ndarray, heat: np.ndarray, max_side: int = 1024, alpha: float = 0.5) -> np.ndarray:
     """RGB uint8 overlay: ``heat [h, w]`` (any range) over ``image [C, H, W]`` (display only: min-max to 8 bit)."""
     from PIL import Image
@@ -272,6 +281,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               frame=0 if args.frame is None and detect_format(args.input) == "dicom"
                               else args.frame, series=args.series, level=args.level))
     sd = load_weights(args.weights) if args.weights else None
+    random_weights = sd is None or _saved_as_random(args.weights)
+    if sd is not None and random_weights:
+        print(f"WARNING: {args.weights} holds randomly initialised weights (saved by --save-random-weights); "
+              "predictions and heat maps are meaningless (demo only)", file=sys.stderr)
     if sd is None:
         print("WARNING: no --weights given: the model is RANDOMLY INITIALISED; predictions and heat maps are "
               "meaningless (demo only)", file=sys.stderr)
@@ -306,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           overlap_frac=args.tile_overlap, act_bytes=2 if amp_dtype is not None else 4)
     stock = None
     if args.compare_sdpa:
-        stock = build_model(name, model.state_dict(), size, stock=True).to(device)
+        stock = build_model(name, model.state_dict(), size, stock=True)  # on the device only while it runs
     summaries = []
     with _precision(args.precision):
         for im in images:
@@ -322,14 +335,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res = min((run_plan(model, img, plan, autocast_dtype=amp_dtype) for _ in range(args.repeats)),
                       key=lambda r: r.seconds)
             extra: dict[str, Any] = {
-                "model": name, "weights": args.weights, "random_weights": sd is None, "device": str(device),
+                "model": name, "weights": args.weights, "random_weights": random_weights, "device": str(device),
                 "input": os.path.abspath(args.input), "format": im.format, "index": im.index, "count": im.count,
                 "source_shape": list(im.data.shape), "reader": {k: v for k, v in im.meta.items()},
                 "preprocess": facts, "attn_backend": args.attn_backend,
             }
             if stock is not None:
+                stock.to(device)
                 runs = [_timed_stock(stock, img, amp) for _ in range(args.repeats)]
+                stock.cpu()
                 ref_tokens, ref_logits, sdpa_sec, sdpa_peak = min(runs, key=lambda r: r[2])
+                del runs
                 npt = model.num_prefix_tokens
                 ref_feats = ref_tokens[npt:].reshape(res.features.shape[1], res.features.shape[2], -1).permute(2, 0, 1)
                 dev = max(float((res.features - ref_feats).abs().max()),

@@ -96,6 +96,7 @@ def test_cli_subprocess_ct_small_compare_sdpa(weights, tmp_path):
     assert report["max_deviation_vs_sdpa"] < 1e-5
     assert report["sdpa_seconds"] > 0 and report["speed_ratio"] > 0
     assert report["reader"]["rescale_intercept"] == -1024.0
+    assert report["random_weights"] is True and "randomly initialised weights" in r.stderr
     with Image.open(out / "overlay.png") as im:
         assert im.size == (96, 96) and im.mode == "RGB"
 
@@ -211,6 +212,7 @@ def test_cli_png16_rgb_weights_replicate_vs_adapt(weights, tmp_path):
     ra, pa, fa = _outputs(tmp_path / "ada")
     _check_consistent(rr, pr, fr, 5)
     assert rr["reader"]["source_dtype"] == "uint16" and rr["preprocess"]["raw_max"] == 65535.0
+    assert rr["random_weights"] is False
     # summing the RGB patch weights is the same linear map as replicating the grey channel
     assert relerr(fa["features"], fr["features"]) <= 1e-5
 
