@@ -52,9 +52,25 @@ QUICK = [
 ]
 GOAL = {"img_size": 4096, "peak_mb": 16 * 1024, "speed_ratio": 2.0}
 FIELDS = [
-    "model", "img_size", "in_chans", "tokens", "device", "precision", "elsa_backend", "elsa_mode", "sdpa_kernel",
-    "elsa_s", "sdpa_s", "speed_ratio", "elsa_peak_mb", "sdpa_peak_mb", "max_abs_dev", "relerr", "repeats",
-    "torch", "date",
+    "model",
+    "img_size",
+    "in_chans",
+    "tokens",
+    "device",
+    "precision",
+    "elsa_backend",
+    "elsa_mode",
+    "sdpa_kernel",
+    "elsa_s",
+    "sdpa_s",
+    "speed_ratio",
+    "elsa_peak_mb",
+    "sdpa_peak_mb",
+    "max_abs_dev",
+    "relerr",
+    "repeats",
+    "torch",
+    "date",
 ]
 
 
@@ -107,8 +123,7 @@ def run_case(case: Case, dev: torch.device, repeats: int, attn_backend: str) -> 
 
     elsa_s, elsa_peak, out = _measure(run_elsa, dev, repeats)
     out = out.float().cpu()
-    elsa.cpu()
-    del elsa
+    elsa.cpu()  # frees the device for the stock model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     stock = build_model(case.model, sd, size, stock=True).to(dev)
@@ -123,14 +138,25 @@ def run_case(case: Case, dev: torch.device, repeats: int, attn_backend: str) -> 
     from elsa_vision.ops.attention import resolve_backend
 
     return {
-        "model": case.model, "img_size": case.img_size, "in_chans": case.in_chans, "tokens": out.shape[1],
+        "model": case.model,
+        "img_size": case.img_size,
+        "in_chans": case.in_chans,
+        "tokens": out.shape[1],
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        "precision": "fp32", "elsa_backend": resolve_backend(attn_backend, x), "elsa_mode": plan.mode,
-        "sdpa_kernel": kernel, "elsa_s": round(elsa_s, 5), "sdpa_s": round(sdpa_s, 5),
-        "speed_ratio": round(sdpa_s / elsa_s, 3), "elsa_peak_mb": round(elsa_peak, 1),
-        "sdpa_peak_mb": round(sdpa_peak, 1), "max_abs_dev": float((out - ref).abs().max()),
-        "relerr": float((out - ref).double().norm() / ref.double().norm()), "repeats": repeats,
-        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "precision": "fp32",
+        "elsa_backend": resolve_backend(attn_backend, x),
+        "elsa_mode": plan.mode,
+        "sdpa_kernel": kernel,
+        "elsa_s": round(elsa_s, 5),
+        "sdpa_s": round(sdpa_s, 5),
+        "speed_ratio": round(sdpa_s / elsa_s, 3),
+        "elsa_peak_mb": round(elsa_peak, 1),
+        "sdpa_peak_mb": round(sdpa_peak, 1),
+        "max_abs_dev": float((out - ref).abs().max()),
+        "relerr": float((out - ref).double().norm() / ref.double().norm()),
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
     }
 
 
@@ -140,14 +166,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attn-backend", default="auto", choices=("auto", "torch", "triton"))
-    p.add_argument("--out", default=None, help="CSV path (default benchmarks/results/highres[_quick]_<device>.csv)")
+    p.add_argument(
+        "--out", default=None, help="CSV path (default benchmarks/results/highres[_quick]_<device>.csv)"
+    )
     args = p.parse_args(argv)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cases = QUICK if args.quick else FULL
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"highres{'_quick' if args.quick else ''}_{dev.type}.csv")
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"highres{'_quick' if args.quick else ''}_{dev.type}.csv",
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     rows = []
     with open(out, "w", newline="") as f:
@@ -158,10 +189,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
             w.writerow(row)
             f.flush()
-            print(f"{row['model']} {row['img_size']}px {row['tokens']} tokens: ELSA {row['elsa_s']:.4f}s "
-                  f"({row['elsa_peak_mb']} MiB, {row['elsa_backend']}/{row['elsa_mode']}) vs SDPA "
-                  f"{row['sdpa_s']:.4f}s ({row['sdpa_peak_mb']} MiB) -> {row['speed_ratio']}x, "
-                  f"max|dev| {row['max_abs_dev']:.2e}, relerr {row['relerr']:.2e}")
+            print(
+                f"{row['model']} {row['img_size']}px {row['tokens']} tokens: ELSA {row['elsa_s']:.4f}s "
+                f"({row['elsa_peak_mb']} MiB, {row['elsa_backend']}/{row['elsa_mode']}) vs SDPA "
+                f"{row['sdpa_s']:.4f}s ({row['sdpa_peak_mb']} MiB) -> {row['speed_ratio']}x, "
+                f"max|dev| {row['max_abs_dev']:.2e}, relerr {row['relerr']:.2e}"
+            )
     for row in rows:
         if row["img_size"] == GOAL["img_size"] and dev.type == "cuda":
             ok = row["elsa_peak_mb"] < GOAL["peak_mb"] and row["speed_ratio"] >= GOAL["speed_ratio"]

@@ -75,7 +75,7 @@ def stock_model_name(name: str) -> str:
     """timm's stock (SDPA) counterpart of an ``elsa_*`` model, e.g. ``vit_base_patch16_224``."""
     import timm
 
-    stock = resolve_model_name(name)[len("elsa_"):]
+    stock = resolve_model_name(name)[len("elsa_") :]
     if stock not in timm.list_models(stock):
         raise ValueError(f"model {name!r} has no stock timm counterpart {stock!r}")
     return stock
@@ -101,16 +101,20 @@ def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
             break
     if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
         raise ValueError(f"weights file {path!r} does not hold a state_dict of tensors")
-    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
+    return {k[len("module.") :] if k.startswith("module.") else k: v for k, v in sd.items()}
 
 
 def weights_shape_info(sd: dict[str, Tensor]) -> dict[str, int]:
-    """``num_classes`` (0 without a head), ``in_chans``, ``embed_dim`` and ``patch_size`` read from weights."""
+    """``num_classes`` (0 without a head), ``in_chans``, ``embed_dim``, ``patch_size`` of the weights."""
     if "patch_embed.proj.weight" not in sd:
-        raise ValueError("weights have no 'patch_embed.proj.weight'; expected a timm VisionTransformer state_dict")
+        raise ValueError(
+            "weights have no 'patch_embed.proj.weight'; expected a timm VisionTransformer state_dict"
+        )
     w = sd["patch_embed.proj.weight"]
     if w.dim() != 4:
-        raise ValueError(f"'patch_embed.proj.weight' must be a conv weight [C, in_chans, p, p], got {list(w.shape)}")
+        raise ValueError(
+            f"'patch_embed.proj.weight' must be a conv weight [C, in_chans, p, p], got {list(w.shape)}"
+        )
     head = sd.get("head.weight")
     return {
         "num_classes": int(head.shape[0]) if head is not None else 0,
@@ -155,16 +159,20 @@ def build_model(
         if gray_adapt and in_chans != 1:
             sd["patch_embed.proj.weight"] = sd["patch_embed.proj.weight"].sum(dim=1, keepdim=True)
             in_chans = 1
-    kwargs: dict[str, Any] = dict(num_classes=1000 if num_classes is None else num_classes,
-                                  in_chans=3 if in_chans is None else in_chans, img_size=tuple(img_size))
+    kwargs: dict[str, Any] = dict(
+        num_classes=1000 if num_classes is None else num_classes,
+        in_chans=3 if in_chans is None else in_chans,
+        img_size=tuple(img_size),
+    )
     if stock:
         model = timm.create_model(stock_model_name(full), pretrained=False, **kwargs)
         for blk in model.blocks:
             if hasattr(blk.attn, "fused_attn"):
                 blk.attn.fused_attn = True  # F.scaled_dot_product_attention
     else:
-        model = timm.create_model(full, pretrained=False, attn_backend=attn_backend, attn_precision=attn_precision,
-                                  **kwargs)
+        model = timm.create_model(
+            full, pretrained=False, attn_backend=attn_backend, attn_precision=attn_precision, **kwargs
+        )
     if sd is not None:
         if sd["patch_embed.proj.weight"].shape[0] != model.embed_dim:
             raise ValueError(
@@ -173,7 +181,9 @@ def build_model(
             )
         p_ckpt = tuple(sd["patch_embed.proj.weight"].shape[-2:])
         if p_ckpt != tuple(model.patch_embed.patch_size):
-            raise ValueError(f"weights have patch size {p_ckpt}, model {full!r} has {model.patch_embed.patch_size}")
+            raise ValueError(
+                f"weights have patch size {p_ckpt}, model {full!r} has {model.patch_embed.patch_size}"
+            )
         pos = sd.get("pos_embed")
         if pos is not None and model.pos_embed is not None and pos.shape != model.pos_embed.shape:
             npt = _prefix_in_pos(model)
@@ -182,7 +192,9 @@ def build_model(
             if side * side != n_old:
                 raise ValueError(f"weights' pos_embed has {n_old} patch positions, not a square grid")
             sd["pos_embed"] = resample_abs_pos_embed(
-                pos.float(), new_size=list(model.patch_embed.grid_size), old_size=[side, side],
+                pos.float(),
+                new_size=list(model.patch_embed.grid_size),
+                old_size=[side, side],
                 num_prefix_tokens=npt,
             ).to(pos.dtype)
         try:
@@ -197,7 +209,8 @@ def build_model(
 
 def _param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        b.numel() * b.element_size() for b in model.buffers())
+        b.numel() * b.element_size() for b in model.buffers()
+    )
 
 
 def _resolved_backend(model: nn.Module, device: torch.device) -> str:
@@ -310,8 +323,13 @@ def plan_execution(
             continue
         e = estimate_memory_mb(model, N, mode="query_chunked", query_chunk=qc, **est)
         if e <= budget_mb:
-            return Plan("query_chunked", e, budget_mb, query_chunk=qc,
-                        reason=f"whole-image estimate {whole:.1f} MiB > budget {budget_mb:.1f} MiB")
+            return Plan(
+                "query_chunked",
+                e,
+                budget_mb,
+                query_chunk=qc,
+                reason=f"whole-image estimate {whole:.1f} MiB > budget {budget_mb:.1f} MiB",
+            )
     side = min(gh, gw)
     while side >= 1:
         tile = side * p
@@ -319,12 +337,22 @@ def plan_execution(
         n_t = side * side + model.num_prefix_tokens
         # accumulators: blended features + weights over the whole grid
         acc = 2 * (gh * gw * (model.embed_dim + 1)) * 4 / 2**20
-        e = estimate_memory_mb(model, n_t, mode="whole", backend=backend,
-                               image_elems=image_elems, act_bytes=act_bytes) + acc
+        e = (
+            estimate_memory_mb(
+                model, n_t, mode="whole", backend=backend, image_elems=image_elems, act_bytes=act_bytes
+            )
+            + acc
+        )
         if e <= budget_mb:
-            return Plan("tiled", e, budget_mb, tile=tile, overlap=ov,
-                        reason=f"global attention does not fit the budget {budget_mb:.1f} MiB "
-                               f"(whole {whole:.1f} MiB); sliding windows of {tile}px, overlap {ov}px")
+            return Plan(
+                "tiled",
+                e,
+                budget_mb,
+                tile=tile,
+                overlap=ov,
+                reason=f"global attention does not fit the budget {budget_mb:.1f} MiB "
+                f"(whole {whole:.1f} MiB); sliding windows of {tile}px, overlap {ov}px",
+            )
         side = side - max(1, side // 8)
     raise ValueError(
         f"memory budget {budget_mb} MiB is too small: even one {p}x{p}-patch tile needs more (weights alone "
@@ -356,7 +384,7 @@ def _embed(model: nn.Module, x: Tensor, offset: tuple[int, int] = (0, 0)) -> Ten
         if r0 + h > gh or c0 + w > gw:
             raise ValueError(f"tile at grid {offset} of {h}x{w} patches exceeds the model grid {gh}x{gw}")
         grid = model.pos_embed[:, npt:].reshape(1, gh, gw, C)
-        t = t + grid[:, r0:r0 + h, c0:c0 + w].reshape(1, h * w, C)
+        t = t + grid[:, r0 : r0 + h, c0 : c0 + w].reshape(1, h * w, C)
         if prefix:
             pre = torch.cat(prefix, dim=1)
             if npt:
@@ -376,14 +404,15 @@ def _block_query_chunked(blk: nn.Module, x: Tensor, chunk: int) -> Tensor:
     Hh, D = attn.num_heads, attn.head_dim
     qkv = x.new_empty(B, N, 3 * attn.attn_dim)
     for s in range(0, N, chunk):
-        qkv[:, s:s + chunk] = attn.qkv(blk.norm1(x[:, s:s + chunk]))
+        qkv[:, s : s + chunk] = attn.qkv(blk.norm1(x[:, s : s + chunk]))
     q, k, v = qkv.view(B, N, 3, Hh, D).permute(2, 0, 3, 1, 4).unbind(0)
     k = attn.k_norm(k)
     out = torch.empty_like(x)
     for s in range(0, N, chunk):
         e = min(N, s + chunk)
-        o = elsa_attention(attn.q_norm(q[:, :, s:e]), k, v, scale=attn.scale, precision=attn.precision,
-                           backend=attn.backend)
+        o = elsa_attention(
+            attn.q_norm(q[:, :, s:e]), k, v, scale=attn.scale, precision=attn.precision, backend=attn.backend
+        )
         o = attn.norm(o.transpose(1, 2).reshape(B, e - s, attn.attn_dim))
         if attn.gate is not None:
             o = o * attn.gate(blk.norm1(x[:, s:e])).sigmoid()
@@ -406,8 +435,9 @@ def _check_chunkable(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def forward_tokens(model: nn.Module, x: Tensor, *, query_chunk: int | None = None,
-                   offset: tuple[int, int] = (0, 0)) -> Tensor:
+def forward_tokens(
+    model: nn.Module, x: Tensor, *, query_chunk: int | None = None, offset: tuple[int, int] = (0, 0)
+) -> Tensor:
     """Final-norm tokens ``[B, prefix + h*w, C]`` of image ``x [B, in_chans, H, W]``.
 
     ``query_chunk=None`` runs each block whole (timm's forward); otherwise query-chunked (same result).
@@ -461,14 +491,19 @@ def _split(model: nn.Module, tokens: Tensor, h: int, w: int) -> tuple[Tensor, Te
 
 
 @torch.no_grad()
-def run_plan(model: nn.Module, image: Tensor, plan: Plan, *, autocast_dtype: torch.dtype | None = None) -> InferenceResult:
+def run_plan(
+    model: nn.Module, image: Tensor, plan: Plan, *, autocast_dtype: torch.dtype | None = None
+) -> InferenceResult:
     """Run ``model`` on ``image [in_chans, H, W]`` (already on the model's device) following ``plan``."""
     device = image.device
     p = model.patch_embed.patch_size[0]
     _, H, W = image.shape
     gh, gw = H // p, W // p
-    amp = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-           else torch.autocast(device.type, enabled=False))
+    amp = (
+        torch.autocast(device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else torch.autocast(device.type, enabled=False)
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
@@ -492,11 +527,11 @@ def run_plan(model: nn.Module, image: Tensor, plan: Plan, *, autocast_dtype: tor
             wt = _ramp(th, device)[:, None] * _ramp(tw, device)[None, :]
             for r in rows:
                 for c in cols:
-                    tile = x[:, :, r * p:(r + th) * p, c * p:(c + tw) * p]
+                    tile = x[:, :, r * p : (r + th) * p, c * p : (c + tw) * p]
                     tokens = forward_tokens(model, tile, offset=(r, c))
                     f, pre = _split(model, tokens.float(), th, tw)
-                    acc[:, r:r + th, c:c + tw] += f * wt
-                    wsum[:, r:r + th, c:c + tw] += wt
+                    acc[:, r : r + th, c : c + tw] += f * wt
+                    wsum[:, r : r + th, c : c + tw] += wt
                     pre_sum = pre if pre_sum is None else pre_sum + pre
                     if model.num_classes:
                         lg = model.forward_head(tokens)[0].float()
@@ -511,15 +546,27 @@ def run_plan(model: nn.Module, image: Tensor, plan: Plan, *, autocast_dtype: tor
         peak, kind = torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
     else:
         peak, kind = _peak_rss_mb(), "cpu_process_max_rss"
-    return InferenceResult(feats.float(), prefix.float(), None if logits is None else logits.float(), plan,
-                           seconds, peak, kind, n_tiles)
+    return InferenceResult(
+        feats.float(),
+        prefix.float(),
+        None if logits is None else logits.float(),
+        plan,
+        seconds,
+        peak,
+        kind,
+        n_tiles,
+    )
 
 
 def default_budget_mb(device: torch.device) -> float:
-    """90% of the free device memory (CUDA) or of the available RAM (CPU, from /proc/meminfo)."""
+    """90% of the free device memory (CUDA) or of the available RAM (CPU, from /proc/meminfo).
+
+    On CUDA the memory this process already holds through the caching allocator (the model's weights,
+    which the estimate counts) is added back.
+    """
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return 0.9 * free / 2**20
+        return (0.9 * free + torch.cuda.memory_reserved(device)) / 2**20
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -536,5 +583,6 @@ def resize_image(image: Tensor, size: Sequence[int]) -> Tensor:
     if (H, W) == tuple(size):
         return image
     shrink = size[0] < H or size[1] < W
-    return F.interpolate(image[None], size=tuple(size), mode="bilinear", align_corners=False,
-                         antialias=shrink)[0]
+    return F.interpolate(
+        image[None], size=tuple(size), mode="bilinear", align_corners=False, antialias=shrink
+    )[0]

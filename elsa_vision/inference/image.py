@@ -6,7 +6,8 @@ Usage::
         --input scan.dcm --img-size 2048 [--precision fp32|tf32|bf16] [--device cuda] \\
         [--memory-budget-mb N | --query-chunk N] [--compare-sdpa] --out DIR
 
-    python -m elsa_vision.inference.image --save-random-weights w.safetensors --model elsa_vit_tiny_patch16_224 \\
+    python -m elsa_vision.inference.image --save-random-weights w.safetensors \\
+        --model elsa_vit_tiny_patch16_224 \\
         [--num-classes 1000] [--in-chans 1]
 
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
@@ -47,10 +48,16 @@ __all__ = ["main", "build_parser", "heatmap_overlay", "save_random_weights"]
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # (position, RGB) anchors of a dark-to-bright perceptual colour map (black - purple - orange - yellow).
-_CMAP = np.array([
-    [0.00, 0.00, 0.00, 0.02], [0.25, 0.34, 0.06, 0.43], [0.50, 0.73, 0.21, 0.33],
-    [0.75, 0.98, 0.55, 0.04], [1.00, 0.99, 1.00, 0.64],
-], dtype=np.float32)
+_CMAP = np.array(
+    [
+        [0.00, 0.00, 0.00, 0.02],
+        [0.25, 0.34, 0.06, 0.43],
+        [0.50, 0.73, 0.21, 0.33],
+        [0.75, 0.98, 0.55, 0.04],
+        [1.00, 0.99, 1.00, 0.64],
+    ],
+    dtype=np.float32,
+)
 
 
 def _index_arg(s: str) -> int | str:
@@ -77,52 +84,114 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m elsa_vision.inference.image",
         description="Whole-image FP32 ViT inference with global ELSA attention on DICOM/NIfTI/TIFF/PNG/JPEG.",
     )
-    p.add_argument("--model", required=True,
-                   help=f"registered elsa_* model name or alias ({', '.join(sorted(MODEL_ALIASES))})")
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"registered elsa_* model name or alias ({', '.join(sorted(MODEL_ALIASES))})",
+    )
     p.add_argument("--weights", help=".safetensors or .pth state_dict (omit: random init, for demos only)")
-    p.add_argument("--save-random-weights", metavar="PATH",
-                   help="write a randomly initialised state_dict of --model to PATH (.safetensors) and exit")
+    p.add_argument(
+        "--save-random-weights",
+        metavar="PATH",
+        help="write a randomly initialised state_dict of --model to PATH (.safetensors) and exit",
+    )
     p.add_argument("--num-classes", type=int, default=None, help="head size without --weights (default 1000)")
-    p.add_argument("--in-chans", type=int, default=None,
-                   help="input channels without --weights (default: the image's channel count)")
+    p.add_argument(
+        "--in-chans",
+        type=int,
+        default=None,
+        help="input channels without --weights (default: the image's channel count)",
+    )
     p.add_argument("--input", help="image file: .dcm .nii .nii.gz .tif .ome.tif .png .jpg")
     p.add_argument("--out", help="output directory")
-    p.add_argument("--img-size", type=int, nargs="+", default=None,
-                   help="H [W] in pixels, multiples of the patch size (default: the image's, rounded)")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="fp32: IEEE-accurate everywhere (TF32 off); tf32: TF32 matmuls and attention; bf16: autocast")
+    p.add_argument(
+        "--img-size",
+        type=int,
+        nargs="+",
+        default=None,
+        help="H [W] in pixels, multiples of the patch size (default: the image's, rounded)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32: IEEE-accurate everywhere (TF32 off); tf32: TF32 matmuls and attention; bf16: autocast",
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--attn-backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="ELSA attention backend (auto: Triton on CUDA, torch otherwise)")
+    p.add_argument(
+        "--attn-backend",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="ELSA attention backend (auto: Triton on CUDA, torch otherwise)",
+    )
     mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--memory-budget-mb", type=float, default=None,
-                     help="plan against this budget (default: 90%% of free device memory); tiles only if forced")
-    mem.add_argument("--query-chunk", type=int, default=None,
-                     help="global attention with this many query rows per step (no budget planning)")
+    mem.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=None,
+        help="plan against this budget (default: 90%% of free device memory); tiles only if forced",
+    )
+    mem.add_argument(
+        "--query-chunk",
+        type=int,
+        default=None,
+        help="global attention with this many query rows per step (no budget planning)",
+    )
     p.add_argument("--tile-overlap", type=float, default=0.25, help="tile overlap as a fraction of the tile")
-    p.add_argument("--compare-sdpa", action="store_true",
-                   help="also run timm's stock model (SDPA) with the same weights; report deviation and speed")
+    p.add_argument(
+        "--compare-sdpa",
+        action="store_true",
+        help="also run timm's stock model (SDPA) with the same weights; report deviation and speed",
+    )
     rd = p.add_argument_group("reading")
-    rd.add_argument("--slice", type=_index_arg, default=None,
-                    help="NIfTI slice index (default middle) / TIFF stack index (default 0), or 'all'")
+    rd.add_argument(
+        "--slice",
+        type=_index_arg,
+        default=None,
+        help="NIfTI slice index (default middle) / TIFF stack index (default 0), or 'all'",
+    )
     rd.add_argument("--slice-axis", type=int, default=2, help="NIfTI voxel axis the slices cut across")
-    rd.add_argument("--frame", type=_index_arg, default=None,
-                    help="DICOM multi-frame index (default 0) / NIfTI 4th-axis index, or 'all'")
+    rd.add_argument(
+        "--frame",
+        type=_index_arg,
+        default=None,
+        help="DICOM multi-frame index (default 0) / NIfTI 4th-axis index, or 'all'",
+    )
     rd.add_argument("--series", type=int, default=0, help="TIFF series")
     rd.add_argument("--level", type=int, default=0, help="TIFF pyramid level (0 = full resolution)")
-    rd.add_argument("--window", type=_window_arg, default=None,
-                    help="DICOM-style window: 'file' or 'CENTER,WIDTH' (rescaled units, e.g. HU) -> [0, 1]")
+    rd.add_argument(
+        "--window",
+        type=_window_arg,
+        default=None,
+        help="DICOM-style window: 'file' or 'CENTER,WIDTH' (rescaled units, e.g. HU) -> [0, 1]",
+    )
     rd.add_argument("--no-invert-monochrome1", action="store_true", help="keep MONOCHROME1 values as stored")
-    rd.add_argument("--nan-policy", choices=NAN_POLICIES, default="error",
-                    help="NaN/inf values: error (default), or replace by zero / the mean of the finite values")
-    rd.add_argument("--norm", choices=NORMALIZATIONS, default="pretrained",
-                    help="value normalisation (pretrained: [0,1] then the model's mean/std)")
+    rd.add_argument(
+        "--nan-policy",
+        choices=NAN_POLICIES,
+        default="error",
+        help="NaN/inf values: error (default), or replace by zero / the mean of the finite values",
+    )
+    rd.add_argument(
+        "--norm",
+        choices=NORMALIZATIONS,
+        default="pretrained",
+        help="value normalisation (pretrained: [0,1] then the model's mean/std)",
+    )
     rd.add_argument("--percentiles", type=float, nargs=2, default=(0.5, 99.5), help="for --norm percentile")
-    rd.add_argument("--gray", choices=("replicate", "adapt"), default="replicate",
-                    help="grey image, RGB weights: replicate to 3 channels, or sum the patch-embedding "
-                         "weights over channels (identical result, one input channel)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs (after a small warm-up that triggers kernel compilation); the fastest is reported")
+    rd.add_argument(
+        "--gray",
+        choices=("replicate", "adapt"),
+        default="replicate",
+        help="grey image, RGB weights: replicate to 3 channels, or sum the patch-embedding "
+        "weights over channels (identical result, one input channel)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs (after a small warm-up that triggers kernel compilation); the fastest is reported",
+    )
     p.add_argument("--overlay-max-side", type=int, default=1024, help="longest side of overlay.png")
     return p
 
@@ -133,8 +202,12 @@ def save_random_weights(path: str, model_name: str, *, num_classes: int | None, 
     from safetensors.torch import save_file
 
     name = resolve_model_name(model_name)
-    model = timm.create_model(name, pretrained=False, num_classes=1000 if num_classes is None else num_classes,
-                              in_chans=3 if in_chans is None else in_chans)
+    model = timm.create_model(
+        name,
+        pretrained=False,
+        num_classes=1000 if num_classes is None else num_classes,
+        in_chans=3 if in_chans is None else in_chans,
+    )
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_file(sd, path, metadata={"model": name, "init": "random"})
@@ -150,8 +223,10 @@ def _saved_as_random(path: str) -> bool:
         return (f.metadata() or {}).get("init") == "random"
 
 
-def heatmap_overlay(image: np.ndarray, heat: np.ndarray, max_side: int = 1024, alpha: float = 0.5) -> np.ndarray:
-    """RGB uint8 overlay: ``heat [h, w]`` (any range) over ``image [C, H, W]`` (display only: min-max to 8 bit)."""
+def heatmap_overlay(
+    image: np.ndarray, heat: np.ndarray, max_side: int = 1024, alpha: float = 0.5
+) -> np.ndarray:
+    """RGB uint8 overlay of ``heat [h, w]`` (any range) on ``image [C, H, W]`` (display only: 8-bit)."""
     from PIL import Image
 
     gray = image.mean(axis=0)
@@ -208,7 +283,9 @@ def _timed_stock(stock, x: torch.Tensor, amp) -> tuple[torch.Tensor, torch.Tenso
     return tokens[0].float(), None if logits is None else logits.float(), sec, peak
 
 
-def _write_outputs(out_dir: str, res, model, img: torch.Tensor, args, extra: dict[str, Any]) -> dict[str, Any]:
+def _write_outputs(
+    out_dir: str, res, model, img: torch.Tensor, args, extra: dict[str, Any]
+) -> dict[str, Any]:
     from PIL import Image
     from safetensors.torch import save_file
 
@@ -217,11 +294,20 @@ def _write_outputs(out_dir: str, res, model, img: torch.Tensor, args, extra: dic
     tensors = {"features": feats, "prefix": res.prefix.cpu().contiguous()}
     if model.cls_token is not None:
         tensors["cls"] = res.prefix[0].cpu().clone()
-    save_file(tensors, os.path.join(out_dir, "features.safetensors"),
-              metadata={"layout": "features [C, h, w]; prefix [P, C] (cls first); cls [C]",
-                        "model": extra["model"], "img_size": json.dumps(list(img.shape[-2:]))})
-    pred: dict[str, Any] = {"model": extra["model"], "num_classes": int(model.num_classes),
-                            "random_weights": extra["random_weights"]}
+    save_file(
+        tensors,
+        os.path.join(out_dir, "features.safetensors"),
+        metadata={
+            "layout": "features [C, h, w]; prefix [P, C] (cls first); cls [C]",
+            "model": extra["model"],
+            "img_size": json.dumps(list(img.shape[-2:])),
+        },
+    )
+    pred: dict[str, Any] = {
+        "model": extra["model"],
+        "num_classes": int(model.num_classes),
+        "random_weights": extra["random_weights"],
+    }
     if res.logits is not None:
         probs = torch.softmax(res.logits.double(), dim=-1)
         k = min(5, probs.numel())
@@ -236,7 +322,8 @@ def _write_outputs(out_dir: str, res, model, img: torch.Tensor, args, extra: dic
         json.dump(pred, f, indent=1)
     heat = feats.norm(dim=0).numpy()
     Image.fromarray(heatmap_overlay(img.float().cpu().numpy(), heat, args.overlay_max_side)).save(
-        os.path.join(out_dir, "overlay.png"))
+        os.path.join(out_dir, "overlay.png")
+    )
     plan: Plan = res.plan
     p = model.patch_embed.patch_size[0]
     report = {
@@ -268,8 +355,9 @@ def _write_outputs(out_dir: str, res, model, img: torch.Tensor, args, extra: dic
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.save_random_weights:
-        info = save_random_weights(args.save_random_weights, args.model, num_classes=args.num_classes,
-                                   in_chans=args.in_chans)
+        info = save_random_weights(
+            args.save_random_weights, args.model, num_classes=args.num_classes, in_chans=args.in_chans
+        )
         print(json.dumps(info))
         return info
     for flag in ("input", "out"):
@@ -277,17 +365,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"error: --{flag} is required")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = resolve_model_name(args.model)
-    images = list(iter_images(args.input, slice_index=args.slice, slice_axis=args.slice_axis,
-                              frame=0 if args.frame is None and detect_format(args.input) == "dicom"
-                              else args.frame, series=args.series, level=args.level))
+    images = list(
+        iter_images(
+            args.input,
+            slice_index=args.slice,
+            slice_axis=args.slice_axis,
+            frame=0 if args.frame is None and detect_format(args.input) == "dicom" else args.frame,
+            series=args.series,
+            level=args.level,
+        )
+    )
     sd = load_weights(args.weights) if args.weights else None
     random_weights = sd is None or _saved_as_random(args.weights)
     if sd is not None and random_weights:
-        print(f"WARNING: {args.weights} holds randomly initialised weights (saved by --save-random-weights); "
-              "predictions and heat maps are meaningless (demo only)", file=sys.stderr)
+        print(
+            f"WARNING: {args.weights} holds randomly initialised weights (saved by --save-random-weights); "
+            "predictions and heat maps are meaningless (demo only)",
+            file=sys.stderr,
+        )
     if sd is None:
-        print("WARNING: no --weights given: the model is RANDOMLY INITIALISED; predictions and heat maps are "
-              "meaningless (demo only)", file=sys.stderr)
+        print(
+            "WARNING: no --weights given: the model is RANDOMLY INITIALISED; predictions and heat maps are "
+            "meaningless (demo only)",
+            file=sys.stderr,
+        )
         in_chans = args.in_chans or images[0].data.shape[0]
         num_classes = args.num_classes
     else:
@@ -301,44 +402,79 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     patch = timm.create_model(name, pretrained=False, num_classes=0, depth=1).patch_embed.patch_size[0]
     size = _img_size(args.img_size, images[0].data.shape[-2:], patch)
     attn_precision = "tf32" if args.precision == "tf32" else "auto"
-    model = build_model(name, sd, size, in_chans=in_chans, num_classes=num_classes,
-                        gray_adapt=args.gray == "adapt" and images[0].data.shape[0] == 1,
-                        attn_backend=args.attn_backend, attn_precision=attn_precision).to(device)
+    model = build_model(
+        name,
+        sd,
+        size,
+        in_chans=in_chans,
+        num_classes=num_classes,
+        gray_adapt=args.gray == "adapt" and images[0].data.shape[0] == 1,
+        attn_backend=args.attn_backend,
+        attn_precision=attn_precision,
+    ).to(device)
     in_chans = model.patch_embed.proj.in_channels
     mean, std = cfg.mean, cfg.std
     amp_dtype = torch.bfloat16 if args.precision == "bf16" else None
 
     def amp():
-        return (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None
-                else torch.autocast(device.type, enabled=False))
+        return (
+            torch.autocast(device.type, dtype=amp_dtype)
+            if amp_dtype is not None
+            else torch.autocast(device.type, enabled=False)
+        )
 
     budget = args.memory_budget_mb
     if budget is None and args.query_chunk is None:
         budget = default_budget_mb(device)
-    plan = plan_execution(model, size, device=device, budget_mb=budget, query_chunk=args.query_chunk,
-                          overlap_frac=args.tile_overlap, act_bytes=2 if amp_dtype is not None else 4)
+    plan = plan_execution(
+        model,
+        size,
+        device=device,
+        budget_mb=budget,
+        query_chunk=args.query_chunk,
+        overlap_frac=args.tile_overlap,
+        act_bytes=2 if amp_dtype is not None else 4,
+    )
     stock = None
     if args.compare_sdpa:
         stock = build_model(name, model.state_dict(), size, stock=True)  # on the device only while it runs
     summaries = []
     with _precision(args.precision):
         for im in images:
-            arr, facts = load_image(im, in_chans=in_chans, window=args.window,
-                                    invert_monochrome1=not args.no_invert_monochrome1, nan_policy=args.nan_policy,
-                                    norm=args.norm, percentiles=tuple(args.percentiles), mean=mean, std=std,
-                                    min_size=patch)
+            arr, facts = load_image(
+                im,
+                in_chans=in_chans,
+                window=args.window,
+                invert_monochrome1=not args.no_invert_monochrome1,
+                nan_policy=args.nan_policy,
+                norm=args.norm,
+                percentiles=tuple(args.percentiles),
+                mean=mean,
+                std=std,
+                min_size=patch,
+            )
             img = resize_image(torch.from_numpy(arr), size).to(device)
             if args.repeats < 1:
                 raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
             with amp():  # warm-up on a 2x2-patch crop: kernel compilation is not timed
-                forward_tokens(model, img[None, :, :2 * patch, :2 * patch], query_chunk=plan.query_chunk)
-            res = min((run_plan(model, img, plan, autocast_dtype=amp_dtype) for _ in range(args.repeats)),
-                      key=lambda r: r.seconds)
+                forward_tokens(model, img[None, :, : 2 * patch, : 2 * patch], query_chunk=plan.query_chunk)
+            res = min(
+                (run_plan(model, img, plan, autocast_dtype=amp_dtype) for _ in range(args.repeats)),
+                key=lambda r: r.seconds,
+            )
             extra: dict[str, Any] = {
-                "model": name, "weights": args.weights, "random_weights": random_weights, "device": str(device),
-                "input": os.path.abspath(args.input), "format": im.format, "index": im.index, "count": im.count,
-                "source_shape": list(im.data.shape), "reader": {k: v for k, v in im.meta.items()},
-                "preprocess": facts, "attn_backend": args.attn_backend,
+                "model": name,
+                "weights": args.weights,
+                "random_weights": random_weights,
+                "device": str(device),
+                "input": os.path.abspath(args.input),
+                "format": im.format,
+                "index": im.index,
+                "count": im.count,
+                "source_shape": list(im.data.shape),
+                "reader": {k: v for k, v in im.meta.items()},
+                "preprocess": facts,
+                "attn_backend": args.attn_backend,
             }
             if stock is not None:
                 stock.to(device)
@@ -347,31 +483,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ref_tokens, ref_logits, sdpa_sec, sdpa_peak = min(runs, key=lambda r: r[2])
                 del runs
                 npt = model.num_prefix_tokens
-                ref_feats = ref_tokens[npt:].reshape(res.features.shape[1], res.features.shape[2], -1).permute(2, 0, 1)
-                dev = max(float((res.features - ref_feats).abs().max()),
-                          float((res.prefix - ref_tokens[:npt]).abs().max()) if npt else 0.0)
-                extra.update({
-                    "max_deviation_vs_sdpa": dev,
-                    "max_logit_deviation_vs_sdpa": (float((res.logits - ref_logits).abs().max())
-                                                    if res.logits is not None else None),
-                    "sdpa_seconds": sdpa_sec, "sdpa_peak_memory_mb": sdpa_peak,
-                    "speed_ratio": sdpa_sec / res.seconds if res.seconds > 0 else math.inf,
-                    "sdpa_model": "timm " + name[len("elsa_"):],
-                    "deviation_note": ("includes tiling (ELSA run was tiled, SDPA run global)" if res.plan.mode ==
-                                       "tiled" else "global attention in both"),
-                })
-                print(f"compare-sdpa: max deviation {dev:.3e}, speed ratio (sdpa/elsa) "
-                      f"{extra['speed_ratio']:.2f}x ({sdpa_sec:.3f}s vs {res.seconds:.3f}s)")
+                ref_feats = (
+                    ref_tokens[npt:]
+                    .reshape(res.features.shape[1], res.features.shape[2], -1)
+                    .permute(2, 0, 1)
+                )
+                dev = max(
+                    float((res.features - ref_feats).abs().max()),
+                    float((res.prefix - ref_tokens[:npt]).abs().max()) if npt else 0.0,
+                )
+                extra.update(
+                    {
+                        "max_deviation_vs_sdpa": dev,
+                        "max_logit_deviation_vs_sdpa": (
+                            float((res.logits - ref_logits).abs().max()) if res.logits is not None else None
+                        ),
+                        "sdpa_seconds": sdpa_sec,
+                        "sdpa_peak_memory_mb": sdpa_peak,
+                        "speed_ratio": sdpa_sec / res.seconds if res.seconds > 0 else math.inf,
+                        "sdpa_model": "timm " + name[len("elsa_") :],
+                        "deviation_note": (
+                            "includes tiling (ELSA run was tiled, SDPA run global)"
+                            if res.plan.mode == "tiled"
+                            else "global attention in both"
+                        ),
+                    }
+                )
+                print(
+                    f"compare-sdpa: max deviation {dev:.3e}, speed ratio (sdpa/elsa) "
+                    f"{extra['speed_ratio']:.2f}x ({sdpa_sec:.3f}s vs {res.seconds:.3f}s)"
+                )
             out_dir = args.out if len(images) == 1 else os.path.join(args.out, f"slice_{im.index:04d}")
             report = _write_outputs(out_dir, res, model, img, args, extra)
             if plan.mode == "tiled":
                 print(f"TILED: {plan.reason}; {res.tiles} tiles (attention is local to each tile)")
             else:
                 print(f"global attention over {report['tokens']} tokens ({plan.mode}), {res.seconds:.3f}s")
-            summaries.append({k: report[k] for k in ("tokens", "seconds", "peak_memory_mb", "precision", "tiled",
-                                                     "mode") if k in report} | {"out": out_dir} | (
-                {k: report[k] for k in ("max_deviation_vs_sdpa", "sdpa_seconds", "speed_ratio")}
-                if stock is not None else {}))
+            summaries.append(
+                {
+                    k: report[k]
+                    for k in ("tokens", "seconds", "peak_memory_mb", "precision", "tiled", "mode")
+                    if k in report
+                }
+                | {"out": out_dir}
+                | (
+                    {k: report[k] for k in ("max_deviation_vs_sdpa", "sdpa_seconds", "speed_ratio")}
+                    if stock is not None
+                    else {}
+                )
+            )
     summary = summaries[0] if len(summaries) == 1 else {"images": len(summaries), "results": summaries}
     print(json.dumps(summary))
     return summary

@@ -8,7 +8,7 @@ of them, ``iter_images`` all of them.
 Value pipeline of :func:`load_image` (each step optional):
 
 1. read (float32, rescaled) -> 2. DICOM windowing to ``[0, 1]`` -> 3. MONOCHROME1 inversion ->
-4. non-finite policy (error / zero / mean) -> 5. normalisation -> 6. channel mapping to the model's ``in_chans``.
+4. non-finite policy (error / zero / mean) -> 5. normalisation -> 6. channel mapping to ``in_chans``.
 
 Bad input raises ``ValueError`` (unreadable or corrupt file, wrong index, image too small, NaN without a
 policy) or ``TypeError`` (unsupported dtype: complex, bool, structured), always naming the file.
@@ -43,10 +43,20 @@ FORMATS = ("dicom", "nifti", "tiff", "png", "jpeg")
 NORMALIZATIONS = ("none", "minmax", "percentile", "zscore", "pretrained")
 NAN_POLICIES = ("error", "zero", "mean")
 _EXTENSIONS = {
-    ".dcm": "dicom", ".dicom": "dicom", ".ima": "dicom",
-    ".nii": "nifti", ".nii.gz": "nifti",
-    ".tif": "tiff", ".tiff": "tiff", ".ome.tif": "tiff", ".ome.tiff": "tiff", ".btf": "tiff", ".svs": "tiff",
-    ".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg",
+    ".dcm": "dicom",
+    ".dicom": "dicom",
+    ".ima": "dicom",
+    ".nii": "nifti",
+    ".nii.gz": "nifti",
+    ".tif": "tiff",
+    ".tiff": "tiff",
+    ".ome.tif": "tiff",
+    ".ome.tiff": "tiff",
+    ".btf": "tiff",
+    ".svs": "tiff",
+    ".png": "png",
+    ".jpg": "jpeg",
+    ".jpeg": "jpeg",
 }
 # ITU-R BT.601 luma weights: RGB -> one channel.
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
@@ -172,8 +182,12 @@ def _dicom_images(path: str, frame: int | None) -> Iterator[MedicalImage]:
         w = w[0] if isinstance(w, pydicom.multival.MultiValue) else w
         window = (float(c), float(w))
     meta = {
-        "source_dtype": str(pixels.dtype), "rescale_slope": slope, "rescale_intercept": intercept,
-        "photometric": photometric, "file_window": window, "modality": str(getattr(ds, "Modality", "")),
+        "source_dtype": str(pixels.dtype),
+        "rescale_slope": slope,
+        "rescale_intercept": intercept,
+        "photometric": photometric,
+        "file_window": window,
+        "modality": str(getattr(ds, "Modality", "")),
         "frames": frames,
     }
     for i in _pick(frame, frames, "frame", path):
@@ -184,7 +198,9 @@ def _dicom_images(path: str, frame: int | None) -> Iterator[MedicalImage]:
 # ----------------------------------------------------------------------------------------------- NIfTI
 
 
-def _nifti_images(path: str, slice_index: int | None, slice_axis: int, frame: int | None) -> Iterator[MedicalImage]:
+def _nifti_images(
+    path: str, slice_index: int | None, slice_axis: int, frame: int | None
+) -> Iterator[MedicalImage]:
     import nibabel as nib
     from nibabel.filebasedimages import ImageFileError
 
@@ -204,9 +220,13 @@ def _nifti_images(path: str, slice_index: int | None, slice_axis: int, frame: in
         raise ValueError(f"input file {path!r}: frame={frame} given, but the NIfTI image is {len(shape)}-D")
     else:
         frames = [None]
-    meta = {"source_dtype": str(dtype), "shape": shape, "slice_axis": slice_axis,
-            "scl_slope": _finite_or_none(img.header.get("scl_slope")),
-            "scl_inter": _finite_or_none(img.header.get("scl_inter"))}
+    meta = {
+        "source_dtype": str(dtype),
+        "shape": shape,
+        "slice_axis": slice_axis,
+        "scl_slope": _finite_or_none(img.header.get("scl_slope")),
+        "scl_inter": _finite_or_none(img.header.get("scl_inter")),
+    }
     if len(shape) == 2:
         slices, count = [None], 1
     else:
@@ -284,8 +304,15 @@ def _tiff_images(path: str, series: int, level: int, slice_index: int | None) ->
     stack = [a for a in axes if a not in "YXCS"]
     n_stack = int(np.prod([shape[axes.index(a)] for a in stack])) if stack else 1
     arr = arr.reshape((n_stack, -1) + arr.shape[-2:]) if chan else arr.reshape((n_stack, 1) + arr.shape[-2:])
-    meta = {"source_dtype": str(dtype), "axes": axes, "shape": shape, "series": s, "level": lv,
-            "levels": len(levels), "memmap": memmapped}
+    meta = {
+        "source_dtype": str(dtype),
+        "axes": axes,
+        "shape": shape,
+        "series": s,
+        "level": lv,
+        "levels": len(levels),
+        "memmap": memmapped,
+    }
     for i in _pick(slice_index, n_stack, "slice_index", path) if slice_index != "all" else range(n_stack):
         yield MedicalImage(_to_float32(arr[i], path), path, "tiff", i, n_stack, dict(meta))
 
@@ -315,7 +342,7 @@ def _pillow_images(path: str, fmt: str) -> Iterator[MedicalImage]:
         depth = _png_colour_depth(path)
         if depth is not None and depth[0] == 16 and depth[1] in (2, 4, 6):
             raise ValueError(
-                f"input file {path!r}: 16-bit colour PNG (colour type {depth[1]}) would be reduced to 8 bits by "
+                f"input file {path!r}: 16-bit colour PNG (colour type {depth[1]}) would be cut to 8 bits by "
                 "Pillow; save it as 16-bit TIFF instead"
             )
     try:
@@ -400,8 +427,9 @@ def read_image(path: str | os.PathLike, **kwargs) -> MedicalImage:
 def apply_window(data: np.ndarray, center: float, width: float) -> np.ndarray:
     """Linear window: ``[center - width/2, center + width/2]`` -> ``[0, 1]``, clipped."""
     if not (np.isfinite(center) and np.isfinite(width)) or width <= 0:
-        raise ValueError(f"window width must be a finite value > 0 and center finite, got center={center}, "
-                         f"width={width}")
+        raise ValueError(
+            f"window width must be a finite value > 0 and center finite, got center={center}, width={width}"
+        )
     lo = center - width / 2.0
     return np.clip((data - np.float32(lo)) / np.float32(width), 0.0, 1.0).astype(np.float32)
 
@@ -423,7 +451,9 @@ def apply_nan_policy(data: np.ndarray, policy: str, path: str = "<array>") -> tu
         fill = 0.0
     else:
         if n_bad == data.size:
-            raise ValueError(f"input file {path!r}: every value is NaN or infinite; nan_policy='mean' has no mean")
+            raise ValueError(
+                f"input file {path!r}: every value is NaN or infinite; nan_policy='mean' has no mean"
+            )
         fill = float(data[~bad].mean(dtype=np.float64))
     out = data.copy()
     out[bad] = fill
@@ -528,7 +558,9 @@ def load_image(
         if window == "file":
             win = image.meta.get("file_window")
             if win is None:
-                raise ValueError(f"input file {path!r}: window='file' but the file has no WindowCenter/WindowWidth")
+                raise ValueError(
+                    f"input file {path!r}: window='file' but the file has no WindowCenter/WindowWidth"
+                )
         elif isinstance(window, (tuple, list)) and len(window) == 2:
             win = (float(window[0]), float(window[1]))
         else:
@@ -553,14 +585,17 @@ def load_image(
                 # a colour-pretrained model fed one channel: the luma of its mean/std
                 m, s = np.array([_LUMA @ m]), np.array([_LUMA @ s])
             else:
-                raise ValueError(f"pretrained mean/std have {m.size} entries, the model has in_chans={in_chans}")
+                raise ValueError(
+                    f"pretrained mean/std have {m.size} entries, the model has in_chans={in_chans}"
+                )
         data = (data - m[:, None, None]) / s[:, None, None]
     facts["norm"] = norm
     if not np.isfinite(data).all():
         raise ValueError(f"input file {path!r}: non-finite values after normalisation (value range overflow)")
     if window is None and image.meta.get("file_window") is not None:
         warnings.warn(
-            f"input file {path!r} carries a DICOM window {image.meta['file_window']} that is not applied; pass "
-            "window='file' (CLI: --window file) to use it", stacklevel=2,
+            f"input file {path!r} has a DICOM window {image.meta['file_window']} that is not applied; pass "
+            "window='file' (CLI: --window file) to use it",
+            stacklevel=2,
         )
     return np.ascontiguousarray(data, dtype=np.float32), facts

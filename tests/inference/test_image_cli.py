@@ -45,7 +45,18 @@ def weights(tmp_path_factory):
     """Random tiny-ViT weights: 1 input channel, 7 classes, trained-size (224) position embeddings."""
     d = tmp_path_factory.mktemp("w")
     w1 = str(d / "tiny_gray.safetensors")
-    main(["--save-random-weights", w1, "--model", "elsa_vit_t_patch16", "--in-chans", "1", "--num-classes", "7"])
+    main(
+        [
+            "--save-random-weights",
+            w1,
+            "--model",
+            "elsa_vit_t_patch16",
+            "--in-chans",
+            "1",
+            "--num-classes",
+            "7",
+        ]
+    )
     w3 = str(d / "tiny_rgb.pth")
     torch.manual_seed(1)
     m = timm.create_model(TINY, num_classes=5, in_chans=3)
@@ -80,11 +91,30 @@ def _check_consistent(report, pred, feats, num_classes, embed_dim=192):
 
 def test_cli_subprocess_ct_small_compare_sdpa(weights, tmp_path):
     out = tmp_path / "ct"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1"
+    )
     r = subprocess.run(
-        [sys.executable, "-m", "elsa_vision.inference.image", "--model", "elsa_vit_t_patch16", "--weights",
-         weights["gray"], "--input", _ct_small(), "--img-size", "96", "--compare-sdpa", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "elsa_vision.inference.image",
+            "--model",
+            "elsa_vit_t_patch16",
+            "--weights",
+            weights["gray"],
+            "--input",
+            _ct_small(),
+            "--img-size",
+            "96",
+            "--compare-sdpa",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
@@ -165,8 +195,12 @@ def test_tiled_blend_and_position_crop():
         t_wrong = forward_tokens(elsa, x[None, :, 32:, 32:], offset=(0, 0))
     br = t22[0, 1:].reshape(4, 4, -1).permute(2, 0, 1)
     assert relerr(res.features[:, 4:, 4:], br[:, 2:, 2:]) <= 1e-6
-    assert relerr(res.features[:, 4:, 4:], t_wrong[0, 1:].reshape(4, 4, -1).permute(2, 0, 1)[:, 2:, 2:]) > 1e-3
-    assert tile_starts(6, 4, 2) == [0, 2] and tile_starts(7, 4, 2) == [0, 2, 3] and tile_starts(3, 4, 2) == [0]
+    assert (
+        relerr(res.features[:, 4:, 4:], t_wrong[0, 1:].reshape(4, 4, -1).permute(2, 0, 1)[:, 2:, 2:]) > 1e-3
+    )
+    assert (
+        tile_starts(6, 4, 2) == [0, 2] and tile_starts(7, 4, 2) == [0, 2, 3] and tile_starts(3, 4, 2) == [0]
+    )
 
 
 def test_cli_tiling_forced_by_budget(weights, tmp_path, capsys):
@@ -175,7 +209,9 @@ def test_cli_tiling_forced_by_budget(weights, tmp_path, capsys):
     rg, _, fg = _outputs(tmp_path / "g")
     assert rg["tiled"] is False and rg["mode"] == "whole"
     capsys.readouterr()
-    summary = main(base + ["--memory-budget-mb", str(rg["estimated_peak_mb"] - 0.05), "--out", str(tmp_path / "t")])
+    summary = main(
+        base + ["--memory-budget-mb", str(rg["estimated_peak_mb"] - 0.05), "--out", str(tmp_path / "t")]
+    )
     printed = capsys.readouterr().out
     assert "TILED" in printed and json.loads(printed.strip().splitlines()[-1])["tiled"] is True
     rt, pt, ft = _outputs(tmp_path / "t")
@@ -204,8 +240,18 @@ def test_cli_png16_rgb_weights_replicate_vs_adapt(weights, tmp_path):
     cam = data.camera().astype(np.uint16) * 257  # 16-bit values up to 65535
     png = tmp_path / "camera16.png"
     Image.fromarray(cam).save(png)
-    base = ["--model", TINY, "--weights", weights["rgb"], "--input", str(png), "--img-size", "64",
-            "--norm", "minmax"]
+    base = [
+        "--model",
+        TINY,
+        "--weights",
+        weights["rgb"],
+        "--input",
+        str(png),
+        "--img-size",
+        "64",
+        "--norm",
+        "minmax",
+    ]
     main(base + ["--out", str(tmp_path / "rep")])
     main(base + ["--gray", "adapt", "--out", str(tmp_path / "ada")])
     rr, pr, fr = _outputs(tmp_path / "rep")
@@ -221,8 +267,24 @@ def test_cli_nifti_all_slices(weights, tmp_path):
     vol = np.random.default_rng(0).normal(size=(40, 36, 3)).astype(np.float32)
     p = tmp_path / "v.nii.gz"
     nib.save(nib.Nifti1Image(vol, np.eye(4)), p)
-    s = main(["--model", TINY, "--weights", weights["gray"], "--input", str(p), "--img-size", "32",
-              "--slice", "all", "--norm", "zscore", "--out", str(tmp_path / "o")])
+    s = main(
+        [
+            "--model",
+            TINY,
+            "--weights",
+            weights["gray"],
+            "--input",
+            str(p),
+            "--img-size",
+            "32",
+            "--slice",
+            "all",
+            "--norm",
+            "zscore",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     assert s["images"] == 3
     for i in range(3):
         r, pr, f = _outputs(tmp_path / "o" / f"slice_{i:04d}")
@@ -231,10 +293,14 @@ def test_cli_nifti_all_slices(weights, tmp_path):
 
 
 def test_cli_random_weights_warns(tmp_path, capsys):
-    s = main(["--model", "elsa_vit_t_patch16", "--input", _ct_small(), "--img-size", "32", "--out", str(tmp_path)])
+    s = main(
+        ["--model", "elsa_vit_t_patch16", "--input", _ct_small(), "--img-size", "32", "--out", str(tmp_path)]
+    )
     assert "RANDOMLY INITIALISED" in capsys.readouterr().err
     r, pred, _ = _outputs(tmp_path)
-    assert r["random_weights"] is True and pred["random_weights"] is True and len(pred["probabilities"]) == 1000
+    assert (
+        r["random_weights"] is True and pred["random_weights"] is True and len(pred["probabilities"]) == 1000
+    )
     assert s["tokens"] == 5
 
 
@@ -256,8 +322,18 @@ def test_cli_bad_inputs(weights, tmp_path):
         main(["--model", "vit_tiny_patch16_224", "--input", _ct_small(), "--out", str(tmp_path)])
     (tmp_path / "broken.safetensors").write_bytes(b"\x10\x00garbage")
     with pytest.raises(ValueError, match="cannot be read"):
-        main(["--model", TINY, "--weights", str(tmp_path / "broken.safetensors"), "--input", _ct_small(),
-              "--out", str(tmp_path)])
+        main(
+            [
+                "--model",
+                TINY,
+                "--weights",
+                str(tmp_path / "broken.safetensors"),
+                "--input",
+                _ct_small(),
+                "--out",
+                str(tmp_path),
+            ]
+        )
     small_w = tmp_path / "small.pth"
     torch.save(timm.create_model("elsa_vit_small_patch16_224", num_classes=3).state_dict(), small_w)
     with pytest.raises(ValueError, match="embed_dim 384"):
@@ -272,3 +348,43 @@ def test_model_aliases():
     assert resolve_model_name("elsa_vit_base_patch16_384") == "elsa_vit_base_patch16_384"
     with pytest.raises(ValueError, match="alias"):
         resolve_model_name("elsa_vit_huge")
+
+
+@pytest.mark.gpu
+def test_gpu_cli_ct_small_fp32_matches_sdpa(weights, tmp_path):
+    s = main(
+        [
+            "--model",
+            TINY,
+            "--weights",
+            weights["gray"],
+            "--input",
+            _ct_small(),
+            "--img-size",
+            "1024",
+            "--device",
+            "cuda",
+            "--compare-sdpa",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    r, pred, feats = _outputs(tmp_path)
+    _check_consistent(r, pred, feats, 7)
+    assert r["device"].startswith("cuda") and r["peak_memory_kind"] == "cuda_max_allocated"
+    assert s["tokens"] == 4097 and r["tiled"] is False
+    assert r["max_deviation_vs_sdpa"] < 1e-5  # FP32 with TF32 off, both models
+
+
+@pytest.mark.gpu
+def test_gpu_vit_b16_4096_goal():
+    """ViT-B/16, 4096^2 single channel (65,537 tokens), FP32: < 16 GB peak and >= 2x timm's stock model."""
+    from benchmarks.highres import Case, run_case
+
+    row = run_case(
+        Case("elsa_vit_base_patch16_224", 4096), torch.device("cuda"), repeats=2, attn_backend="auto"
+    )
+    assert row["tokens"] == 65537 and row["elsa_mode"] == "whole"
+    assert row["relerr"] <= 1e-5
+    assert row["elsa_peak_mb"] < 16 * 1024
+    assert row["speed_ratio"] >= 2.0, row

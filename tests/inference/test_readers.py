@@ -1,4 +1,4 @@
-"""Readers: every format on generated files, values kept in float32 (no 8-bit squeeze), bad input -> errors."""
+"""Readers: every format on generated files, values kept in float32 (no 8-bit squeeze), bad input."""
 
 import gzip
 import os
@@ -190,7 +190,9 @@ def test_dicom_rescale_and_frames(tmp_path):
     assert len(frames) == 3
     for i, im in enumerate(frames):
         assert im.data.dtype == np.float32 and im.data.shape == (1, 30, 26)
-        np.testing.assert_array_equal(im.data[0], (px[i].astype(np.float64) * 2.5 - 1024.0).astype(np.float32))
+        np.testing.assert_array_equal(
+            im.data[0], (px[i].astype(np.float64) * 2.5 - 1024.0).astype(np.float32)
+        )
     assert read_image(p).index == 0
     np.testing.assert_array_equal(read_image(p, frame=2).data[0], (px[2] * 2.5 - 1024.0).astype(np.float32))
 
@@ -246,7 +248,6 @@ def test_png_16bit_kept(tmp_path):
 def test_png_16bit_colour_refused(tmp_path):
     p = tmp_path / "rgb16.png"
     import struct  # 16-bit RGB PNG written by hand: Pillow cannot write it
-
     import zlib
 
     h, w = 4, 5
@@ -255,8 +256,12 @@ def test_png_16bit_colour_refused(tmp_path):
     def chunk(t, d):
         return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
 
-    p.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
-                  + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    p.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
     with pytest.raises(ValueError, match="16-bit colour PNG"):
         read_image(p)
 
@@ -340,7 +345,9 @@ def test_normalize_and_channels():
     rep = map_channels(x, 3)
     assert rep.shape == (3, 30, 30) and (rep == x).all()
     rgb = rng.normal(size=(3, 5, 5)).astype(np.float32)
-    np.testing.assert_allclose(map_channels(rgb, 1)[0], 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2], rtol=1e-6)
+    np.testing.assert_allclose(
+        map_channels(rgb, 1)[0], 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2], rtol=1e-6
+    )
     with pytest.raises(ValueError, match="in_chans=4"):
         map_channels(rgb, 4)
 
@@ -349,8 +356,9 @@ def test_load_image_pretrained_mean_std(tmp_path):
     a = _u16((20, 22), 13)
     p = tmp_path / "a.png"
     Image.fromarray(a).save(p)
-    x, _ = load_image(read_image(p), in_chans=3, norm="pretrained", mean=(0.485, 0.456, 0.406),
-                      std=(0.229, 0.224, 0.225))
+    x, _ = load_image(
+        read_image(p), in_chans=3, norm="pretrained", mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)
+    )
     unit = (a - a.min()) / (a.max() - a.min())
     for c, (m, s) in enumerate(zip((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))):
         np.testing.assert_allclose(x[c], (unit - m) / s, rtol=1e-5, atol=1e-5)
