@@ -263,6 +263,18 @@ def test_cli_png16_rgb_weights_replicate_vs_adapt(weights, tmp_path):
     assert relerr(fa["features"], fr["features"]) <= 1e-5
 
 
+def test_cli_bf16_close_to_fp32(weights, tmp_path):
+    base = ["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--img-size", "64"]
+    main(base + ["--out", str(tmp_path / "f32")])
+    s = main(base + ["--precision", "bf16", "--out", str(tmp_path / "b16")])
+    r32, _, f32 = _outputs(tmp_path / "f32")
+    r16, p16, f16 = _outputs(tmp_path / "b16")
+    assert s["precision"] == "bf16" and r16["precision"] == "bf16" and r32["precision"] == "fp32"
+    _check_consistent(r16, p16, f16, 7)
+    err = relerr(f16["features"], f32["features"])
+    assert 0 < err <= 5e-2  # bfloat16 (8-bit mantissa) through 12 blocks
+
+
 def test_cli_nifti_all_slices(weights, tmp_path):
     vol = np.random.default_rng(0).normal(size=(40, 36, 3)).astype(np.float32)
     p = tmp_path / "v.nii.gz"

@@ -126,9 +126,32 @@ def test_nifti_3d_slices(tmp_path, ext):
     ims = list(iter_images(p, slice_index="all", slice_axis=0))
     assert len(ims) == 21
     np.testing.assert_array_equal(ims[20].data[0], ref[20].astype(np.float32))
-    assert nib.load(p).in_memory is False  # the proxy is sliced, the volume is never loaded whole
     with pytest.raises(ValueError, match="slice_index=7 is out of range"):
         read_image(p, slice_index=7)
+
+
+def test_nifti_reads_lazily(tmp_path, monkeypatch):
+    from nibabel.arrayproxy import ArrayProxy
+
+    vol = np.arange(12 * 10 * 6, dtype=np.float32).reshape(12, 10, 6)
+    p = tmp_path / "lazy.nii"
+    nib.save(nib.Nifti1Image(vol, np.eye(4)), p)
+    sliced = []
+    real_getitem = ArrayProxy.__getitem__
+
+    def getitem(self, idx):
+        sliced.append(idx)
+        return real_getitem(self, idx)
+
+    def whole(self, *a, **k):
+        raise AssertionError("the whole volume was read")
+
+    monkeypatch.setattr(ArrayProxy, "__getitem__", getitem)
+    monkeypatch.setattr(ArrayProxy, "__array__", whole)
+    monkeypatch.setattr(nib.Nifti1Image, "get_fdata", whole)
+    im = read_image(p, slice_index=2, slice_axis=1)
+    np.testing.assert_array_equal(im.data[0], vol[:, 2, :])
+    assert sliced == [(slice(None), 2, slice(None))]
 
 
 def test_nifti_4d_frame(tmp_path):
