@@ -35,6 +35,7 @@ __all__ = [
     "plan_execution",
     "estimate_memory_mb",
     "forward_tokens",
+    "cls_attention",
     "run_plan",
     "InferenceResult",
     "tile_starts",
@@ -434,23 +435,53 @@ def _check_chunkable(model: nn.Module) -> None:
             )
 
 
+def cls_attention(model: nn.Module, blk: nn.Module, t: Tensor) -> Tensor:
+    """Head-averaged attention of the class token over the patch tokens in block ``blk`` (input ``t``).
+
+    Only the class query row is formed: ``O(N C)`` work and memory. Returns ``[B, h*w]`` (each row sums to
+    at most 1: the prefix tokens' share is left out).
+    """
+    if model.cls_token is None:
+        raise ValueError("a class-token attention map needs a model with a class token (class_token=True)")
+    attn = blk.attn
+    B, N, _ = t.shape
+    Hh, D = attn.num_heads, attn.head_dim
+    A = Hh * D
+    xn = blk.norm1(t)
+    w, b = attn.qkv.weight, attn.qkv.bias
+    q = F.linear(xn[:, :1], w[:A], None if b is None else b[:A]).view(B, 1, Hh, D).transpose(1, 2)
+    k = F.linear(xn, w[A : 2 * A], None if b is None else b[A : 2 * A]).view(B, N, Hh, D).transpose(1, 2)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    p = ((q.float() * attn.scale) @ k.float().transpose(-2, -1)).softmax(dim=-1)  # [B, H, 1, N]
+    return p[:, :, 0, model.num_prefix_tokens :].mean(dim=1)
+
+
 @torch.no_grad()
 def forward_tokens(
-    model: nn.Module, x: Tensor, *, query_chunk: int | None = None, offset: tuple[int, int] = (0, 0)
-) -> Tensor:
+    model: nn.Module,
+    x: Tensor,
+    *,
+    query_chunk: int | None = None,
+    offset: tuple[int, int] = (0, 0),
+    with_cls_attention: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Final-norm tokens ``[B, prefix + h*w, C]`` of image ``x [B, in_chans, H, W]``.
 
     ``query_chunk=None`` runs each block whole (timm's forward); otherwise query-chunked (same result).
+    ``with_cls_attention`` also returns the last block's class-token attention ``[B, h*w]``
+    (:func:`cls_attention`).
     """
     t = _embed(model, x, offset)
-    if query_chunk is None:
-        for blk in model.blocks:
-            t = blk(t)
-    else:
+    if query_chunk is not None:
         _check_chunkable(model)
-        for blk in model.blocks:
-            t = _block_query_chunked(blk, t, query_chunk)
-    return model.norm(t)
+    last = len(model.blocks) - 1
+    cls_attn = None
+    for i, blk in enumerate(model.blocks):
+        if with_cls_attention and i == last:
+            cls_attn = cls_attention(model, blk, t)
+        t = blk(t) if query_chunk is None else _block_query_chunked(blk, t, query_chunk)
+    t = model.norm(t)
+    return (t, cls_attn) if with_cls_attention else t
 
 
 def _ramp(n: int, device) -> Tensor:
@@ -461,7 +492,8 @@ def _ramp(n: int, device) -> Tensor:
 
 @dataclasses.dataclass
 class InferenceResult:
-    """``features [C, h, w]``, ``prefix [P, C]`` (cls first), ``logits [num_classes]`` (None without head)."""
+    """``features [C, h, w]``, ``prefix [P, C]`` (cls first), ``logits [num_classes]`` (None without head),
+    ``cls_attention [h, w]`` (last block, global modes, when asked for)."""
 
     features: Tensor
     prefix: Tensor
@@ -471,6 +503,7 @@ class InferenceResult:
     peak_memory_mb: float
     peak_memory_kind: str
     tiles: int = 1
+    cls_attention: Tensor | None = None
 
 
 def _peak_rss_mb() -> float:
@@ -492,9 +525,19 @@ def _split(model: nn.Module, tokens: Tensor, h: int, w: int) -> tuple[Tensor, Te
 
 @torch.no_grad()
 def run_plan(
-    model: nn.Module, image: Tensor, plan: Plan, *, autocast_dtype: torch.dtype | None = None
+    model: nn.Module,
+    image: Tensor,
+    plan: Plan,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    with_cls_attention: bool = False,
 ) -> InferenceResult:
-    """Run ``model`` on ``image [in_chans, H, W]`` (already on the model's device) following ``plan``."""
+    """Run ``model`` on ``image [in_chans, H, W]`` (already on the model's device) following ``plan``.
+
+    ``with_cls_attention`` (global modes only) also returns the last block's class-token attention map.
+    """
+    if with_cls_attention and plan.mode == "tiled":
+        raise ValueError("with_cls_attention needs global attention; the plan is tiled")
     device = image.device
     p = model.patch_embed.patch_size[0]
     _, H, W = image.shape
@@ -509,10 +552,16 @@ def run_plan(
     _sync(device)
     t0 = time.perf_counter()
     n_tiles = 1
+    cls_map = None
     with amp:
         x = image[None]
         if plan.mode in ("whole", "query_chunked"):
-            tokens = forward_tokens(model, x, query_chunk=plan.query_chunk)
+            tokens = forward_tokens(
+                model, x, query_chunk=plan.query_chunk, with_cls_attention=with_cls_attention
+            )
+            if with_cls_attention:
+                tokens, cls_map = tokens
+                cls_map = cls_map[0].float().reshape(gh, gw)
             logits = model.forward_head(tokens)[0] if model.num_classes else None
             feats, prefix = _split(model, tokens.float(), gh, gw)
         else:
@@ -555,6 +604,7 @@ def run_plan(
         peak,
         kind,
         n_tiles,
+        cls_map,
     )
 
 

@@ -193,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed runs (after a small warm-up that triggers kernel compilation); the fastest is reported",
     )
     p.add_argument("--overlay-max-side", type=int, default=1024, help="longest side of overlay.png")
+    p.add_argument(
+        "--overlay",
+        choices=("norm", "cls-attn"),
+        default="norm",
+        help="heat map: per-patch feature norm, or the last block's class-token attention (global modes; "
+        "falls back to norm when tiled)",
+    )
     return p
 
 
@@ -294,11 +301,13 @@ def _write_outputs(
     tensors = {"features": feats, "prefix": res.prefix.cpu().contiguous()}
     if model.cls_token is not None:
         tensors["cls"] = res.prefix[0].cpu().clone()
+    if res.cls_attention is not None:
+        tensors["cls_attention"] = res.cls_attention.cpu().contiguous()
     save_file(
         tensors,
         os.path.join(out_dir, "features.safetensors"),
         metadata={
-            "layout": "features [C, h, w]; prefix [P, C] (cls first); cls [C]",
+            "layout": "features [C, h, w]; prefix [P, C] (cls first); cls [C]; cls_attention [h, w]",
             "model": extra["model"],
             "img_size": json.dumps(list(img.shape[-2:])),
         },
@@ -320,7 +329,7 @@ def _write_outputs(
         pred["note"] = "the weights have no classification head (num_classes=0); see features.safetensors"
     with open(os.path.join(out_dir, "prediction.json"), "w") as f:
         json.dump(pred, f, indent=1)
-    heat = feats.norm(dim=0).numpy()
+    heat = (res.cls_attention if res.cls_attention is not None else feats.norm(dim=0)).cpu().numpy()
     Image.fromarray(heatmap_overlay(img.float().cpu().numpy(), heat, args.overlay_max_side)).save(
         os.path.join(out_dir, "overlay.png")
     )
@@ -340,6 +349,7 @@ def _write_outputs(
         "tile_overlap": plan.overlap,
         "tiles": res.tiles,
         "plan_reason": plan.reason,
+        "overlay": "cls_attention_last_block" if res.cls_attention is not None else "feature_norm",
         "estimated_peak_mb": plan.estimated_peak_mb,
         "memory_budget_mb": plan.budget_mb,
         "img_size": list(img.shape[-2:]),
@@ -438,6 +448,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stock = None
     if args.compare_sdpa:
         stock = build_model(name, model.state_dict(), size, stock=True)  # on the device only while it runs
+    want_cls = args.overlay == "cls-attn" and plan.mode != "tiled"
+    if args.overlay == "cls-attn" and model.cls_token is None:
+        raise ValueError(f"--overlay cls-attn needs a class token; {name} has none (use --overlay norm)")
     summaries = []
     with _precision(args.precision):
         for im in images:
@@ -459,7 +472,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with amp():  # warm-up on a 2x2-patch crop: kernel compilation is not timed
                 forward_tokens(model, img[None, :, : 2 * patch, : 2 * patch], query_chunk=plan.query_chunk)
             res = min(
-                (run_plan(model, img, plan, autocast_dtype=amp_dtype) for _ in range(args.repeats)),
+                (
+                    run_plan(model, img, plan, autocast_dtype=amp_dtype, with_cls_attention=want_cls)
+                    for _ in range(args.repeats)
+                ),
                 key=lambda r: r.seconds,
             )
             extra: dict[str, Any] = {

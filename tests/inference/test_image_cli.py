@@ -157,6 +157,46 @@ def test_forward_matches_stock_timm_and_float64(name, img):
     assert (out_chunked - out).abs().max().item() < 1e-5
 
 
+def test_cls_attention_matches_timm_attention_weights():
+    elsa, stock = _models(TINY, (80, 64))
+    for blk in stock.blocks:
+        blk.attn.fused_attn = False  # timm then materialises softmax(q k^T) and passes it through attn_drop
+    seen = []
+    stock.blocks[-1].attn.attn_drop.register_forward_hook(lambda m, i, o: seen.append(o.detach()))
+    x = torch.randn(1, 1, 80, 64)
+    with torch.no_grad():
+        stock.double().forward_features(x.double())
+        tokens, cls_map = forward_tokens(elsa, x, with_cls_attention=True)
+        tokens_c, cls_map_c = forward_tokens(elsa, x, with_cls_attention=True, query_chunk=6)
+    ref = seen[0][:, :, 0, 1:].mean(dim=1)  # class-token row, patch keys, mean over heads
+    assert cls_map.shape == (1, 20)
+    assert relerr(cls_map, ref) <= 1e-5 and relerr(cls_map_c, ref) <= 1e-5
+    assert torch.equal(tokens, forward_tokens(elsa, x))
+
+
+def test_cli_cls_attention_overlay(weights, tmp_path):
+    main(
+        [
+            "--model",
+            TINY,
+            "--weights",
+            weights["gray"],
+            "--input",
+            _ct_small(),
+            "--img-size",
+            "64",
+            "--overlay",
+            "cls-attn",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    r, _, f = _outputs(tmp_path)
+    assert r["overlay"] == "cls_attention_last_block"
+    a = f["cls_attention"]
+    assert a.shape == (4, 4) and (a > 0).all() and float(a.sum()) < 1.0
+
+
 def test_pos_embed_resampled_from_checkpoint(weights):
     from timm.layers import resample_abs_pos_embed
 
