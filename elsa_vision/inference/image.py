@@ -44,7 +44,7 @@ from .highres import (
 )
 from .readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
 
-__all__ = ["main", "build_parser", "heatmap_overlay", "save_random_weights"]
+__all__ = ["main", "cli", "build_parser", "heatmap_overlay", "save_random_weights"]
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # (position, RGB) anchors of a dark-to-bright perceptual colour map (black - purple - orange - yellow).
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return summary
 
 
-def _cli() -> None:
+def cli() -> None:
     try:
         main()
     except (ValueError, TypeError) as e:
@@ -563,4 +563,4 @@ def _cli() -> None:
 
 
 if __name__ == "__main__":
-    _cli()
+    cli()

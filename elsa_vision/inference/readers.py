@@ -269,7 +269,7 @@ def _tiff_images(path: str, series: int, level: int, slice_index: int | None) ->
 
     try:
         tf = tifffile.TiffFile(path)
-    except (tifffile.TiffFileError, OSError, EOFError, ValueError, struct_error()) as e:
+    except (tifffile.TiffFileError, OSError, EOFError, ValueError, _struct_error()) as e:
         raise ValueError(f"input file {path!r} is not a readable TIFF file: {e}") from e
     with tf:
         if not tf.series:
@@ -292,7 +292,7 @@ def _tiff_images(path: str, series: int, level: int, slice_index: int | None) ->
         if arr is None:
             try:
                 arr = page_series.asarray()
-            except (ValueError, OSError, EOFError, RuntimeError, KeyError, struct_error()) as e:
+            except (ValueError, OSError, EOFError, RuntimeError, KeyError, _struct_error()) as e:
                 raise ValueError(f"input file {path!r}: TIFF pixel data cannot be decoded: {e}") from e
     if "Y" not in axes or "X" not in axes:
         raise ValueError(f"input file {path!r}: TIFF series axes {axes!r} lack Y and X")
@@ -317,7 +317,7 @@ def _tiff_images(path: str, series: int, level: int, slice_index: int | None) ->
         yield MedicalImage(_to_float32(arr[i], path), path, "tiff", i, n_stack, dict(meta))
 
 
-def struct_error() -> type[Exception]:
+def _struct_error() -> type[Exception]:
     import struct
 
     return struct.error

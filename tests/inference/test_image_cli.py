@@ -440,3 +440,31 @@ def test_gpu_vit_b16_4096_goal():
     assert row["relerr"] <= 1e-5
     assert row["elsa_peak_mb"] < 16 * 1024
     assert row["speed_ratio"] >= 2.0, row
+
+
+def test_cli_subprocess_bad_input_exit_code(tmp_path):
+    bad = tmp_path / "corrupt.tif"
+    bad.write_bytes(b"II*\x00" + os.urandom(300))
+    env = dict(
+        os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elsa_vision.inference.image",
+            "--model",
+            TINY,
+            "--input",
+            str(bad),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 2
+    assert "corrupt.tif" in json.loads(r.stdout.strip().splitlines()[-1])["error"]
+    assert "error:" in r.stderr and not (tmp_path / "o").exists()
