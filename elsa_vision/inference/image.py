@@ -404,6 +404,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         info = weights_shape_info(sd)
         in_chans, num_classes = info["in_chans"], info["num_classes"]
+        for flag, given, actual in (
+            ("in-chans", args.in_chans, in_chans),
+            ("num-classes", args.num_classes, num_classes),
+        ):
+            if given is not None and given != actual:
+                raise ValueError(f"--{flag} {given} contradicts the weights, which have {actual}")
         if args.gray == "adapt" and images[0].data.shape[0] == 1:
             in_chans = 1
     import timm

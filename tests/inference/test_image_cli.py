@@ -390,6 +390,8 @@ def test_cli_bad_inputs(weights, tmp_path):
     torch.save(timm.create_model("elsa_vit_small_patch16_224", num_classes=3).state_dict(), small_w)
     with pytest.raises(ValueError, match="embed_dim 384"):
         main(["--model", TINY, "--weights", str(small_w), "--input", _ct_small(), "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--num-classes 9 contradicts the weights, which have 7"):
+        main(base + ["--input", _ct_small(), "--num-classes", "9"])
     (tmp_path / "bad.dcm").write_bytes(b"not a dicom at all" * 20)
     with pytest.raises(ValueError, match="bad.dcm"):
         main(base + ["--input", str(tmp_path / "bad.dcm")])
