@@ -302,6 +302,8 @@ def plan_execution(
     largest chunk in :data:`_QUERY_CHUNKS`; tiled with the largest square tile (multiple of the patch) that
     fits, overlapping by ``overlap_frac`` of the tile.
     """
+    if not 0.0 <= overlap_frac < 1.0:
+        raise ValueError(f"tile overlap fraction must be in [0, 1), got {overlap_frac}")
     H, W = img_size
     p = model.patch_embed.patch_size[0]
     gh, gw = H // p, W // p
