@@ -36,9 +36,9 @@ against ``0.5 L^2 d`` for an ideal triangular product and ``L^2 d`` for ``matmul
 Other shapes are zero-padded at each level to multiples of 4 (rows and features) and cropped.
 
 The algorithms trade multiplications for block additions and materialise ``O(L^2)`` intermediates, so they pay
-off only where the matmul FLOPs dominate (large ``d``, CPU/edge devices); a fused kernel such as FlashAttention
-on a GPU is out of their reach. ``eca_attention`` is the causal attention built on them: it materialises the
-``L x L`` probability matrix (forward and backward), which is its documented cost.
+off only where the matmul FLOPs dominate (large ``d``, CPU/edge devices); a fused kernel such as
+FlashAttention on a GPU is out of their reach. ``eca_attention`` is the causal attention built on them: it
+materialises the ``L x L`` probability matrix (forward and backward), which is its documented cost.
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ class _Combo:
 
 
 _ALPHA, _BETA, _GAMMA = _coefficients()
-_HALF_ONLY_DIAG = bool((_GAMMA[_N_FULL:][:, [z for z in range(len(_OUT_BLOCKS)) if z not in _DIAG]] == 0).all())
+_LOWER = [z for z in range(len(_OUT_BLOCKS)) if z not in _DIAG]
+_HALF_ONLY_DIAG = bool((_GAMMA[_N_FULL:][:, _LOWER] == 0).all())
 if not _HALF_ONLY_DIAG:  # a table typo must never reach a computation
     raise RuntimeError("ECA scheme: a half product feeds a strictly-lower output block")
 
@@ -304,7 +305,8 @@ def eca_masked_matmul(a: Tensor, b: Tensor, depth: int = 1) -> Tensor:
     try:
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     except RuntimeError as err:
-        raise ValueError(f"{fn}: leading dims of a={list(a.shape)} and b={list(b.shape)} do not broadcast") from err
+        raise ValueError(
+            f"{fn}: leading dims of a={list(a.shape)} and b={list(b.shape)} do not broadcast") from err
     out = _masked(_batch(a, batch), _batch(b, batch), depth)
     return out.reshape(batch + (length, length))
 
@@ -330,14 +332,15 @@ def eca_tril_matmul(p: Tensor, v: Tensor, depth: int = 1) -> Tensor:
         raise ValueError(f"{fn}: `p` and `v` must be on one device, got p={p.device}, v={v.device}")
     length, d = v.shape[-2:]
     if p.shape[-2:] != (length, length):
-        raise ValueError(f"{fn}: `p` must be [..., L, L] with L = v.shape[-2] = {length}, got p={list(p.shape)}, "
-                         f"v={list(v.shape)}")
+        raise ValueError(f"{fn}: `p` must be [..., L, L] with L = v.shape[-2] = {length}, "
+                         f"got p={list(p.shape)}, v={list(v.shape)}")
     if length == 0 or d == 0:
         raise ValueError(f"{fn}: L and d must be >= 1, got v={list(v.shape)}")
     try:
         batch = torch.broadcast_shapes(p.shape[:-2], v.shape[:-2])
     except RuntimeError as err:
-        raise ValueError(f"{fn}: leading dims of p={list(p.shape)} and v={list(v.shape)} do not broadcast") from err
+        raise ValueError(
+            f"{fn}: leading dims of p={list(p.shape)} and v={list(v.shape)} do not broadcast") from err
     out = _tril_mm(_batch(p, batch), _batch(v, batch), depth)
     return out.reshape(batch + (length, d))
 
@@ -372,8 +375,8 @@ def _causal_softmax(scores: Tensor) -> Tensor:
 
 
 class _EcaAttention(torch.autograd.Function):
-    """Causal attention ``O = tril(P) V`` with ``P = softmax(tril(Q K^T) * scale + bias)``; every matmul of the
-    forward and backward pass is an ECA product. Saves ``P`` (``[..., L, L]``)."""
+    """Causal attention ``O = tril(P) V`` with ``P = softmax(tril(Q K^T) * scale + bias)``; every matmul of
+    the forward and backward pass is an ECA product. Saves ``P`` (``[..., L, L]``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, scale, depth):
@@ -383,8 +386,12 @@ class _EcaAttention(torch.autograd.Function):
         if bias is not None:
             scores = scores + bias.to(scores.dtype)
         p = _causal_softmax(scores.masked_fill(upper, -math.inf))
-        out = eca_tril_matmul(p, v, depth)
-        ctx.save_for_backward(q, k, v, p, out)
+        # Rows (queries) and columns (keys) that carry no probability have exactly zero output and gradients;
+        # the block sums of ECA would leave rounding residue there, so they are zeroed explicitly.
+        live = p != 0
+        rows, cols = live.any(dim=-1, keepdim=True), live.any(dim=-2).unsqueeze(-1)
+        out = eca_tril_matmul(p, v, depth) * rows
+        ctx.save_for_backward(q, k, v, p, out, rows, cols)
         ctx.scale, ctx.depth = scale, depth
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -392,15 +399,15 @@ class _EcaAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, p, out = ctx.saved_tensors
+        q, k, v, p, out, rows, cols = ctx.saved_tensors
         depth, scale = ctx.depth, ctx.scale
-        dout = dout.to(out.dtype)
-        dv = _triu_t_mm(p, dout, depth) if ctx.needs_input_grad[2] else None
+        dout = dout.to(out.dtype) * rows
+        dv = _triu_t_mm(p, dout, depth) * cols if ctx.needs_input_grad[2] else None
         dp = eca_masked_matmul(dout, v, depth)  # only the lower triangle is needed: P is zero above it
         delta = (dout * out).sum(dim=-1, keepdim=True)  # = rowsum(P * dP)
         ds = p * (dp - delta)  # lower triangular: p vanishes above the diagonal
-        dq = eca_tril_matmul(ds, k, depth) * scale if ctx.needs_input_grad[0] else None
-        dk = _triu_t_mm(ds, q, depth) * scale if ctx.needs_input_grad[1] else None
+        dq = eca_tril_matmul(ds, k, depth) * (rows * scale) if ctx.needs_input_grad[0] else None
+        dk = _triu_t_mm(ds, q, depth) * (cols * scale) if ctx.needs_input_grad[1] else None
         dbias = None
         if ctx.bias_shape is not None and ctx.needs_input_grad[3]:
             dbias = ds.sum_to_size(ctx.bias_shape).to(ctx.bias_dtype)
@@ -432,7 +439,8 @@ def eca_attention(
     backward): meant for CPU/edge devices where FLOPs, not memory, are the bottleneck.
     """
     if q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"eca_attention: causal ECA needs Nq == Nk, got q {list(q.shape)}, k {list(k.shape)}")
+        raise ValueError(
+            f"eca_attention: causal ECA needs Nq == Nk, got q {list(q.shape)}, k {list(k.shape)}")
     depth = _check_depth(depth, "eca_attention")
     dtype = q.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32
