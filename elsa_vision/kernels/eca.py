@@ -155,30 +155,38 @@ def _coefficients() -> tuple[Tensor, Tensor, Tensor]:
 
 
 class _Combo:
-    """A sparse +-1 combination ``dst[p] = sum_t sign_t * src[index_t]`` along dim 0, as index lists."""
+    """A sparse +-1 combination ``dst[p] = sum_t sign_t * src[index_t]``: only block additions, so no
+    multiply-add is spent (nor counted) here. Sources are a sequence of equally shaped tensors; destination
+    ``p`` is the view ``dst(p)``, written in place (each view is taken just before it is written, which keeps
+    autograd's view tracking valid)."""
 
     def __init__(self, coef: Tensor):  # coef [n_dst, n_src] with entries in {-1, 0, 1}
         if not bool(((coef == 0) | (coef == 1) | (coef == -1)).all()):
             raise ValueError("ECA coefficient tables must hold -1, 0 or 1")
+        # Positive terms first, so that a destination starts with a copy rather than a negation.
+        self.terms = [
+            sorted(((int(i), int(coef[p, i])) for i in coef[p].nonzero().flatten()), key=lambda t: -t[1])
+            for p in range(coef.shape[0])
+        ]
         self.n_dst = coef.shape[0]
-        pos, neg = (coef == 1).nonzero(), (coef == -1).nonzero()
-        self.pos_dst, self.pos_src = pos[:, 0].contiguous(), pos[:, 1].contiguous()
-        self.neg_dst, self.neg_src = neg[:, 0].contiguous(), neg[:, 1].contiguous()
-        self._cache: dict[torch.device, tuple[Tensor, ...]] = {}
 
-    def _indices(self, device: torch.device) -> tuple[Tensor, ...]:
-        if device not in self._cache:
-            self._cache[device] = tuple(
-                t.to(device) for t in (self.pos_dst, self.pos_src, self.neg_dst, self.neg_src))
-        return self._cache[device]
+    def into(self, srcs, dst) -> None:
+        for p in range(self.n_dst):
+            terms, view = self.terms[p], dst(p)
+            if not terms:
+                view.zero_()
+                continue
+            first, sign = terms[0]
+            view.copy_(srcs[first])
+            if sign < 0:
+                view.neg_()
+            for i, sign in terms[1:]:
+                view.add_(srcs[i], alpha=sign)
 
-    def __call__(self, src: Tensor) -> Tensor:
-        """``src [n_src, ...]`` -> ``[n_dst, ...]``; additions only (no multiplications are spent here)."""
-        pos_dst, pos_src, neg_dst, neg_src = self._indices(src.device)
-        out = src.new_zeros((self.n_dst,) + tuple(src.shape[1:]))
-        out = out.index_add(0, pos_dst, src.index_select(0, pos_src))
-        if neg_dst.numel():
-            out = out.index_add(0, neg_dst, src.index_select(0, neg_src), alpha=-1)
+    def __call__(self, srcs) -> Tensor:
+        """``srcs`` (a sequence of ``[...]`` tensors) -> ``[n_dst, ...]``."""
+        out = srcs[0].new_empty((self.n_dst,) + tuple(srcs[0].shape))
+        self.into(srcs, lambda p: out[p])
         return out
 
 
@@ -205,16 +213,10 @@ def _pad_to(x: Tensor, rows: int, cols: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, pc, 0, pr))
 
 
-def _grid(x: Tensor, n: int, e: int) -> Tensor:
-    """``[B, 4n, 4e]`` -> the 16 blocks ``[16, B, n, e]`` (block ``(r, c)`` at ``4 r + c``)."""
-    b = x.shape[0]
-    return x.reshape(b, 4, n, 4, e).permute(1, 3, 0, 2, 4).reshape(16, b, n, e)
-
-
-def _ungrid(blocks: Tensor) -> Tensor:
-    """Inverse of :func:`_grid`: ``[16, B, n, e]`` -> ``[B, 4n, 4e]``."""
-    _, b, n, e = blocks.shape
-    return blocks.reshape(4, 4, b, n, e).permute(2, 0, 3, 1, 4).reshape(b, 4 * n, 4 * e)
+def _blocks(x: Tensor, n: int, e: int) -> list[Tensor]:
+    """The 16 grid blocks of ``x [B, 4n, 4e]`` as strided views, block ``(r, c)`` at ``4 r + c``."""
+    g = x.unflatten(-1, (4, e)).unflatten(-3, (4, n))  # [B, 4, n, 4, e]
+    return [g[:, r, :, c, :] for r in range(4) for c in range(4)]
 
 
 def _masked(a: Tensor, b: Tensor, depth: int) -> Tensor:
@@ -222,7 +224,7 @@ def _masked(a: Tensor, b: Tensor, depth: int) -> Tensor:
     bsz, length, d = a.shape
     lp, dp = 4 * math.ceil(length / 4), 4 * math.ceil(d / 4)
     n, e = lp // 4, dp // 4
-    qa, kb = _grid(_pad_to(a, lp, dp), n, e), _grid(_pad_to(b, lp, dp), n, e)
+    qa, kb = _blocks(_pad_to(a, lp, dp), n, e), _blocks(_pad_to(b, lp, dp), n, e)
     full = torch.matmul(_S1_FULL_A(qa), _S1_FULL_B(kb).transpose(-1, -2))  # [24, B, n, n]
     ha, hb = _S1_HALF_A(qa), _S1_HALF_B(kb)  # [10, B, n, e]
     if depth == 0:
@@ -230,10 +232,14 @@ def _masked(a: Tensor, b: Tensor, depth: int) -> Tensor:
     else:
         half = _masked(ha.reshape(_N_HALF * bsz, n, e), hb.reshape(_N_HALF * bsz, n, e), depth - 1)
         half = half.reshape(_N_HALF, bsz, n, n)
-    blocks = _S1_OUT(torch.cat((full, half), 0))  # [10, B, n, n]
-    out = a.new_zeros(bsz, 4, n, 4, n)
-    for z, (i, j) in enumerate(_OUT_BLOCKS):
-        out[:, i, :, j, :] = blocks[z].tril() if i == j else blocks[z]
+    out = a.new_empty(bsz, 4, n, 4, n)
+    for i in range(4):
+        for j in range(i + 1, 4):
+            out[:, i, :, j, :].zero_()
+    blocks = list(full.unbind(0)) + list(half.unbind(0))
+    _S1_OUT.into(blocks, lambda z: out[:, _OUT_BLOCKS[z][0], :, _OUT_BLOCKS[z][1], :])
+    for i in range(4):  # the full products also reach above the diagonal of a diagonal block
+        out[:, i, :, i, :].tril_()
     return out.reshape(bsz, lp, lp)[:, :length, :length]
 
 
@@ -242,9 +248,9 @@ def _tril_mm(p: Tensor, v: Tensor, depth: int) -> Tensor:
     bsz, length, d = v.shape
     lp, dp = 4 * math.ceil(length / 4), 4 * math.ceil(d / 4)
     n, e = lp // 4, dp // 4
-    pg = _pad_to(p, lp, lp).reshape(bsz, 4, n, 4, n)
-    pz = torch.stack([pg[:, i, :, j, :].tril() if i == j else pg[:, i, :, j, :] for i, j in _OUT_BLOCKS])
-    vb = _grid(_pad_to(v, lp, dp), n, e)
+    pg = _pad_to(p, lp, lp).unflatten(-1, (4, n)).unflatten(-3, (4, n))  # [B, 4, n, 4, n]
+    pz = [pg[:, i, :, j, :].tril() if i == j else pg[:, i, :, j, :] for i, j in _OUT_BLOCKS]
+    vb = _blocks(_pad_to(v, lp, dp), n, e)
     full = torch.matmul(_S2_FULL_P(pz), _S2_FULL_V(vb))  # [24, B, n, e]
     hp, hv = _S2_HALF_P(pz), _S2_HALF_V(vb)  # lower-triangular [10, B, n, n], dense [10, B, n, e]
     if depth == 0:
@@ -252,8 +258,9 @@ def _tril_mm(p: Tensor, v: Tensor, depth: int) -> Tensor:
     else:
         half = _tril_mm(hp.reshape(_N_HALF * bsz, n, n), hv.reshape(_N_HALF * bsz, n, e), depth - 1)
         half = half.reshape(_N_HALF, bsz, n, e)
-    out = _ungrid(_S2_OUT(torch.cat((full, half), 0)))
-    return out[:, :length, :d]
+    out = v.new_empty(bsz, 4, n, 4, e)
+    _S2_OUT.into(list(full.unbind(0)) + list(half.unbind(0)), lambda x: out[:, x // 4, :, x % 4, :])
+    return out.reshape(bsz, lp, dp)[:, :length, :d]
 
 
 def _check_depth(depth, fn: str) -> int:
