@@ -264,6 +264,36 @@ def test_half_precision_attention_is_computed_in_float32():
         assert _rel(out, ref) <= 2 * _rel(base, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_products_and_attention():
+    """On the GPU (float32, TF32 off): products and the attention backend within 1e-5 of float64."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        g = _gen("cuda")
+        a = torch.randn(3, 1023, 111, dtype=torch.float64, generator=g)
+        b = torch.randn(3, 1023, 111, dtype=torch.float64, generator=g)
+        p = torch.randn(3, 1023, 1023, dtype=torch.float64, generator=g)
+        for depth in (1, 2):
+            s = eca_masked_matmul(a.float().cuda(), b.float().cuda(), depth=depth)
+            o = eca_tril_matmul(p.float().cuda(), b.float().cuda(), depth=depth)
+            assert _rel(s.cpu(), torch.tril(a @ b.mT)) <= 1e-5
+            assert _rel(o.cpu(), torch.tril(p) @ b) <= 1e-5
+        q, k, v = (torch.randn(2, 3, 197, 64, dtype=torch.float64, generator=g) for _ in range(3))
+        inputs = [t.float().cuda().requires_grad_() for t in (q, k, v)]
+        out = elsa_attention(*inputs, causal=True, backend="eca")
+        out.sum().backward()
+        ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = softmax_attention(*ref_inputs, causal=True)
+        ref.sum().backward()
+        assert _rel(out.cpu(), ref) <= 1e-5
+        for got, want in zip(inputs, ref_inputs):
+            assert _rel(got.grad.cpu(), want.grad) <= 1e-5
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 # ---------------------------------------------------------------------------------------------- validation
 def test_backend_eca_validation():
     q = torch.randn(1, 2, 9, 4)
