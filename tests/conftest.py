@@ -5,7 +5,12 @@ import torch
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

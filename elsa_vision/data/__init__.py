@@ -1,4 +1,4 @@
-"""LightningDataModules: the embedded digits default, generic class folders, ImageNet."""
+"""Datasets, data modules and dataset metadata: the embedded digits default, class folders, ImageNet."""
 
 from .digits import DigitsDataModule, load_digits_splits
 from .imagefolder import ImageFolderDataModule, RobustImageFolder, load_rgb, scan_class_folders

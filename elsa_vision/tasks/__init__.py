@@ -1,5 +1,5 @@
-"""LightningModules for the tasks the models are trained on."""
+"""Tasks: training modules and evaluation pipelines."""
 
-from .classification import ClassificationModule, cosine_warmup_schedule, create_backbone
+from .classification import ClassificationModule, create_backbone, cosine_warmup_schedule
 
 __all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule"]
