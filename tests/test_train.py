@@ -39,7 +39,7 @@ def test_train_digits_smoke(tmp_path):
 def test_default_config_is_digits_on_cpu(tmp_path):
     cfg = compose_cfg("train", [], tmp_path / "run")
     assert cfg.data._target_.endswith("DigitsDataModule") and cfg.trainer.accelerator == "cpu"
-    assert cfg.model.net.img_size == 32 and cfg.model.net.patch_size == 4 and cfg.model.net.in_chans == 1
+    assert cfg.model.net.img_size == 32 and cfg.model.net.patch_size == 8 and cfg.model.net.in_chans == 1
     assert cfg.model.net.attn_backend == cfg.model.attention.backend
 
 
@@ -49,7 +49,7 @@ def test_every_model_config_adapts_to_the_data(tmp_path, model):
 
     cfg = compose_cfg("train", [f"model={model}", "+model.net.depth=1"], tmp_path / "run")
     net = hydra.utils.instantiate(cfg.model.net)
-    assert net.patch_embed.img_size == (32, 32) and net.patch_embed.patch_size == (4, 4)
+    assert net.patch_embed.img_size == (32, 32) and net.patch_embed.patch_size == (8, 8)
     assert net.patch_embed.proj.in_channels == 1 and net.head.out_features == 10
     assert net(torch.randn(2, 1, 32, 32)).shape == (2, 10)
 
@@ -274,3 +274,16 @@ def test_unknown_backbone_name_lists_registered_models(tmp_path):
         InstantiationException, match="pretrained_file='/no/weights.safetensors' is not a file"
     ):
         train(cfg)
+
+
+def test_extras_num_threads(tmp_path):
+    from elsa_vision.utils import extras
+
+    before = torch.get_num_threads()
+    try:
+        extras(compose_cfg("train", ["extras.num_threads=1"], tmp_path / "r"))
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="num_threads"):
+            extras(compose_cfg("train", ["extras.num_threads=0"], tmp_path / "r"))
+    finally:
+        torch.set_num_threads(before)

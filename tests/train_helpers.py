@@ -31,6 +31,8 @@ def compose_cfg(config_name: str, overrides: list[str], out_dir: Path) -> DictCo
         cfg.paths.output_dir = str(out_dir)
         cfg.paths.log_dir = str(out_dir.parent)
         cfg.paths.work_dir = str(ROOT)
+        if cfg.get("extras") is not None and "num_threads=" not in " ".join(overrides):
+            cfg.extras.num_threads = None  # leave this test process's thread count alone
         del cfg.hydra
     return cfg
 

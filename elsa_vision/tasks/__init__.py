@@ -1,5 +1,5 @@
 """Tasks: training modules and evaluation pipelines."""
 
-from .classification import ClassificationModule, create_backbone, cosine_warmup_schedule
+from .classification import ClassificationModule, cosine_warmup_schedule, create_backbone
 
 __all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule"]

@@ -32,14 +32,20 @@ log = logging.getLogger(__name__)
 
 
 def extras(cfg: DictConfig) -> None:
-    """Optional run-wide settings from ``cfg.extras`` (warning filters, matmul precision)."""
+    """Optional run-wide settings from ``cfg.extras``: warning filters, float32 matmul precision and the
+    number of CPU threads torch uses for this process."""
+    import torch
+
     ex = cfg.get("extras") or {}
     if ex.get("ignore_warnings"):
         warnings.filterwarnings("ignore")
     if ex.get("float32_matmul_precision"):
-        import torch
-
         torch.set_float32_matmul_precision(ex.float32_matmul_precision)
+    threads = ex.get("num_threads")
+    if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"extras.num_threads must be >= 1 or null, got {threads}")
+        torch.set_num_threads(int(threads))
 
 
 def _instantiate_group(group: DictConfig | None, kind: str, base: type) -> list:
