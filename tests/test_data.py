@@ -7,7 +7,6 @@ import logging
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from train_helpers import make_image_tree, write_image
 
 from elsa_vision.data import (
     DigitsDataModule,
@@ -17,6 +16,7 @@ from elsa_vision.data import (
     load_digits_splits,
     load_rgb,
 )
+from tests.train_helpers import make_image_tree, write_image
 
 
 # ------------------------------------------------------------------------------------------------ digits

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
-from train_helpers import QUIET, ROOT, TINY_NET, compose_cfg
 
 from elsa_vision.evaluate import evaluate, load_weights
 from elsa_vision.train import train
+from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg
 
 
 @pytest.fixture(scope="module")
