@@ -287,3 +287,17 @@ def test_extras_num_threads(tmp_path):
             extras(compose_cfg("train", ["extras.num_threads=0"], tmp_path / "r"))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("experiment", ["digits_vit_s", "imagenet_vit_b", "finetune_imagefolder"])
+def test_experiment_configs_compose(tmp_path, experiment):
+    import hydra
+
+    cfg = compose_cfg("train", [f"experiment={experiment}", f"paths.data_dir={tmp_path}"], tmp_path / "r")
+    dm = hydra.utils.instantiate(cfg.data, _convert_="partial")
+    assert dm.hparams.img_size % cfg.model.net.patch_size == 0
+    assert cfg.model.net.img_size == cfg.data.img_size and cfg.model.net.in_chans == cfg.data.in_chans
+    if experiment == "imagenet_vit_b":
+        assert cfg.model.net.model_name == "elsa_vit_base_patch16_224" and cfg.data.num_classes == 1000
+        assert cfg.model.mixup.cutmix_alpha == 1.0 and cfg.trainer.strategy._target_.endswith("DDPStrategy")
+        assert dm.data_config["crop_pct"] == 0.9  # from the model's pretrained cfg
