@@ -1,0 +1,107 @@
+"""``ElsaAttention`` is a drop-in for timm's ``Attention``: same names, same constructor, same outputs."""
+
+import inspect
+
+import pytest
+import torch
+from timm.layers import Attention
+
+from elsa_vision import ElsaAttention
+from tests.helpers import relerr
+
+CONFIGS = [
+    dict(dim=64, num_heads=4),
+    dict(dim=96, num_heads=3, qkv_bias=True),
+    dict(dim=80, num_heads=2, qk_norm=True, norm_layer=torch.nn.LayerNorm),
+    dict(dim=64, num_heads=4, scale_norm=True, norm_layer=torch.nn.LayerNorm, proj_bias=False),
+]
+if "gated" in inspect.signature(Attention.__init__).parameters:
+    CONFIGS.append(dict(dim=64, num_heads=2, gated=True, qkv_bias=True))
+
+
+def _pair(cfg):
+    ref = Attention(**cfg).double()
+    ours = ElsaAttention(**cfg).double()
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def test_constructor_accepts_timm_arguments():
+    timm_args = set(inspect.signature(Attention.__init__).parameters) - {"self"}
+    ours = set(inspect.signature(ElsaAttention.__init__).parameters)
+    assert timm_args <= ours, f"missing: {timm_args - ours}"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()
+                                                              if k != "norm_layer"))
+def test_same_output_and_grads_as_timm(cfg):
+    ref, ours = _pair(cfg)
+    x = torch.randn(2, 197, cfg["dim"], dtype=torch.float64, requires_grad=True)
+    y_ref = ref(x)
+    g_ref = torch.autograd.grad(y_ref.square().sum(), [x, *ref.parameters()])
+    y = ours(x)
+    g = torch.autograd.grad(y.square().sum(), [x, *ours.parameters()])
+    assert relerr(y, y_ref) <= 1e-12
+    # Some gradients are exactly 0 in exact arithmetic (k_norm's bias shifts every logit of a row
+    # equally), so each is judged relative to the largest gradient norm: ‖g − g_ref‖ <= 1e-11 · max‖g_ref‖.
+    scale = max(b.norm().item() for b in g_ref)
+    for a, b in zip(g, g_ref):
+        assert (a - b).norm().item() <= 1e-11 * scale
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_attn_mask_and_causal(mask_kind):
+    ref, ours = _pair(dict(dim=32, num_heads=2))
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, 13, 13) > 0.3
+        mask[..., 0] = True  # every row keeps a key: SDPA returns NaN for empty rows, ELSA returns 0
+    else:
+        mask = torch.randn(2, 1, 13, 13, dtype=torch.float64)
+    assert relerr(ours(x, attn_mask=mask), ref(x, attn_mask=mask)) <= 1e-12
+    if "is_causal" in inspect.signature(Attention.forward).parameters:
+        assert relerr(ours(x, is_causal=True), ref(x, is_causal=True)) <= 1e-12
+
+
+def test_float32_matches_float64_reference():
+    ref, ours = _pair(dict(dim=64, num_heads=4, qkv_bias=True))
+    ref32 = Attention(dim=64, num_heads=4, qkv_bias=True)
+    ours32 = ElsaAttention(dim=64, num_heads=4, qkv_bias=True)
+    ref32.load_state_dict(ref.state_dict())
+    ours32.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 785, 64, dtype=torch.float64)
+    expected = ref(x)
+    assert relerr(ours32(x.float()), expected) <= 1e-6
+
+
+def test_dropout_only_in_training():
+    layer = ElsaAttention(dim=32, num_heads=2, attn_drop=0.5)
+    x = torch.randn(1, 20, 32)
+    layer.eval()
+    assert torch.equal(layer(x), layer(x))
+    layer.train()
+    assert not torch.equal(layer(x), layer(x))
+
+
+def test_trains_one_step():
+    layer = ElsaAttention(dim=32, num_heads=4, qkv_bias=True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x, target = torch.randn(4, 10, 32), torch.randn(4, 10, 32)
+    loss0 = torch.nn.functional.mse_loss(layer(x), target)
+    loss0.backward()
+    opt.step()
+    assert torch.nn.functional.mse_loss(layer(x), target) < loss0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        ElsaAttention(32, backend="cudnn")
+    with pytest.raises(ValueError, match="precision"):
+        ElsaAttention(32, precision="half")
+    with pytest.raises(ValueError, match="divisible"):
+        ElsaAttention(30, num_heads=4)
+    with pytest.raises(ValueError, match="norm_layer"):
+        ElsaAttention(32, qk_norm=True)
+    with pytest.raises(TypeError, match="attn_mask"):
+        ElsaAttention(32, num_heads=2)(torch.randn(1, 4, 32), attn_mask=torch.ones(1, 1, 4, 4, dtype=torch.int64))
