@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import copy
 import os
+from functools import partial
 from typing import Any
 
 import timm
-from timm.layers import Attention, AttentionPoolLatent
+from timm.layers import Attention, AttentionPoolLatent, LayerNorm
 from timm.models import adapt_input_conv, build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import Tensor, nn
@@ -233,7 +234,8 @@ def elsa_vit_base_patch16_384(pretrained: bool = False, **kwargs) -> ElsaViT:
 
 @register_model
 def elsa_vit_large_patch14_clip_224(pretrained: bool = False, **kwargs) -> ElsaViT:
-    args = dict(patch_size=14, embed_dim=1024, depth=24, num_heads=16, pre_norm=True, norm_layer="layernorm")
+    args = dict(patch_size=14, embed_dim=1024, depth=24, num_heads=16, pre_norm=True,
+                norm_layer=partial(LayerNorm, eps=1e-5))
     return _create_elsa_vit("elsa_vit_large_patch14_clip_224", pretrained=pretrained, **dict(args, **kwargs))
 
 
