@@ -17,8 +17,8 @@ timm Swin v2 ``WindowAttention``                 becomes :class:`ElsaSwinV2Windo
 torch ``TransformerEncoderLayer``)               not, ``key_padding_mask``, ``attn_mask``; no
                                                  ``add_bias_kv`` / ``add_zero_attn``); torch's fused
                                                  encoder fast path is switched off for patched layers
-timm ``EvaAttention``, ``AttentionRope``          kept as is (RoPE, q/k/v bias layout, ``num_kv_heads``), their
-                                                 fused SDPA call routed to ELSA (:func:`sdpa_override`)
+timm ``EvaAttention``, ``AttentionRope``          kept as is (RoPE, q/k/v bias layout, ``num_kv_heads``),
+                                                 their fused SDPA call routed to ELSA (:func:`sdpa_override`)
 ===============================================  ==========================================================
 
 "Becomes" means the module object stays (same parameters, same hooks, same name) and only its class changes
@@ -69,9 +69,9 @@ def _dropout_backend(module: nn.Module, p: float) -> tuple[float, str]:
     return dropout_p, ("torch" if dropout_p > 0 else module.elsa_backend)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # sdpa_override
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 
 
 def _elsa_sdpa(backend: str, precision: str):
@@ -94,15 +94,16 @@ def _elsa_sdpa(backend: str, precision: str):
         """
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor) or t.dim() < 2:
-                raise ValueError(f"sdpa_override: `{name}` must be a tensor of rank >= 2 [..., N, D], got {t!r:.60}")
+                raise ValueError(
+                    f"sdpa_override: `{name}` must be a tensor of rank >= 2 [..., N, D], got {t!r:.60}")
         if is_causal and attn_mask is not None:
             raise ValueError("sdpa_override: pass either `attn_mask` or `is_causal=True`, not both (as SDPA)")
         if query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
             hq, hk = query.shape[-3], key.shape[-3]
             if not enable_gqa or hq % hk or value.shape[-3] != hk:
                 raise ValueError(
-                    f"sdpa_override: query has {hq} heads, key {hk} and value {value.shape[-3]}; differing head "
-                    f"counts need enable_gqa=True and num query heads divisible by num key/value heads"
+                    f"sdpa_override: query has {hq} heads, key {hk} and value {value.shape[-3]}; differing "
+                    f"head counts need enable_gqa=True and num query heads divisible by num key/value heads"
                 )
             key = key.repeat_interleave(hq // hk, dim=-3)
             value = value.repeat_interleave(hq // hk, dim=-3)
@@ -161,9 +162,9 @@ def sdpa_override(*, backend: str = "auto", precision: str = "auto") -> Iterator
         F.scaled_dot_product_attention = previous
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Swin window attention
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 
 
 def _window_attention(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, mask: Tensor | None,
@@ -259,9 +260,9 @@ def _swin_classes():
 _SwinV1, ElsaSwinWindowAttention, _SwinV2, ElsaSwinV2WindowAttention = _swin_classes()
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # nn.MultiheadAttention
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 
 
 class ElsaMultiheadAttention(_ElsaConverted, nn.MultiheadAttention):
@@ -292,7 +293,7 @@ class ElsaMultiheadAttention(_ElsaConverted, nn.MultiheadAttention):
                 "forms; call with need_weights=False"
             )
         if is_causal and attn_mask is None:
-            raise ValueError("ElsaMultiheadAttention: is_causal=True is a hint and needs attn_mask (as torch)")
+            raise ValueError("ElsaMultiheadAttention: is_causal=True is hint and needs attn_mask (as torch)")
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
@@ -323,9 +324,13 @@ class ElsaMultiheadAttention(_ElsaConverted, nn.MultiheadAttention):
                                      f"got {tuple(attn_mask.shape)}")
                 attn_mask = attn_mask.view(B, H, L, S)
             elif attn_mask.shape != (L, S):
-                raise ValueError(f"ElsaMultiheadAttention: 2-D attn_mask must be {(L, S)}, got {tuple(attn_mask.shape)}")
+                raise ValueError(
+                    f"ElsaMultiheadAttention: 2-D attn_mask must be {(L, S)}, got {tuple(attn_mask.shape)}")
             # torch's MHA bool mask marks the *forbidden* positions (SDPA's is the opposite).
-            bias = mask_to_bias(~attn_mask, q.dtype) if attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
+            if attn_mask.dtype == torch.bool:
+                bias = mask_to_bias(~attn_mask, q.dtype)
+            else:
+                bias = attn_mask.to(q.dtype)
         if key_padding_mask is not None:
             if key_padding_mask.shape != (B, S):
                 raise ValueError(f"ElsaMultiheadAttention: key_padding_mask must be {(B, S)}, "
@@ -357,9 +362,9 @@ def _mha_compatible(m: nn.MultiheadAttention) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # SDPA-routed timm modules (RoPE / GQA / EVA bias layouts kept verbatim)
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 
 _ROUTED: dict[type, type] = {}
 
@@ -386,9 +391,9 @@ def _sdpa_routed_bases() -> tuple[type, ...]:
     return EvaAttention, AttentionRope
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # patch_attention
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -473,7 +478,8 @@ def patch_attention(
     # torch's TransformerEncoder(Layer) has an eval-mode fused kernel that reads the MHA weights directly
     # instead of calling self_attn; both flags below only select that kernel, so clearing them keeps ELSA on.
     for module in model.modules():
-        if isinstance(module, nn.TransformerEncoderLayer) and isinstance(module.self_attn, ElsaMultiheadAttention):
+        is_layer = isinstance(module, nn.TransformerEncoderLayer)
+        if is_layer and isinstance(module.self_attn, ElsaMultiheadAttention):
             module.activation_relu_or_gelu = 0
         elif isinstance(module, nn.TransformerEncoder) and any(
             isinstance(m, ElsaMultiheadAttention) for m in module.modules()

@@ -16,8 +16,14 @@ from torch import nn
 import elsa_vision.layers.attention as elsa_attention_module
 import elsa_vision.layers.attention_pool as elsa_pool_module
 import elsa_vision.patching as patching
-from elsa_vision import ElsaAttention, PatchReport, patch_attention, patch_swin_attention, patch_vit_attention
-from elsa_vision import sdpa_override
+from elsa_vision import (
+    ElsaAttention,
+    PatchReport,
+    patch_attention,
+    patch_swin_attention,
+    patch_vit_attention,
+    sdpa_override,
+)
 from elsa_vision.patching import ElsaMultiheadAttention, ElsaSwinV2WindowAttention, ElsaSwinWindowAttention
 from tests.helpers import relerr
 
@@ -79,7 +85,8 @@ def test_patch_vit(elsa_calls):
 
 
 def test_patch_vit_map_head_and_timm_math_path(elsa_calls):
-    model = timm.create_model("vit_small_patch16_224", depth=2, img_size=64, global_pool="map", class_token=False)
+    model = timm.create_model("vit_small_patch16_224", depth=2, img_size=64, global_pool="map",
+                              class_token=False)
     for blk in model.blocks:  # the unfused (math) timm path is the reference here
         blk.attn.fused_attn = False
     _patched_equals(model, torch.randn(2, 3, 64, 64), {"Attention": 2, "AttentionPoolLatent": 1}, elsa_calls)
@@ -101,7 +108,8 @@ def test_patch_swin_v1(elsa_calls):
 
 def test_patch_swin_v1_mask_against_float64(elsa_calls):
     # One window attention with relative position bias and a Swin shift mask (-100), vs the float64 formula.
-    model = timm.create_model("swin_tiny_patch4_window7_224", embed_dim=32, depths=(2, 2, 2, 2), num_heads=(2, 2, 4, 4))
+    model = timm.create_model("swin_tiny_patch4_window7_224", embed_dim=32, depths=(2, 2, 2, 2),
+                              num_heads=(2, 2, 4, 4))
     attn = randomize_(model).layers[0].blocks[1].attn
     mask = model.layers[0].blocks[1].attn_mask  # [nW, 49, 49]
     patch_swin_attention(model)
@@ -268,7 +276,8 @@ def test_sdpa_override_functional(case, elsa_calls):
     (q, k, v), kw = _sdpa_cases()[case]
     with sdpa_override():
         out = F.scaled_dot_product_attention(q, k, v, **kw)
-    kw64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
+    kw64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            for n, t in kw.items()}
     ref = SDPA(q.double(), k.double(), v.double(), **kw64)
     assert elsa_calls["n"] == 1
     assert out.shape == ref.shape and out.dtype == q.dtype
@@ -293,7 +302,8 @@ def test_sdpa_override_dropout_and_errors():
         b = F.scaled_dot_product_attention(q, q, q)
         assert a.shape == b.shape and relerr(a, b) > 1e-2  # dropout was applied
         with pytest.raises(ValueError, match="not both"):
-            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(9, 9, dtype=torch.bool), is_causal=True)
+            mask = torch.ones(9, 9, dtype=torch.bool)
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=True)
         with pytest.raises(ValueError, match="enable_gqa"):
             F.scaled_dot_product_attention(torch.randn(2, 4, 9, 8), q, q)
         with pytest.raises(ValueError, match="rank >= 2"):

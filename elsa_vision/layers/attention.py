@@ -127,7 +127,8 @@ class ElsaAttention(nn.Module):
         new = cls(
             qkv.in_features, num_heads=num_heads, attn_head_dim=head_dim, dim_out=attn.proj.out_features,
             qkv_bias=qkv.bias is not None, proj_bias=attn.proj.bias is not None, gated=gate is not None,
-            attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p, device=qkv.weight.device, dtype=qkv.weight.dtype,
+            attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p, device=qkv.weight.device,
+            dtype=qkv.weight.dtype,
             backend=backend, precision=precision,
         )
         # Norm layers are taken over as copies of the source modules (any norm type, any eps).

@@ -28,7 +28,8 @@ class ElsaAttentionPoolLatent(AttentionPoolLatent):
 
     def _set_elsa(self, backend: str, precision: str) -> None:
         if backend not in BACKENDS:
-            raise ValueError(f"ElsaAttentionPoolLatent: unknown backend {backend!r}; expected one of {BACKENDS}")
+            raise ValueError(
+                f"ElsaAttentionPoolLatent: unknown backend {backend!r}; expected one of {BACKENDS}")
         if precision not in PRECISIONS:
             raise ValueError(
                 f"ElsaAttentionPoolLatent: unknown precision {precision!r}; expected one of {PRECISIONS}")
@@ -43,7 +44,8 @@ class ElsaAttentionPoolLatent(AttentionPoolLatent):
         """
         if type(pool) is not AttentionPoolLatent and not isinstance(pool, cls):
             raise TypeError(
-                f"ElsaAttentionPoolLatent.convert: expected timm AttentionPoolLatent, got {type(pool).__name__}")
+                f"ElsaAttentionPoolLatent.convert: expected timm AttentionPoolLatent, "
+                f"got {type(pool).__name__}")
         pool.__class__ = cls
         pool._set_elsa(backend, precision)
         return pool

@@ -62,7 +62,8 @@ class ElsaViT(VisionTransformer):
             if k in kwargs and kwargs[k] is not ElsaAttention:
                 raise ValueError(f"ElsaViT: `{k}` is fixed to ElsaAttention, got {kwargs[k]!r}")
         if kwargs.get("global_pool") == "prr":
-            raise ValueError("ElsaViT: global_pool='prr' is not supported; expected token, avg, max, avgmax, map or ''")
+            raise ValueError(
+                "ElsaViT: global_pool='prr' is not supported; expected token, avg, max, avgmax, map or ''")
         kwargs["attn_layer"] = ElsaAttention
         super().__init__(*args, **kwargs)
         self._elsa_convert(attn_backend, attn_precision)
@@ -109,9 +110,9 @@ class ElsaViT(VisionTransformer):
         """An ``ElsaViT`` with the configuration and weights of a timm ViT.
 
         Args:
-            src: a timm ``VisionTransformer`` instance (deep-copied: same config, same weights, ``src`` is left
-                untouched) or a timm model name such as ``"vit_base_patch16_224"`` (built with ``**kwargs``,
-                e.g. ``dynamic_img_size=True``, ``img_size``, ``in_chans``, ``num_classes``).
+            src: a timm ``VisionTransformer`` instance (deep-copied: same config, same weights, ``src`` is
+                left untouched) or a timm model name such as ``"vit_base_patch16_224"`` (built with
+                ``**kwargs``, e.g. ``dynamic_img_size=True``, ``img_size``, ``in_chans``, ``num_classes``).
             checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, read with
                 ``weights_only=True`` and converted by timm's ``checkpoint_filter_fn`` (OpenAI-CLIP and DINOv2
                 layouts, position-embedding resampling) and :func:`elsa_checkpoint_filter_fn` (``in_chans``).
@@ -127,7 +128,8 @@ class ElsaViT(VisionTransformer):
         if isinstance(src, str):
             model = timm.create_model(src, pretrained=False, **kwargs)
             if not isinstance(model, VisionTransformer):
-                raise TypeError(f"ElsaViT.from_timm: {src!r} builds a {type(model).__name__}, not a VisionTransformer")
+                raise TypeError(
+                    f"ElsaViT.from_timm: {src!r} builds a {type(model).__name__}, not a VisionTransformer")
             if checkpoint_path is not None:
                 report = load_checkpoint(model, checkpoint_path, elsa_checkpoint_filter_fn, strict=strict)
             model.eval()
@@ -146,7 +148,8 @@ class ElsaViT(VisionTransformer):
                 )
             model = copy.deepcopy(src)
         else:
-            raise TypeError(f"ElsaViT.from_timm: src must be a timm model name or VisionTransformer, got {type(src)}")
+            raise TypeError(
+                f"ElsaViT.from_timm: src must be a timm model name or VisionTransformer, got {type(src)}")
         model.__class__ = cls
         model._elsa_convert(attn_backend, attn_precision)
         model.load_report = report
@@ -154,7 +157,7 @@ class ElsaViT(VisionTransformer):
 
 
 def elsa_checkpoint_filter_fn(state_dict: dict[str, Tensor], model: VisionTransformer) -> dict[str, Tensor]:
-    """timm's ``checkpoint_filter_fn`` followed by ``adapt_input_conv`` of the patch embedding for ``in_chans``.
+    """timm's ``checkpoint_filter_fn``, then ``adapt_input_conv`` of the patch embedding for ``in_chans``.
 
     Handles timm, OpenAI-CLIP (``visual.*``) and DINOv2 (``mask_token``) layouts and resamples ``pos_embed``
     to the model's grid; a 3-channel patch embedding is adapted to any ``in_chans`` (timm's rule: mean for 1
@@ -243,4 +246,5 @@ def elsa_vit_large_patch14_clip_224(pretrained: bool = False, **kwargs) -> ElsaV
 def elsa_vit_base_patch14_reg4_dinov2(pretrained: bool = False, **kwargs) -> ElsaViT:
     args = dict(patch_size=14, embed_dim=768, depth=12, num_heads=12, init_values=1e-5, reg_tokens=4,
                 no_embed_class=True)
-    return _create_elsa_vit("elsa_vit_base_patch14_reg4_dinov2", pretrained=pretrained, **dict(args, **kwargs))
+    return _create_elsa_vit(
+        "elsa_vit_base_patch14_reg4_dinov2", pretrained=pretrained, **dict(args, **kwargs))

@@ -76,7 +76,8 @@ def test_registered_config_equals_timm_architecture(name):
     ours = timm.create_model(name, device="meta")
     twin = timm.create_model(TIMM_TWINS[name], device="meta")
     assert isinstance(ours, ElsaViT)
-    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in twin.state_dict().items()}
+    shapes = lambda m: {k: v.shape for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(ours) == shapes(twin)
     norms = lambda m: [str(x) for x in m.modules() if isinstance(x, nn.LayerNorm)]  # noqa: E731
     assert norms(ours) == norms(twin)
     assert ours.pretrained_cfg["input_size"] == twin.pretrained_cfg["input_size"]
@@ -198,7 +199,8 @@ def test_from_timm_instance_equals_timm(name):
     torch.manual_seed(0)
     ref = randomize_(timm.create_model(name, dynamic_img_size=True, **spec.get("kw", {}))).eval()
     ours = ElsaViT.from_timm(ref)
-    assert type(ref) is VisionTransformer and all(type(b.attn) is Attention for b in ref.blocks)  # src untouched
+    # src is untouched
+    assert type(ref) is VisionTransformer and all(type(b.attn) is Attention for b in ref.blocks)
     assert all(isinstance(b.attn, ElsaAttention) for b in ours.blocks)
     assert not ours.training
     for h, w in [(224, 224), spec["hw"]]:
@@ -289,7 +291,7 @@ def test_dinov2_layout(tmp_path):
     torch.manual_seed(0)
     ref = randomize_(timm.create_model("vit_small_patch14_reg4_dinov2", img_size=112, depth=2)).eval()
     sd = ref.state_dict()
-    # Meta's DINOv2 layout: register_tokens, a pos_embed with the class position, cls_token without it, mask_token.
+    # Meta's DINOv2 layout: register_tokens, pos_embed with the class position, bare cls_token, mask_token.
     cls_pos = torch.randn(1, 384)
     dino = {k: v for k, v in sd.items() if k not in ("reg_token", "cls_token", "pos_embed")}
     dino.update(register_tokens=sd["reg_token"], cls_token=sd["cls_token"] - cls_pos,
@@ -326,8 +328,8 @@ def test_checkpoint_errors(deit_ref, tmp_path):
     sd["extra.thing"] = torch.zeros(3)
     partial = tmp_path / "partial.pth"
     torch.save(sd, partial)
-    with pytest.raises(ValueError, match=r"missing keys \(1\): blocks\.0\.norm1\.weight(.|\n)*unexpected keys \(1\): "
-                                         r"extra\.thing"):
+    pattern = r"missing keys \(1\): blocks\.0\.norm1\.weight(.|\n)*unexpected keys \(1\): extra\.thing"
+    with pytest.raises(ValueError, match=pattern):
         ElsaViT.from_timm("deit_tiny_patch16_224", partial, **_TINY)
     ours = ElsaViT.from_timm("deit_tiny_patch16_224", partial, strict=False, **_TINY)
     assert ours.load_report.missing == ["blocks.0.norm1.weight"]
