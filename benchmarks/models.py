@@ -197,8 +197,9 @@ def main(argv: list[str] | None = None) -> str:
             print(f"{case.model} img {case.img} batch {case.batch} {case.dtype}", flush=True)
             rows = run_case(case, device, warmup, reps, args.precision)
             for r in rows:
+                values = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}
                 writer.writerow(dict(meta, model=case.model, img=case.img, batch=case.batch, dtype=case.dtype,
-                                     **{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}))
+                                     **values))
             f.flush()
             results.append((case, {r["peer"]: r for r in rows}))
 
