@@ -308,3 +308,24 @@ def test_sdpa_override_dropout_and_errors():
             F.scaled_dot_product_attention(torch.randn(2, 4, 9, 8), q, q)
         with pytest.raises(ValueError, match="rank >= 2"):
             F.scaled_dot_product_attention(torch.randn(8), q, q)
+
+
+def test_patch_swin_v2_gradients_float64():
+    # Training through the patched model: each parameter gradient (logit_scale, cpb_mlp, q/v bias ...) equals
+    # timm's. Both run in float64 so that the check isolates the patch's mapping of the attention (cosine
+    # logits, per-head scale, bias, mask) from float32 rounding of either implementation: rel. error <= 1e-10.
+    model = randomize_(timm.create_model("swinv2_tiny_window8_256", embed_dim=16, depths=(2, 2, 2, 2),
+                                         num_heads=(1, 2, 2, 4), num_classes=5, img_size=128,
+                                         drop_path_rate=0.0)).double()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "cpb_mlp"):
+                m.cpb_mlp[-1].weight.normal_(0, 1.0)
+    ref = copy.deepcopy(model)
+    assert patch_swin_attention(model).total == 8
+    x = torch.randn(2, 3, 128, 128, dtype=torch.float64)
+    for m in (model, ref):
+        m(x).square().sum().backward()
+    grads = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        assert relerr(p.grad, grads[n].grad) <= 1e-10, n

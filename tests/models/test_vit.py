@@ -345,3 +345,16 @@ def test_package_exports():
     for name in ("ElsaViT", "patch_attention", "patch_vit_attention", "patch_swin_attention", "sdpa_override",
                  "PatchReport"):
         assert name in elsa_vision.__all__ and hasattr(elsa_vision, name)
+
+
+def test_attention_dropout_in_training_only():
+    model = ElsaViT(**dict(_BASE, attn_drop_rate=0.5))
+    x = torch.randn(2, 3, 64, 64)
+    torch.manual_seed(0)
+    a = model(x)
+    torch.manual_seed(1)
+    b = model(x)
+    assert relerr(a, b) > 1e-3  # dropout masks differ between the two training runs
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), model(x))
