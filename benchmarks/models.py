@@ -103,24 +103,24 @@ def peak_forward_mb(fn, device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
-def build_peers(case: Case, device: torch.device, precision: str) -> dict[str, torch.nn.Module]:
-    dtype = DTYPES[case.dtype]
+def build_peers(case: Case, precision: str) -> dict[str, torch.nn.Module]:
+    """The three peers on the CPU, sharing one set of random weights."""
     torch.manual_seed(0)
     timm_model = timm.create_model(case.model, img_size=case.img, **case.kwargs).eval()
     math_model = copy.deepcopy(timm_model)
     for blk in math_model.blocks:
         blk.attn.fused_attn = False
     elsa_model = ElsaViT.from_timm(timm_model, attn_precision=precision)
-    peers = {"timm_sdpa": timm_model, "timm_math": math_model, "elsa": elsa_model}
-    return {k: m.to(device=device, dtype=dtype) for k, m in peers.items()}
+    return {"timm_sdpa": timm_model, "timm_math": math_model, "elsa": elsa_model}
 
 
 def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision: str) -> list[dict]:
-    peers = build_peers(case, device, precision)
+    peers = build_peers(case, precision)
     x = torch.randn(case.batch, 3, case.img, case.img, device=device, dtype=DTYPES[case.dtype])
     rows, ref = [], None
     for name in PEERS:
-        model = peers[name]
+        # One model on the device at a time: peak memory is that of the peer alone (weights + activations).
+        model = peers[name].to(device=device, dtype=DTYPES[case.dtype])
 
         def fwd(model=model):
             with torch.inference_mode():
@@ -134,15 +134,16 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
             print(f"  {name}: out of memory", flush=True)
             rows.append(dict(peer=name, img_per_s=math.nan, ms=math.nan, peak_mb=math.nan, max_dev=math.nan))
             continue
-        if ref is None:
+        finally:
+            peers[name] = model.to("cpu")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if name == "timm_sdpa":
             ref = out.float()
-        max_dev = (out.float() - ref).abs().max().item()
+        max_dev = (out.float() - ref).abs().max().item() if ref is not None else math.nan
         rows.append(dict(peer=name, img_per_s=case.batch / (ms / 1e3), ms=ms, peak_mb=peak, max_dev=max_dev))
         print(f"  {name:10s} {case.batch / (ms / 1e3):10.1f} img/s  {ms:9.3f} ms  peak {peak:9.1f} MB  "
               f"max_dev {max_dev:.3e}", flush=True)
-    del peers
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
