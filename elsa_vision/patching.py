@@ -357,9 +357,7 @@ def _mha_compatible(m: nn.MultiheadAttention) -> str | None:
         return "add_bias_kv"
     if m.add_zero_attn:
         return "add_zero_attn"
-    if m.vdim != m.embed_dim or m.kdim != m.embed_dim:
-        return None if not m._qkv_same_embed_dim else "kdim/vdim"
-    return None
+    return None  # kdim/vdim != embed_dim use q/k/v_proj_weight, which ElsaMultiheadAttention reads
 
 
 # ----------------------------------------------------------------------------------------------------------
