@@ -40,6 +40,8 @@ __all__ = [
     "attention_scores",
     "scan_attention",
     "softmax_attention",
+    "state_from_output",
+    "attention_backward",
 ]
 
 
@@ -280,6 +282,56 @@ def scan_attention(
     if return_lse:
         return out, (torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0])
     return out
+
+
+def state_from_output(out: Tensor, lse: Tensor) -> ElsaState:
+    """The state ``(lse, 1, out)`` (or the identity where ``lse = -inf``) that finalizes to ``out``.
+
+    Partial attention results over disjoint key sets, each given as (output, log-sum-exp), merge exactly
+    through :func:`merge_states` once written in this form (split-KV and ring attention do this).
+    """
+    visible = torch.isfinite(lse)
+    return ElsaState(lse, visible.to(out.dtype), out * visible.unsqueeze(-1).to(out.dtype))
+
+
+def attention_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    attn_bias: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    q_offset: int | None = None,
+    delta: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients of attention from the saved per-row log-sum-exp (the backward kernels' specification).
+
+    ``P = exp(S - lse)`` is recomputed from the scores, then ``Delta = rowsum(O * dO)``,
+    ``dV = P^T dO``, ``dS = P * (dO V^T - Delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
+    ``out``/``lse`` may describe attention over a *superset* of the keys ``k`` (ring attention passes the
+    global output and log-sum-exp with one key shard): the results are then that shard's contributions.
+    Rows with ``lse = -inf`` get zero gradients. Returns ``(dq, dk, dv, dS)``; ``dS`` is the bias gradient
+    before reducing over broadcast dims (``None`` when no bias is given).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    offset = Nk - Nq if q_offset is None else q_offset
+    scores = attention_scores(q, k, scale=scale, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+                              causal=causal, q_offset=offset)
+    p = torch.exp(scores - _finite_or_zero(lse).unsqueeze(-1))
+    p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
+    if delta is None:
+        delta = (out * do).sum(-1)
+    dv = p.transpose(-2, -1) @ do
+    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    dq = (ds @ k) * scale
+    dk = (ds.transpose(-2, -1) @ q) * scale
+    return dq, dk, dv, (ds if attn_bias is not None else None)
 
 
 def softmax_attention(

@@ -1,0 +1,326 @@
+"""Context-parallel ELSA: one sequence sharded over the ranks of a ``torch.distributed`` process group.
+
+Each rank holds the queries, keys and values of its own tokens. Key/value shards travel around a ring
+(``batch_isend_irecv`` to the next rank while the current shard is being folded in), and every rank folds
+each visiting shard into its queries' (m, S, W) states with the ELSA monoid. Because the merge is
+associative and commutative, the order in which shards arrive does not change the result beyond rounding:
+this is the multi-device level of the scan. The backward pass sends the key/value shards around the ring
+once more, together with their dK/dV accumulators, which arrive home complete after a full turn.
+
+Layouts (``layout=``):
+    ``"contiguous"`` -- rank r holds one contiguous slice; slices differ in length by at most one token.
+    ``"zigzag"`` -- the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r, which balances
+    causal work (every rank gets one early and one late chunk).
+
+Works with NCCL (GPU) and gloo (CPU). Self-attention only (queries and keys are the same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .kernels.reference import attention_backward, finalize, merge_states, scan_attention, state_from_output
+from .ops.attention import BACKENDS, PRECISIONS, resolve_backend
+
+__all__ = [
+    "shard_ranges",
+    "shard_sequence",
+    "gather_sequence",
+    "context_parallel_attention",
+]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _even_cuts(n: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(n, parts)
+    cuts, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        cuts.append((start, end))
+        start = end
+    return cuts
+
+
+def shard_ranges(n: int, world_size: int, rank: int, layout: str = "contiguous") -> list[tuple[int, int]]:
+    """Global ``[start, end)`` token ranges held by ``rank`` (one for contiguous, two for zigzag)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the group of size {world_size}")
+    if layout == "contiguous":
+        return [_even_cuts(n, world_size)[rank]]
+    cuts = _even_cuts(n, 2 * world_size)
+    return [cuts[rank], cuts[2 * world_size - 1 - rank]]
+
+
+def _group_info(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def shard_sequence(x: Tensor, group=None, *, dim: int = -2, layout: str = "contiguous") -> Tensor:
+    """This rank's tokens of a full sequence tensor (every rank passes the same ``x``)."""
+    world, rank = _group_info(group)
+    ranges = shard_ranges(x.shape[dim], world, rank, layout)
+    return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def gather_sequence(x_local: Tensor, n: int, group=None, *, dim: int = -2, layout: str = "contiguous") -> Tensor:
+    """Reassemble the full sequence (length ``n``) from every rank's shard (an all-gather)."""
+    world, _ = _group_info(group)
+    dim = dim % x_local.dim()
+    lengths = [sum(b - a for a, b in shard_ranges(n, world, r, layout)) for r in range(world)]
+    longest = max(lengths)
+    pad = [0, 0] * (x_local.dim() - 1 - dim) + [0, longest - x_local.shape[dim]]
+    padded = torch.nn.functional.pad(x_local, pad).contiguous()
+    bufs = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(bufs, padded, group=group)
+    out_parts = []
+    for r, buf in enumerate(bufs):
+        offset = 0
+        for a, b in shard_ranges(n, world, r, layout):
+            out_parts.append((a, buf.narrow(dim, offset, b - a)))
+            offset += b - a
+    out_parts.sort(key=lambda t: t[0])
+    return torch.cat([p for _, p in out_parts], dim=dim)
+
+
+class _Ring:
+    """Send to the next rank, receive from the previous one, overlapped with compute."""
+
+    def __init__(self, group):
+        self.group = group
+        world, rank = _group_info(group)
+        self.world, self.rank = world, rank
+        self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+
+    def start(self, tensors: list[Tensor]) -> tuple[list, list[Tensor]]:
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        return dist.batch_isend_irecv(ops), recv
+
+    @staticmethod
+    def wait(reqs) -> None:
+        for r in reqs:
+            r.wait()
+
+
+def _pairs(q_ranges, k_ranges, causal):
+    """(q slice, k slice, causal flag) blocks to compute; fully masked causal blocks are skipped.
+
+    Chunk boundaries come from one global partition, so a causal pair is either fully visible, fully
+    masked, or the same chunk on both sides (a square diagonal block: ordinary causal attention).
+    """
+    q_off = 0
+    for qa, qb in q_ranges:
+        k_off = 0
+        for ka, kb in k_ranges:
+            qs, ks = slice(q_off, q_off + qb - qa), slice(k_off, k_off + kb - ka)
+            if qb > qa and kb > ka:
+                if not causal or kb - 1 <= qa:
+                    yield qs, ks, False
+                elif (ka, kb) == (qa, qb):
+                    yield qs, ks, True
+                # else: every key of the chunk lies after every query: nothing to compute
+            k_off += kb - ka
+        q_off += qb - qa
+
+
+def _fold_forward(q, k, v, kpm, bias, causal, scale, precision, backend):
+    """(out, lse) of q against one key shard, through the chosen backend."""
+    if backend == "triton":
+        from .kernels import elsa_fwd
+
+        out, lse = elsa_fwd(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=causal, scale=scale,
+                            precision=precision)
+        return out.to(_acc(q)), lse.to(_acc(q))
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out, lse = scan_attention(q.to(compute), k.to(compute), v.to(compute), attn_bias=bias, key_padding_mask=kpm,
+                              causal=causal, scale=scale, query_chunk=1024, return_lse=True)
+    return out, lse
+
+
+def _fold_backward(do, q, k, v, out, lse, delta, kpm, bias, causal, scale, precision, backend):
+    if backend == "triton":
+        from .kernels import elsa_bwd
+
+        dq, dk, dv, _ = elsa_bwd(do, q, k, v, out.to(q.dtype), lse.float(), attn_bias=bias, key_padding_mask=kpm,
+                                 causal=causal, scale=scale, precision=precision)
+        return dq.to(out.dtype), dk.to(out.dtype), dv.to(out.dtype)
+    compute = out.dtype
+    dq, dk, dv, _ = attention_backward(do.to(compute), q.to(compute), k.to(compute), v.to(compute), out, lse,
+                                       attn_bias=bias, key_padding_mask=kpm, causal=causal, scale=scale,
+                                       delta=delta)
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, kpm, bias, group, n, causal, scale, precision, backend, layout):
+        ring = _Ring(group)
+        world, rank = ring.world, ring.rank
+        ranges = [shard_ranges(n, world, r, layout) for r in range(world)]
+        lengths = [sum(b - a for a, b in rr) for rr in ranges]
+        longest = max(lengths)
+        pad = longest - k.shape[-2]
+        # Every rank sends equally shaped buffers; padded keys are hidden by the travelling mask.
+        valid = torch.ones(k.shape[0], k.shape[-2], dtype=torch.bool, device=k.device)
+        if kpm is not None:
+            valid = valid & kpm
+        kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).contiguous()
+        vb = torch.nn.functional.pad(v, (0, 0, 0, pad)).contiguous()
+        mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
+        state = [None] * len(ranges[rank])  # one running state per local query chunk
+        for step in range(world):
+            src = (rank - step) % world
+            reqs, recv = ring.start([kb, vb, mb]) if step < world - 1 else ([], None)
+            k_ranges = ranges[src]
+            for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
+                bias_blk = None
+                if bias is not None:
+                    cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
+                    bias_blk = bias[..., qs, :].index_select(-1, cols) if bias.shape[-1] > 1 else bias[..., qs, :]
+                out_b, lse_b = _fold_forward(q[..., qs, :], kb[..., ks, :], vb[..., ks, :], mb[:, ks], bias_blk,
+                                             blk_causal, scale, precision, backend)
+                st = state_from_output(out_b, lse_b)
+                idx = _chunk_index(ranges[rank], qs)
+                state[idx] = st if state[idx] is None else merge_states(state[idx], st)
+            if reqs:
+                _Ring.wait(reqs)
+                kb, vb, mb = recv
+        outs, lses = [], []
+        for (a, b), st in zip(ranges[rank], state):
+            if st is None:  # nothing visible for this chunk (cannot happen for self-attention; kept exact)
+                shape = q.shape[:-2] + (b - a,)
+                outs.append(q.new_zeros(shape + (v.shape[-1],), dtype=_acc(q)))
+                lses.append(torch.full(shape, float("-inf"), dtype=_acc(q), device=q.device))
+                continue
+            outs.append(finalize(st))
+            lses.append(torch.where(st.s > 0, st.m + torch.log(st.s), torch.full_like(st.m, float("-inf"))))
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse, valid, bias)
+        ctx.cfg = (group, n, causal, scale, precision, backend, layout)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, valid, bias = ctx.saved_tensors
+        group, n, causal, scale, precision, backend, layout = ctx.cfg
+        ring = _Ring(group)
+        world, rank = ring.world, ring.rank
+        ranges = [shard_ranges(n, world, r, layout) for r in range(world)]
+        longest = max(sum(b - a for a, b in rr) for rr in ranges)
+        pad = longest - k.shape[-2]
+        do = dout.to(out.dtype)
+        delta = (out * do).sum(-1)
+        acc = out.dtype
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).contiguous()
+        vb = torch.nn.functional.pad(v, (0, 0, 0, pad)).contiguous()
+        mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
+        dkb = torch.zeros(kb.shape, dtype=acc, device=k.device)
+        dvb = torch.zeros(vb.shape, dtype=acc, device=v.device)
+        for step in range(world):
+            src = (rank - step) % world
+            k_ranges = ranges[src]
+            reqs, recv = ring.start([kb, vb, mb]) if step < world - 1 else ([], None)
+            for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
+                bias_blk = None
+                if bias is not None:
+                    cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
+                    bias_blk = bias[..., qs, :].index_select(-1, cols) if bias.shape[-1] > 1 else bias[..., qs, :]
+                gq, gk, gv = _fold_backward(do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
+                                            out[..., qs, :], lse[..., qs], delta[..., qs], mb[:, ks], bias_blk,
+                                            blk_causal, scale, precision, backend)
+                dq[..., qs, :] += gq
+                dkb[..., ks, :] += gk
+                dvb[..., ks, :] += gv
+            # The accumulators travel with their shard; after the last step they go home (one more hop).
+            greqs, grecv = ring.start([dkb, dvb])
+            _Ring.wait(greqs)
+            dkb, dvb = grecv
+            if reqs:
+                _Ring.wait(reqs)
+                kb, vb, mb = recv
+        nk = k.shape[-2]
+        return (dq.to(q.dtype), dkb[..., :nk, :].to(k.dtype), dvb[..., :nk, :].to(v.dtype),
+                None, None, None, None, None, None, None, None, None)
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _chunk_index(q_ranges, qs: slice) -> int:
+    off = 0
+    for i, (a, b) in enumerate(q_ranges):
+        if qs.start == off:
+            return i
+        off += b - a
+    raise AssertionError("query slice does not start a chunk")
+
+
+def context_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    seq_len: int,
+    group=None,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    attn_bias: Tensor | None = None,
+    scale: float | None = None,
+    precision: str = "auto",
+    backend: str = "auto",
+    layout: str = "contiguous",
+) -> Tensor:
+    """Self-attention over a sequence of ``seq_len`` tokens sharded over ``group``.
+
+    Args:
+        q, k, v: this rank's tokens, ``[B, H, n_local, D]`` (``v``: ``Dv``), as :func:`shard_sequence`
+            lays them out.
+        seq_len: the global number of tokens.
+        key_padding_mask: this rank's part of a bool ``[B, seq_len]`` mask (True = key takes part).
+        attn_bias: this rank's query rows of a bias ``[B|1, H|1, n_local, seq_len]`` (all key columns, global
+            order); forward only (no gradient).
+        causal, scale, precision, backend: as :func:`elsa_vision.elsa_attention`.
+        layout: ``"contiguous"`` or ``"zigzag"`` (load-balanced causal).
+
+    Returns ``[B, H, n_local, Dv]``, equal to the matching rows of single-device attention; differentiable in
+    q, k, v.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context_parallel_attention needs an initialised torch.distributed process group")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    world, rank = _group_info(group)
+    n_local = sum(b - a for a, b in shard_ranges(seq_len, world, rank, layout))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4 or t.shape[-2] != n_local:
+            raise ValueError(
+                f"context_parallel_attention: `{name}` must be [B, H, {n_local}, D] on rank {rank} "
+                f"(seq_len={seq_len}, world={world}, layout={layout}), got {list(t.shape)}")
+    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
+                                         or tuple(key_padding_mask.shape) != (q.shape[0], n_local)):
+        raise ValueError(f"context_parallel_attention: `key_padding_mask` must be bool [B, {n_local}], "
+                         f"got {key_padding_mask.dtype} {list(key_padding_mask.shape)}")
+    if attn_bias is not None:
+        if attn_bias.requires_grad:
+            raise ValueError("context_parallel_attention: `attn_bias` gradients are not supported")
+        if attn_bias.dim() != 4 or attn_bias.shape[-2] not in (1, n_local) or attn_bias.shape[-1] not in (1, seq_len):
+            raise ValueError(f"context_parallel_attention: `attn_bias` must be [B|1, H|1, {n_local}, {seq_len}], "
+                             f"got {list(attn_bias.shape)}")
+        attn_bias = attn_bias.expand(*attn_bias.shape[:2], n_local, attn_bias.shape[-1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    chosen = resolve_backend(backend, q)
+    return _RingAttention.apply(q, k, v, key_padding_mask, attn_bias, group, seq_len, causal, scale, precision,
+                                chosen, layout)
