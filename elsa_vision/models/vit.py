@@ -8,6 +8,7 @@ timm checkpoints (and timm's ``checkpoint_filter_fn`` for OpenAI-CLIP / DINOv2 l
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from functools import partial
 from typing import Any
@@ -27,6 +28,9 @@ __all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
 
 # VisionTransformer arguments that ElsaViT fixes itself.
 _OWN_KWARGS = ("attn_layer",)
+# timm >= 1.0.23 injects the attention class (`attn_layer`); older versions build timm's Attention, which
+# ElsaViT then converts block by block with the same weights.
+_TIMM_HAS_ATTN_LAYER = "attn_layer" in inspect.signature(VisionTransformer.__init__).parameters
 
 
 def _check_attention_options(backend: str, precision: str) -> None:
@@ -64,7 +68,9 @@ class ElsaViT(VisionTransformer):
         if kwargs.get("global_pool") == "prr":
             raise ValueError(
                 "ElsaViT: global_pool='prr' is not supported; expected token, avg, max, avgmax, map or ''")
-        kwargs["attn_layer"] = ElsaAttention
+        kwargs.pop("attn_layer", None)
+        if _TIMM_HAS_ATTN_LAYER:
+            kwargs["attn_layer"] = ElsaAttention
         super().__init__(*args, **kwargs)
         self._elsa_convert(attn_backend, attn_precision)
 

@@ -358,3 +358,18 @@ def test_attention_dropout_in_training_only():
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(x), model(x))
+
+
+def test_timm_without_attn_layer_kwarg(monkeypatch):
+    # timm < 1.0.23 has no `attn_layer`: ElsaViT builds timm's Attention and converts it, weights kept.
+    import elsa_vision.models.vit as vit_module
+
+    monkeypatch.setattr(vit_module, "_TIMM_HAS_ATTN_LAYER", False)
+    torch.manual_seed(0)
+    ref = randomize_(VisionTransformer(**_BASE, qk_norm=True)).eval()
+    ours = ElsaViT(**_BASE, qk_norm=True, attn_precision="ieee").eval()
+    assert all(isinstance(b.attn, ElsaAttention) and b.attn.precision == "ieee" for b in ours.blocks)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert relerr(ours(x), ref(x)) <= TOL
