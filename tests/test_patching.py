@@ -37,7 +37,7 @@ def randomize_(model: nn.Module) -> nn.Module:
     g = torch.Generator().manual_seed(4321)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("gamma") or (p.dim() == 1 and "norm" in name and name.endswith("weight")):
+            if name.endswith("gamma") or (p.dim() == 1 and name.endswith("weight")):  # norms, layer scale
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             elif p.dim() == 1 and name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)

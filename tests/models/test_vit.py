@@ -42,11 +42,12 @@ def randomize_(model: nn.Module) -> nn.Module:
     g = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("gamma") or (p.dim() == 1 and "norm" in name and name.endswith("weight")):
+            if name.endswith("gamma") or (p.dim() == 1 and name.endswith("weight")):  # norms, layer scale
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             elif p.dim() == 1 and name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-            elif name.endswith(("cls_token", "reg_token", "pos_embed", "latent")):
+            elif name.endswith(("cls_token", "reg_token", "pos_embed", "latent", "class_embedding",
+                                "positional_embedding")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     return model
 
@@ -273,18 +274,23 @@ def test_registered_name_loads_local_file(deit_ref, tmp_path):
 
 
 def test_openai_clip_layout(tmp_path):
-    open_clip = pytest.importorskip("open_clip")
+    pytest.importorskip("open_clip")
+    from open_clip.transformer import QuickGELU
+    from open_clip.transformer import VisionTransformer as OpenClipVisionTower
+
     torch.manual_seed(0)
-    clip = open_clip.create_model("ViT-B-32-quickgelu", pretrained=None).eval()
-    randomize_(clip.visual)
+    # The image tower of OpenAI's ViT-B/32 (QuickGELU), two blocks deep.
+    tower = OpenClipVisionTower(image_size=224, patch_size=32, width=768, layers=2, heads=12, mlp_ratio=4.0,
+                                output_dim=512, act_layer=QuickGELU)
+    randomize_(tower).eval()
     # OpenAI-CLIP layout: visual.{class_embedding, positional_embedding, conv1, ln_pre, transformer..., proj}
-    sd = {f"visual.{k}": v for k, v in clip.visual.state_dict().items()}
+    sd = {f"visual.{k}": v for k, v in tower.state_dict().items()}
     path = tmp_path / "openai_clip.pth"
     torch.save(sd, path)
-    ours = ElsaViT.from_timm("vit_base_patch32_clip_quickgelu_224", path, num_classes=512)
+    ours = ElsaViT.from_timm("vit_base_patch32_clip_quickgelu_224", path, num_classes=512, depth=2)
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
-        assert relerr(ours(x), clip.encode_image(x)) <= TOL
+        assert relerr(ours(x), tower(x)) <= TOL
 
 
 def test_dinov2_layout(tmp_path):
