@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+from .eca import eca_masked_matmul, eca_tril_matmul
 from .reference import (
     ElsaState,
     block_state,
@@ -19,6 +20,8 @@ from .reference import (
 __all__ = [
     "ElsaState",
     "block_state",
+    "eca_masked_matmul",
+    "eca_tril_matmul",
     "finalize",
     "identity_state",
     "log_sum_exp",

@@ -1,6 +1,16 @@
 """Models on ELSA attention; importing this registers the ``elsa_*`` names with timm."""
 
 from ._builder import LoadReport, load_checkpoint, read_state_dict
+from .clip_vision import ElsaCLIPVision, create_elsa_clip_vision, from_open_clip
 from .vit import ElsaViT, elsa_checkpoint_filter_fn
 
-__all__ = ["ElsaViT", "LoadReport", "elsa_checkpoint_filter_fn", "load_checkpoint", "read_state_dict"]
+__all__ = [
+    "ElsaViT",
+    "ElsaCLIPVision",
+    "create_elsa_clip_vision",
+    "from_open_clip",
+    "LoadReport",
+    "elsa_checkpoint_filter_fn",
+    "load_checkpoint",
+    "read_state_dict",
+]

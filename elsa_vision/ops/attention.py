@@ -17,7 +17,7 @@ from ..kernels.reference import scan_attention
 __all__ = ["elsa_attention", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend"]
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "eca")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Rows per query chunk of the torch backend: bounds its memory at O(chunk * Nk) for long sequences.
 _TORCH_QUERY_CHUNK = 1024
@@ -170,7 +170,9 @@ def elsa_attention(
             cores), ``"tf32"`` (one TF32 pass, ~1e-3). Ignored for float16/bfloat16 (float32 accumulation
             always) and float64.
         backend: ``"auto"`` (Triton on CUDA where available, else torch), ``"torch"`` (the reference scan;
-            any device, full autograd), ``"triton"``.
+            any device, full autograd), ``"triton"``, ``"eca"`` (causal self-attention on the Exact Causal
+            Attention products: fewer multiply-adds, needs ``causal=True`` and ``Nq == Nk``, materialises
+            ``[B, H, N, N]``; for CPU/edge devices where FLOPs matter; never chosen by ``"auto"``).
         dropout_p: attention dropout probability (torch backend; 0 in eval).
 
     Returns:
@@ -178,6 +180,17 @@ def elsa_attention(
     """
     _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
     chosen = resolve_backend(backend, q, dropout_p)
+    if chosen == "eca":
+        from ..kernels.eca import eca_attention
+
+        if not causal:
+            raise ValueError("elsa_attention: backend='eca' computes causal attention only; pass causal=True")
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(
+                f"elsa_attention: backend='eca' needs Nq == Nk, got q {_shape(q)}, k {_shape(k)}")
+        if dropout_p > 0.0:
+            raise ValueError("elsa_attention: backend='eca' has no attention dropout; use backend='torch'")
+        return eca_attention(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, scale=scale)
     if chosen == "triton":
         from ..kernels import triton_attention
 

@@ -1,0 +1,640 @@
+"""Whole-image ViT inference at high resolution: model building from weights, memory planning, execution.
+
+Three execution modes, all on ``ElsaViT`` models built with ``timm.create_model``:
+
+* ``"whole"``: global attention over all ``(H/p)(W/p) + prefix`` tokens, block by block.
+* ``"query_chunked"``: the same global attention (bit-for-bit the same maths: each query row is independent),
+  but every block runs its queries, projection and MLP ``query_chunk`` rows at a time; only ``x``, ``qkv`` and
+  the block output are held for all tokens.
+* ``"tiled"``: sliding windows with overlap; each tile sees the position embeddings of its place in the full
+  grid, and tile features are blended with a separable ramp weight. Only used when the memory budget rules
+  out both global modes; attention is then no longer global, and the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "MODEL_ALIASES",
+    "resolve_model_name",
+    "stock_model_name",
+    "load_weights",
+    "weights_shape_info",
+    "build_model",
+    "Plan",
+    "plan_execution",
+    "estimate_memory_mb",
+    "forward_tokens",
+    "cls_attention",
+    "run_plan",
+    "InferenceResult",
+    "tile_starts",
+]
+
+# Short names (as in the docs / issue) -> registered names.
+MODEL_ALIASES = {
+    "elsa_vit_t_patch16": "elsa_vit_tiny_patch16_224",
+    "elsa_vit_s_patch16": "elsa_vit_small_patch16_224",
+    "elsa_vit_b_patch16": "elsa_vit_base_patch16_224",
+    "elsa_vit_l_patch16": "elsa_vit_large_patch16_224",
+    "elsa_vit_b_patch16_384": "elsa_vit_base_patch16_384",
+    "elsa_vit_l_patch14_clip": "elsa_vit_large_patch14_clip_224",
+    "elsa_vit_b_patch14_dinov2": "elsa_vit_base_patch14_reg4_dinov2",
+}
+MODES = ("whole", "query_chunked", "tiled")
+_QUERY_CHUNKS = (16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
+# rows per call inside the torch attention backend (elsa_vision.ops.attention._TORCH_QUERY_CHUNK)
+_TORCH_BACKEND_ROWS = 1024
+
+
+def resolve_model_name(name: str) -> str:
+    """A registered ``elsa_*`` model name from a registered name or a short alias."""
+    import timm
+
+    from .. import models  # noqa: F401  (registers the elsa_* names)
+
+    full = MODEL_ALIASES.get(name, name)
+    if not full.startswith("elsa_") or full not in timm.list_models("elsa_*"):
+        raise ValueError(
+            f"model {name!r} is not a registered elsa_* model; expected one of {timm.list_models('elsa_*')} "
+            f"or an alias {sorted(MODEL_ALIASES)}"
+        )
+    return full
+
+
+def stock_model_name(name: str) -> str:
+    """timm's stock (SDPA) counterpart of an ``elsa_*`` model, e.g. ``vit_base_patch16_224``."""
+    import timm
+
+    stock = resolve_model_name(name)[len("elsa_") :]
+    if stock not in timm.list_models(stock):
+        raise ValueError(f"model {name!r} has no stock timm counterpart {stock!r}")
+    return stock
+
+
+def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
+    """A state_dict from ``.safetensors`` or a torch checkpoint (``weights_only=True``; wrappers unpacked)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"weights file {path!r} does not exist")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            sd = load_file(path, device="cpu")
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors / pickle raise many types for corrupt files
+        raise ValueError(f"weights file {path!r} cannot be read: {e}") from e
+    for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
+        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
+            sd = sd[key]
+            break
+    if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
+        raise ValueError(f"weights file {path!r} does not hold a state_dict of tensors")
+    return {k[len("module.") :] if k.startswith("module.") else k: v for k, v in sd.items()}
+
+
+def weights_shape_info(sd: dict[str, Tensor]) -> dict[str, int]:
+    """``num_classes`` (0 without a head), ``in_chans``, ``embed_dim``, ``patch_size`` of the weights."""
+    if "patch_embed.proj.weight" not in sd:
+        raise ValueError(
+            "weights have no 'patch_embed.proj.weight'; expected a timm VisionTransformer state_dict"
+        )
+    w = sd["patch_embed.proj.weight"]
+    if w.dim() != 4:
+        raise ValueError(
+            f"'patch_embed.proj.weight' must be a conv weight [C, in_chans, p, p], got {list(w.shape)}"
+        )
+    head = sd.get("head.weight")
+    return {
+        "num_classes": int(head.shape[0]) if head is not None else 0,
+        "in_chans": int(w.shape[1]),
+        "embed_dim": int(w.shape[0]),
+        "patch_size": int(w.shape[-1]),
+    }
+
+
+def _prefix_in_pos(model: nn.Module) -> int:
+    return 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
+
+
+def build_model(
+    name: str,
+    state_dict: dict[str, Tensor] | None,
+    img_size: tuple[int, int],
+    *,
+    in_chans: int | None = None,
+    num_classes: int | None = None,
+    gray_adapt: bool = False,
+    stock: bool = False,
+    attn_backend: str = "auto",
+    attn_precision: str = "auto",
+) -> nn.Module:
+    """Build ``name`` (or its stock timm counterpart) for ``img_size`` and load ``state_dict``.
+
+    ``num_classes`` and ``in_chans`` come from the weights when given. The checkpoint's ``pos_embed`` is
+    resampled to the ``img_size`` patch grid with ``timm.layers.resample_abs_pos_embed``. ``gray_adapt``
+    turns an RGB patch embedding into a one-channel one by summing over input channels (exactly the same
+    as feeding the grey image replicated three times, at a third of the patch-embedding cost).
+    """
+    import timm
+    from timm.layers import resample_abs_pos_embed
+
+    full = resolve_model_name(name)
+    sd = dict(state_dict) if state_dict is not None else None
+    if sd is not None:
+        info = weights_shape_info(sd)
+        num_classes = info["num_classes"]
+        in_chans = info["in_chans"]
+        if gray_adapt and in_chans != 1:
+            sd["patch_embed.proj.weight"] = sd["patch_embed.proj.weight"].sum(dim=1, keepdim=True)
+            in_chans = 1
+    kwargs: dict[str, Any] = dict(
+        num_classes=1000 if num_classes is None else num_classes,
+        in_chans=3 if in_chans is None else in_chans,
+        img_size=tuple(img_size),
+    )
+    if stock:
+        model = timm.create_model(stock_model_name(full), pretrained=False, **kwargs)
+        for blk in model.blocks:
+            if hasattr(blk.attn, "fused_attn"):
+                blk.attn.fused_attn = True  # F.scaled_dot_product_attention
+    else:
+        model = timm.create_model(
+            full, pretrained=False, attn_backend=attn_backend, attn_precision=attn_precision, **kwargs
+        )
+    if sd is not None:
+        if sd["patch_embed.proj.weight"].shape[0] != model.embed_dim:
+            raise ValueError(
+                f"weights have embed_dim {sd['patch_embed.proj.weight'].shape[0]}, model {full!r} has "
+                f"{model.embed_dim}"
+            )
+        p_ckpt = tuple(sd["patch_embed.proj.weight"].shape[-2:])
+        if p_ckpt != tuple(model.patch_embed.patch_size):
+            raise ValueError(
+                f"weights have patch size {p_ckpt}, model {full!r} has {model.patch_embed.patch_size}"
+            )
+        pos = sd.get("pos_embed")
+        if pos is not None and model.pos_embed is not None and pos.shape != model.pos_embed.shape:
+            npt = _prefix_in_pos(model)
+            n_old = pos.shape[1] - npt
+            side = math.isqrt(n_old)
+            if side * side != n_old:
+                raise ValueError(f"weights' pos_embed has {n_old} patch positions, not a square grid")
+            sd["pos_embed"] = resample_abs_pos_embed(
+                pos.float(),
+                new_size=list(model.patch_embed.grid_size),
+                old_size=[side, side],
+                num_prefix_tokens=npt,
+            ).to(pos.dtype)
+        try:
+            model.load_state_dict(sd, strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"weights do not fit model {full!r}: {e}") from e
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------ memory plan
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+
+
+def _resolved_backend(model: nn.Module, device: torch.device) -> str:
+    from ..layers.attention import ElsaAttention
+    from ..ops.attention import resolve_backend
+
+    for m in model.modules():
+        if isinstance(m, ElsaAttention):
+            return resolve_backend(m.backend, torch.empty(0, device=device))
+    return "sdpa"
+
+
+def estimate_memory_mb(
+    model: nn.Module,
+    tokens: int,
+    *,
+    mode: str,
+    backend: str,
+    query_chunk: int | None = None,
+    image_elems: int = 0,
+    act_bytes: int = 4,
+) -> float:
+    """Peak memory estimate (MiB) of one forward over ``tokens`` tokens (batch 1, no autograd).
+
+    Counted: weights; the input image; per block, the live activations (whole: residual, norm, qkv,
+    attention output, MLP hidden before and after the activation, about ``(6 + 2 r) N C``; query_chunked:
+    residual, qkv and output for all tokens, ``5 N C``, plus the whole-mode terms for one chunk); and the
+    attention workspace: the torch backend holds about five ``H x rows x N`` float32 tensors per call
+    (logits, padded logits, their exponentials, block value states) with ``rows <= 1024``; the Triton
+    backend only ``O(rows (D + 2) H)``; SDPA's efficient kernel likewise.
+    """
+    if mode not in ("whole", "query_chunked"):
+        raise ValueError(f"mode must be 'whole' or 'query_chunked', got {mode!r}")
+    C = model.embed_dim
+    blk = model.blocks[0]
+    heads = blk.attn.num_heads
+    hidden = blk.mlp.fc1.out_features if hasattr(blk.mlp, "fc1") else 4 * C
+    ratio = hidden / C
+    N = tokens
+    rows = N if mode == "whole" else min(N, query_chunk)
+    per_rows = (6 + 2 * ratio) * rows * C
+    base = 5 * N * C if mode == "query_chunked" else 0
+    if backend == "torch":
+        workspace = 5 * heads * min(rows, _TORCH_BACKEND_ROWS) * N
+    else:
+        workspace = 2 * heads * rows * (C // heads + 2)
+    total = _param_bytes(model) + 2 * image_elems * 4 + (base + per_rows + workspace) * act_bytes
+    return total / 2**20
+
+
+@dataclasses.dataclass
+class Plan:
+    """How to run: ``mode`` in :data:`MODES`; ``query_chunk`` (query_chunked); tile side/overlap in pixels."""
+
+    mode: str
+    estimated_peak_mb: float
+    budget_mb: float | None
+    query_chunk: int | None = None
+    tile: int | None = None
+    overlap: int | None = None
+    reason: str = ""
+
+
+def tile_starts(size: int, tile: int, stride: int) -> list[int]:
+    """Start offsets covering ``[0, size)`` with windows of ``tile`` and at most ``stride`` apart."""
+    if tile >= size:
+        return [0]
+    starts = list(range(0, size - tile + 1, stride))
+    if starts[-1] != size - tile:
+        starts.append(size - tile)
+    return starts
+
+
+def plan_execution(
+    model: nn.Module,
+    img_size: tuple[int, int],
+    *,
+    device: torch.device,
+    budget_mb: float | None = None,
+    query_chunk: int | None = None,
+    overlap_frac: float = 0.25,
+    act_bytes: int = 4,
+) -> Plan:
+    """Choose whole-image, query-chunked or tiled execution.
+
+    ``query_chunk`` given: query-chunked with that chunk (global attention, no budget check). Otherwise
+    the first of these whose estimate fits ``budget_mb`` (default: whole): whole; query-chunked with the
+    largest chunk in :data:`_QUERY_CHUNKS`; tiled with the largest square tile (multiple of the patch) that
+    fits, overlapping by ``overlap_frac`` of the tile.
+    """
+    if not 0.0 <= overlap_frac < 1.0:
+        raise ValueError(f"tile overlap fraction must be in [0, 1), got {overlap_frac}")
+    H, W = img_size
+    p = model.patch_embed.patch_size[0]
+    gh, gw = H // p, W // p
+    N = gh * gw + model.num_prefix_tokens
+    backend = _resolved_backend(model, device)
+    image_elems = model.patch_embed.proj.in_channels * H * W
+    est = dict(backend=backend, image_elems=image_elems, act_bytes=act_bytes)
+    if query_chunk is not None:
+        if query_chunk < 1:
+            raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+        e = estimate_memory_mb(model, N, mode="query_chunked", query_chunk=query_chunk, **est)
+        return Plan("query_chunked", e, budget_mb, query_chunk=query_chunk, reason="query_chunk given")
+    whole = estimate_memory_mb(model, N, mode="whole", **est)
+    if budget_mb is None or whole <= budget_mb:
+        return Plan("whole", whole, budget_mb, reason="fits the budget" if budget_mb else "no budget given")
+    if budget_mb <= 0:
+        raise ValueError(f"memory budget must be > 0 MiB, got {budget_mb}")
+    for qc in _QUERY_CHUNKS:
+        if qc >= N:
+            continue
+        e = estimate_memory_mb(model, N, mode="query_chunked", query_chunk=qc, **est)
+        if e <= budget_mb:
+            return Plan(
+                "query_chunked",
+                e,
+                budget_mb,
+                query_chunk=qc,
+                reason=f"whole-image estimate {whole:.1f} MiB > budget {budget_mb:.1f} MiB",
+            )
+    side = min(gh, gw)
+    while side >= 1:
+        tile = side * p
+        ov = int(round(side * overlap_frac)) * p
+        n_t = side * side + model.num_prefix_tokens
+        # accumulators: blended features + weights over the whole grid
+        acc = 2 * (gh * gw * (model.embed_dim + 1)) * 4 / 2**20
+        e = (
+            estimate_memory_mb(
+                model, n_t, mode="whole", backend=backend, image_elems=image_elems, act_bytes=act_bytes
+            )
+            + acc
+        )
+        if e <= budget_mb:
+            return Plan(
+                "tiled",
+                e,
+                budget_mb,
+                tile=tile,
+                overlap=ov,
+                reason=f"global attention does not fit the budget {budget_mb:.1f} MiB "
+                f"(whole {whole:.1f} MiB); sliding windows of {tile}px, overlap {ov}px",
+            )
+        side = side - max(1, side // 8)
+    raise ValueError(
+        f"memory budget {budget_mb} MiB is too small: even one {p}x{p}-patch tile needs more (weights alone "
+        f"{_param_bytes(model) / 2**20:.0f} MiB)"
+    )
+
+
+# --------------------------------------------------------------------------------------------- forward
+
+
+def _embed(model: nn.Module, x: Tensor, offset: tuple[int, int] = (0, 0)) -> Tensor:
+    """Patch tokens plus prefix tokens, with the position embeddings of grid cell ``offset`` onwards.
+
+    Equal to timm's ``patch_embed`` + ``_pos_embed`` + ``norm_pre`` when the image covers the model's grid.
+    """
+    pe = model.patch_embed
+    t = pe.proj(x)  # [B, C, h, w]
+    B, C, h, w = t.shape
+    t = pe.norm(t.flatten(2).transpose(1, 2))
+    npt = _prefix_in_pos(model)
+    prefix = []
+    if model.cls_token is not None:
+        prefix.append(model.cls_token.expand(B, -1, -1))
+    if model.reg_token is not None:
+        prefix.append(model.reg_token.expand(B, -1, -1))
+    if model.pos_embed is not None:
+        gh, gw = pe.grid_size
+        r0, c0 = offset
+        if r0 + h > gh or c0 + w > gw:
+            raise ValueError(f"tile at grid {offset} of {h}x{w} patches exceeds the model grid {gh}x{gw}")
+        grid = model.pos_embed[:, npt:].reshape(1, gh, gw, C)
+        t = t + grid[:, r0 : r0 + h, c0 : c0 + w].reshape(1, h * w, C)
+        if prefix:
+            pre = torch.cat(prefix, dim=1)
+            if npt:
+                pre = pre + model.pos_embed[:, :npt]
+            t = torch.cat([pre, t], dim=1)
+    elif prefix:
+        t = torch.cat(prefix + [t], dim=1)
+    return model.norm_pre(model.pos_drop(t))
+
+
+def _block_query_chunked(blk: nn.Module, x: Tensor, chunk: int) -> Tensor:
+    """timm ``Block`` forward with ``ElsaAttention``, ``chunk`` query rows at a time (exact)."""
+    from ..ops.attention import elsa_attention
+
+    attn = blk.attn
+    B, N, C = x.shape
+    Hh, D = attn.num_heads, attn.head_dim
+    qkv = x.new_empty(B, N, 3 * attn.attn_dim)
+    for s in range(0, N, chunk):
+        qkv[:, s : s + chunk] = attn.qkv(blk.norm1(x[:, s : s + chunk]))
+    q, k, v = qkv.view(B, N, 3, Hh, D).permute(2, 0, 3, 1, 4).unbind(0)
+    k = attn.k_norm(k)
+    out = torch.empty_like(x)
+    for s in range(0, N, chunk):
+        e = min(N, s + chunk)
+        o = elsa_attention(
+            attn.q_norm(q[:, :, s:e]), k, v, scale=attn.scale, precision=attn.precision, backend=attn.backend
+        )
+        o = attn.norm(o.transpose(1, 2).reshape(B, e - s, attn.attn_dim))
+        if attn.gate is not None:
+            o = o * attn.gate(blk.norm1(x[:, s:e])).sigmoid()
+        y = x[:, s:e] + blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(o))))
+        out[:, s:e] = y + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(y))))
+    return out
+
+
+def _check_chunkable(model: nn.Module) -> None:
+    from timm.models.vision_transformer import Block
+
+    from ..layers.attention import ElsaAttention
+
+    for i, blk in enumerate(model.blocks):
+        if type(blk) is not Block or not isinstance(blk.attn, ElsaAttention):
+            raise ValueError(
+                f"query-chunked execution needs timm Blocks with ElsaAttention; block {i} is "
+                f"{type(blk).__name__} with {type(blk.attn).__name__}"
+            )
+
+
+def cls_attention(model: nn.Module, blk: nn.Module, t: Tensor) -> Tensor:
+    """Head-averaged attention of the class token over the patch tokens in block ``blk`` (input ``t``).
+
+    Only the class query row is formed: ``O(N C)`` work and memory. Returns ``[B, h*w]`` (each row sums to
+    at most 1: the prefix tokens' share is left out).
+    """
+    if model.cls_token is None:
+        raise ValueError("a class-token attention map needs a model with a class token (class_token=True)")
+    attn = blk.attn
+    B, N, _ = t.shape
+    Hh, D = attn.num_heads, attn.head_dim
+    A = Hh * D
+    xn = blk.norm1(t)
+    w, b = attn.qkv.weight, attn.qkv.bias
+    q = F.linear(xn[:, :1], w[:A], None if b is None else b[:A]).view(B, 1, Hh, D).transpose(1, 2)
+    k = F.linear(xn, w[A : 2 * A], None if b is None else b[A : 2 * A]).view(B, N, Hh, D).transpose(1, 2)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    p = ((q.float() * attn.scale) @ k.float().transpose(-2, -1)).softmax(dim=-1)  # [B, H, 1, N]
+    return p[:, :, 0, model.num_prefix_tokens :].mean(dim=1)
+
+
+@torch.no_grad()
+def forward_tokens(
+    model: nn.Module,
+    x: Tensor,
+    *,
+    query_chunk: int | None = None,
+    offset: tuple[int, int] = (0, 0),
+    with_cls_attention: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Final-norm tokens ``[B, prefix + h*w, C]`` of image ``x [B, in_chans, H, W]``.
+
+    ``query_chunk=None`` runs each block whole (timm's forward); otherwise query-chunked (same result).
+    ``with_cls_attention`` also returns the last block's class-token attention ``[B, h*w]``
+    (:func:`cls_attention`).
+    """
+    t = _embed(model, x, offset)
+    if query_chunk is not None:
+        _check_chunkable(model)
+    last = len(model.blocks) - 1
+    cls_attn = None
+    for i, blk in enumerate(model.blocks):
+        if with_cls_attention and i == last:
+            cls_attn = cls_attention(model, blk, t)
+        t = blk(t) if query_chunk is None else _block_query_chunked(blk, t, query_chunk)
+    t = model.norm(t)
+    return (t, cls_attn) if with_cls_attention else t
+
+
+def _ramp(n: int, device) -> Tensor:
+    """1-D blending weight over ``n`` patches: a triangle, strictly positive at the borders."""
+    i = torch.arange(n, device=device, dtype=torch.float32)
+    return torch.minimum(i + 1, n - i) / ((n + 1) / 2)
+
+
+@dataclasses.dataclass
+class InferenceResult:
+    """``features [C, h, w]``, ``prefix [P, C]`` (cls first), ``logits [num_classes]`` (None without head),
+    ``cls_attention [h, w]`` (last block, global modes, when asked for)."""
+
+    features: Tensor
+    prefix: Tensor
+    logits: Tensor | None
+    plan: Plan
+    seconds: float
+    peak_memory_mb: float
+    peak_memory_kind: str
+    tiles: int = 1
+    cls_attention: Tensor | None = None
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _split(model: nn.Module, tokens: Tensor, h: int, w: int) -> tuple[Tensor, Tensor]:
+    npt = model.num_prefix_tokens
+    feats = tokens[0, npt:].reshape(h, w, -1).permute(2, 0, 1)
+    return feats, tokens[0, :npt]
+
+
+@torch.no_grad()
+def run_plan(
+    model: nn.Module,
+    image: Tensor,
+    plan: Plan,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    with_cls_attention: bool = False,
+) -> InferenceResult:
+    """Run ``model`` on ``image [in_chans, H, W]`` (already on the model's device) following ``plan``.
+
+    ``with_cls_attention`` (global modes only) also returns the last block's class-token attention map.
+    """
+    if with_cls_attention and plan.mode == "tiled":
+        raise ValueError("with_cls_attention needs global attention; the plan is tiled")
+    device = image.device
+    p = model.patch_embed.patch_size[0]
+    _, H, W = image.shape
+    gh, gw = H // p, W // p
+    amp = (
+        torch.autocast(device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else torch.autocast(device.type, enabled=False)
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    n_tiles = 1
+    cls_map = None
+    with amp:
+        x = image[None]
+        if plan.mode in ("whole", "query_chunked"):
+            tokens = forward_tokens(
+                model, x, query_chunk=plan.query_chunk, with_cls_attention=with_cls_attention
+            )
+            if with_cls_attention:
+                tokens, cls_map = tokens
+                cls_map = cls_map[0].float().reshape(gh, gw)
+            logits = model.forward_head(tokens)[0] if model.num_classes else None
+            feats, prefix = _split(model, tokens.float(), gh, gw)
+        else:
+            ts, ov = plan.tile // p, plan.overlap // p
+            stride = max(1, ts - ov)
+            acc = torch.zeros(model.embed_dim, gh, gw, device=device)
+            wsum = torch.zeros(1, gh, gw, device=device)
+            pre_sum = None
+            logit_sum = None
+            rows, cols = tile_starts(gh, min(ts, gh), stride), tile_starts(gw, min(ts, gw), stride)
+            th, tw = min(ts, gh), min(ts, gw)
+            wt = _ramp(th, device)[:, None] * _ramp(tw, device)[None, :]
+            for r in rows:
+                for c in cols:
+                    tile = x[:, :, r * p : (r + th) * p, c * p : (c + tw) * p]
+                    tokens = forward_tokens(model, tile, offset=(r, c))
+                    f, pre = _split(model, tokens.float(), th, tw)
+                    acc[:, r : r + th, c : c + tw] += f * wt
+                    wsum[:, r : r + th, c : c + tw] += wt
+                    pre_sum = pre if pre_sum is None else pre_sum + pre
+                    if model.num_classes:
+                        lg = model.forward_head(tokens)[0].float()
+                        logit_sum = lg if logit_sum is None else logit_sum + lg
+            n_tiles = len(rows) * len(cols)
+            feats = acc / wsum
+            prefix = pre_sum / n_tiles
+            logits = logit_sum / n_tiles if logit_sum is not None else None
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    if device.type == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    else:
+        peak, kind = _peak_rss_mb(), "cpu_process_max_rss"
+    return InferenceResult(
+        feats.float(),
+        prefix.float(),
+        None if logits is None else logits.float(),
+        plan,
+        seconds,
+        peak,
+        kind,
+        n_tiles,
+        cls_map,
+    )
+
+
+def default_budget_mb(device: torch.device) -> float:
+    """90% of the free device memory (CUDA) or of the available RAM (CPU, from /proc/meminfo).
+
+    On CUDA the memory this process already holds through the caching allocator (the model's weights,
+    which the estimate counts) is added back.
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return (0.9 * free + torch.cuda.memory_reserved(device)) / 2**20
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return 0.9 * int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) * 0.9 / 2**20
+
+
+def resize_image(image: Tensor, size: Sequence[int]) -> Tensor:
+    """Bilinear (antialiased when shrinking) resize of float32 ``[C, H, W]`` to ``size``."""
+    H, W = image.shape[-2:]
+    if (H, W) == tuple(size):
+        return image
+    shrink = size[0] < H or size[1] < W
+    return F.interpolate(
+        image[None], size=tuple(size), mode="bilinear", align_corners=False, antialias=shrink
+    )[0]

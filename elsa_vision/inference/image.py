@@ -1,0 +1,572 @@
+"""High-resolution FP32 ViT inference on one medical or large image.
+
+Usage::
+
+    python -m elsa_vision.inference.image --model elsa_vit_b_patch16 --weights x.safetensors \\
+        --input scan.dcm --img-size 2048 [--precision fp32|tf32|bf16] [--device cuda] \\
+        [--memory-budget-mb N | --query-chunk N] [--compare-sdpa] --out DIR
+
+    python -m elsa_vision.inference.image --save-random-weights w.safetensors \\
+        --model elsa_vit_tiny_patch16_224 \\
+        [--num-classes 1000] [--in-chans 1]
+
+Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
+sub-folder ``slice_XXXX`` per image when several slices/frames are selected). The last stdout line is a JSON
+summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .highres import (
+    MODEL_ALIASES,
+    Plan,
+    build_model,
+    default_budget_mb,
+    forward_tokens,
+    load_weights,
+    plan_execution,
+    resize_image,
+    resolve_model_name,
+    run_plan,
+    weights_shape_info,
+)
+from .readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
+
+__all__ = ["main", "cli", "build_parser", "heatmap_overlay", "save_random_weights"]
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+# (position, RGB) anchors of a dark-to-bright perceptual colour map (black - purple - orange - yellow).
+_CMAP = np.array(
+    [
+        [0.00, 0.00, 0.00, 0.02],
+        [0.25, 0.34, 0.06, 0.43],
+        [0.50, 0.73, 0.21, 0.33],
+        [0.75, 0.98, 0.55, 0.04],
+        [1.00, 0.99, 1.00, 0.64],
+    ],
+    dtype=np.float32,
+)
+
+
+def _index_arg(s: str) -> int | str:
+    if s == "all":
+        return s
+    try:
+        return int(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'all', got {s!r}") from e
+
+
+def _window_arg(s: str) -> str | tuple[float, float]:
+    if s == "file":
+        return s
+    try:
+        c, w = (float(v) for v in s.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--window expects 'file' or 'CENTER,WIDTH', got {s!r}") from e
+    return c, w
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m elsa_vision.inference.image",
+        description="Whole-image FP32 ViT inference with global ELSA attention on DICOM/NIfTI/TIFF/PNG/JPEG.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"registered elsa_* model name or alias ({', '.join(sorted(MODEL_ALIASES))})",
+    )
+    p.add_argument("--weights", help=".safetensors or .pth state_dict (omit: random init, for demos only)")
+    p.add_argument(
+        "--save-random-weights",
+        metavar="PATH",
+        help="write a randomly initialised state_dict of --model to PATH (.safetensors) and exit",
+    )
+    p.add_argument("--num-classes", type=int, default=None, help="head size without --weights (default 1000)")
+    p.add_argument(
+        "--in-chans",
+        type=int,
+        default=None,
+        help="input channels without --weights (default: the image's channel count)",
+    )
+    p.add_argument("--input", help="image file: .dcm .nii .nii.gz .tif .ome.tif .png .jpg")
+    p.add_argument("--out", help="output directory")
+    p.add_argument(
+        "--img-size",
+        type=int,
+        nargs="+",
+        default=None,
+        help="H [W] in pixels, multiples of the patch size (default: the image's, rounded)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32: IEEE-accurate everywhere (TF32 off); tf32: TF32 matmuls and attention; bf16: autocast",
+    )
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument(
+        "--attn-backend",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="ELSA attention backend (auto: Triton on CUDA, torch otherwise)",
+    )
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=None,
+        help="plan against this budget (default: 90%% of free device memory); tiles only if forced",
+    )
+    mem.add_argument(
+        "--query-chunk",
+        type=int,
+        default=None,
+        help="global attention with this many query rows per step (no budget planning)",
+    )
+    p.add_argument("--tile-overlap", type=float, default=0.25, help="tile overlap as a fraction of the tile")
+    p.add_argument(
+        "--compare-sdpa",
+        action="store_true",
+        help="also run timm's stock model (SDPA) with the same weights; report deviation and speed",
+    )
+    rd = p.add_argument_group("reading")
+    rd.add_argument(
+        "--slice",
+        type=_index_arg,
+        default=None,
+        help="NIfTI slice index (default middle) / TIFF stack index (default 0), or 'all'",
+    )
+    rd.add_argument("--slice-axis", type=int, default=2, help="NIfTI voxel axis the slices cut across")
+    rd.add_argument(
+        "--frame",
+        type=_index_arg,
+        default=None,
+        help="DICOM multi-frame index (default 0) / NIfTI 4th-axis index, or 'all'",
+    )
+    rd.add_argument("--series", type=int, default=0, help="TIFF series")
+    rd.add_argument("--level", type=int, default=0, help="TIFF pyramid level (0 = full resolution)")
+    rd.add_argument(
+        "--window",
+        type=_window_arg,
+        default=None,
+        help="DICOM-style window: 'file' or 'CENTER,WIDTH' (rescaled units, e.g. HU) -> [0, 1]",
+    )
+    rd.add_argument("--no-invert-monochrome1", action="store_true", help="keep MONOCHROME1 values as stored")
+    rd.add_argument(
+        "--nan-policy",
+        choices=NAN_POLICIES,
+        default="error",
+        help="NaN/inf values: error (default), or replace by zero / the mean of the finite values",
+    )
+    rd.add_argument(
+        "--norm",
+        choices=NORMALIZATIONS,
+        default="pretrained",
+        help="value normalisation (pretrained: [0,1] then the model's mean/std)",
+    )
+    rd.add_argument("--percentiles", type=float, nargs=2, default=(0.5, 99.5), help="for --norm percentile")
+    rd.add_argument(
+        "--gray",
+        choices=("replicate", "adapt"),
+        default="replicate",
+        help="grey image, RGB weights: replicate to 3 channels, or sum the patch-embedding "
+        "weights over channels (identical result, one input channel)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs (after a small warm-up that triggers kernel compilation); the fastest is reported",
+    )
+    p.add_argument("--overlay-max-side", type=int, default=1024, help="longest side of overlay.png")
+    p.add_argument(
+        "--overlay",
+        choices=("norm", "cls-attn"),
+        default="norm",
+        help="heat map: per-patch feature norm, or the last block's class-token attention (global modes; "
+        "falls back to norm when tiled)",
+    )
+    return p
+
+
+def save_random_weights(path: str, model_name: str, *, num_classes: int | None, in_chans: int | None) -> dict:
+    """Randomly initialised weights of ``model_name`` saved with safetensors; returns their shape info."""
+    import timm
+    from safetensors.torch import save_file
+
+    name = resolve_model_name(model_name)
+    model = timm.create_model(
+        name,
+        pretrained=False,
+        num_classes=1000 if num_classes is None else num_classes,
+        in_chans=3 if in_chans is None else in_chans,
+    )
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(sd, path, metadata={"model": name, "init": "random"})
+    return dict(weights_shape_info(sd), model=name, path=path)
+
+
+def _saved_as_random(path: str) -> bool:
+    if not path.endswith(".safetensors"):
+        return False
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return (f.metadata() or {}).get("init") == "random"
+
+
+def heatmap_overlay(
+    image: np.ndarray, heat: np.ndarray, max_side: int = 1024, alpha: float = 0.5
+) -> np.ndarray:
+    """RGB uint8 overlay of ``heat [h, w]`` (any range) on ``image [C, H, W]`` (display only: 8-bit)."""
+    from PIL import Image
+
+    gray = image.mean(axis=0)
+    lo, hi = float(gray.min()), float(gray.max())
+    gray = (gray - lo) / (hi - lo) if hi > lo else np.zeros_like(gray)
+    H, W = gray.shape
+    s = min(1.0, max_side / max(H, W))
+    size = (max(1, round(W * s)), max(1, round(H * s)))
+    g = np.asarray(Image.fromarray(gray.astype(np.float32), mode="F").resize(size, Image.BILINEAR))
+    hlo, hhi = float(heat.min()), float(heat.max())
+    hn = (heat - hlo) / (hhi - hlo) if hhi > hlo else np.zeros_like(heat)
+    hn = np.asarray(Image.fromarray(hn.astype(np.float32), mode="F").resize(size, Image.BILINEAR)).clip(0, 1)
+    rgb = np.stack([np.interp(hn, _CMAP[:, 0], _CMAP[:, i]) for i in (1, 2, 3)], axis=-1)
+    out = (1 - alpha) * g[..., None] + alpha * rgb
+    return (out.clip(0, 1) * 255 + 0.5).astype(np.uint8)
+
+
+@contextlib.contextmanager
+def _precision(precision: str):
+    cm, cd = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = cm, cd
+
+
+def _img_size(arg: list[int] | None, hw: tuple[int, int], patch: int) -> tuple[int, int]:
+    if arg is None:
+        return tuple(max(patch, round(s / patch) * patch) for s in hw)
+    if len(arg) not in (1, 2):
+        raise ValueError(f"--img-size takes H or H W, got {arg}")
+    size = (arg[0], arg[-1])
+    for s in size:
+        if s < patch or s % patch:
+            raise ValueError(f"--img-size must be a positive multiple of the patch size {patch}, got {s}")
+    return size
+
+
+def _timed_stock(stock, x: torch.Tensor, amp) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
+    dev = x.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    with torch.no_grad(), amp():
+        tokens = stock.forward_features(x[None])
+        logits = stock.forward_head(tokens)[0] if stock.num_classes else None
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    sec = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
+    return tokens[0].float(), None if logits is None else logits.float(), sec, peak
+
+
+def _write_outputs(
+    out_dir: str, res, model, img: torch.Tensor, args, extra: dict[str, Any]
+) -> dict[str, Any]:
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    feats = res.features.cpu().contiguous()
+    tensors = {"features": feats, "prefix": res.prefix.cpu().contiguous()}
+    if model.cls_token is not None:
+        tensors["cls"] = res.prefix[0].cpu().clone()
+    if res.cls_attention is not None:
+        tensors["cls_attention"] = res.cls_attention.cpu().contiguous()
+    save_file(
+        tensors,
+        os.path.join(out_dir, "features.safetensors"),
+        metadata={
+            "layout": "features [C, h, w]; prefix [P, C] (cls first); cls [C]; cls_attention [h, w]",
+            "model": extra["model"],
+            "img_size": json.dumps(list(img.shape[-2:])),
+        },
+    )
+    pred: dict[str, Any] = {
+        "model": extra["model"],
+        "num_classes": int(model.num_classes),
+        "random_weights": extra["random_weights"],
+    }
+    if res.logits is not None:
+        probs = torch.softmax(res.logits.double(), dim=-1)
+        k = min(5, probs.numel())
+        top = torch.topk(probs, k)
+        pred["probabilities"] = probs.tolist()
+        pred["top5"] = [{"class": int(i), "probability": float(v)} for v, i in zip(top.values, top.indices)]
+    else:
+        pred["probabilities"] = None
+        pred["top5"] = []
+        pred["note"] = "the weights have no classification head (num_classes=0); see features.safetensors"
+    with open(os.path.join(out_dir, "prediction.json"), "w") as f:
+        json.dump(pred, f, indent=1)
+    heat = (res.cls_attention if res.cls_attention is not None else feats.norm(dim=0)).cpu().numpy()
+    Image.fromarray(heatmap_overlay(img.float().cpu().numpy(), heat, args.overlay_max_side)).save(
+        os.path.join(out_dir, "overlay.png")
+    )
+    plan: Plan = res.plan
+    p = model.patch_embed.patch_size[0]
+    report = {
+        "tokens": int(feats.shape[1] * feats.shape[2] + model.num_prefix_tokens),
+        "seconds": res.seconds,
+        "peak_memory_mb": res.peak_memory_mb,
+        "peak_memory_kind": res.peak_memory_kind,
+        "precision": args.precision,
+        "tiled": plan.mode == "tiled",
+        "mode": plan.mode,
+        "global_attention": plan.mode != "tiled",
+        "query_chunk": plan.query_chunk,
+        "tile_size": plan.tile,
+        "tile_overlap": plan.overlap,
+        "tiles": res.tiles,
+        "plan_reason": plan.reason,
+        "overlay": "cls_attention_last_block" if res.cls_attention is not None else "feature_norm",
+        "estimated_peak_mb": plan.estimated_peak_mb,
+        "memory_budget_mb": plan.budget_mb,
+        "img_size": list(img.shape[-2:]),
+        "grid": [int(feats.shape[1]), int(feats.shape[2])],
+        "patch_size": p,
+        **extra,
+    }
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    if args.save_random_weights:
+        info = save_random_weights(
+            args.save_random_weights, args.model, num_classes=args.num_classes, in_chans=args.in_chans
+        )
+        print(json.dumps(info))
+        return info
+    for flag in ("input", "out"):
+        if getattr(args, flag) is None:
+            raise SystemExit(f"error: --{flag} is required")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = resolve_model_name(args.model)
+    images = list(
+        iter_images(
+            args.input,
+            slice_index=args.slice,
+            slice_axis=args.slice_axis,
+            frame=0 if args.frame is None and detect_format(args.input) == "dicom" else args.frame,
+            series=args.series,
+            level=args.level,
+        )
+    )
+    sd = load_weights(args.weights) if args.weights else None
+    random_weights = sd is None or _saved_as_random(args.weights)
+    if sd is not None and random_weights:
+        print(
+            f"WARNING: {args.weights} holds randomly initialised weights (saved by --save-random-weights); "
+            "predictions and heat maps are meaningless (demo only)",
+            file=sys.stderr,
+        )
+    if sd is None:
+        print(
+            "WARNING: no --weights given: the model is RANDOMLY INITIALISED; predictions and heat maps are "
+            "meaningless (demo only)",
+            file=sys.stderr,
+        )
+        in_chans = args.in_chans or images[0].data.shape[0]
+        num_classes = args.num_classes
+    else:
+        info = weights_shape_info(sd)
+        in_chans, num_classes = info["in_chans"], info["num_classes"]
+        for flag, given, actual in (
+            ("in-chans", args.in_chans, in_chans),
+            ("num-classes", args.num_classes, num_classes),
+        ):
+            if given is not None and given != actual:
+                raise ValueError(f"--{flag} {given} contradicts the weights, which have {actual}")
+        if args.gray == "adapt" and images[0].data.shape[0] == 1:
+            in_chans = 1
+    import timm
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    patch = timm.create_model(name, pretrained=False, num_classes=0, depth=1).patch_embed.patch_size[0]
+    size = _img_size(args.img_size, images[0].data.shape[-2:], patch)
+    attn_precision = "tf32" if args.precision == "tf32" else "auto"
+    model = build_model(
+        name,
+        sd,
+        size,
+        in_chans=in_chans,
+        num_classes=num_classes,
+        gray_adapt=args.gray == "adapt" and images[0].data.shape[0] == 1,
+        attn_backend=args.attn_backend,
+        attn_precision=attn_precision,
+    ).to(device)
+    in_chans = model.patch_embed.proj.in_channels
+    mean, std = cfg.mean, cfg.std
+    amp_dtype = torch.bfloat16 if args.precision == "bf16" else None
+
+    def amp():
+        return (
+            torch.autocast(device.type, dtype=amp_dtype)
+            if amp_dtype is not None
+            else torch.autocast(device.type, enabled=False)
+        )
+
+    budget = args.memory_budget_mb
+    if budget is None and args.query_chunk is None:
+        budget = default_budget_mb(device)
+    plan = plan_execution(
+        model,
+        size,
+        device=device,
+        budget_mb=budget,
+        query_chunk=args.query_chunk,
+        overlap_frac=args.tile_overlap,
+        act_bytes=2 if amp_dtype is not None else 4,
+    )
+    stock = None
+    if args.compare_sdpa:
+        stock = build_model(name, model.state_dict(), size, stock=True)  # on the device only while it runs
+    want_cls = args.overlay == "cls-attn" and plan.mode != "tiled"
+    if args.overlay == "cls-attn" and model.cls_token is None:
+        raise ValueError(f"--overlay cls-attn needs a class token; {name} has none (use --overlay norm)")
+    summaries = []
+    with _precision(args.precision):
+        for im in images:
+            arr, facts = load_image(
+                im,
+                in_chans=in_chans,
+                window=args.window,
+                invert_monochrome1=not args.no_invert_monochrome1,
+                nan_policy=args.nan_policy,
+                norm=args.norm,
+                percentiles=tuple(args.percentiles),
+                mean=mean,
+                std=std,
+                min_size=patch,
+            )
+            img = resize_image(torch.from_numpy(arr), size).to(device)
+            if args.repeats < 1:
+                raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+            with amp():  # warm-up on a 2x2-patch crop: kernel compilation is not timed
+                forward_tokens(model, img[None, :, : 2 * patch, : 2 * patch], query_chunk=plan.query_chunk)
+            res = min(
+                (
+                    run_plan(model, img, plan, autocast_dtype=amp_dtype, with_cls_attention=want_cls)
+                    for _ in range(args.repeats)
+                ),
+                key=lambda r: r.seconds,
+            )
+            extra: dict[str, Any] = {
+                "model": name,
+                "weights": args.weights,
+                "random_weights": random_weights,
+                "device": str(device),
+                "input": os.path.abspath(args.input),
+                "format": im.format,
+                "index": im.index,
+                "count": im.count,
+                "source_shape": list(im.data.shape),
+                "reader": {k: v for k, v in im.meta.items()},
+                "preprocess": facts,
+                "attn_backend": args.attn_backend,
+            }
+            if stock is not None:
+                stock.to(device)
+                runs = [_timed_stock(stock, img, amp) for _ in range(args.repeats)]
+                stock.cpu()
+                ref_tokens, ref_logits, sdpa_sec, sdpa_peak = min(runs, key=lambda r: r[2])
+                del runs
+                npt = model.num_prefix_tokens
+                ref_feats = (
+                    ref_tokens[npt:]
+                    .reshape(res.features.shape[1], res.features.shape[2], -1)
+                    .permute(2, 0, 1)
+                )
+                dev = max(
+                    float((res.features - ref_feats).abs().max()),
+                    float((res.prefix - ref_tokens[:npt]).abs().max()) if npt else 0.0,
+                )
+                extra.update(
+                    {
+                        "max_deviation_vs_sdpa": dev,
+                        "max_logit_deviation_vs_sdpa": (
+                            float((res.logits - ref_logits).abs().max()) if res.logits is not None else None
+                        ),
+                        "sdpa_seconds": sdpa_sec,
+                        "sdpa_peak_memory_mb": sdpa_peak,
+                        "speed_ratio": sdpa_sec / res.seconds if res.seconds > 0 else math.inf,
+                        "sdpa_model": "timm " + name[len("elsa_") :],
+                        "deviation_note": (
+                            "includes tiling (ELSA run was tiled, SDPA run global)"
+                            if res.plan.mode == "tiled"
+                            else "global attention in both"
+                        ),
+                    }
+                )
+                print(
+                    f"compare-sdpa: max deviation {dev:.3e}, speed ratio (sdpa/elsa) "
+                    f"{extra['speed_ratio']:.2f}x ({sdpa_sec:.3f}s vs {res.seconds:.3f}s)"
+                )
+            out_dir = args.out if len(images) == 1 else os.path.join(args.out, f"slice_{im.index:04d}")
+            report = _write_outputs(out_dir, res, model, img, args, extra)
+            if plan.mode == "tiled":
+                print(f"TILED: {plan.reason}; {res.tiles} tiles (attention is local to each tile)")
+            else:
+                print(f"global attention over {report['tokens']} tokens ({plan.mode}), {res.seconds:.3f}s")
+            summaries.append(
+                {
+                    k: report[k]
+                    for k in ("tokens", "seconds", "peak_memory_mb", "precision", "tiled", "mode")
+                    if k in report
+                }
+                | {"out": out_dir}
+                | (
+                    {k: report[k] for k in ("max_deviation_vs_sdpa", "sdpa_seconds", "speed_ratio")}
+                    if stock is not None
+                    else {}
+                )
+            )
+    summary = summaries[0] if len(summaries) == 1 else {"images": len(summaries), "results": summaries}
+    print(json.dumps(summary))
+    return summary
+
+
+def cli() -> None:
+    try:
+        main()
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        print(json.dumps({"error": str(e)}))
+        raise SystemExit(2) from e
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,601 @@
+"""Image readers for high-resolution and medical inference: DICOM, NIfTI, TIFF/OME-TIFF, PNG/JPEG.
+
+Every reader returns float32 arrays ``[C, H, W]`` holding the stored values after the file's own value
+mapping (DICOM rescale slope/intercept, NIfTI ``scl_slope``/``scl_inter``): 16-bit data is never squeezed to
+8 bits. Volumes and multi-frame files are cut into 2-D images along a chosen axis; ``read_image`` returns one
+of them, ``iter_images`` all of them.
+
+Value pipeline of :func:`load_image` (each step optional):
+
+1. read (float32, rescaled) -> 2. DICOM windowing to ``[0, 1]`` -> 3. MONOCHROME1 inversion ->
+4. non-finite policy (error / zero / mean) -> 5. normalisation -> 6. channel mapping to ``in_chans``.
+
+Bad input raises ``ValueError`` (unreadable or corrupt file, wrong index, image too small, NaN without a
+policy) or ``TypeError`` (unsupported dtype: complex, bool, structured), always naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "MedicalImage",
+    "FORMATS",
+    "NORMALIZATIONS",
+    "NAN_POLICIES",
+    "detect_format",
+    "read_image",
+    "iter_images",
+    "apply_window",
+    "apply_nan_policy",
+    "normalize",
+    "map_channels",
+    "load_image",
+]
+
+FORMATS = ("dicom", "nifti", "tiff", "png", "jpeg")
+NORMALIZATIONS = ("none", "minmax", "percentile", "zscore", "pretrained")
+NAN_POLICIES = ("error", "zero", "mean")
+_EXTENSIONS = {
+    ".dcm": "dicom",
+    ".dicom": "dicom",
+    ".ima": "dicom",
+    ".nii": "nifti",
+    ".nii.gz": "nifti",
+    ".tif": "tiff",
+    ".tiff": "tiff",
+    ".ome.tif": "tiff",
+    ".ome.tiff": "tiff",
+    ".btf": "tiff",
+    ".svs": "tiff",
+    ".png": "png",
+    ".jpg": "jpeg",
+    ".jpeg": "jpeg",
+}
+# ITU-R BT.601 luma weights: RGB -> one channel.
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+
+@dataclasses.dataclass
+class MedicalImage:
+    """One 2-D image.
+
+    Attributes:
+        data: float32 ``[C, H, W]``.
+        path: source file.
+        format: one of :data:`FORMATS`.
+        index: which 2-D image of the file this is (slice / frame / page index; 0 for plain 2-D files).
+        count: how many 2-D images the file holds along the chosen axis.
+        meta: reader facts (source dtype, rescale, photometric interpretation, memmap, pyramid level...).
+    """
+
+    data: np.ndarray
+    path: str
+    format: str
+    index: int = 0
+    count: int = 1
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The reader for ``path``: from the extension, else from the file's magic bytes."""
+    path = os.fspath(path)
+    low = path.lower()
+    for ext in sorted(_EXTENSIONS, key=len, reverse=True):
+        if low.endswith(ext):
+            return _EXTENSIONS[ext]
+    try:
+        with open(path, "rb") as f:
+            head = f.read(352)
+    except OSError as e:
+        raise ValueError(f"input file {path!r} cannot be opened: {e}") from e
+    if len(head) >= 132 and head[128:132] == b"DICM":
+        return "dicom"
+    if head[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
+        return "tiff"
+    if head[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if head[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if len(head) >= 348 and head[344:348] in (b"n+1\x00", b"ni1\x00"):
+        return "nifti"
+    raise ValueError(
+        f"input file {path!r}: unknown format; expected one of the extensions {sorted(_EXTENSIONS)} "
+        "or a DICOM/TIFF/PNG/JPEG/NIfTI signature"
+    )
+
+
+def _check_dtype(dtype: np.dtype, path: str) -> None:
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iuf":
+        return
+    kinds = {"b": "bool", "c": "complex", "V": "structured/void", "O": "object", "U": "string", "S": "bytes"}
+    raise TypeError(
+        f"input file {path!r}: unsupported pixel dtype {dtype} ({kinds.get(dtype.kind, dtype.kind)}); "
+        "expected integer or floating-point pixels"
+    )
+
+
+def _to_float32(arr: np.ndarray, path: str) -> np.ndarray:
+    _check_dtype(arr.dtype, path)
+    if arr.dtype.kind == "f" and arr.dtype.itemsize > 4:
+        finite = np.isfinite(arr)
+        big = np.abs(np.where(finite, arr, 0)).max(initial=0.0)
+        if big > np.finfo(np.float32).max:
+            raise ValueError(
+                f"input file {path!r}: float64 values up to {big:.3e} overflow float32 (max 3.4e38)"
+            )
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _pick(index: int | None, count: int, what: str, path: str) -> list[int]:
+    if index is None:
+        return list(range(count))
+    if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+        raise TypeError(f"{what} must be an int, got {type(index).__name__}")
+    i = int(index) + count if index < 0 else int(index)
+    if not 0 <= i < count:
+        raise ValueError(f"input file {path!r}: {what}={index} is out of range; the file has {count}")
+    return [i]
+
+
+# ----------------------------------------------------------------------------------------------- DICOM
+
+
+def _dicom_images(path: str, frame: int | None) -> Iterator[MedicalImage]:
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        ds = pydicom.dcmread(path)
+    except (InvalidDicomError, OSError, EOFError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"input file {path!r} is not a readable DICOM file: {e}") from e
+    if "PixelData" not in ds and "FloatPixelData" not in ds and "DoubleFloatPixelData" not in ds:
+        raise ValueError(f"input file {path!r}: DICOM dataset has no pixel data")
+    try:
+        pixels = ds.pixel_array
+    except Exception as e:  # pixel decoding raises many types (missing codec, truncated data, bad tags)
+        raise ValueError(f"input file {path!r}: DICOM pixel data cannot be decoded: {e}") from e
+    _check_dtype(pixels.dtype, path)
+    samples = int(getattr(ds, "SamplesPerPixel", 1))
+    frames = int(getattr(ds, "NumberOfFrames", 1) or 1)
+    if frames == 1:
+        pixels = pixels[None]
+    # pixels: [F, H, W] (grayscale) or [F, H, W, S] (colour)
+    if samples > 1 and pixels.ndim == 4:
+        pixels = np.moveaxis(pixels, -1, 1)
+    else:
+        pixels = pixels[:, None]
+    slope = float(getattr(ds, "RescaleSlope", 1.0) or 1.0)
+    intercept = float(getattr(ds, "RescaleIntercept", 0.0) or 0.0)
+    photometric = str(getattr(ds, "PhotometricInterpretation", "MONOCHROME2"))
+    window = None
+    if "WindowCenter" in ds and "WindowWidth" in ds:
+        c, w = ds.WindowCenter, ds.WindowWidth
+        c = c[0] if isinstance(c, pydicom.multival.MultiValue) else c
+        w = w[0] if isinstance(w, pydicom.multival.MultiValue) else w
+        window = (float(c), float(w))
+    meta = {
+        "source_dtype": str(pixels.dtype),
+        "rescale_slope": slope,
+        "rescale_intercept": intercept,
+        "photometric": photometric,
+        "file_window": window,
+        "modality": str(getattr(ds, "Modality", "")),
+        "frames": frames,
+    }
+    for i in _pick(frame, frames, "frame", path):
+        data = pixels[i].astype(np.float64) * slope + intercept
+        yield MedicalImage(_to_float32(data, path), path, "dicom", i, frames, dict(meta))
+
+
+# ----------------------------------------------------------------------------------------------- NIfTI
+
+
+def _nifti_images(
+    path: str, slice_index: int | None, slice_axis: int, frame: int | None
+) -> Iterator[MedicalImage]:
+    import nibabel as nib
+    from nibabel.filebasedimages import ImageFileError
+
+    try:
+        img = nib.load(path)
+    except (ImageFileError, OSError, EOFError, ValueError) as e:
+        raise ValueError(f"input file {path!r} is not a readable NIfTI file: {e}") from e
+    dataobj = img.dataobj
+    dtype = img.get_data_dtype()
+    _check_dtype(dtype, path)
+    shape = tuple(int(s) for s in dataobj.shape)
+    if len(shape) < 2 or len(shape) > 4:
+        raise ValueError(f"input file {path!r}: NIfTI image of shape {shape}; expected 2-D, 3-D or 4-D data")
+    if len(shape) == 4:
+        frames = _pick(0 if frame is None else frame, shape[3], "frame (4th NIfTI axis)", path)
+    elif frame not in (None, 0):
+        raise ValueError(f"input file {path!r}: frame={frame} given, but the NIfTI image is {len(shape)}-D")
+    else:
+        frames = [None]
+    meta = {
+        "source_dtype": str(dtype),
+        "shape": shape,
+        "slice_axis": slice_axis,
+        "scl_slope": _finite_or_none(img.header.get("scl_slope")),
+        "scl_inter": _finite_or_none(img.header.get("scl_inter")),
+    }
+    if len(shape) == 2:
+        slices, count = [None], 1
+    else:
+        if slice_axis not in (0, 1, 2):
+            raise ValueError(f"slice_axis must be 0, 1 or 2 for a volume, got {slice_axis}")
+        count = shape[slice_axis]
+        if slice_index == "all":
+            slices = list(range(count))
+        else:
+            slices = _pick(count // 2 if slice_index is None else slice_index, count, "slice_index", path)
+    for t in frames:
+        for s in slices:
+            idx: list[Any] = [slice(None)] * len(shape)
+            if s is not None:
+                idx[slice_axis] = s
+            if t is not None:
+                idx[3] = t
+            try:
+                # array proxies read only the requested slab from disk (and apply scl_slope / scl_inter)
+                plane = np.asarray(dataobj[tuple(idx)])
+            except (OSError, EOFError, ValueError) as e:
+                raise ValueError(f"input file {path!r}: NIfTI data cannot be read (truncated?): {e}") from e
+            data = _to_float32(plane, path)[None]
+            yield MedicalImage(data, path, "nifti", 0 if s is None else s, count, dict(meta, frame=t))
+
+
+def _finite_or_none(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if np.isfinite(f) else None
+
+
+# ------------------------------------------------------------------------------------------------ TIFF
+
+
+def _tiff_images(path: str, series: int, level: int, slice_index: int | None) -> Iterator[MedicalImage]:
+    import tifffile
+
+    try:
+        tf = tifffile.TiffFile(path)
+    except (tifffile.TiffFileError, OSError, EOFError, ValueError, _struct_error()) as e:
+        raise ValueError(f"input file {path!r} is not a readable TIFF file: {e}") from e
+    with tf:
+        if not tf.series:
+            raise ValueError(f"input file {path!r}: TIFF has no image series")
+        s = _pick(series, len(tf.series), "series", path)[0]
+        ser = tf.series[s]
+        levels = ser.levels
+        lv = _pick(level, len(levels), "pyramid level", path)[0]
+        page_series = levels[lv]
+        axes, shape, dtype = page_series.axes, tuple(page_series.shape), page_series.dtype
+        _check_dtype(dtype, path)
+        memmapped = False
+        arr = None
+        if page_series.dataoffset is not None:
+            try:
+                arr = tifffile.memmap(path, series=s, level=lv, mode="r")
+                memmapped = True
+            except (ValueError, OSError):
+                arr = None
+        if arr is None:
+            try:
+                arr = page_series.asarray()
+            except (ValueError, OSError, EOFError, RuntimeError, KeyError, _struct_error()) as e:
+                raise ValueError(f"input file {path!r}: TIFF pixel data cannot be decoded: {e}") from e
+    if "Y" not in axes or "X" not in axes:
+        raise ValueError(f"input file {path!r}: TIFF series axes {axes!r} lack Y and X")
+    chan = [a for a in axes if a in "CS"]
+    if len(chan) > 1:
+        raise ValueError(f"input file {path!r}: TIFF axes {axes!r} have two channel axes (C and S)")
+    order = [a for a in axes if a not in "YXCS"] + chan + ["Y", "X"]
+    arr = np.moveaxis(arr, [axes.index(a) for a in order], list(range(len(order))))
+    stack = [a for a in axes if a not in "YXCS"]
+    n_stack = int(np.prod([shape[axes.index(a)] for a in stack])) if stack else 1
+    arr = arr.reshape((n_stack, -1) + arr.shape[-2:]) if chan else arr.reshape((n_stack, 1) + arr.shape[-2:])
+    meta = {
+        "source_dtype": str(dtype),
+        "axes": axes,
+        "shape": shape,
+        "series": s,
+        "level": lv,
+        "levels": len(levels),
+        "memmap": memmapped,
+    }
+    for i in _pick(slice_index, n_stack, "slice_index", path) if slice_index != "all" else range(n_stack):
+        yield MedicalImage(_to_float32(arr[i], path), path, "tiff", i, n_stack, dict(meta))
+
+
+def _struct_error() -> type[Exception]:
+    import struct
+
+    return struct.error
+
+
+# -------------------------------------------------------------------------------------------- PNG/JPEG
+
+
+def _png_colour_depth(path: str) -> tuple[int, int] | None:
+    """(bit depth, colour type) from a PNG IHDR chunk, or None if it is not a PNG."""
+    with open(path, "rb") as f:
+        head = f.read(26)
+    if len(head) < 26 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return None
+    return head[24], head[25]
+
+
+def _pillow_images(path: str, fmt: str) -> Iterator[MedicalImage]:
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    if fmt == "png":
+        depth = _png_colour_depth(path)
+        if depth is not None and depth[0] == 16 and depth[1] in (2, 4, 6):
+            raise ValueError(
+                f"input file {path!r}: 16-bit colour PNG (colour type {depth[1]}) would be cut to 8 bits by "
+                "Pillow; save it as 16-bit TIFF instead"
+            )
+    try:
+        with Image.open(path) as im:
+            im.load()
+            im = ImageOps.exif_transpose(im) if fmt == "jpeg" else im
+            mode = im.mode
+            if mode == "1":
+                raise TypeError(f"input file {path!r}: unsupported pixel dtype bool (1-bit image)")
+            if mode == "P":
+                im = im.convert("RGBA" if "transparency" in im.info else "RGB")
+            elif mode in ("CMYK", "YCbCr", "LAB", "HSV"):
+                im = im.convert("RGB")
+            arr = np.asarray(im)
+            mode = im.mode
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ValueError(f"input file {path!r} is not a readable {fmt.upper()} image: {e}") from e
+    meta = {"source_dtype": str(arr.dtype), "mode": mode}
+    if arr.ndim == 3:
+        if arr.shape[-1] in (2, 4):  # LA / RGBA: drop alpha
+            meta["dropped_alpha"] = True
+            arr = arr[..., :-1]
+        arr = np.moveaxis(arr, -1, 0)
+    else:
+        arr = arr[None]
+    yield MedicalImage(_to_float32(arr, path), path, fmt, 0, 1, meta)
+
+
+# ----------------------------------------------------------------------------------------------- API
+
+
+def iter_images(
+    path: str | os.PathLike,
+    *,
+    slice_index: int | str | None = None,
+    slice_axis: int = 2,
+    frame: int | str | None = None,
+    series: int = 0,
+    level: int = 0,
+) -> Iterator[MedicalImage]:
+    """Every 2-D image selected from ``path``, as raw float32 ``[C, H, W]`` (after rescale).
+
+    Args:
+        slice_index: NIfTI slice along ``slice_axis`` (default: the middle one) or TIFF stack index
+            (default 0; non-YX, non-channel TIFF axes are flattened into one stack); ``"all"`` for every one.
+        slice_axis: NIfTI voxel axis (0, 1, 2) the slices are cut across.
+        frame: DICOM multi-frame index (default: all frames) or NIfTI 4th-axis index (default 0);
+            ``"all"`` for every one.
+        series, level: TIFF series and pyramid level (0 = full resolution).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"input file {path!r} does not exist or is not a file")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"input file {path!r} is empty (0 bytes)")
+    fmt = detect_format(path)
+    frame_i = None if frame == "all" else frame
+    if fmt == "dicom":
+        yield from _dicom_images(path, frame_i)
+    elif fmt == "nifti":
+        if slice_index == "all" and frame == "all":
+            raise ValueError("slice_index='all' and frame='all' cannot be combined; pick one of them")
+        yield from _nifti_images(path, slice_index, slice_axis, None if frame == "all" else frame)
+    elif fmt == "tiff":
+        yield from _tiff_images(path, series, level, 0 if slice_index is None else slice_index)
+    else:
+        yield from _pillow_images(path, fmt)
+
+
+def read_image(path: str | os.PathLike, **kwargs) -> MedicalImage:
+    """The one 2-D image :func:`iter_images` selects; a file holding several needs an index.
+
+    DICOM multi-frame files default to frame 0 here; NIfTI volumes to the middle slice.
+    """
+    if kwargs.get("slice_index") == "all" or kwargs.get("frame") == "all":
+        raise ValueError("read_image returns one image; use iter_images for slice_index/frame='all'")
+    if detect_format(path) == "dicom" and kwargs.get("frame") is None:
+        kwargs["frame"] = 0
+    return next(iter_images(path, **kwargs))
+
+
+def apply_window(data: np.ndarray, center: float, width: float) -> np.ndarray:
+    """Linear window: ``[center - width/2, center + width/2]`` -> ``[0, 1]``, clipped."""
+    if not (np.isfinite(center) and np.isfinite(width)) or width <= 0:
+        raise ValueError(
+            f"window width must be a finite value > 0 and center finite, got center={center}, width={width}"
+        )
+    lo = center - width / 2.0
+    return np.clip((data - np.float32(lo)) / np.float32(width), 0.0, 1.0).astype(np.float32)
+
+
+def apply_nan_policy(data: np.ndarray, policy: str, path: str = "<array>") -> tuple[np.ndarray, int]:
+    """Handle non-finite values: ``"error"`` raises, ``"zero"`` / ``"mean"`` replace them (count returned)."""
+    if policy not in NAN_POLICIES:
+        raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {policy!r}")
+    bad = ~np.isfinite(data)
+    n_bad = int(bad.sum())
+    if n_bad == 0:
+        return data, 0
+    if policy == "error":
+        raise ValueError(
+            f"input file {path!r}: {n_bad} of {data.size} values are NaN or infinite; pass nan_policy "
+            "'zero' or 'mean' (CLI: --nan-policy zero|mean) to replace them"
+        )
+    if policy == "zero":
+        fill = 0.0
+    else:
+        if n_bad == data.size:
+            raise ValueError(
+                f"input file {path!r}: every value is NaN or infinite; nan_policy='mean' has no mean"
+            )
+        fill = float(data[~bad].mean(dtype=np.float64))
+    out = data.copy()
+    out[bad] = fill
+    return out, n_bad
+
+
+def normalize(
+    data: np.ndarray,
+    method: str,
+    *,
+    percentiles: tuple[float, float] = (0.5, 99.5),
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    unit_range: bool = False,
+) -> np.ndarray:
+    """Normalise float32 ``[C, H, W]`` values (statistics over the whole image, all channels).
+
+    Args:
+        method: ``"none"``; ``"minmax"`` -> [0, 1]; ``"percentile"`` clips to the given percentiles and maps
+            them to [0, 1]; ``"zscore"`` -> zero mean, unit std; ``"pretrained"`` maps to [0, 1] (min-max, or
+            as is when ``unit_range``, e.g. after windowing) then applies the per-channel ``mean``/``std``
+            (of the model's pretrained config) after channel mapping: see :func:`load_image`.
+        unit_range: the data is already in [0, 1] (windowed), so min-max/percentile stretching is skipped.
+    """
+    if method not in NORMALIZATIONS:
+        raise ValueError(f"normalisation must be one of {NORMALIZATIONS}, got {method!r}")
+    if method == "none":
+        return data
+    if method == "zscore":
+        mu, sd = float(data.mean(dtype=np.float64)), float(data.std(dtype=np.float64))
+        return ((data - mu) / (sd if sd > 0 else 1.0)).astype(np.float32)
+    if method in ("minmax", "pretrained"):
+        if unit_range and method == "pretrained":
+            return data
+        lo, hi = float(data.min()), float(data.max())
+    else:
+        p_lo, p_hi = percentiles
+        if not 0.0 <= p_lo < p_hi <= 100.0:
+            raise ValueError(f"percentiles must satisfy 0 <= low < high <= 100, got {percentiles}")
+        lo, hi = (float(v) for v in np.percentile(data, [p_lo, p_hi]))
+        data = np.clip(data, lo, hi)
+    span = hi - lo
+    if span <= 0:
+        return np.zeros_like(data, dtype=np.float32)
+    return ((data - lo) / span).astype(np.float32)
+
+
+def map_channels(data: np.ndarray, in_chans: int, mode: str = "replicate") -> np.ndarray:
+    """Map ``[C, H, W]`` to ``[in_chans, H, W]``.
+
+    ``C == in_chans``: unchanged. One channel -> ``in_chans``: replicated (``mode="replicate"``). Three (RGB)
+    channels -> one: ITU-R BT.601 luma. Anything else raises.
+    """
+    c = data.shape[0]
+    if c == in_chans:
+        return data
+    if c == 1:
+        if mode != "replicate":
+            raise ValueError(f"channel mode must be 'replicate' to map 1 channel to {in_chans}, got {mode!r}")
+        return np.ascontiguousarray(np.broadcast_to(data, (in_chans,) + data.shape[1:]))
+    if c == 3 and in_chans == 1:
+        return np.tensordot(_LUMA, data, axes=(0, 0))[None].astype(np.float32)
+    raise ValueError(f"cannot map a {c}-channel image to the model's in_chans={in_chans}")
+
+
+def load_image(
+    image: MedicalImage,
+    *,
+    in_chans: int,
+    window: str | tuple[float, float] | None = None,
+    invert_monochrome1: bool = True,
+    nan_policy: str = "error",
+    norm: str = "minmax",
+    percentiles: tuple[float, float] = (0.5, 99.5),
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    min_size: int = 1,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Apply the value pipeline (module docstring) to one image; returns ``([in_chans, H, W], facts)``.
+
+    Args:
+        window: ``None``; ``"file"`` (the DICOM's first WindowCenter/WindowWidth); or ``(center, width)`` in
+            rescaled units (e.g. Hounsfield). Windowed values lie in [0, 1].
+        invert_monochrome1: invert DICOM MONOCHROME1 images so that high values are bright.
+        nan_policy: see :func:`apply_nan_policy`.
+        norm, percentiles: see :func:`normalize`. ``mean``/``std`` (length ``in_chans``) are required for
+            ``"pretrained"`` and applied after channel mapping.
+        min_size: the smallest allowed height/width (the model's patch size).
+    """
+    data, path = image.data, image.path
+    facts: dict[str, Any] = {"raw_min": None, "raw_max": None}
+    c, h, w = data.shape
+    if h < min_size or w < min_size:
+        raise ValueError(
+            f"input file {path!r}: image of {h}x{w} pixels is smaller than one {min_size}x{min_size} patch"
+        )
+    data, n_bad = apply_nan_policy(data, nan_policy, path)
+    facts["non_finite_replaced"] = n_bad
+    facts["raw_min"], facts["raw_max"] = float(data.min()), float(data.max())
+    windowed = False
+    if window is not None:
+        if window == "file":
+            win = image.meta.get("file_window")
+            if win is None:
+                raise ValueError(
+                    f"input file {path!r}: window='file' but the file has no WindowCenter/WindowWidth"
+                )
+        elif isinstance(window, (tuple, list)) and len(window) == 2:
+            win = (float(window[0]), float(window[1]))
+        else:
+            raise ValueError(f"window must be None, 'file' or (center, width), got {window!r}")
+        data = apply_window(data, *win)
+        windowed = True
+        facts["window"] = list(win)
+    if invert_monochrome1 and image.meta.get("photometric") == "MONOCHROME1":
+        data = (1.0 - data) if windowed else (np.float32(data.min() + data.max()) - data)
+        facts["inverted_monochrome1"] = True
+    data = normalize(data, norm, percentiles=percentiles, unit_range=windowed).astype(np.float32, copy=False)
+    data = map_channels(data, in_chans)
+    if norm == "pretrained":
+        if mean is None or std is None:
+            raise ValueError("norm='pretrained' needs the model's mean and std")
+        m = np.asarray(mean, dtype=np.float32)
+        s = np.asarray(std, dtype=np.float32)
+        if m.size == 1 or s.size == 1:
+            m, s = np.full(in_chans, m.ravel()[0], np.float32), np.full(in_chans, s.ravel()[0], np.float32)
+        if m.size != in_chans or s.size != in_chans:
+            if m.size == 3 and in_chans == 1:
+                # a colour-pretrained model fed one channel: the luma of its mean/std
+                m, s = np.array([_LUMA @ m]), np.array([_LUMA @ s])
+            else:
+                raise ValueError(
+                    f"pretrained mean/std have {m.size} entries, the model has in_chans={in_chans}"
+                )
+        data = (data - m[:, None, None]) / s[:, None, None]
+    facts["norm"] = norm
+    if not np.isfinite(data).all():
+        raise ValueError(f"input file {path!r}: non-finite values after normalisation (value range overflow)")
+    if window is None and image.meta.get("file_window") is not None:
+        warnings.warn(
+            f"input file {path!r} has a DICOM window {image.meta['file_window']} that is not applied; pass "
+            "window='file' (CLI: --window file) to use it",
+            stacklevel=2,
+        )
+    return np.ascontiguousarray(data, dtype=np.float32), facts

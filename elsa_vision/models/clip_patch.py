@@ -1,0 +1,63 @@
+"""Turn the image tower of a whole open_clip model into ELSA, in place, keeping the text tower.
+
+``elsa_clip(model)`` replaces every ``nn.MultiheadAttention`` inside ``model.visual`` (the blocks'
+self-attention and the CoCa attentional poolers' cross-attention) by
+:class:`elsa_vision.models.clip_vision.ElsaMultiheadAttention` sharing the same parameter tensors, so the
+state dict, optimiser references and ``encode_image`` / ``encode_text`` / ``forward`` keep working unchanged.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..ops.attention import BACKENDS, PRECISIONS
+from .clip_vision import ElsaMultiheadAttention
+
+__all__ = ["elsa_clip"]
+
+
+def elsa_clip(model: nn.Module, *, backend: str = "auto", precision: str = "auto") -> dict:
+    """Replace the attention of ``model.visual`` with ELSA (in place, weight preserving).
+
+    Args:
+        model: an open_clip ``CLIP`` / ``CustomTextCLIP`` / ``CoCa`` (anything with a ``visual`` module whose
+            attention is ``nn.MultiheadAttention``), or an image tower itself.
+        backend, precision: ``elsa_attention`` settings of the new modules.
+
+    Returns:
+        ``{"replaced": n, "modules": [qualified names under visual], "skipped": [(name, type)], "text_tower":
+        "unchanged"}``. ``skipped`` lists attention modules that are not ``nn.MultiheadAttention``
+        (open_clip's custom ``Attention`` of qk-norm / scaled-cosine towers), left as they are.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"elsa_clip: model must be an nn.Module, got {type(model).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"elsa_clip: unknown backend {backend!r}; expected one of {BACKENDS}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"elsa_clip: unknown precision {precision!r}; expected one of {PRECISIONS}")
+    visual = getattr(model, "visual", model)
+    replaced, skipped = [], []
+    for name, parent in list(visual.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, ElsaMultiheadAttention):
+                continue
+            if isinstance(child, nn.MultiheadAttention):
+                setattr(
+                    parent,
+                    child_name,
+                    ElsaMultiheadAttention.from_torch(child, backend=backend, precision=precision),
+                )
+                replaced.append(full)
+            elif type(child).__name__ == "Attention" and hasattr(child, "in_proj_weight"):
+                skipped.append((full, type(child).__name__))
+    if (
+        not replaced
+        and not skipped
+        and not any(isinstance(m, ElsaMultiheadAttention) for m in visual.modules())
+    ):
+        raise ValueError(
+            f"elsa_clip: found no nn.MultiheadAttention in the image tower "
+            f"({type(visual).__name__}); expected an open_clip ViT tower"
+        )
+    return {"replaced": len(replaced), "modules": replaced, "skipped": skipped, "text_tower": "unchanged"}

@@ -1,0 +1,1051 @@
+"""ElsaCLIPVision: the open_clip / OpenAI-CLIP image tower with ELSA attention.
+
+CLIP ("Learning Transferable Visual Models From Natural Language Supervision", https://arxiv.org/abs/2103.00020)
+encodes images with a pre-norm ViT; CoCa (https://arxiv.org/abs/2205.01917) adds an attentional pooler with
+learned queries. This module keeps open_clip's ``VisionTransformer`` state_dict layout exactly:
+
+    conv1.weight (D, 3, P, P)             no bias
+    class_embedding (D,)                  positional_embedding (1 + N, D)
+    ln_pre.*                              transformer.resblocks.i.{ln_1, attn.in_proj_weight (3D, D),
+                                          attn.in_proj_bias (3D,), attn.out_proj, ln_2, mlp.c_fc, mlp.c_proj}
+                                          (+ ls_1.gamma, ls_2.gamma with layer scale)
+    attn_pool.{query, attn.*, ln_q, ln_k} (attentional pooler)   attn_pool_contrastive.* (parallel/cascade)
+    ln_post.*                             proj (D or E, E)
+
+so open_clip and OpenAI checkpoints load unchanged, while every attention (self-attention in the blocks and
+cross-attention of the pooler's learned queries) runs through :func:`elsa_vision.elsa_attention` with q, k, v
+as strided views of the fused ``in_proj`` output in SDPA layout ``[B, H, N, Dh]``.
+
+Inputs larger (or smaller) than ``image_size`` are accepted: the patch-grid positional embedding is resampled
+bicubically (antialiased), as open_clip's ``resize_pos_embed`` does when loading a checkpoint at another
+resolution. :meth:`ElsaCLIPVision.set_image_size` makes such a resize permanent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zipfile
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops.attention import BACKENDS, PRECISIONS, elsa_attention
+
+__all__ = [
+    "ElsaCLIPVision",
+    "ElsaMultiheadAttention",
+    "CLIP_VISION_ARCHITECTURES",
+    "create_elsa_clip_vision",
+    "from_open_clip",
+    "load_clip_state_dict",
+    "resample_positional_embedding",
+    "vision_state_dict",
+]
+
+
+def _pair(x) -> tuple[int, int]:
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"expected an int or a pair (H, W), got {x!r}")
+        return int(x[0]), int(x[1])
+    return int(x), int(x)
+
+
+# ----------------------------------------------------------------------------------------------- layers
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm returning the input dtype; ``fp32=True`` normalises in float32 (LayerNormFp32)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, fp32: bool = False, **kwargs) -> None:
+        super().__init__(normalized_shape, eps=eps, **kwargs)
+        self.fp32 = fp32
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        if self.fp32:
+            x = x.float()
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps).to(dtype)
+
+
+class QuickGELU(nn.Module):
+    """``x * sigmoid(1.702 x)``, the activation the OpenAI CLIP weights were trained with."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class LayerScale(nn.Module):
+    """Per-channel scale ``x * gamma`` (parameter name ``gamma`` as open_clip)."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class PatchDropout(nn.Module):
+    """Drops random patch tokens while training (https://arxiv.org/abs/2212.00794); keeps token 0."""
+
+    def __init__(self, prob: float) -> None:
+        super().__init__()
+        if not 0.0 <= prob < 1.0:
+            raise ValueError(f"PatchDropout: prob must be in [0, 1), got {prob}")
+        self.prob = prob
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.prob == 0.0:
+            return x
+        cls_tok, x = x[:, :1], x[:, 1:]
+        B, N = x.shape[:2]
+        keep = max(1, int(N * (1.0 - self.prob)))
+        idx = torch.randn(B, N, device=x.device).topk(keep, dim=-1).indices
+        x = x[torch.arange(B, device=x.device)[:, None], idx]
+        return torch.cat((cls_tok, x), dim=1)
+
+
+class ElsaMultiheadAttention(nn.Module):
+    """``nn.MultiheadAttention``'s parameters and call signature, computed by ELSA.
+
+    Parameters are those of ``torch.nn.MultiheadAttention`` (``in_proj_weight (3E, E)`` when
+    ``kdim == vdim == embed_dim``, else ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``; ``in_proj_bias
+    (3E,)``; ``out_proj``), so its state_dict (and open_clip's) loads unchanged. Self-attention projects
+    q, k, v with one GEMM and hands ELSA strided views; cross-attention projects k and v together.
+
+    ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None, ...)`` returns
+    ``(out, None)`` like ``nn.MultiheadAttention``. Mask semantics are torch's: bool ``attn_mask`` /
+    ``key_padding_mask`` True = *not* attended; float masks are added to the logits. Attention weights are
+    never formed, so ``need_weights=True`` is rejected.
+
+    Args:
+        embed_dim: query width E. num_heads: heads (E divisible by it). bias: projection biases.
+        kdim, vdim: key / value input widths (default E).
+        batch_first: ``[B, N, E]`` inputs (else ``[N, B, E]``).
+        dropout: attention dropout (training only). backend, precision: passed to ``elsa_attention``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = True,
+        *,
+        backend: str = "auto",
+        precision: str = "auto",
+    ) -> None:
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"ElsaMultiheadAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
+                f"({num_heads})"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"ElsaMultiheadAttention: unknown backend {backend!r}; expected one of {BACKENDS}"
+            )
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"ElsaMultiheadAttention: unknown precision {precision!r}; expected one of {PRECISIONS}"
+            )
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.backend = backend
+        self.precision = precision
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim))
+            self.register_parameter("in_proj_weight", None)
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim)) if bias else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        for w in (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+            if w is not None:
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention, *, backend: str = "auto", precision: str = "auto"):
+        """An ELSA module sharing ``mha``'s parameter tensors (no copy; optimiser references stay valid)."""
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"from_torch: expected nn.MultiheadAttention, got {type(mha).__name__}")
+        if mha.bias_k is not None or mha.bias_v is not None or mha.add_zero_attn:
+            raise ValueError("from_torch: add_bias_kv / add_zero_attn are not supported (expected False)")
+        with torch.device("meta"):
+            new = cls(
+                mha.embed_dim,
+                mha.num_heads,
+                dropout=mha.dropout,
+                bias=mha.in_proj_bias is not None,
+                kdim=mha.kdim,
+                vdim=mha.vdim,
+                batch_first=mha.batch_first,
+                backend=backend,
+                precision=precision,
+            )
+        for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias"):
+            setattr(new, name, getattr(mha, name))
+        new.out_proj = mha.out_proj
+        new.train(mha.training)
+        return new
+
+    def _bias(self, attn_mask, key_padding_mask, B, Nq, Nk, dtype, device) -> Tensor | None:
+        """torch MHA masks (bool True = hidden, or additive float) as a float bias ``[B|1, H|1, Nq, Nk]``."""
+        bias = None
+        if attn_mask is not None:
+            if attn_mask.dim() == 2:
+                m = attn_mask.reshape(1, 1, Nq, Nk)
+            elif attn_mask.dim() == 3 and attn_mask.shape[0] == B * self.num_heads:
+                m = attn_mask.reshape(B, self.num_heads, Nq, Nk)
+            else:
+                raise ValueError(
+                    f"ElsaMultiheadAttention: attn_mask must be [Nq, Nk] or [B*H, Nq, Nk] = "
+                    f"[{B * self.num_heads}, {Nq}, {Nk}], got {list(attn_mask.shape)}"
+                )
+            bias = (
+                torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(m, -math.inf)
+                if m.dtype == torch.bool
+                else m.to(dtype)
+            )
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (B, Nk):
+                raise ValueError(
+                    f"ElsaMultiheadAttention: key_padding_mask must be [B, Nk] = [{B}, {Nk}], got "
+                    f"{list(key_padding_mask.shape)}"
+                )
+            kp = key_padding_mask.reshape(B, 1, 1, Nk)
+            kp = (
+                torch.zeros(kp.shape, dtype=dtype, device=device).masked_fill_(kp, -math.inf)
+                if kp.dtype == torch.bool
+                else kp.to(dtype)
+            )
+            bias = kp if bias is None else bias + kp
+        return bias
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, None]:
+        if need_weights:
+            raise ValueError(
+                "ElsaMultiheadAttention: need_weights=True is not supported (ELSA never forms the "
+                "attention matrix); pass need_weights=False"
+            )
+        self_attn = (key is None or key is query) and (value is None or value is query)
+        key = query if key is None else key
+        value = key if value is None else value
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        B, Nq, E = query.shape
+        Nk = key.shape[1]
+        H, Dh = self.num_heads, self.head_dim
+        bq = bk = bv = None
+        if self.in_proj_bias is not None:
+            bq, bk, bv = self.in_proj_bias.chunk(3)
+        if self_attn and self._qkv_same_embed_dim:
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
+            q, k, v = qkv.view(B, Nq, 3, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            if self._qkv_same_embed_dim:
+                wq, wk, wv = self.in_proj_weight.chunk(3)
+            else:
+                wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            q = F.linear(query, wq, bq).view(B, Nq, H, Dh).transpose(1, 2)
+            if key is value and self._qkv_same_embed_dim:
+                kv = F.linear(key, self.in_proj_weight[E:], None if bk is None else self.in_proj_bias[E:])
+                k, v = kv.view(B, Nk, 2, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)
+            else:
+                k = F.linear(key, wk, bk).view(B, Nk, H, Dh).transpose(1, 2)
+                v = F.linear(value, wv, bv).view(B, Nk, H, Dh).transpose(1, 2)
+        bias = self._bias(attn_mask, key_padding_mask, B, Nq, Nk, q.dtype, q.device)
+        dropout_p = self.dropout if self.training else 0.0
+        out = elsa_attention(
+            q,
+            k,
+            v,
+            attn_bias=bias,
+            causal=bool(is_causal),
+            precision=self.precision,
+            backend="torch" if dropout_p > 0 else self.backend,
+            dropout_p=dropout_p,
+        )
+        out = self.out_proj(out.transpose(1, 2).reshape(B, Nq, E))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, None
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, heads={self.num_heads}, kdim={self.kdim}, vdim={self.vdim}, "
+            f"backend={self.backend}, precision={self.precision}"
+        )
+
+
+class ResidualAttentionBlock(nn.Module):
+    """Pre-norm block ``x + ls_1(attn(ln_1(x)))``, ``x + ls_2(mlp(ln_2(x)))`` with open_clip's names."""
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp_ratio: float,
+        ls_init_value: float | None,
+        act_layer: type[nn.Module],
+        norm_layer,
+        backend: str,
+        precision: str,
+    ) -> None:
+        super().__init__()
+        self.ln_1 = norm_layer(width)
+        self.attn = ElsaMultiheadAttention(width, heads, backend=backend, precision=precision)
+        self.ls_1 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
+        self.ln_2 = norm_layer(width)
+        hidden = int(width * mlp_ratio)
+        self.mlp = nn.Sequential(
+            OrderedDict(
+                [
+                    ("c_fc", nn.Linear(width, hidden)),
+                    ("gelu", act_layer()),
+                    ("c_proj", nn.Linear(hidden, width)),
+                ]
+            )
+        )
+        self.ls_2 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.ln_1(x)
+        x = x + self.ls_1(self.attn(y, y, y)[0])
+        return x + self.ls_2(self.mlp(self.ln_2(x)))
+
+
+class Transformer(nn.Module):
+    """``resblocks``: a stack of :class:`ResidualAttentionBlock` over ``[B, N, width]``."""
+
+    def __init__(
+        self,
+        width: int,
+        layers: int,
+        heads: int,
+        mlp_ratio: float,
+        ls_init_value: float | None,
+        act_layer,
+        norm_layer,
+        backend: str,
+        precision: str,
+    ) -> None:
+        super().__init__()
+        self.width, self.layers = width, layers
+        self.grad_checkpointing = False
+        self.resblocks = nn.ModuleList(
+            [
+                ResidualAttentionBlock(
+                    width, heads, mlp_ratio, ls_init_value, act_layer, norm_layer, backend, precision
+                )
+                for _ in range(layers)
+            ]
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        for blk in self.resblocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        return x
+
+
+class AttentionalPooler(nn.Module):
+    """CoCa's pooler: ``n_queries`` learned queries cross-attend (through ELSA) to the LayerNormed tokens.
+
+    ``[B, N, context_dim] -> [B, n_queries, d_model]``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        context_dim: int,
+        n_head: int,
+        n_queries: int,
+        norm_layer,
+        backend: str,
+        precision: str,
+    ) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(n_queries, d_model))
+        self.attn = ElsaMultiheadAttention(
+            d_model, n_head, kdim=context_dim, vdim=context_dim, backend=backend, precision=precision
+        )
+        self.ln_q = norm_layer(d_model)
+        self.ln_k = norm_layer(context_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.ln_k(x)
+        q = self.ln_q(self.query).unsqueeze(0).expand(x.shape[0], -1, -1)
+        return self.attn(q, x, x)[0]
+
+
+def _sincos_2d(width: int, grid: tuple[int, int]) -> Tensor:
+    """Fixed 2-D sin-cos embedding ``(1 + gh*gw, width)`` with a zero class row (MAE's layout)."""
+    if width % 4:
+        raise ValueError(f"sin_cos_2d positional embedding needs width divisible by 4, got {width}")
+    gh, gw = grid
+    omega = 1.0 / 10000 ** (torch.arange(width // 4, dtype=torch.float64) / (width / 4.0))
+    ys, xs = torch.meshgrid(
+        torch.arange(gh, dtype=torch.float64), torch.arange(gw, dtype=torch.float64), indexing="ij"
+    )
+    parts = []
+    for coord in (
+        xs.reshape(-1),
+        ys.reshape(-1),
+    ):  # first half encodes the column (w), second half the row (h)
+        out = coord[:, None] * omega[None]
+        parts += [out.sin(), out.cos()]
+    emb = torch.cat(parts, dim=1)
+    return torch.cat([torch.zeros(1, width, dtype=torch.float64), emb], 0).float()
+
+
+def resample_positional_embedding(
+    pos: Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int], num_prefix_tokens: int = 1
+) -> Tensor:
+    """Resample the patch rows of ``pos (prefix + gh*gw, D)`` to ``new_grid`` (bicubic, antialiased).
+
+    The prefix (class) rows are kept; this is open_clip's ``resize_pos_embed`` for any (also non-square) grid.
+    """
+    old_grid, new_grid = _pair(old_grid), _pair(new_grid)
+    if pos.shape[0] != num_prefix_tokens + old_grid[0] * old_grid[1]:
+        raise ValueError(
+            f"positional embedding has {pos.shape[0]} rows, expected {num_prefix_tokens} + "
+            f"{old_grid[0]}*{old_grid[1]} for grid {old_grid}"
+        )
+    if old_grid == new_grid:
+        return pos
+    prefix, grid = pos[:num_prefix_tokens], pos[num_prefix_tokens:]
+    grid = grid.reshape(1, old_grid[0], old_grid[1], -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid.float(), size=new_grid, mode="bicubic", antialias=True, align_corners=False)
+    grid = grid.to(pos.dtype).permute(0, 2, 3, 1).reshape(new_grid[0] * new_grid[1], -1)
+    return torch.cat([prefix, grid], 0)
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+class ElsaCLIPVision(nn.Module):
+    """open_clip's ``VisionTransformer`` (same arguments, same state_dict) with ELSA attention.
+
+    Args:
+        image_size, patch_size: int or (H, W). width, layers, heads, mlp_ratio: trunk shape.
+        ls_init_value: layer-scale init (None: no ``ls_1``/``ls_2``).
+        attentional_pool: False; True (CoCa: ``attn_pool`` then ``ln_post`` then ``pool_type``); or
+            ``"parallel"`` / ``"cascade"`` (``attn_pool`` + ``attn_pool_contrastive`` with one query).
+        attn_pooler_queries, attn_pooler_heads: pooler shape.
+        output_dim: embedding width E (``proj`` is ``(D, E)``, or ``(E, E)`` with an attentional pooler).
+        patch_dropout: training-time patch drop fraction. no_ln_pre: drop ``ln_pre``.
+        pos_embed_type: ``"learnable"`` or ``"sin_cos_2d"`` (fixed).
+        pool_type: ``"tok"``, ``"avg"``, ``"none"``.
+        final_ln_after_pool: apply ``ln_post`` after pooling (no attentional pool).
+        act_layer: ``"gelu"``, ``"quick_gelu"`` or an ``nn.Module`` class. norm_eps: LayerNorm eps.
+        norm_fp32: LayerNorm in float32 for half inputs (open_clip's ``LayerNormFp32``).
+        output_tokens: ``forward`` returns ``(pooled, tokens)``.
+        attn_backend, attn_precision: ``elsa_attention`` backend / float32 precision of every attention.
+
+    Shapes: ``forward(x [B, 3, H, W]) -> [B, E]`` (``[B, 1, E]`` for ``"parallel"``/``"cascade"``), tokens
+    ``[B, gh*gw, D]`` (``[B, n_queries - 1, E]`` with CoCa pooling). ``H, W`` must be multiples of the patch
+    size; other than ``image_size`` they use a resampled positional embedding.
+    """
+
+    def __init__(
+        self,
+        image_size=224,
+        patch_size=16,
+        width: int = 768,
+        layers: int = 12,
+        heads: int = 12,
+        mlp_ratio: float = 4.0,
+        ls_init_value: float | None = None,
+        attentional_pool: bool | str = False,
+        attn_pooler_queries: int = 256,
+        attn_pooler_heads: int = 8,
+        output_dim: int = 512,
+        patch_dropout: float = 0.0,
+        no_ln_pre: bool = False,
+        pos_embed_type: str = "learnable",
+        pool_type: str = "tok",
+        final_ln_after_pool: bool = False,
+        act_layer: str | type[nn.Module] = "gelu",
+        norm_eps: float = 1e-5,
+        norm_fp32: bool = False,
+        output_tokens: bool = False,
+        *,
+        attn_backend: str = "auto",
+        attn_precision: str = "auto",
+    ) -> None:
+        super().__init__()
+        if pool_type not in ("tok", "avg", "none"):
+            raise ValueError(f"ElsaCLIPVision: pool_type must be 'tok', 'avg' or 'none', got {pool_type!r}")
+        if pos_embed_type not in ("learnable", "sin_cos_2d"):
+            raise ValueError(
+                f"ElsaCLIPVision: pos_embed_type must be 'learnable' or 'sin_cos_2d', got {pos_embed_type!r}"
+            )
+        if attentional_pool not in (False, True, "parallel", "cascade"):
+            raise ValueError(
+                f"ElsaCLIPVision: attentional_pool must be False, True, 'parallel' or 'cascade', "
+                f"got {attentional_pool!r}"
+            )
+        if isinstance(act_layer, str):
+            acts = {"gelu": nn.GELU, "quick_gelu": QuickGELU}
+            if act_layer not in acts:
+                raise ValueError(
+                    f"ElsaCLIPVision: act_layer must be one of {sorted(acts)} or a module class, "
+                    f"got {act_layer!r}"
+                )
+            act_layer = acts[act_layer]
+        if width % heads:
+            raise ValueError(f"ElsaCLIPVision: width ({width}) must be divisible by heads ({heads})")
+        self.image_size = _pair(image_size)
+        self.patch_size = _pair(patch_size)
+        if self.image_size[0] % self.patch_size[0] or self.image_size[1] % self.patch_size[1]:
+            raise ValueError(
+                f"ElsaCLIPVision: image_size {self.image_size} must be a multiple of patch_size "
+                f"{self.patch_size}"
+            )
+        self.grid_size = (self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1])
+        self.width, self.output_dim = width, output_dim
+        self.output_tokens = output_tokens
+        self.final_ln_after_pool = final_ln_after_pool
+        self.pos_embed_type = pos_embed_type
+
+        def norm_layer(d):
+            return LayerNorm(d, eps=norm_eps, fp32=norm_fp32)
+
+        self.conv1 = nn.Conv2d(3, width, kernel_size=self.patch_size, stride=self.patch_size, bias=False)
+        scale = width**-0.5
+        self.class_embedding = nn.Parameter(scale * torch.randn(width))
+        n_pos = self.grid_size[0] * self.grid_size[1] + 1
+        if pos_embed_type == "learnable":
+            self.positional_embedding = nn.Parameter(scale * torch.randn(n_pos, width))
+        else:
+            self.positional_embedding = nn.Parameter(_sincos_2d(width, self.grid_size), requires_grad=False)
+        self.patch_dropout = PatchDropout(patch_dropout) if patch_dropout > 0 else nn.Identity()
+        self.ln_pre = nn.Identity() if no_ln_pre else norm_layer(width)
+        self.transformer = Transformer(
+            width,
+            layers,
+            heads,
+            mlp_ratio,
+            ls_init_value,
+            act_layer,
+            norm_layer,
+            attn_backend,
+            attn_precision,
+        )
+        self.attn_pool_type = attentional_pool if isinstance(attentional_pool, str) else ""
+        if attentional_pool:
+            self.attn_pool = AttentionalPooler(
+                output_dim,
+                width,
+                attn_pooler_heads,
+                attn_pooler_queries,
+                norm_layer,
+                attn_backend,
+                attn_precision,
+            )
+            if isinstance(attentional_pool, str):
+                self.attn_pool_contrastive = AttentionalPooler(
+                    output_dim, width, attn_pooler_heads, 1, norm_layer, attn_backend, attn_precision
+                )
+                self.pool_type = "none"
+            else:
+                self.attn_pool_contrastive = None
+                self.pool_type = pool_type
+            pool_dim = output_dim
+        else:
+            self.attn_pool = None
+            self.attn_pool_contrastive = None
+            self.pool_type = pool_type
+            pool_dim = width
+        self.ln_post = norm_layer(pool_dim)
+        self.proj = nn.Parameter(scale * torch.randn(pool_dim, output_dim))
+
+    # -- attention settings ----------------------------------------------------------------------------
+    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
+        """Choose the ELSA backend / precision of every attention (blocks and poolers)."""
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"set_attention: unknown backend {backend!r}; expected one of {BACKENDS}")
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"set_attention: unknown precision {precision!r}; expected one of {PRECISIONS}")
+        for m in self.modules():
+            if isinstance(m, ElsaMultiheadAttention):
+                m.backend = backend if backend is not None else m.backend
+                m.precision = precision if precision is not None else m.precision
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.transformer.grad_checkpointing = enable
+
+    def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
+        """Freeze the tower except its last ``unlocked_groups`` groups (LiT; open_clip's grouping).
+
+        Groups, first to last: the embedding (``conv1``, ``class_embedding``, ``positional_embedding``,
+        ``ln_pre``), each block but the last, the last block with ``ln_post``, and ``proj``.
+        """
+        if unlocked_groups < 0:
+            raise ValueError(f"lock: unlocked_groups must be >= 0, got {unlocked_groups}")
+        for p in self.parameters():
+            p.requires_grad = False
+        if unlocked_groups == 0:
+            return
+        blocks = list(self.transformer.resblocks)
+        groups = [
+            [self.conv1, self.class_embedding, self.positional_embedding, self.ln_pre],
+            *[[b] for b in blocks[:-1]],
+            [blocks[-1], self.ln_post],
+            [self.proj],
+        ]
+        for group in groups[-unlocked_groups:]:
+            for item in group:
+                params = [item] if isinstance(item, nn.Parameter) else list(item.parameters())
+                for p in params:
+                    p.requires_grad = True
+
+    def no_weight_decay(self) -> set[str]:
+        return {"positional_embedding", "class_embedding"}
+
+    def set_image_size(self, image_size) -> None:
+        """Resample ``positional_embedding`` to a new default input size (in place)."""
+        image_size = _pair(image_size)
+        if image_size[0] % self.patch_size[0] or image_size[1] % self.patch_size[1]:
+            raise ValueError(
+                f"set_image_size: image_size {image_size} must be a multiple of patch_size {self.patch_size}"
+            )
+        grid = (image_size[0] // self.patch_size[0], image_size[1] // self.patch_size[1])
+        with torch.no_grad():
+            new = resample_positional_embedding(self.positional_embedding.data, self.grid_size, grid)
+        self.positional_embedding = nn.Parameter(new, requires_grad=self.positional_embedding.requires_grad)
+        self.image_size, self.grid_size = image_size, grid
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def _pos_embed(self, grid: tuple[int, int]) -> Tensor:
+        if grid == self.grid_size:
+            return self.positional_embedding
+        return resample_positional_embedding(self.positional_embedding, self.grid_size, grid)
+
+    def _embeds(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.shape[1] != 3:
+            raise ValueError(f"ElsaCLIPVision: expected images [B, 3, H, W], got {list(x.shape)}")
+        H, W = x.shape[-2:]
+        if H % self.patch_size[0] or W % self.patch_size[1]:
+            raise ValueError(
+                f"ElsaCLIPVision: input size ({H}, {W}) must be a multiple of patch_size {self.patch_size}"
+            )
+        x = self.conv1(x)
+        grid = (x.shape[-2], x.shape[-1])
+        x = x.flatten(2).transpose(1, 2)
+        cls_tok = self.class_embedding.to(x.dtype).view(1, 1, -1).expand(x.shape[0], -1, -1)
+        x = torch.cat([cls_tok, x], dim=1) + self._pos_embed(grid).to(x.dtype)
+        x = self.patch_dropout(x)
+        return self.ln_pre(x)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Trunk tokens ``[B, 1 + gh*gw, width]`` after the last block (before ``ln_post``)."""
+        return self.transformer(self._embeds(x))
+
+    def _global_pool(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.pool_type == "avg":
+            return x[:, 1:].mean(dim=1), x[:, 1:]
+        if self.pool_type == "tok":
+            return x[:, 0], x[:, 1:]
+        return x, x
+
+    def _pool(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.attn_pool is not None:
+            if self.attn_pool_contrastive is not None:
+                x = self.ln_post(x)
+                tokens = self.attn_pool(x)
+                pooled = self.attn_pool_contrastive(x if self.attn_pool_type == "parallel" else tokens)
+                return pooled, tokens
+            x = self.ln_post(self.attn_pool(x))
+            return self._global_pool(x)
+        if self.final_ln_after_pool:
+            pooled, tokens = self._global_pool(x)
+            return self.ln_post(pooled), tokens
+        return self._global_pool(self.ln_post(x))
+
+    def forward_head(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        pooled, tokens = self._pool(x)
+        pooled = pooled @ self.proj
+        return (pooled, tokens) if self.output_tokens else pooled
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return self.forward_head(self.forward_features(x))
+
+
+# ------------------------------------------------------------------------------------- configs, builders
+
+# Image towers of the released CLIP ViTs (open_clip configs ViT-B-16, ViT-L-14, ViT-L-14-336).
+CLIP_VISION_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "elsa_clip_b16": dict(image_size=224, patch_size=16, width=768, layers=12, heads=12, output_dim=512),
+    "elsa_clip_l14": dict(image_size=224, patch_size=14, width=1024, layers=24, heads=16, output_dim=768),
+    "elsa_clip_l14_336": dict(image_size=336, patch_size=14, width=1024, layers=24, heads=16, output_dim=768),
+}
+
+
+def vision_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The image-tower entries of a full CLIP state_dict (``visual.*`` prefix stripped, ``module.`` removed).
+
+    A state_dict that already is an image tower (has ``conv1.weight``) is returned as is.
+    """
+    sd = {k[7:] if k.startswith("module.") else k: v for k, v in state_dict.items()}
+    if "conv1.weight" in sd:
+        return dict(sd)
+    vis = {k[len("visual.") :]: v for k, v in sd.items() if k.startswith("visual.")}
+    if not vis:
+        raise ValueError(
+            "state_dict has neither 'visual.*' keys (a CLIP checkpoint) nor 'conv1.weight' (an image "
+            f"tower); first keys: {list(sd)[:5]}"
+        )
+    return vis
+
+
+def _is_torchscript(path: str) -> bool:
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as zf:
+        return any(n.split("/", 1)[-1].startswith("code/") for n in zf.namelist())
+
+
+def load_clip_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """Read a CLIP checkpoint file into a flat float state_dict (all towers).
+
+    Accepts ``.safetensors``, plain ``torch.save`` state dicts (read with ``weights_only=True``; a nested
+    ``"state_dict"`` entry and a ``module.`` prefix are unwrapped) and OpenAI's TorchScript archives (their
+    tensors are read with ``torch.jit.load``; the non-tensor entries ``input_resolution``, ``context_length``
+    and ``vocab_size`` are dropped).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint path {path!r} is not a file")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        sd = load_file(path, device="cpu")
+    elif _is_torchscript(path):
+        sd = dict(torch.jit.load(path, map_location="cpu").state_dict())
+    else:
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # unpickling errors are of several types; report the file and the cause
+            raise ValueError(f"could not read checkpoint {path!r} as a weights-only state_dict: {e}") from e
+        if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
+            sd = sd["state_dict"]
+        if not isinstance(sd, Mapping):
+            raise ValueError(
+                f"checkpoint {path!r} holds a {type(sd).__name__}, expected a state_dict mapping"
+            )
+    for key in ("input_resolution", "context_length", "vocab_size"):
+        sd.pop(key, None)
+    return {k[7:] if k.startswith("module.") else k: v for k, v in sd.items() if isinstance(v, Tensor)}
+
+
+def _infer_config(vis: Mapping[str, Tensor]) -> dict[str, Any]:
+    """Architecture of an image tower from its weights (OpenAI layout: head width 64)."""
+    try:
+        width, _, ph, pw = vis["conv1.weight"].shape
+        n_pos = vis["positional_embedding"].shape[0]
+        proj = vis["proj"]
+    except KeyError as e:
+        raise ValueError(
+            f"image-tower state_dict lacks {e.args[0]!r}; not an open_clip/OpenAI ViT tower"
+        ) from e
+    layers = len({k.split(".")[2] for k in vis if k.startswith("transformer.resblocks.")})
+    gh = math.isqrt(n_pos - 1)
+    if gh * gh != n_pos - 1:
+        raise ValueError(f"positional_embedding has {n_pos} rows, not 1 + a square grid; pass a config name")
+    cfg = dict(
+        image_size=gh * ph,
+        patch_size=ph,
+        width=width,
+        layers=layers,
+        heads=width // 64,
+        output_dim=proj.shape[1],
+        mlp_ratio=vis["transformer.resblocks.0.mlp.c_fc.weight"].shape[0] / width,
+        no_ln_pre="ln_pre.weight" not in vis,
+    )
+    if "transformer.resblocks.0.ls_1.gamma" in vis:
+        cfg["ls_init_value"] = 1e-5
+    if "attn_pool.query" in vis:
+        cfg["attentional_pool"] = "parallel" if "attn_pool_contrastive.query" in vis else True
+        cfg["attn_pooler_queries"] = vis["attn_pool.query"].shape[0]
+    return cfg
+
+
+def _load_tower(model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str) -> None:
+    vis = dict(vis)
+    pos = vis.get("positional_embedding")
+    if (
+        pos is not None
+        and pos.shape != model.positional_embedding.shape
+        and pos.shape[1:] == model.positional_embedding.shape[1:]
+    ):
+        gh = math.isqrt(pos.shape[0] - 1)
+        if gh * gh == pos.shape[0] - 1:
+            vis["positional_embedding"] = resample_positional_embedding(pos, (gh, gh), model.grid_size)
+    vis = {k: v.float() if v.is_floating_point() else v for k, v in vis.items()}
+    missing, unexpected = [], []
+    own = model.state_dict()
+    for k in own:
+        if k not in vis:
+            missing.append(k)
+        elif vis[k].shape != own[k].shape:
+            raise ValueError(
+                f"checkpoint {source}: {k!r} has shape {list(vis[k].shape)}, the model expects "
+                f"{list(own[k].shape)}"
+            )
+    unexpected = [k for k in vis if k not in own]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {source} does not match the image tower: missing {missing[:6]}"
+            f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
+            f"{'...' if len(unexpected) > 6 else ''}"
+        )
+    model.load_state_dict(vis, strict=True)
+
+
+def create_elsa_clip_vision(
+    name: str, pretrained: str | os.PathLike | None = None, **kwargs
+) -> ElsaCLIPVision:
+    """Build a registered architecture (:data:`CLIP_VISION_ARCHITECTURES`), optionally loading a local file.
+
+    ``pretrained``: a CLIP checkpoint (full model or image tower, open_clip or OpenAI format); a positional
+    embedding for another grid is resampled. ``kwargs`` override the architecture (e.g. ``image_size=448``,
+    ``act_layer="quick_gelu"`` for OpenAI weights, ``attn_backend``).
+    """
+    if name not in CLIP_VISION_ARCHITECTURES:
+        raise ValueError(
+            f"create_elsa_clip_vision: unknown name {name!r}; expected one of "
+            f"{sorted(CLIP_VISION_ARCHITECTURES)}"
+        )
+    model = ElsaCLIPVision(**{**CLIP_VISION_ARCHITECTURES[name], **kwargs})
+    if pretrained is not None:
+        _load_tower(model, vision_state_dict(load_clip_state_dict(pretrained)), repr(os.fspath(pretrained)))
+    return model
+
+
+def _config_from_visual(visual: nn.Module) -> dict[str, Any]:
+    """ElsaCLIPVision arguments reproducing an open_clip ``VisionTransformer`` instance."""
+    from open_clip.transformer import LayerNormFp32, VisionTransformer
+    from open_clip.transformer import QuickGELU as OcQuickGELU
+
+    if not isinstance(visual, VisionTransformer):
+        raise TypeError(
+            f"from_open_clip: the image tower must be open_clip's VisionTransformer, got "
+            f"{type(visual).__name__} (timm / ResNet towers are not converted)"
+        )
+    blocks = visual.transformer.resblocks
+    blk = blocks[0]
+    if not isinstance(
+        blk.attn, (nn.MultiheadAttention, ElsaMultiheadAttention)
+    ):  # stock or elsa_clip-patched
+        raise ValueError(
+            "from_open_clip: custom attention blocks (qk_norm / scaled_cosine_attn / scale_heads / "
+            "scale_attn / scale_fc) are not supported; expected default ResidualAttentionBlocks"
+        )
+    if visual.proj is None:
+        raise ValueError("from_open_clip: the tower's `proj` was pruned (None); expected a projection matrix")
+    act = blk.mlp.gelu
+    if isinstance(act, OcQuickGELU):
+        act_layer = "quick_gelu"
+    elif isinstance(act, nn.GELU) and act.approximate == "none":
+        act_layer = "gelu"
+    else:
+        raise ValueError(
+            f"from_open_clip: unsupported activation {type(act).__name__}; expected GELU or QuickGELU"
+        )
+    width = visual.conv1.out_channels
+    ls = blk.ls_1
+    cfg = dict(
+        image_size=visual.image_size,
+        patch_size=visual.patch_size,
+        width=width,
+        layers=len(blocks),
+        heads=blk.attn.num_heads,
+        mlp_ratio=blk.mlp.c_fc.out_features / width,
+        ls_init_value=float(ls.gamma.detach().flatten()[0]) if hasattr(ls, "gamma") else None,
+        output_dim=visual.proj.shape[1],
+        no_ln_pre=isinstance(visual.ln_pre, nn.Identity),
+        patch_dropout=getattr(visual.patch_dropout, "prob", 0.0),
+        pos_embed_type="learnable" if visual.positional_embedding.requires_grad else "sin_cos_2d",
+        pool_type=visual.pool_type,
+        final_ln_after_pool=visual.final_ln_after_pool,
+        act_layer=act_layer,
+        norm_eps=blk.ln_1.eps,
+        norm_fp32=isinstance(blk.ln_1, LayerNormFp32),
+        output_tokens=visual.output_tokens,
+    )
+    if visual.attn_pool is not None:
+        cfg.update(
+            attentional_pool=visual.attn_pool_type or True,
+            attn_pooler_queries=visual.attn_pool.query.shape[0],
+            attn_pooler_heads=visual.attn_pool.attn.num_heads,
+        )
+        if not visual.attn_pool_type:
+            cfg["pool_type"] = visual.pool_type
+    return cfg
+
+
+def _config_from_name(name: str) -> dict[str, Any]:
+    """ElsaCLIPVision arguments for an open_clip config name (``open_clip.list_models()``)."""
+    import open_clip
+
+    mc = open_clip.get_model_config(name)
+    if mc is None:
+        raise ValueError(f"from_open_clip: unknown open_clip config {name!r}; see open_clip.list_models()")
+    vc = dict(mc["vision_cfg"])
+    if vc.get("timm_model_name") or isinstance(vc.get("layers"), (list, tuple)):
+        raise ValueError(f"from_open_clip: {name!r} has a timm/ResNet image tower; only ViT towers convert")
+    custom = [
+        k
+        for k in (
+            "qk_norm",
+            "scaled_cosine_attn",
+            "scale_heads",
+            "scale_attn_inner",
+            "scale_attn",
+            "scale_fc",
+        )
+        if vc.get(k)
+    ]
+    if custom or vc.get("block_type") == "custom":
+        raise ValueError(f"from_open_clip: {name!r} uses custom attention blocks ({custom}); not supported")
+    if vc.get("act_kwargs"):
+        raise ValueError(f"from_open_clip: {name!r} sets act_kwargs {vc['act_kwargs']}; not supported")
+    width = vc.get("width", 768)
+    norm_kwargs = vc.get("norm_kwargs") or {}
+    return dict(
+        image_size=vc.get("image_size", 224),
+        patch_size=vc.get("patch_size", 16),
+        width=width,
+        layers=vc.get("layers", 12),
+        heads=width // vc.get("head_width", 64),
+        mlp_ratio=vc.get("mlp_ratio", 4.0),
+        ls_init_value=vc.get("ls_init_value"),
+        attentional_pool=vc.get("attentional_pool", False),
+        attn_pooler_queries=vc.get("attn_pooler_queries", 256),
+        attn_pooler_heads=vc.get("attn_pooler_heads", 8),
+        output_dim=mc["embed_dim"],
+        patch_dropout=vc.get("patch_dropout", 0.0),
+        no_ln_pre=vc.get("no_ln_pre", False),
+        pos_embed_type=vc.get("pos_embed_type", "learnable"),
+        pool_type=vc.get("pool_type", "tok"),
+        final_ln_after_pool=vc.get("final_ln_after_pool", False),
+        act_layer="quick_gelu" if mc.get("quick_gelu", False) else "gelu",
+        norm_eps=norm_kwargs.get("eps", 1e-5),
+        output_tokens=vc.get("output_tokens", False),
+    )
+
+
+def from_open_clip(
+    model_or_name: nn.Module | str | os.PathLike,
+    pretrained: str | os.PathLike | None = None,
+    *,
+    image_size=None,
+    attn_backend: str = "auto",
+    attn_precision: str = "auto",
+    **kwargs,
+) -> ElsaCLIPVision:
+    """An :class:`ElsaCLIPVision` equal to an open_clip image tower.
+
+    Args:
+        model_or_name: one of
+            * an open_clip ``CLIP`` / ``CustomTextCLIP`` / ``CoCa`` (its ``.visual``) or a
+              ``VisionTransformer``: configuration and weights are copied as float32 on the tower's device
+              (the source is untouched);
+            * an open_clip config name (``"ViT-B-16"``, ``"coca_ViT-B-32"``, ``"ViT-L-14-336-quickgelu"``):
+              the tower is built from the config, with weights from ``pretrained``;
+            * the path of an OpenAI-format checkpoint (``visual.*`` keys; TorchScript or state_dict): the
+              architecture is read from the weights, QuickGELU unless ``act_layer`` says otherwise.
+        pretrained: a local checkpoint file for a config name (open_clip or OpenAI format, ``.pt``, ``.bin``,
+            ``.safetensors``). Nothing is downloaded: tags such as ``"openai"`` are rejected.
+        image_size: default input size; the positional embedding is resampled to it (bicubic).
+        attn_backend, attn_precision: ELSA settings.
+        kwargs: ElsaCLIPVision overrides (e.g. ``output_tokens``).
+    """
+    if isinstance(model_or_name, nn.Module):
+        if pretrained is not None:
+            raise ValueError(
+                "from_open_clip: `pretrained` applies to a config name; got a model instance (load "
+                "its weights first)"
+            )
+        visual = getattr(model_or_name, "visual", model_or_name)
+        cfg = {**_config_from_visual(visual), **kwargs}
+        model = ElsaCLIPVision(**cfg, attn_backend=attn_backend, attn_precision=attn_precision)
+        model.load_state_dict(
+            {
+                k: v.detach().clone().float() if v.is_floating_point() else v
+                for k, v in visual.state_dict().items()
+            },
+            strict=True,
+        )
+        model.to(visual.conv1.weight.device)
+    elif isinstance(model_or_name, (str, os.PathLike)):
+        name = os.fspath(model_or_name)
+        if os.path.isfile(name):
+            if pretrained is not None:
+                raise ValueError(
+                    f"from_open_clip: got a checkpoint path {name!r} and pretrained={pretrained!r}; "
+                    "pass a config name with pretrained=<file>, or the OpenAI checkpoint alone"
+                )
+            vis = vision_state_dict(load_clip_state_dict(name))
+            cfg = {**_infer_config(vis), "act_layer": "quick_gelu", **kwargs}
+            model = ElsaCLIPVision(**cfg, attn_backend=attn_backend, attn_precision=attn_precision)
+            _load_tower(model, vis, repr(name))
+        else:
+            cfg = {**_config_from_name(name), **kwargs}
+            model = ElsaCLIPVision(**cfg, attn_backend=attn_backend, attn_precision=attn_precision)
+            if pretrained is not None:
+                path = os.fspath(pretrained)
+                if not os.path.isfile(path):
+                    raise ValueError(
+                        f"from_open_clip: pretrained must be a local checkpoint file, got {path!r} "
+                        "(weights are never downloaded)"
+                    )
+                _load_tower(model, vision_state_dict(load_clip_state_dict(path)), repr(path))
+    else:
+        raise TypeError(
+            f"from_open_clip: model_or_name must be an open_clip model, a config name or a checkpoint "
+            f"path, got {type(model_or_name).__name__}"
+        )
+    if image_size is not None:
+        model.set_image_size(image_size)
+    return model

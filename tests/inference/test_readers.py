@@ -1,0 +1,389 @@
+"""Readers: every format on generated files, values kept in float32 (no 8-bit squeeze), bad input."""
+
+import gzip
+import os
+
+import numpy as np
+import pytest
+
+from elsa_vision.inference.readers import (
+    apply_nan_policy,
+    detect_format,
+    iter_images,
+    load_image,
+    map_channels,
+    normalize,
+    read_image,
+)
+
+tifffile = pytest.importorskip("tifffile")
+nib = pytest.importorskip("nibabel")
+pydicom = pytest.importorskip("pydicom")
+PIL = pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+
+def _u16(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 65535, size=shape, dtype=np.uint16)
+    a.flat[0] = 65535  # values far above 255 must survive
+    return a
+
+
+# ------------------------------------------------------------------------------------------------ TIFF
+
+
+def test_tiff_16bit_memmap_exact(tmp_path):
+    a = _u16((37, 53))
+    p = tmp_path / "a.tif"
+    tifffile.imwrite(p, a)
+    im = read_image(p)
+    assert im.data.dtype == np.float32 and im.data.shape == (1, 37, 53)
+    assert im.meta["memmap"] is True and im.meta["source_dtype"] == "uint16"
+    np.testing.assert_array_equal(im.data[0], a.astype(np.float32))
+    assert im.data.max() == 65535.0
+
+
+def test_tiff_compressed_not_memmapped(tmp_path):
+    a = _u16((40, 33), 1)
+    p = tmp_path / "z.tif"
+    tifffile.imwrite(p, a, compression="zlib")
+    im = read_image(p)
+    assert im.meta["memmap"] is False
+    np.testing.assert_array_equal(im.data[0], a.astype(np.float32))
+
+
+def test_ome_tiff_pyramid_levels(tmp_path):
+    a = _u16((96, 128), 2)
+    levels = [a, a[::2, ::2].copy(), a[::4, ::4].copy()]
+    p = tmp_path / "pyr.ome.tif"
+    with tifffile.TiffWriter(p, ome=True) as tw:
+        tw.write(levels[0], subifds=2, metadata={"axes": "YX"})
+        for lv in levels[1:]:
+            tw.write(lv, subfiletype=1)
+    assert detect_format(p) == "tiff"
+    for i, ref in enumerate(levels):
+        im = read_image(p, level=i)
+        assert im.meta["levels"] == 3 and im.meta["level"] == i
+        assert im.data.shape == (1,) + ref.shape
+        np.testing.assert_array_equal(im.data[0], ref.astype(np.float32))
+    with pytest.raises(ValueError, match="pyramid level=3 is out of range"):
+        read_image(p, level=3)
+
+
+def test_tiff_stack_and_rgb(tmp_path):
+    z = _u16((5, 20, 24), 3)
+    p = tmp_path / "z.tif"
+    tifffile.imwrite(p, z, metadata={"axes": "ZYX"})
+    np.testing.assert_array_equal(read_image(p, slice_index=3).data[0], z[3].astype(np.float32))
+    all_ = list(iter_images(p, slice_index="all"))
+    assert [im.index for im in all_] == list(range(5)) and all(im.count == 5 for im in all_)
+    rgb = _u16((20, 24, 3), 4)
+    q = tmp_path / "rgb.tif"
+    tifffile.imwrite(q, rgb, photometric="rgb")
+    im = read_image(q)
+    assert im.data.shape == (3, 20, 24)
+    np.testing.assert_array_equal(im.data, np.moveaxis(rgb, -1, 0).astype(np.float32))
+
+
+def test_tiff_float64_and_int32(tmp_path):
+    f = np.random.default_rng(5).normal(size=(17, 19)) * 1e5
+    tifffile.imwrite(tmp_path / "f.tif", f)
+    np.testing.assert_allclose(read_image(tmp_path / "f.tif").data[0], f, rtol=1e-7)
+    i = np.arange(17 * 19, dtype=np.int32).reshape(17, 19) * 100000 - 5
+    tifffile.imwrite(tmp_path / "i.tif", i)
+    np.testing.assert_array_equal(read_image(tmp_path / "i.tif").data[0], i.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, bool])
+def test_tiff_unsupported_dtype(tmp_path, dtype):
+    a = (np.arange(16 * 16).reshape(16, 16) % 3).astype(dtype)
+    p = tmp_path / "bad.tif"
+    tifffile.imwrite(p, a)
+    with pytest.raises(TypeError, match="unsupported pixel dtype"):
+        read_image(p)
+
+
+# ----------------------------------------------------------------------------------------------- NIfTI
+
+
+@pytest.mark.parametrize("ext", [".nii", ".nii.gz"])
+def test_nifti_3d_slices(tmp_path, ext):
+    vol = np.random.default_rng(6).integers(-2000, 3000, size=(21, 18, 7), dtype=np.int16)
+    img = nib.Nifti1Image(vol, np.eye(4))
+    img.header.set_slope_inter(2.0, -1024.0)
+    p = tmp_path / f"v{ext}"
+    nib.save(img, p)
+    ref = vol.astype(np.float64) * 2.0 - 1024.0
+    im = read_image(p)  # middle slice of axis 2
+    assert im.data.dtype == np.float32 and im.data.shape == (1, 21, 18) and im.index == 3 and im.count == 7
+    np.testing.assert_array_equal(im.data[0], ref[:, :, 3].astype(np.float32))
+    for axis in (0, 1, 2):
+        idx = [slice(None)] * 3
+        idx[axis] = 4
+        im = read_image(p, slice_index=4, slice_axis=axis)
+        np.testing.assert_array_equal(im.data[0], ref[tuple(idx)].astype(np.float32))
+    ims = list(iter_images(p, slice_index="all", slice_axis=0))
+    assert len(ims) == 21
+    np.testing.assert_array_equal(ims[20].data[0], ref[20].astype(np.float32))
+    with pytest.raises(ValueError, match="slice_index=7 is out of range"):
+        read_image(p, slice_index=7)
+
+
+def test_nifti_reads_lazily(tmp_path, monkeypatch):
+    from nibabel.arrayproxy import ArrayProxy
+
+    vol = np.arange(12 * 10 * 6, dtype=np.float32).reshape(12, 10, 6)
+    p = tmp_path / "lazy.nii"
+    nib.save(nib.Nifti1Image(vol, np.eye(4)), p)
+    sliced = []
+    real_getitem = ArrayProxy.__getitem__
+
+    def getitem(self, idx):
+        sliced.append(idx)
+        return real_getitem(self, idx)
+
+    def whole(self, *a, **k):
+        raise AssertionError("the whole volume was read")
+
+    monkeypatch.setattr(ArrayProxy, "__getitem__", getitem)
+    monkeypatch.setattr(ArrayProxy, "__array__", whole)
+    monkeypatch.setattr(nib.Nifti1Image, "get_fdata", whole)
+    im = read_image(p, slice_index=2, slice_axis=1)
+    np.testing.assert_array_equal(im.data[0], vol[:, 2, :])
+    assert sliced == [(slice(None), 2, slice(None))]
+
+
+def test_nifti_4d_frame(tmp_path):
+    vol = np.random.default_rng(7).normal(size=(9, 10, 4, 3)).astype(np.float32)
+    p = tmp_path / "t.nii.gz"
+    nib.save(nib.Nifti1Image(vol, np.eye(4)), p)
+    np.testing.assert_array_equal(read_image(p, slice_index=1, frame=2).data[0], vol[:, :, 1, 2])
+
+
+def test_nifti_complex_and_truncated(tmp_path):
+    p = tmp_path / "c.nii"
+    nib.save(nib.Nifti1Image(np.ones((8, 8, 2), np.complex64), np.eye(4)), p)
+    with pytest.raises(TypeError, match="complex"):
+        read_image(p)
+    good = tmp_path / "g.nii.gz"
+    nib.save(nib.Nifti1Image(np.ones((64, 64, 16), np.float32), np.eye(4)), good)
+    raw = good.read_bytes()
+    bad = tmp_path / "trunc.nii.gz"
+    bad.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match="trunc.nii.gz"):
+        list(iter_images(bad, slice_index="all"))
+
+
+# ----------------------------------------------------------------------------------------------- DICOM
+
+
+def _write_dicom(path, pixels, *, slope=1.0, intercept=0.0, photometric="MONOCHROME2", window=None):
+    from pydicom.dataset import FileDataset, FileMetaDataset
+    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = CTImageStorage
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
+    ds.Modality = "CT"
+    frames = pixels.shape[0] if pixels.ndim == 3 else 1
+    if frames > 1:
+        ds.NumberOfFrames = frames
+    ds.Rows, ds.Columns = pixels.shape[-2:]
+    ds.SamplesPerPixel = 1
+    ds.PhotometricInterpretation = photometric
+    ds.BitsAllocated = ds.BitsStored = 16
+    ds.HighBit = 15
+    ds.PixelRepresentation = 1 if pixels.dtype == np.int16 else 0
+    ds.RescaleSlope, ds.RescaleIntercept = slope, intercept
+    if window is not None:
+        ds.WindowCenter, ds.WindowWidth = window
+    ds.PixelData = pixels.tobytes()
+    ds.save_as(path, enforce_file_format=True)
+
+
+def test_dicom_rescale_and_frames(tmp_path):
+    px = _u16((3, 30, 26), 8)
+    p = tmp_path / "mf.dcm"
+    _write_dicom(p, px, slope=2.5, intercept=-1024.0)
+    frames = list(iter_images(p))
+    assert len(frames) == 3
+    for i, im in enumerate(frames):
+        assert im.data.dtype == np.float32 and im.data.shape == (1, 30, 26)
+        np.testing.assert_array_equal(
+            im.data[0], (px[i].astype(np.float64) * 2.5 - 1024.0).astype(np.float32)
+        )
+    assert read_image(p).index == 0
+    np.testing.assert_array_equal(read_image(p, frame=2).data[0], (px[2] * 2.5 - 1024.0).astype(np.float32))
+
+
+def test_dicom_window_and_monochrome1(tmp_path):
+    px = np.arange(-500, 500, dtype=np.int16).reshape(25, 40)
+    p = tmp_path / "w.dcm"
+    _write_dicom(p, px, window=(40.0, 400.0), photometric="MONOCHROME1")
+    im = read_image(p)
+    assert im.meta["file_window"] == (40.0, 400.0)
+    x, facts = load_image(im, in_chans=1, window="file", norm="none")
+    ref = 1.0 - np.clip((px.astype(np.float64) - (40 - 200)) / 400.0, 0, 1)  # windowed, then inverted
+    np.testing.assert_allclose(x[0], ref, atol=1e-6)
+    assert facts["inverted_monochrome1"] and facts["window"] == [40.0, 400.0]
+    x2, _ = load_image(im, in_chans=1, window=(0.0, 100.0), norm="none", invert_monochrome1=False)
+    np.testing.assert_allclose(x2[0], np.clip((px + 50.0) / 100.0, 0, 1), atol=1e-6)
+    with pytest.warns(UserWarning, match="window"):
+        load_image(im, in_chans=1, norm="none")
+
+
+def test_dicom_ct_small_sample():
+    from pydicom.data import get_testdata_file
+
+    path = get_testdata_file("CT_small.dcm", download=False)
+    ds = pydicom.dcmread(path)
+    im = read_image(path)
+    assert im.data.shape == (1, 128, 128) and im.format == "dicom"
+    ref = ds.pixel_array.astype(np.float64) * float(ds.RescaleSlope) + float(ds.RescaleIntercept)
+    np.testing.assert_array_equal(im.data[0], ref.astype(np.float32))
+    assert im.data.max() > 255  # int16 CT values are kept, not squeezed
+
+
+def test_dicom_corrupt(tmp_path):
+    p = tmp_path / "x.dcm"
+    p.write_bytes(b"\0" * 128 + b"DICM" + os.urandom(200))
+    with pytest.raises(ValueError, match="x.dcm"):
+        read_image(p)
+
+
+# -------------------------------------------------------------------------------------------- PNG/JPEG
+
+
+def test_png_16bit_kept(tmp_path):
+    a = _u16((31, 45), 9)
+    p = tmp_path / "a.png"
+    Image.fromarray(a).save(p)
+    im = read_image(p)
+    assert im.data.dtype == np.float32 and im.data.shape == (1, 31, 45)
+    np.testing.assert_array_equal(im.data[0], a.astype(np.float32))
+    assert im.data.max() == 65535.0
+
+
+def test_png_16bit_colour_refused(tmp_path):
+    p = tmp_path / "rgb16.png"
+    import struct  # 16-bit RGB PNG written by hand: Pillow cannot write it
+    import zlib
+
+    h, w = 4, 5
+    raw = b"".join(b"\0" + np.full((w, 3), 1000, ">u2").tobytes() for _ in range(h))
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+
+    p.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
+    with pytest.raises(ValueError, match="16-bit colour PNG"):
+        read_image(p)
+
+
+def test_jpeg_rgb_and_gray(tmp_path):
+    rng = np.random.default_rng(10)
+    base = np.kron(rng.integers(0, 255, size=(6, 8, 3)), np.ones((8, 8, 1))).astype(np.uint8)
+    p = tmp_path / "a.jpg"
+    Image.fromarray(base).save(p, quality=98)
+    im = read_image(p)
+    assert im.data.shape == (3, 48, 64) and im.data.dtype == np.float32
+    decoded = np.asarray(Image.open(p))  # the reader must not alter the decoded values
+    np.testing.assert_array_equal(im.data, np.moveaxis(decoded, -1, 0).astype(np.float32))
+    assert np.abs(im.data - np.moveaxis(base, -1, 0)).mean() < 12.0  # lossy, but the same picture
+    g = tmp_path / "g.jpeg"
+    Image.fromarray(base[..., 0]).save(g, quality=98)
+    assert read_image(g).data.shape == (1, 48, 64)
+
+
+# ----------------------------------------------------------------------------------------- bad inputs
+
+
+def test_missing_empty_unknown(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        read_image(tmp_path / "nope.png")
+    e = tmp_path / "e.tif"
+    e.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        read_image(e)
+    u = tmp_path / "u.xyz"
+    u.write_bytes(b"hello world" * 40)
+    with pytest.raises(ValueError, match="unknown format"):
+        read_image(u)
+
+
+@pytest.mark.parametrize("name", ["c.png", "c.jpg", "c.tif", "c.nii", "c.nii.gz"])
+def test_corrupt_files(tmp_path, name):
+    p = tmp_path / name
+    body = os.urandom(600)
+    p.write_bytes(gzip.compress(body)[:300] if name.endswith(".gz") else body)
+    with pytest.raises(ValueError, match=name):
+        list(iter_images(p))
+
+
+def test_nan_policy_and_small_image(tmp_path):
+    a = np.random.default_rng(11).normal(size=(20, 20)).astype(np.float32)
+    a[3, 4] = np.nan
+    a[5, 6] = np.inf
+    p = tmp_path / "n.tif"
+    tifffile.imwrite(p, a)
+    im = read_image(p)
+    with pytest.raises(ValueError, match="2 of 400 values are NaN or infinite"):
+        load_image(im, in_chans=1)
+    z, facts = load_image(im, in_chans=1, nan_policy="zero", norm="none")
+    assert facts["non_finite_replaced"] == 2 and z[0, 3, 4] == 0 and z[0, 5, 6] == 0
+    m, _ = load_image(im, in_chans=1, nan_policy="mean", norm="none")
+    finite = a[np.isfinite(a)]
+    np.testing.assert_allclose(m[0, 3, 4], finite.mean(dtype=np.float64), rtol=1e-6)
+    with pytest.raises(ValueError, match="smaller than one 32x32 patch"):
+        load_image(im, in_chans=1, nan_policy="zero", min_size=32)
+    with pytest.raises(ValueError, match="nan_policy"):
+        apply_nan_policy(a, "ignore")
+
+
+# ------------------------------------------------------------------------------------ value transforms
+
+
+def test_normalize_and_channels():
+    rng = np.random.default_rng(12)
+    x = (rng.normal(size=(1, 30, 30)) * 1000 + 3000).astype(np.float32)
+    mm = normalize(x, "minmax")
+    assert mm.min() == 0.0 and mm.max() == 1.0
+    np.testing.assert_allclose(mm, (x - x.min()) / (x.max() - x.min()), rtol=1e-6)
+    pc = normalize(x, "percentile", percentiles=(5, 95))
+    lo, hi = np.percentile(x, [5, 95])
+    np.testing.assert_allclose(pc, (np.clip(x, lo, hi) - lo) / (hi - lo), rtol=1e-5, atol=1e-6)
+    z = normalize(x, "zscore")
+    assert abs(z.mean()) < 1e-5 and abs(z.std() - 1) < 1e-5
+    with pytest.raises(ValueError, match="normalisation must be one of"):
+        normalize(x, "l2")
+    rep = map_channels(x, 3)
+    assert rep.shape == (3, 30, 30) and (rep == x).all()
+    rgb = rng.normal(size=(3, 5, 5)).astype(np.float32)
+    np.testing.assert_allclose(
+        map_channels(rgb, 1)[0], 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2], rtol=1e-6
+    )
+    with pytest.raises(ValueError, match="in_chans=4"):
+        map_channels(rgb, 4)
+
+
+def test_load_image_pretrained_mean_std(tmp_path):
+    a = _u16((20, 22), 13)
+    p = tmp_path / "a.png"
+    Image.fromarray(a).save(p)
+    x, _ = load_image(
+        read_image(p), in_chans=3, norm="pretrained", mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)
+    )
+    unit = (a - a.min()) / (a.max() - a.min())
+    for c, (m, s) in enumerate(zip((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))):
+        np.testing.assert_allclose(x[c], (unit - m) / s, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="mean and std"):
+        load_image(read_image(p), in_chans=1, norm="pretrained")

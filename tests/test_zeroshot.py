@@ -1,0 +1,247 @@
+"""Zero-shot classification, embedding export and the CLI on a tiny generated image folder (random init)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+open_clip = pytest.importorskip("open_clip")
+from PIL import Image  # noqa: E402
+
+from elsa_vision.models.clip_patch import elsa_clip  # noqa: E402
+from elsa_vision.tasks.zeroshot import (  # noqa: E402
+    ImageFolderWithPaths,
+    build_zeroshot_classifier,
+    encode_images,
+    export_embeddings,
+    load_classnames,
+    load_templates,
+    main,
+    run,
+    zeroshot_evaluate,
+)
+from tests.helpers import relerr  # noqa: E402
+
+CLASSES = ["cat", "dog", "red_car", "tree"]
+TEMPLATES = ["a photo of a {}.", "a drawing of the {}."]
+TINY_CFG = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "head_width": 16, "patch_size": 8},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """4 classes x 3 images; the images of one class are copies of one random picture (odd sizes, RGB)."""
+    root = tmp_path_factory.mktemp("imagefolder")
+    rng = np.random.default_rng(0)
+    for c in CLASSES:
+        (root / c).mkdir()
+        pic = Image.fromarray(rng.integers(0, 256, (37, 45, 3), dtype=np.uint8))
+        for i in range(3):
+            pic.save(root / c / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_name(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "elsa-test-zeroshot-tiny.json"
+    path.write_text(json.dumps(TINY_CFG))
+    open_clip.add_model_config(path)
+    return "elsa-test-zeroshot-tiny"
+
+
+@pytest.fixture(scope="module")
+def model_and_loader(tiny_name, image_folder):
+    torch.manual_seed(0)
+    model = open_clip.create_model(tiny_name).eval()
+    assert elsa_clip(model)["replaced"] == 2
+    transform = open_clip.image_transform(32, is_train=False)
+    ds = ImageFolderWithPaths(image_folder, transform=transform)
+    loader = torch.utils.data.DataLoader(ds, batch_size=5, shuffle=False, num_workers=0)
+    return model, open_clip.get_tokenizer(tiny_name), loader
+
+
+def test_classifier_is_mean_of_normalised_prompt_embeddings(model_and_loader):
+    model, tokenizer, _ = model_and_loader
+    names = [c.replace("_", " ") for c in CLASSES]
+    clf = build_zeroshot_classifier(model, tokenizer, names, TEMPLATES, classes_per_batch=3)
+    assert clf.shape == (32, len(CLASSES)) and clf.dtype == torch.float32
+    assert torch.allclose(clf.norm(dim=0), torch.ones(len(CLASSES)), atol=1e-6)
+    # float64 reference: one prompt at a time through a float64 copy of the text tower
+    ref_model = open_clip.create_model("elsa-test-zeroshot-tiny").eval()
+    ref_model.load_state_dict(model.state_dict())
+    ref_model.double()
+    cols = []
+    with torch.no_grad():
+        for c in names:
+            e = torch.cat(
+                [F.normalize(ref_model.encode_text(tokenizer([t.format(c)])), dim=-1) for t in TEMPLATES]
+            )
+            cols.append(F.normalize(e.mean(0), dim=0))
+    ref = torch.stack(cols, dim=1)
+    assert relerr(clf, ref) <= 1e-5
+    # and open_clip's own builder agrees (callable templates accepted too)
+    from open_clip.zero_shot_classifier import build_zero_shot_classifier
+
+    oc = build_zero_shot_classifier(model, tokenizer, names, TEMPLATES, device="cpu")
+    assert relerr(clf, oc) <= 1e-6
+    clf2 = build_zeroshot_classifier(model, tokenizer, names, [lambda c: f"a photo of a {c}."])
+    assert clf2.shape == clf.shape and relerr(clf2, clf) > 1e-3  # templates matter
+
+
+def test_zeroshot_metrics_and_planted_classifier(model_and_loader):
+    model, tokenizer, loader = model_and_loader
+    clf = build_zeroshot_classifier(model, tokenizer, CLASSES, TEMPLATES)
+    m = zeroshot_evaluate(model, clf, loader)
+    assert m["num_samples"] == 12
+    assert 0.0 <= m["top1"] <= 1.0 and m["top5"] == 1.0  # 4 classes: top-5 is top-4 = always right
+    # planted classifier: column c = the (shared) embedding of class c's images -> every image is right
+    with torch.no_grad():
+        feats, labels = [], []
+        for x, y, _ in loader:
+            feats.append(F.normalize(encode_images(model, x), dim=-1))
+            labels.append(y)
+    feats, labels = torch.cat(feats), torch.cat(labels)
+    planted = torch.stack([feats[labels == c][0] for c in range(len(CLASSES))], dim=1)
+    assert zeroshot_evaluate(model, planted, loader)["top1"] == 1.0
+    # the same columns shifted by one class: every image is wrong
+    assert zeroshot_evaluate(model, planted.roll(1, dims=1), loader)["top1"] == 0.0
+    # an ELSA image tower alone (no text tower) is accepted as the image encoder
+    from elsa_vision.models import from_open_clip
+
+    tower = from_open_clip(model).eval()
+    assert zeroshot_evaluate(tower, planted, loader)["top1"] == 1.0
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_export_embeddings(model_and_loader, tmp_path, suffix):
+    model, _, loader = model_and_loader
+    out = tmp_path / f"emb{suffix}"
+    info = export_embeddings(model, loader, out)
+    assert info == {"path": str(out), "num_samples": 12, "dim": 32}
+    ds = loader.dataset
+    if suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(out), "pt") as f:
+            emb, lab = f.get_tensor("embeddings"), f.get_tensor("labels")
+            paths = json.loads(f.metadata()["paths"])
+    else:
+        z = np.load(out)
+        emb, lab, paths = torch.from_numpy(z["embeddings"]), torch.from_numpy(z["labels"]), list(z["paths"])
+    assert emb.shape == (12, 32) and torch.allclose(emb.norm(dim=1), torch.ones(12), atol=1e-6)
+    assert lab.tolist() == [s[1] for s in ds.samples] and paths == [s[0] for s in ds.samples]
+    with torch.no_grad():
+        x = torch.stack([ds[i][0] for i in range(12)])
+        ref = F.normalize(encode_images(model, x), dim=-1)
+    assert relerr(emb, ref) <= 1e-6
+    with pytest.raises(ValueError, match=r"\.safetensors or \.npz"):
+        export_embeddings(model, loader, tmp_path / "emb.pt")
+
+
+def test_classnames_and_templates_files(tmp_path):
+    import yaml
+
+    assert len(load_classnames(None)) == 1000 and load_classnames("imagenet")[0] == "tench"
+    assert len(load_templates(None)) == 80 and load_templates("openai")[0] == "a bad photo of a {}."
+    assert len(load_templates("simple")) == 7
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(["cat", "dog"]))
+    (tmp_path / "c.json").write_text(json.dumps({"1": "dog", "0": "cat"}))
+    (tmp_path / "c2.yaml").write_text(yaml.safe_dump({"classnames": ["cat", "dog"], "templates": ["a {c}."]}))
+    for f in ("c.yaml", "c.json", "c2.yaml"):
+        assert load_classnames(tmp_path / f) == ["cat", "dog"]
+    assert load_templates(tmp_path / "c2.yaml") == ["a {}."]
+    (tmp_path / "t.json").write_text(json.dumps(["a photo", "a {} and a {}"]))
+    with pytest.raises(ValueError, match="exactly one"):
+        load_templates(tmp_path / "t.json")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_classnames(tmp_path / "missing.yaml")
+    (tmp_path / "c.csv").write_text("cat,dog")
+    with pytest.raises(ValueError, match="suffix"):
+        load_classnames(tmp_path / "c.csv")
+    (tmp_path / "gap.json").write_text(json.dumps({"0": "cat", "2": "dog"}))
+    with pytest.raises(ValueError, match="label keys"):
+        load_classnames(tmp_path / "gap.json")
+    with pytest.raises(ValueError, match="non-empty"):
+        load_classnames([])
+
+
+def test_bad_inputs(model_and_loader, image_folder, tiny_name):
+    model, tokenizer, loader = model_and_loader
+    with pytest.raises(TypeError, match="encode_text"):
+        build_zeroshot_classifier(torch.nn.Linear(2, 2), tokenizer, CLASSES, TEMPLATES)
+    with pytest.raises(ValueError, match="classnames"):
+        build_zeroshot_classifier(model, tokenizer, [], TEMPLATES)
+    with pytest.raises(ValueError, match=r"\[E, C\]"):
+        zeroshot_evaluate(model, torch.zeros(32), loader)
+    with pytest.raises(ValueError, match="width 32, the classifier expects 16"):
+        zeroshot_evaluate(model, torch.zeros(16, 4), loader)
+    with pytest.raises(ValueError, match="task"):
+        run(model=tiny_name, data=str(image_folder), task="retrieve")
+    with pytest.raises(ValueError, match="local checkpoint"):
+        run(model=tiny_name, data=str(image_folder), pretrained="laion2b_s34b_b88k")
+    with pytest.raises(ValueError, match="unknown open_clip model"):
+        run(model="ViT-Nope", data=str(image_folder))
+    with pytest.raises(ValueError, match="3 names for 4 class folders"):
+        run(
+            model=tiny_name,
+            data=str(image_folder),
+            classnames=["a", "b", "c"],
+            templates=TEMPLATES,
+            num_workers=0,
+        )
+    with pytest.raises(ValueError, match="not a directory"):
+        ImageFolderWithPaths(image_folder / "nope")
+
+
+def test_cli_zeroshot_and_embed(tiny_name, image_folder, tmp_path, capsys):
+    torch.manual_seed(0)
+    ckpt = tmp_path / "tiny.pt"
+    torch.save(open_clip.create_model(tiny_name).state_dict(), ckpt)
+    tfile = tmp_path / "templates.json"
+    tfile.write_text(json.dumps(TEMPLATES))
+    out = tmp_path / "out"
+    common = [
+        "--model",
+        tiny_name,
+        "--pretrained",
+        str(ckpt),
+        "--data",
+        str(image_folder),
+        "--workers",
+        "0",
+        "--batch-size",
+        "5",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
+    main(common + ["--templates", str(tfile)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert any(line.startswith("top1") for line in lines[:-1])  # the table
+    assert res["task"] == "zeroshot" and res["num_samples"] == 12 and res["replaced"] == 2
+    assert 0.0 <= res["top1"] <= res["top5"] <= 1.0
+    assert json.loads((out / "zeroshot_metrics.json").read_text())["top1"] == res["top1"]
+    # the same checkpoint with stock attention gives the same accuracy
+    stock = run(
+        model=tiny_name,
+        data=str(image_folder),
+        pretrained=str(ckpt),
+        templates=str(tfile),
+        elsa=False,
+        num_workers=0,
+        device="cpu",
+    )
+    assert stock["top1"] == res["top1"] and stock["elsa"] is False
+    # high-resolution embeddings through ElsaCLIPVision (positional embedding resampled 4x4 -> 6x6)
+    main(common + ["--task", "embed", "--image-size", "48", "--embed-format", "npz"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["image_size"] == 48 and res["num_samples"] == 12 and res["dim"] == 32
+    z = np.load(out / "embeddings.npz")
+    assert z["embeddings"].shape == (12, 32) and np.isfinite(z["embeddings"]).all()
