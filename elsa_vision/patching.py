@@ -294,6 +294,7 @@ class ElsaMultiheadAttention(_ElsaConverted, nn.MultiheadAttention):
             )
         if is_causal and attn_mask is None:
             raise ValueError("ElsaMultiheadAttention: is_causal=True is hint and needs attn_mask (as torch)")
+        self_attn = query is key and key is value and self._qkv_same_embed_dim
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
@@ -304,17 +305,22 @@ class ElsaMultiheadAttention(_ElsaConverted, nn.MultiheadAttention):
         L, B, E = query.shape
         S = key.shape[0]
         H, hd = self.num_heads, self.head_dim
-        if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        if self_attn:
+            # One GEMM; q, k, v are strided views [B, H, L, hd] of it (the kernels take any strides).
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).view(L, B, 3, H, hd)
+            q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)
         else:
-            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        b_q = b_k = b_v = None
-        if self.in_proj_bias is not None:
-            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
-        # [L, B, E] -> [B, H, L, hd]
-        q = F.linear(query, w_q, b_q).view(L, B, H, hd).permute(1, 2, 0, 3)
-        k = F.linear(key, w_k, b_k).view(S, B, H, hd).permute(1, 2, 0, 3)
-        v = F.linear(value, w_v, b_v).view(S, B, H, hd).permute(1, 2, 0, 3)
+            if self._qkv_same_embed_dim:
+                w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+            else:
+                w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            b_q = b_k = b_v = None
+            if self.in_proj_bias is not None:
+                b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+            # [L, B, E] -> [B, H, L, hd]
+            q = F.linear(query, w_q, b_q).view(L, B, H, hd).permute(1, 2, 0, 3)
+            k = F.linear(key, w_k, b_k).view(S, B, H, hd).permute(1, 2, 0, 3)
+            v = F.linear(value, w_v, b_v).view(S, B, H, hd).permute(1, 2, 0, 3)
 
         bias, keep = None, None
         if attn_mask is not None:

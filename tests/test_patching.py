@@ -176,6 +176,13 @@ def test_multihead_attention_masks(batch_first, elsa_calls):
             expect, _ = ref(q, kv, kv, need_weights=False, **kw)
         assert w is None
         assert relerr(out, expect) <= TOL, kw
+    # Self-attention (one fused projection) with both masks.
+    self_mask, self_kpm = torch.rand(L, L) < 0.3, torch.zeros(B, L, dtype=torch.bool)
+    self_kpm[2, 4:] = True
+    with torch.no_grad():
+        out, _ = mha(q, q, q, need_weights=False, attn_mask=self_mask, key_padding_mask=self_kpm)
+        expect, _ = ref(q, q, q, need_weights=False, attn_mask=self_mask, key_padding_mask=self_kpm)
+    assert relerr(out, expect) <= TOL
     # Unbatched input [L, E].
     with torch.no_grad():
         assert relerr(mha(q[0] if batch_first else q[:, 0], kv[0] if batch_first else kv[:, 0],
