@@ -1,0 +1,5 @@
+"""LightningDataModules and readers per domain."""
+
+from .hyperspectral import HSIDataModule
+
+__all__ = ["HSIDataModule"]
