@@ -217,7 +217,10 @@ def load_cube(path: str | os.PathLike, key: str | None = None, nan_policy: str =
         raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
     p = Path(path)
     arrays = list_arrays(p)
-    name, cube = _select(p, arrays, key, "cube", 3, integer=False)
+    if key is None and len(arrays) == 1:  # a single-array file: its rank is checked below
+        name, cube = next(iter(arrays.items()))
+    else:
+        name, cube = _select(p, arrays, key, "cube", 3, integer=False)
     if cube.ndim != 3:
         raise ValueError(f"cube {name!r} in {p} must have rank 3 (H, W, bands), got shape {tuple(cube.shape)}")
     if min(cube.shape) == 0:
@@ -242,7 +245,7 @@ def load_gt(path: str | os.PathLike, key: str | None = None) -> np.ndarray:
     """Read a ground-truth map as int64 ``(H, W)`` (0 = unlabelled, negative values rejected)."""
     p = Path(path)
     arrays = list_arrays(p)
-    if key is None and len(arrays) == 1 and p.suffix.lower() in _TIFF_SUFFIXES + (".npy",):
+    if key is None and len(arrays) == 1:
         name, gt = next(iter(arrays.items()))
     else:
         name, gt = _select(p, arrays, key, "ground-truth", 2, integer=True)

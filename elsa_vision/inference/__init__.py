@@ -1,0 +1,1 @@
+"""Inference entry points (``python -m elsa_vision.inference.<task>``)."""
