@@ -133,7 +133,8 @@ class ElsaHSIViT(nn.Module):
         self.spectral_pos = nn.Parameter(torch.zeros(1, G, 1, embed_dim))
 
         attn_layer = ElsaAttention if attn_impl == "elsa" else Attention
-        dpr = torch.linspace(0, drop_path_rate, branch_depth + fusion_depth).tolist()
+        n_blocks = branch_depth + fusion_depth
+        dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # stochastic depth decay
 
         def block(i: int) -> Block:
             return Block(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path=dpr[i],
