@@ -28,8 +28,16 @@ PATCH = 5
 
 def _trainer(root, **kw):
     kw.setdefault("max_epochs", 1)
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(root), enable_progress_bar=False,
-                     enable_model_summary=False, deterministic=True, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +50,15 @@ def trained(tmp_path_factory):
     scipy.io.savemat(root / "scene_gt.mat", {"scene_gt": gt})
     write_mat73(root / "scene73.mat", {"scene": cube})
     L.seed_everything(0, workers=True)
-    dm = HSIDataModule(str(root / "scene.mat"), str(root / "scene_gt.mat"), patch_size=PATCH,
-                       split={"protocol": "per_class", "samples_per_class": 40, "val_samples_per_class": 20},
-                       batch_size=32, seed=0, class_names=["water", "trees", "soil", "roofs"])
+    dm = HSIDataModule(
+        str(root / "scene.mat"),
+        str(root / "scene_gt.mat"),
+        patch_size=PATCH,
+        split={"protocol": "per_class", "samples_per_class": 40, "val_samples_per_class": 20},
+        batch_size=32,
+        seed=0,
+        class_names=["water", "trees", "soil", "roofs"],
+    )
     module = HSIClassificationModule(
         functools.partial(ElsaHSIViT, **NET),
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.01),
@@ -55,8 +69,16 @@ def trained(tmp_path_factory):
     fit_metrics = dict(trainer.callback_metrics)
     trainer.test(module, dm, verbose=False)
     ckpt = Path(trainer.checkpoint_callback.best_model_path)
-    return {"root": root, "cube": cube, "gt": gt, "dm": dm, "module": module.eval(), "trainer": trainer, "ckpt": ckpt,
-            "metrics": {**fit_metrics, **trainer.callback_metrics}}
+    return {
+        "root": root,
+        "cube": cube,
+        "gt": gt,
+        "dm": dm,
+        "module": module.eval(),
+        "trainer": trainer,
+        "ckpt": ckpt,
+        "metrics": {**fit_metrics, **trainer.callback_metrics},
+    }
 
 
 def test_training_beats_chance(trained):
@@ -68,8 +90,19 @@ def test_training_beats_chance(trained):
     assert report["oa"] >= 2 * chance, (report, chance)
     assert report["kappa"] >= 0.4, report
     metrics = trained["metrics"]
-    for k in ("train/loss", "val/loss", "val/acc", "val/aa", "val/kappa", "val/acc_best", "test/acc", "test/aa",
-              "test/kappa", "test/acc_class_0", "test/acc_class_3"):
+    for k in (
+        "train/loss",
+        "val/loss",
+        "val/acc",
+        "val/aa",
+        "val/kappa",
+        "val/acc_best",
+        "test/acc",
+        "test/aa",
+        "test/kappa",
+        "test/acc_class_0",
+        "test/acc_class_3",
+    ):
         assert k in metrics, k
     # The logged metrics are those of the module's own predictions on the test split.
     with torch.no_grad():
@@ -98,8 +131,22 @@ def test_checkpoint_is_weights_only_and_self_describing(trained):
 def test_inference_cli_outputs(trained, capsys):
     root = trained["root"]
     out = root / "infer"
-    summary = main(["--checkpoint", str(trained["ckpt"]), "--input", str(root / "scene.mat"), "--gt",
-                    str(root / "scene_gt.mat"), "--out", str(out), "--batch-size", "300", "--device", "cpu"])
+    summary = main(
+        [
+            "--checkpoint",
+            str(trained["ckpt"]),
+            "--input",
+            str(root / "scene.mat"),
+            "--gt",
+            str(root / "scene_gt.mat"),
+            "--out",
+            str(out),
+            "--batch-size",
+            "300",
+            "--device",
+            "cpu",
+        ]
+    )
     stdout = capsys.readouterr().out.strip().splitlines()
     assert json.loads(stdout[-1]) == json.loads(json.dumps(summary))
     assert any(line.startswith("OA ") for line in stdout)
@@ -128,8 +175,15 @@ def test_inference_cli_outputs(trained, capsys):
 def test_inference_v73_input_and_labelled_only(trained):
     root = trained["root"]
     full = run(str(trained["ckpt"]), str(root / "scene.mat"), out=str(root / "full"), progress=False)
-    part = run(str(trained["ckpt"]), str(root / "scene73.mat"), gt=str(root / "scene_gt.mat"),
-               out=str(root / "part"), labelled_only=True, progress=False, batch_size=97)
+    part = run(
+        str(trained["ckpt"]),
+        str(root / "scene73.mat"),
+        gt=str(root / "scene_gt.mat"),
+        out=str(root / "part"),
+        labelled_only=True,
+        progress=False,
+        batch_size=97,
+    )
     lf, lp = np.load(root / "full" / "labels.npy"), np.load(root / "part" / "labels.npy")
     pp = np.load(root / "part" / "probs.npy")
     lab = trained["gt"] > 0
@@ -178,12 +232,22 @@ def test_inference_errors(trained, tmp_path):
     gt[0, 0] = 9
     np.save(tmp_path / "gt9.npy", gt)
     with pytest.raises(ValueError, match=r"labels \[9\] outside the known classes"):
-        run(str(trained["ckpt"]), str(root / "scene.mat"), gt=str(tmp_path / "gt9.npy"), out=str(tmp_path / "o"),
-            progress=False)
+        run(
+            str(trained["ckpt"]),
+            str(root / "scene.mat"),
+            gt=str(tmp_path / "gt9.npy"),
+            out=str(tmp_path / "o"),
+            progress=False,
+        )
     np.save(tmp_path / "gt_small.npy", trained["gt"][:5])
     with pytest.raises(ValueError, match="gt/image size mismatch"):
-        run(str(trained["ckpt"]), str(root / "scene.mat"), gt=str(tmp_path / "gt_small.npy"),
-            out=str(tmp_path / "o"), progress=False)
+        run(
+            str(trained["ckpt"]),
+            str(root / "scene.mat"),
+            gt=str(tmp_path / "gt_small.npy"),
+            out=str(tmp_path / "o"),
+            progress=False,
+        )
     with pytest.raises(ValueError, match="--labelled-only needs --gt"):
         run(str(trained["ckpt"]), str(root / "scene.mat"), out=str(tmp_path / "o"), labelled_only=True)
 
@@ -201,8 +265,12 @@ def test_mae_masks_half_the_tokens_and_learns(trained):
     T = enc.num_groups * enc.num_spatial  # 3 * 25 = 75 tokens
     vis = mae.random_visible(64, T)
     assert (vis.sum(1) == round(0.5 * T)).all()
-    x = torch.stack([dm.train_set.padded[:, r:r + PATCH, c:c + PATCH] for r, c in
-                     np.random.default_rng(0).integers(0, 30, (64, 2))])
+    x = torch.stack(
+        [
+            dm.train_set.padded[:, r : r + PATCH, c : c + PATCH]
+            for r, c in np.random.default_rng(0).integers(0, 30, (64, 2))
+        ]
+    )
     fixed = mae.random_visible(64, T, generator=torch.Generator().manual_seed(1))
     loss0 = mae.reconstruction_loss(x, fixed)[0].item()
     opt = torch.optim.AdamW(mae.parameters(), lr=3e-3)
@@ -222,11 +290,19 @@ def test_mae_masks_half_the_tokens_and_learns(trained):
 
 def test_mae_checkpoint_transfers_encoder(trained):
     root = trained["root"]
-    dm = HSIDataModule(str(root / "scene.mat"), str(root / "scene_gt.mat"), patch_size=PATCH,
-                       split={"protocol": "per_class", "samples_per_class": 40, "val_samples_per_class": 20},
-                       batch_size=64, seed=0, pretrain=True, max_pretrain_samples=256)
-    mae = MaskedAutoencoderModule(functools.partial(ElsaHSIViT, **NET), decoder_dim=32, decoder_depth=1,
-                                  decoder_heads=2)
+    dm = HSIDataModule(
+        str(root / "scene.mat"),
+        str(root / "scene_gt.mat"),
+        patch_size=PATCH,
+        split={"protocol": "per_class", "samples_per_class": 40, "val_samples_per_class": 20},
+        batch_size=64,
+        seed=0,
+        pretrain=True,
+        max_pretrain_samples=256,
+    )
+    mae = MaskedAutoencoderModule(
+        functools.partial(ElsaHSIViT, **NET), decoder_dim=32, decoder_depth=1, decoder_heads=2
+    )
     trainer = _trainer(root / "mae", max_epochs=1, limit_val_batches=1)
     trainer.fit(mae, dm)
     assert "train/loss" in trainer.callback_metrics and "val/loss" in trainer.callback_metrics
@@ -267,7 +343,11 @@ def test_hydra_configs_instantiate_and_train(trained):
     data_cfg = OmegaConf.load(ROOT / "configs" / "data" / "hsi.yaml")
     model_cfg = OmegaConf.load(ROOT / "configs" / "model" / "elsa_hsi.yaml")
     assert OmegaConf.is_missing(data_cfg, "path")
-    data_cfg.path, data_cfg.gt_path, data_cfg.batch_size = str(root / "scene.mat"), str(root / "scene_gt.mat"), 16
+    data_cfg.path, data_cfg.gt_path, data_cfg.batch_size = (
+        str(root / "scene.mat"),
+        str(root / "scene_gt.mat"),
+        16,
+    )
     data_cfg.patch_size = 9
     data_cfg.pca = {"n_components": 10, "groups": 2}
     model_cfg.net.update(embed_dim=16, num_heads=2, branch_depth=1, fusion_depth=1)

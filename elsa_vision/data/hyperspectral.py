@@ -182,8 +182,9 @@ def _is_integer_valued(a: np.ndarray) -> bool:
     return bool(np.all(np.isfinite(a)) and np.all(a == np.round(a)))
 
 
-def _select(path: Path, arrays: Mapping[str, np.ndarray], key: str | None, what: str, ndim: int,
-            integer: bool) -> tuple[str, np.ndarray]:
+def _select(
+    path: Path, arrays: Mapping[str, np.ndarray], key: str | None, what: str, ndim: int, integer: bool
+) -> tuple[str, np.ndarray]:
     if key is not None:
         if key not in arrays:
             raise ValueError(f"{what} key {key!r} not found in {path}; available arrays: {_describe(arrays)}")
@@ -222,7 +223,9 @@ def load_cube(path: str | os.PathLike, key: str | None = None, nan_policy: str =
     else:
         name, cube = _select(p, arrays, key, "cube", 3, integer=False)
     if cube.ndim != 3:
-        raise ValueError(f"cube {name!r} in {p} must have rank 3 (H, W, bands), got shape {tuple(cube.shape)}")
+        raise ValueError(
+            f"cube {name!r} in {p} must have rank 3 (H, W, bands), got shape {tuple(cube.shape)}"
+        )
     if min(cube.shape) == 0:
         raise ValueError(f"cube {name!r} in {p} is empty: shape {tuple(cube.shape)}")
     cube = np.ascontiguousarray(cube, dtype=np.float32)
@@ -252,10 +255,14 @@ def load_gt(path: str | os.PathLike, key: str | None = None) -> np.ndarray:
     if gt.ndim != 2:
         raise ValueError(f"ground truth {name!r} in {p} must have rank 2 (H, W), got shape {tuple(gt.shape)}")
     if not _is_integer_valued(gt):
-        raise ValueError(f"ground truth {name!r} in {p} must hold integer labels, got non-integer {gt.dtype} values")
+        raise ValueError(
+            f"ground truth {name!r} in {p} must hold integer labels, got non-integer {gt.dtype} values"
+        )
     gt = gt.astype(np.int64)
     if (gt < 0).any():
-        raise ValueError(f"ground truth {name!r} in {p} has negative labels (min {gt.min()}); expected 0 = unlabelled")
+        raise ValueError(
+            f"ground truth {name!r} in {p} has negative labels (min {gt.min()}); expected 0 = unlabelled"
+        )
     return gt
 
 
@@ -269,8 +276,13 @@ class HSIScene:
     meta: dict = field(default_factory=dict)
 
 
-def load_scene(path: str | os.PathLike, gt_path: str | os.PathLike | None = None, key: str | None = None,
-               gt_key: str | None = None, nan_policy: str = "raise") -> HSIScene:
+def load_scene(
+    path: str | os.PathLike,
+    gt_path: str | os.PathLike | None = None,
+    key: str | None = None,
+    gt_key: str | None = None,
+    nan_policy: str = "raise",
+) -> HSIScene:
     """Read a cube and (optionally) its ground truth and check that they agree in size.
 
     When ``gt_path`` is None but ``gt_key`` is given, the ground truth is read from the cube's own file.
@@ -288,7 +300,9 @@ def load_scene(path: str | os.PathLike, gt_path: str | os.PathLike | None = None
 
 
 def encode_labels(gt: np.ndarray, class_values: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Map labels to ``0..K-1`` (``-1`` for unlabelled 0). Returns ``(encoded (H, W) int64, class_values (K,))``.
+    """Map labels to ``0..K-1`` (``-1`` for unlabelled 0).
+
+    Returns ``(encoded (H, W) int64, class_values (K,))``.
 
     With ``class_values`` given (e.g. from a checkpoint), labels outside it raise ``ValueError``.
     """
@@ -301,7 +315,8 @@ def encode_labels(gt: np.ndarray, class_values: Sequence[int] | None = None) -> 
     unknown = (gt > 0) & (enc < 0)
     if unknown.any():
         raise ValueError(
-            f"ground truth has labels {np.unique(gt[unknown]).tolist()} outside the known classes {values.tolist()}"
+            f"ground truth has labels {np.unique(gt[unknown]).tolist()} outside the known classes "
+            f"{values.tolist()}"
         )
     return enc, values
 
@@ -311,9 +326,15 @@ def encode_labels(gt: np.ndarray, class_values: Sequence[int] | None = None) -> 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def split_indices(labels: np.ndarray, protocol: str = "ratio", ratio: float = 0.1, val_ratio: float = 0.1,
-                  samples_per_class: int = 10, val_samples_per_class: int | None = None,
-                  seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_indices(
+    labels: np.ndarray,
+    protocol: str = "ratio",
+    ratio: float = 0.1,
+    val_ratio: float = 0.1,
+    samples_per_class: int = 10,
+    val_samples_per_class: int | None = None,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split labelled pixels into train / val / test index arrays (indices into ``labels``).
 
     Args:
@@ -337,7 +358,9 @@ def split_indices(labels: np.ndarray, protocol: str = "ratio", ratio: float = 0.
         if not (0.0 < ratio < 1.0):
             raise ValueError(f"split ratio must be in (0, 1), got {ratio}")
         if not (0.0 <= val_ratio < 1.0) or ratio + val_ratio >= 1.0:
-            raise ValueError(f"split val_ratio must be in [0, 1 - ratio), got val_ratio={val_ratio}, ratio={ratio}")
+            raise ValueError(
+                f"split val_ratio must be in [0, 1 - ratio), got val_ratio={val_ratio}, ratio={ratio}"
+            )
     else:
         if int(samples_per_class) < 1:
             raise ValueError(f"split samples_per_class must be >= 1, got {samples_per_class}")
@@ -358,8 +381,8 @@ def split_indices(labels: np.ndarray, protocol: str = "ratio", ratio: float = 0.
         n_tr = min(n_tr, n)
         n_va = max(0, min(n_va, n - n_tr))
         train.append(idx[:n_tr])
-        val.append(idx[n_tr:n_tr + n_va])
-        test.append(idx[n_tr + n_va:])
+        val.append(idx[n_tr : n_tr + n_va])
+        test.append(idx[n_tr + n_va :])
     return tuple(np.sort(np.concatenate(a)).astype(np.int64) for a in (train, val, test))
 
 
@@ -420,12 +443,16 @@ class SpectralTransform:
             if self.groups > bands:
                 raise ValueError(f"pca groups ({self.groups}) must be <= the number of bands ({bands})")
             if self.n_components > bands:
-                raise ValueError(f"pca n_components ({self.n_components}) must be <= the number of bands ({bands})")
+                raise ValueError(
+                    f"pca n_components ({self.n_components}) must be <= the number of bands ({bands})"
+                )
             if self.n_components < self.groups:
                 raise ValueError(f"pca n_components ({self.n_components}) must be >= groups ({self.groups})")
             edges = np.linspace(0, bands, self.groups + 1).round().astype(int)
-            comps = [self.n_components // self.groups + (g < self.n_components % self.groups)
-                     for g in range(self.groups)]
+            comps = [
+                self.n_components // self.groups + (g < self.n_components % self.groups)
+                for g in range(self.groups)
+            ]
             for g in range(self.groups):
                 lo, hi, k = int(edges[g]), int(edges[g + 1]), comps[g]
                 if k > min(hi - lo, n):
@@ -434,7 +461,9 @@ class SpectralTransform:
                         f"{hi - lo} bands and {n} training pixels"
                     )
                 p = PCA(n_components=k, svd_solver="full", random_state=seed).fit(x[:, lo:hi])
-                self.pca.append({"start": lo, "stop": hi, "mean": p.mean_.copy(), "components": p.components_.copy()})
+                self.pca.append(
+                    {"start": lo, "stop": hi, "mean": p.mean_.copy(), "components": p.components_.copy()}
+                )
         return self
 
     def apply(self, cube: np.ndarray) -> np.ndarray:
@@ -447,7 +476,9 @@ class SpectralTransform:
             )
         x = (cube.astype(np.float64) - self.mean) / self.std
         if self.pca:
-            x = np.concatenate([(x[..., g["start"]:g["stop"]] - g["mean"]) @ g["components"].T for g in self.pca], -1)
+            x = np.concatenate(
+                [(x[..., g["start"] : g["stop"]] - g["mean"]) @ g["components"].T for g in self.pca], -1
+            )
         return x.astype(np.float32)
 
     def state_dict(self) -> dict:
@@ -455,10 +486,21 @@ class SpectralTransform:
         if not self.fitted:
             raise RuntimeError("SpectralTransform is not fitted")
         return {
-            "normalize": self.normalize, "n_components": self.n_components, "groups": self.groups,
-            "num_bands_in": self.num_bands_in, "mean": torch.from_numpy(self.mean), "std": torch.from_numpy(self.std),
-            "pca": [{"start": g["start"], "stop": g["stop"], "mean": torch.from_numpy(g["mean"]),
-                     "components": torch.from_numpy(g["components"])} for g in self.pca],
+            "normalize": self.normalize,
+            "n_components": self.n_components,
+            "groups": self.groups,
+            "num_bands_in": self.num_bands_in,
+            "mean": torch.from_numpy(self.mean),
+            "std": torch.from_numpy(self.std),
+            "pca": [
+                {
+                    "start": g["start"],
+                    "stop": g["stop"],
+                    "mean": torch.from_numpy(g["mean"]),
+                    "components": torch.from_numpy(g["components"]),
+                }
+                for g in self.pca
+            ],
         }
 
     @classmethod
@@ -467,8 +509,15 @@ class SpectralTransform:
         t.num_bands_in = int(state["num_bands_in"])
         t.mean = np.asarray(state["mean"], dtype=np.float64)
         t.std = np.asarray(state["std"], dtype=np.float64)
-        t.pca = [{"start": int(g["start"]), "stop": int(g["stop"]), "mean": np.asarray(g["mean"], dtype=np.float64),
-                  "components": np.asarray(g["components"], dtype=np.float64)} for g in state["pca"]]
+        t.pca = [
+            {
+                "start": int(g["start"]),
+                "stop": int(g["stop"]),
+                "mean": np.asarray(g["mean"], dtype=np.float64),
+                "components": np.asarray(g["components"], dtype=np.float64),
+            }
+            for g in state["pca"]
+        ]
         return t
 
 
@@ -484,13 +533,15 @@ def _check_patch_size(patch_size: int, h: int, w: int) -> int:
         raise ValueError(f"patch_size must be odd and >= 1, got {patch_size}")
     r = patch_size // 2
     if r >= min(h, w):
-        raise ValueError(f"patch_size {patch_size} is too large for a {h}x{w} scene (reflect padding needs "
-                         f"patch_size // 2 < min(H, W))")
+        raise ValueError(
+            f"patch_size {patch_size} is too large for a {h}x{w} scene (reflect padding needs "
+            f"patch_size // 2 < min(H, W))"
+        )
     return r
 
 
 def pad_cube(cube: np.ndarray, patch_size: int) -> Tensor:
-    """Reflect-pad ``(H, W, C)`` by ``patch_size // 2`` and return a float32 tensor ``(C, H + 2r, W + 2r)``."""
+    """Reflect-pad ``(H, W, C)`` by ``r = patch_size // 2``: a float32 tensor ``(C, H + 2r, W + 2r)``."""
     h, w, _ = cube.shape
     r = _check_patch_size(patch_size, h, w)
     padded = np.pad(cube, ((r, r), (r, r), (0, 0)), mode="reflect") if r else cube
@@ -498,7 +549,7 @@ def pad_cube(cube: np.ndarray, patch_size: int) -> Tensor:
 
 
 def extract_patches(padded: Tensor, rows: Tensor, cols: Tensor, patch_size: int) -> Tensor:
-    """Gather patches ``(N, C, p, p)`` centred at ``(rows, cols)`` (unpadded coordinates) from ``pad_cube``."""
+    """Patches ``(N, C, p, p)`` centred at ``(rows, cols)`` (unpadded coordinates) of a ``pad_cube``."""
     off = torch.arange(patch_size, device=padded.device)
     r = rows.to(padded.device)[:, None] + off  # (N, p)
     c = cols.to(padded.device)[:, None] + off
@@ -511,12 +562,22 @@ class HSIPatchDataset(Dataset):
     ``augment`` applies a random flip and 90-degree rotation (the label is the centre pixel's, unchanged).
     """
 
-    def __init__(self, padded: Tensor, coords: np.ndarray, labels: np.ndarray | None, patch_size: int,
-                 augment: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        padded: Tensor,
+        coords: np.ndarray,
+        labels: np.ndarray | None,
+        patch_size: int,
+        augment: bool = False,
+        seed: int = 0,
+    ):
         self.padded = padded
         self.coords = torch.as_tensor(np.asarray(coords, dtype=np.int64).reshape(-1, 2))
-        self.labels = (torch.full((len(self.coords),), -1, dtype=torch.long) if labels is None
-                       else torch.as_tensor(np.asarray(labels, dtype=np.int64)))
+        self.labels = (
+            torch.full((len(self.coords),), -1, dtype=torch.long)
+            if labels is None
+            else torch.as_tensor(np.asarray(labels, dtype=np.int64))
+        )
         if len(self.labels) != len(self.coords):
             raise ValueError(f"labels ({len(self.labels)}) and coords ({len(self.coords)}) differ in length")
         self.patch_size = int(patch_size)
@@ -529,7 +590,7 @@ class HSIPatchDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         r, c = int(self.coords[i, 0]), int(self.coords[i, 1])
         p = self.patch_size
-        x = self.padded[:, r:r + p, c:c + p]
+        x = self.padded[:, r : r + p, c : c + p]
         if self.augment:
             k, flip = torch.randint(0, 4, (2,), generator=self.generator).tolist()
             x = torch.rot90(x, k, dims=(1, 2))
@@ -543,8 +604,13 @@ class HSIPatchDataset(Dataset):
 # DataModule
 # ----------------------------------------------------------------------------------------------------------
 
-_SPLIT_DEFAULTS = {"protocol": "ratio", "ratio": 0.1, "val_ratio": 0.1, "samples_per_class": 10,
-                   "val_samples_per_class": None}
+_SPLIT_DEFAULTS = {
+    "protocol": "ratio",
+    "ratio": 0.1,
+    "val_ratio": 0.1,
+    "samples_per_class": 10,
+    "val_samples_per_class": None,
+}
 
 
 class HSIDataModule(L.LightningDataModule):
@@ -555,7 +621,7 @@ class HSIDataModule(L.LightningDataModule):
         gt_path: ground-truth file; None reads ``gt_key`` from ``path``.
         key, gt_key: array names; auto-detected when None.
         patch_size: odd patch side; patches are reflect-padded at the borders.
-        pca: None, or a mapping ``{n_components: int, groups: int (1 = plain PCA)}``; fitted on training pixels.
+        pca: None, or ``{n_components: int, groups: int (1 = plain PCA)}``; fitted on training pixels.
         split: mapping with ``protocol`` (``"ratio"`` | ``"per_class"``), ``ratio``, ``val_ratio``,
             ``samples_per_class``, ``val_samples_per_class`` (see :func:`split_indices`).
         seed: split, PCA and augmentation seed.
@@ -571,11 +637,26 @@ class HSIDataModule(L.LightningDataModule):
     ``hsi_meta`` (what inference needs, stored in checkpoints by the task modules).
     """
 
-    def __init__(self, path: str, gt_path: str | None = None, key: str | None = None, gt_key: str | None = None,
-                 patch_size: int = 9, pca: Mapping | None = None, split: Mapping | None = None, seed: int = 0,
-                 batch_size: int = 64, num_workers: int = 0, normalize: bool = True, nan_policy: str = "raise",
-                 augment: bool = True, pretrain: bool = False, max_pretrain_samples: int | None = None,
-                 class_names: Sequence[str] | None = None, pin_memory: bool = False):
+    def __init__(
+        self,
+        path: str,
+        gt_path: str | None = None,
+        key: str | None = None,
+        gt_key: str | None = None,
+        patch_size: int = 9,
+        pca: Mapping | None = None,
+        split: Mapping | None = None,
+        seed: int = 0,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        normalize: bool = True,
+        nan_policy: str = "raise",
+        augment: bool = True,
+        pretrain: bool = False,
+        max_pretrain_samples: int | None = None,
+        class_names: Sequence[str] | None = None,
+        pin_memory: bool = False,
+    ):
         super().__init__()
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -616,20 +697,31 @@ class HSIDataModule(L.LightningDataModule):
         if self._ready:
             return
         # Without a separate ground-truth file, the cube's own file must hold the ground truth.
-        scene = load_scene(self.path, self.gt_path or self.path, key=self.key, gt_key=self.gt_key,
-                           nan_policy=self.nan_policy)
+        scene = load_scene(
+            self.path, self.gt_path or self.path, key=self.key, gt_key=self.gt_key, nan_policy=self.nan_policy
+        )
         h, w, _ = scene.cube.shape
         _check_patch_size(self.patch_size, h, w)
         enc, values = encode_labels(scene.gt)
         if self.class_names is not None and len(self.class_names) != values.size:
-            raise ValueError(f"class_names has {len(self.class_names)} names, the ground truth {values.size} classes")
+            raise ValueError(
+                f"class_names has {len(self.class_names)} names, the ground truth {values.size} classes"
+            )
         rows, cols = np.nonzero(enc >= 0)
         labels = enc[rows, cols]
         s = self.split
-        tr, va, te = split_indices(labels, s["protocol"], s["ratio"], s["val_ratio"], s["samples_per_class"],
-                                   s["val_samples_per_class"], seed=self.seed)
+        tr, va, te = split_indices(
+            labels,
+            s["protocol"],
+            s["ratio"],
+            s["val_ratio"],
+            s["samples_per_class"],
+            s["val_samples_per_class"],
+            seed=self.seed,
+        )
         self.transform = SpectralTransform(
-            normalize=self.normalize, n_components=None if self.pca is None else self.pca["n_components"],
+            normalize=self.normalize,
+            n_components=None if self.pca is None else self.pca["n_components"],
             groups=1 if self.pca is None else int(self.pca.get("groups", 1)),
         ).fit(scene.cube[rows[tr], cols[tr]], seed=self.seed)
         padded = pad_cube(self.transform.apply(scene.cube), self.patch_size)
@@ -645,7 +737,9 @@ class HSIDataModule(L.LightningDataModule):
             allr, allc = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
             all_coords = np.stack([allr.ravel(), allc.ravel()], 1)
             if self.max_pretrain_samples is not None and self.max_pretrain_samples < len(all_coords):
-                pick = np.random.default_rng(self.seed).choice(len(all_coords), self.max_pretrain_samples, False)
+                pick = np.random.default_rng(self.seed).choice(
+                    len(all_coords), self.max_pretrain_samples, False
+                )
                 all_coords = all_coords[np.sort(pick)]
             self.train_set = HSIPatchDataset(padded, all_coords, None, p, self.augment, self.seed)
         else:
@@ -660,25 +754,37 @@ class HSIDataModule(L.LightningDataModule):
         if not self._ready:
             raise RuntimeError("HSIDataModule.hsi_meta is available after setup()")
         return {
-            "patch_size": self.patch_size, "num_classes": self.num_classes, "num_bands": self.num_bands,
+            "patch_size": self.patch_size,
+            "num_classes": self.num_classes,
+            "num_bands": self.num_bands,
             "class_values": torch.from_numpy(self.class_values.astype(np.int64)),
             "class_names": list(self.class_names) if self.class_names else None,
-            "transform": self.transform.state_dict(), "key": self.key, "gt_key": self.gt_key,
+            "transform": self.transform.state_dict(),
+            "key": self.key,
+            "gt_key": self.gt_key,
             "nan_policy": self.nan_policy,
         }
 
     # -- loaders -----------------------------------------------------------------------------------------
     def _loader(self, ds: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0,
-                          generator=torch.Generator().manual_seed(self.seed) if shuffle else None)
+        return DataLoader(
+            ds,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         if len(self.val_set) == 0:
-            warnings.warn("HSIDataModule: the validation split is empty; validating on the test split", stacklevel=2)
+            warnings.warn(
+                "HSIDataModule: the validation split is empty; validating on the test split", stacklevel=2
+            )
             return self._loader(self.test_set, shuffle=False)
         return self._loader(self.val_set, shuffle=False)
 
@@ -692,8 +798,16 @@ def chance_accuracy(labels: np.ndarray) -> float:
     return float(counts.max() / counts.sum()) if counts.size else math.nan
 
 
-def synthetic_scene(height: int = 40, width: int = 36, bands: int = 24, num_classes: int = 4, block: int = 4,
-                    noise: float = 0.3, unlabelled: float = 0.2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def synthetic_scene(
+    height: int = 40,
+    width: int = 36,
+    bands: int = 24,
+    num_classes: int = 4,
+    block: int = 4,
+    noise: float = 0.3,
+    unlabelled: float = 0.2,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """A scene with learnable class structure, for tests and benchmarks.
 
     Labels are constant on ``block x block`` tiles (a fraction ``unlabelled`` of tiles is 0); every class has

@@ -37,7 +37,7 @@ ATTN_IMPLS = ("elsa", "sdpa")
 
 
 class SpectralSpatialEmbed(nn.Module):
-    """``Conv3d`` tokens: ``(B, bands, P, P)`` -> ``(B, G, S, D)`` with bands zero-padded to ``G * band_group``."""
+    """``Conv3d`` tokens ``(B, bands, P, P)`` -> ``(B, G, S, D)``; bands zero-padded to ``G * band_group``."""
 
     def __init__(self, in_chans: int, img_size: int, band_group: int, spatial_patch: int, embed_dim: int):
         super().__init__()
@@ -48,8 +48,12 @@ class SpectralSpatialEmbed(nn.Module):
         self.spatial_patch = spatial_patch
         self.grid = img_size // spatial_patch
         self.num_spatial = self.grid * self.grid
-        self.proj = nn.Conv3d(1, embed_dim, kernel_size=(band_group, spatial_patch, spatial_patch),
-                              stride=(band_group, spatial_patch, spatial_patch))
+        self.proj = nn.Conv3d(
+            1,
+            embed_dim,
+            kernel_size=(band_group, spatial_patch, spatial_patch),
+            stride=(band_group, spatial_patch, spatial_patch),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if self.pad_bands:
@@ -58,7 +62,7 @@ class SpectralSpatialEmbed(nn.Module):
         return x.flatten(3).permute(0, 2, 3, 1)  # (B, G, S, D)
 
     def patchify(self, x: Tensor) -> Tensor:
-        """The pixels each token covers: ``(B, bands, P, P)`` -> ``(B, G*S, band_group*s*s)`` (MAE targets)."""
+        """Pixels under each token: ``(B, bands, P, P)`` -> ``(B, G*S, band_group*s*s)`` (MAE targets)."""
         if self.pad_bands:
             x = F.pad(x, (0, 0, 0, 0, 0, self.pad_bands))
         B = x.shape[0]
@@ -92,22 +96,48 @@ class ElsaHSIViT(nn.Module):
     Shapes: ``forward(x)``: ``x (B, in_chans, P, P)`` -> logits ``(B, num_classes)``.
     """
 
-    def __init__(self, in_chans: int, num_classes: int, img_size: int = 9, band_group: int = 8,
-                 spatial_patch: int = 3, embed_dim: int = 192, num_heads: int = 3, mlp_ratio: float = 4.0,
-                 qkv_bias: bool = True, branch_depth: int = 2, fusion_depth: int = 2, global_pool: str = "avg",
-                 drop_rate: float = 0.0, drop_path_rate: float = 0.0, attn_impl: str = "elsa",
-                 attn_backend: str = "auto", attn_precision: str = "auto"):
+    def __init__(
+        self,
+        in_chans: int,
+        num_classes: int,
+        img_size: int = 9,
+        band_group: int = 8,
+        spatial_patch: int = 3,
+        embed_dim: int = 192,
+        num_heads: int = 3,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        branch_depth: int = 2,
+        fusion_depth: int = 2,
+        global_pool: str = "avg",
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        attn_impl: str = "elsa",
+        attn_backend: str = "auto",
+        attn_precision: str = "auto",
+    ):
         super().__init__()
-        for name, val, lo in (("in_chans", in_chans, 1), ("num_classes", num_classes, 0), ("img_size", img_size, 1),
-                              ("band_group", band_group, 1), ("spatial_patch", spatial_patch, 1),
-                              ("embed_dim", embed_dim, 1), ("num_heads", num_heads, 1),
-                              ("branch_depth", branch_depth, 0), ("fusion_depth", fusion_depth, 0)):
+        for name, val, lo in (
+            ("in_chans", in_chans, 1),
+            ("num_classes", num_classes, 0),
+            ("img_size", img_size, 1),
+            ("band_group", band_group, 1),
+            ("spatial_patch", spatial_patch, 1),
+            ("embed_dim", embed_dim, 1),
+            ("num_heads", num_heads, 1),
+            ("branch_depth", branch_depth, 0),
+            ("fusion_depth", fusion_depth, 0),
+        ):
             if isinstance(val, bool) or not isinstance(val, int) or val < lo:
                 raise ValueError(f"ElsaHSIViT: {name} must be an int >= {lo}, got {val!r}")
         if img_size % spatial_patch:
-            raise ValueError(f"ElsaHSIViT: img_size ({img_size}) must be a multiple of spatial_patch ({spatial_patch})")
+            raise ValueError(
+                f"ElsaHSIViT: img_size ({img_size}) must be a multiple of spatial_patch ({spatial_patch})"
+            )
         if embed_dim % num_heads:
-            raise ValueError(f"ElsaHSIViT: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+            raise ValueError(
+                f"ElsaHSIViT: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
         if global_pool not in ("avg", "center"):
             raise ValueError(f"ElsaHSIViT: global_pool must be 'avg' or 'center', got {global_pool!r}")
         if attn_impl not in ATTN_IMPLS:
@@ -115,11 +145,23 @@ class ElsaHSIViT(nn.Module):
         if branch_depth + fusion_depth == 0:
             raise ValueError("ElsaHSIViT: branch_depth + fusion_depth must be >= 1")
         self.config = dict(
-            in_chans=in_chans, num_classes=num_classes, img_size=img_size, band_group=band_group,
-            spatial_patch=spatial_patch, embed_dim=embed_dim, num_heads=num_heads, mlp_ratio=float(mlp_ratio),
-            qkv_bias=qkv_bias, branch_depth=branch_depth, fusion_depth=fusion_depth, global_pool=global_pool,
-            drop_rate=float(drop_rate), drop_path_rate=float(drop_path_rate), attn_impl=attn_impl,
-            attn_backend=attn_backend, attn_precision=attn_precision,
+            in_chans=in_chans,
+            num_classes=num_classes,
+            img_size=img_size,
+            band_group=band_group,
+            spatial_patch=spatial_patch,
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            mlp_ratio=float(mlp_ratio),
+            qkv_bias=qkv_bias,
+            branch_depth=branch_depth,
+            fusion_depth=fusion_depth,
+            global_pool=global_pool,
+            drop_rate=float(drop_rate),
+            drop_path_rate=float(drop_path_rate),
+            attn_impl=attn_impl,
+            attn_backend=attn_backend,
+            attn_precision=attn_precision,
         )
         self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim
@@ -137,8 +179,15 @@ class ElsaHSIViT(nn.Module):
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # stochastic depth decay
 
         def block(i: int) -> Block:
-            return Block(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path=dpr[i],
-                         norm_layer=nn.LayerNorm, attn_layer=attn_layer)
+            return Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                drop_path=dpr[i],
+                norm_layer=nn.LayerNorm,
+                attn_layer=attn_layer,
+            )
 
         self.spatial_blocks = nn.ModuleList([block(i) for i in range(branch_depth)])
         self.spectral_blocks = nn.ModuleList([block(i) for i in range(branch_depth)])
@@ -251,24 +300,43 @@ def _init_weights(m: nn.Module) -> None:
 
 
 class HSIMAEDecoder(nn.Module):
-    """MAE decoder: encoded tokens ``(B, T, D)`` and the visible mask ``(B, T)`` -> pixels ``(B, T, out_dim)``.
+    """MAE decoder: encoded tokens ``(B, T, D)`` and visible mask ``(B, T)`` -> pixels ``(B, T, out_dim)``.
 
     Masked positions are replaced by a learned mask token before position embeddings are added; ``depth``
     timm ``Block``s with ``ElsaAttention`` attend over all ``T`` tokens.
     """
 
-    def __init__(self, embed_dim: int, num_tokens: int, out_dim: int, decoder_dim: int = 128, depth: int = 2,
-                 num_heads: int = 4, mlp_ratio: float = 4.0):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_tokens: int,
+        out_dim: int,
+        decoder_dim: int = 128,
+        depth: int = 2,
+        num_heads: int = 4,
+        mlp_ratio: float = 4.0,
+    ):
         super().__init__()
         if decoder_dim % num_heads:
-            raise ValueError(f"HSIMAEDecoder: decoder_dim ({decoder_dim}) must be divisible by num_heads ({num_heads})")
+            raise ValueError(
+                f"HSIMAEDecoder: decoder_dim ({decoder_dim}) must be divisible by num_heads ({num_heads})"
+            )
         self.decoder_embed = nn.Linear(embed_dim, decoder_dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, decoder_dim))
-        self.blocks = nn.ModuleList([
-            Block(decoder_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=True, norm_layer=nn.LayerNorm,
-                  attn_layer=ElsaAttention) for _ in range(depth)
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                Block(
+                    decoder_dim,
+                    num_heads,
+                    mlp_ratio=mlp_ratio,
+                    qkv_bias=True,
+                    norm_layer=nn.LayerNorm,
+                    attn_layer=ElsaAttention,
+                )
+                for _ in range(depth)
+            ]
+        )
         self.norm = nn.LayerNorm(decoder_dim)
         self.pred = nn.Linear(decoder_dim, out_dim)
         trunc_normal_(self.mask_token, std=0.02)
@@ -293,16 +361,28 @@ HSI_PRESETS = {
 
 
 def _cfg(**kwargs):
-    return {"url": "", "num_classes": 0, "input_size": (32, 9, 9), "pool_size": None, "crop_pct": 1.0,
-            "mean": None, "std": None, "first_conv": "patch_embed.proj", "classifier": "head",
-            "license": "apache-2.0", **kwargs}
+    return {
+        "url": "",
+        "num_classes": 0,
+        "input_size": (32, 9, 9),
+        "pool_size": None,
+        "crop_pct": 1.0,
+        "mean": None,
+        "std": None,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "apache-2.0",
+        **kwargs,
+    }
 
 
-default_cfgs = generate_default_cfgs({
-    "elsa_hsi_vit_tiny": _cfg(),
-    "elsa_hsi_vit_small": _cfg(),
-    "elsa_hsi_vit_base": _cfg(),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "elsa_hsi_vit_tiny": _cfg(),
+        "elsa_hsi_vit_small": _cfg(),
+        "elsa_hsi_vit_base": _cfg(),
+    }
+)
 
 
 def _create_elsa_hsi_vit(variant: str, pretrained: bool = False, **kwargs) -> ElsaHSIViT:

@@ -51,8 +51,14 @@ class _HSIBase(L.LightningModule):
 
     net_attr = "net"
 
-    def __init__(self, net: NetArg, optimizer: Callable | None, scheduler: Callable | None,
-                 scheduler_interval: str, net_kwargs: Mapping[str, Any]):
+    def __init__(
+        self,
+        net: NetArg,
+        optimizer: Callable | None,
+        scheduler: Callable | None,
+        scheduler_interval: str,
+        net_kwargs: Mapping[str, Any],
+    ):
         super().__init__()
         if scheduler_interval not in ("epoch", "step"):
             raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}")
@@ -80,7 +86,7 @@ class _HSIBase(L.LightningModule):
         return getattr(dm, "hsi_meta", None) if dm is not None else None
 
     def _build_net(self, meta: Mapping) -> None:
-        """Build the network from the factory (sizes from ``meta``) or check the given one against ``meta``."""
+        """Build the network from the factory (sizes from ``meta``), or check the given one against it."""
         sizes = {"in_chans": int(meta["num_bands"]), "img_size": int(meta["patch_size"]), **self._net_kwargs}
         net = self._net
         if net is None:
@@ -113,14 +119,23 @@ class _HSIBase(L.LightningModule):
         if self.scheduler_factory is None:
             return opt
         sched = self.scheduler_factory(optimizer=opt)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.scheduler_interval,
-                                                   "monitor": "val/loss", "frequency": 1}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {
+                "scheduler": sched,
+                "interval": self.scheduler_interval,
+                "monitor": "val/loss",
+                "frequency": 1,
+            },
+        }
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         net = self._net
         checkpoint["hsi"] = {
-            "net_class": type(net).__name__, "net_config": dict(getattr(net, "config", {})),
-            "net_attr": self.net_attr, "meta": self.hsi_meta,
+            "net_class": type(net).__name__,
+            "net_config": dict(getattr(net, "config", {})),
+            "net_attr": self.net_attr,
+            "meta": self.hsi_meta,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -150,9 +165,16 @@ class HSIClassificationModule(_HSIBase):
     evaluation table is in ``test_report`` (dict) and ``format_report(test_report)``.
     """
 
-    def __init__(self, net: NetArg, optimizer: Callable | None = None, scheduler: Callable | None = None,
-                 scheduler_interval: str = "epoch", num_classes: int | None = None, label_smoothing: float = 0.0,
-                 class_names: list[str] | None = None):
+    def __init__(
+        self,
+        net: NetArg,
+        optimizer: Callable | None = None,
+        scheduler: Callable | None = None,
+        scheduler_interval: str = "epoch",
+        num_classes: int | None = None,
+        label_smoothing: float = 0.0,
+        class_names: list[str] | None = None,
+    ):
         super().__init__(net, optimizer, scheduler, scheduler_interval, {})
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
         if not (0.0 <= label_smoothing < 1.0):
@@ -171,11 +193,13 @@ class HSIClassificationModule(_HSIBase):
         self.num_classes = k
 
         def collection() -> MetricCollection:
-            return MetricCollection({
-                "acc": MulticlassAccuracy(k, average="micro"),
-                "aa": MulticlassAccuracy(k, average="macro"),
-                "kappa": MulticlassCohenKappa(k),
-            })
+            return MetricCollection(
+                {
+                    "acc": MulticlassAccuracy(k, average="micro"),
+                    "aa": MulticlassAccuracy(k, average="macro"),
+                    "kappa": MulticlassCohenKappa(k),
+                }
+            )
 
         self.train_acc = MulticlassAccuracy(k, average="micro")
         self.val_metrics = collection()
@@ -190,7 +214,8 @@ class HSIClassificationModule(_HSIBase):
         if meta is not None:
             if self.num_classes is not None and int(meta["num_classes"]) != int(self.num_classes):
                 raise ValueError(
-                    f"HSIClassificationModule: num_classes={self.num_classes}, the data has {meta['num_classes']}"
+                    f"HSIClassificationModule: num_classes={self.num_classes}, "
+                    f"the data has {meta['num_classes']}"
                 )
             self._net_kwargs["num_classes"] = int(meta["num_classes"])
         elif self.num_classes is not None:
@@ -261,8 +286,11 @@ class HSIClassificationModule(_HSIBase):
             self.log(f"test/acc_class_{i}", v)
         names = self.class_names or [f"class {i}" for i in range(self.num_classes)]
         self.test_report = {
-            "oa": float(m["acc"]), "aa": float(m["aa"]), "kappa": float(m["kappa"]),
-            "per_class": [float(v) for v in per_class], "class_names": names,
+            "oa": float(m["acc"]),
+            "aa": float(m["aa"]),
+            "kappa": float(m["kappa"]),
+            "per_class": [float(v) for v in per_class],
+            "class_names": names,
         }
         self.test_metrics.reset()
         self.test_per_class.reset()
@@ -283,29 +311,42 @@ class HSIClassificationModule(_HSIBase):
         own_config = getattr(self.net, "config", {})
         for k in ("in_chans", "img_size", "band_group", "spatial_patch", "embed_dim"):
             if config and k in config and k in own_config and config[k] != own_config[k]:
-                raise ValueError(f"load_encoder_from: encoder has {k}={config[k]}, the classifier {k}={own_config[k]}")
+                raise ValueError(
+                    f"load_encoder_from: encoder has {k}={config[k]}, the classifier {k}={own_config[k]}"
+                )
         own = self.net.state_dict()
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
         missing = [k for k in own if not k.startswith("head.") and k not in state]
         unexpected = [k for k in state if k not in own]
         if missing or unexpected:
-            raise ValueError(f"load_encoder_from: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+            raise ValueError(
+                f"load_encoder_from: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}"
+            )
         for k, v in state.items():
             if v.shape != own[k].shape:
-                raise ValueError(f"load_encoder_from: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+                raise ValueError(
+                    f"load_encoder_from: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}"
+                )
         self.net.load_state_dict(state, strict=False)
         return sorted(state)
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, map_location: str | torch.device = "cpu"
-                        ) -> HSIClassificationModule:
+    def from_checkpoint(
+        cls, path: str | os.PathLike, map_location: str | torch.device = "cpu"
+    ) -> HSIClassificationModule:
         """Rebuild the module and its network from a checkpoint (``weights_only`` load, no unpickling)."""
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
         payload = _payload(ckpt, path)
         net = ElsaHSIViT(**payload["net_config"])
         hp = dict(ckpt.get("hyper_parameters", {}))
-        module = cls(net=net, **{k: v for k, v in hp.items() if k in ("num_classes", "label_smoothing",
-                                                                        "class_names", "scheduler_interval")})
+        module = cls(
+            net=net,
+            **{
+                k: v
+                for k, v in hp.items()
+                if k in ("num_classes", "label_smoothing", "class_names", "scheduler_interval")
+            },
+        )
         module.load_state_dict(ckpt["state_dict"], strict=False)
         missing = [k for k in net.state_dict() if f"net.{k}" not in ckpt["state_dict"]]
         if missing:
@@ -333,9 +374,18 @@ class MaskedAutoencoderModule(_HSIBase):
 
     net_attr = "encoder"
 
-    def __init__(self, net: NetArg, optimizer: Callable | None = None, scheduler: Callable | None = None,
-                 scheduler_interval: str = "epoch", mask_ratio: float = 0.5, decoder_dim: int = 128,
-                 decoder_depth: int = 2, decoder_heads: int = 4, norm_pix_loss: bool = False):
+    def __init__(
+        self,
+        net: NetArg,
+        optimizer: Callable | None = None,
+        scheduler: Callable | None = None,
+        scheduler_interval: str = "epoch",
+        mask_ratio: float = 0.5,
+        decoder_dim: int = 128,
+        decoder_depth: int = 2,
+        decoder_heads: int = 4,
+        norm_pix_loss: bool = False,
+    ):
         super().__init__(net, optimizer, scheduler, scheduler_interval, {"num_classes": 0})
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
         if not (0.0 < mask_ratio < 1.0):
@@ -350,14 +400,17 @@ class MaskedAutoencoderModule(_HSIBase):
 
     def _prepare_encoder(self) -> None:
         if not isinstance(self.encoder, ElsaHSIViT):
-            raise TypeError(f"MaskedAutoencoderModule: the encoder must be an ElsaHSIViT, got {type(self.encoder)}")
+            raise TypeError(
+                f"MaskedAutoencoderModule: the encoder must be an ElsaHSIViT, got {type(self.encoder)}"
+            )
         if self.encoder.num_classes:
             self.encoder.reset_classifier(0)
         if self.decoder is None:
             pe = self.encoder.patch_embed
             out_dim = pe.band_group * pe.spatial_patch**2
-            self.decoder = HSIMAEDecoder(self.encoder.embed_dim, pe.num_groups * pe.num_spatial, out_dim,
-                                         **self._decoder_args)
+            self.decoder = HSIMAEDecoder(
+                self.encoder.embed_dim, pe.num_groups * pe.num_spatial, out_dim, **self._decoder_args
+            )
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -413,12 +466,14 @@ class MaskedAutoencoderModule(_HSIBase):
 def _payload(ckpt: Mapping, path) -> dict:
     payload = ckpt.get("hsi") if isinstance(ckpt, Mapping) else None
     if payload is None or "net_config" not in payload:
-        raise ValueError(f"{path}: not a hyperspectral task checkpoint (no 'hsi' entry with the network config)")
+        raise ValueError(
+            f"{path}: not a hyperspectral task checkpoint (no 'hsi' entry with the network config)"
+        )
     return payload
 
 
 def _encoder_state(source: Any) -> tuple[dict[str, Tensor], dict]:
-    """(encoder state dict without prefix, encoder config) from a module, a checkpoint path or a state dict."""
+    """(encoder state dict without prefix, encoder config) of a module, checkpoint path or state dict."""
     if isinstance(source, MaskedAutoencoderModule):
         return source.encoder.state_dict(), dict(source.encoder.config)
     if isinstance(source, HSIClassificationModule):
@@ -432,22 +487,24 @@ def _encoder_state(source: Any) -> tuple[dict[str, Tensor], dict]:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         payload = _payload(ckpt, path)
         prefix = payload.get("net_attr", "encoder") + "."
-        state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
         return state, dict(payload["net_config"])
     if isinstance(source, Mapping):
         keys = list(source)
         for prefix in ("encoder.", "net."):
             if keys and all(k.startswith(prefix) or k.startswith("decoder.") for k in keys):
-                return {k[len(prefix):]: v for k, v in source.items() if k.startswith(prefix)}, {}
+                return {k[len(prefix) :]: v for k, v in source.items() if k.startswith(prefix)}, {}
         return dict(source), {}
     raise TypeError(
-        "load_encoder_from: source must be a MaskedAutoencoderModule, ElsaHSIViT, checkpoint path or state dict, "
+        "load_encoder_from: source must be a MaskedAutoencoderModule, ElsaHSIViT, checkpoint path or "
+        "state dict, "
         f"got {type(source).__name__}"
     )
 
 
-def load_hsi_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu"
-                        ) -> tuple[ElsaHSIViT, dict]:
+def load_hsi_checkpoint(
+    path: str | os.PathLike, map_location: str | torch.device = "cpu"
+) -> tuple[ElsaHSIViT, dict]:
     """The classifier network (eval mode, weights loaded) and data meta of a ``HSIClassificationModule``
     checkpoint, read with ``torch.load(weights_only=True)``."""
     p = Path(path)
@@ -459,7 +516,9 @@ def load_hsi_checkpoint(path: str | os.PathLike, map_location: str | torch.devic
         raise ValueError(f"checkpoint: cannot load {p}: {e}") from e
     payload = _payload(ckpt, p)
     if payload.get("net_attr", "net") != "net" or payload.get("meta") is None:
-        raise ValueError(f"{p}: not a classification checkpoint with data meta (an MAE checkpoint has no head)")
+        raise ValueError(
+            f"{p}: not a classification checkpoint with data meta (an MAE checkpoint has no head)"
+        )
     net = ElsaHSIViT(**payload["net_config"])
     state = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     net.load_state_dict(state, strict=True)
@@ -477,4 +536,3 @@ def format_report(report: Mapping) -> str:
     for label, key in (("OA", "oa"), ("AA", "aa"), ("kappa x 100", "kappa")):
         lines.append(f"{label:<{width}}  {100 * report[key]:11.2f}")
     return "\n".join(lines)
-

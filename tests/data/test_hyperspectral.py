@@ -35,12 +35,17 @@ def write_mat73(path, arrays):
     with h5py.File(path, "w", userblock_size=512) as f:
         for name, a in arrays.items():
             ds = f.create_dataset(name, data=np.ascontiguousarray(a.T))
-            ds.attrs["MATLAB_class"] = np.bytes_({"float32": "single", "float64": "double", "uint8": "uint8",
-                                                  "int64": "int64"}[a.dtype.name])
+            ds.attrs["MATLAB_class"] = np.bytes_(
+                {"float32": "single", "float64": "double", "uint8": "uint8", "int64": "int64"}[a.dtype.name]
+            )
         f.create_group("#refs#")
     with open(path, "r+b") as fh:
-        text = b"MATLAB 7.3 MAT-file, Platform: GLNXA64, Created on: Mon Jan  1 00:00:00 2024 HDF5 schema 1.00 ."
-        fh.write(text.ljust(116, b" ") + b"\0" * 8 + b"\x00\x02" + b"IM")  # text, subsys, version 0x0200, endian
+        text = (
+            b"MATLAB 7.3 MAT-file, Platform: GLNXA64, Created on: Mon Jan  1 00:00:00 2024 HDF5 schema 1.00 ."
+        )
+        fh.write(
+            text.ljust(116, b" ") + b"\0" * 8 + b"\x00\x02" + b"IM"
+        )  # text, subsys, version 0x0200, endian
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -90,7 +95,9 @@ def test_envi_round_trip(tmp_path, scene):
 def test_tiff_and_numpy_round_trip(tmp_path, scene):
     cube, gt = scene
     tifffile.imwrite(tmp_path / "hwc.tif", cube, photometric="minisblack", planarconfig="contig")
-    tifffile.imwrite(tmp_path / "chw.tif", np.ascontiguousarray(cube.transpose(2, 0, 1)), photometric="minisblack")
+    tifffile.imwrite(
+        tmp_path / "chw.tif", np.ascontiguousarray(cube.transpose(2, 0, 1)), photometric="minisblack"
+    )
     tifffile.imwrite(tmp_path / "gt.tif", gt)
     np.testing.assert_array_equal(load_cube(tmp_path / "hwc.tif"), cube)
     np.testing.assert_array_equal(load_cube(tmp_path / "chw.tif"), cube)
@@ -213,7 +220,8 @@ def test_split_protocols():
     np.testing.assert_array_equal(np.sort(np.concatenate([tr, va, te])), np.arange(labels.size))
 
     tr, va, te = split_indices(labels, "per_class", samples_per_class=5, val_samples_per_class=4, seed=5)
-    # Classes larger than N give exactly N; the 3-sample class gives 3 // 2 = 1; val takes at most half the rest.
+    # Classes larger than N give exactly N; the 3-sample class gives 3 // 2 = 1;
+    # val takes at most half of the rest.
     assert [(labels[tr] == c).sum() for c in range(4)] == [5, 5, 5, 1]
     assert [(labels[va] == c).sum() for c in range(4)] == [4, 1, 4, 1]
     np.testing.assert_array_equal(np.sort(np.concatenate([tr, va, te])), np.arange(labels.size))
@@ -262,11 +270,11 @@ def test_pca_matches_float64_eigendecomposition(scene, groups):
     per = [6 // groups + (g < 6 % groups) for g in range(groups)]
     refs = []
     for g in range(groups):
-        zg = z[:, edges[g]:edges[g + 1]]
+        zg = z[:, edges[g] : edges[g + 1]]
         mu = zg.mean(0)
         w, v = np.linalg.eigh(np.cov(zg - mu, rowvar=False))
-        comps = v[:, ::-1][:, :per[g]]  # top components
-        proj = (zall[:, edges[g]:edges[g + 1]] - mu) @ comps
+        comps = v[:, ::-1][:, : per[g]]  # top components
+        proj = (zall[:, edges[g] : edges[g + 1]] - mu) @ comps
         refs.append(proj)
     ref = np.concatenate(refs, 1)
     out = t.apply(cube).reshape(-1, 6).astype(np.float64)
@@ -310,7 +318,7 @@ def test_patches_reflect_at_borders(scene, p):
     out = extract_patches(padded, rows, cols, p)
     assert out.shape == (5, cube.shape[-1], p, p)
     for i in range(5):
-        ref = ref_pad[rows[i]:rows[i] + p, cols[i]:cols[i] + p].transpose(2, 0, 1)
+        ref = ref_pad[rows[i] : rows[i] + p, cols[i] : cols[i] + p].transpose(2, 0, 1)
         np.testing.assert_array_equal(out[i].numpy(), ref)
         np.testing.assert_array_equal(out[i, :, r, r].numpy(), cube[rows[i], cols[i]])  # centred on the pixel
 
@@ -329,9 +337,15 @@ def test_datamodule(tmp_path, scene):
     cube, gt = scene
     np.save(tmp_path / "c.npy", cube)
     np.save(tmp_path / "g.npy", gt)
-    dm = HSIDataModule(str(tmp_path / "c.npy"), str(tmp_path / "g.npy"), patch_size=5,
-                       pca={"n_components": 6, "groups": 2}, split={"protocol": "per_class", "samples_per_class": 8},
-                       batch_size=16, seed=0)
+    dm = HSIDataModule(
+        str(tmp_path / "c.npy"),
+        str(tmp_path / "g.npy"),
+        patch_size=5,
+        pca={"n_components": 6, "groups": 2},
+        split={"protocol": "per_class", "samples_per_class": 8},
+        batch_size=16,
+        seed=0,
+    )
     dm.setup("fit")
     assert dm.num_bands == 6 and dm.num_classes == 4
     assert dm.split_sizes["train"] == 32
@@ -354,9 +368,15 @@ def test_datamodule(tmp_path, scene):
     cube2 = cube.copy()
     cube2[other] *= 100.0
     np.save(tmp_path / "c2.npy", cube2)
-    dm2 = HSIDataModule(str(tmp_path / "c2.npy"), str(tmp_path / "g.npy"), patch_size=5,
-                        pca={"n_components": 6, "groups": 2}, split={"protocol": "per_class", "samples_per_class": 8},
-                        batch_size=16, seed=0)
+    dm2 = HSIDataModule(
+        str(tmp_path / "c2.npy"),
+        str(tmp_path / "g.npy"),
+        patch_size=5,
+        pca={"n_components": 6, "groups": 2},
+        split={"protocol": "per_class", "samples_per_class": 8},
+        batch_size=16,
+        seed=0,
+    )
     dm2.setup("fit")
     np.testing.assert_array_equal(dm2.transform.mean, dm.transform.mean)
     np.testing.assert_array_equal(dm2.transform.std, dm.transform.std)
@@ -368,8 +388,13 @@ def test_datamodule(tmp_path, scene):
     buf.seek(0)
     assert torch.load(buf, weights_only=True)["patch_size"] == 5
 
-    pre = HSIDataModule(str(tmp_path / "c.npy"), str(tmp_path / "g.npy"), patch_size=3, pretrain=True,
-                        max_pretrain_samples=100)
+    pre = HSIDataModule(
+        str(tmp_path / "c.npy"),
+        str(tmp_path / "g.npy"),
+        patch_size=3,
+        pretrain=True,
+        max_pretrain_samples=100,
+    )
     pre.setup("fit")
     assert len(pre.train_set) == 100 and (pre.train_set.labels == -1).all()
     with pytest.raises(ValueError, match="split: unknown keys"):

@@ -13,7 +13,9 @@ from tests.helpers import relerr
 TINY = dict(embed_dim=32, num_heads=4, branch_depth=1, fusion_depth=1)
 
 
-@pytest.mark.parametrize("bands,group,expect_groups", [(1, 8, 1), (7, 8, 1), (24, 8, 3), (103, 8, 13), (30, 7, 5)])
+@pytest.mark.parametrize(
+    "bands,group,expect_groups", [(1, 8, 1), (7, 8, 1), (24, 8, 3), (103, 8, 13), (30, 7, 5)]
+)
 def test_any_band_count(bands, group, expect_groups):
     m = ElsaHSIViT(bands, 5, img_size=9, band_group=group, spatial_patch=3, **TINY)
     assert m.num_groups == expect_groups and m.num_spatial == 9
@@ -51,7 +53,9 @@ def test_elsa_matches_sdpa_with_same_weights():
     """Same weights, ELSA vs SDPA: float64 both (<= 1e-12), and ELSA in float32 vs the float64 SDPA model
     (<= 1e-5: the whole network in float32, not just attention)."""
     torch.manual_seed(1)
-    cfg = dict(img_size=9, band_group=4, spatial_patch=3, embed_dim=48, num_heads=3, branch_depth=2, fusion_depth=2)
+    cfg = dict(
+        img_size=9, band_group=4, spatial_patch=3, embed_dim=48, num_heads=3, branch_depth=2, fusion_depth=2
+    )
     sdpa = ElsaHSIViT(17, 6, attn_impl="sdpa", **cfg).eval()
     elsa = ElsaHSIViT(17, 6, attn_impl="elsa", **cfg).eval()
     elsa.load_state_dict(sdpa.state_dict())
@@ -65,8 +69,21 @@ def test_elsa_matches_sdpa_with_same_weights():
 def test_key_mask_hides_masked_tokens():
     """With a visibility mask, the outputs at visible tokens do not depend on the masked tokens' inputs."""
     torch.manual_seed(2)
-    m = ElsaHSIViT(24, 0, img_size=6, band_group=8, spatial_patch=2, embed_dim=32, num_heads=4,
-                   branch_depth=2, fusion_depth=2).double().eval()
+    m = (
+        ElsaHSIViT(
+            24,
+            0,
+            img_size=6,
+            band_group=8,
+            spatial_patch=2,
+            embed_dim=32,
+            num_heads=4,
+            branch_depth=2,
+            fusion_depth=2,
+        )
+        .double()
+        .eval()
+    )
     t = m.embed(torch.randn(3, 24, 6, 6, dtype=torch.float64))  # (B, G=3, S=9, D)
     visible = torch.rand(3, 3, 9) < 0.5
     visible[:, 0, 0] = True
