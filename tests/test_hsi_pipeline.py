@@ -119,13 +119,22 @@ def test_checkpoint_is_weights_only_and_self_describing(trained):
     assert meta["class_values"].tolist() == [1, 2, 3, 4]
     assert ckpt["hsi"]["net_config"]["in_chans"] == 20 and ckpt["hsi"]["net_config"]["num_classes"] == 4
     reloaded = HSIClassificationModule.from_checkpoint(trained["ckpt"]).eval()
+    # Lightning's own loader works too: the factory is replaced by the checkpoint's network config.
+    via_pl = HSIClassificationModule.load_from_checkpoint(
+        trained["ckpt"], net=functools.partial(ElsaHSIViT, embed_dim=8, num_heads=1)
+    ).eval()
+    assert via_pl.net.config == ckpt["hsi"]["net_config"] and via_pl.hsi_meta["patch_size"] == PATCH
     net, meta2 = load_hsi_checkpoint(trained["ckpt"])
     x, _ = next(iter(trained["dm"].test_dataloader()))
     best = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     ref = ElsaHSIViT(**ckpt["hsi"]["net_config"]).eval()
     ref.load_state_dict(best)
     with torch.no_grad():
-        assert torch.equal(reloaded(x), ref(x)) and torch.equal(net(x), ref(x))
+        assert (
+            torch.equal(reloaded(x), ref(x))
+            and torch.equal(net(x), ref(x))
+            and torch.equal(via_pl(x), ref(x))
+        )
 
 
 def test_inference_cli_outputs(trained, capsys):

@@ -559,7 +559,8 @@ def extract_patches(padded: Tensor, rows: Tensor, cols: Tensor, patch_size: int)
 class HSIPatchDataset(Dataset):
     """Patches around pixels: items ``(patch (C, p, p) float32, label int64)`` (label -1 when unknown).
 
-    ``augment`` applies a random flip and 90-degree rotation (the label is the centre pixel's, unchanged).
+    ``augment`` applies a random flip and 90-degree rotation (the label is the centre pixel's, unchanged),
+    drawn from torch's global generator (seeded per worker by ``lightning.seed_everything(workers=True)``).
     """
 
     def __init__(
@@ -569,7 +570,6 @@ class HSIPatchDataset(Dataset):
         labels: np.ndarray | None,
         patch_size: int,
         augment: bool = False,
-        seed: int = 0,
     ):
         self.padded = padded
         self.coords = torch.as_tensor(np.asarray(coords, dtype=np.int64).reshape(-1, 2))
@@ -582,7 +582,6 @@ class HSIPatchDataset(Dataset):
             raise ValueError(f"labels ({len(self.labels)}) and coords ({len(self.coords)}) differ in length")
         self.patch_size = int(patch_size)
         self.augment = augment
-        self.generator = torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
         return len(self.coords)
@@ -592,7 +591,7 @@ class HSIPatchDataset(Dataset):
         p = self.patch_size
         x = self.padded[:, r : r + p, c : c + p]
         if self.augment:
-            k, flip = torch.randint(0, 4, (2,), generator=self.generator).tolist()
+            k, flip = torch.randint(0, 4, (2,)).tolist()
             x = torch.rot90(x, k, dims=(1, 2))
             if flip % 2:
                 x = torch.flip(x, dims=(2,))
@@ -624,7 +623,7 @@ class HSIDataModule(L.LightningDataModule):
         pca: None, or ``{n_components: int, groups: int (1 = plain PCA)}``; fitted on training pixels.
         split: mapping with ``protocol`` (``"ratio"`` | ``"per_class"``), ``ratio``, ``val_ratio``,
             ``samples_per_class``, ``val_samples_per_class`` (see :func:`split_indices`).
-        seed: split, PCA and augmentation seed.
+        seed: split, PCA, pretraining-subset and shuffling seed.
         normalize: per-band standardisation with training-pixel statistics.
         nan_policy: ``"raise"`` or ``"fill"`` (see :func:`load_cube`).
         augment: random flips / rotations of training patches.
@@ -741,9 +740,9 @@ class HSIDataModule(L.LightningDataModule):
                     len(all_coords), self.max_pretrain_samples, False
                 )
                 all_coords = all_coords[np.sort(pick)]
-            self.train_set = HSIPatchDataset(padded, all_coords, None, p, self.augment, self.seed)
+            self.train_set = HSIPatchDataset(padded, all_coords, None, p, self.augment)
         else:
-            self.train_set = HSIPatchDataset(padded, coords[tr], labels[tr], p, self.augment, self.seed)
+            self.train_set = HSIPatchDataset(padded, coords[tr], labels[tr], p, self.augment)
         self.val_set = HSIPatchDataset(padded, coords[va], labels[va], p)
         self.test_set = HSIPatchDataset(padded, coords[te], labels[te], p)
         self._ready = True
