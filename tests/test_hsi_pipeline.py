@@ -261,6 +261,21 @@ def test_inference_errors(trained, tmp_path):
         run(str(trained["ckpt"]), str(root / "scene.mat"), out=str(tmp_path / "o"), labelled_only=True)
 
 
+def test_module_checks_network_against_data(trained, tmp_path):
+    dm = trained["dm"]
+    wrong_bands = HSIClassificationModule(ElsaHSIViT(12, 4, img_size=PATCH, **NET))
+    with pytest.raises(ValueError, match="net has in_chans=12, the data needs in_chans=20"):
+        _trainer(tmp_path / "a", fast_dev_run=True).fit(wrong_bands, dm)
+    wrong_classes = HSIClassificationModule(ElsaHSIViT(20, 5, img_size=PATCH, **NET))
+    with pytest.raises(ValueError, match="num_classes=5, the data has 4"):
+        _trainer(tmp_path / "b", fast_dev_run=True).fit(wrong_classes, dm)
+    factory = HSIClassificationModule(functools.partial(ElsaHSIViT, **NET))
+    with pytest.raises(ValueError, match="needs a datamodule with `hsi_meta`"):
+        factory.setup("fit")
+    with pytest.raises(TypeError, match="net must be an nn.Module or a callable"):
+        HSIClassificationModule(net=3)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # MAE pretraining and encoder transfer
 # ---------------------------------------------------------------------------------------------------------

@@ -85,9 +85,15 @@ def _read_mat_v73(path: Path) -> dict[str, np.ndarray]:
         with h5py.File(path, "r") as f:
 
             def visit(name, obj):
-                if isinstance(obj, h5py.Dataset) and not name.startswith("#") and obj.dtype.kind in "biuf":
-                    # MATLAB writes column-major: an (H, W, B) array is stored as (B, W, H).
-                    out[name] = np.asarray(obj[()]).T
+                if not isinstance(obj, h5py.Dataset) or name.startswith("#") or obj.dtype.kind not in "biuf":
+                    return
+                cls = obj.attrs.get("MATLAB_class", b"")
+                if (
+                    cls.decode() if isinstance(cls, bytes) else str(cls)
+                ) == "char":  # strings are uint16 codes
+                    return
+                # MATLAB writes column-major: an (H, W, B) array is stored as (B, W, H).
+                out[name] = np.asarray(obj[()]).T
 
             f.visititems(visit)
     except OSError as e:

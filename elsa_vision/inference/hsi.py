@@ -212,7 +212,7 @@ def run(
     transform = SpectralTransform.from_state_dict(meta["transform"])
     cube = load_cube(
         input,
-        key=key if key is not None else meta.get("key"),
+        key=key,
         nan_policy=nan_policy or meta.get("nan_policy", "raise"),
     )
     if cube.shape[-1] != transform.num_bands_in:

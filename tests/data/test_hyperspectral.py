@@ -71,6 +71,11 @@ def test_mat_v5_round_trip_and_auto_keys(tmp_path, scene):
 def test_mat_v73_round_trip(tmp_path, scene):
     cube, gt = scene
     write_mat73(tmp_path / "v73.mat", {"WHU_Hi_LongKou": cube})
+    with h5py.File(tmp_path / "v73_gt_named.mat", "w") as f:  # a char variable beside the labels is ignored
+        f.create_dataset("gt", data=np.ascontiguousarray(gt.T)).attrs["MATLAB_class"] = np.bytes_("uint8")
+        name = f.create_dataset("name", data=np.frombuffer(b"p\0a\0v\0i\0a\0", dtype=np.uint16)[:, None])
+        name.attrs["MATLAB_class"] = np.bytes_("char")
+    np.testing.assert_array_equal(load_gt(tmp_path / "v73_gt_named.mat"), gt)
     write_mat73(tmp_path / "v73_gt.mat", {"WHU_Hi_LongKou_gt": gt})
     with pytest.raises(NotImplementedError):  # it is a real v7.3 file: scipy refuses it
         scipy.io.loadmat(tmp_path / "v73.mat")
