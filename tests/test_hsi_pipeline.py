@@ -276,6 +276,20 @@ def test_module_checks_network_against_data(trained, tmp_path):
         HSIClassificationModule(net=3)
 
 
+def test_weight_decay_groups():
+    clf = HSIClassificationModule(ElsaHSIViT(20, 4, img_size=PATCH, **NET))
+    mae = MaskedAutoencoderModule(ElsaHSIViT(20, 0, img_size=PATCH, **NET), decoder_dim=16, decoder_heads=2)
+    for module, net in ((clf, clf.net), (mae, mae.encoder)):
+        opt = module.configure_optimizers()
+        decay, no_decay = ({id(p) for p in g["params"]} for g in opt.param_groups)
+        assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["weight_decay"] == 0.05
+        assert id(net.spatial_pos) in no_decay and id(net.spectral_pos) in no_decay
+        assert id(net.fusion_blocks[0].attn.qkv.weight) in decay and id(net.norm.weight) in no_decay
+        assert len(decay) + len(no_decay) == len(list(module.parameters()))
+    assert id(mae.decoder.pos_embed) in no_decay and id(mae.decoder.mask_token) in no_decay
+    assert id(mae.decoder.pred.weight) in decay
+
+
 # ---------------------------------------------------------------------------------------------------------
 # MAE pretraining and encoder transfer
 # ---------------------------------------------------------------------------------------------------------

@@ -36,13 +36,18 @@ def _default_optimizer(params, lr: float = 1e-3, weight_decay: float = 0.05) -> 
 
 
 def _param_groups(module: nn.Module, weight_decay_skip: set[str]) -> list[dict]:
-    """Weight decay on matrices/kernels only; biases, norms and position embeddings are not decayed."""
+    """Weight decay on matrices/kernels only; biases, norms, position embeddings and the MAE mask token
+    (``weight_decay_skip`` names of the network, plus ``decoder.pos_embed`` / ``decoder.mask_token``) are not
+    decayed."""
     decay, no_decay = [], []
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        short = name.split(".", 1)[1] if name.startswith("net.") or name.startswith("encoder.") else name
-        (no_decay if p.ndim < 2 or short in weight_decay_skip else decay).append(p)
+        head, _, short = name.partition(".")
+        skip = (head in ("net", "encoder") and short in weight_decay_skip) or (
+            head == "decoder" and short in ("pos_embed", "mask_token")
+        )
+        (no_decay if p.ndim < 2 or skip else decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
