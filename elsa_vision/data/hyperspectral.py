@@ -70,8 +70,8 @@ def _read_mat_v5(path: Path) -> dict[str, np.ndarray]:
 
     try:
         raw = scipy.io.loadmat(str(path))
-    except NotImplementedError as e:  # v7.3 written without an HDF5 signature check: handled by the caller
-        raise ValueError(f"{path}: not a MATLAB v5 file ({e})") from e
+    except NotImplementedError as e:  # a v7.3 header on a file that is not valid HDF5
+        raise ValueError(f"{path}: MATLAB v7.3 header but not a readable HDF5 file ({e})") from e
     except Exception as e:  # scipy raises ValueError/TypeError/OSError on corrupt files
         raise ValueError(f"{path}: cannot read MATLAB file: {e}") from e
     return {k: v for k, v in raw.items() if not k.startswith("__") and isinstance(v, np.ndarray)}
@@ -88,9 +88,7 @@ def _read_mat_v73(path: Path) -> dict[str, np.ndarray]:
                 if not isinstance(obj, h5py.Dataset) or name.startswith("#") or obj.dtype.kind not in "biuf":
                     return
                 cls = obj.attrs.get("MATLAB_class", b"")
-                if (
-                    cls.decode() if isinstance(cls, bytes) else str(cls)
-                ) == "char":  # strings are uint16 codes
+                if (cls.decode() if isinstance(cls, bytes) else str(cls)) == "char":  # uint16 text codes
                     return
                 # MATLAB writes column-major: an (H, W, B) array is stored as (B, W, H).
                 out[name] = np.asarray(obj[()]).T
@@ -123,10 +121,10 @@ def _read_envi(path: Path) -> dict[str, np.ndarray]:
     data = None if path.suffix.lower() == ".hdr" else str(path)
     try:
         img = envi.open(str(hdr), data)
-        arr = np.asarray(img.load())
+        arr = np.array(img.load())  # (rows, cols, bands) whatever the interleave
     except Exception as e:  # spectral raises its own exception types for bad headers / missing data files
         raise ValueError(f"{hdr}: cannot read ENVI image: {e}") from e
-    return {"image": np.array(arr)}
+    return {"image": arr}
 
 
 def _read_tiff(path: Path) -> dict[str, np.ndarray]:
