@@ -366,6 +366,10 @@ def test_mae_checkpoint_transfers_encoder(trained):
         other.load_encoder_from(mae)
     with pytest.raises(TypeError, match="source must be"):
         clf.load_encoder_from(3)
+    # Through the constructor (the Hydra route): the encoder is loaded in setup(), before any step.
+    via_cfg = HSIClassificationModule(functools.partial(ElsaHSIViT, **NET), pretrained_encoder=str(ckpt))
+    _trainer(root / "ft", limit_val_batches=1).validate(via_cfg, trained["dm"], verbose=False)
+    assert all(torch.equal(via_cfg.net.state_dict()[k], enc_state[k]) for k in enc_state)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -164,6 +164,8 @@ class HSIClassificationModule(_HSIBase):
         num_classes: class count when ``net`` is a factory and no datamodule gives it (else inferred).
         label_smoothing: cross-entropy label smoothing.
         class_names: names for the evaluation table (default: the datamodule's, else ``class <value>``).
+        pretrained_encoder: optional ``MaskedAutoencoderModule`` checkpoint whose encoder is loaded into the
+            network in ``setup()`` (once, after the network is built; see :meth:`load_encoder_from`).
 
     Logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc`` (OA), ``val/aa``, ``val/kappa``,
     ``val/acc_best``, and the same under ``test/`` plus ``test/acc_class_<i>``. After ``trainer.test`` the
@@ -179,6 +181,7 @@ class HSIClassificationModule(_HSIBase):
         num_classes: int | None = None,
         label_smoothing: float = 0.0,
         class_names: list[str] | None = None,
+        pretrained_encoder: str | None = None,
     ):
         super().__init__(net, optimizer, scheduler, scheduler_interval, {})
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
@@ -188,6 +191,8 @@ class HSIClassificationModule(_HSIBase):
         self.class_names = None if class_names is None else list(class_names)
         self.num_classes = num_classes if num_classes is not None else getattr(self._net, "num_classes", None)
         self.test_report: dict | None = None
+        self.pretrained_encoder = None if pretrained_encoder is None else str(pretrained_encoder)
+        self._encoder_loaded = False
         self._metrics_ready = False
         if self.num_classes:
             self._build_metrics(int(self.num_classes))
@@ -232,6 +237,9 @@ class HSIClassificationModule(_HSIBase):
             names = self.hsi_meta.get("class_names")
             values = self.hsi_meta["class_values"].tolist()
             self.class_names = list(names) if names else [f"class {v}" for v in values]
+        if self.pretrained_encoder is not None and not self._encoder_loaded:
+            self.load_encoder_from(self.pretrained_encoder)
+            self._encoder_loaded = True
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
