@@ -1,1 +1,5 @@
-"""Datasets, data modules and dataset metadata."""
+"""LightningDataModules, readers and dataset metadata per domain."""
+
+from .hyperspectral import HSIDataModule
+
+__all__ = ["HSIDataModule"]

@@ -1,5 +1,6 @@
 """Models on ELSA attention; importing this registers the ``elsa_*`` names with timm."""
 
+<<<<<<< HEAD
 from ._builder import LoadReport, load_checkpoint, read_state_dict
 from .clip_vision import ElsaCLIPVision, create_elsa_clip_vision, from_open_clip
 from .vit import ElsaViT, elsa_checkpoint_filter_fn
@@ -14,3 +15,9 @@ __all__ = [
     "load_checkpoint",
     "read_state_dict",
 ]
+=======
+from .hsi_vit import ElsaHSIViT
+from .vit import ElsaViT
+
+__all__ = ["ElsaViT", "ElsaHSIViT"]
+>>>>>>> hsi

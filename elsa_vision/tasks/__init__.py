@@ -1,1 +1,5 @@
-"""Tasks: training modules and evaluation pipelines."""
+"""Tasks: LightningModules per task and evaluation pipelines."""
+
+from .hsi import HSIClassificationModule, MaskedAutoencoderModule
+
+__all__ = ["HSIClassificationModule", "MaskedAutoencoderModule"]
