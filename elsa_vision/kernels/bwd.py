@@ -67,7 +67,7 @@ def _bwd_preprocess_kernel(
     H, Nq, Dv,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """``DELTA[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d]`` in float32; DELTA is ``[B, H, Nq]`` contiguous."""
+    """``DELTA[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d]`` in float32; contiguous ``[B, H, Nq]``."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -215,7 +215,8 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
     sm_scale, qk_scale,
-    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (query tile, b, h): ``dQ [BLOCK_M, D]`` from a loop over the key tiles."""
@@ -361,7 +362,8 @@ def _bwd_dbias_kernel(
             m064 = m0 + zero64
             q = tl.load(Q + b * stride_qb + h * stride_qh + m064 * stride_qm + offs_ml[:, None] * stride_qm
                         + offs_d[None, :] * stride_qd, mask=m_in[:, None] & d_in[None, :], other=0.0)
-            do = tl.load(DO + b * stride_dob + h * stride_doh + m064 * stride_dom + offs_ml[:, None] * stride_dom
+            do = tl.load(DO + b * stride_dob + h * stride_doh + m064 * stride_dom
+                         + offs_ml[:, None] * stride_dom
                          + offs_dv[None, :] * stride_dod, mask=m_in[:, None] & dv_in[None, :], other=0.0)
             lse = tl.load(LSE + b * stride_lb + h * stride_lh + m064 * stride_lm + offs_ml * stride_lm,
                           mask=m_in, other=0.0)
@@ -375,9 +377,11 @@ def _bwd_dbias_kernel(
                     kpm = tl.load(KPM + b * stride_kpmb + n064 * stride_kpmn + offs_nl * stride_kpmn,
                                   mask=key_ok, other=0)
                     key_ok = key_ok & (kpm != 0)
-                k = tl.load(K + b * stride_kb + h * stride_kh + n064 * stride_kn + offs_nl[:, None] * stride_kn
+                k = tl.load(K + b * stride_kb + h * stride_kh + n064 * stride_kn
+                            + offs_nl[:, None] * stride_kn
                             + offs_d[None, :] * stride_kd, mask=key_ok[:, None] & d_in[None, :], other=0.0)
-                v = tl.load(V + b * stride_vb + h * stride_vh + n064 * stride_vn + offs_nl[:, None] * stride_vn
+                v = tl.load(V + b * stride_vb + h * stride_vh + n064 * stride_vn
+                            + offs_nl[:, None] * stride_vn
                             + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
                 valid = m_in[:, None] & key_ok[None, :]
                 bias = tl.load(bias_base + m064 * stride_bm + n064 * stride_bn + offs_ml[:, None] * stride_bm
@@ -390,7 +394,8 @@ def _bwd_dbias_kernel(
                 dp = _dot(do, tl.trans(v), PREC, DOT_UPCAST)
                 acc += p * (dp - delta[:, None])
 
-    out_base = DB + split.to(tl.int64) * stride_dbs + bb.to(tl.int64) * stride_dbb + hb.to(tl.int64) * stride_dbh
+    out_base = (DB + split.to(tl.int64) * stride_dbs + bb.to(tl.int64) * stride_dbb
+                + hb.to(tl.int64) * stride_dbh)
     offs_m = pid_m * BLOCK_M + offs_ml
     offs_n = pid_n * BLOCK_N + offs_nl
     if REDUCE_M:
@@ -405,7 +410,8 @@ def _bwd_dbias_kernel(
             row = tl.sum(acc, axis=1)
             tl.store(out_base + offs_m.to(tl.int64) * stride_dbm, row, mask=offs_m < Nq)
         else:
-            tl.store(out_base + offs_m.to(tl.int64)[:, None] * stride_dbm + offs_n.to(tl.int64)[None, :] * stride_dbn,
+            tl.store(out_base + offs_m.to(tl.int64)[:, None] * stride_dbm
+                     + offs_n.to(tl.int64)[None, :] * stride_dbn,
                      acc, mask=(offs_m < Nq)[:, None] & (offs_n < Nk)[None, :])
 
 
@@ -453,7 +459,8 @@ def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) 
     return precision
 
 
-def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precision: str = "ieee") -> BwdConfig:
+def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device,
+               precision: str = "ieee") -> BwdConfig:
     """Default tiles for the backward from the dtype, head dims and device (no environment variables).
 
     Half precision follows the usual fused-attention split (dK/dV: 32 queries x 128 keys; dQ: 128 queries x
@@ -473,7 +480,7 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
                         block_m2=64, block_n2=32, warps2=4, stages2=2,
                         block_m3=64, block_n3=32, warps3=4, stages3=2)
     if wide >= 256:
-        cfg = BwdConfig(block_m1=cfg.block_m1 // 2 if cfg.block_m1 > 16 else 16, block_n1=max(16, cfg.block_n1 // 2),
+        cfg = BwdConfig(block_m1=max(16, cfg.block_m1 // 2), block_n1=max(16, cfg.block_n1 // 2),
                         warps1=8, stages1=1, block_m2=max(16, cfg.block_m2 // 2),
                         block_n2=max(16, cfg.block_n2 // 2), warps2=8, stages2=1,
                         block_m3=32, block_n3=32, warps3=4, stages3=1)
@@ -508,9 +515,11 @@ def _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale):
         raise ValueError(f"elsa_bwd: v must be [B, H, Nk, Dv] = [{B}, {H}, {Nk}, Dv], got {_shape(v)}")
     for name, t in (("out", out), ("do", do)):
         if t.shape != (B, H, Nq, Dv):
-            raise ValueError(f"elsa_bwd: `{name}` must be [B, H, Nq, Dv] = [{B}, {H}, {Nq}, {Dv}], got {_shape(t)}")
+            raise ValueError(
+                f"elsa_bwd: `{name}` must be [B, H, Nq, Dv] = [{B}, {H}, {Nq}, {Dv}], got {_shape(t)}")
     if lse.shape != (B, H, Nq) or lse.dtype != torch.float32:
-        raise ValueError(f"elsa_bwd: `lse` must be float32 [B, H, Nq] = [{B}, {H}, {Nq}], got {lse.dtype} {_shape(lse)}")
+        raise ValueError(
+            f"elsa_bwd: `lse` must be float32 [B, H, Nq] = [{B}, {H}, {Nq}], got {lse.dtype} {_shape(lse)}")
     if lse.device != q.device:
         raise ValueError(f"elsa_bwd: `lse` is on {lse.device}, q on {q.device}")
     if min(B, H, Nq, Nk, D, Dv) == 0:
@@ -525,14 +534,18 @@ def _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale):
             and shp[3] in (1, Nk)
         if not ok:
             raise ValueError(
-                f"elsa_bwd: `attn_bias` of shape {_shape(attn_bias)} must be [Bb, Hb, Mb, Nb] with Bb dividing "
+                f"elsa_bwd: `attn_bias` of shape {_shape(attn_bias)} must be [Bb, Hb, Mb, Nb] with Bb "
+                f"dividing "
                 f"B={B} (window b % Bb), Hb in (1, {H}), Mb in (1, {Nq}), Nb in (1, {Nk})"
             )
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("elsa_bwd: `key_padding_mask` must be a torch.bool tensor (True = key takes part)")
-        if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] not in (1, B) or key_padding_mask.shape[1] != Nk:
-            raise ValueError(f"elsa_bwd: `key_padding_mask` must be [B, Nk] = [{B}, {Nk}], got {_shape(key_padding_mask)}")
+            raise TypeError(
+                "elsa_bwd: `key_padding_mask` must be a torch.bool tensor (True = key takes part)")
+        kshape = tuple(key_padding_mask.shape)
+        if len(kshape) != 2 or kshape[0] not in (1, B) or kshape[1] != Nk:
+            raise ValueError(
+                f"elsa_bwd: `key_padding_mask` must be [B, Nk] = [{B}, {Nk}], got {_shape(key_padding_mask)}")
         if key_padding_mask.device != q.device:
             raise ValueError(f"elsa_bwd: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -569,9 +582,10 @@ def elsa_bwd(
         q, k, v: ``[B, H, Nq, D]``, ``[B, H, Nk, D]``, ``[B, H, Nk, Dv]``; any strides (fused-qkv views).
         out: forward output ``[B, H, Nq, Dv]``; lse: float32 ``[B, H, Nq]`` natural-log log-sum-exp,
             ``-inf`` for rows with no visible key.
-        attn_bias: float ``[Bb, Hb, Mb, Nb]`` (or fewer leading dims) with ``Hb in (1, H)``, ``Mb in (1, Nq)``,
-            ``Nb in (1, Nk)`` and ``Bb`` dividing ``B``: batch ``b`` uses bias slice ``b % Bb`` (``Bb = 1`` or
-            ``B`` is ordinary broadcasting, ``Bb = nW`` the window layout ``B = batch * nW``).
+        attn_bias: float ``[Bb, Hb, Mb, Nb]`` (or fewer leading dims) with ``Hb in (1, H)``,
+            ``Mb in (1, Nq)``, ``Nb in (1, Nk)`` and ``Bb`` dividing ``B``: batch ``b`` uses bias slice
+            ``b % Bb`` (``Bb = 1`` or ``B`` is ordinary broadcasting, ``Bb = nW`` the window layout
+            ``B = batch * nW``).
         key_padding_mask: bool ``[B or 1, Nk]``, True = key takes part.
         causal: bottom-right aligned (query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``).
         scale: logit scale, default ``D ** -0.5``.
@@ -639,7 +653,8 @@ def elsa_bwd(
         q, k, v, do, lse, delta, bias_arg, kpm, dk, dv, dq_acc,
         *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(), *dq_acc_s,
         H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
-        HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq, PREC=prec, DOT_UPCAST=dot_upcast,
+        HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
+        PREC=prec, DOT_UPCAST=dot_upcast,
         BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
@@ -672,7 +687,8 @@ def elsa_bwd(
             q, k, v, do, lse, delta, bias_arg, kpm, ws,
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *ws.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, n_members, per_split, sm_scale,
-            HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n, PREC=prec, DOT_UPCAST=dot_upcast,
+            HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n,
+            PREC=prec, DOT_UPCAST=dot_upcast,
             BLOCK_M=cfg.block_m3, BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
             num_warps=cfg.warps3, num_stages=cfg.stages3,
         )
