@@ -25,9 +25,10 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 import triton
@@ -35,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elsa_vision.kernels.bwd import bwd_config, elsa_bwd, resolve_precision  # noqa: E402
+from elsa_vision.kernels.bwd import BwdConfig, bwd_config, elsa_bwd, resolve_precision  # noqa: E402
 from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
 
 SHAPES = [(1, 8, 4096, 64), (1, 8, 16384, 64), (8, 12, 785, 64)]
@@ -46,16 +47,28 @@ SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATT
         "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 ELSA = {"elsa": ("auto", True), "elsa_ieee": ("ieee", True), "elsa_tf32": ("tf32", True),
         "elsa_atomic": ("auto", False)}
-TILES = [  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages)
-    (32, 64, 4, 2, 64, 32, 4, 2),
-    (32, 128, 4, 2, 128, 32, 4, 2),
-    (32, 128, 8, 2, 128, 32, 8, 2),
-    (64, 64, 4, 2, 64, 64, 4, 2),
-    (64, 128, 8, 2, 128, 64, 8, 2),
-    (32, 128, 4, 3, 128, 32, 4, 3),
-    (64, 64, 8, 3, 64, 64, 8, 3),
-    (16, 128, 4, 3, 128, 16, 4, 3),
-]
+TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), per dtype
+    "float32": [
+        (64, 128, 8, 2, 128, 64, 8, 2),
+        (64, 128, 8, 3, 128, 64, 8, 3),
+        (64, 128, 8, 1, 128, 64, 8, 1),
+        (32, 128, 8, 2, 128, 64, 8, 2),
+        (64, 128, 8, 2, 128, 32, 8, 2),
+        (64, 128, 8, 2, 64, 128, 8, 2),
+        (128, 128, 8, 2, 128, 128, 8, 2),
+        (64, 64, 4, 2, 128, 64, 8, 2),
+    ],
+    "bfloat16": [
+        (32, 128, 4, 3, 128, 32, 4, 3),
+        (32, 128, 4, 4, 128, 32, 4, 4),
+        (32, 128, 4, 3, 128, 64, 4, 3),
+        (64, 128, 4, 3, 128, 64, 4, 3),
+        (64, 128, 8, 3, 128, 64, 8, 3),
+        (32, 128, 4, 2, 128, 32, 4, 2),
+        (64, 64, 4, 3, 64, 64, 4, 3),
+        (32, 64, 4, 3, 64, 32, 4, 3),
+    ],
+}
 COLUMNS = ["device", "torch", "triton", "date", "B", "H", "N", "D", "dtype", "peer", "pass", "ms", "tflops",
            "extra_mb", "relerr"]
 
@@ -128,7 +141,7 @@ def _time_peer(f, q, k, v, do, refs):
     return ms_fb, ms_f, extra, err
 
 
-def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta):
+def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
@@ -172,8 +185,10 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta):
             continue
         precision, det = ELSA[peer]
 
-        def bwd(precision=precision, det=det):
-            return elsa_bwd(do, q, k, v, out, lse, precision=precision, deterministic=det)
+        cfg = (configs or {}).get(dtype_name)
+
+        def bwd(precision=precision, det=det, cfg=cfg):
+            return elsa_bwd(do, q, k, v, out, lse, precision=precision, deterministic=det, config=cfg)
 
         grads = bwd()
         err = _relerr(grads[:3], refs)
@@ -181,6 +196,7 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta):
         ms = _bench(bwd)
         add(peer, "bwd", ms, fl_bwd, _peak_extra(bwd), err)
 
+    best = None
     if tiles:
         prec = resolve_precision(dtype, "auto", q.device)
         base = bwd_config(dtype, D, D, q.device, prec)
@@ -191,9 +207,17 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta):
             try:
                 fn = lambda cfg=cfg: elsa_bwd(do, q, k, v, out, lse, config=cfg)  # noqa: E731
                 err = _relerr(fn()[:3], refs)
-                print(f"  tiles {t}: {_bench(fn):8.3f} ms relerr {err:.2e}", flush=True)
+                ms = _bench(fn)
+                print(f"  tiles {t}: {ms:8.3f} ms relerr {err:.2e}", flush=True)
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
             except Exception as exc:
                 print(f"  tiles {t}: failed ({type(exc).__name__}: {str(exc)[:100]})", flush=True)
+        if best is not None:
+            fn = lambda: elsa_bwd(do, q, k, v, out, lse, config=best[1], deterministic=False)  # noqa: E731
+            print(f"  best tiles, deterministic=False: {_bench(fn):8.3f} ms", flush=True)
+        print(f"  best {best}", flush=True)
+    return best
 
 
 def main(argv=None):
@@ -203,6 +227,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="*", default=DTYPES)
     ap.add_argument("--peers", nargs="*", default=PEERS)
     ap.add_argument("--tiles", action="store_true", help="also time the candidate tile configs")
+    ap.add_argument("--save-best", default=None, help="with --tiles: JSON file for the fastest config")
+    ap.add_argument("--config-json", default=None, help="per-dtype BwdConfig JSON for the elsa rows")
+    ap.add_argument("--append", action="store_true", help="append to today's CSV instead of replacing it")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -215,17 +242,33 @@ def main(argv=None):
     today = dt.datetime.now(dt.timezone.utc)
     meta = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                 date=today.strftime("%Y-%m-%d"))
-    rows = []
-    for dtype_name in args.dtypes:
-        for s in args.shapes:
-            B, H, N, D = (int(x) for x in s.split(","))
-            run_case(B, H, N, D, dtype_name, args.peers, TILES if args.tiles else [], rows, meta)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"attention_bwd_{gpu}_{today.strftime('%Y%m%d')}.csv")
-    with open(path, "w", newline="") as fh:
+    configs = {}
+    if args.config_json:
+        with open(args.config_json) as fh:
+            configs = {k: BwdConfig(**v) for k, v in json.load(fh).items()}
+        print(f"tile configs: {configs}")
+    rows, chosen = [], {}
+    fresh = not (args.append and os.path.exists(path))
+    with open(path, "w" if fresh else "a", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+        if fresh:
+            w.writeheader()
+        for dtype_name in args.dtypes:
+            for s in args.shapes:
+                B, H, N, D = (int(x) for x in s.split(","))
+                n0 = len(rows)
+                best = run_case(B, H, N, D, dtype_name, args.peers, TILES[dtype_name] if args.tiles else [],
+                                rows, meta, configs)
+                w.writerows(rows[n0:])
+                fh.flush()
+                if best is not None and dtype_name not in chosen:
+                    chosen[dtype_name] = asdict(best[1])
+    if args.tiles and args.save_best:
+        with open(args.save_best, "w") as fh:
+            json.dump(chosen, fh, indent=1)
+        print(f"best tiles -> {args.save_best}: {chosen}")
     print(f"wrote {path} ({len(rows)} rows)")
 
 

@@ -463,9 +463,11 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device,
                precision: str = "ieee") -> BwdConfig:
     """Default tiles for the backward from the dtype, head dims and device (no environment variables).
 
-    Half precision follows the usual fused-attention split (dK/dV: 32 queries x 128 keys; dQ: 128 queries x
-    32 keys); float32 tiles are halved because each operand and accumulator takes twice the registers.
-    Very wide heads (padded dim >= 256) halve the key/query tile of the resident operands again.
+    Chosen from a tile sweep on an H100 (``benchmarks/attention_bwd.py --tiles``, recorded in
+    ``docs/kernel_notes.md``) at head dim 64: half precision takes the usual fused-attention split
+    (dK/dV: 32 queries x 128 keys; dQ: 128 queries x 32 keys; 4 warps, 3 stages); float32 runs best with
+    larger tiles on 8 warps (dK/dV 64 x 128, dQ 128 x 64), which pays for tf32x3's three products per
+    tile. Wider heads shrink the resident tiles to keep operands and accumulators in registers.
     """
     wide = max(triton.next_power_of_2(d), triton.next_power_of_2(dv))
     if device.type != "cuda":
@@ -475,6 +477,10 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device,
         cfg = BwdConfig(block_m1=32, block_n1=128, warps1=4, stages1=3,
                         block_m2=128, block_n2=32, warps2=4, stages2=3,
                         block_m3=64, block_n3=64, warps3=4, stages3=2)
+    elif wide <= 64:
+        cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=2,
+                        block_m2=128, block_n2=64, warps2=8, stages2=2,
+                        block_m3=64, block_n3=32, warps3=4, stages3=2)
     else:
         cfg = BwdConfig(block_m1=32, block_n1=64, warps1=4, stages1=2,
                         block_m2=64, block_n2=32, warps2=4, stages2=2,
