@@ -216,6 +216,12 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
         if best is not None:
             fn = lambda: elsa_bwd(do, q, k, v, out, lse, config=best[1], deterministic=False)  # noqa: E731
             print(f"  best tiles, deterministic=False: {_bench(fn):8.3f} ms", flush=True)
+            if dtype == torch.float32:
+                builtin = replace(best[1], split_tf32=False)
+                fn = lambda: elsa_bwd(do, q, k, v, out, lse, config=builtin)  # noqa: E731
+                err = _relerr(fn()[:3], refs)
+                print(f"  best tiles, tl.dot tf32x3 (no pre-split): {_bench(fn):8.3f} ms relerr {err:.2e}",
+                      flush=True)
         print(f"  best {best}", flush=True)
     return best
 

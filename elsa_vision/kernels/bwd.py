@@ -48,15 +48,36 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """``a @ b`` with float32 accumulation. ``DOT_UPCAST`` (CPU interpreter with bfloat16 operands only)
-    multiplies the exactly-widened float32 copies instead: products of bfloat16 values are exact in float32,
-    so the result equals the tensor-core product up to summation order; Triton's interpreter mis-multiplies
-    bfloat16 blocks."""
-    if DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+def _split(x, SPLIT3: tl.constexpr):
+    """``(hi, lo)`` with ``hi`` = x truncated to TF32's 10 mantissa bits and ``lo = x - hi`` (exact), for the
+    three-product FP32-accurate scheme; ``(x, x)`` (no work) otherwise."""
+    if SPLIT3:
+        hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        return hi, x - hi
     else:
-        return tl.dot(a, b, input_precision=PREC)
+        return x, x
+
+
+@triton.jit
+def _mm(a_hi, a_lo, b_hi, b_lo, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT3: tl.constexpr):
+    """``acc + a @ b`` with float32 accumulation.
+
+    ``SPLIT3`` (float32 ``tf32x3``): ``a_lo b_hi + a_hi b_lo + a_hi b_hi`` as three TF32 tensor-core products
+    accumulated in place; the dropped ``a_lo b_lo`` and the TF32 rounding of the ``lo`` parts leave a relative
+    error ~2^-20, FP32-accurate. The split of an operand that stays resident across a loop is done once by
+    the caller, not per product. ``DOT_UPCAST`` (CPU interpreter with bfloat16 operands only) multiplies the
+    exactly widened float32 copies: Triton's interpreter mis-multiplies bfloat16 blocks, and bf16 products
+    are exact in float32, so the result equals the tensor-core product up to summation order.
+    """
+    if SPLIT3:
+        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    elif DOT_UPCAST:
+        acc = tl.dot(a_hi.to(tl.float32), b_hi.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a_hi, b_hi, acc, input_precision=PREC)
+    return acc
 
 
 @triton.jit
@@ -102,7 +123,7 @@ def _bwd_dkdv_kernel(
     H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
     sm_scale, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (key tile, b, h): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
@@ -155,6 +176,8 @@ def _bwd_dkdv_kernel(
         dq_ptrs = (DQ_ACC + b * stride_dqb + h * stride_dqh + m_start64 * stride_dqm
                    + offs_ml[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
 
+    k_hi, k_lo = _split(k, SPLIT3)
+    v_hi, v_lo = _split(v, SPLIT3)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for m0 in range(m_start, Nq, BLOCK_M):
@@ -167,7 +190,10 @@ def _bwd_dkdv_kernel(
         lse = tl.where(lse == float("-inf"), 0.0, lse)
         delta = tl.load(delta_ptrs, mask=m_in, other=0.0)
 
-        qkt = _dot(k, tl.trans(q), PREC, DOT_UPCAST)  # scores^T [BLOCK_N, BLOCK_M]
+        q_hi, q_lo = _split(q, SPLIT3)
+        do_hi, do_lo = _split(do, SPLIT3)
+        qkt = _mm(k_hi, k_lo, tl.trans(q_hi), tl.trans(q_lo), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32),
+                  PREC, DOT_UPCAST, SPLIT3)  # scores^T [BLOCK_N, BLOCK_M]
         valid = key_ok[:, None] & m_in[None, :]
         if HAS_BIAS:
             # natural-log domain: bias near finfo.min must not overflow when scaled by log2(e)
@@ -178,12 +204,16 @@ def _bwd_dkdv_kernel(
         if CAUSAL:
             valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
         pt = tl.where(valid, tl.math.exp2(arg), 0.0)
-        dv += _dot(pt.to(do.dtype), do, PREC, DOT_UPCAST)
-        dpt = _dot(v, tl.trans(do), PREC, DOT_UPCAST)
+        pt_hi, pt_lo = _split(pt.to(do.dtype), SPLIT3)
+        dv = _mm(pt_hi, pt_lo, do_hi, do_lo, dv, PREC, DOT_UPCAST, SPLIT3)
+        dpt = _mm(v_hi, v_lo, tl.trans(do_hi), tl.trans(do_lo),
+                  tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST, SPLIT3)
         dst = pt * (dpt - delta[None, :])
-        dk += _dot(dst.to(q.dtype), q, PREC, DOT_UPCAST)
+        ds_hi, ds_lo = _split(dst.to(q.dtype), SPLIT3)
+        dk = _mm(ds_hi, ds_lo, q_hi, q_lo, dk, PREC, DOT_UPCAST, SPLIT3)
         if ATOMIC_DQ:
-            dq_part = _dot(tl.trans(dst).to(k.dtype), k, PREC, DOT_UPCAST) * sm_scale
+            dq_part = _mm(tl.trans(ds_hi), tl.trans(ds_lo), k_hi, k_lo,
+                          tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, DOT_UPCAST, SPLIT3) * sm_scale
             tl.atomic_add(dq_ptrs, dq_part, mask=m_in[:, None] & d_in[None, :], sem="relaxed")
             dq_ptrs += BLOCK_M * stride_dqm
 
@@ -216,7 +246,7 @@ def _bwd_dq_kernel(
     H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
     sm_scale, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
-    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (query tile, b, h): ``dQ [BLOCK_M, D]`` from a loop over the key tiles."""
@@ -259,6 +289,8 @@ def _bwd_dq_kernel(
     if HAS_KPM:
         kpm_ptrs = KPM + b * stride_kpmb + offs_nl * stride_kpmn
 
+    q_hi, q_lo = _split(q, SPLIT3)
+    do_hi, do_lo = _split(do, SPLIT3)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + offs_nl
@@ -267,7 +299,10 @@ def _bwd_dq_kernel(
             key_ok = key_ok & (tl.load(kpm_ptrs, mask=key_ok, other=0) != 0)
         k = tl.load(k_ptrs, mask=key_ok[:, None] & d_in[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
-        qk = _dot(q, tl.trans(k), PREC, DOT_UPCAST)
+        k_hi, k_lo = _split(k, SPLIT3)
+        v_hi, v_lo = _split(v, SPLIT3)
+        qk = _mm(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                 PREC, DOT_UPCAST, SPLIT3)
         valid = m_in[:, None] & key_ok[None, :]
         if HAS_BIAS:
             bias = tl.load(b_ptrs, mask=valid, other=0.0).to(tl.float32)
@@ -277,9 +312,11 @@ def _bwd_dq_kernel(
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
         p = tl.where(valid, tl.math.exp2(arg), 0.0)
-        dp = _dot(do, tl.trans(v), PREC, DOT_UPCAST)
+        dp = _mm(do_hi, do_lo, tl.trans(v_hi), tl.trans(v_lo), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                 PREC, DOT_UPCAST, SPLIT3)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PREC, DOT_UPCAST)
+        ds_hi, ds_lo = _split(ds.to(k.dtype), SPLIT3)
+        dq = _mm(ds_hi, ds_lo, k_hi, k_lo, dq, PREC, DOT_UPCAST, SPLIT3)
 
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -307,7 +344,7 @@ def _bwd_dbias_kernel(
     H, Nq, Nk, D, Dv, BIAS_B, BIAS_H, N_MEMBERS, MEMBERS_PER_SPLIT,
     sm_scale,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, REDUCE_M: tl.constexpr, REDUCE_N: tl.constexpr,
-    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """``dBias = dS`` summed over the bias's broadcast dims, one program per reduced output tile.
@@ -386,12 +423,18 @@ def _bwd_dbias_kernel(
                 valid = m_in[:, None] & key_ok[None, :]
                 bias = tl.load(bias_base + m064 * stride_bm + n064 * stride_bn + offs_ml[:, None] * stride_bm
                                + offs_nl[None, :] * stride_bn, mask=valid, other=0.0).to(tl.float32)
-                qk = _dot(q, tl.trans(k), PREC, DOT_UPCAST)
+                q_hi, q_lo = _split(q, SPLIT3)
+                do_hi, do_lo = _split(do, SPLIT3)
+                k_hi, k_lo = _split(k, SPLIT3)
+                v_hi, v_lo = _split(v, SPLIT3)
+                qk = _mm(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo),
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST, SPLIT3)
                 arg = (qk * sm_scale + bias - lse[:, None]) * 1.4426950408889634
                 if CAUSAL:
                     valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
                 p = tl.where(valid, tl.math.exp2(arg), 0.0)
-                dp = _dot(do, tl.trans(v), PREC, DOT_UPCAST)
+                dp = _mm(do_hi, do_lo, tl.trans(v_hi), tl.trans(v_lo),
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST, SPLIT3)
                 acc += p * (dp - delta[:, None])
 
     out_base = (DB + split.to(tl.int64) * stride_dbs + bb.to(tl.int64) * stride_dbb
@@ -425,6 +468,8 @@ class BwdConfig:
     ``*_1``: dK/dV kernel (key tile ``block_n1`` rows, loops over query tiles of ``block_m1``);
     ``*_2``: dQ kernel (query tile ``block_m2``, loops over key tiles of ``block_n2``);
     ``*_3``: dBias kernel (output tile ``block_m3 x block_n3``).
+    ``split_tf32``: run float32 ``tf32x3`` as three explicit TF32 products on operands split once per tile
+    (True, default), or through ``tl.dot(..., input_precision="tf32x3")`` (False).
     """
 
     block_m1: int = 32
@@ -439,6 +484,7 @@ class BwdConfig:
     block_n3: int = 64
     warps3: int = 4
     stages3: int = 2
+    split_tf32: bool = True
 
 
 def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) -> str:
@@ -619,6 +665,10 @@ def elsa_bwd(
     BLOCK_DV = max(16, triton.next_power_of_2(Dv))
     device = q.device
     dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
+    # tf32x3 runs as three in-place TF32 products on operands split once (resident tiles outside the loops)
+    split3 = prec == "tf32x3" and cfg.split_tf32
+    if split3:
+        prec = "tf32"
 
     dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=device)
     dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=device)
@@ -660,7 +710,7 @@ def elsa_bwd(
         *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(), *dq_acc_s,
         H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
         HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
-        PREC=prec, DOT_UPCAST=dot_upcast,
+        PREC=prec, DOT_UPCAST=dot_upcast, SPLIT3=split3,
         BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
@@ -671,7 +721,8 @@ def elsa_bwd(
             q, k, v, do, lse, delta, bias_arg, kpm, dq,
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dq.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
-            HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, PREC=prec, DOT_UPCAST=dot_upcast,
+            HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal,
+            PREC=prec, DOT_UPCAST=dot_upcast, SPLIT3=split3,
             BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
             num_warps=cfg.warps2, num_stages=cfg.stages2,
         )
@@ -694,7 +745,7 @@ def elsa_bwd(
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *ws.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, n_members, per_split, sm_scale,
             HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n,
-            PREC=prec, DOT_UPCAST=dot_upcast,
+            PREC=prec, DOT_UPCAST=dot_upcast, SPLIT3=split3,
             BLOCK_M=cfg.block_m3, BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
             num_warps=cfg.warps3, num_stages=cfg.stages3,
         )
