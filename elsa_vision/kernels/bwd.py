@@ -526,11 +526,11 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device,
     elif wide <= 64:
         cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=2,
                         block_m2=128, block_n2=64, warps2=8, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4, stages3=2)
+                        block_m3=64, block_n3=32, warps3=4, stages3=2, split_tf32=False)
     else:
         cfg = BwdConfig(block_m1=32, block_n1=64, warps1=4, stages1=2,
                         block_m2=64, block_n2=32, warps2=4, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4, stages3=2)
+                        block_m3=64, block_n3=32, warps3=4, stages3=2, split_tf32=False)
     if wide >= 256:
         cfg = BwdConfig(block_m1=max(16, cfg.block_m1 // 2), block_n1=max(16, cfg.block_n1 // 2),
                         warps1=8, stages1=1, block_m2=max(16, cfg.block_m2 // 2),
