@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elsa_vision.kernels.bwd import BwdConfig, bwd_config, elsa_bwd, resolve_precision  # noqa: E402
+from elsa_vision.kernels.bwd import BwdConfig, bwd_config, elsa_bwd  # noqa: E402
 from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
 
 SHAPES = [(1, 8, 4096, 64), (1, 8, 16384, 64), (8, 12, 785, 64)]
@@ -48,13 +48,11 @@ SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATT
 ELSA = {"elsa": ("auto", True), "elsa_ieee": ("ieee", True), "elsa_tf32": ("tf32", True),
         "elsa_atomic": ("auto", False)}
 TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), per dtype
-    "float32": [  # ninth field: tf32x3 as pre-split explicit products (True) or through tl.dot (False)
-        (64, 128, 8, 2, 128, 64, 8, 2, False),
-        (64, 64, 4, 2, 64, 64, 4, 2, True),
-        (64, 64, 8, 2, 64, 64, 8, 2, True),
-        (32, 64, 4, 2, 64, 32, 4, 2, True),
-        (32, 128, 8, 1, 128, 32, 8, 1, True),
-        (64, 64, 4, 2, 128, 64, 8, 2, False),
+    "float32": [
+        (64, 128, 8, 2, 128, 64, 8, 2),
+        (32, 64, 4, 2, 64, 32, 4, 2),
+        (32, 128, 8, 2, 128, 32, 8, 2),
+        (64, 64, 4, 2, 128, 64, 8, 2),
     ],
     "bfloat16": [
         (32, 128, 4, 3, 128, 32, 4, 3),
@@ -197,14 +195,11 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
 
     best = None
     if tiles:
-        prec = resolve_precision(dtype, "auto", q.device)
-        base = bwd_config(dtype, D, D, q.device, prec)
+        base = bwd_config(dtype, D, D, q.device)
         print(f"  default tiles {base}")
         for t in tiles:
             cfg = replace(base, block_m1=t[0], block_n1=t[1], warps1=t[2], stages1=t[3], block_m2=t[4],
                           block_n2=t[5], warps2=t[6], stages2=t[7])
-            if len(t) > 8:
-                cfg = replace(cfg, split_tf32=t[8])
             try:
                 fn = lambda cfg=cfg: elsa_bwd(do, q, k, v, out, lse, config=cfg)  # noqa: E731
                 err = _relerr(fn()[:3], refs)

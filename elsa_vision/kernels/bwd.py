@@ -48,35 +48,18 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _split(x, SPLIT3: tl.constexpr):
-    """``(hi, lo)`` with ``hi`` = x truncated to TF32's 10 mantissa bits and ``lo = x - hi`` (exact), for the
-    three-product FP32-accurate scheme; ``(x, x)`` (no work) otherwise."""
-    if SPLIT3:
-        hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        return hi, x - hi
-    else:
-        return x, x
+def _mm(a, b, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``acc + a @ b`` with float32 accumulation at ``PREC`` (``"tf32x3"`` is Triton's three-product split,
+    which forms the small products in a fresh accumulator and adds the result to ``acc`` in IEEE float32).
 
-
-@triton.jit
-def _mm(a_hi, a_lo, b_hi, b_lo, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT3: tl.constexpr):
-    """``acc + a @ b`` with float32 accumulation.
-
-    ``SPLIT3`` (float32 ``tf32x3``): ``a_lo b_hi + a_hi b_lo + a_hi b_hi`` as three TF32 tensor-core products
-    accumulated in place; the dropped ``a_lo b_lo`` and the TF32 rounding of the ``lo`` parts leave a relative
-    error ~2^-20, FP32-accurate. The split of an operand that stays resident across a loop is done once by
-    the caller, not per product. ``DOT_UPCAST`` (CPU interpreter with bfloat16 operands only) multiplies the
-    exactly widened float32 copies: Triton's interpreter mis-multiplies bfloat16 blocks, and bf16 products
-    are exact in float32, so the result equals the tensor-core product up to summation order.
+    ``DOT_UPCAST`` (CPU interpreter with bfloat16 operands only) multiplies the exactly widened float32
+    copies: Triton's interpreter mis-multiplies bfloat16 blocks, and bf16 products are exact in float32, so
+    the result equals the tensor-core product up to summation order.
     """
-    if SPLIT3:
-        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    elif DOT_UPCAST:
-        acc = tl.dot(a_hi.to(tl.float32), b_hi.to(tl.float32), acc, input_precision="ieee")
+    if DOT_UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        acc = tl.dot(a_hi, b_hi, acc, input_precision=PREC)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
     return acc
 
 
@@ -123,7 +106,7 @@ def _bwd_dkdv_kernel(
     H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
     sm_scale, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT3: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (key tile, b, h): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
@@ -176,8 +159,6 @@ def _bwd_dkdv_kernel(
         dq_ptrs = (DQ_ACC + b * stride_dqb + h * stride_dqh + m_start64 * stride_dqm
                    + offs_ml[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
 
-    k_hi, k_lo = _split(k, SPLIT3)
-    v_hi, v_lo = _split(v, SPLIT3)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for m0 in range(m_start, Nq, BLOCK_M):
@@ -190,10 +171,8 @@ def _bwd_dkdv_kernel(
         lse = tl.where(lse == float("-inf"), 0.0, lse)
         delta = tl.load(delta_ptrs, mask=m_in, other=0.0)
 
-        q_hi, q_lo = _split(q, SPLIT3)
-        do_hi, do_lo = _split(do, SPLIT3)
-        qkt = _mm(k_hi, k_lo, tl.trans(q_hi), tl.trans(q_lo), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32),
-                  PREC, DOT_UPCAST, SPLIT3)  # scores^T [BLOCK_N, BLOCK_M]
+        # scores^T [BLOCK_N, BLOCK_M]
+        qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
         valid = key_ok[:, None] & m_in[None, :]
         if HAS_BIAS:
             # natural-log domain: bias near finfo.min must not overflow when scaled by log2(e)
@@ -204,16 +183,13 @@ def _bwd_dkdv_kernel(
         if CAUSAL:
             valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
         pt = tl.where(valid, tl.math.exp2(arg), 0.0)
-        pt_hi, pt_lo = _split(pt.to(do.dtype), SPLIT3)
-        dv = _mm(pt_hi, pt_lo, do_hi, do_lo, dv, PREC, DOT_UPCAST, SPLIT3)
-        dpt = _mm(v_hi, v_lo, tl.trans(do_hi), tl.trans(do_lo),
-                  tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST, SPLIT3)
-        dst = pt * (dpt - delta[None, :])
-        ds_hi, ds_lo = _split(dst.to(q.dtype), SPLIT3)
-        dk = _mm(ds_hi, ds_lo, q_hi, q_lo, dk, PREC, DOT_UPCAST, SPLIT3)
+        dv = _mm(pt.to(do.dtype), do, dv, PREC, DOT_UPCAST)
+        dpt = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+        dk = _mm(dst, q, dk, PREC, DOT_UPCAST)
         if ATOMIC_DQ:
-            dq_part = _mm(tl.trans(ds_hi), tl.trans(ds_lo), k_hi, k_lo,
-                          tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, DOT_UPCAST, SPLIT3) * sm_scale
+            dq_part = _mm(tl.trans(dst), k,
+                          tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, DOT_UPCAST) * sm_scale
             tl.atomic_add(dq_ptrs, dq_part, mask=m_in[:, None] & d_in[None, :], sem="relaxed")
             dq_ptrs += BLOCK_M * stride_dqm
 
@@ -246,7 +222,7 @@ def _bwd_dq_kernel(
     H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
     sm_scale, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
-    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT3: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (query tile, b, h): ``dQ [BLOCK_M, D]`` from a loop over the key tiles."""
@@ -289,8 +265,6 @@ def _bwd_dq_kernel(
     if HAS_KPM:
         kpm_ptrs = KPM + b * stride_kpmb + offs_nl * stride_kpmn
 
-    q_hi, q_lo = _split(q, SPLIT3)
-    do_hi, do_lo = _split(do, SPLIT3)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + offs_nl
@@ -299,10 +273,7 @@ def _bwd_dq_kernel(
             key_ok = key_ok & (tl.load(kpm_ptrs, mask=key_ok, other=0) != 0)
         k = tl.load(k_ptrs, mask=key_ok[:, None] & d_in[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
-        k_hi, k_lo = _split(k, SPLIT3)
-        v_hi, v_lo = _split(v, SPLIT3)
-        qk = _mm(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
-                 PREC, DOT_UPCAST, SPLIT3)
+        qk = _mm(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
         valid = m_in[:, None] & key_ok[None, :]
         if HAS_BIAS:
             bias = tl.load(b_ptrs, mask=valid, other=0.0).to(tl.float32)
@@ -312,11 +283,9 @@ def _bwd_dq_kernel(
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
         p = tl.where(valid, tl.math.exp2(arg), 0.0)
-        dp = _mm(do_hi, do_lo, tl.trans(v_hi), tl.trans(v_lo), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
-                 PREC, DOT_UPCAST, SPLIT3)
+        dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
         ds = p * (dp - delta[:, None])
-        ds_hi, ds_lo = _split(ds.to(k.dtype), SPLIT3)
-        dq = _mm(ds_hi, ds_lo, k_hi, k_lo, dq, PREC, DOT_UPCAST, SPLIT3)
+        dq = _mm(ds.to(k.dtype), k, dq, PREC, DOT_UPCAST)
 
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -344,7 +313,7 @@ def _bwd_dbias_kernel(
     H, Nq, Nk, D, Dv, BIAS_B, BIAS_H, N_MEMBERS, MEMBERS_PER_SPLIT,
     sm_scale,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, REDUCE_M: tl.constexpr, REDUCE_N: tl.constexpr,
-    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT3: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """``dBias = dS`` summed over the bias's broadcast dims, one program per reduced output tile.
@@ -423,18 +392,14 @@ def _bwd_dbias_kernel(
                 valid = m_in[:, None] & key_ok[None, :]
                 bias = tl.load(bias_base + m064 * stride_bm + n064 * stride_bn + offs_ml[:, None] * stride_bm
                                + offs_nl[None, :] * stride_bn, mask=valid, other=0.0).to(tl.float32)
-                q_hi, q_lo = _split(q, SPLIT3)
-                do_hi, do_lo = _split(do, SPLIT3)
-                k_hi, k_lo = _split(k, SPLIT3)
-                v_hi, v_lo = _split(v, SPLIT3)
-                qk = _mm(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo),
-                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST, SPLIT3)
+                qk = _mm(q, tl.trans(k),
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
                 arg = (qk * sm_scale + bias - lse[:, None]) * 1.4426950408889634
                 if CAUSAL:
                     valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
                 p = tl.where(valid, tl.math.exp2(arg), 0.0)
-                dp = _mm(do_hi, do_lo, tl.trans(v_hi), tl.trans(v_lo),
-                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST, SPLIT3)
+                dp = _mm(do, tl.trans(v),
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
                 acc += p * (dp - delta[:, None])
 
     out_base = (DB + split.to(tl.int64) * stride_dbs + bb.to(tl.int64) * stride_dbb
@@ -468,8 +433,6 @@ class BwdConfig:
     ``*_1``: dK/dV kernel (key tile ``block_n1`` rows, loops over query tiles of ``block_m1``);
     ``*_2``: dQ kernel (query tile ``block_m2``, loops over key tiles of ``block_n2``);
     ``*_3``: dBias kernel (output tile ``block_m3 x block_n3``).
-    ``split_tf32``: run float32 ``tf32x3`` as three explicit TF32 products on operands split once per tile
-    (True, default), or through ``tl.dot(..., input_precision="tf32x3")`` (False).
     """
 
     block_m1: int = 32
@@ -484,7 +447,6 @@ class BwdConfig:
     block_n3: int = 64
     warps3: int = 4
     stages3: int = 2
-    split_tf32: bool = True
 
 
 def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) -> str:
@@ -506,14 +468,16 @@ def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) 
 
 
 def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device,
-               precision: str = "ieee") -> BwdConfig:
+               deterministic: bool = True) -> BwdConfig:
     """Default tiles for the backward from the dtype, head dims and device (no environment variables).
 
     Chosen from a tile sweep on an H100 (``benchmarks/attention_bwd.py --tiles``, recorded in
     ``docs/kernel_notes.md``) at head dim 64: half precision takes the usual fused-attention split
     (dK/dV: 32 queries x 128 keys; dQ: 128 queries x 32 keys; 4 warps, 3 stages); float32 runs best with
     larger tiles on 8 warps (dK/dV 64 x 128, dQ 128 x 64), which pays for tf32x3's three products per
-    tile. Wider heads shrink the resident tiles to keep operands and accumulators in registers.
+    tile. Wider heads shrink the resident tiles to keep operands and accumulators in registers. The
+    nondeterministic float32 mode (``deterministic=False``: one more product and the dQ atomics in the
+    dK/dV kernel) uses the smaller float32 tiles: at 64 x 128 it needs 289 KiB of shared memory.
     """
     wide = max(triton.next_power_of_2(d), triton.next_power_of_2(dv))
     if device.type != "cuda":
@@ -523,14 +487,14 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device,
         cfg = BwdConfig(block_m1=32, block_n1=128, warps1=4, stages1=3,
                         block_m2=128, block_n2=32, warps2=4, stages2=3,
                         block_m3=64, block_n3=64, warps3=4, stages3=2)
-    elif wide <= 64:
+    elif wide <= 64 and deterministic:
         cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=2,
                         block_m2=128, block_n2=64, warps2=8, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4, stages3=2, split_tf32=False)
+                        block_m3=64, block_n3=32, warps3=4, stages3=2)
     else:
         cfg = BwdConfig(block_m1=32, block_n1=64, warps1=4, stages1=2,
                         block_m2=64, block_n2=32, warps2=4, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4, stages3=2, split_tf32=False)
+                        block_m3=64, block_n3=32, warps3=4, stages3=2)
     if wide >= 256:
         cfg = BwdConfig(block_m1=max(16, cfg.block_m1 // 2), block_n1=max(16, cfg.block_n1 // 2),
                         warps1=8, stages1=1, block_m2=max(16, cfg.block_m2 // 2),
@@ -660,15 +624,11 @@ def elsa_bwd(
     Nk, Dv = k.shape[2], v.shape[3]
     sm_scale = float(D ** -0.5 if scale is None else scale)
     qk_scale = sm_scale * LOG2E
-    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec)
+    cfg = config or bwd_config(q.dtype, D, Dv, q.device, deterministic)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_DV = max(16, triton.next_power_of_2(Dv))
     device = q.device
     dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
-    # tf32x3 runs as three in-place TF32 products on operands split once (resident tiles outside the loops)
-    split3 = prec == "tf32x3" and cfg.split_tf32
-    if split3:
-        prec = "tf32"
 
     dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=device)
     dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=device)
@@ -710,7 +670,7 @@ def elsa_bwd(
         *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(), *dq_acc_s,
         H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
         HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
-        PREC=prec, DOT_UPCAST=dot_upcast, SPLIT3=split3,
+        PREC=prec, DOT_UPCAST=dot_upcast,
         BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
@@ -722,7 +682,7 @@ def elsa_bwd(
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dq.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
             HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal,
-            PREC=prec, DOT_UPCAST=dot_upcast, SPLIT3=split3,
+            PREC=prec, DOT_UPCAST=dot_upcast,
             BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
             num_warps=cfg.warps2, num_stages=cfg.stages2,
         )
@@ -745,7 +705,7 @@ def elsa_bwd(
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *ws.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, n_members, per_split, sm_scale,
             HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n,
-            PREC=prec, DOT_UPCAST=dot_upcast, SPLIT3=split3,
+            PREC=prec, DOT_UPCAST=dot_upcast,
             BLOCK_M=cfg.block_m3, BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
             num_warps=cfg.warps3, num_stages=cfg.stages3,
         )

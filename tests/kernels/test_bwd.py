@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 
 import torch
 
@@ -29,7 +28,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from elsa_vision.kernels.bwd import BwdConfig, bwd_config, elsa_bwd  # noqa: E402
+from elsa_vision.kernels.bwd import BwdConfig, elsa_bwd  # noqa: E402
 from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,16 +138,6 @@ def test_precisions(precision, bound):
     grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, causal=True, precision=precision,
                  bias_requires_grad=True)
     _check_fp32(grads, refs, bound)
-
-
-def test_tf32x3_through_tl_dot():
-    """``split_tf32=False`` routes tf32x3 through Triton's own decomposition: same bound."""
-    q, k, v, do, _, mask = _problem(1, 2, 97, 113, 40, 40, kpm=True, seed=12)
-    refs, o, lse = _reference(q, k, v, do, mask=mask, causal=True)
-    cfg = replace(bwd_config(torch.float32, 40, 40, DEVICE), split_tf32=False)
-    grads = _run(q, k, v, do, o, lse, torch.float32, key_padding_mask=mask, causal=True, precision="tf32x3",
-                 config=cfg)
-    _check_fp32(grads, refs, FP32_ACCURATE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
