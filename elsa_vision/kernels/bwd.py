@@ -72,8 +72,8 @@ def _bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """``DELTA[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d]`` in float32; contiguous ``[B, H, Nq]``."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m = tl.program_id(1)
+    pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     m0 = pid_m * BLOCK_M
@@ -109,14 +109,14 @@ def _bwd_dkdv_kernel(
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (key tile, b, h): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
+    """One program per (b * H + h, key tile): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
 
     Works on the transposed scores ``S^T [BLOCK_N, BLOCK_M]`` so that ``dV += P^T dO`` and
     ``dK += dS^T Q`` are plain products. With ``ATOMIC_DQ`` it also adds ``scale * dS K`` into the float32
     buffer ``DQ_ACC`` with atomics (the nondeterministic single-pass mode).
     """
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_n = tl.program_id(1)
+    pid_bh = tl.program_id(0)
     b32 = pid_bh // H
     h32 = pid_bh % H
     b = b32.to(tl.int64)
@@ -225,9 +225,9 @@ def _bwd_dq_kernel(
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (query tile, b, h): ``dQ [BLOCK_M, D]`` from a loop over the key tiles."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """One program per (b * H + h, query tile): ``dQ [BLOCK_M, D]`` from a loop over the key tiles."""
+    pid_m = tl.program_id(1)
+    pid_bh = tl.program_id(0)
     b32 = pid_bh // H
     h32 = pid_bh % H
     b = b32.to(tl.int64)
@@ -318,15 +318,16 @@ def _bwd_dbias_kernel(
 ):
     """``dBias = dS`` summed over the bias's broadcast dims, one program per reduced output tile.
 
-    Grid: (query tiles or 1 if ``REDUCE_M``, key tiles or 1 if ``REDUCE_N``, ``BIAS_B * BIAS_H * splits``).
+    Grid: (``BIAS_B * BIAS_H * splits``, query tiles or 1 if ``REDUCE_M``, key tiles or 1 if ``REDUCE_N``);
+    the batch-like axis is axis 0, whose limit is 2^31 - 1 (axes 1 and 2 stop at 65535).
     The ``N_MEMBERS = (B / BIAS_B) * (H / BIAS_H)`` pairs ``(b, h)`` sharing one bias slice are visited in
     a fixed order (member ``t``: ``b = bb + (t // (H / BIAS_H)) * BIAS_B``, ``h = hb + (t % (H / BIAS_H)) *
     BIAS_H``), split into chunks of ``MEMBERS_PER_SPLIT``; chunk ``s`` writes slice ``s`` of ``DB``
     (float32 ``[splits, BIAS_B, BIAS_H, Mb, Nb]``).
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_z = tl.program_id(2)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    pid_z = tl.program_id(0)
     n_slices = BIAS_B * BIAS_H
     split = pid_z // n_slices
     rest = pid_z % n_slices
@@ -660,14 +661,14 @@ def elsa_bwd(
     q_s, k_s, v_s, do_s = q.stride(), k.stride(), v.stride(), do.stride()
     lse_s = lse.stride()
 
-    _bwd_preprocess_kernel[(triton.cdiv(Nq, 64), B * H)](
+    _bwd_preprocess_kernel[(B * H, triton.cdiv(Nq, 64))](
         out, do, delta, *out.stride(), *do_s, H, Nq, Dv, BLOCK_M=64, BLOCK_DV=BLOCK_DV, num_warps=4,
     )
 
     atomic_dq = not deterministic
     dq_acc = torch.zeros((B, H, Nq, D), dtype=torch.float32, device=device) if atomic_dq else delta
     dq_acc_s = dq_acc.stride() if atomic_dq else (0, 0, 0, 0)
-    _bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n1), B * H)](
+    _bwd_dkdv_kernel[(B * H, triton.cdiv(Nk, cfg.block_n1))](
         q, k, v, do, lse, delta, bias_arg, kpm, dk, dv, dq_acc,
         *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(), *dq_acc_s,
         H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
@@ -679,7 +680,7 @@ def elsa_bwd(
     if atomic_dq:
         dq.copy_(dq_acc)
     else:
-        _bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m2), B * H)](
+        _bwd_dq_kernel[(B * H, triton.cdiv(Nq, cfg.block_m2))](
             q, k, v, do, lse, delta, bias_arg, kpm, dq,
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dq.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
@@ -702,7 +703,7 @@ def elsa_bwd(
         per_split = triton.cdiv(n_members, n_split)
         n_split = triton.cdiv(n_members, per_split)
         ws = torch.empty((n_split, Bb, Hb, Mb, Nb), dtype=torch.float32, device=device)
-        _bwd_dbias_kernel[(grid_m, grid_n, Bb * Hb * n_split)](
+        _bwd_dbias_kernel[(Bb * Hb * n_split, grid_m, grid_n)](
             q, k, v, do, lse, delta, bias_arg, kpm, ws,
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *ws.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, n_members, per_split, sm_scale,
