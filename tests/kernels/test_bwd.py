@@ -117,6 +117,7 @@ MATRIX = [  # (B, H, Nq, Nk, D, Dv, causal)
     (1, 2, 1, 239, 72, 40, True),
     (1, 2, 127, 63, 40, 40, False),
     (1, 2, 127, 63, 64, 64, True),  # Nq > Nk causal: the first 64 rows see no key
+    (1, 2, 113, 97, 111, 40, True),  # head dim 111 padded to 128, Dv != D
 ]
 
 
