@@ -27,7 +27,22 @@ __all__ = [
     "scan_attention",
     "softmax_attention",
     "triton_available",
+    "FwdPlan",
+    "plan",
+    "elsa_fwd",
+    "elsa_fwd_varlen",
 ]
+
+_FWD_EXPORTS = ("FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen")
+
+
+def __getattr__(name: str):
+    # The Triton kernels are imported on first use, so that the package imports without Triton.
+    if name in _FWD_EXPORTS:
+        from . import fwd
+
+        return getattr(fwd, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache
