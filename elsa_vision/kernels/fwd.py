@@ -18,6 +18,7 @@ under (dtype, head dims, causal, bias, arch, precision), which ``plan`` then use
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -28,12 +29,17 @@ from torch import Tensor
 from .monoid import fold_tile, matmul, merge_states
 from .reference import merge_depth
 
-__all__ = ["FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen", "autotune_fwd", "resolve_precision"]
+__all__ = [
+    "FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen", "autotune_fwd", "resolve_precision", "set_config",
+    "tuning_key",
+]
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(0.6931471805599453)
 # |bias| is clamped to this before the base-2 conversion so that log2(e) * bias stays finite in fp32
 # (finfo(float32).min * log2(e) would overflow to -inf and turn a finite bias row into a masked row).
-BIAS_CLAMP = 2.0e38
+_BIAS_CLAMP = tl.constexpr(2.0e38)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -80,9 +86,9 @@ def _attend(
             else:
                 b = tl.load(bias_ptr + cols[None, :] * stride_bn)
             b = b.to(tl.float32)
-            b = tl.where(b > -BIAS_CLAMP, tl.minimum(b, BIAS_CLAMP),
-                         tl.where(b == float("-inf"), float("-inf"), -BIAS_CLAMP))
-            scores = scores + b * LOG2E
+            b = tl.where(b > -_BIAS_CLAMP, tl.minimum(b, _BIAS_CLAMP),
+                         tl.where(b == float("-inf"), float("-inf"), -_BIAS_CLAMP))
+            scores = scores + b * _LOG2E
         if MASKED:
             valid = cols[None, :] < seqlen_k
             if CAUSAL:
@@ -106,20 +112,22 @@ def _fwd_kernel(
     stride_kpb, stride_kpn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
-    H, Nq, Nk, BH, tiles_per_split, qk_scale,
+    H, Nq, Nk, BH, m_tiles, tiles_per_split, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """Level one. Grid ``(cdiv(Nq, BLOCK_M), B * H, partitions)``.
+    """Level one. Grid ``(m_tiles * B * H, partitions)`` with ``m_tiles = cdiv(Nq, BLOCK_M)`` (query tiles of
+    one head adjacent, so that they share its keys in L2; one flat axis: no 65535 limit on ``B * H``).
 
     ``SPLIT`` = False: one partition, the epilogue writes ``out`` and ``lse``. ``SPLIT`` = True: writes the
     states of partition ``program_id(2)`` to the workspace ``WsM/WsS [P, BH, Nq]``, ``WsW [P, BH, Nq,
     BLOCK_DV]`` (the identity where the partition holds no visible key).
     """
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    pid = tl.program_id(0)
+    pid_m = pid % m_tiles
+    pid_bh = pid // m_tiles
+    pid_s = tl.program_id(1)
     off_b = pid_bh // H
     off_h = pid_bh % H
     start_m = pid_m * BLOCK_M
@@ -203,7 +211,7 @@ def _fwd_kernel(
         visible = s_i > 0.0
         denom = tl.where(visible, s_i, 1.0)
         out = tl.where(visible[:, None], acc / denom[:, None], 0.0)
-        lse = tl.where(visible, (m_i + tl.math.log2(denom)) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(visible, (m_i + tl.math.log2(denom)) * _LN2, float("-inf"))
         o_ptrs = Out + o_off + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(Lse + l_off + rows64 * stride_lm, lse, mask=row_ok)
@@ -213,18 +221,19 @@ def _fwd_kernel(
 def _merge_kernel(
     WsM, WsS, WsW, Out, Lse,
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-    H, Nq, BH, num_splits,
+    H, Nq, BH, m_tiles, num_splits,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr,
     LEVELS: tl.constexpr,
 ):
-    """Level two. Grid ``(cdiv(Nq, BLOCK_M), B * H)``: merge the ``num_splits`` partition states of each row
+    """Level two. Grid ``(cdiv(Nq, BLOCK_M) * B * H,)``: merge the ``num_splits`` partition states of each row
     with a pairwise tree of ``LEVELS = log2(SPLITS)`` levels of ``merge_states`` and normalise.
 
     The partition axis is last (``[BLOCK_M, 1 | BLOCK_DV, SPLITS]``); each level splits it into its even
     and odd members and merges them, halving it. Padding partitions (``>= num_splits``) are identities.
     """
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid = tl.program_id(0)
+    pid_m = pid % m_tiles
+    pid_bh = pid // m_tiles
     off_b = pid_bh // H
     off_h = pid_bh % H
     offs_p = tl.arange(0, SPLITS)
@@ -247,7 +256,7 @@ def _merge_kernel(
     visible = s_row > 0.0
     denom = tl.where(visible, s_row, 1.0)
     out = tl.where(visible[:, None], acc / denom[:, None], 0.0)
-    lse = tl.where(visible, (m_row + tl.math.log2(denom)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(visible, (m_row + tl.math.log2(denom)) * _LN2, float("-inf"))
     rows64 = offs_m.to(tl.int64)
     o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
               + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od)
@@ -262,6 +271,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _interpreting() -> bool:
     return not isinstance(_fwd_kernel, triton.runtime.JITFunction)
 
@@ -272,8 +285,18 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 def _device_info(device) -> tuple[int, tuple[int, int], int]:
     """(SM count, compute capability, shared memory per block) of a CUDA device; CPU: interpreter values."""
-    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.device(device))
+    if device is None:
+        return _device_info_of(None)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_info_of(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_info_of(device) -> tuple[int, tuple[int, int], int]:
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
         smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
         return props.multi_processor_count, (props.major, props.minor), int(smem)
     return 4, (0, 0), 1 << 30
@@ -331,9 +354,9 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, 
     big = max(bd, bdv)
     if dtype == torch.float32:
         if precision == "ieee":
-            cfg = (64, 32, 4, 2) if big <= 64 else (32, 32, 4, 2)
+            cfg = (64, 64, 4, 1) if big <= 64 else (32, 32, 4, 2)
         elif big <= 64:
-            cfg = (128, 64, 8, 2)
+            cfg = (128, 64, 8, 3)
         elif big <= 128:
             cfg = (64, 64, 4, 2)
         else:
@@ -354,7 +377,22 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, 
     return bm, bn, w, st
 
 
-def plan(
+def plan(*args, **kwargs) -> FwdPlan:
+    """Choose partitions, tiles, warps and stages for one forward call (cached; see ``_plan``)."""
+    kwargs = dict(kwargs)
+    if kwargs.get("device") is not None:
+        kwargs["device"] = _canonical_device(kwargs["device"])
+    return _plan_cached(*args, **kwargs)
+
+
+def _canonical_device(device):
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _plan(
     B: int,
     H: int,
     Nq: int,
@@ -395,21 +433,21 @@ def plan(
     bm, bn, warps, stages = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem)
     bh = max(1, B * H)
     # Short sequences: halve the query tile before splitting the keys (less padding, more programs).
-    while bm > 64 and triton.cdiv(max(Nq, 1), bm) * bh < sms and cc != (0, 0):
+    while bm > 64 and _cdiv(max(Nq, 1), bm) * bh < sms and cc != (0, 0):
         bm //= 2
-    programs = triton.cdiv(max(Nq, 1), bm) * bh
-    key_tiles = max(1, triton.cdiv(Nk, bn))
+    programs = _cdiv(max(Nq, 1), bm) * bh
+    key_tiles = max(1, _cdiv(Nk, bn))
     parts = 1
     if programs < sms:
-        parts = min(16, key_tiles, triton.cdiv(2 * sms, programs))
+        parts = min(16, key_tiles, _cdiv(2 * sms, programs))
     per_part = 4 * bh * max(Nq, 1) * (bdv + 2)
     if workspace_bytes is not None:
         parts = min(parts, workspace_bytes // per_part)
     parts = max(1, parts)
     if parts > 1:
         # Equalise: every partition gets the same number of key tiles, none empty.
-        tps = triton.cdiv(key_tiles, parts)
-        parts = triton.cdiv(key_tiles, tps)
+        tps = _cdiv(key_tiles, parts)
+        parts = _cdiv(key_tiles, tps)
     return FwdPlan(
         partitions=parts,
         block_m=bm,
@@ -425,11 +463,33 @@ def plan(
     )
 
 
+_plan_cached = functools.lru_cache(maxsize=4096)(_plan)
+plan.__doc__ = _plan.__doc__
+
+
+def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
+    """Install (or with None remove) a tuned (BLOCK_M, BLOCK_N, warps, stages) for a tuning key."""
+    if config is None:
+        _TUNED.pop(key, None)
+    else:
+        _TUNED[key] = tuple(config)
+    _plan_cached.cache_clear()
+
+
+def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:
+    """The key under which a tuned config is cached: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision)."""
+    prec = resolve_precision(precision, dtype, device)
+    _, cc, _ = _device_info(device)
+    if cc == (0, 0) and dtype == torch.bfloat16:
+        prec = "upcast"
+    return (dtype, _pow2(D), _pow2(Dv), bool(causal), bool(has_bias), cc, prec)
+
+
 def _force_plan(p: FwdPlan, Nk: int, partitions: int) -> FwdPlan:
-    key_tiles = max(1, triton.cdiv(Nk, p.block_n))
+    key_tiles = max(1, _cdiv(Nk, p.block_n))
     parts = max(1, min(int(partitions), key_tiles))
     if parts > 1:
-        parts = triton.cdiv(key_tiles, triton.cdiv(key_tiles, parts))
+        parts = _cdiv(key_tiles, _cdiv(key_tiles, parts))
     ws = p.workspace_bytes // max(1, p.partitions) * parts if p.partitions > 1 else 0
     return dataclasses.replace(p, partitions=parts, tree_depth=math.ceil(math.log2(parts)) if parts > 1 else 0,
                                workspace_bytes=ws)
@@ -450,7 +510,7 @@ def _check_qkv(fn: str, q, k, v, rank: int) -> None:
         raise TypeError(f"{fn}: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{fn}: q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    if q.device.type != "cuda" and not _interpreting():
+    if not q.is_cuda and not _interpreting():
         raise ValueError(f"{fn}: the Triton kernels need CUDA tensors, got device {q.device}")
     D, Dv = q.shape[-1], v.shape[-1]
     if k.shape[-1] != D:
@@ -483,9 +543,9 @@ def _launch(q, k, v, bias, kpm, out, lse, p: FwdPlan, dims, strides_q, strides_k
     has_bias, has_kpm, varlen = bias is not None, kpm is not None, cu_q is not None
     sb = tuple(bias.stride()) if has_bias else (0, 0, 0, 0)
     skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
-    key_tiles = max(1, triton.cdiv(Nk, p.block_n))
-    tps = triton.cdiv(key_tiles, p.partitions)
-    m_tiles = triton.cdiv(grid_m if grid_m is not None else Nq, p.block_m)
+    key_tiles = max(1, _cdiv(Nk, p.block_n))
+    tps = _cdiv(key_tiles, p.partitions)
+    m_tiles = _cdiv(grid_m if grid_m is not None else Nq, p.block_m)
     dummy = out
     if p.partitions > 1:
         ws_m = torch.empty((p.partitions, bh, Nq), device=q.device, dtype=torch.float32)
@@ -493,11 +553,11 @@ def _launch(q, k, v, bias, kpm, out, lse, p: FwdPlan, dims, strides_q, strides_k
         ws_w = torch.empty((p.partitions, bh, Nq, p.block_dv), device=q.device, dtype=torch.float32)
     else:
         ws_m = ws_s = ws_w = lse
-    _fwd_kernel[(m_tiles, bh, p.partitions)](
+    _fwd_kernel[(m_tiles * bh, p.partitions)](
         q, k, v, bias if has_bias else dummy, kpm if has_kpm else dummy, out, lse, ws_m, ws_s, ws_w,
         cu_q if varlen else dummy, cu_k if varlen else dummy,
         *strides_q, *strides_k, *strides_v, *sb, *skp, *strides_o, *strides_l,
-        H, Nq, Nk, bh, tps, float(scale) * LOG2E,
+        H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E,
         D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
         PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm, IS_VARLEN=varlen,
         SPLIT=p.partitions > 1, num_warps=p.num_warps, num_stages=p.num_stages,
@@ -505,8 +565,9 @@ def _launch(q, k, v, bias, kpm, out, lse, p: FwdPlan, dims, strides_q, strides_k
     if p.partitions > 1:
         splits = max(2, triton.next_power_of_2(p.partitions))
         bm2 = max(2, min(64, 4096 // (splits * p.block_dv)))
-        _merge_kernel[(triton.cdiv(Nq, bm2), bh)](
-            ws_m, ws_s, ws_w, out, lse, *strides_o, *strides_l, H, Nq, bh, p.partitions,
+        m2 = _cdiv(Nq, bm2)
+        _merge_kernel[(m2 * bh,)](
+            ws_m, ws_s, ws_w, out, lse, *strides_o, *strides_l, H, Nq, bh, m2, p.partitions,
             DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits, LEVELS=splits.bit_length() - 1, num_warps=4,
         )
 
@@ -650,20 +711,25 @@ def elsa_fwd_varlen(
 # --------------------------------------------------------------------------------------------- tuning
 
 
+# Candidate (BLOCK_M, BLOCK_N, warps, stages) per family: the neighbourhood of the defaults that tuning on
+# an H100 explored; pruned per call by shared memory and register footprint.
+_CANDIDATES = {
+    "tc32": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
+    "ieee": [(64, 64, 4, 1), (64, 64, 4, 2), (128, 32, 4, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 32, 4, 2)],
+    "half": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
+}
+
+
 def _candidates(dtype, prec, bd, bdv, smem) -> list[tuple[int, int, int, int]]:
     elem = 4 if dtype == torch.float32 else 2
+    family = "half" if dtype != torch.float32 else ("ieee" if prec == "ieee" else "tc32")
     out = []
-    for bm in (32, 64, 128):
-        for bn in (32, 64, 128):
-            for w in (4, 8):
-                for st in (1, 2, 3):
-                    if _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
-                        continue  # prune: does not fit in shared memory
-                    if bm * max(bd, bdv) > 128 * 128 or bm * bn > 128 * 128:
-                        continue  # prune: register tile too large to keep the accumulator resident
-                    if prec == "ieee" and bm * bn > 64 * 64:
-                        continue  # prune: the FMA path spills with larger tiles
-                    out.append((bm, bn, w, st))
+    for bm, bn, w, st in _CANDIDATES[family]:
+        if _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
+            continue  # prune: does not fit in shared memory
+        if bm * max(bd, bdv) > 128 * 128 or bm * bn > 128 * 128:
+            continue  # prune: register tiles too large to keep the accumulator resident
+        out.append((bm, bn, w, st))
     return out
 
 
@@ -676,10 +742,9 @@ def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, s
     """
     B, H, Nq, D = q.shape
     Dv = v.shape[3]
-    prec = resolve_precision(precision, q.dtype, q.device)
+    key = tuning_key(q.dtype, D, Dv, causal, attn_bias is not None, q.device, precision)
     _, cc, smem = _device_info(q.device)
-    bd, bdv = _pow2(D), _pow2(Dv)
-    key = (q.dtype, bd, bdv, bool(causal), attn_bias is not None, cc, prec)
+    prec, bd, bdv = key[-1], key[1], key[2]
     if key in _TUNED:
         return _TUNED[key]
     default = _default_config(q.dtype, prec, bd, bdv, Nq, cc, smem)
@@ -692,7 +757,7 @@ def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, s
         cands = [default] + [c for c in cands if c != default][: max(0, max_configs - 1)]
     best, best_ms = default, math.inf
     for cfg in cands:
-        _TUNED[key] = cfg
+        set_config(key, cfg)
         try:
             ms = triton.testing.do_bench(
                 lambda: elsa_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, partitions=1),
@@ -701,5 +766,5 @@ def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, s
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
-    _TUNED[key] = best
+    set_config(key, best)
     return best

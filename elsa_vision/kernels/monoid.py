@@ -72,5 +72,10 @@ def fold_tile(m, s, w, scores, v, PRECISION: tl.constexpr):
     alpha = tl.math.exp2(m - shift)
     p = tl.math.exp2(scores - shift[:, None])
     s = s * alpha + tl.sum(p, 1)
-    w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
+    if PRECISION == "ieee":
+        # FMA dots add each product straight into the accumulator: sum the tile first, then add it, so the
+        # running sum takes one rounding per tile instead of one per key.
+        w = w * alpha[:, None] + matmul(p, v, tl.zeros_like(w), PRECISION)
+    else:
+        w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
     return m_new, s, w
