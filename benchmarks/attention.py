@@ -42,10 +42,10 @@ class Case:
     causal: bool = False
 
 
-# The shapes of the peers table, plus D=128.
+# The shapes of the peers table, plus D=128; headline cases first (rows are written as they are measured).
 SHAPES = [
-    Case(1, 8, 1024, 64), Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(1, 8, 32768, 64),
-    Case(8, 12, 197, 64), Case(8, 12, 785, 64), Case(8, 12, 3137, 64), Case(2, 16, 16385, 64),
+    Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64),
+    Case(8, 12, 3137, 64), Case(1, 8, 1024, 64), Case(1, 8, 32768, 64), Case(2, 16, 16385, 64),
     Case(1, 8, 4096, 128), Case(1, 8, 16384, 128), Case(8, 12, 785, 128),
 ]
 QUICK = [Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64)]
@@ -141,17 +141,22 @@ def measure(fn, q, k, v, causal, ref):
     return ms, extra, err
 
 
-def run_sweep(cases, dtypes, peers, out_csv):
+def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None):
     import triton
+
+    os.makedirs(os.path.dirname(out_csv) or ".", exist_ok=True)
+    f = open(out_csv, "w", newline="")  # rows are flushed as they come: a cut-off run keeps what it measured
+    writer = csv.DictWriter(f, fieldnames=COLUMNS)
+    writer.writeheader()
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.cuda.get_device_name()
     date = datetime.date.today().strftime("%Y-%m-%d")
     rows = []
-    for dname in dtypes:
-        dtype = DTYPES[dname]
-        for c in cases:
+    for c in cases:
+        for dname in dtypes:
+            dtype = DTYPES[dname]
             g = torch.Generator(device="cuda").manual_seed(c.N + c.D)
             q, k, v = (torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
             ref = reference(q, k, v, c.causal) if c.B * c.H * c.N**2 <= REF_LIMIT else None
@@ -159,6 +164,8 @@ def run_sweep(cases, dtypes, peers, out_csv):
             for peer in peers:
                 if peer in ("elsa_ieee", "elsa_tf32") and dtype != torch.float32:
                     continue  # precisions exist for float32 only
+                if peer == "flex" and flex_cases is not None and c not in flex_cases:
+                    continue  # each flex shape is a fresh torch.compile: limited to the selected shapes
                 note = ""
                 ms = extra = None
                 err = ""
@@ -176,15 +183,13 @@ def run_sweep(cases, dtypes, peers, out_csv):
                            note=note)
                 row["pass"] = "fwd"
                 rows.append(row)
+                writer.writerow(row)
+                f.flush()
                 print(f"{dname:9s} {c.B},{c.H},{c.N},{c.D}{'c' if c.causal else ''} {peer:15s} "
                       f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s {row['extra_mb']:>9s} MB {err:>10s} {note}",
                       flush=True)
             del q, k, v, ref
-    os.makedirs(os.path.dirname(out_csv) or ".", exist_ok=True)
-    with open(out_csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    f.close()
     return rows
 
 
@@ -292,6 +297,8 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", type=parse_case, help="B,H,N,D[,causal] cases (default: the sweep)")
     ap.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     ap.add_argument("--peers", nargs="+", choices=PEERS, default=PEERS)
+    ap.add_argument("--flex-shapes", nargs="+", type=parse_case, default=None,
+                    help="run flex only on these cases (each shape costs a torch.compile)")
     ap.add_argument("--causal", action="store_true", help="also run every shape causal")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/attention_<gpu>_<date>.csv)")
     ap.add_argument("--png", default=None, help="plot path (default docs/img/attention_<gpu>.png)")
@@ -317,7 +324,7 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().split()[0]
     day = datetime.date.today().strftime("%Y%m%d")
     out_csv = args.out or f"benchmarks/results/attention_{gpu}_{day}.csv"
-    rows = run_sweep(cases, args.dtype, args.peers, out_csv)
+    rows = run_sweep(cases, args.dtype, args.peers, out_csv, args.flex_shapes)
     print(f"wrote {out_csv}")
     ratio_table(rows)
     with contextlib.suppress(ImportError):

@@ -352,20 +352,21 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, 
         bm = min(64, _pow2(nq))
         return bm, 32 if max(bd, bdv) > 128 else 64, 4, 1
     big = max(bd, bdv)
+    # Winners of benchmarks/attention.py --tune on an H100 (see docs/kernel_notes.md).
     if dtype == torch.float32:
         if precision == "ieee":
-            cfg = (64, 64, 4, 1) if big <= 64 else (32, 32, 4, 2)
+            cfg = (64, 128, 8, 1) if big <= 64 else (32, 32, 4, 2)
         elif big <= 64:
             cfg = (128, 64, 8, 3)
         elif big <= 128:
-            cfg = (64, 64, 4, 2)
+            cfg = (128, 32, 4, 3)
         else:
             cfg = (64, 32, 8, 1)
     else:
         if big <= 64:
-            cfg = (128, 64, 4, 3)
-        elif big <= 128:
             cfg = (128, 64, 8, 3)
+        elif big <= 128:
+            cfg = (128, 128, 8, 3)
         else:
             cfg = (64, 64, 8, 2)
     bm, bn, w, st = cfg
@@ -630,8 +631,8 @@ def elsa_fwd(
     lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     if B * H * Nq == 0:
         return out, lse
-    p = plan(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=q.device, workspace_bytes=workspace_bytes,
-             precision=precision, has_bias=bias is not None)
+    p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=q.device, workspace_bytes=workspace_bytes,
+                     precision=precision, has_bias=bias is not None)
     if partitions is not None:
         p = _force_plan(p, Nk, partitions)
     _launch(q, k, v, bias, kpm, out, lse, p, (B, H, Nq, Nk, D, Dv), q.stride(), k.stride(), v.stride(),
@@ -696,8 +697,8 @@ def elsa_fwd_varlen(
     lse = torch.empty((H, total_q), device=q.device, dtype=torch.float32)
     if total_q == 0 or max_seqlen_q == 0:
         return out.zero_(), lse.fill_(-math.inf)
-    p = plan(batch, H, max_seqlen_q, max(max_seqlen_k, 1), D, Dv, q.dtype, causal, device=q.device,
-             precision=precision, workspace_bytes=0)
+    p = _plan_cached(batch, H, max_seqlen_q, max(max_seqlen_k, 1), D, Dv, q.dtype, causal, device=q.device,
+                     precision=precision, workspace_bytes=0)
     sq = (0, q.stride(1), q.stride(0), q.stride(2))
     sk = (0, k.stride(1), k.stride(0), k.stride(2))
     sv = (0, v.stride(1), v.stride(0), v.stride(2))
