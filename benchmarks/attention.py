@@ -44,17 +44,42 @@ class Case:
 
 # The shapes of the peers table, plus D=128; headline cases first (rows are written as they are measured).
 SHAPES = [
-    Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64),
-    Case(8, 12, 3137, 64), Case(1, 8, 1024, 64), Case(1, 8, 32768, 64), Case(2, 16, 16385, 64),
-    Case(1, 8, 4096, 128), Case(1, 8, 16384, 128), Case(8, 12, 785, 128),
+    Case(1, 8, 4096, 64),
+    Case(1, 8, 16384, 64),
+    Case(8, 12, 197, 64),
+    Case(8, 12, 785, 64),
+    Case(8, 12, 3137, 64),
+    Case(1, 8, 1024, 64),
+    Case(1, 8, 32768, 64),
+    Case(2, 16, 16385, 64),
+    Case(1, 8, 4096, 128),
+    Case(1, 8, 16384, 128),
+    Case(8, 12, 785, 128),
 ]
 QUICK = [Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_ieee", "elsa_tf32"]
 # Largest problem (B*H*N^2) for which the float64 reference is computed; beyond, relerr stays empty.
 REF_LIMIT = 2 * 16 * 16385**2
-COLUMNS = ["device", "torch", "triton", "date", "B", "H", "N", "D", "dtype", "peer", "ms", "tflops", "extra_mb",
-           "relerr", "pass", "causal", "note"]
+COLUMNS = [
+    "device",
+    "torch",
+    "triton",
+    "date",
+    "B",
+    "H",
+    "N",
+    "D",
+    "dtype",
+    "peer",
+    "ms",
+    "tflops",
+    "extra_mb",
+    "relerr",
+    "pass",
+    "causal",
+    "note",
+]
 
 
 def _sdpa(backend_name):
@@ -158,7 +183,9 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None):
         for dname in dtypes:
             dtype = DTYPES[dname]
             g = torch.Generator(device="cuda").manual_seed(c.N + c.D)
-            q, k, v = (torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+            q, k, v = (
+                torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype, generator=g) for _ in range(3)
+            )
             ref = reference(q, k, v, c.causal) if c.B * c.H * c.N**2 <= REF_LIMIT else None
             flops = 4 * c.B * c.H * c.N**2 * c.D * (0.5 if c.causal else 1.0)
             for peer in peers:
@@ -176,18 +203,33 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None):
                 except Exception as exc:  # noqa: BLE001 - an unsupported peer/case is recorded and skipped
                     note = f"unsupported: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
                 torch.cuda.empty_cache()
-                row = dict(device=dev, torch=torch.__version__, triton=triton.__version__, date=date, B=c.B, H=c.H,
-                           N=c.N, D=c.D, dtype=dname, peer=peer, ms=f"{ms:.4f}" if ms is not None else "",
-                           tflops=f"{flops / ms / 1e9:.1f}" if ms is not None else "",
-                           extra_mb=f"{extra:.1f}" if extra is not None else "", relerr=err, causal=int(c.causal),
-                           note=note)
+                row = dict(
+                    device=dev,
+                    torch=torch.__version__,
+                    triton=triton.__version__,
+                    date=date,
+                    B=c.B,
+                    H=c.H,
+                    N=c.N,
+                    D=c.D,
+                    dtype=dname,
+                    peer=peer,
+                    ms=f"{ms:.4f}" if ms is not None else "",
+                    tflops=f"{flops / ms / 1e9:.1f}" if ms is not None else "",
+                    extra_mb=f"{extra:.1f}" if extra is not None else "",
+                    relerr=err,
+                    causal=int(c.causal),
+                    note=note,
+                )
                 row["pass"] = "fwd"
                 rows.append(row)
                 writer.writerow(row)
                 f.flush()
-                print(f"{dname:9s} {c.B},{c.H},{c.N},{c.D}{'c' if c.causal else ''} {peer:15s} "
-                      f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s {row['extra_mb']:>9s} MB {err:>10s} {note}",
-                      flush=True)
+                print(
+                    f"{dname:9s} {c.B},{c.H},{c.N},{c.D}{'c' if c.causal else ''} {peer:15s} "
+                    f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s {row['extra_mb']:>9s} MB {err:>10s} {note}",
+                    flush=True,
+                )
             del q, k, v, ref
     f.close()
     return rows
@@ -199,25 +241,35 @@ def ratio_table(rows):
     for r in rows:
         if r["ms"]:
             by[(r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"], r["peer"])] = r
-    keys = sorted({k[:6] for k in by}, key=lambda k: (k[0], k[1], k[2], k[3], k[4], k[5]))
-    print("\n| dtype | B,H,N,D | elsa ms | relerr | x sdpa_efficient | x cudnn | x flex | ieee x eff | tf32 x eff "
-          "| mem / eff |")
+    keys = sorted({k[:6] for k in by}, key=lambda k: (k[0],) + tuple(int(x) for x in k[1:]))
+    print(
+        "\n| dtype | B,H,N,D | elsa ms | relerr | x sdpa_efficient | x cudnn | x flex | ieee x eff "
+        "| tf32 x eff "
+        "| mem / eff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for k in keys:
         e = by.get(k + ("elsa",))
         if e is None:
             continue
 
-        def ratio(peer, num=e):
-            p = by.get(k + (peer,))
+        def ratio(peer, num=e, key=k):
+            p = by.get(key + (peer,))
             return f"{float(p['ms']) / float(num['ms']):.2f}" if p else "-"
 
         ie, tf = by.get(k + ("elsa_ieee",)), by.get(k + ("elsa_tf32",))
         eff = by.get(k + ("sdpa_efficient",))
-        mem = f"{float(e['extra_mb']) / float(eff['extra_mb']):.2f}" if eff and float(eff["extra_mb"]) > 0 else "-"
-        print(f"| {k[0]} | {k[1]},{k[2]},{k[3]},{k[4]}{'c' if int(k[5]) else ''} | {e['ms']} | {e['relerr']} | "
-              f"{ratio('sdpa_efficient')} | {ratio('sdpa_cudnn')} | {ratio('flex')} | "
-              f"{ratio('sdpa_efficient', ie) if ie else '-'} | {ratio('sdpa_efficient', tf) if tf else '-'} | {mem} |")
+        mem = (
+            f"{float(e['extra_mb']) / float(eff['extra_mb']):.2f}"
+            if eff and float(eff["extra_mb"]) > 0
+            else "-"
+        )
+        print(
+            f"| {k[0]} | {k[1]},{k[2]},{k[3]},{k[4]}{'c' if int(k[5]) else ''} | {e['ms']} | {e['relerr']} | "
+            f"{ratio('sdpa_efficient')} | {ratio('sdpa_cudnn')} | {ratio('flex')} | "
+            f"{ratio('sdpa_efficient', ie) if ie else '-'} | "
+            f"{ratio('sdpa_efficient', tf) if tf else '-'} | {mem} |"
+        )
 
 
 def plot(csv_path, png_path):
@@ -233,8 +285,11 @@ def plot(csv_path, png_path):
     for ax, dname in zip(axes[0], dtypes):
         for peer in PEERS:
             for D in sorted({int(r["D"]) for r in rows}):
-                pts = sorted((int(r["N"]), float(r["tflops"])) for r in rows
-                             if r["dtype"] == dname and r["peer"] == peer and int(r["D"]) == D)
+                pts = sorted(
+                    (int(r["N"]), float(r["tflops"]))
+                    for r in rows
+                    if r["dtype"] == dname and r["peer"] == peer and int(r["D"]) == D
+                )
                 if pts:
                     ax.plot(*zip(*pts), marker="o", linestyle="-" if D == 64 else "--", label=f"{peer} D={D}")
         ax.set_xscale("log", base=2)
@@ -269,8 +324,13 @@ def tune(cases, dtypes, precisions, configs=None):
                     fwd.set_config(key, cfg)
                     try:
                         ms = triton.testing.do_bench(
-                            lambda: fwd.elsa_fwd(q, k, v, causal=c.causal, precision=prec, partitions=1),
-                            warmup=10, rep=30, return_mode="median")
+                            lambda q=q, k=k, v=v, c=c, prec=prec: fwd.elsa_fwd(
+                                q, k, v, causal=c.causal, precision=prec, partitions=1
+                            ),
+                            warmup=10,
+                            rep=30,
+                            return_mode="median",
+                        )
                     except Exception as exc:  # noqa: BLE001 - configs the compiler rejects are listed
                         results.append((math.inf, cfg, type(exc).__name__))
                         continue
@@ -279,9 +339,11 @@ def tune(cases, dtypes, precisions, configs=None):
                 results.sort(key=lambda r: r[0])
                 best = ", ".join(f"{cfg}:{ms:.3f}" for ms, cfg, _ in results[:6])
                 flops = 4 * c.B * c.H * c.N**2 * c.D * (0.5 if c.causal else 1.0)
-                print(f"TUNE {dname} {prec} {c} default={(p.block_m, p.block_n, p.num_warps, p.num_stages)} "
-                      f"best={results[0][1]} {flops / results[0][0] / 1e9:.0f} TF/s | {best}", flush=True)
-                del q, k, v
+                print(
+                    f"TUNE {dname} {prec} {c} default={(p.block_m, p.block_n, p.num_warps, p.num_stages)} "
+                    f"best={results[0][1]} {flops / results[0][0] / 1e9:.0f} TF/s | {best}",
+                    flush=True,
+                )
 
 
 def parse_case(s: str) -> Case:
@@ -294,18 +356,31 @@ def parse_case(s: str) -> Case:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="headline shapes only")
-    ap.add_argument("--shapes", nargs="+", type=parse_case, help="B,H,N,D[,causal] cases (default: the sweep)")
+    ap.add_argument(
+        "--shapes", nargs="+", type=parse_case, help="B,H,N,D[,causal] cases (default: the sweep)"
+    )
     ap.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     ap.add_argument("--peers", nargs="+", choices=PEERS, default=PEERS)
-    ap.add_argument("--flex-shapes", nargs="+", type=parse_case, default=None,
-                    help="run flex only on these cases (each shape costs a torch.compile)")
+    ap.add_argument(
+        "--flex-shapes",
+        nargs="+",
+        type=parse_case,
+        default=None,
+        help="run flex only on these cases (each shape costs a torch.compile)",
+    )
     ap.add_argument("--causal", action="store_true", help="also run every shape causal")
-    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/attention_<gpu>_<date>.csv)")
+    ap.add_argument(
+        "--out", default=None, help="CSV path (default benchmarks/results/attention_<gpu>_<date>.csv)"
+    )
     ap.add_argument("--png", default=None, help="plot path (default docs/img/attention_<gpu>.png)")
     ap.add_argument("--tune", action="store_true", help="time the candidate kernel configs instead")
     ap.add_argument("--tune-precisions", nargs="+", default=["tf32x3", "ieee", "tf32"])
-    ap.add_argument("--configs", nargs="+", default=None,
-                    help="BLOCK_M,BLOCK_N,warps,stages configs to time with --tune (default: the pruned candidates)")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        help="BLOCK_M,BLOCK_N,warps,stages configs to time with --tune (default: the pruned candidates)",
+    )
     ap.add_argument("--plot-only", default=None, help="only draw the plot of an existing CSV")
     args = ap.parse_args(argv)
     if args.plot_only:

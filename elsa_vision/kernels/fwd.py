@@ -478,7 +478,7 @@ def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
 
 
 def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:
-    """The key under which a tuned config is cached: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision)."""
+    """The key of a tuned config: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision)."""
     prec = resolve_precision(precision, dtype, device)
     _, cc, _ = _device_info(device)
     if cc == (0, 0) and dtype == torch.bfloat16:
@@ -492,7 +492,8 @@ def _force_plan(p: FwdPlan, Nk: int, partitions: int) -> FwdPlan:
     if parts > 1:
         parts = _cdiv(key_tiles, _cdiv(key_tiles, parts))
     ws = p.workspace_bytes // max(1, p.partitions) * parts if p.partitions > 1 else 0
-    return dataclasses.replace(p, partitions=parts, tree_depth=math.ceil(math.log2(parts)) if parts > 1 else 0,
+    depth = math.ceil(math.log2(parts)) if parts > 1 else 0
+    return dataclasses.replace(p, partitions=parts, tree_depth=depth,
                                workspace_bytes=ws)
 
 
@@ -569,7 +570,8 @@ def _launch(q, k, v, bias, kpm, out, lse, p: FwdPlan, dims, strides_q, strides_k
         m2 = _cdiv(Nq, bm2)
         _merge_kernel[(m2 * bh,)](
             ws_m, ws_s, ws_w, out, lse, *strides_o, *strides_l, H, Nq, bh, m2, p.partitions,
-            DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits, LEVELS=splits.bit_length() - 1, num_warps=4,
+            DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits, LEVELS=splits.bit_length() - 1,
+            num_warps=4,
         )
 
 
@@ -606,7 +608,8 @@ def elsa_fwd(
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
     if tuple(k.shape[:2]) != (B, H) or tuple(v.shape[:3]) != (B, H, Nk):
-        raise ValueError(f"elsa_fwd: shapes disagree: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+        raise ValueError(
+            f"elsa_fwd: shapes disagree: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     if not isinstance(causal, bool):
         raise TypeError(f"elsa_fwd: `causal` must be a bool, got {type(causal).__name__}")
     scale = D ** -0.5 if scale is None else float(scale)
@@ -619,7 +622,8 @@ def elsa_fwd(
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
             raise TypeError("elsa_fwd: `key_padding_mask` must be a torch.bool tensor [B, Nk]")
-        if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] not in (1, B) or key_padding_mask.shape[1] != Nk:
+        kshape = tuple(key_padding_mask.shape)
+        if len(kshape) != 2 or kshape[0] not in (1, B) or kshape[1] != Nk:
             raise ValueError(
                 f"elsa_fwd: `key_padding_mask` must have shape [B, Nk] = [{B}, {Nk}], "
                 f"got {list(key_padding_mask.shape)}"
@@ -641,7 +645,8 @@ def elsa_fwd(
 
 
 def _check_cu(name: str, cu, device) -> Tensor:
-    if not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
+    if not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 \
+            or cu.numel() < 2:
         raise TypeError(f"elsa_fwd_varlen: `{name}` must be a 1-D int32 tensor [batch + 1], got "
                         f"{getattr(cu, 'dtype', type(cu).__name__)} {list(getattr(cu, 'shape', []))}")
     if cu.device != device:
@@ -704,7 +709,8 @@ def elsa_fwd_varlen(
     sv = (0, v.stride(1), v.stride(0), v.stride(2))
     so = (0, out.stride(1), out.stride(0), out.stride(2))
     sl = (0, lse.stride(0), lse.stride(1))
-    _launch(q, k, v, None, None, out, lse, p, (batch, H, max_seqlen_q, max_seqlen_k, D, Dv), sq, sk, sv, so, sl,
+    dims = (batch, H, max_seqlen_q, max_seqlen_k, D, Dv)
+    _launch(q, k, v, None, None, out, lse, p, dims, sq, sk, sv, so, sl,
             scale, causal, cu_q=cu_q, cu_k=cu_k)
     return out, lse
 
@@ -715,9 +721,12 @@ def elsa_fwd_varlen(
 # Candidate (BLOCK_M, BLOCK_N, warps, stages) per family: the neighbourhood of the defaults that tuning on
 # an H100 explored; pruned per call by shared memory and register footprint.
 _CANDIDATES = {
-    "tc32": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
-    "ieee": [(64, 64, 4, 1), (64, 64, 4, 2), (128, 32, 4, 1), (128, 64, 8, 1), (64, 128, 8, 1), (64, 32, 4, 2)],
-    "half": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
+    "tc32": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2),
+             (64, 64, 4, 3)],
+    "ieee": [(64, 64, 4, 1), (64, 64, 4, 2), (128, 32, 4, 1), (128, 64, 8, 1), (64, 128, 8, 1),
+             (64, 32, 4, 2)],
+    "half": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
+             (128, 64, 4, 4)],
 }
 
 
@@ -761,7 +770,8 @@ def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, s
         set_config(key, cfg)
         try:
             ms = triton.testing.do_bench(
-                lambda: elsa_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, partitions=1),
+                lambda: elsa_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision,
+                                 partitions=1),
                 warmup=5, rep=20)
         except Exception:  # noqa: BLE001 - a config the compiler rejects (out of resources) is skipped
             continue

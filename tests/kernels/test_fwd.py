@@ -40,9 +40,11 @@ def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
 
 def qkv(B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32, scale=1.0):
     Dv = D if Dv is None else Dv
-    return (randn(B, H, Nq, D, seed=seed, dtype=dtype, scale=scale),
-            randn(B, H, Nk, D, seed=seed + 1, dtype=dtype, scale=scale),
-            randn(B, H, Nk, Dv, seed=seed + 2, dtype=dtype, scale=scale))
+    return (
+        randn(B, H, Nq, D, seed=seed, dtype=dtype, scale=scale),
+        randn(B, H, Nk, D, seed=seed + 1, dtype=dtype, scale=scale),
+        randn(B, H, Nk, Dv, seed=seed + 2, dtype=dtype, scale=scale),
+    )
 
 
 def ref64(q, k, v, attn_bias=None, **kw):
@@ -165,7 +167,9 @@ def test_finfo_min_and_extreme_bias():
     q, k, v = qkv(1, 2, 33, 70, 32, seed=32)
     bias = randn(1, 2, 33, 70, seed=6) * 1e4
     bias[..., :20] = torch.finfo(torch.float32).min
-    bias[:, :, 3] = torch.finfo(torch.float32).min  # a whole row at finfo.min: uniform weights, as the reference
+    bias[:, :, 3] = torch.finfo(
+        torch.float32
+    ).min  # a whole row at finfo.min: uniform weights, as the reference
     bias[:, :, 4, 30:] = -100.0  # Swin's shift-mask value
     out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision="ieee")
     ref = ref64(q, k, v, attn_bias=bias)
@@ -314,13 +318,18 @@ def test_varlen_matches_per_sequence(causal):
     for i in range(len(lq)):
         if lq[i] == 0:
             continue
-        qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]))
+        qi, ki, vi = (
+            t.transpose(0, 1)[None]
+            for t in (q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]])
+        )
         ref = ref64(qi, ki, vi, causal=causal)[0].transpose(0, 1)
-        assert relerr(out[cq[i]:cq[i + 1]], ref) <= FP32_ACCURATE
-        assert_lse(lse[:, cq[i]:cq[i + 1]], lse64(qi, ki, vi, causal=causal)[0])
+        assert relerr(out[cq[i] : cq[i + 1]], ref) <= FP32_ACCURATE
+        assert_lse(lse[:, cq[i] : cq[i + 1]], lse64(qi, ki, vi, causal=causal)[0])
     public = elsa_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="triton")
     torch.testing.assert_close(public, out, rtol=0, atol=0)
-    torch_backend = elsa_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="torch")
+    torch_backend = elsa_attention_varlen(
+        q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="torch"
+    )
     assert relerr(out, torch_backend.double()) <= 2 * FP32_ACCURATE
 
 
@@ -366,7 +375,9 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="cu_seqlens_q"):
         elsa_fwd_varlen(qv, kv, vv, cu.float(), cuk, 6, 7)
     with pytest.raises(ValueError, match="rise from 0"):
-        elsa_attention_varlen(qv, kv, vv, cu, torch.tensor([0, 5, 11], dtype=torch.int32, device=DEVICE), 6, 7)
+        elsa_attention_varlen(
+            qv, kv, vv, cu, torch.tensor([0, 5, 11], dtype=torch.int32, device=DEVICE), 6, 7
+        )
     with pytest.raises(ValueError, match="longest sequence"):
         elsa_attention_varlen(qv, kv, vv, cu, cuk, 5, 7)
     with pytest.raises(ValueError, match="rank 3"):
@@ -379,7 +390,7 @@ def test_bad_inputs():
 
 
 def _rows_ref(q, k, v, rows, causal=False, attn_bias=None):
-    """float64 reference for selected query rows only (all keys): for shapes whose full reference is too big."""
+    """float64 reference for selected query rows (all keys): for shapes whose full reference is too big."""
     Nq, Nk = q.shape[-2], k.shape[-2]
     qs = q[..., rows, :].double()
     s = (qs @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
@@ -420,12 +431,21 @@ def test_gpu_half_precision(dtype, D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,dtype,causal", [(3137, torch.float32, False), (16384, torch.float32, True),
-                                            (2**16 + 1, torch.bfloat16, True), (2**16 + 1, torch.float32, False)])
+@pytest.mark.parametrize(
+    "N,dtype,causal",
+    [
+        (3137, torch.float32, False),
+        (16384, torch.float32, True),
+        (2**16 + 1, torch.bfloat16, True),
+        (2**16 + 1, torch.float32, False),
+    ],
+)
 def test_gpu_large_lengths(N, dtype, causal):
     q, k, v = qkv(1, 2, N, N, 64, seed=103, dtype=dtype)
     out, lse = elsa_fwd(q, k, v, causal=causal)
-    rows = torch.cat([torch.arange(0, 64), torch.randint(0, N, (192,), generator=_gen(1)), torch.arange(N - 64, N)])
+    rows = torch.cat(
+        [torch.arange(0, 64), torch.randint(0, N, (192,), generator=_gen(1)), torch.arange(N - 64, N)]
+    )
     rows = rows.to(DEVICE)
     ref = _rows_ref(q, k, v, rows, causal=causal)
     if dtype == torch.float32:
@@ -444,8 +464,8 @@ def test_gpu_more_than_2_pow_31_elements():
     v = torch.randn_like(q)
     out, _ = elsa_fwd(q, k, v)
     for b in (0, B // 2, B - 1):
-        ref = softmax_attention(q[b:b + 1].double(), k[b:b + 1].double(), v[b:b + 1].double())
-        assert (out[b:b + 1].double() - ref).abs().max().item() <= 2e-3
+        ref = softmax_attention(q[b : b + 1].double(), k[b : b + 1].double(), v[b : b + 1].double())
+        assert (out[b : b + 1].double() - ref).abs().max().item() <= 2e-3
     del q, k, v, out
     torch.cuda.empty_cache()
     # A bias with more than 2**31 elements: row offsets of the bias need 64-bit arithmetic.
