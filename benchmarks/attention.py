@@ -166,8 +166,10 @@ def measure(fn, q, k, v, causal, ref):
     return ms, extra, err
 
 
-def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None):
+def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=()):
     import triton
+
+    from elsa_vision.kernels import fwd
 
     os.makedirs(os.path.dirname(out_csv) or ".", exist_ok=True)
     f = open(out_csv, "w", newline="")  # rows are flushed as they come: a cut-off run keeps what it measured
@@ -187,6 +189,10 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None):
                 torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype, generator=g) for _ in range(3)
             )
             ref = reference(q, k, v, c.causal) if c.B * c.H * c.N**2 <= REF_LIMIT else None
+            for dt_name, dim, prec in autotune:
+                if dt_name == dname and dim == c.D:  # tuned once per key, on the first case that has it
+                    cfg = fwd.autotune_fwd(q, k, v, causal=c.causal, precision=prec)
+                    print(f"autotune {dname} D={c.D} {prec}: {cfg}", flush=True)
             flops = 4 * c.B * c.H * c.N**2 * c.D * (0.5 if c.causal else 1.0)
             for peer in peers:
                 if peer in ("elsa_ieee", "elsa_tf32") and dtype != torch.float32:
@@ -368,6 +374,8 @@ def main(argv=None):
         default=None,
         help="run flex only on these cases (each shape costs a torch.compile)",
     )
+    ap.add_argument("--autotune", nargs="+", default=[],
+                    help="dtype:D:precision keys to autotune (on their first case) before timing elsa")
     ap.add_argument("--causal", action="store_true", help="also run every shape causal")
     ap.add_argument(
         "--out", default=None, help="CSV path (default benchmarks/results/attention_<gpu>_<date>.csv)"
@@ -399,7 +407,8 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().split()[0]
     day = datetime.date.today().strftime("%Y%m%d")
     out_csv = args.out or f"benchmarks/results/attention_{gpu}_{day}.csv"
-    rows = run_sweep(cases, args.dtype, args.peers, out_csv, args.flex_shapes)
+    autotune = [(a.split(":")[0], int(a.split(":")[1]), a.split(":")[2]) for a in args.autotune]
+    rows = run_sweep(cases, args.dtype, args.peers, out_csv, args.flex_shapes, autotune)
     print(f"wrote {out_csv}")
     ratio_table(rows)
     with contextlib.suppress(ImportError):

@@ -410,9 +410,9 @@ def _plan(
 ) -> FwdPlan:
     """Choose partitions, tiles, warps and stages for one forward call.
 
-    The fused path (``partitions == 1``) is taken when the query tiles (``cdiv(Nq, BLOCK_M) * B * H``
-    programs) fill the ``sm_count`` multiprocessors; otherwise the keys are cut into partitions (at most 16,
-    at least one key tile each) until the grid holds about two programs per multiprocessor.
+    The fused path (``partitions == 1``) is taken unless the query tiles (``cdiv(Nq, BLOCK_M) * B * H``
+    programs) fill less than half of the ``sm_count`` multiprocessors; then the keys are cut into partitions
+    (at most 16, at least one key tile each) until the grid holds about two programs per multiprocessor.
     ``workspace_bytes`` caps the level-one workspace (``partitions * B * H * Nq * (BLOCK_DV + 2) * 4``
     bytes) by reducing partitions, down to the fused path which needs none.
     """
@@ -439,7 +439,9 @@ def _plan(
     programs = _cdiv(max(Nq, 1), bm) * bh
     key_tiles = max(1, _cdiv(Nk, bn))
     parts = 1
-    if programs < sms:
+    if 2 * programs <= sms:
+        # Less than half a wave of query tiles: the workspace (which costs more memory than the output)
+        # pays for itself; with more programs the fused path is as fast and needs no workspace.
         parts = min(16, key_tiles, _cdiv(2 * sms, programs))
     per_part = 4 * bh * max(Nq, 1) * (bdv + 2)
     if workspace_bytes is not None:
