@@ -1,13 +1,14 @@
 """Models on ELSA attention; importing this registers the ``elsa_*`` names with timm."""
 
-<<<<<<< HEAD
 from ._builder import LoadReport, load_checkpoint, read_state_dict
 from .clip_vision import ElsaCLIPVision, create_elsa_clip_vision, from_open_clip
+from .hsi_vit import ElsaHSIViT
 from .vit import ElsaViT, elsa_checkpoint_filter_fn
 
 __all__ = [
     "ElsaViT",
     "ElsaCLIPVision",
+    "ElsaHSIViT",
     "create_elsa_clip_vision",
     "from_open_clip",
     "LoadReport",
@@ -15,9 +16,3 @@ __all__ = [
     "load_checkpoint",
     "read_state_dict",
 ]
-=======
-from .hsi_vit import ElsaHSIViT
-from .vit import ElsaViT
-
-__all__ = ["ElsaViT", "ElsaHSIViT"]
->>>>>>> hsi
