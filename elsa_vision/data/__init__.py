@@ -1,0 +1,1 @@
+"""Datasets, data modules and dataset metadata."""

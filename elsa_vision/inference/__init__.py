@@ -1,0 +1,1 @@
+"""Inference entry points (run as ``python -m elsa_vision.inference.<name>``)."""

@@ -1,0 +1,1 @@
+"""Tasks: training modules and evaluation pipelines."""
