@@ -802,7 +802,7 @@ class ElsaVGGT(nn.Module):
 
 def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
     """Read a state_dict from ``.safetensors`` or a torch file (``weights_only=True``; unwraps ``model``/
-    ``state_dict`` and a ``module.`` prefix)."""
+    ``state_dict``, a ``module.`` prefix and the ``net.`` prefix of a Lightning module's state_dict)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -817,7 +817,10 @@ def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
                 sd = sd[key]
     if not isinstance(sd, dict):
         raise TypeError(f"{path}: expected a state_dict (dict of tensors), got {type(sd).__name__}")
-    return {(k[7:] if k.startswith("module.") else k): v for k, v in sd.items()}
+    sd = {(k[7:] if k.startswith("module.") else k): v for k, v in sd.items()}
+    if sd and all(k.startswith("net.") for k in sd):  # a MultiViewReconstructionModule state_dict
+        sd = {k[4:]: v for k, v in sd.items()}
+    return sd
 
 
 def vggt_checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ElsaVGGT) -> tuple[dict[str, Tensor], list[str]]:
