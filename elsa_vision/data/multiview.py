@@ -374,17 +374,19 @@ def load_colmap_text(root: str | Path, sparse_dir: str | None = None, image_dir:
         ix = _COLMAP_PARAMS[model]
         fx, fy, cx, cy = (params[i] for i in ix)
         cams[cam_id] = (np.array([[fx, 0, cx], [0, fy, cy], [0, 0, 1]], dtype=np.float64), (h, w))
-    lines = [ln for ln in (sparse / "images.txt").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    lines = [ln for ln in (sparse / "images.txt").read_text().splitlines() if not ln.startswith("#")]
     if depth_dir is None and (root / "stereo" / "depth_maps").is_dir():
         depth_dir = "stereo/depth_maps"
     out = []
-    # image lines alternate with 2D-point lines; a line with 10 tokens whose 9th is a known camera starts a record
+    # records are line pairs: the image line, then its 2D points (possibly empty)
     i = 0
     while i < len(lines):
         tok = lines[i].split()
-        if len(tok) < 10:
+        if not tok:
             i += 1
             continue
+        if len(tok) < 10:
+            raise ValueError(f"load_colmap_text: malformed image line in {sparse / 'images.txt'}: {lines[i]!r}")
         qw, qx, qy, qz, tx, ty, tz = (float(x) for x in tok[1:8])
         cam_id, name = int(tok[8]), " ".join(tok[9:])
         if cam_id not in cams:
@@ -402,7 +404,7 @@ def load_colmap_text(root: str | Path, sparse_dir: str | None = None, image_dir:
                     break
         k, hw = cams[cam_id]
         out.append(FrameRecord(img, ext, k.copy(), hw, depth, 1.0))
-        i += 2 if i + 1 < len(lines) and len(lines[i + 1].split()) != 10 or i + 1 >= len(lines) else 1
+        i += 2
     if not out:
         raise ValueError(f"load_colmap_text: no images in {sparse / 'images.txt'}")
     return sorted(out, key=lambda f: f.image.name)
