@@ -3,11 +3,11 @@
 Two declared sweeps (``SWEEPS``):
 
 * ``attention``: the aggregator's global attention, ``B = 1``, ``H = 16``, ``D = 64``, ``N = frames × 1041``
-  tokens (1041 = camera + 4 registers + 37×28 patches of a 518×392 frame); providers ``elsa`` (``elsa_attention``,
-  FP32-accurate), ``elsa_tf32x3`` and ``sdpa_efficient`` (PyTorch's memory-efficient kernel) -- plus
-  ``sdpa_math`` where its ``N²`` matrix fits. Median time, TFLOP/s (``4·B·H·N²·D``), and ``relerr`` =
-  ‖out − ref‖/‖ref‖ on 256 query rows against a float64 reference. Target at 100 frames: ELSA >= 2.0× faster
-  than ``sdpa_efficient``.
+  tokens (1041 = camera + 4 registers + 37×28 patches of a 518×392 frame); providers ``elsa``
+  (``elsa_attention``, FP32-accurate), ``elsa_tf32x3`` and ``sdpa_efficient`` (PyTorch's memory-efficient
+  kernel) -- plus ``sdpa_math`` where its ``N²`` matrix fits. Median time, TFLOP/s (``4·B·H·N²·D``), and
+  ``relerr`` = ‖out − ref‖/‖ref‖ on 256 query rows against a float64 reference. Target at 100
+  frames: ELSA >= 2.0× faster than ``sdpa_efficient``.
 * ``model``: peak memory and latency of the full ElsaVGGT multi-frame forward (``torch.no_grad``, FP32) at
   100 frames of 518×392 -- the small config with ``img_size = 518`` (target < 40 GB) and, with ``--full``,
   VGGT-1B (``elsa_vggt``, random weights).
@@ -64,11 +64,17 @@ class ModelCase:
 
 
 SWEEPS = {
-    "attention": [AttnCase(f) for f in (10, 25, 50, 100)] + [AttnCase(4, providers=("elsa", "sdpa_efficient", "sdpa_math"))],
-    "model": [ModelCase("elsa_vggt_small", 100, overrides=(("img_size", 518),)),
-              ModelCase("elsa_vggt_small", 25, overrides=(("img_size", 518),))],
+    "attention": [AttnCase(f) for f in (10, 25, 50, 100)]
+    + [AttnCase(4, providers=("elsa", "sdpa_efficient", "sdpa_math"))],
+    "model": [
+        ModelCase("elsa_vggt_small", 100, overrides=(("img_size", 518),)),
+        ModelCase("elsa_vggt_small", 25, overrides=(("img_size", 518),)),
+    ],
     "model_full": [ModelCase("elsa_vggt", 100)],
-    "attention_quick": [AttnCase(1, 97, 2, 64, ("elsa", "sdpa_default")), AttnCase(2, 97, 2, 64, ("elsa", "sdpa_default"))],
+    "attention_quick": [
+        AttnCase(1, 97, 2, 64, ("elsa", "sdpa_default")),
+        AttnCase(2, 97, 2, 64, ("elsa", "sdpa_default")),
+    ],
     "model_quick": [ModelCase("elsa_vggt_small", 2, 56, 56), ModelCase("elsa_vggt_small", 4, 56, 70)],
 }
 
@@ -114,7 +120,9 @@ def bench_attention(case: AttnCase, device: str, reps: int) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, case.heads, n, case.head_dim, device=device, generator=g) for _ in range(3))
     rows_ref = min(256, n)
-    ref = torch.softmax(q[:, :, :rows_ref].double() @ k.double().transpose(-1, -2) / math.sqrt(case.head_dim), -1)
+    ref = torch.softmax(
+        q[:, :, :rows_ref].double() @ k.double().transpose(-1, -2) / math.sqrt(case.head_dim), -1
+    )
     ref = ref @ v.double()
     flops = 4 * case.heads * n * n * case.head_dim
     rows = []
@@ -134,13 +142,31 @@ def bench_attention(case: AttnCase, device: str, reps: int) -> list[dict]:
                 extra_mb = float("nan")
             ms = _time(fn, device, reps)
         except (RuntimeError, ImportError, ValueError) as exc:  # a provider that does not cover the case
-            rows.append({"kind": "attention", "frames": case.frames, "tokens": n, "provider": prov,
-                         "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+            rows.append(
+                {
+                    "kind": "attention",
+                    "frames": case.frames,
+                    "tokens": n,
+                    "provider": prov,
+                    "error": f"{type(exc).__name__}: {str(exc)[:160]}",
+                }
+            )
             continue
         err = float((out[:, :, :rows_ref].double() - ref).norm() / ref.norm())
-        rows.append({"kind": "attention", "frames": case.frames, "tokens": n, "heads": case.heads,
-                     "head_dim": case.head_dim, "provider": prov, "ms": round(ms, 4),
-                     "tflops": round(flops / ms / 1e9, 2), "relerr": f"{err:.2e}", "extra_mb": round(extra_mb, 1)})
+        rows.append(
+            {
+                "kind": "attention",
+                "frames": case.frames,
+                "tokens": n,
+                "heads": case.heads,
+                "head_dim": case.head_dim,
+                "provider": prov,
+                "ms": round(ms, 4),
+                "tflops": round(flops / ms / 1e9, 2),
+                "relerr": f"{err:.2e}",
+                "extra_mb": round(extra_mb, 1),
+            }
+        )
     base = {r["frames"]: r["ms"] for r in rows if r.get("provider") == "sdpa_efficient" and "ms" in r}
     for r in rows:
         if r.get("provider", "").startswith("elsa") and "ms" in r and r["frames"] in base:
@@ -154,9 +180,15 @@ def bench_model(case: ModelCase, device: str, reps: int) -> dict:
     model.set_attention(backend="triton" if device == "cuda" else "torch")
     model = model.to(device).eval()
     x = torch.rand(1, case.frames, 3, case.height, case.width, device=device)
-    row = {"kind": "model", "config": case.config, "frames": case.frames, "hw": f"{case.height}x{case.width}",
-           "tokens": case.frames * (1 + model.config["num_register_tokens"] + (case.height // 14) * (case.width // 14)),
-           "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2)}
+    row = {
+        "kind": "model",
+        "config": case.config,
+        "frames": case.frames,
+        "hw": f"{case.height}x{case.width}",
+        "tokens": case.frames
+        * (1 + model.config["num_register_tokens"] + (case.height // 14) * (case.width // 14)),
+        "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+    }
     try:
         with torch.no_grad():
             if device == "cuda":
@@ -170,7 +202,7 @@ def bench_model(case: ModelCase, device: str, reps: int) -> dict:
             row["finite"] = bool(torch.isfinite(out["depth"]).all() and torch.isfinite(out["pose_enc"]).all())
     except (RuntimeError, ImportError, ValueError) as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-    del model
+    model.cpu()
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -189,7 +221,9 @@ def main(argv=None) -> dict:
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     attn_cases = SWEEPS["attention_quick" if args.quick else "attention"]
-    model_cases = SWEEPS["model_quick" if args.quick else "model"] + (SWEEPS["model_full"] if args.full else [])
+    model_cases = SWEEPS["model_quick" if args.quick else "model"] + (
+        SWEEPS["model_full"] if args.full else []
+    )
     rows = []
     for c in attn_cases:
         for r in bench_attention(c, device, reps):
@@ -203,20 +237,31 @@ def main(argv=None) -> dict:
     out_dir.mkdir(exist_ok=True)
     path = out_dir / f"vggt_{device}{'_quick' if args.quick else ''}.csv"
     fields = sorted({k for r in rows for k in r})
-    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             "torch": torch.__version__,
-             "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    stamp = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    }
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(stamp) + fields)
         w.writeheader()
         for r in rows:
             w.writerow({**stamp, **r})
     top = max((r["frames"] for r in rows if r["kind"] == "attention" and "ms" in r), default=None)
-    speed = [r for r in rows if r["kind"] == "attention" and r.get("frames") == top and r.get("provider") == "elsa"]
-    summary = {**stamp, "csv": str(path), "max_frames": top,
-               "elsa_speedup_vs_sdpa_efficient": speed[0].get("speedup_vs_sdpa_efficient") if speed else None,
-               "model": [{k: r.get(k) for k in ("config", "frames", "peak_gb", "ms", "error") if k in r}
-                         for r in rows if r["kind"] == "model"]}
+    speed = [
+        r for r in rows if r["kind"] == "attention" and r.get("frames") == top and r.get("provider") == "elsa"
+    ]
+    summary = {
+        **stamp,
+        "csv": str(path),
+        "max_frames": top,
+        "elsa_speedup_vs_sdpa_efficient": speed[0].get("speedup_vs_sdpa_efficient") if speed else None,
+        "model": [
+            {k: r.get(k) for k in ("config", "frames", "peak_gb", "ms", "error") if k in r}
+            for r in rows
+            if r["kind"] == "model"
+        ],
+    }
     print(json.dumps(summary))
     return summary
 

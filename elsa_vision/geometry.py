@@ -43,7 +43,7 @@ __all__ = [
 def _check_last(t: Tensor, name: str, shape: tuple[int, ...]) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape[t.dim() - len(shape):]) != shape or t.dim() < len(shape):
+    if tuple(t.shape[t.dim() - len(shape) :]) != shape or t.dim() < len(shape):
         raise ValueError(f"`{name}` must have trailing shape {list(shape)}, got {list(t.shape)}")
 
 
@@ -55,9 +55,15 @@ def quat_to_mat(quat: Tensor) -> Tensor:
     xx, yy, zz = x * x, y * y, z * z
     xy, xz, yz, wx, wy, wz = x * y, x * z, y * z, w * x, w * y, w * z
     rows = (
-        1 - 2 * (yy + zz), 2 * (xy - wz), 2 * (xz + wy),
-        2 * (xy + wz), 1 - 2 * (xx + zz), 2 * (yz - wx),
-        2 * (xz - wy), 2 * (yz + wx), 1 - 2 * (xx + yy),
+        1 - 2 * (yy + zz),
+        2 * (xy - wz),
+        2 * (xz + wy),
+        2 * (xy + wz),
+        1 - 2 * (xx + zz),
+        2 * (yz - wx),
+        2 * (xz - wy),
+        2 * (yz + wx),
+        1 - 2 * (xx + yy),
     )
     return torch.stack(rows, dim=-1).reshape(*q.shape[:-1], 3, 3)
 
@@ -96,8 +102,10 @@ def mat_to_quat(rot: Tensor) -> Tensor:
     return torch.cat([wxyz[..., 1:], wxyz[..., :1]], dim=-1)
 
 
-def extri_intri_to_pose_encoding(extrinsics: Tensor, intrinsics: Tensor, image_size_hw: tuple[int, int]) -> Tensor:
-    """Camera-from-world extrinsics ``[..., 3, 4]`` and intrinsics ``[..., 3, 3]`` -> pose encoding ``[..., 9]``."""
+def extri_intri_to_pose_encoding(
+    extrinsics: Tensor, intrinsics: Tensor, image_size_hw: tuple[int, int]
+) -> Tensor:
+    """Camera-from-world extrinsics ``[..., 3, 4]``, intrinsics ``[..., 3, 3]`` -> encoding ``[..., 9]``."""
     _check_last(extrinsics, "extrinsics", (3, 4))
     _check_last(intrinsics, "intrinsics", (3, 3))
     h, w = image_size_hw
@@ -161,7 +169,7 @@ def depth_to_world_points(depth: Tensor, extrinsics: Tensor, intrinsics: Tensor)
 
 
 def rotation_angle_deg(rot_a: Tensor, rot_b: Tensor) -> Tensor:
-    """Geodesic angle (degrees) between rotations ``[..., 3, 3]``, via the quaternion of ``A^T B`` (stable)."""
+    """Geodesic angle (degrees) between rotations ``[..., 3, 3]`` via the quaternion of ``A^T B``."""
     rel = rot_a.transpose(-1, -2) @ rot_b
     q = mat_to_quat(rel)
     return torch.rad2deg(2 * torch.atan2(q[..., :3].norm(dim=-1), q[..., 3].abs()))
@@ -186,7 +194,8 @@ def relative_pose_errors(pred_extrinsics: Tensor, gt_extrinsics: Tensor) -> tupl
     _check_last(pred_extrinsics, "pred_extrinsics", (3, 4))
     if pred_extrinsics.shape != gt_extrinsics.shape or pred_extrinsics.dim() != 3:
         raise ValueError(
-            f"`pred_extrinsics` and `gt_extrinsics` must both be [S, 3, 4], got {list(pred_extrinsics.shape)} "
+            f"`pred_extrinsics` and `gt_extrinsics` must both be [S, 3, 4], got "
+            f"{list(pred_extrinsics.shape)} "
             f"and {list(gt_extrinsics.shape)}"
         )
     s = pred_extrinsics.shape[0]
@@ -203,7 +212,7 @@ def relative_pose_errors(pred_extrinsics: Tensor, gt_extrinsics: Tensor) -> tupl
 
 
 def pose_auc(rot_err: Tensor, trans_err: Tensor, max_threshold: int) -> float:
-    """AUC of ``max(rot_err, trans_err)`` up to ``max_threshold`` degrees, 1° bins (VGGT/PoseDiffusion protocol).
+    """AUC of ``max(rot_err, trans_err)`` up to ``max_threshold`` degrees, 1° bins (the VGGT protocol).
 
     Mean over thresholds ``t = 1 .. max_threshold`` of the fraction of pairs with error < ``t``.
     """
@@ -258,7 +267,9 @@ def depth_metrics(pred: Tensor, gt: Tensor, valid: Tensor | None = None) -> dict
         valid: bool mask ``[B, S, H, W]``; default ``gt > 0`` and finite.
     """
     if pred.shape != gt.shape:
-        raise ValueError(f"`pred` and `gt` must have the same shape, got {list(pred.shape)} and {list(gt.shape)}")
+        raise ValueError(
+            f"`pred` and `gt` must have the same shape, got {list(pred.shape)} and {list(gt.shape)}"
+        )
     if valid is None:
         valid = (gt > 0) & torch.isfinite(gt)
     valid = valid & torch.isfinite(pred) & (pred > 0)
@@ -288,13 +299,20 @@ def write_ply(path: str | Path, points, colors=None, binary: bool = True) -> Pat
         if col.dtype != np.uint8:
             col = np.clip(np.rint(col.astype(np.float64) * 255.0), 0, 255).astype(np.uint8)
     path = Path(path)
-    header = ["ply", f"format {'binary_little_endian' if binary else 'ascii'} 1.0", f"element vertex {len(pts)}",
-              "property float x", "property float y", "property float z"]
+    header = [
+        "ply",
+        f"format {'binary_little_endian' if binary else 'ascii'} 1.0",
+        f"element vertex {len(pts)}",
+        "property float x",
+        "property float y",
+        "property float z",
+    ]
     if col is not None:
         header += ["property uchar red", "property uchar green", "property uchar blue"]
     header.append("end_header")
     fields = [("x", "<f4"), ("y", "<f4"), ("z", "<f4")] + (
-        [("red", "u1"), ("green", "u1"), ("blue", "u1")] if col is not None else [])
+        [("red", "u1"), ("green", "u1"), ("blue", "u1")] if col is not None else []
+    )
     rec = np.empty(len(pts), dtype=fields)
     rec["x"], rec["y"], rec["z"] = pts[:, 0], pts[:, 1], pts[:, 2]
     if col is not None:
@@ -322,13 +340,16 @@ def read_ply(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
     props = [h.split()[2] for h in header if h.startswith("property")]
     has_rgb = "red" in props
     fields = [("x", "<f4"), ("y", "<f4"), ("z", "<f4")] + (
-        [("red", "u1"), ("green", "u1"), ("blue", "u1")] if has_rgb else [])
+        [("red", "u1"), ("green", "u1"), ("blue", "u1")] if has_rgb else []
+    )
     if fmt == "binary_little_endian":
         rec = np.frombuffer(data[end:], dtype=fields, count=n)
         pts = np.stack([rec["x"], rec["y"], rec["z"]], 1)
         col = np.stack([rec["red"], rec["green"], rec["blue"]], 1) if has_rgb else None
     elif fmt == "ascii":
-        arr = np.array([line.split() for line in data[end:].decode("ascii").splitlines()[:n]], dtype=np.float64)
+        arr = np.array(
+            [line.split() for line in data[end:].decode("ascii").splitlines()[:n]], dtype=np.float64
+        )
         pts = arr[:, :3].astype(np.float32)
         col = arr[:, 3:6].astype(np.uint8) if has_rgb else None
     else:

@@ -42,12 +42,14 @@ def _canon(q):
 def test_quaternion_round_trip_random_and_near_180():
     g = torch.Generator().manual_seed(0)
     axis = torch.randn(400, 3, generator=g, dtype=torch.float64)
-    angle = torch.cat([
-        torch.rand(300, generator=g, dtype=torch.float64) * math.pi,
-        math.pi - torch.logspace(-12, -1, 50, dtype=torch.float64),  # approaching 180°
-        torch.full((25,), math.pi, dtype=torch.float64),
-        torch.logspace(-12, -1, 25, dtype=torch.float64),  # approaching identity
-    ])
+    angle = torch.cat(
+        [
+            torch.rand(300, generator=g, dtype=torch.float64) * math.pi,
+            math.pi - torch.logspace(-12, -1, 50, dtype=torch.float64),  # approaching 180°
+            torch.full((25,), math.pi, dtype=torch.float64),
+            torch.logspace(-12, -1, 25, dtype=torch.float64),  # approaching identity
+        ]
+    )
     R = _axis_angle(axis, angle)
     q = mat_to_quat(R)
     assert torch.allclose(q.norm(dim=-1), torch.ones(400, dtype=torch.float64), atol=1e-14)
@@ -110,8 +112,9 @@ def test_unprojection_inverts_projection():
     cam = (ext[:, None, None, :3, :3] @ pts[..., None]).squeeze(-1) + ext[:, None, None, :3, 3]
     assert (cam[..., 2] - depth).abs().max() <= 1e-12
     uv = (K[:, None, None] @ (cam / cam[..., 2:])[..., None]).squeeze(-1)[..., :2]
-    v, u = torch.meshgrid(torch.arange(20.0, dtype=torch.float64), torch.arange(30.0, dtype=torch.float64),
-                          indexing="ij")
+    v, u = torch.meshgrid(
+        torch.arange(20.0, dtype=torch.float64), torch.arange(30.0, dtype=torch.float64), indexing="ij"
+    )
     assert (uv[..., 0] - u).abs().max() <= 1e-10 and (uv[..., 1] - v).abs().max() <= 1e-10
     inv = closed_form_inverse_se3(ext)
     comp = inv[:, :3, :3] @ ext[:, :3, :3]
@@ -123,13 +126,20 @@ def test_relative_pose_errors_and_auc():
     r, t = relative_pose_errors(ext, ext)
     assert r.shape == (10,) and r.abs().max() <= 1e-5 and t.abs().max() <= 1e-5
     # a global similarity (rotation, translation, scale) of the world changes no relative angle
-    G = _axis_angle(torch.tensor([0.3, -1.0, 0.2], dtype=torch.float64), torch.tensor(1.1, dtype=torch.float64))
+    G = _axis_angle(
+        torch.tensor([0.3, -1.0, 0.2], dtype=torch.float64), torch.tensor(1.1, dtype=torch.float64)
+    )
     shift = torch.tensor([0.5, -2.0, 1.0], dtype=torch.float64)
-    ext_sim = torch.cat([ext[:, :, :3] @ G.T, 3.0 * (ext[:, :, 3] - (ext[:, :, :3] @ G.T) @ shift)[..., None]], -1)
+    ext_sim = torch.cat(
+        [ext[:, :, :3] @ G.T, 3.0 * (ext[:, :, 3] - (ext[:, :, :3] @ G.T) @ shift)[..., None]], -1
+    )
     r, t = relative_pose_errors(ext_sim, ext)
     assert r.max() <= 1e-5 and t.max() <= 1e-4
     # rotating camera 4 about its own optical axis by 10°: pairs with camera 4 have a 10° rotation error
-    Rz = _axis_angle(torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64), torch.tensor(math.radians(10.0), dtype=torch.float64))
+    Rz = _axis_angle(
+        torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64),
+        torch.tensor(math.radians(10.0), dtype=torch.float64),
+    )
     pert = ext.clone()
     pert[4] = Rz @ ext[4]
     r, _ = relative_pose_errors(pert, ext)
@@ -137,9 +147,15 @@ def test_relative_pose_errors_and_auc():
     for k, (i, j) in enumerate(pairs):
         assert abs(float(r[k]) - (10.0 if 4 in (i, j) else 0.0)) <= 1e-6
     flip_x = torch.diag(torch.tensor([1.0, -1.0, -1.0], dtype=torch.float64))  # 180° about x
-    assert float(rotation_angle_deg(torch.eye(3, dtype=torch.float64), flip_x)) == pytest.approx(180.0, abs=1e-9)
-    assert float(translation_angle_deg(torch.tensor([1.0, 0, 0]), torch.tensor([-1.0, 0, 0]))) == pytest.approx(0.0)
-    assert float(translation_angle_deg(torch.tensor([1.0, 0, 0]), torch.tensor([0.0, 1, 0]))) == pytest.approx(90.0)
+    assert float(rotation_angle_deg(torch.eye(3, dtype=torch.float64), flip_x)) == pytest.approx(
+        180.0, abs=1e-9
+    )
+    assert float(
+        translation_angle_deg(torch.tensor([1.0, 0, 0]), torch.tensor([-1.0, 0, 0]))
+    ) == pytest.approx(0.0)
+    assert float(
+        translation_angle_deg(torch.tensor([1.0, 0, 0]), torch.tensor([0.0, 1, 0]))
+    ) == pytest.approx(90.0)
     with pytest.raises(ValueError, match=">= 2 frames"):
         relative_pose_errors(ext[:1], ext[:1])
 
@@ -167,7 +183,8 @@ def test_depth_metrics_median_alignment():
     noise = torch.ones_like(gt_flat)
     noise[..., :3] = 1.5  # a third of the pixels 50% too far
     m = depth_metrics(gt_flat * noise * 3.0, gt_flat)
-    # scale = median(gt)/median(pred) = 1/3 undoes the factor 3 -> abs_rel = (1/3)·0.5, δ<1.25 fails on a third
+    # scale = median(gt)/median(pred) = 1/3 undoes the factor 3 -> abs_rel = (1/3)·0.5;
+    # δ<1.25 fails on a third
     assert m["abs_rel"] == pytest.approx(3 * 0.5 / 9, abs=1e-12)
     assert m["delta1"] == pytest.approx(6 / 9)
     valid = torch.zeros_like(gt, dtype=torch.bool)

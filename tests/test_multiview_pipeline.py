@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from elsa_vision.data.multiview import MultiViewDataModule, SyntheticMultiViewDataset
-from elsa_vision.geometry import depth_to_world_points, extri_intri_to_pose_encoding, read_ply
+from elsa_vision.geometry import depth_to_world_points, read_ply
 from elsa_vision.inference.multiview import main as infer_main
 from elsa_vision.models import ElsaVGGT
 from elsa_vision.models.vggt import VGGT_CONFIGS
@@ -63,10 +63,14 @@ def test_losses_minimum_and_weights():
     valid = torch.ones_like(gt, dtype=torch.bool)
     pred = gt + 0.1
     # γ|e|c − α log c is minimised at c = α / (γ|e|) = 2 for |e| = 0.1
-    losses = [float(depth_loss(pred[..., None], torch.full_like(gt, c), gt, valid)["loss_conf_depth"])
-              for c in (1.5, 2.0, 2.5)]
+    losses = [
+        float(depth_loss(pred[..., None], torch.full_like(gt, c), gt, valid)["loss_conf_depth"])
+        for c in (1.5, 2.0, 2.5)
+    ]
     assert losses[1] < losses[0] and losses[1] < losses[2]
-    assert float(depth_loss(pred, torch.full_like(gt, 2.0), gt, valid)["loss_grad_depth"]) <= 1e-6  # constant error
+    assert (
+        float(depth_loss(pred, torch.full_like(gt, 2.0), gt, valid)["loss_grad_depth"]) <= 1e-6
+    )  # constant error
     ramp = gt + torch.linspace(0, 1, 8)
     assert float(depth_loss(ramp, torch.full_like(gt, 2.0), gt, valid)["loss_grad_depth"]) > 0.01
 
@@ -94,11 +98,19 @@ def test_lightning_fit_validate_test_logs_metrics():
     torch.manual_seed(0)
     net = ElsaVGGT.from_config("elsa_vggt_small")
     module = MultiViewReconstructionModule(
-        net, functools.partial(torch.optim.AdamW, lr=1e-3),
-        functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5))
+        net,
+        functools.partial(torch.optim.AdamW, lr=1e-3),
+        functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
+    )
     dm = MultiViewDataModule(train_size=4, val_size=2, test_size=2, batch_size=2, num_frames=3)
-    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, dm)
     keys = set(trainer.callback_metrics)
     for k in ("train/loss", "val/loss", "val/auc30", "val/auc15", "val/auc5", "val/abs_rel", "val/delta1"):
@@ -135,7 +147,9 @@ def _frames_and_weights(tmp_path):
     frames = tmp_path / "frames"
     frames.mkdir()
     for i in range(3):
-        Image.fromarray((seq["images"][i].permute(1, 2, 0).numpy() * 255).astype(np.uint8)).save(frames / f"{i:02d}.png")
+        Image.fromarray((seq["images"][i].permute(1, 2, 0).numpy() * 255).astype(np.uint8)).save(
+            frames / f"{i:02d}.png"
+        )
     torch.manual_seed(0)
     net = ElsaVGGT.from_config("elsa_vggt_small")
     from safetensors.torch import save_file
@@ -147,8 +161,20 @@ def _frames_and_weights(tmp_path):
 def test_inference_cli_writes_outputs(tmp_path, capsys):
     frames, net = _frames_and_weights(tmp_path)
     out = tmp_path / "out"
-    summary = infer_main(["--frames", str(frames), "--weights", str(tmp_path / "w.safetensors"),
-                          "--config", "elsa_vggt_small", "--out", str(out), "--device", "cpu"])
+    summary = infer_main(
+        [
+            "--frames",
+            str(frames),
+            "--weights",
+            str(tmp_path / "w.safetensors"),
+            "--config",
+            "elsa_vggt_small",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ]
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == summary
     assert summary["frames"] == 3 and summary["image_size_hw"] == [42, 56] and summary["dtype"] == "float32"
@@ -173,14 +199,40 @@ def test_inference_cli_writes_outputs(tmp_path, capsys):
 
 def test_inference_cli_subprocess(tmp_path):
     frames, _ = _frames_and_weights(tmp_path)
-    cmd = [sys.executable, "-m", "elsa_vision.inference.multiview", "--frames", str(frames), "--weights",
-           str(tmp_path / "w.safetensors"), "--config", "elsa_vggt_small", "--out", str(tmp_path / "o"),
-           "--device", "cpu", "--max-frames", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "elsa_vision.inference.multiview",
+        "--frames",
+        str(frames),
+        "--weights",
+        str(tmp_path / "w.safetensors"),
+        "--config",
+        "elsa_vggt_small",
+        "--out",
+        str(tmp_path / "o"),
+        "--device",
+        "cpu",
+        "--max-frames",
+        "2",
+    ]
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["frames"] == 2 and (tmp_path / "o" / "points.ply").is_file()
-    bad = subprocess.run(cmd[:4] + [str(tmp_path / "missing")] + cmd[5:], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    bad = subprocess.run(
+        cmd[:4] + [str(tmp_path / "missing")] + cmd[5:],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert bad.returncode != 0 and "not a directory" in bad.stderr

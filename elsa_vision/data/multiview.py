@@ -74,7 +74,7 @@ class Scene:
 
 
 def sample_scene(generator: torch.Generator, num_boxes: int = 2, num_spheres: int = 2) -> Scene:
-    """A ground plane ``z = 0``, a back wall, ``num_boxes`` boxes and ``num_spheres`` spheres on the ground."""
+    """A ground plane ``z = 0``, a back wall, ``num_boxes`` boxes and ``num_spheres`` spheres on it."""
     g = generator
 
     def u(*shape, lo=0.0, hi=1.0):
@@ -95,7 +95,7 @@ def sample_scene(generator: torch.Generator, num_boxes: int = 2, num_spheres: in
 
 
 def look_at(center: Tensor, target: Tensor, up: Tensor | None = None) -> Tensor:
-    """Camera-from-world ``[..., 3, 4]`` of cameras at ``center [..., 3]`` looking at ``target`` (OpenCV axes)."""
+    """Camera-from-world ``[..., 3, 4]`` of cameras at ``center [..., 3]`` looking at ``target`` (OpenCV)."""
     up = torch.tensor([0.0, 0.0, 1.0], dtype=center.dtype) if up is None else up
     fwd = F.normalize(target - center, dim=-1)
     right = F.normalize(torch.linalg.cross(fwd, up.expand_as(fwd)), dim=-1)
@@ -105,9 +105,13 @@ def look_at(center: Tensor, target: Tensor, up: Tensor | None = None) -> Tensor:
     return torch.cat([rot, t], dim=-1)
 
 
-def sample_cameras(generator: torch.Generator, num_frames: int, image_size: tuple[int, int],
-                   fov_range: tuple[float, float] = (45.0, 70.0)) -> tuple[Tensor, Tensor]:
-    """``num_frames`` look-at cameras on an arc around the origin -> (extrinsics ``[S,3,4]``, intrinsics ``[S,3,3]``).
+def sample_cameras(
+    generator: torch.Generator,
+    num_frames: int,
+    image_size: tuple[int, int],
+    fov_range: tuple[float, float] = (45.0, 70.0),
+) -> tuple[Tensor, Tensor]:
+    """``num_frames`` look-at cameras on an arc -> (extrinsics ``[S,3,4]``, intrinsics ``[S,3,3]``).
 
     Azimuths spread over up to 90°, elevations 15–40°, radii 3.5–5, targets jittered near the origin, FoV
     (vertical) in ``fov_range`` degrees; square pixels, principal point at the image centre.
@@ -119,12 +123,22 @@ def sample_cameras(generator: torch.Generator, num_frames: int, image_size: tupl
         return lo + (hi - lo) * torch.rand(tuple(shape), generator=g, dtype=torch.float64)
 
     az0 = u(lo=-math.pi, hi=math.pi)
-    az = az0 + torch.linspace(0, 1, num_frames, dtype=torch.float64) * u(lo=0.3, hi=1.6) + u(num_frames, lo=-.05, hi=.05)
+    az = (
+        az0
+        + torch.linspace(0, 1, num_frames, dtype=torch.float64) * u(lo=0.3, hi=1.6)
+        + u(num_frames, lo=-0.05, hi=0.05)
+    )
     el = torch.deg2rad(u(num_frames, lo=15.0, hi=40.0))
     r = u(num_frames, lo=3.5, hi=5.0)
     # cameras on the -y side (the wall is at +y), looking towards it
-    center = torch.stack([r * torch.cos(el) * torch.sin(az) * 0.9, -r * torch.cos(el) * torch.cos(az).abs().clamp_min(0.5),
-                          r * torch.sin(el)], dim=-1)
+    center = torch.stack(
+        [
+            r * torch.cos(el) * torch.sin(az) * 0.9,
+            -r * torch.cos(el) * torch.cos(az).abs().clamp_min(0.5),
+            r * torch.sin(el),
+        ],
+        dim=-1,
+    )
     target = torch.cat([u(num_frames, 2, lo=-0.4, hi=0.4), u(num_frames, 1, lo=0.0, hi=0.4)], 1)
     ext = look_at(center, target)
     fov = torch.deg2rad(u(num_frames, lo=fov_range[0], hi=fov_range[1]))
@@ -138,15 +152,18 @@ def _texture(points: Tensor, obj: Tensor, scene: Scene) -> Tensor:
     """Solid (3D) procedural texture: a checkerboard of the object's two colours modulated by stripes."""
     freq = scene.freqs[obj][..., None]
     p = points * freq
-    checker = (torch.floor(p[..., 0]) + torch.floor(p[..., 1]) + torch.floor(p[..., 2])).remainder(2)[..., None]
+    checker = (torch.floor(p[..., 0]) + torch.floor(p[..., 1]) + torch.floor(p[..., 2])).remainder(2)[
+        ..., None
+    ]
     cols = scene.colors[obj]  # [..., 2, 3]
     base = cols[..., 0, :] * (1 - checker) + cols[..., 1, :] * checker
     stripes = 0.85 + 0.15 * torch.sin(3.1 * p.sum(-1, keepdim=True) + 2.0 * obj[..., None].double())
     return (base * stripes).clamp(0.0, 1.0)
 
 
-def render_scene(scene: Scene, extrinsics: Tensor, intrinsics: Tensor, image_size: tuple[int, int],
-                 far: float = 100.0) -> tuple[Tensor, Tensor, Tensor]:
+def render_scene(
+    scene: Scene, extrinsics: Tensor, intrinsics: Tensor, image_size: tuple[int, int], far: float = 100.0
+) -> tuple[Tensor, Tensor, Tensor]:
     """Exact ray casting of ``scene`` from cameras ``[S, 3, 4]``/``[S, 3, 3]`` at pixel centres ``(u, v)``.
 
     Returns ``image [S, 3, H, W]`` (float64 in [0, 1]), ``depth [S, H, W]`` (z-depth, 0 on background) and
@@ -155,10 +172,17 @@ def render_scene(scene: Scene, extrinsics: Tensor, intrinsics: Tensor, image_siz
     h, w = image_size
     S = extrinsics.shape[0]
     ext, intr = extrinsics.double(), intrinsics.double()
-    v, u = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
-    d_cam = torch.stack([(u[None] - intr[:, 0, 2, None, None]) / intr[:, 0, 0, None, None],
-                         (v[None] - intr[:, 1, 2, None, None]) / intr[:, 1, 1, None, None],
-                         torch.ones(S, h, w, dtype=torch.float64)], dim=-1)  # z = 1: ray parameter = depth
+    v, u = torch.meshgrid(
+        torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij"
+    )
+    d_cam = torch.stack(
+        [
+            (u[None] - intr[:, 0, 2, None, None]) / intr[:, 0, 0, None, None],
+            (v[None] - intr[:, 1, 2, None, None]) / intr[:, 1, 1, None, None],
+            torch.ones(S, h, w, dtype=torch.float64),
+        ],
+        dim=-1,
+    )  # z = 1: ray parameter = depth
     rot_t = ext[:, :3, :3].transpose(1, 2)
     origin = -(rot_t @ ext[:, :3, 3:4]).squeeze(-1)  # [S, 3]
     d = torch.einsum("sij,shwj->shwi", rot_t, d_cam).reshape(S, h * w, 3)
@@ -197,11 +221,16 @@ def render_scene(scene: Scene, extrinsics: Tensor, intrinsics: Tensor, image_siz
     t_hit = torch.where(bg, torch.zeros_like(t_hit), t_hit)
     points = o + t_hit[..., None] * d
     color = _texture(points, obj, scene)
-    sky = torch.tensor([0.55, 0.7, 0.9], dtype=torch.float64) * (0.8 + 0.2 * v.reshape(1, h * w, 1) / max(h - 1, 1))
+    sky = torch.tensor([0.55, 0.7, 0.9], dtype=torch.float64) * (
+        0.8 + 0.2 * v.reshape(1, h * w, 1) / max(h - 1, 1)
+    )
     color = torch.where(bg[..., None], sky.expand_as(color), color)
     obj = torch.where(bg, torch.full_like(obj, -1), obj)
-    return (color.reshape(S, h, w, 3).permute(0, 3, 1, 2).contiguous(), t_hit.reshape(S, h, w),
-            obj.reshape(S, h, w))
+    return (
+        color.reshape(S, h, w, 3).permute(0, 3, 1, 2).contiguous(),
+        t_hit.reshape(S, h, w),
+        obj.reshape(S, h, w),
+    )
 
 
 class SyntheticMultiViewDataset(Dataset):
@@ -212,8 +241,15 @@ class SyntheticMultiViewDataset(Dataset):
         seed: base seed (use different seeds for train/val/test); num_boxes, num_spheres: scene content.
     """
 
-    def __init__(self, length: int, num_frames: int = 4, image_size: tuple[int, int] = (56, 56), seed: int = 0,
-                 num_boxes: int = 2, num_spheres: int = 2) -> None:
+    def __init__(
+        self,
+        length: int,
+        num_frames: int = 4,
+        image_size: tuple[int, int] = (56, 56),
+        seed: int = 0,
+        num_boxes: int = 2,
+        num_spheres: int = 2,
+    ) -> None:
         if length < 1:
             raise ValueError(f"SyntheticMultiViewDataset: `length` must be >= 1, got {length}")
         if num_frames < 1:
@@ -231,8 +267,13 @@ class SyntheticMultiViewDataset(Dataset):
         scene = sample_scene(g, self.num_boxes, self.num_spheres)
         ext, intr = sample_cameras(g, self.num_frames, self.image_size)
         img, depth, _ = render_scene(scene, ext, intr, self.image_size)
-        return {"images": img.float(), "depth": depth.float(), "valid": depth > 0,
-                "extrinsics": ext.float(), "intrinsics": intr.float()}
+        return {
+            "images": img.float(),
+            "depth": depth.float(),
+            "valid": depth > 0,
+            "extrinsics": ext.float(),
+            "intrinsics": intr.float(),
+        }
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -280,6 +321,7 @@ def load_nerf_transforms(root: str | Path, filename: str = "transforms.json") ->
     flip = np.diag([1.0, -1.0, -1.0, 1.0])
     out = []
     for i, fr in enumerate(frames):
+
         def get(key, fr=fr):
             return fr.get(key, meta.get(key))
 
@@ -296,7 +338,9 @@ def load_nerf_transforms(root: str | Path, filename: str = "transforms.json") ->
         if fx is None:
             angle_x = get("camera_angle_x")
             if angle_x is None:
-                raise ValueError(f"load_nerf_transforms: {path} frame {i} has neither fl_x nor camera_angle_x")
+                raise ValueError(
+                    f"load_nerf_transforms: {path} frame {i} has neither fl_x nor camera_angle_x"
+                )
             fx = 0.5 * w / math.tan(0.5 * float(angle_x))
         if fy is None:
             angle_y = get("camera_angle_y")
@@ -321,14 +365,20 @@ def load_nerf_transforms(root: str | Path, filename: str = "transforms.json") ->
 
 
 _COLMAP_PARAMS = {  # model -> (fx, fy, cx, cy) indices into params; the rest is distortion (ignored)
-    "SIMPLE_PINHOLE": (0, 0, 1, 2), "PINHOLE": (0, 1, 2, 3), "SIMPLE_RADIAL": (0, 0, 1, 2),
-    "RADIAL": (0, 0, 1, 2), "OPENCV": (0, 1, 2, 3), "FULL_OPENCV": (0, 1, 2, 3), "SIMPLE_RADIAL_FISHEYE": (0, 0, 1, 2),
-    "RADIAL_FISHEYE": (0, 0, 1, 2), "OPENCV_FISHEYE": (0, 1, 2, 3),
+    "SIMPLE_PINHOLE": (0, 0, 1, 2),
+    "PINHOLE": (0, 1, 2, 3),
+    "SIMPLE_RADIAL": (0, 0, 1, 2),
+    "RADIAL": (0, 0, 1, 2),
+    "OPENCV": (0, 1, 2, 3),
+    "FULL_OPENCV": (0, 1, 2, 3),
+    "SIMPLE_RADIAL_FISHEYE": (0, 0, 1, 2),
+    "RADIAL_FISHEYE": (0, 0, 1, 2),
+    "OPENCV_FISHEYE": (0, 1, 2, 3),
 }
 
 
 def read_colmap_depth(path: str | Path) -> np.ndarray:
-    """A COLMAP dense depth map (``*.geometric.bin`` / ``*.photometric.bin``: ``w&h&c&`` + float32, column-major)."""
+    """A COLMAP dense depth map (``*.geometric.bin``: header ``w&h&c&``, float32, column-major)."""
     data = Path(path).read_bytes()
     amp = [i for i, b in enumerate(data[:64]) if b == ord("&")]
     if len(amp) < 3:
@@ -340,13 +390,15 @@ def read_colmap_depth(path: str | Path) -> np.ndarray:
     return arr.reshape((w, h, c), order="F").transpose(1, 0, 2).squeeze(-1)
 
 
-def load_colmap_text(root: str | Path, sparse_dir: str | None = None, image_dir: str = "images",
-                     depth_dir: str | None = None) -> list[FrameRecord]:
+def load_colmap_text(
+    root: str | Path, sparse_dir: str | None = None, image_dir: str = "images", depth_dir: str | None = None
+) -> list[FrameRecord]:
     """Frames of a COLMAP text model (``cameras.txt``, ``images.txt``), sorted by image name.
 
     ``sparse_dir`` defaults to the first of ``sparse/0``, ``sparse``, ``.`` holding ``cameras.txt``.
     Distortion parameters (SIMPLE_RADIAL, OPENCV, ...) are ignored: images are treated as pinhole (a warning
-    names the model). Depth maps, when ``depth_dir`` is given (or ``stereo/depth_maps`` exists): ``<name>.npy``
+    names the model). Depth maps, when ``depth_dir`` is given (or ``stereo/depth_maps`` exists):
+    ``<name>.npy``
     or COLMAP's ``<name>.geometric.bin``.
     """
     root = Path(root)
@@ -354,7 +406,9 @@ def load_colmap_text(root: str | Path, sparse_dir: str | None = None, image_dir:
         cands = [root / "sparse" / "0", root / "sparse", root]
         sparse = next((c for c in cands if (c / "cameras.txt").is_file()), None)
         if sparse is None:
-            raise FileNotFoundError(f"load_colmap_text: no cameras.txt under {root} (tried sparse/0, sparse, .)")
+            raise FileNotFoundError(
+                f"load_colmap_text: no cameras.txt under {root} (tried sparse/0, sparse, .)"
+            )
     else:
         sparse = root / sparse_dir
     cams = {}
@@ -366,11 +420,15 @@ def load_colmap_text(root: str | Path, sparse_dir: str | None = None, image_dir:
         cam_id, model, w, h = int(tok[0]), tok[1], int(tok[2]), int(tok[3])
         params = [float(x) for x in tok[4:]]
         if model not in _COLMAP_PARAMS:
-            raise ValueError(f"load_colmap_text: camera {cam_id} has unsupported model {model!r}; "
-                             f"expected one of {sorted(_COLMAP_PARAMS)}")
+            raise ValueError(
+                f"load_colmap_text: camera {cam_id} has unsupported model {model!r}; "
+                f"expected one of {sorted(_COLMAP_PARAMS)}"
+            )
         if model not in ("SIMPLE_PINHOLE", "PINHOLE") and model not in warned:
             warned.add(model)
-            _logger.warning("load_colmap_text: camera model %s: distortion ignored (treated as pinhole)", model)
+            _logger.warning(
+                "load_colmap_text: camera model %s: distortion ignored (treated as pinhole)", model
+            )
         ix = _COLMAP_PARAMS[model]
         fx, fy, cx, cy = (params[i] for i in ix)
         cams[cam_id] = (np.array([[fx, 0, cx], [0, fy, cy], [0, 0, 1]], dtype=np.float64), (h, w))
@@ -386,7 +444,9 @@ def load_colmap_text(root: str | Path, sparse_dir: str | None = None, image_dir:
             i += 1
             continue
         if len(tok) < 10:
-            raise ValueError(f"load_colmap_text: malformed image line in {sparse / 'images.txt'}: {lines[i]!r}")
+            raise ValueError(
+                f"load_colmap_text: malformed image line in {sparse / 'images.txt'}: {lines[i]!r}"
+            )
         qw, qx, qy, qz, tx, ty, tz = (float(x) for x in tok[1:8])
         cam_id, name = int(tok[8]), " ".join(tok[9:])
         if cam_id not in cams:
@@ -398,7 +458,10 @@ def load_colmap_text(root: str | Path, sparse_dir: str | None = None, image_dir:
             raise FileNotFoundError(f"load_colmap_text: image {img} not found")
         depth = None
         if depth_dir is not None:
-            for cand in (root / depth_dir / (Path(name).stem + ".npy"), root / depth_dir / (name + ".geometric.bin")):
+            for cand in (
+                root / depth_dir / (Path(name).stem + ".npy"),
+                root / depth_dir / (name + ".geometric.bin"),
+            ):
                 if cand.is_file():
                     depth = cand
                     break
@@ -410,8 +473,9 @@ def load_colmap_text(root: str | Path, sparse_dir: str | None = None, image_dir:
     return sorted(out, key=lambda f: f.image.name)
 
 
-def resize_frame(image: Tensor, intrinsics: Tensor, size_hw: tuple[int, int], depth: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+def resize_frame(
+    image: Tensor, intrinsics: Tensor, size_hw: tuple[int, int], depth: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Centre-crop to the target aspect ratio, then resize; intrinsics follow exactly.
 
     ``image [3, h, w]``, ``intrinsics [3, 3]`` (integer pixel-centre convention), ``depth [h, w]`` (nearest).
@@ -477,14 +541,21 @@ class MultiViewSequenceDataset(Dataset):
         samples_per_sequence: items per scene; item ``i`` uses a generator seeded by ``(seed, i)``.
     """
 
-    def __init__(self, sequences: list[list[FrameRecord]], num_frames: int = 4, image_size: tuple[int, int] = (56, 56),
-                 samples_per_sequence: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self,
+        sequences: list[list[FrameRecord]],
+        num_frames: int = 4,
+        image_size: tuple[int, int] = (56, 56),
+        samples_per_sequence: int = 1,
+        seed: int = 0,
+    ) -> None:
         if not sequences:
             raise ValueError("MultiViewSequenceDataset: `sequences` is empty")
         for i, seq in enumerate(sequences):
             if len(seq) < num_frames:
-                raise ValueError(f"MultiViewSequenceDataset: sequence {i} has {len(seq)} frames, "
-                                 f"num_frames={num_frames}")
+                raise ValueError(
+                    f"MultiViewSequenceDataset: sequence {i} has {len(seq)} frames, num_frames={num_frames}"
+                )
         self.sequences, self.num_frames = sequences, num_frames
         self.image_size = tuple(int(s) for s in image_size)
         self.samples_per_sequence, self.seed = samples_per_sequence, seed
@@ -502,7 +573,9 @@ class MultiViewSequenceDataset(Dataset):
             rec = seq[j]
             img = _load_image(rec.image)
             if tuple(img.shape[1:]) != tuple(rec.size_hw):
-                raise ValueError(f"image {rec.image} is {tuple(img.shape[1:])}, its camera says {rec.size_hw}")
+                raise ValueError(
+                    f"image {rec.image} is {tuple(img.shape[1:])}, its camera says {rec.size_hw}"
+                )
             depth = _load_depth(rec) if rec.depth is not None else None
             img, k, depth = resize_frame(img, torch.from_numpy(rec.intrinsics), self.image_size, depth)
             if depth is None:
@@ -512,15 +585,24 @@ class MultiViewSequenceDataset(Dataset):
             valids.append((depth > 0) & torch.isfinite(depth))
             exts.append(torch.from_numpy(rec.extrinsics).float())
             intrs.append(k.float())
-        return {"images": torch.stack(imgs), "depth": torch.stack(depths).nan_to_num(0.0), "valid": torch.stack(valids),
-                "extrinsics": torch.stack(exts), "intrinsics": torch.stack(intrs)}
+        return {
+            "images": torch.stack(imgs),
+            "depth": torch.stack(depths).nan_to_num(0.0),
+            "valid": torch.stack(valids),
+            "extrinsics": torch.stack(exts),
+            "intrinsics": torch.stack(intrs),
+        }
 
 
 def _scene_dirs(root: Path, marker: str) -> list[Path]:
     if (root / marker).is_file() or any((root / d / marker).is_file() for d in ("sparse/0", "sparse")):
         return [root]
-    dirs = sorted(d for d in root.iterdir() if d.is_dir() and ((d / marker).is_file() or
-                  any((d / s / marker).is_file() for s in ("sparse/0", "sparse"))))
+    dirs = sorted(
+        d
+        for d in root.iterdir()
+        if d.is_dir()
+        and ((d / marker).is_file() or any((d / s / marker).is_file() for s in ("sparse/0", "sparse")))
+    )
     if not dirs:
         raise FileNotFoundError(f"no scene with {marker} in {root} or its sub-directories")
     return dirs
@@ -538,10 +620,20 @@ class MultiViewDataModule(L.LightningDataModule):
             real captures carry no split, so hold scenes out by pointing ``root`` elsewhere).
     """
 
-    def __init__(self, source: str = "synthetic", root: str | None = None, num_frames: int = 4,
-                 image_size: tuple[int, int] | list[int] = (56, 56), batch_size: int = 2, num_workers: int = 0,
-                 train_size: int = 64, val_size: int = 8, test_size: int = 8, seed: int = 0,
-                 pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        source: str = "synthetic",
+        root: str | None = None,
+        num_frames: int = 4,
+        image_size: tuple[int, int] | list[int] = (56, 56),
+        batch_size: int = 2,
+        num_workers: int = 0,
+        train_size: int = 64,
+        val_size: int = 8,
+        test_size: int = 8,
+        seed: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
         super().__init__()
         if source not in ("synthetic", "nerf", "colmap"):
             raise ValueError(f"MultiViewDataModule: `source` must be synthetic|nerf|colmap, got {source!r}")
@@ -570,9 +662,14 @@ class MultiViewDataModule(L.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if split not in self.datasets:
             self.setup()
-        return DataLoader(self.datasets[split], batch_size=self.hparams.batch_size, shuffle=shuffle,
-                          num_workers=self.hparams.num_workers, pin_memory=self.hparams.pin_memory,
-                          persistent_workers=self.hparams.num_workers > 0)
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            num_workers=self.hparams.num_workers,
+            pin_memory=self.hparams.pin_memory,
+            persistent_workers=self.hparams.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

@@ -4,9 +4,9 @@
         --out OUT [--width 518] [--conf-percentile 50] [--device cpu|cuda] [--dtype float32]
 
 ``--weights``: a VGGT checkpoint (``model.safetensors``/``model.pt``) or an ElsaVGGT/Lightning state_dict
-(``.safetensors``/``.pt``/``.ckpt`` read with ``weights_only=True``). Frames: every ``.png``/``.jpg``/``.jpeg``
-in ``DIR`` (sorted; the first is the reference frame), centre-cropped to a common aspect and resized to
-``width`` (height a multiple of the patch size, at most ``width``).
+(``.safetensors``/``.pt``/``.ckpt`` read with ``weights_only=True``). Frames: every ``.png``/``.jpg``/
+``.jpeg`` in ``DIR`` (sorted; the first is the reference frame), centre-cropped to a common aspect and resized
+to ``width`` (height a multiple of the patch size, at most ``width``).
 
 Writes ``OUT/depth/<frame>.npy`` (float32 depth), ``OUT/depth/<frame>.png`` (16-bit, ``depth = value ·
 depth_png_scale`` from ``cameras.json``), ``OUT/cameras.json`` (camera-from-world extrinsics, intrinsics,
@@ -33,8 +33,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _EXTS = (".png", ".jpg", ".jpeg")
 
 
-def load_frames(frames_dir: Path, width: int, patch_size: int, max_frames: int | None = None
-                ) -> tuple[list[str], torch.Tensor]:
+def load_frames(
+    frames_dir: Path, width: int, patch_size: int, max_frames: int | None = None
+) -> tuple[list[str], torch.Tensor]:
     """Images of ``frames_dir`` -> (names, ``[S, 3, H, W]`` in [0, 1])."""
     if not frames_dir.is_dir():
         raise FileNotFoundError(f"--frames: {frames_dir} is not a directory")
@@ -49,7 +50,9 @@ def load_frames(frames_dir: Path, width: int, patch_size: int, max_frames: int |
     h0, w0 = first.shape[1:]
     height = min(width, max(patch_size, round(h0 * width / w0 / patch_size) * patch_size))
     eye = torch.eye(3, dtype=torch.float64)
-    imgs = [resize_frame(_load_image(p) if i else first, eye, (height, width))[0] for i, p in enumerate(paths)]
+    imgs = [
+        resize_frame(_load_image(p) if i else first, eye, (height, width))[0] for i, p in enumerate(paths)
+    ]
     return [p.stem for p in paths], torch.stack(imgs)
 
 
@@ -62,26 +65,41 @@ def build_model(weights: Path, config: str) -> tuple[ElsaVGGT, list[str]]:
 
 
 @torch.no_grad()
-def reconstruct(model: ElsaVGGT, images: torch.Tensor, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """``images [S, 3, H, W]`` -> depth ``[S, H, W]``, conf, extrinsics ``[S, 3, 4]``, intrinsics, world points."""
+def reconstruct(
+    model: ElsaVGGT, images: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """``images [S, 3, H, W]`` -> depth ``[S, H, W]``, conf, extrinsics ``[S, 3, 4]``, intrinsics, points."""
     H, W = images.shape[-2:]
     out = model(images[None].to(dtype))
     ext, intr = pose_encoding_to_extri_intri(out["pose_enc"][0].double(), (H, W))
     depth = out["depth"][0, ..., 0].double()
     pts = depth_to_world_points(depth, ext, intr)
-    return {"depth": depth.float(), "conf": out["depth_conf"][0].float(), "extrinsics": ext.float(),
-            "intrinsics": intr.float(), "points": pts.float()}
+    return {
+        "depth": depth.float(),
+        "conf": out["depth_conf"][0].float(),
+        "extrinsics": ext.float(),
+        "intrinsics": intr.float(),
+        "points": pts.float(),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m elsa_vision.inference.multiview", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m elsa_vision.inference.multiview", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--frames", required=True, type=Path, help="directory of frames (png/jpg)")
-    ap.add_argument("--weights", required=True, type=Path, help="VGGT or ElsaVGGT weights (.safetensors/.pt/.ckpt)")
+    ap.add_argument(
+        "--weights", required=True, type=Path, help="VGGT or ElsaVGGT weights (.safetensors/.pt/.ckpt)"
+    )
     ap.add_argument("--config", default="elsa_vggt", choices=sorted(VGGT_CONFIGS))
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--width", type=int, default=None, help="model input width (default: the config's img_size)")
+    ap.add_argument(
+        "--width", type=int, default=None, help="model input width (default: the config's img_size)"
+    )
     ap.add_argument("--max-frames", type=int, default=None)
-    ap.add_argument("--conf-percentile", type=float, default=50.0, help="keep points above this confidence percentile")
+    ap.add_argument(
+        "--conf-percentile", type=float, default=50.0, help="keep points above this confidence percentile"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     args = ap.parse_args(argv)
@@ -91,7 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = VGGT_CONFIGS[args.config]
     model, dropped = build_model(args.weights, args.config)
     model = model.to(device=args.device, dtype=_DTYPES[args.dtype])
-    names, images = load_frames(args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames)
+    names, images = load_frames(
+        args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames
+    )
     res = reconstruct(model, images.to(args.device), _DTYPES[args.dtype])
     res = {k: v.cpu() for k, v in res.items()}
     out = args.out
@@ -104,14 +124,20 @@ def main(argv: list[str] | None = None) -> dict:
     for i, name in enumerate(names):
         np.save(out / "depth" / f"{name}.npy", depth[i])
         Image.fromarray(np.clip(np.rint(depth[i] / png_scale), 0, 65535).astype(np.uint16)).save(
-            out / "depth" / f"{name}.png")
+            out / "depth" / f"{name}.png"
+        )
     cams = {
-        "convention": "extrinsics: camera-from-world [R|t], OpenCV axes; intrinsics: pixel (u, v) = column/row index",
+        "convention": "extrinsics: camera-from-world [R|t], OpenCV axes; "
+        "intrinsics: pixel (u, v) = column/row index",
         "image_size_hw": list(images.shape[-2:]),
         "depth_png_scale": png_scale,
         "frames": [
-            {"name": n, "extrinsics": res["extrinsics"][i].tolist(), "intrinsics": res["intrinsics"][i].tolist(),
-             "depth_conf_mean": float(res["conf"][i].mean())}
+            {
+                "name": n,
+                "extrinsics": res["extrinsics"][i].tolist(),
+                "intrinsics": res["intrinsics"][i].tolist(),
+                "depth_conf_mean": float(res["conf"][i].mean()),
+            }
             for i, n in enumerate(names)
         ],
     }
@@ -121,9 +147,17 @@ def main(argv: list[str] | None = None) -> dict:
     keep = (res["conf"] >= thresh) & torch.isfinite(res["points"]).all(-1)
     colors = (images.permute(0, 2, 3, 1)[keep].numpy() * 255).round().clip(0, 255).astype(np.uint8)
     write_ply(out / "points.ply", res["points"][keep], colors)
-    summary = {"frames": len(names), "image_size_hw": list(images.shape[-2:]), "config": args.config,
-               "dtype": args.dtype, "device": args.device, "points": int(keep.sum()), "out": str(out),
-               "dropped_checkpoint_keys": len(dropped), "seconds": round(time.perf_counter() - t0, 3)}
+    summary = {
+        "frames": len(names),
+        "image_size_hw": list(images.shape[-2:]),
+        "config": args.config,
+        "dtype": args.dtype,
+        "device": args.device,
+        "points": int(keep.sum()),
+        "out": str(out),
+        "dropped_checkpoint_keys": len(dropped),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
     print(json.dumps(summary))
     sys.stdout.flush()
     return summary

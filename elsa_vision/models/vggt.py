@@ -69,7 +69,9 @@ class LayerScale(nn.Module):
 class Mlp(nn.Module):
     """``fc2(GELU(fc1(x)))``."""
 
-    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, bias: bool = True):
+    def __init__(
+        self, in_features: int, hidden_features: int, out_features: int | None = None, bias: bool = True
+    ):
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
         self.act = nn.GELU()
@@ -102,7 +104,9 @@ class RotaryPositionEmbedding2D(nn.Module):
         self.scaling_factor = float(scaling_factor)
 
     def _cos_sin(self, dim: int, max_pos: int, device, dtype) -> tuple[Tensor, Tensor]:
-        inv_freq = 1.0 / self.base_frequency ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+        inv_freq = 1.0 / self.base_frequency ** (
+            torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
+        )
         ang = torch.arange(max_pos, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         ang = torch.cat([ang, ang], dim=-1)
         return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -123,7 +127,9 @@ class RotaryPositionEmbedding2D(nn.Module):
         half = x.shape[-1] // 2
         cos, sin = self._cos_sin(half, int(pos.max()) + 1, x.device, x.dtype)
         xv, xh = x.chunk(2, dim=-1)
-        return torch.cat([self._apply_1d(xv, pos[..., 0], cos, sin), self._apply_1d(xh, pos[..., 1], cos, sin)], -1)
+        return torch.cat(
+            [self._apply_1d(xv, pos[..., 0], cos, sin), self._apply_1d(xh, pos[..., 1], cos, sin)], -1
+        )
 
 
 class Attention(nn.Module):
@@ -212,7 +218,8 @@ class TokenMerge:
         )  # [B, Ns] indices into the destinations
         summed = xd.scatter_add(1, assign[..., None].expand_as(xs), xs)
         count = torch.ones(xd.shape[:2], dtype=x.dtype, device=x.device).scatter_add(
-            1, assign, torch.ones_like(assign, dtype=x.dtype))
+            1, assign, torch.ones_like(assign, dtype=x.dtype)
+        )
         merged = summed / count[..., None]
         return merged, (pos[:, dst_idx] if pos is not None else None), assign
 
@@ -220,7 +227,9 @@ class TokenMerge:
         B, _, C = y_dst.shape
         out = y_dst.new_empty(B, n, C)
         out[:, self.dst.to(y_dst.device)] = y_dst
-        out[:, self.src.to(y_dst.device)] = torch.gather(y_dst, 1, assign[..., None].expand(B, assign.shape[1], C))
+        out[:, self.src.to(y_dst.device)] = torch.gather(
+            y_dst, 1, assign[..., None].expand(B, assign.shape[1], C)
+        )
         return out
 
 
@@ -276,7 +285,8 @@ class PatchEmbed(nn.Module):
 class DinoVisionTransformer(nn.Module):
     """DINOv2 ViT with register tokens (the aggregator's ``patch_embed``), DINOv2 key names.
 
-    ``forward(x [N, 3, H, W]) -> dict(x_norm_patchtokens [N, (H/p)(W/p), D], x_norm_clstoken, x_norm_regtokens)``.
+    ``forward(x [N, 3, H, W]) -> dict(x_norm_patchtokens [N, (H/p)(W/p), D], x_norm_clstoken,
+    x_norm_regtokens)``.
     ``pos_embed`` is resampled bicubically (antialiased) when the patch grid differs from ``img_size/patch``.
     """
 
@@ -302,8 +312,15 @@ class DinoVisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, grid * grid + 1, embed_dim))
         self.register_tokens = nn.Parameter(torch.zeros(1, num_register_tokens, embed_dim))
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, init_values=init_values, norm_eps=1e-6, backend=backend,
-                  precision=precision)
+            Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio,
+                init_values=init_values,
+                norm_eps=1e-6,
+                backend=backend,
+                precision=precision,
+            )
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
@@ -333,7 +350,11 @@ class DinoVisionTransformer(nn.Module):
             x = blk(x)
         x = self.norm(x)
         r = self.num_register_tokens
-        return {"x_norm_clstoken": x[:, 0], "x_norm_regtokens": x[:, 1 : r + 1], "x_norm_patchtokens": x[:, r + 1 :]}
+        return {
+            "x_norm_clstoken": x[:, 0],
+            "x_norm_regtokens": x[:, 1 : r + 1],
+            "x_norm_patchtokens": x[:, r + 1 :],
+        }
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -393,8 +414,16 @@ class Aggregator(nn.Module):
         super().__init__()
         if patch_embed == "dinov2":
             self.patch_embed = DinoVisionTransformer(
-                img_size, patch_size, embed_dim, patch_embed_depth, num_heads, mlp_ratio, num_register_tokens,
-                init_values=1.0, backend=attn_backend, precision=attn_precision,
+                img_size,
+                patch_size,
+                embed_dim,
+                patch_embed_depth,
+                num_heads,
+                mlp_ratio,
+                num_register_tokens,
+                init_values=1.0,
+                backend=attn_backend,
+                precision=attn_precision,
             )
             self.patch_embed.mask_token.requires_grad_(False)
         elif patch_embed == "conv":
@@ -405,9 +434,17 @@ class Aggregator(nn.Module):
             raise ValueError(f"Aggregator: `merge_ratio` must be in [0, 1), got {merge_ratio}")
         self.rope = RotaryPositionEmbedding2D(frequency=rope_freq) if rope_freq > 0 else None
         self.position_getter = PositionGetter() if self.rope is not None else None
-        kw = dict(mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_bias=proj_bias, ffn_bias=ffn_bias,
-                  init_values=init_values, qk_norm=qk_norm, rope=self.rope, backend=attn_backend,
-                  precision=attn_precision)
+        kw = dict(
+            mlp_ratio=mlp_ratio,
+            qkv_bias=qkv_bias,
+            proj_bias=proj_bias,
+            ffn_bias=ffn_bias,
+            init_values=init_values,
+            qk_norm=qk_norm,
+            rope=self.rope,
+            backend=attn_backend,
+            precision=attn_precision,
+        )
         self.frame_blocks = nn.ModuleList(Block(embed_dim, num_heads, **kw) for _ in range(depth))
         self.global_blocks = nn.ModuleList(Block(embed_dim, num_heads, **kw) for _ in range(depth))
         self.depth = depth
@@ -433,15 +470,25 @@ class Aggregator(nn.Module):
         if isinstance(patch, dict):
             patch = patch["x_norm_patchtokens"]
         tokens = torch.cat(
-            [_slice_expand_and_flatten(self.camera_token, B, S), _slice_expand_and_flatten(self.register_token, B, S),
-             patch], dim=1,
+            [
+                _slice_expand_and_flatten(self.camera_token, B, S),
+                _slice_expand_and_flatten(self.register_token, B, S),
+                patch,
+            ],
+            dim=1,
         )
         _, P, C = tokens.shape
         pos = None
         if self.rope is not None:
             pos = self.position_getter(B * S, H // self.patch_size, W // self.patch_size, images.device) + 1
-            pos = torch.cat([pos.new_zeros(B * S, self.patch_start_idx, 2), pos], dim=1)  # special tokens at 0
-        merge = TokenMerge(S, P, self.patch_start_idx, self.merge_ratio) if self.merge_ratio > 0 and S > 1 else None
+            pos = torch.cat(
+                [pos.new_zeros(B * S, self.patch_start_idx, 2), pos], dim=1
+            )  # special tokens at 0
+        merge = (
+            TokenMerge(S, P, self.patch_start_idx, self.merge_ratio)
+            if self.merge_ratio > 0 and S > 1
+            else None
+        )
         keep = set(range(self.depth)) if self.keep_layers is None else set(self.keep_layers)
         outputs: list[Tensor | None] = []
         for i in range(self.depth):
@@ -458,7 +505,9 @@ class Aggregator(nn.Module):
 # --------------------------------------------------------------------------------------------------------
 
 
-def activate_pose(pose: Tensor, trans_act: str = "linear", quat_act: str = "linear", fl_act: str = "relu") -> Tensor:
+def activate_pose(
+    pose: Tensor, trans_act: str = "linear", quat_act: str = "linear", fl_act: str = "relu"
+) -> Tensor:
     """Activations of the pose encoding parts: translation, quaternion, FoV."""
 
     def act(x: Tensor, kind: str) -> Tensor:
@@ -470,7 +519,9 @@ def activate_pose(pose: Tensor, trans_act: str = "linear", quat_act: str = "line
             return torch.exp(x)
         raise ValueError(f"unknown pose activation {kind!r}")
 
-    return torch.cat([act(pose[..., :3], trans_act), act(pose[..., 3:7], quat_act), act(pose[..., 7:], fl_act)], -1)
+    return torch.cat(
+        [act(pose[..., :3], trans_act), act(pose[..., 3:7], quat_act), act(pose[..., 7:], fl_act)], -1
+    )
 
 
 class CameraHead(nn.Module):
@@ -481,16 +532,35 @@ class CameraHead(nn.Module):
     predicted delta. ``forward(tokens_list, num_iterations=4) -> list of [B, S, 9]`` (one per iteration).
     """
 
-    def __init__(self, dim_in: int = 2048, trunk_depth: int = 4, num_heads: int = 16, mlp_ratio: float = 4.0,
-                 init_values: float = 0.01, trans_act: str = "linear", quat_act: str = "linear",
-                 fl_act: str = "relu", attn_backend: str = "auto", attn_precision: str = "auto") -> None:
+    def __init__(
+        self,
+        dim_in: int = 2048,
+        trunk_depth: int = 4,
+        num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        init_values: float = 0.01,
+        trans_act: str = "linear",
+        quat_act: str = "linear",
+        fl_act: str = "relu",
+        attn_backend: str = "auto",
+        attn_precision: str = "auto",
+    ) -> None:
         super().__init__()
         self.target_dim = 9
         self.acts = dict(trans_act=trans_act, quat_act=quat_act, fl_act=fl_act)
-        self.trunk = nn.Sequential(*[
-            Block(dim_in, num_heads, mlp_ratio, init_values=init_values, backend=attn_backend,
-                  precision=attn_precision) for _ in range(trunk_depth)
-        ])
+        self.trunk = nn.Sequential(
+            *[
+                Block(
+                    dim_in,
+                    num_heads,
+                    mlp_ratio,
+                    init_values=init_values,
+                    backend=attn_backend,
+                    precision=attn_precision,
+                )
+                for _ in range(trunk_depth)
+            ]
+        )
         self.token_norm = nn.LayerNorm(dim_in)
         self.trunk_norm = nn.LayerNorm(dim_in)
         self.empty_pose_tokens = nn.Parameter(torch.zeros(1, 1, self.target_dim))
@@ -515,11 +585,15 @@ class CameraHead(nn.Module):
 
 
 def _uv_grid(width: int, height: int, aspect_ratio: float, dtype, device) -> Tensor:
-    """Normalised pixel-centre coordinates ``[H, W, 2]`` spanning the unit-diagonal box of the aspect ratio."""
+    """Normalised pixel-centre coordinates ``[H, W, 2]`` in the unit-diagonal box of the aspect ratio."""
     diag = math.sqrt(aspect_ratio**2 + 1.0)
     sx, sy = aspect_ratio / diag, 1.0 / diag
-    xs = torch.linspace(-sx * (width - 1) / width, sx * (width - 1) / width, width, dtype=dtype, device=device)
-    ys = torch.linspace(-sy * (height - 1) / height, sy * (height - 1) / height, height, dtype=dtype, device=device)
+    xs = torch.linspace(
+        -sx * (width - 1) / width, sx * (width - 1) / width, width, dtype=dtype, device=device
+    )
+    ys = torch.linspace(
+        -sy * (height - 1) / height, sy * (height - 1) / height, height, dtype=dtype, device=device
+    )
     yy, xx = torch.meshgrid(ys, xs, indexing="ij")
     return torch.stack([xx, yy], dim=-1)
 
@@ -533,7 +607,9 @@ def _sincos(dim: int, pos: Tensor, omega_0: float = 100.0) -> Tensor:
 def _grid_pos_embed(grid: Tensor, dim: int) -> Tensor:
     h, w, _ = grid.shape
     flat = grid.reshape(-1, 2)
-    return torch.cat([_sincos(dim // 2, flat[:, 0]), _sincos(dim // 2, flat[:, 1])], dim=-1).reshape(h, w, dim)
+    return torch.cat([_sincos(dim // 2, flat[:, 0]), _sincos(dim // 2, flat[:, 1])], dim=-1).reshape(
+        h, w, dim
+    )
 
 
 class ResidualConvUnit(nn.Module):
@@ -599,12 +675,14 @@ class DPTHead(nn.Module):
         oc = list(out_channels)
         self.norm = nn.LayerNorm(dim_in)
         self.projects = nn.ModuleList(nn.Conv2d(dim_in, c, 1) for c in oc)
-        self.resize_layers = nn.ModuleList([
-            nn.ConvTranspose2d(oc[0], oc[0], kernel_size=4, stride=4),
-            nn.ConvTranspose2d(oc[1], oc[1], kernel_size=2, stride=2),
-            nn.Identity(),
-            nn.Conv2d(oc[3], oc[3], kernel_size=3, stride=2, padding=1),
-        ])
+        self.resize_layers = nn.ModuleList(
+            [
+                nn.ConvTranspose2d(oc[0], oc[0], kernel_size=4, stride=4),
+                nn.ConvTranspose2d(oc[1], oc[1], kernel_size=2, stride=2),
+                nn.Identity(),
+                nn.Conv2d(oc[3], oc[3], kernel_size=3, stride=2, padding=1),
+            ]
+        )
         self.scratch = nn.Module()
         for i, c in enumerate(oc, start=1):
             setattr(self.scratch, f"layer{i}_rn", nn.Conv2d(c, features, 3, padding=1, bias=False))
@@ -637,7 +715,9 @@ class DPTHead(nn.Module):
             raise ValueError(f"DPTHead: unknown conf_activation {self.conf_activation!r}")
         return x, c
 
-    def _forward_frames(self, tokens_list, images: Tensor, psi: int, s0: int, s1: int) -> tuple[Tensor, Tensor]:
+    def _forward_frames(
+        self, tokens_list, images: Tensor, psi: int, s0: int, s1: int
+    ) -> tuple[Tensor, Tensor]:
         B, _, _, H, W = images.shape
         S = s1 - s0
         ph, pw = H // self.patch_size, W // self.patch_size
@@ -653,23 +733,34 @@ class DPTHead(nn.Module):
                 x = self._add_pos(x, W, H)
             feats.append(self.resize_layers[j](x))
         sc = self.scratch
-        l1, l2, l3, l4 = sc.layer1_rn(feats[0]), sc.layer2_rn(feats[1]), sc.layer3_rn(feats[2]), sc.layer4_rn(feats[3])
+        l1, l2, l3, l4 = (
+            sc.layer1_rn(feats[0]),
+            sc.layer2_rn(feats[1]),
+            sc.layer3_rn(feats[2]),
+            sc.layer4_rn(feats[3]),
+        )
         out = sc.refinenet4(l4, size=l3.shape[2:])
         out = sc.refinenet3(out, l3, size=l2.shape[2:])
         out = sc.refinenet2(out, l2, size=l1.shape[2:])
         out = sc.refinenet1(out, l1)
         out = sc.output_conv1(out)
-        out = F.interpolate(out, size=(ph * self.patch_size, pw * self.patch_size), mode="bilinear", align_corners=True)
+        out = F.interpolate(
+            out, size=(ph * self.patch_size, pw * self.patch_size), mode="bilinear", align_corners=True
+        )
         if self.pos_embed:
             out = self._add_pos(out, W, H)
         pred, conf = self._activate(sc.output_conv2(out))
         return pred.reshape(B, S, *pred.shape[1:]), conf.reshape(B, S, *conf.shape[1:])
 
-    def forward(self, tokens_list: list[Tensor | None], images: Tensor, patch_start_idx: int) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, tokens_list: list[Tensor | None], images: Tensor, patch_start_idx: int
+    ) -> tuple[Tensor, Tensor]:
         S = images.shape[1]
         step = S if not self.frames_chunk_size or self.frames_chunk_size >= S else self.frames_chunk_size
-        parts = [self._forward_frames(tokens_list, images, patch_start_idx, s, min(s + step, S))
-                 for s in range(0, S, step)]
+        parts = [
+            self._forward_frames(tokens_list, images, patch_start_idx, s, min(s + step, S))
+            for s in range(0, S, step)
+        ]
         if len(parts) == 1:
             return parts[0]
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
@@ -723,30 +814,67 @@ class ElsaVGGT(nn.Module):
         super().__init__()
         for i in intermediate_layer_idx:
             if not 0 <= int(i) < depth:
-                raise ValueError(f"ElsaVGGT: intermediate_layer_idx {list(intermediate_layer_idx)} must be in "
-                                 f"[0, depth={depth})")
+                raise ValueError(
+                    f"ElsaVGGT: intermediate_layer_idx {list(intermediate_layer_idx)} must be in "
+                    f"[0, depth={depth})"
+                )
         self.config = dict(
-            img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-            mlp_ratio=mlp_ratio, num_register_tokens=num_register_tokens, patch_embed=patch_embed,
-            patch_embed_depth=patch_embed_depth, qk_norm=qk_norm, rope_freq=rope_freq, init_values=init_values,
-            camera_trunk_depth=camera_trunk_depth, camera_num_heads=camera_num_heads, dpt_features=dpt_features,
-            dpt_out_channels=list(dpt_out_channels), intermediate_layer_idx=list(intermediate_layer_idx),
-            enable_point=enable_point, merge_ratio=merge_ratio,
+            img_size=img_size,
+            patch_size=patch_size,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            num_register_tokens=num_register_tokens,
+            patch_embed=patch_embed,
+            patch_embed_depth=patch_embed_depth,
+            qk_norm=qk_norm,
+            rope_freq=rope_freq,
+            init_values=init_values,
+            camera_trunk_depth=camera_trunk_depth,
+            camera_num_heads=camera_num_heads,
+            dpt_features=dpt_features,
+            dpt_out_channels=list(dpt_out_channels),
+            intermediate_layer_idx=list(intermediate_layer_idx),
+            enable_point=enable_point,
+            merge_ratio=merge_ratio,
         )
         self.img_size = img_size
         self.patch_size = patch_size
         self.aggregator = Aggregator(
-            img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-            mlp_ratio=mlp_ratio, num_register_tokens=num_register_tokens, patch_embed=patch_embed,
-            patch_embed_depth=patch_embed_depth, qk_norm=qk_norm, rope_freq=rope_freq, init_values=init_values,
-            keep_layers=list(intermediate_layer_idx) + [depth - 1], merge_ratio=merge_ratio,
-            attn_backend=attn_backend, attn_precision=attn_precision,
+            img_size=img_size,
+            patch_size=patch_size,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            num_register_tokens=num_register_tokens,
+            patch_embed=patch_embed,
+            patch_embed_depth=patch_embed_depth,
+            qk_norm=qk_norm,
+            rope_freq=rope_freq,
+            init_values=init_values,
+            keep_layers=list(intermediate_layer_idx) + [depth - 1],
+            merge_ratio=merge_ratio,
+            attn_backend=attn_backend,
+            attn_precision=attn_precision,
         )
-        self.camera_head = CameraHead(dim_in=2 * embed_dim, trunk_depth=camera_trunk_depth,
-                                      num_heads=camera_num_heads, mlp_ratio=mlp_ratio, init_values=init_values,
-                                      attn_backend=attn_backend, attn_precision=attn_precision)
-        dpt = dict(dim_in=2 * embed_dim, patch_size=patch_size, features=dpt_features, out_channels=dpt_out_channels,
-                   intermediate_layer_idx=intermediate_layer_idx)
+        self.camera_head = CameraHead(
+            dim_in=2 * embed_dim,
+            trunk_depth=camera_trunk_depth,
+            num_heads=camera_num_heads,
+            mlp_ratio=mlp_ratio,
+            init_values=init_values,
+            attn_backend=attn_backend,
+            attn_precision=attn_precision,
+        )
+        dpt = dict(
+            dim_in=2 * embed_dim,
+            patch_size=patch_size,
+            features=dpt_features,
+            out_channels=dpt_out_channels,
+            intermediate_layer_idx=intermediate_layer_idx,
+        )
         self.point_head = DPTHead(output_dim=4, activation="inv_log", **dpt) if enable_point else None
         self.depth_head = DPTHead(output_dim=2, activation="exp", **dpt)
 
@@ -795,8 +923,11 @@ class ElsaVGGT(nn.Module):
         model.dropped_checkpoint_keys = dropped
         if dropped:
             prefixes = sorted({k.split(".")[0] for k in dropped})
-            _logger.warning("from_vggt_checkpoint: dropped %d keys without a module here (%s)", len(dropped),
-                            ", ".join(prefixes))
+            _logger.warning(
+                "from_vggt_checkpoint: dropped %d keys without a module here (%s)",
+                len(dropped),
+                ", ".join(prefixes),
+            )
         return model
 
 
@@ -823,7 +954,9 @@ def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
     return sd
 
 
-def vggt_checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ElsaVGGT) -> tuple[dict[str, Tensor], list[str]]:
+def vggt_checkpoint_filter_fn(
+    state_dict: dict[str, Tensor], model: ElsaVGGT
+) -> tuple[dict[str, Tensor], list[str]]:
     """Keep the keys ``model`` has (heads absent here -- ``track_head``, and ``point_head`` when disabled --
     are dropped and returned); resample DINOv2 ``pos_embed`` to the model's grid when it differs."""
     own = model.state_dict()
@@ -847,14 +980,34 @@ def vggt_checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ElsaVGGT) ->
 # The 1B configuration of the VGGT release and a tiny one that trains on a CPU.
 VGGT_CONFIGS: dict[str, dict] = {
     "elsa_vggt": dict(
-        img_size=518, patch_size=14, embed_dim=1024, depth=24, num_heads=16, num_register_tokens=4,
-        patch_embed="dinov2", patch_embed_depth=24, camera_trunk_depth=4, camera_num_heads=16, dpt_features=256,
-        dpt_out_channels=(256, 512, 1024, 1024), intermediate_layer_idx=(4, 11, 17, 23),
+        img_size=518,
+        patch_size=14,
+        embed_dim=1024,
+        depth=24,
+        num_heads=16,
+        num_register_tokens=4,
+        patch_embed="dinov2",
+        patch_embed_depth=24,
+        camera_trunk_depth=4,
+        camera_num_heads=16,
+        dpt_features=256,
+        dpt_out_channels=(256, 512, 1024, 1024),
+        intermediate_layer_idx=(4, 11, 17, 23),
     ),
     "elsa_vggt_small": dict(
-        img_size=56, patch_size=14, embed_dim=48, depth=4, num_heads=4, num_register_tokens=4,
-        patch_embed="conv", patch_embed_depth=0, camera_trunk_depth=1, camera_num_heads=4, dpt_features=32,
-        dpt_out_channels=(16, 32, 64, 64), intermediate_layer_idx=(0, 1, 2, 3),
+        img_size=56,
+        patch_size=14,
+        embed_dim=48,
+        depth=4,
+        num_heads=4,
+        num_register_tokens=4,
+        patch_embed="conv",
+        patch_embed_depth=0,
+        camera_trunk_depth=1,
+        camera_num_heads=4,
+        dpt_features=32,
+        dpt_out_channels=(16, 32, 64, 64),
+        intermediate_layer_idx=(0, 1, 2, 3),
     ),
 }
 

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from ..geometry import (
     closed_form_inverse_se3,
-    depth_to_cam_points,
     depth_metrics,
+    depth_to_cam_points,
     extri_intri_to_pose_encoding,
     pose_auc,
     pose_encoding_to_extri_intri,
@@ -45,12 +45,15 @@ def normalize_ground_truth(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 
     Extrinsics become ``E_i · E_0^{-1}`` (frame 0 = identity); world points are the unprojected valid depths
     in frame 0's camera; ``scale`` = mean norm of those points per sequence; translations and depths are
-    divided by it. Returns ``extrinsics [B,S,3,4]``, ``depth [B,S,H,W]``, ``valid``, ``intrinsics``, ``scale [B]``.
+    divided by it. Returns ``extrinsics [B,S,3,4]``, ``depth [B,S,H,W]``, ``valid``, ``intrinsics``,
+    ``scale [B]``.
     """
     ext, intr, depth, valid = batch["extrinsics"], batch["intrinsics"], batch["depth"], batch["valid"]
     if ext.dim() != 4 or depth.dim() != 4:
-        raise ValueError(f"normalize_ground_truth: expected extrinsics [B,S,3,4] and depth [B,S,H,W], got "
-                         f"{list(ext.shape)} and {list(depth.shape)}")
+        raise ValueError(
+            f"normalize_ground_truth: expected extrinsics [B,S,3,4] and depth [B,S,H,W], got "
+            f"{list(ext.shape)} and {list(depth.shape)}"
+        )
     e4 = _to4(ext.double())
     rel = e4 @ closed_form_inverse_se3(e4[:, :1])  # cam_i <- cam_0
     pts_cam = depth_to_cam_points(depth.double(), intr.double())  # [B,S,H,W,3] in camera i
@@ -64,12 +67,21 @@ def normalize_ground_truth(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     scale = (dist * w).flatten(1).sum(1) / count
     rel = rel[..., :3, :].clone()
     rel[..., :3, 3] = rel[..., :3, 3] / scale[:, None, None]
-    return {"extrinsics": rel.to(ext.dtype), "depth": (depth.double() / scale[:, None, None, None]).to(depth.dtype),
-            "valid": valid, "intrinsics": intr, "scale": scale.to(depth.dtype)}
+    return {
+        "extrinsics": rel.to(ext.dtype),
+        "depth": (depth.double() / scale[:, None, None, None]).to(depth.dtype),
+        "valid": valid,
+        "intrinsics": intr,
+        "scale": scale.to(depth.dtype),
+    }
 
 
-def camera_loss(pose_enc_list: list[Tensor], gt_pose_enc: Tensor, weights: tuple[float, float, float] = (1.0, 1.0, 0.5),
-                gamma: float = 0.6) -> dict[str, Tensor]:
+def camera_loss(
+    pose_enc_list: list[Tensor],
+    gt_pose_enc: Tensor,
+    weights: tuple[float, float, float] = (1.0, 1.0, 0.5),
+    gamma: float = 0.6,
+) -> dict[str, Tensor]:
     """Iteration-weighted L1 on ``[..., 9]`` encodings: translation (3), quaternion (4), FoV (2)."""
     n = len(pose_enc_list)
     lt = lq = lf = gt_pose_enc.new_zeros(())
@@ -97,8 +109,15 @@ def _gradient_loss(diff: Tensor, valid: Tensor, scales: int = 3) -> Tensor:
     return total / scales
 
 
-def depth_loss(depth: Tensor, conf: Tensor, gt_depth: Tensor, valid: Tensor, gamma: float = 1.0, alpha: float = 0.2,
-               grad_weight: float = 1.0) -> dict[str, Tensor]:
+def depth_loss(
+    depth: Tensor,
+    conf: Tensor,
+    gt_depth: Tensor,
+    valid: Tensor,
+    gamma: float = 1.0,
+    alpha: float = 0.2,
+    grad_weight: float = 1.0,
+) -> dict[str, Tensor]:
     """``depth [B,S,H,W(,1)]``, ``conf [B,S,H,W]``, ``gt_depth [B,S,H,W]``, ``valid`` bool."""
     if depth.dim() == 5:
         depth = depth[..., 0]
@@ -108,7 +127,11 @@ def depth_loss(depth: Tensor, conf: Tensor, gt_depth: Tensor, valid: Tensor, gam
     conf_term = ((gamma * err * conf - alpha * torch.log(conf)) * m).sum() / n
     diff = (depth - gt_depth) * m
     grad = _gradient_loss(diff, valid)
-    return {"loss_depth": conf_term + grad_weight * grad, "loss_conf_depth": conf_term, "loss_grad_depth": grad}
+    return {
+        "loss_depth": conf_term + grad_weight * grad,
+        "loss_conf_depth": conf_term,
+        "loss_grad_depth": grad,
+    }
 
 
 class MultiViewReconstructionModule(L.LightningModule):
@@ -122,9 +145,18 @@ class MultiViewReconstructionModule(L.LightningModule):
         compile: ``torch.compile`` the net at fit start.
     """
 
-    def __init__(self, net: nn.Module, optimizer: Callable, scheduler: Callable | None = None,
-                 camera_weight: float = 1.0, depth_weight: float = 1.0, depth_alpha: float = 0.2,
-                 depth_gamma: float = 1.0, grad_weight: float = 1.0, compile: bool = False) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable,
+        scheduler: Callable | None = None,
+        camera_weight: float = 1.0,
+        depth_weight: float = 1.0,
+        depth_alpha: float = 0.2,
+        depth_gamma: float = 1.0,
+        grad_weight: float = 1.0,
+        compile: bool = False,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False, ignore=["net"])
         self.net = net
@@ -142,17 +174,35 @@ class MultiViewReconstructionModule(L.LightningModule):
         out = self.net(images)
         hp = self.hparams
         cam = camera_loss(out["pose_enc_list"], gt_enc)
-        dep = depth_loss(out["depth"], out["depth_conf"], gt["depth"], gt["valid"], hp.depth_gamma, hp.depth_alpha,
-                         hp.grad_weight)
-        losses = {**cam, **dep, "loss": hp.camera_weight * cam["loss_camera"] + hp.depth_weight * dep["loss_depth"]}
+        dep = depth_loss(
+            out["depth"],
+            out["depth_conf"],
+            gt["depth"],
+            gt["valid"],
+            hp.depth_gamma,
+            hp.depth_alpha,
+            hp.grad_weight,
+        )
+        losses = {
+            **cam,
+            **dep,
+            "loss": hp.camera_weight * cam["loss_camera"] + hp.depth_weight * dep["loss_depth"],
+        }
         return losses, out, gt
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         losses, _, _ = self._step(batch)
         bs = batch["images"].shape[0]
-        self.log_dict({f"train/{k}": v.detach() for k, v in losses.items() if k != "loss"}, on_step=True,
-                      on_epoch=True, prog_bar=False, batch_size=bs)
-        self.log("train/loss", losses["loss"].detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=bs)
+        self.log_dict(
+            {f"train/{k}": v.detach() for k, v in losses.items() if k != "loss"},
+            on_step=True,
+            on_epoch=True,
+            prog_bar=False,
+            batch_size=bs,
+        )
+        self.log(
+            "train/loss", losses["loss"].detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=bs
+        )
         return losses["loss"]
 
     def _eval_step(self, batch: dict[str, Tensor], stage: str) -> None:
@@ -176,9 +226,15 @@ class MultiViewReconstructionModule(L.LightningModule):
         if errs:
             r = torch.cat([e[0] for e in errs])
             t = torch.cat([e[1] for e in errs])
-            metrics.update({f"{stage}/auc30": pose_auc(r, t, 30), f"{stage}/auc15": pose_auc(r, t, 15),
-                            f"{stage}/auc5": pose_auc(r, t, 5), f"{stage}/rot_err": float(r.mean()),
-                            f"{stage}/trans_err": float(t.mean())})
+            metrics.update(
+                {
+                    f"{stage}/auc30": pose_auc(r, t, 30),
+                    f"{stage}/auc15": pose_auc(r, t, 15),
+                    f"{stage}/auc5": pose_auc(r, t, 5),
+                    f"{stage}/rot_err": float(r.mean()),
+                    f"{stage}/trans_err": float(t.mean()),
+                }
+            )
         if stats:
             n = sum(s[2] for s in stats)
             metrics[f"{stage}/abs_rel"] = sum(s[0] * s[2] for s in stats) / n
@@ -209,5 +265,12 @@ class MultiViewReconstructionModule(L.LightningModule):
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
         scheduler = self.hparams.scheduler(optimizer=optimizer)
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": "epoch", "frequency": 1}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {
+                "scheduler": scheduler,
+                "monitor": "val/loss",
+                "interval": "epoch",
+                "frequency": 1,
+            },
+        }

@@ -31,8 +31,16 @@ def _scene(planes=((0, 0, 1, 0),), boxes=(), spheres=()):
     bx = torch.tensor(boxes, dtype=f64).reshape(-1, 6)
     sp = torch.tensor(spheres, dtype=f64).reshape(-1, 4)
     k = len(pl) + len(bx) + len(sp)
-    return Scene(pl[:, :3], pl[:, 3], bx[:, :3], bx[:, 3:], sp[:, :3], sp[:, 3],
-                 torch.rand(k, 2, 3, dtype=f64), torch.full((k,), 2.0, dtype=f64))
+    return Scene(
+        pl[:, :3],
+        pl[:, 3],
+        bx[:, :3],
+        bx[:, 3:],
+        sp[:, :3],
+        sp[:, 3],
+        torch.rand(k, 2, 3, dtype=f64),
+        torch.full((k,), 2.0, dtype=f64),
+    )
 
 
 def _K(f, h, w):
@@ -41,8 +49,11 @@ def _K(f, h, w):
 
 def test_plane_at_known_distance_and_tilted_plane():
     h, w = 31, 45
-    ext = look_at(torch.tensor([[0.3, -0.2, 2.5]], dtype=f64), torch.tensor([[0.3, -0.2, 0.0]], dtype=f64),
-                  up=torch.tensor([0.0, 1.0, 0.0], dtype=f64))
+    ext = look_at(
+        torch.tensor([[0.3, -0.2, 2.5]], dtype=f64),
+        torch.tensor([[0.3, -0.2, 0.0]], dtype=f64),
+        up=torch.tensor([0.0, 1.0, 0.0], dtype=f64),
+    )
     _, depth, obj = render_scene(_scene(), ext, _K(30.0, h, w), (h, w))
     assert bool((obj == 0).all())
     assert (depth - 2.5).abs().max() <= 1e-12  # fronto-parallel plane: constant z-depth
@@ -79,8 +90,11 @@ def test_sphere_depth_and_silhouette_analytic():
 
 
 def test_box_top_face_depth():
-    ext = look_at(torch.tensor([[0.0, 0.0, 5.0]], dtype=f64), torch.zeros(1, 3, dtype=f64),
-                  up=torch.tensor([0.0, 1.0, 0.0], dtype=f64))
+    ext = look_at(
+        torch.tensor([[0.0, 0.0, 5.0]], dtype=f64),
+        torch.zeros(1, 3, dtype=f64),
+        up=torch.tensor([0.0, 1.0, 0.0], dtype=f64),
+    )
     _, depth, obj = render_scene(_scene(boxes=((-1, -1, 0, 1, 1, 1.5),)), ext, _K(20.0, 21, 21), (21, 21))
     # pixel rays through the top face (|x|,|y| <= 1 at z = 1.5: |u - 10.5| <= 20/3.5, u = 5..16) see depth 3.5
     assert (depth[obj == 1] - 3.5).abs().max() <= 1e-12
@@ -95,7 +109,11 @@ def test_synthetic_is_deterministic_and_multiview_consistent():
         assert torch.equal(a[k], b[k]), k
     c = SyntheticMultiViewDataset(3, num_frames=3, image_size=(42, 56), seed=8)[1]
     assert not torch.equal(a["images"], c["images"])
-    assert a["images"].shape == (3, 3, 42, 56) and 0 <= float(a["images"].min()) and float(a["images"].max()) <= 1
+    assert (
+        a["images"].shape == (3, 3, 42, 56)
+        and 0 <= float(a["images"].min())
+        and float(a["images"].max()) <= 1
+    )
     assert float(a["valid"].float().mean()) > 0.5
     # frame 0's points, seen from frame 1, have frame 1's depth where not occluded (checks all conventions)
     ext, K, depth = a["extrinsics"].double(), a["intrinsics"].double(), a["depth"].double()
@@ -135,13 +153,20 @@ def test_nerf_transforms_loader(tmp_path, intrinsics_style):
     for i, name in enumerate(names):
         e4 = np.vstack([seq["extrinsics"][i].double().numpy(), [0, 0, 0, 1]])
         c2w_gl = np.linalg.inv(e4) @ flip  # OpenCV camera-from-world -> OpenGL camera-to-world
-        frames.append({"file_path": f"images/{name[:-4]}", "transform_matrix": c2w_gl.tolist(),
-                       "depth_file_path": f"depths/{name[:-4]}.npy"})
+        frames.append(
+            {
+                "file_path": f"images/{name[:-4]}",
+                "transform_matrix": c2w_gl.tolist(),
+                "depth_file_path": f"depths/{name[:-4]}.npy",
+            }
+        )
     f = float(seq["intrinsics"][0, 0, 0])
     meta = {"frames": frames}
     if intrinsics_style == "fl":
         meta.update({"fl_x": f, "fl_y": f, "cx": w / 2, "cy": h / 2, "w": w, "h": h})
-        frames[1].update({"fl_x": float(seq["intrinsics"][1, 0, 0]), "fl_y": float(seq["intrinsics"][1, 1, 1])})
+        frames[1].update(
+            {"fl_x": float(seq["intrinsics"][1, 0, 0]), "fl_y": float(seq["intrinsics"][1, 1, 1])}
+        )
     else:
         meta["camera_angle_x"] = 2 * math.atan(0.5 * w / f)
     (tmp_path / "transforms.json").write_text(json.dumps(meta))
@@ -156,7 +181,9 @@ def test_nerf_transforms_loader(tmp_path, intrinsics_style):
     item = ds[0]
     assert item["images"].shape == (3, 3, h, w)
     for s in range(3):  # each sampled frame equals one of the captured frames (depth, pose, image)
-        j = int(np.argmin([float((item["extrinsics"][s] - seq["extrinsics"][i]).abs().max()) for i in range(4)]))
+        j = int(
+            np.argmin([float((item["extrinsics"][s] - seq["extrinsics"][i]).abs().max()) for i in range(4)])
+        )
         assert float((item["extrinsics"][s] - seq["extrinsics"][j]).abs().max()) <= 1e-5
         assert torch.equal(item["depth"][s], seq["depth"][j])
         assert float((item["images"][s] - seq["images"][j]).abs().max()) <= 1 / 255 + 1e-6
@@ -166,8 +193,9 @@ def test_nerf_transforms_loader(tmp_path, intrinsics_style):
 def test_nerf_loader_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="transforms.json"):
         load_nerf_transforms(tmp_path)
-    (tmp_path / "transforms.json").write_text(json.dumps({"frames": [{"file_path": "x.png",
-                                                                      "transform_matrix": np.eye(4).tolist()}]}))
+    (tmp_path / "transforms.json").write_text(
+        json.dumps({"frames": [{"file_path": "x.png", "transform_matrix": np.eye(4).tolist()}]})
+    )
     with pytest.raises(FileNotFoundError, match="x.png"):
         load_nerf_transforms(tmp_path)
     Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "x.png")
@@ -192,9 +220,13 @@ def test_colmap_text_loader_and_depth_bin(tmp_path):
         q = mat_to_quat(seq["extrinsics"][i, :, :3].double())
         t = seq["extrinsics"][i, :, 3].double()
         cam = 2 if i == 1 else 1
-        lines.append(f"{i + 1} {float(q[3])} {float(q[0])} {float(q[1])} {float(q[2])} "
-                     f"{float(t[0])} {float(t[1])} {float(t[2])} {cam} {name}")
-        lines.append("10.5 20.5 -1 11.0 12.0 3 1.0 2.0 -1 4.0 5.0 7" if i % 2 else "")  # 2D points (12 tokens / empty)
+        lines.append(
+            f"{i + 1} {float(q[3])} {float(q[0])} {float(q[1])} {float(q[2])} "
+            f"{float(t[0])} {float(t[1])} {float(t[2])} {cam} {name}"
+        )
+        lines.append(
+            "10.5 20.5 -1 11.0 12.0 3 1.0 2.0 -1 4.0 5.0 7" if i % 2 else ""
+        )  # 2D points (12 tokens / empty)
     (sparse / "images.txt").write_text("\n".join(lines) + "\n")
     recs = load_colmap_text(tmp_path, depth_dir="depths")
     assert [r.image.name for r in recs] == names
@@ -224,7 +256,9 @@ def test_resize_keeps_intrinsics_consistent():
     for size in ((42, 42), (28, 56), (45, 60)):
         small, K2, _ = resize_frame(img, K, size)
         assert small.shape == (3, *size)
-        vv, uu = torch.meshgrid(torch.arange(size[0], dtype=f64), torch.arange(size[1], dtype=f64), indexing="ij")
+        vv, uu = torch.meshgrid(
+            torch.arange(size[0], dtype=f64), torch.arange(size[1], dtype=f64), indexing="ij"
+        )
         m = small[0].double()
         cu, cv = float((m * uu).sum() / m.sum()), float((m * vv).sum() / m.sum())
         assert abs(cu - float(K2[0, 2])) <= 0.05 and abs(cv - float(K2[1, 2])) <= 0.05, (size, cu, cv, K2)
@@ -234,7 +268,9 @@ def test_resize_keeps_intrinsics_consistent():
 
 
 def test_datamodule_synthetic_and_nerf(tmp_path):
-    dm = MultiViewDataModule(train_size=4, val_size=2, test_size=2, batch_size=2, num_frames=3, image_size=(28, 42))
+    dm = MultiViewDataModule(
+        train_size=4, val_size=2, test_size=2, batch_size=2, num_frames=3, image_size=(28, 42)
+    )
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch["images"].shape == (2, 3, 3, 28, 42) and batch["extrinsics"].shape == (2, 3, 3, 4)
@@ -243,8 +279,16 @@ def test_datamodule_synthetic_and_nerf(tmp_path):
     seq, names = _write_capture(tmp_path)
     frames = [{"file_path": f"images/{n}", "transform_matrix": np.eye(4).tolist()} for n in names]
     (tmp_path / "transforms.json").write_text(json.dumps({"frames": frames, "camera_angle_x": 1.0}))
-    dm = MultiViewDataModule(source="nerf", root=str(tmp_path), num_frames=2, image_size=(28, 28), batch_size=1,
-                             train_size=2, val_size=1, test_size=1)
+    dm = MultiViewDataModule(
+        source="nerf",
+        root=str(tmp_path),
+        num_frames=2,
+        image_size=(28, 28),
+        batch_size=1,
+        train_size=2,
+        val_size=1,
+        test_size=1,
+    )
     dm.setup("fit")
     b = next(iter(dm.train_dataloader()))
     assert b["images"].shape == (1, 2, 3, 28, 28) and not bool(b["valid"].any())

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from elsa_vision.models import ElsaVGGT
 from elsa_vision.models.vggt import (
@@ -19,9 +18,20 @@ from elsa_vision.models.vggt import (
 # The test configuration: dim 32, depth 2, 2 heads, 4 registers, 28 px / patch 14, a 1-block DINOv2 patch
 # embed, camera trunk depth 1, DPT features 16 with out_channels (8, 16, 32, 32), point head enabled.
 SMALL = dict(
-    img_size=28, patch_size=14, embed_dim=32, depth=2, num_heads=2, num_register_tokens=4, patch_embed="dinov2",
-    patch_embed_depth=1, camera_trunk_depth=1, camera_num_heads=2, dpt_features=16, dpt_out_channels=(8, 16, 32, 32),
-    intermediate_layer_idx=(0, 1, 1, 1), enable_point=True,
+    img_size=28,
+    patch_size=14,
+    embed_dim=32,
+    depth=2,
+    num_heads=2,
+    num_register_tokens=4,
+    patch_embed="dinov2",
+    patch_embed_depth=1,
+    camera_trunk_depth=1,
+    camera_num_heads=2,
+    dpt_features=16,
+    dpt_out_channels=(8, 16, 32, 32),
+    intermediate_layer_idx=(0, 1, 1, 1),
+    enable_point=True,
 )
 
 # Key names and shapes of facebookresearch/vggt's VGGT (aggregator with a DINOv2 ViT patch embed, camera head,
@@ -312,7 +322,10 @@ def test_vggt_1b_layout_on_meta():
     assert tuple(sd["camera_head.trunk.3.attn.qkv.weight"].shape) == (6144, 2048)
     assert tuple(sd["depth_head.projects.3.weight"].shape) == (1024, 2048, 1, 1)
     assert tuple(sd["depth_head.scratch.output_conv2.2.weight"].shape) == (2, 32, 1, 1)
-    assert "aggregator.patch_embed.blocks.23.ls2.gamma" in sd and "aggregator.frame_blocks.24.norm1.weight" not in sd
+    assert (
+        "aggregator.patch_embed.blocks.23.ls2.gamma" in sd
+        and "aggregator.frame_blocks.24.norm1.weight" not in sd
+    )
     n_agg = sum(v.numel() for k, v in sd.items() if k.startswith("aggregator."))
     # 24 DINOv2 ViT-L blocks + 48 aggregator blocks of ~12.6M parameters each, plus embeddings
     assert 0.90e9 < n_agg < 0.93e9, n_agg
@@ -322,8 +335,10 @@ def test_vggt_1b_layout_on_meta():
 def test_from_vggt_checkpoint_strict_and_drops_track_head(tmp_path, fmt):
     src = _small()
     sd = {k: torch.randn_like(v) for k, v in src.state_dict().items()}
-    track = {"track_head.feature_extractor.norm.weight": torch.randn(64),
-             "track_head.tracker.corr_mlp.fc1.weight": torch.randn(8, 4)}
+    track = {
+        "track_head.feature_extractor.norm.weight": torch.randn(64),
+        "track_head.tracker.corr_mlp.fc1.weight": torch.randn(8, 4),
+    }
     path = tmp_path / f"model.{fmt}"
     if fmt == "safetensors":
         from safetensors.torch import save_file
@@ -342,10 +357,13 @@ def test_checkpoint_pos_embed_resampled_for_other_resolution(tmp_path):
     from safetensors.torch import save_file
 
     save_file(sd, str(tmp_path / "m.safetensors"))
-    model = ElsaVGGT.from_vggt_checkpoint(tmp_path / "m.safetensors", config="elsa_vggt_small",
-                                          **{**SMALL, "img_size": 42})
+    model = ElsaVGGT.from_vggt_checkpoint(
+        tmp_path / "m.safetensors", config="elsa_vggt_small", **{**SMALL, "img_size": 42}
+    )
     assert tuple(model.aggregator.patch_embed.pos_embed.shape) == (1, 10, 32)
-    assert torch.equal(model.aggregator.patch_embed.pos_embed[:, 0], sd["aggregator.patch_embed.pos_embed"][:, 0])
+    assert torch.equal(
+        model.aggregator.patch_embed.pos_embed[:, 0], sd["aggregator.patch_embed.pos_embed"][:, 0]
+    )
 
 
 def test_load_rejects_missing_file(tmp_path):
@@ -386,7 +404,9 @@ def test_rope2d_matches_float64_rotation():
 
 def test_attention_with_rope_qknorm_matches_float64_reference():
     torch.manual_seed(1)
-    attn = Attention(40, num_heads=5, qk_norm=True, rope=RotaryPositionEmbedding2D(100.0), backend="torch").eval()
+    attn = Attention(
+        40, num_heads=5, qk_norm=True, rope=RotaryPositionEmbedding2D(100.0), backend="torch"
+    ).eval()
     for p in attn.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(3, 37, 40)
@@ -460,7 +480,9 @@ def test_global_attention_mixes_frames_and_frame_attention_does_not():
     frame_a, frame_b = ta[0][..., :C], tb[0][..., :C]
     glob_a, glob_b = ta[0][..., C:], tb[0][..., C:]
     assert torch.equal(frame_a[:, :2], frame_b[:, :2])  # frame block: frames 0, 1 untouched by frame 2
-    assert (glob_a[:, :2] - glob_b[:, :2]).abs().max() > 1e-4  # global block: they see frame 2 (fp32 noise ~1e-7)
+    assert (
+        glob_a[:, :2] - glob_b[:, :2]
+    ).abs().max() > 1e-4  # global block: they see frame 2 (fp32 noise ~1e-7)
 
 
 def test_token_merging_is_opt_in_and_routes_to_most_similar():
@@ -500,6 +522,8 @@ def test_configs_and_bad_arguments():
         _small()(torch.rand(1, 2, 4, 28, 28))
     model = _small()
     model.set_attention(backend="torch", precision="ieee")
-    assert all(m.backend == "torch" and m.precision == "ieee" for m in model.modules() if isinstance(m, Attention))
+    assert all(
+        m.backend == "torch" and m.precision == "ieee" for m in model.modules() if isinstance(m, Attention)
+    )
     with pytest.raises(ValueError, match="unknown backend"):
         model.set_attention(backend="cuda")
