@@ -94,7 +94,7 @@ def test_cpu_training_steps_lower_the_loss():
     assert float(last["loss_depth"]) < float(first["loss_depth"])
 
 
-def test_lightning_fit_validate_test_logs_metrics():
+def test_lightning_fit_validate_test_logs_metrics(tmp_path):
     torch.manual_seed(0)
     net = ElsaVGGT.from_config("elsa_vggt_small")
     module = MultiViewReconstructionModule(
@@ -117,6 +117,15 @@ def test_lightning_fit_validate_test_logs_metrics():
         assert k in keys, k
     res = trainer.test(module, dm, verbose=False)[0]
     assert 0.0 <= res["test/auc30"] <= 1.0 and res["test/abs_rel"] >= 0.0 and 0.0 <= res["test/delta1"] <= 1.0
+    # a Lightning checkpoint is refused by the weights_only loader with a pointer to export_net
+    from elsa_vision.models.vggt import load_vggt_state_dict
+
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    with pytest.raises(ValueError, match="export_net"):
+        load_vggt_state_dict(tmp_path / "last.ckpt")
+    sd = load_vggt_state_dict(module.export_net(tmp_path / "net.safetensors"))
+    assert sd.keys() == net.state_dict().keys()
+    assert all(torch.equal(sd[k], v) for k, v in net.state_dict().items())
 
 
 def test_hydra_configs_instantiate():
@@ -236,3 +245,17 @@ def test_inference_cli_subprocess(tmp_path):
         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )
     assert bad.returncode != 0 and "not a directory" in bad.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_model_matches_torch_backend():
+    torch.manual_seed(0)
+    net = ElsaVGGT.from_config("elsa_vggt_small").cuda().eval()
+    x = torch.rand(1, 6, 3, 56, 70, device="cuda")
+    with torch.no_grad():
+        net.set_attention(backend="torch")
+        ref = net(x)
+        net.set_attention(backend="auto")
+        out = net(x)
+    for k in ("pose_enc", "depth", "depth_conf"):
+        assert (out[k] - ref[k]).norm() / ref[k].norm() <= 1e-5, k

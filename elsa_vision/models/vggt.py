@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -942,7 +943,13 @@ def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
 
         sd = load_file(str(path), device="cpu")
     else:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(
+                f"{path}: not loadable with weights_only=True (a Lightning .ckpt keeps its hyper-parameters "
+                f"as Python objects); export the network with MultiViewReconstructionModule.export_net(path)"
+            ) from exc
         for key in ("model", "state_dict"):
             if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
                 sd = sd[key]

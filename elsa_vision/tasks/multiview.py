@@ -16,6 +16,7 @@ Metrics (validation/test): camera AUC@30/15/5 over all frame pairs (pooled over 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -255,6 +256,15 @@ class MultiViewReconstructionModule(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
+
+    def export_net(self, path: str | Path) -> Path:
+        """Write the network's state_dict as safetensors (what ``--weights`` of the inference CLI reads)."""
+        from safetensors.torch import save_file
+
+        net = getattr(self.net, "_orig_mod", self.net)
+        path = Path(path)
+        save_file({k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}, str(path))
+        return path
 
     def setup(self, stage: str) -> None:
         if self.hparams.compile and stage == "fit":
