@@ -187,6 +187,7 @@ def test_inference_cli_writes_outputs(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == summary
     assert summary["frames"] == 3 and summary["image_size_hw"] == [42, 56] and summary["dtype"] == "float32"
+    assert summary["exact_attention"] is True
     cams = json.loads((out / "cameras.json").read_text())
     assert [f["name"] for f in cams["frames"]] == ["00", "01", "02"]
     assert np.array(cams["frames"][0]["extrinsics"]).shape == (3, 4)
@@ -236,6 +237,16 @@ def test_inference_cli_subprocess(tmp_path):
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["frames"] == 2 and (tmp_path / "o" / "points.ply").is_file()
+    merged = subprocess.run(
+        cmd + ["--merge-ratio", "0.5"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert merged.returncode == 0, merged.stderr
+    assert json.loads(merged.stdout.strip().splitlines()[-1])["exact_attention"] is False
     bad = subprocess.run(
         cmd[:4] + [str(tmp_path / "missing")] + cmd[5:],
         capture_output=True,

@@ -56,9 +56,10 @@ def load_frames(
     return [p.stem for p in paths], torch.stack(imgs)
 
 
-def build_model(weights: Path, config: str) -> tuple[ElsaVGGT, list[str]]:
+def build_model(weights: Path, config: str, merge_ratio: float = 0.0) -> tuple[ElsaVGGT, list[str]]:
     sd = load_vggt_state_dict(weights)
-    model = ElsaVGGT.from_config(config, enable_point=any(k.startswith("point_head.") for k in sd))
+    has_point = any(k.startswith("point_head.") for k in sd)
+    model = ElsaVGGT.from_config(config, enable_point=has_point, merge_ratio=merge_ratio)
     sd, dropped = vggt_checkpoint_filter_fn(sd, model)
     model.load_state_dict(sd, strict=True)
     return model.eval(), dropped
@@ -102,12 +103,20 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    ap.add_argument(
+        "--merge-ratio",
+        type=float,
+        default=0.0,
+        help="FastVGGT token merging in the global blocks (approximate attention); 0 = exact (default)",
+    )
     args = ap.parse_args(argv)
     if not 0.0 <= args.conf_percentile < 100.0:
         ap.error(f"--conf-percentile must be in [0, 100), got {args.conf_percentile}")
     t0 = time.perf_counter()
     cfg = VGGT_CONFIGS[args.config]
-    model, dropped = build_model(args.weights, args.config)
+    if not 0.0 <= args.merge_ratio < 1.0:
+        ap.error(f"--merge-ratio must be in [0, 1), got {args.merge_ratio}")
+    model, dropped = build_model(args.weights, args.config, args.merge_ratio)
     model = model.to(device=args.device, dtype=_DTYPES[args.dtype])
     names, images = load_frames(
         args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames
@@ -152,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         "image_size_hw": list(images.shape[-2:]),
         "config": args.config,
         "dtype": args.dtype,
+        "exact_attention": args.merge_ratio == 0.0,
         "device": args.device,
         "points": int(keep.sum()),
         "out": str(out),
