@@ -3,12 +3,14 @@
 from ._builder import LoadReport, load_checkpoint, read_state_dict
 from .clip_vision import ElsaCLIPVision, create_elsa_clip_vision, from_open_clip
 from .hsi_vit import ElsaHSIViT
+from .vggt import ElsaVGGT
 from .vit import ElsaViT, elsa_checkpoint_filter_fn
 
 __all__ = [
     "ElsaViT",
     "ElsaCLIPVision",
     "ElsaHSIViT",
+    "ElsaVGGT",
     "create_elsa_clip_vision",
     "from_open_clip",
     "LoadReport",
