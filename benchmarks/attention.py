@@ -289,7 +289,7 @@ def plot(csv_path, png_path):
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in rows)]
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dname in zip(axes[0], dtypes):
-        for peer in PEERS:
+        for color, peer in enumerate(PEERS):
             for D in sorted({int(r["D"]) for r in rows}):
                 pts = sorted(
                     (int(r["N"]), float(r["tflops"]))
@@ -297,7 +297,8 @@ def plot(csv_path, png_path):
                     if r["dtype"] == dname and r["peer"] == peer and int(r["D"]) == D
                 )
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", linestyle="-" if D == 64 else "--", label=f"{peer} D={D}")
+                    ax.plot(*zip(*pts), marker="o", color=f"C{color}", linestyle="-" if D == 64 else "--",
+                            label=f"{peer} D={D}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (B=1, H=8)")
         ax.set_ylabel("TFLOP/s (4 B H N^2 D / time)")

@@ -20,8 +20,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from elsa_vision import elsa_attention, elsa_attention_varlen  # noqa: E402
 from elsa_vision.kernels import elsa_fwd, elsa_fwd_varlen, plan  # noqa: E402
+from elsa_vision.kernels.monoid import merge_states  # noqa: E402
 from elsa_vision.kernels.reference import merge_depth, scan_attention, softmax_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,6 +83,61 @@ def assert_low_precision(out, q, k, v, **kw):
     err = (out.double() - ref).abs().max().item()
     base = (out_lp.double() - ref).abs().max().item()
     assert err <= 2 * base + LOW_ATOL[q.dtype], f"max err {err} vs low-precision torch {base}"
+
+
+# ------------------------------------------------------------------------------- the monoid helpers
+
+
+@triton.jit
+def _store_state(OUT_M, OUT_S, OUT_W, slot, m, s, w, r, wp, R: tl.constexpr, DV: tl.constexpr):
+    tl.store(OUT_M + slot * R + r[:, None], m)
+    tl.store(OUT_S + slot * R + r[:, None], s)
+    tl.store(OUT_W + slot * R * DV + wp, w)
+
+
+@triton.jit
+def _monoid_probe(M, S, W, OUT_M, OUT_S, OUT_W, R: tl.constexpr, DV: tl.constexpr):
+    """Rows of three states a, b, c -> e(+)a, a(+)e, (a(+)b)(+)c, a(+)(b(+)c) (slots 0..3)."""
+    r = tl.arange(0, R)
+    d = tl.arange(0, DV)
+    ma, mb, mc = tl.load(M + r), tl.load(M + R + r), tl.load(M + 2 * R + r)
+    sa, sb, sc = tl.load(S + r), tl.load(S + R + r), tl.load(S + 2 * R + r)
+    wp = r[:, None] * DV + d[None, :]
+    wa, wb, wc = tl.load(W + wp), tl.load(W + R * DV + wp), tl.load(W + 2 * R * DV + wp)
+    me = tl.full([R], float("-inf"), tl.float32)
+    se = tl.zeros([R], tl.float32)
+    we = tl.zeros([R, DV], tl.float32)
+    m0, s0, w0 = merge_states(me[:, None], se[:, None], we, ma[:, None], sa[:, None], wa)
+    m1, s1, w1 = merge_states(ma[:, None], sa[:, None], wa, me[:, None], se[:, None], we)
+    mab, sab, wab = merge_states(ma[:, None], sa[:, None], wa, mb[:, None], sb[:, None], wb)
+    m2, s2, w2 = merge_states(mab, sab, wab, mc[:, None], sc[:, None], wc)
+    mbc, sbc, wbc = merge_states(mb[:, None], sb[:, None], wb, mc[:, None], sc[:, None], wc)
+    m3, s3, w3 = merge_states(ma[:, None], sa[:, None], wa, mbc, sbc, wbc)
+    _store_state(OUT_M, OUT_S, OUT_W, 0, m0, s0, w0, r, wp, R, DV)
+    _store_state(OUT_M, OUT_S, OUT_W, 1, m1, s1, w1, r, wp, R, DV)
+    _store_state(OUT_M, OUT_S, OUT_W, 2, m2, s2, w2, r, wp, R, DV)
+    _store_state(OUT_M, OUT_S, OUT_W, 3, m3, s3, w3, r, wp, R, DV)
+
+
+def test_monoid_merge_identity_and_associativity():
+    R, DV = 16, 16
+    m = randn(3, R, seed=200) * 4
+    m[0, :3] = -math.inf  # identity-like rows (nothing visible) inside a
+    m[1, 5] = -math.inf
+    s = torch.rand(3, R, generator=_gen(201)).to(DEVICE) + 0.5
+    s[m == -math.inf] = 0.0
+    w = randn(3, R, DV, seed=202)
+    w[m == -math.inf] = 0.0
+    out_m = torch.empty(4, R, device=DEVICE)
+    out_s = torch.empty(4, R, device=DEVICE)
+    out_w = torch.empty(4, R, DV, device=DEVICE)
+    _monoid_probe[(1,)](m.contiguous(), s.contiguous(), w.contiguous(), out_m, out_s, out_w, R=R, DV=DV)
+    for slot in (0, 1):  # e (+) a == a (+) e == a exactly
+        assert torch.equal(out_m[slot], m[0]) and torch.equal(out_s[slot], s[0])
+        assert torch.equal(out_w[slot], w[0])
+    torch.testing.assert_close(out_m[2], out_m[3], rtol=0, atol=0)
+    torch.testing.assert_close(out_s[2], out_s[3], rtol=1e-6, atol=0)
+    torch.testing.assert_close(out_w[2], out_w[3], rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- the matrix
