@@ -2,8 +2,21 @@
 
 from . import models  # noqa: F401  (registers the elsa_* names with timm)
 from .layers import ElsaAttention
-from .ops import elsa_attention
+from .models import ElsaViT
+from .ops import elsa_attention, elsa_attention_varlen
+from .patching import PatchReport, patch_attention, patch_swin_attention, patch_vit_attention, sdpa_override
 
 __version__ = "0.1.0"
 
-__all__ = ["elsa_attention", "ElsaAttention", "__version__"]
+__all__ = [
+    "elsa_attention",
+    "elsa_attention_varlen",
+    "ElsaAttention",
+    "ElsaViT",
+    "PatchReport",
+    "patch_attention",
+    "patch_vit_attention",
+    "patch_swin_attention",
+    "sdpa_override",
+    "__version__",
+]

@@ -33,10 +33,10 @@ log = logging.getLogger(__name__)
 
 
 def instantiate_data(cfg: DictConfig) -> LightningDataModule:
-    """Build ``cfg.data``; when ``data.num_classes`` is null, count the classes and write it back into ``cfg``
-    (the model config reads ``${data.num_classes}``)."""
+    """Build ``cfg.data``; when the data config has ``num_classes: null``, count the classes and write the
+    count back into ``cfg`` (model configs read ``${data.num_classes}``)."""
     datamodule: LightningDataModule = hydra.utils.instantiate(cfg.data, _convert_="partial")
-    if cfg.data.get("num_classes") is None:
+    if "num_classes" in cfg.data and cfg.data.num_classes is None and hasattr(datamodule, "num_classes"):
         datamodule.setup("fit")
         with open_dict(cfg):
             cfg.data.num_classes = int(datamodule.num_classes)

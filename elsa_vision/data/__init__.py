@@ -1,6 +1,7 @@
-"""Datasets, data modules and dataset metadata: the embedded digits default, class folders, ImageNet."""
+"""LightningDataModules, readers and dataset metadata per domain."""
 
 from .digits import DigitsDataModule, load_digits_splits
+from .hyperspectral import HSIDataModule
 from .imagefolder import ImageFolderDataModule, RobustImageFolder, load_rgb, scan_class_folders
 from .imagenet import ImageNetDataModule
 from .samplers import EpochShuffleSampler
@@ -8,6 +9,7 @@ from .samplers import EpochShuffleSampler
 __all__ = [
     "DigitsDataModule",
     "EpochShuffleSampler",
+    "HSIDataModule",
     "ImageFolderDataModule",
     "ImageNetDataModule",
     "RobustImageFolder",

@@ -30,7 +30,29 @@ __all__ = [
     "scan_attention",
     "softmax_attention",
     "triton_available",
+    "FwdPlan",
+    "plan",
+    "elsa_fwd",
+    "elsa_fwd_varlen",
+    "BwdConfig",
+    "elsa_bwd",
 ]
+
+_FWD_EXPORTS = ("FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen")
+_BWD_EXPORTS = ("BwdConfig", "elsa_bwd")
+
+
+def __getattr__(name: str):
+    # The Triton kernels are imported on first use, so that the package imports without Triton.
+    if name in _FWD_EXPORTS:
+        from . import fwd
+
+        return getattr(fwd, name)
+    if name in _BWD_EXPORTS:
+        from . import bwd
+
+        return getattr(bwd, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache

@@ -42,6 +42,7 @@ __all__ = [
     "softmax_attention",
     "state_from_output",
     "attention_backward",
+    "attention_bias_grad",
 ]
 
 
@@ -323,15 +324,67 @@ def attention_backward(
     offset = Nk - Nq if q_offset is None else q_offset
     scores = attention_scores(q, k, scale=scale, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
                               causal=causal, q_offset=offset)
+    p, ds = _probs_and_score_grads(scores, do, v, out, lse, delta)
+    dv = p.transpose(-2, -1) @ do
+    dq = (ds @ k) * scale
+    dk = (ds.transpose(-2, -1) @ q) * scale
+    return dq, dk, dv, (ds if attn_bias is not None else None)
+
+
+def _probs_and_score_grads(scores, do, v, out, lse, delta):
+    """``P = exp(S - lse)`` (0 on rows with ``lse = -inf``) and ``dS = P * (dO V^T - Delta)``."""
     p = torch.exp(scores - _finite_or_zero(lse).unsqueeze(-1))
     p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
     if delta is None:
         delta = (out * do).sum(-1)
-    dv = p.transpose(-2, -1) @ do
-    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
-    dq = (ds @ k) * scale
-    dk = (ds.transpose(-2, -1) @ q) * scale
-    return dq, dk, dv, (ds if attn_bias is not None else None)
+    return p, p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+
+
+def attention_bias_grad(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_bias: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    max_elements: int = 1 << 26,
+) -> Tensor:
+    """``dBias = dS`` reduced over the broadcast dims of ``attn_bias``, in ``attn_bias``'s shape and dtype.
+
+    Recomputed from the saved ``lse`` in chunks of query rows, so at most ``max_elements`` scores exist at
+    a time (never the whole ``[B, H, Nq, Nk]`` for long sequences). Arithmetic in float32 (float64 inputs
+    stay float64).
+    """
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, do, out, lse = (t.to(acc) for t in (q, k, v, do, out, lse))
+    shape4 = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
+    bias4 = attn_bias.reshape(shape4)
+    full = (B, H, Nq, Nk)
+    reduce_dims = [i for i in range(4) if shape4[i] == 1 and full[i] != 1]
+    delta = (out * do).sum(-1)
+    chunk = max(1, max_elements // max(1, B * H * Nk))
+    pieces = []
+    for r0 in range(0, Nq, chunk):
+        r1 = min(Nq, r0 + chunk)
+        bias = bias4 if shape4[2] == 1 else bias4[..., r0:r1, :]
+        scores = attention_scores(q[..., r0:r1, :], k, scale=scale, attn_bias=bias.expand(B, H, r1 - r0, Nk),
+                                  key_padding_mask=key_padding_mask, causal=causal, q_offset=r0 + Nk - Nq)
+        _, ds = _probs_and_score_grads(scores, do[..., r0:r1, :], v, out[..., r0:r1, :], lse[..., r0:r1],
+                                       delta[..., r0:r1])
+        pieces.append(ds.sum(dim=reduce_dims, keepdim=True) if reduce_dims else ds)
+    if shape4[2] == 1:
+        grad = torch.stack(pieces).sum(0)
+    else:
+        grad = torch.cat(pieces, dim=2)
+    return grad.reshape(attn_bias.shape).to(attn_bias.dtype)
 
 
 def softmax_attention(

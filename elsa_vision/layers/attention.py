@@ -7,6 +7,7 @@ the module is built (timm's convention), not chosen per call.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -101,6 +102,47 @@ class ElsaAttention(nn.Module):
             x = x * gate
         x = self.proj(x)
         return self.proj_drop(x)
+
+    @classmethod
+    def from_timm(cls, attn: nn.Module, *, backend: str = "auto", precision: str = "auto") -> ElsaAttention:
+        """A weight-preserving copy of a timm ``Attention`` (fused ``qkv``) as ``ElsaAttention``.
+
+        The result has the same parameters (shared storage is not kept: tensors are copied), device, dtype and
+        train/eval mode; ``attn`` itself is left unchanged.
+        """
+        qkv = getattr(attn, "qkv", None)
+        if not isinstance(qkv, nn.Linear) or not isinstance(getattr(attn, "proj", None), nn.Linear):
+            raise TypeError(
+                f"ElsaAttention.from_timm: expected a timm Attention with `qkv` and `proj` nn.Linear layers, "
+                f"got {type(attn).__name__}"
+            )
+        num_heads, head_dim = int(attn.num_heads), int(attn.head_dim)
+        if qkv.out_features != 3 * num_heads * head_dim:
+            raise ValueError(
+                f"ElsaAttention.from_timm: qkv.out_features must be 3 * num_heads * head_dim = "
+                f"{3 * num_heads * head_dim}, got {qkv.out_features}"
+            )
+        q_norm, norm = getattr(attn, "q_norm", nn.Identity()), getattr(attn, "norm", nn.Identity())
+        gate = getattr(attn, "gate", None)
+        new = cls(
+            qkv.in_features, num_heads=num_heads, attn_head_dim=head_dim, dim_out=attn.proj.out_features,
+            qkv_bias=qkv.bias is not None, proj_bias=attn.proj.bias is not None, gated=gate is not None,
+            attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p, device=qkv.weight.device,
+            dtype=qkv.weight.dtype,
+            backend=backend, precision=precision,
+        )
+        # Norm layers are taken over as copies of the source modules (any norm type, any eps).
+        new.q_norm = copy.deepcopy(q_norm)
+        new.k_norm = copy.deepcopy(getattr(attn, "k_norm", nn.Identity()))
+        new.norm = copy.deepcopy(norm)
+        new.scale = float(getattr(attn, "scale", new.scale))
+        missing, unexpected = new.load_state_dict(attn.state_dict(), strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"ElsaAttention.from_timm: {type(attn).__name__} does not map onto ElsaAttention "
+                f"(missing {missing}, unexpected {unexpected})"
+            )
+        return new.train(attn.training)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend}, precision={self.precision}"

@@ -1,6 +1,20 @@
 """Models on ELSA attention; importing this registers the ``elsa_*`` names with timm."""
 
+from ._builder import LoadReport, load_checkpoint, read_state_dict
 from .clip_vision import ElsaCLIPVision, create_elsa_clip_vision, from_open_clip
-from .vit import ElsaViT
+from .hsi_vit import ElsaHSIViT
+from .vggt import ElsaVGGT
+from .vit import ElsaViT, elsa_checkpoint_filter_fn
 
-__all__ = ["ElsaViT", "ElsaCLIPVision", "create_elsa_clip_vision", "from_open_clip"]
+__all__ = [
+    "ElsaViT",
+    "ElsaCLIPVision",
+    "ElsaHSIViT",
+    "ElsaVGGT",
+    "create_elsa_clip_vision",
+    "from_open_clip",
+    "LoadReport",
+    "elsa_checkpoint_filter_fn",
+    "load_checkpoint",
+    "read_state_dict",
+]

@@ -7,36 +7,175 @@ timm checkpoints (and timm's ``checkpoint_filter_fn`` for OpenAI-CLIP / DINOv2 l
 
 from __future__ import annotations
 
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+import copy
+import inspect
+import os
+from functools import partial
+from typing import Any
+
+import timm
+from timm.layers import Attention, AttentionPoolLatent, LayerNorm
+from timm.models import adapt_input_conv, build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
+from ..layers.attention_pool import ElsaAttentionPoolLatent
+from ..ops.attention import BACKENDS, PRECISIONS
+from ._builder import LoadReport, load_checkpoint
 
-__all__ = ["ElsaViT"]
+__all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
+
+# VisionTransformer arguments that ElsaViT fixes itself.
+_OWN_KWARGS = ("attn_layer",)
+# timm >= 1.0.23 injects the attention class (`attn_layer`); older versions build timm's Attention, which
+# ElsaViT then converts block by block with the same weights.
+_TIMM_HAS_ATTN_LAYER = "attn_layer" in inspect.signature(VisionTransformer.__init__).parameters
+
+
+def _check_attention_options(backend: str, precision: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"ElsaViT: unknown attn_backend {backend!r}; expected one of {BACKENDS}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"ElsaViT: unknown attn_precision {precision!r}; expected one of {PRECISIONS}")
 
 
 class ElsaViT(VisionTransformer):
     """A timm ``VisionTransformer`` whose attention layers are ``ElsaAttention``.
 
+    Everything else is timm's own code: patch embedding (``in_chans``, ``dynamic_img_size`` /
+    ``dynamic_img_pad`` with position-embedding interpolation for other and non-square sizes), class and
+    register tokens, ``no_embed_class``, layer scale (``init_values``), ``qk_norm``, CLIP's ``pre_norm`` and
+    QuickGELU (``act_layer="quick_gelu"``), ``global_pool`` in ``"token" | "avg" | "max" | "avgmax" | "map" |
+    ""`` (the MAP head's latent attention runs through ELSA as well) and ``set_grad_checkpointing``.
+
     Args:
         attn_backend: ``elsa_attention`` backend for every block (``"auto"``, ``"torch"``, ``"triton"``).
         attn_precision: float32 precision (``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32"``).
         **kwargs: ``timm.models.vision_transformer.VisionTransformer`` arguments.
+
+    Shapes: ``forward(x: [B, in_chans, H, W]) -> [B, num_classes]`` (``[B, embed_dim]`` with
+    ``num_classes=0``); ``forward_features -> [B, num_prefix_tokens + (H/p)(W/p), embed_dim]``.
     """
 
+    load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
+
     def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto", **kwargs):
-        kwargs.setdefault("attn_layer", ElsaAttention)
+        _check_attention_options(attn_backend, attn_precision)
+        for k in _OWN_KWARGS:
+            if k in kwargs and kwargs[k] is not ElsaAttention:
+                raise ValueError(f"ElsaViT: `{k}` is fixed to ElsaAttention, got {kwargs[k]!r}")
+        if kwargs.get("global_pool") == "prr":
+            raise ValueError(
+                "ElsaViT: global_pool='prr' is not supported; expected token, avg, max, avgmax, map or ''")
+        kwargs.pop("attn_layer", None)
+        if _TIMM_HAS_ATTN_LAYER:
+            kwargs["attn_layer"] = ElsaAttention
         super().__init__(*args, **kwargs)
-        self.set_attention(backend=attn_backend, precision=attn_precision)
+        self._elsa_convert(attn_backend, attn_precision)
+
+    def _elsa_convert(self, backend: str, precision: str) -> None:
+        """Make every attention of the model ELSA (weights kept) and set backend/precision."""
+        for i, blk in enumerate(self.blocks):
+            attn = getattr(blk, "attn", None)
+            if isinstance(attn, ElsaAttention):
+                continue
+            if type(attn) is not Attention:
+                raise TypeError(
+                    f"ElsaViT: blocks.{i}.attn is a {type(attn).__name__}; only timm Attention converts "
+                    f"to ElsaAttention (use elsa_vision.patch_attention for other models)"
+                )
+            blk.attn = ElsaAttention.from_timm(attn, backend=backend, precision=precision)
+        if isinstance(self.attn_pool, AttentionPoolLatent):
+            ElsaAttentionPoolLatent.convert(self.attn_pool, backend=backend, precision=precision)
+        elif self.attn_pool is not None:
+            raise TypeError(f"ElsaViT: attn_pool {type(self.attn_pool).__name__} has no ELSA version")
+        self.set_attention(backend=backend, precision=precision)
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
-        """Choose the ELSA backend/precision of every attention layer (validated by ``ElsaAttention``)."""
+        """Choose the ELSA backend/precision of every attention layer (MAP head included)."""
+        _check_attention_options(backend or "auto", precision or "auto")
         for m in self.modules():
-            if isinstance(m, ElsaAttention):
+            if isinstance(m, (ElsaAttention, ElsaAttentionPoolLatent)):
                 if backend is not None:
                     m.backend = backend
                 if precision is not None:
                     m.precision = precision
+
+    @classmethod
+    def from_timm(
+        cls,
+        src: VisionTransformer | str,
+        checkpoint_path: str | os.PathLike | None = None,
+        *,
+        attn_backend: str = "auto",
+        attn_precision: str = "auto",
+        strict: bool = True,
+        **kwargs: Any,
+    ) -> ElsaViT:
+        """An ``ElsaViT`` with the configuration and weights of a timm ViT.
+
+        Args:
+            src: a timm ``VisionTransformer`` instance (deep-copied: same config, same weights, ``src`` is
+                left untouched) or a timm model name such as ``"vit_base_patch16_224"`` (built with
+                ``**kwargs``, e.g. ``dynamic_img_size=True``, ``img_size``, ``in_chans``, ``num_classes``).
+            checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, read with
+                ``weights_only=True`` and converted by timm's ``checkpoint_filter_fn`` (OpenAI-CLIP and DINOv2
+                layouts, position-embedding resampling) and :func:`elsa_checkpoint_filter_fn` (``in_chans``).
+            attn_backend, attn_precision: see :class:`ElsaViT`.
+            strict: missing or unexpected checkpoint keys raise ``ValueError``; with ``strict=False`` they are
+                kept in ``model.load_report``. Shape mismatches always raise ``ValueError`` naming the key.
+
+        Returns:
+            The ``ElsaViT`` in the train/eval mode of the source (eval for a name).
+        """
+        _check_attention_options(attn_backend, attn_precision)
+        report = None
+        if isinstance(src, str):
+            model = timm.create_model(src, pretrained=False, **kwargs)
+            if not isinstance(model, VisionTransformer):
+                raise TypeError(
+                    f"ElsaViT.from_timm: {src!r} builds a {type(model).__name__}, not a VisionTransformer")
+            if checkpoint_path is not None:
+                report = load_checkpoint(model, checkpoint_path, elsa_checkpoint_filter_fn, strict=strict)
+            model.eval()
+        elif isinstance(src, nn.Module):
+            if kwargs:
+                raise TypeError(
+                    f"ElsaViT.from_timm: model kwargs {sorted(kwargs)} only apply when src is a model name; "
+                    f"a model instance keeps its own configuration"
+                )
+            if checkpoint_path is not None:
+                raise TypeError("ElsaViT.from_timm: checkpoint_path only applies when src is a model name")
+            if type(src) not in (VisionTransformer, cls):
+                raise TypeError(
+                    f"ElsaViT.from_timm: src must be a timm VisionTransformer (exact class), got "
+                    f"{type(src).__name__}; use elsa_vision.patch_attention for other models"
+                )
+            model = copy.deepcopy(src)
+        else:
+            raise TypeError(
+                f"ElsaViT.from_timm: src must be a timm model name or VisionTransformer, got {type(src)}")
+        model.__class__ = cls
+        model._elsa_convert(attn_backend, attn_precision)
+        model.load_report = report
+        return model
+
+
+def elsa_checkpoint_filter_fn(state_dict: dict[str, Tensor], model: VisionTransformer) -> dict[str, Tensor]:
+    """timm's ``checkpoint_filter_fn``, then ``adapt_input_conv`` of the patch embedding for ``in_chans``.
+
+    Handles timm, OpenAI-CLIP (``visual.*``) and DINOv2 (``mask_token``) layouts and resamples ``pos_embed``
+    to the model's grid; a 3-channel patch embedding is adapted to any ``in_chans`` (timm's rule: mean for 1
+    channel, cycled and rescaled for more).
+    """
+    out = checkpoint_filter_fn(state_dict, model)
+    key = "patch_embed.proj.weight"
+    w = out.get(key)
+    in_chans = model.patch_embed.proj.weight.shape[1]
+    if w is not None and w.dim() == 4 and w.shape[1] != in_chans:
+        out[key] = adapt_input_conv(in_chans, w)
+    return out
 
 
 def _cfg(**kwargs):
@@ -104,7 +243,8 @@ def elsa_vit_base_patch16_384(pretrained: bool = False, **kwargs) -> ElsaViT:
 
 @register_model
 def elsa_vit_large_patch14_clip_224(pretrained: bool = False, **kwargs) -> ElsaViT:
-    args = dict(patch_size=14, embed_dim=1024, depth=24, num_heads=16, pre_norm=True, norm_layer="layernorm")
+    args = dict(patch_size=14, embed_dim=1024, depth=24, num_heads=16, pre_norm=True,
+                norm_layer=partial(LayerNorm, eps=1e-5))
     return _create_elsa_vit("elsa_vit_large_patch14_clip_224", pretrained=pretrained, **dict(args, **kwargs))
 
 
@@ -112,4 +252,5 @@ def elsa_vit_large_patch14_clip_224(pretrained: bool = False, **kwargs) -> ElsaV
 def elsa_vit_base_patch14_reg4_dinov2(pretrained: bool = False, **kwargs) -> ElsaViT:
     args = dict(patch_size=14, embed_dim=768, depth=12, num_heads=12, init_values=1e-5, reg_tokens=4,
                 no_embed_class=True)
-    return _create_elsa_vit("elsa_vit_base_patch14_reg4_dinov2", pretrained=pretrained, **dict(args, **kwargs))
+    return _create_elsa_vit(
+        "elsa_vit_base_patch14_reg4_dinov2", pretrained=pretrained, **dict(args, **kwargs))

@@ -12,9 +12,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..kernels.reference import scan_attention
+from ..kernels.reference import attention_bias_grad, scan_attention
 
-__all__ = ["elsa_attention", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend"]
+__all__ = ["elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend"]
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
 BACKENDS = ("auto", "torch", "triton", "eca")
@@ -126,6 +126,72 @@ def _cuda_matmul_precision(tf32: bool):
         flag.allow_tf32 = old
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The Triton path as torch custom ops with autograd: torch.compile(fullgraph=True) sees two opaque ops
+# (no graph break), the fake implementations give it shapes, and the backward consumes the saved lse.
+
+@torch.library.custom_op(
+    "elsa_vision::attention_fwd", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor? key_padding_mask, bool causal, "
+           "float scale, str precision) -> (Tensor, Tensor)",
+)
+def _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
+    from ..kernels.fwd import elsa_fwd
+
+    return elsa_fwd(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal, scale=scale,
+                    precision=precision)
+
+
+@_attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
+    B, H, Nq, _ = q.shape
+    return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "elsa_vision::attention_bwd", mutates_args=(),
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_bias, "
+           "Tensor? key_padding_mask, bool causal, float scale, str precision, bool bias_grad) "
+           "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _attention_bwd(dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad):
+    from ..kernels.bwd import elsa_bwd
+
+    dq, dk, dv, dbias = elsa_bwd(dout, q, k, v, out, lse, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+                                 causal=causal, scale=scale, precision=precision, bias_requires_grad=bias_grad)
+    return dq, dk, dv, (dbias if dbias is not None else q.new_zeros(0))
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad):
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, attn_bias, key_padding_mask, causal, scale, precision = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask)
+    ctx.options = (causal, scale, precision)
+
+
+def _attention_backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_bias, key_padding_mask = ctx.saved_tensors
+    causal, scale, precision = ctx.options
+    dq, dk, dv, _ = torch.ops.elsa_vision.attention_bwd(
+        dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, False)
+    dbias = None
+    if attn_bias is not None and ctx.needs_input_grad[3]:
+        # The bias gradient is recomputed from lse by the chunked torch reduction: the Triton dbias kernel
+        # passes on the CPU interpreter but not yet on the H100 (docs/kernel_notes.md, "Open problems").
+        dbias = attention_bias_grad(dout, q, k, v, out, lse, attn_bias, key_padding_mask=key_padding_mask,
+                                    causal=causal, scale=scale)
+    return dq, dk, dv, dbias, None, None, None, None
+
+
+_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+
+
 def _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p):
     dtype = q.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32
@@ -192,10 +258,125 @@ def elsa_attention(
             raise ValueError("elsa_attention: backend='eca' has no attention dropout; use backend='torch'")
         return eca_attention(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, scale=scale)
     if chosen == "triton":
-        from ..kernels import triton_attention
-
         if dropout_p > 0.0:
             raise ValueError("elsa_attention: backend='triton' has no attention dropout; use backend='torch'")
-        return triton_attention(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal,
-                                scale=scale, precision=precision)
+        if q.dtype == torch.float64:
+            raise TypeError("elsa_attention: backend='triton' takes float16, bfloat16 or float32; float64 runs on "
+                            "backend='torch'")
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        out, _ = torch.ops.elsa_vision.attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
+        return out
     return _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p)
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, precision,
+                  backend):
+    fn = "elsa_attention_varlen"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{fn}: `{name}` must have rank 3 [total_tokens, H, D], got shape {_shape(t)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: `{name}` has unsupported dtype {t.dtype}; expected one of "
+                            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        raise ValueError(f"{fn}: head count H must match: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{fn}: head dim D of k must equal q's ({q.shape[2]}), got k {_shape(k)}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"{fn}: k and v must have the same total_k, got k {_shape(k)}, v {_shape(v)}")
+    if q.shape[2] == 0 or v.shape[2] == 0:
+        raise ValueError(f"{fn}: head dims must be >= 1, got q {_shape(q)}, v {_shape(v)}")
+    for name, cu, total, mx in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        if not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
+            raise TypeError(f"{fn}: `{name}` must be a 1-D int32 tensor [batch + 1], got "
+                            f"{getattr(cu, 'dtype', type(cu).__name__)}")
+        if cu.numel() < 2:
+            raise ValueError(f"{fn}: `{name}` must hold batch + 1 >= 2 offsets, got {cu.numel()}")
+        if cu.device != q.device:
+            raise ValueError(f"{fn}: `{name}` is on {cu.device}, q on {q.device}")
+        lens = cu[1:] - cu[:-1]
+        if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lens < 0).any()):
+            raise ValueError(f"{fn}: `{name}` must rise from 0 to the token count {total}, got "
+                             f"{cu.tolist() if cu.numel() <= 16 else _shape(cu)}")
+        if isinstance(mx, bool) or not isinstance(mx, int):
+            raise TypeError(f"{fn}: max seqlen for `{name}` must be an int, got {mx!r}")
+        if mx < int(lens.max()):
+            raise ValueError(f"{fn}: max seqlen {mx} for `{name}` is below its longest sequence {int(lens.max())}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{fn}: `causal` must be a bool, got {type(causal).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise TypeError(f"{fn}: `scale` must be a finite float or None, got {scale!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{fn}: unknown `precision` {precision!r}; expected one of {PRECISIONS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: unknown `backend` {backend!r}; expected one of {BACKENDS}")
+
+
+def elsa_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    precision: str = "auto",
+    backend: str = "auto",
+) -> Tensor:
+    """Attention over packed sequences of different lengths (FlashAttention's varlen convention).
+
+    Args:
+        q: ``[total_q, H, D]``; k: ``[total_k, H, D]``; v: ``[total_k, H, Dv]``: the tokens of all sequences
+            concatenated, no padding (e.g. images of different sizes, NaViT-style).
+        cu_seqlens_q / cu_seqlens_k: int32 ``[batch + 1]`` cumulative lengths; sequence ``i`` owns query
+            rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``.
+        max_seqlen_q / max_seqlen_k: the longest lengths.
+        causal, scale, precision, backend: as in ``elsa_attention`` (causal is bottom-right aligned within
+            each sequence).
+
+    Returns:
+        ``[total_q, H, Dv]`` in q's dtype; a sequence attends only to its own keys.
+    """
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, precision,
+                  backend)
+    if resolve_backend(backend, q) == "triton":
+        from ..kernels.fwd import elsa_fwd_varlen
+
+        if q.dtype == torch.float64:
+            raise TypeError("elsa_attention_varlen: backend='triton' takes float16, bfloat16 or float32; "
+                            "float64 runs on backend='torch'")
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            out, _ = elsa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     causal=causal, scale=scale, precision=precision)
+            return out
+        # Training: the packed kernel is forward-only, so each sequence goes through the differentiable op.
+        return _varlen_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, precision, "triton")
+    return _varlen_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, precision, "torch")
+
+
+def _varlen_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, precision, backend):
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        if cq[i + 1] == cq[i]:
+            continue
+        qi = q[cq[i]:cq[i + 1]].transpose(0, 1).unsqueeze(0)
+        ki = k[ck[i]:ck[i + 1]].transpose(0, 1).unsqueeze(0)
+        vi = v[ck[i]:ck[i + 1]].transpose(0, 1).unsqueeze(0)
+        oi = elsa_attention(qi, ki, vi, causal=causal, scale=scale, precision=precision, backend=backend)
+        out[cq[i]:cq[i + 1]] = oi[0].transpose(0, 1)
+    return out

@@ -1,5 +1,12 @@
-"""Tasks: training modules and evaluation pipelines."""
+"""Tasks: LightningModules per task and evaluation pipelines."""
 
 from .classification import ClassificationModule, cosine_warmup_schedule, create_backbone
+from .hsi import HSIClassificationModule, MaskedAutoencoderModule
 
-__all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule"]
+__all__ = [
+    "ClassificationModule",
+    "HSIClassificationModule",
+    "MaskedAutoencoderModule",
+    "cosine_warmup_schedule",
+    "create_backbone",
+]

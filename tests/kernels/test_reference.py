@@ -256,3 +256,23 @@ def test_states_from_partial_outputs_merge_to_the_whole():
              for a, b in ((0, 12), (12, 20))]
     merged = merge_states(state_from_output(*parts[0]), state_from_output(*parts[1]))
     assert relerr(finalize(merged), softmax_attention(q, k, v, attn_bias=bias)) <= 1e-13
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 3, 19, 29), (1, 3, 19, 29), (2, 1, 1, 29), (19, 29), (29,)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_bias_grad_reduces_broadcast_dims(bias_shape, causal):
+    from elsa_vision.kernels.reference import attention_bias_grad
+
+    B, H, Nq, Nk = 2, 3, 19, 29
+    q, k, v = torch.randn(B, H, Nq, 8, dtype=F64), torch.randn(B, H, Nk, 8, dtype=F64), torch.randn(B, H, Nk, 5,
+                                                                                                    dtype=F64)
+    bias = torch.randn(bias_shape, dtype=F64, requires_grad=True)
+    out = softmax_attention(q, k, v, attn_bias=bias, causal=causal)
+    do = torch.randn_like(out)
+    out.backward(do)
+    _, lse = scan_attention(q, k, v, attn_bias=bias.detach(), causal=causal, return_lse=True)
+    for max_elements in (1 << 26, 3 * B * H * Nk):  # one chunk, and chunks of 3 query rows
+        got = attention_bias_grad(do, q, k, v, out.detach(), lse, bias.detach(), causal=causal,
+                                  max_elements=max_elements)
+        assert got.shape == bias.shape
+        assert relerr(got, bias.grad) <= 1e-12

@@ -1,0 +1,267 @@
+"""Hyperspectral benchmarks: ElsaHSIViT throughput (ELSA vs SDPA) and FP32 whole-scene inference time.
+
+Two declared sweeps:
+
+* ``THROUGHPUT``: one ``ElsaHSIViT`` per case, built twice with the same weights -- ``attn_impl="elsa"``
+  (ElsaAttention, backend ``auto``: Triton on CUDA) and ``attn_impl="sdpa"`` (timm ``Attention``, run under
+  ``sdpa_kernel(EFFICIENT_ATTENTION)`` on CUDA; PyTorch's default CPU kernel on CPU). Patches per second,
+  forward (eval, no grad) or a training step (forward + backward), FP32 with TF32 off.
+* ``SCENES``: a synthetic scene (``synthetic_scene``) classified pixel by pixel with
+  ``elsa_vision.inference.hsi.predict_scene`` -- the code path of ``python -m elsa_vision.inference.hsi`` --
+  timing the batched patch classification of the whole scene and its peak memory.
+
+``--quick`` swaps in small CPU-sized declarations (a smoke run that exercises every path).
+
+    python benchmarks/hsi.py                   # GPU: full sweeps
+    python benchmarks/hsi.py --quick --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elsa_vision.data.hyperspectral import SpectralTransform, synthetic_scene  # noqa: E402
+from elsa_vision.inference.hsi import predict_scene, strict_fp32  # noqa: E402
+from elsa_vision.models.hsi_vit import HSI_PRESETS, ElsaHSIViT  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ThroughputCase:
+    name: str
+    preset: str  # key of HSI_PRESETS
+    bands: int  # bands reaching the model (after PCA, if any)
+    patch: int  # patch side P
+    spatial_patch: int  # token side s
+    band_group: int
+    batch: int
+
+    def tokens(self) -> tuple[int, int]:
+        """(spectral groups G, spatial positions S): fusion blocks attend over G*S tokens."""
+        return -(-self.bands // self.band_group), (self.patch // self.spatial_patch) ** 2
+
+
+@dataclass(frozen=True)
+class SceneCase:
+    name: str
+    preset: str
+    height: int
+    width: int
+    bands: int
+    classes: int
+    patch: int
+    spatial_patch: int
+    band_group: int
+    pca: int | None  # PCA components (None: raw bands)
+    batch: int
+
+
+# Pavia University: 610 x 340 pixels, 103 bands, 9 classes.
+THROUGHPUT = [
+    ThroughputCase("paviau_raw103_p9_s3", "base", 103, 9, 3, 8, 256),  # G=13, S=9: 117 tokens
+    ThroughputCase("paviau_pca32_p9_s1", "base", 32, 9, 1, 8, 256),  # G=4, S=81: 324 tokens
+    ThroughputCase("paviau_raw103_p9_s1", "base", 103, 9, 1, 8, 64),  # G=13, S=81: 1053 tokens
+    ThroughputCase("paviau_raw103_p15_s1", "base", 103, 15, 1, 8, 16),  # G=13, S=225: 2925 tokens
+]
+SCENES = [
+    SceneCase("paviau_elsa_hsi_config", "config", 610, 340, 103, 9, 9, 3, 8, 32, 4096),
+    SceneCase("paviau_base_raw103", "base", 610, 340, 103, 9, 9, 3, 8, None, 2048),
+]
+QUICK_THROUGHPUT = [
+    ThroughputCase("quick_raw103_p9_s3", "tiny", 103, 9, 3, 8, 32),
+    ThroughputCase("quick_pca32_p9_s1", "tiny", 32, 9, 1, 8, 16),
+]
+QUICK_SCENES = [SceneCase("quick_61x34x103", "tiny", 61, 34, 103, 9, 9, 3, 8, 32, 512)]
+
+# The defaults of configs/model/elsa_hsi.yaml.
+CONFIG_NET = dict(embed_dim=192, num_heads=3, branch_depth=2, fusion_depth=2)
+
+
+def _net_kwargs(preset: str) -> dict:
+    return dict(CONFIG_NET) if preset == "config" else dict(HSI_PRESETS[preset])
+
+
+def _sdpa_context(device: torch.device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+
+
+def _time(fn, device: torch.device, warmup: int, reps: int) -> float:
+    """Median seconds per call."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+
+            return do_bench(fn, warmup=25 * warmup, rep=100 * reps, return_mode="median") / 1e3
+        except ImportError:
+            pass
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def bench_throughput(case: ThroughputCase, device: torch.device, mode: str, warmup: int, reps: int) -> dict:
+    torch.manual_seed(0)
+    kw = dict(
+        img_size=case.patch,
+        band_group=case.band_group,
+        spatial_patch=case.spatial_patch,
+        **_net_kwargs(case.preset),
+    )
+    sdpa = ElsaHSIViT(case.bands, 9, attn_impl="sdpa", **kw).to(device)
+    elsa = ElsaHSIViT(case.bands, 9, attn_impl="elsa", **kw).to(device)
+    elsa.load_state_dict(sdpa.state_dict())
+    x = torch.randn(case.batch, case.bands, case.patch, case.patch, device=device)
+    y = torch.randint(0, 9, (case.batch,), device=device)
+    g, s = case.tokens()
+    row = {**asdict(case), "tokens": f"{g}x{s}={g * s}", "mode": mode, "device": str(device)}
+    outs = {}
+    for name, net in (("elsa", elsa), ("sdpa", sdpa)):
+        ctx = _sdpa_context(device) if name == "sdpa" else contextlib.nullcontext()
+        if mode == "fwd":
+            net.eval()
+
+            def fn(net=net):
+                with torch.no_grad():
+                    return net(x)
+        else:
+            net.train()
+            opt = torch.optim.SGD(net.parameters(), lr=0.0)
+
+            def fn(net=net, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with strict_fp32(), ctx:
+            sec = _time(fn, device, warmup, reps)
+            if mode == "fwd":
+                with torch.no_grad():
+                    outs[name] = net.eval()(x).double()
+        row[f"{name}_ms"] = round(sec * 1e3, 3)
+        row[f"{name}_patches_per_s"] = round(case.batch / sec, 1)
+        row[f"{name}_peak_mb"] = round(_peak_mb(device), 1)
+    row["speedup_elsa_over_sdpa"] = round(row["sdpa_ms"] / row["elsa_ms"], 3)
+    if outs:
+        ref = outs["sdpa"]
+        row["relerr_elsa_vs_sdpa"] = f"{float((outs['elsa'] - ref).norm() / ref.norm()):.1e}"
+    return row
+
+
+def bench_scene(case: SceneCase, device: torch.device, reps: int) -> dict:
+    cube, gt = synthetic_scene(case.height, case.width, case.bands, case.classes, block=10, seed=0)
+    train = cube[gt > 0][:: max(1, int((gt > 0).sum()) // 2000)]  # a training-pixel sample for the stats
+    t = SpectralTransform(normalize=True, n_components=case.pca, groups=4 if case.pca else 1).fit(train)
+    x = t.apply(cube)
+    torch.manual_seed(0)
+    net = ElsaHSIViT(
+        t.num_bands_out,
+        case.classes,
+        img_size=case.patch,
+        band_group=case.band_group,
+        spatial_patch=case.spatial_patch,
+        **_net_kwargs(case.preset),
+    ).to(device)
+    predict_scene(net, x[: min(32, case.height)], case.patch, case.batch, device)  # warm-up (kernel compile)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        labels, _ = predict_scene(net, x, case.patch, case.batch, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    assert labels.shape == (case.height, case.width) and (labels >= 0).all()
+    sec = statistics.median(times)
+    return {
+        **asdict(case),
+        "device": str(device),
+        "params_m": round(sum(p.numel() for p in net.parameters()) / 1e6, 2),
+        "scene_seconds": round(sec, 3),
+        "pixels_per_s": round(case.height * case.width / sec, 1),
+        "peak_mb": round(_peak_mb(device), 1),
+    }
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small CPU-sized cases (smoke run)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--mode", choices=("fwd", "train"), default="fwd", help="forward or train step")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10, quick 3)")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    reps = a.reps or (3 if a.quick else 10)
+    tp_cases, scene_cases = (QUICK_THROUGHPUT, QUICK_SCENES) if a.quick else (THROUGHPUT, SCENES)
+    tp = [bench_throughput(c, device, a.mode, warmup=1 if a.quick else 3, reps=reps) for c in tp_cases]
+    print(f"## ElsaHSIViT throughput, {a.mode}, FP32 (TF32 off), {device}")
+    print(
+        _table(
+            tp,
+            [
+                "name",
+                "preset",
+                "batch",
+                "tokens",
+                "elsa_patches_per_s",
+                "sdpa_patches_per_s",
+                "speedup_elsa_over_sdpa",
+                "elsa_peak_mb",
+                "sdpa_peak_mb",
+                "relerr_elsa_vs_sdpa",
+            ],
+        )
+    )
+    sc = [bench_scene(c, device, reps=max(1, reps // 3)) for c in scene_cases]
+    print(f"\n## Whole-scene FP32 inference (batched patches), {device}")
+    print(_table(sc, ["name", "preset", "height", "width", "bands", "pca", "patch", "params_m", "batch",
+                      "scene_seconds", "pixels_per_s", "peak_mb"]))  # fmt: skip
+    result = {"torch": torch.__version__, "device": str(device), "throughput": tp, "scenes": sc}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Full-model forward: timm's ViT as shipped vs the same weights in ElsaViT, in one run.
+
+For every case the timm model is built once (random init, eval, no grad) and measured three ways:
+
+* ``timm_sdpa``  -- timm as shipped (``fused_attn``: ``F.scaled_dot_product_attention``),
+* ``timm_math``  -- the same module with ``fused_attn = False`` (timm's explicit softmax path),
+* ``elsa``       -- ``ElsaViT.from_timm(model)``: identical weights, ELSA attention.
+
+Reported per peer: images/s and median ms per batch, peak allocated memory of one forward (CUDA), and the max
+absolute deviation of the logits from ``timm_sdpa``. Rows go to
+``benchmarks/results/models_<gpu>_<date>.csv``; ratios vs timm (and the targets of the cases) are printed.
+CUDA float32 matmuls run in IEEE FP32 (TF32 off) so that every peer computes the same thing.
+
+    python benchmarks/models.py                         # the declared GPU cases
+    python benchmarks/models.py --device cpu --quick    # tiny smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import datetime as dt
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import timm  # noqa: E402
+
+from elsa_vision import ElsaViT  # noqa: E402
+
+COLUMNS = ["device", "torch", "triton", "date", "model", "img", "batch", "dtype", "peer", "img_per_s", "ms",
+           "peak_mb", "max_dev"]
+PEERS = ("timm_sdpa", "timm_math", "elsa")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    img: int
+    batch: int
+    dtype: str
+    goal: float = 1.0  # elsa img/s over timm_sdpa img/s to reach
+    mem_goal: bool = False  # elsa peak memory must not exceed timm_sdpa's
+    kwargs: dict = field(default_factory=dict, hash=False)
+
+
+# The targets of the model-level issue (H100, forward, eval).
+CASES = [
+    Case("vit_base_patch16_224", 224, 8, "fp32", goal=1.0),
+    Case("vit_base_patch16_224", 448, 8, "fp32", goal=1.25),
+    Case("vit_base_patch16_224", 896, 2, "fp32", goal=1.35, mem_goal=True),
+    Case("vit_small_patch16_224", 1024, 2, "fp32", goal=1.35, mem_goal=True),
+    Case("vit_base_patch16_224", 448, 8, "bf16", goal=1.0),
+    Case("vit_base_patch16_224", 896, 2, "bf16", goal=1.0),
+]
+
+# Smoke run: tiny models and images, every code path (fp32 + bf16, several sequence lengths).
+QUICK_CASES = [
+    Case("vit_tiny_patch16_224", 64, 2, "fp32", kwargs=dict(depth=2)),
+    Case("vit_small_patch16_224", 96, 2, "fp32", kwargs=dict(depth=2)),
+    Case("vit_tiny_patch16_224", 64, 2, "bf16", kwargs=dict(depth=2)),
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward(fn, device: torch.device, warmup: int, reps: int) -> float:
+    """Median wall time of ``fn()`` in ms (each call synchronised)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_forward_mb(fn, device: torch.device) -> float:
+    """Peak allocated memory (MB) during one ``fn()`` on CUDA; NaN elsewhere."""
+    if device.type != "cuda":
+        return math.nan
+    _sync(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def build_peers(case: Case, precision: str) -> dict[str, torch.nn.Module]:
+    """The three peers on the CPU, sharing one set of random weights."""
+    torch.manual_seed(0)
+    timm_model = timm.create_model(case.model, img_size=case.img, **case.kwargs).eval()
+    math_model = copy.deepcopy(timm_model)
+    for blk in math_model.blocks:
+        blk.attn.fused_attn = False
+    elsa_model = ElsaViT.from_timm(timm_model, attn_precision=precision)
+    return {"timm_sdpa": timm_model, "timm_math": math_model, "elsa": elsa_model}
+
+
+def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision: str) -> list[dict]:
+    peers = build_peers(case, precision)
+    x = torch.randn(case.batch, 3, case.img, case.img, device=device, dtype=DTYPES[case.dtype])
+    rows, ref = [], None
+    for name in PEERS:
+        # One model on the device at a time: peak memory is that of the peer alone (weights + activations).
+        model = peers[name].to(device=device, dtype=DTYPES[case.dtype])
+
+        def fwd(model=model):
+            with torch.inference_mode():
+                return model(x)
+
+        try:
+            out = fwd()
+            ms = time_forward(fwd, device, warmup, reps)
+            peak = peak_forward_mb(fwd, device)
+        except torch.cuda.OutOfMemoryError:
+            print(f"  {name}: out of memory", flush=True)
+            rows.append(dict(peer=name, img_per_s=math.nan, ms=math.nan, peak_mb=math.nan, max_dev=math.nan))
+            continue
+        finally:
+            peers[name] = model.to("cpu")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if name == "timm_sdpa":
+            ref = out.float()
+        max_dev = (out.float() - ref).abs().max().item() if ref is not None else math.nan
+        rows.append(dict(peer=name, img_per_s=case.batch / (ms / 1e3), ms=ms, peak_mb=peak, max_dev=max_dev))
+        print(f"  {name:10s} {case.batch / (ms / 1e3):10.1f} img/s  {ms:9.3f} ms  peak {peak:9.1f} MB  "
+              f"max_dev {max_dev:.3e}", flush=True)
+    return rows
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="tiny smoke cases (CPU-friendly)")
+    p.add_argument("--cases", default="", help="regex on 'model/img/batch/dtype' selecting cases")
+    p.add_argument("--precision", default="auto", help="ElsaViT attn_precision for float32")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda given but CUDA is not available")
+    if device.type == "cuda":
+        # Every peer in IEEE FP32: TF32 would change the numbers of timm and ELSA differently.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    cases = QUICK_CASES if args.quick else CASES
+    if args.cases:
+        cases = [c for c in cases if re.search(args.cases, f"{c.model}/{c.img}/{c.batch}/{c.dtype}")]
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
+    reps = args.reps if args.reps is not None else (3 if args.quick else 30)
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    label = device_label(device)
+    date = dt.date.today().isoformat()
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_").lower() or "device"
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"models_{tag}_{date}.csv")
+
+    meta = dict(device=label, torch=torch.__version__, triton=triton_version, date=date)
+    results = []
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for case in cases:
+            print(f"{case.model} img {case.img} batch {case.batch} {case.dtype}", flush=True)
+            rows = run_case(case, device, warmup, reps, args.precision)
+            for r in rows:
+                values = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}
+                writer.writerow(dict(meta, model=case.model, img=case.img, batch=case.batch, dtype=case.dtype,
+                                     **values))
+            f.flush()
+            results.append((case, {r["peer"]: r for r in rows}))
+
+    print(f"\nratios (elsa vs timm), {label}, torch {torch.__version__}, triton {triton_version}")
+    print(f"{'case':40s} {'vs sdpa':>8s} {'goal':>6s} {'vs math':>8s} {'mem/sdpa':>9s}  status")
+    for case, r in results:
+        e, s, m = r["elsa"], r["timm_sdpa"], r["timm_math"]
+        speed = e["img_per_s"] / s["img_per_s"]
+        mem = e["peak_mb"] / s["peak_mb"] if s["peak_mb"] == s["peak_mb"] else math.nan
+        ok = speed >= case.goal and (not case.mem_goal or not mem > 1.0)
+        name = f"{case.model} {case.img}px b{case.batch} {case.dtype}"
+        print(f"{name:40s} {speed:8.3f} {case.goal:6.2f} {e['img_per_s'] / m['img_per_s']:8.3f} {mem:9.3f}  "
+              f"{'meets goal' if ok else 'below goal'}")
+    print(f"\nwrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Multi-frame 3D reconstruction with ElsaVGGT: depth maps, cameras and a coloured point cloud.
+
+    python -m elsa_vision.inference.multiview --frames DIR --weights FILE [--config elsa_vggt_small|elsa_vggt]
+        --out OUT [--width 518] [--conf-percentile 50] [--device cpu|cuda] [--dtype float32]
+
+``--weights``: a VGGT checkpoint (``model.safetensors``/``model.pt``) or an ElsaVGGT/Lightning state_dict
+(``.safetensors``/``.pt``/``.ckpt`` read with ``weights_only=True``). Frames: every ``.png``/``.jpg``/
+``.jpeg`` in ``DIR`` (sorted; the first is the reference frame), centre-cropped to a common aspect and resized
+to ``width`` (height a multiple of the patch size, at most ``width``).
+
+Writes ``OUT/depth/<frame>.npy`` (float32 depth), ``OUT/depth/<frame>.png`` (16-bit, ``depth = value ·
+depth_png_scale`` from ``cameras.json``), ``OUT/cameras.json`` (camera-from-world extrinsics, intrinsics,
+confidence statistics) and ``OUT/points.ply`` (binary, world points of the pixels whose depth confidence is
+above the given percentile, coloured by the frames). The last stdout line is a JSON summary. FP32 by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.multiview import _load_image, resize_frame
+from ..geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
+from ..models.vggt import VGGT_CONFIGS, ElsaVGGT, load_vggt_state_dict, vggt_checkpoint_filter_fn
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EXTS = (".png", ".jpg", ".jpeg")
+
+
+def load_frames(
+    frames_dir: Path, width: int, patch_size: int, max_frames: int | None = None
+) -> tuple[list[str], torch.Tensor]:
+    """Images of ``frames_dir`` -> (names, ``[S, 3, H, W]`` in [0, 1])."""
+    if not frames_dir.is_dir():
+        raise FileNotFoundError(f"--frames: {frames_dir} is not a directory")
+    paths = sorted(p for p in frames_dir.iterdir() if p.suffix.lower() in _EXTS)
+    if max_frames:
+        paths = paths[:max_frames]
+    if not paths:
+        raise ValueError(f"--frames: no {'/'.join(_EXTS)} images in {frames_dir}")
+    if width % patch_size:
+        raise ValueError(f"--width must be a multiple of the patch size {patch_size}, got {width}")
+    first = _load_image(paths[0])
+    h0, w0 = first.shape[1:]
+    height = min(width, max(patch_size, round(h0 * width / w0 / patch_size) * patch_size))
+    eye = torch.eye(3, dtype=torch.float64)
+    imgs = [
+        resize_frame(_load_image(p) if i else first, eye, (height, width))[0] for i, p in enumerate(paths)
+    ]
+    return [p.stem for p in paths], torch.stack(imgs)
+
+
+def build_model(weights: Path, config: str, merge_ratio: float = 0.0) -> tuple[ElsaVGGT, list[str]]:
+    sd = load_vggt_state_dict(weights)
+    has_point = any(k.startswith("point_head.") for k in sd)
+    model = ElsaVGGT.from_config(config, enable_point=has_point, merge_ratio=merge_ratio)
+    sd, dropped = vggt_checkpoint_filter_fn(sd, model)
+    model.load_state_dict(sd, strict=True)
+    return model.eval(), dropped
+
+
+@torch.no_grad()
+def reconstruct(
+    model: ElsaVGGT, images: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """``images [S, 3, H, W]`` -> depth ``[S, H, W]``, conf, extrinsics ``[S, 3, 4]``, intrinsics, points."""
+    H, W = images.shape[-2:]
+    out = model(images[None].to(dtype))
+    ext, intr = pose_encoding_to_extri_intri(out["pose_enc"][0].double(), (H, W))
+    depth = out["depth"][0, ..., 0].double()
+    pts = depth_to_world_points(depth, ext, intr)
+    return {
+        "depth": depth.float(),
+        "conf": out["depth_conf"][0].float(),
+        "extrinsics": ext.float(),
+        "intrinsics": intr.float(),
+        "points": pts.float(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        prog="python -m elsa_vision.inference.multiview", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--frames", required=True, type=Path, help="directory of frames (png/jpg)")
+    ap.add_argument(
+        "--weights", required=True, type=Path, help="VGGT or ElsaVGGT weights (.safetensors/.pt/.ckpt)"
+    )
+    ap.add_argument("--config", default="elsa_vggt", choices=sorted(VGGT_CONFIGS))
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument(
+        "--width", type=int, default=None, help="model input width (default: the config's img_size)"
+    )
+    ap.add_argument("--max-frames", type=int, default=None)
+    ap.add_argument(
+        "--conf-percentile", type=float, default=50.0, help="keep points above this confidence percentile"
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    ap.add_argument(
+        "--merge-ratio",
+        type=float,
+        default=0.0,
+        help="FastVGGT token merging in the global blocks (approximate attention); 0 = exact (default)",
+    )
+    args = ap.parse_args(argv)
+    if not 0.0 <= args.conf_percentile < 100.0:
+        ap.error(f"--conf-percentile must be in [0, 100), got {args.conf_percentile}")
+    t0 = time.perf_counter()
+    cfg = VGGT_CONFIGS[args.config]
+    if not 0.0 <= args.merge_ratio < 1.0:
+        ap.error(f"--merge-ratio must be in [0, 1), got {args.merge_ratio}")
+    model, dropped = build_model(args.weights, args.config, args.merge_ratio)
+    model = model.to(device=args.device, dtype=_DTYPES[args.dtype])
+    names, images = load_frames(
+        args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames
+    )
+    res = reconstruct(model, images.to(args.device), _DTYPES[args.dtype])
+    res = {k: v.cpu() for k, v in res.items()}
+    out = args.out
+    (out / "depth").mkdir(parents=True, exist_ok=True)
+    depth = res["depth"].numpy()
+    dmax = float(depth.max()) if depth.size else 1.0
+    png_scale = dmax / 65535.0 if dmax > 0 else 1.0
+    from PIL import Image
+
+    for i, name in enumerate(names):
+        np.save(out / "depth" / f"{name}.npy", depth[i])
+        Image.fromarray(np.clip(np.rint(depth[i] / png_scale), 0, 65535).astype(np.uint16)).save(
+            out / "depth" / f"{name}.png"
+        )
+    cams = {
+        "convention": "extrinsics: camera-from-world [R|t], OpenCV axes; "
+        "intrinsics: pixel (u, v) = column/row index",
+        "image_size_hw": list(images.shape[-2:]),
+        "depth_png_scale": png_scale,
+        "frames": [
+            {
+                "name": n,
+                "extrinsics": res["extrinsics"][i].tolist(),
+                "intrinsics": res["intrinsics"][i].tolist(),
+                "depth_conf_mean": float(res["conf"][i].mean()),
+            }
+            for i, n in enumerate(names)
+        ],
+    }
+    (out / "cameras.json").write_text(json.dumps(cams, indent=1))
+    conf = res["conf"].reshape(-1)
+    thresh = float(torch.quantile(conf.double(), args.conf_percentile / 100.0)) if conf.numel() else 0.0
+    keep = (res["conf"] >= thresh) & torch.isfinite(res["points"]).all(-1)
+    colors = (images.permute(0, 2, 3, 1)[keep].numpy() * 255).round().clip(0, 255).astype(np.uint8)
+    write_ply(out / "points.ply", res["points"][keep], colors)
+    summary = {
+        "frames": len(names),
+        "image_size_hw": list(images.shape[-2:]),
+        "config": args.config,
+        "dtype": args.dtype,
+        "exact_attention": args.merge_ratio == 0.0,
+        "device": args.device,
+        "points": int(keep.sum()),
+        "out": str(out),
+        "dropped_checkpoint_keys": len(dropped),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    print(json.dumps(summary))
+    sys.stdout.flush()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

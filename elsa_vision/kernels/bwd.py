@@ -1,0 +1,719 @@
+"""ELSA backward in Triton: gradients of exact softmax attention from the saved per-row log-sum-exp.
+
+The forward (``elsa_fwd``) returns the output ``O [B, H, Nq, Dv]`` and ``lse [B, H, Nq]`` (float32, natural
+log, ``-inf`` for a row that sees no key). The backward recomputes the probabilities blockwise,
+``P = exp(S - lse)`` with ``S = scale * Q K^T + bias`` (masked entries ``-inf``), so nothing of size
+``Nq * Nk`` is stored:
+
+* ``Delta = rowsum(O * dO)`` (preprocess kernel, ``[B, H, Nq]`` float32);
+* ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - Delta)``, ``dK = scale * dS^T Q`` -- one program per key
+  tile, looping over the query tiles (``_bwd_dkdv_kernel``);
+* ``dQ = scale * dS K`` -- one program per query tile, looping over the key tiles (``_bwd_dq_kernel``). A
+  separate dQ pass keeps every gradient element owned by exactly one program: no atomics, bitwise
+  reproducible. ``deterministic=False`` instead accumulates dQ with float32 atomics inside the dK/dV kernel
+  (one pass over the scores instead of two; summation order then varies run to run);
+* ``dBias = dS`` reduced over the bias's broadcast dims (``_bwd_dbias_kernel``): one program per output tile
+  of the *reduced* bias loops, in a fixed order, over the ``(b, h)`` pairs (and query/key tiles) that share
+  it, so a ``(1, H, N, N)`` relative-position bias, an ``(nW, 1, N, N)`` window mask on ``B = batch * nW``
+  windows (window ``b % nW``, timm's layout) or a ``(B, 1, 1, N)`` padding bias never materialises
+  ``[B, H, Nq, Nk]``. When the reduced grid is too small to fill the GPU the member loop is split into a few
+  chunks written to a float32 workspace of the reduced shape and summed in a fixed order.
+
+Conventions are the forward's: SDPA layout, bottom-right causal (query ``i`` sees key ``j`` iff
+``j <= i + Nk - Nq``), ``key_padding_mask`` True = key takes part, rows with no visible key have zero,
+finite gradients, keys hidden by the padding mask are loaded as zeros so NaN stored there never leaks.
+Precision as the forward: float16/bfloat16 operands with float32 accumulation; float32 with ``"ieee"``
+(plain FP32 FMA), ``"tf32x3"`` (FP32-accurate on tensor cores), ``"tf32"`` (one TF32 pass) and
+``"auto"`` (the FP32-accurate choice for the device: ``tf32x3`` on tensor-core GPUs, else ``ieee``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["BwdConfig", "bwd_config", "elsa_bwd", "resolve_precision"]
+
+LOG2E = 1.4426950408889634
+_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _mm(a, b, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``acc + a @ b`` with float32 accumulation at ``PREC`` (``"tf32x3"`` is Triton's three-product split,
+    which forms the small products in a fresh accumulator and adds the result to ``acc`` in IEEE float32).
+
+    ``DOT_UPCAST`` (CPU interpreter with bfloat16 operands only) multiplies the exactly widened float32
+    copies: Triton's interpreter mis-multiplies bfloat16 blocks, and bf16 products are exact in float32, so
+    the result equals the tensor-core product up to summation order.
+    """
+    if DOT_UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H, Nq, Dv,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """``DELTA[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d]`` in float32; contiguous ``[B, H, Nq]``."""
+    pid_m = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = ((m0 + offs_m) < Nq)[:, None] & (offs_d < Dv)[None, :]
+    o_ptrs = (O + b * stride_ob + h * stride_oh + m0.to(tl.int64) * stride_om
+              + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od)
+    do_ptrs = (DO + b * stride_dob + h * stride_doh + m0.to(tl.int64) * stride_dom
+               + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * Nq + m0 + offs_m, delta, mask=(m0 + offs_m) < Nq)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV, DQ_ACC,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_kpmb, stride_kpmn,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
+    sm_scale, qk_scale,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per (b * H + h, key tile): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
+
+    Works on the transposed scores ``S^T [BLOCK_N, BLOCK_M]`` so that ``dV += P^T dO`` and
+    ``dK += dS^T Q`` are plain products. With ``ATOMIC_DQ`` it also adds ``scale * dS K`` into the float32
+    buffer ``DQ_ACC`` with atomics (the nondeterministic single-pass mode).
+    """
+    pid_n = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    b32 = pid_bh // H
+    h32 = pid_bh % H
+    b = b32.to(tl.int64)
+    h = h32.to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_ml = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_in = offs_d < D
+    dv_in = offs_dv < Dv
+    diag = Nk - Nq  # bottom-right causal: key j visible to query i iff j <= i + diag
+
+    key_ok = offs_n < Nk
+    if HAS_KPM:
+        kpm = tl.load(KPM + b * stride_kpmb + offs_n.to(tl.int64) * stride_kpmn, mask=key_ok, other=0)
+        key_ok = key_ok & (kpm != 0)
+    # Hidden keys are loaded as zeros: whatever they hold (NaN included) never reaches a gradient.
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=key_ok[:, None] & d_in[None, :], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn
+                + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
+
+    m_start = n0 * 0
+    if CAUSAL:
+        m_start = tl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
+    m_start64 = m_start.to(tl.int64)
+    q_ptrs = (Q + b * stride_qb + h * stride_qh + m_start64 * stride_qm
+              + offs_ml[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    do_ptrs = (DO + b * stride_dob + h * stride_doh + m_start64 * stride_dom
+               + offs_ml[:, None] * stride_dom + offs_dv[None, :] * stride_dod)
+    lse_ptrs = LSE + b * stride_lb + h * stride_lh + m_start64 * stride_lm + offs_ml * stride_lm
+    delta_ptrs = DELTA + pid_bh.to(tl.int64) * Nq + m_start + offs_ml
+    if HAS_BIAS:
+        # transposed bias tile [BLOCK_N, BLOCK_M]; the bias's batch index is b % BIAS_B (window tiling)
+        bt_ptrs = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
+                   + m_start64 * stride_bm + n0.to(tl.int64) * stride_bn
+                   + offs_ml[None, :] * stride_bm + (offs_n - n0)[:, None] * stride_bn)
+    if ATOMIC_DQ:
+        dq_ptrs = (DQ_ACC + b * stride_dqb + h * stride_dqh + m_start64 * stride_dqm
+                   + offs_ml[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for m0 in range(m_start, Nq, BLOCK_M):
+        offs_m = m0 + offs_ml
+        m_in = offs_m < Nq
+        q = tl.load(q_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
+        do = tl.load(do_ptrs, mask=m_in[:, None] & dv_in[None, :], other=0.0)
+        lse = tl.load(lse_ptrs, mask=m_in, other=0.0)
+        # A row with no visible key has lse = -inf and every score masked: shift by 0 so P = 0, not NaN.
+        lse = tl.where(lse == float("-inf"), 0.0, lse)
+        delta = tl.load(delta_ptrs, mask=m_in, other=0.0)
+
+        # scores^T [BLOCK_N, BLOCK_M]
+        qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
+        valid = key_ok[:, None] & m_in[None, :]
+        if HAS_BIAS:
+            # natural-log domain: bias near finfo.min must not overflow when scaled by log2(e)
+            bias = tl.load(bt_ptrs, mask=valid, other=0.0).to(tl.float32)
+            arg = (qkt * sm_scale + bias - lse[None, :]) * 1.4426950408889634
+        else:
+            arg = qkt * qk_scale - (lse * 1.4426950408889634)[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
+        pt = tl.where(valid, tl.math.exp2(arg), 0.0)
+        dv = _mm(pt.to(do.dtype), do, dv, PREC, DOT_UPCAST)
+        dpt = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+        dk = _mm(dst, q, dk, PREC, DOT_UPCAST)
+        if ATOMIC_DQ:
+            dq_part = _mm(tl.trans(dst), k,
+                          tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, DOT_UPCAST) * sm_scale
+            tl.atomic_add(dq_ptrs, dq_part, mask=m_in[:, None] & d_in[None, :], sem="relaxed")
+            dq_ptrs += BLOCK_M * stride_dqm
+
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+        lse_ptrs += BLOCK_M * stride_lm
+        delta_ptrs += BLOCK_M
+        if HAS_BIAS:
+            bt_ptrs += BLOCK_M * stride_bm
+
+    dk = dk * sm_scale
+    n_in = offs_n < Nk
+    tl.store(DK + b * stride_dkb + h * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn
+             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=n_in[:, None] & d_in[None, :])
+    tl.store(DV + b * stride_dvb + h * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvn
+             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=n_in[:, None] & dv_in[None, :])
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_kpmb, stride_kpmn,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
+    sm_scale, qk_scale,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per (b * H + h, query tile): ``dQ [BLOCK_M, D]`` from a loop over the key tiles."""
+    pid_m = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    b32 = pid_bh // H
+    h32 = pid_bh % H
+    b = b32.to(tl.int64)
+    h = h32.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    m064 = m0.to(tl.int64)
+    offs_ml = tl.arange(0, BLOCK_M)
+    offs_m = m0 + offs_ml
+    offs_nl = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_in = offs_d < D
+    dv_in = offs_dv < Dv
+    m_in = offs_m < Nq
+    diag = Nk - Nq
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + m064 * stride_qm + offs_ml[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=m_in[:, None] & d_in[None, :], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + m064 * stride_dom + offs_ml[:, None] * stride_dom
+                 + offs_dv[None, :] * stride_dod, mask=m_in[:, None] & dv_in[None, :], other=0.0)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + m064 * stride_lm + offs_ml * stride_lm,
+                  mask=m_in, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    lse2 = lse * 1.4426950408889634
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * Nq + offs_m, mask=m_in, other=0.0)
+
+    n_end = Nk
+    if CAUSAL:
+        n_end = tl.minimum(tl.maximum(m0 + BLOCK_M + diag, 0), Nk)
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_nl[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + b * stride_vb + h * stride_vh + offs_nl[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if HAS_BIAS:
+        b_ptrs = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
+                  + m064 * stride_bm + offs_ml[:, None] * stride_bm + offs_nl[None, :] * stride_bn)
+    if HAS_KPM:
+        kpm_ptrs = KPM + b * stride_kpmb + offs_nl * stride_kpmn
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, n_end, BLOCK_N):
+        offs_n = n0 + offs_nl
+        key_ok = offs_n < Nk
+        if HAS_KPM:
+            key_ok = key_ok & (tl.load(kpm_ptrs, mask=key_ok, other=0) != 0)
+        k = tl.load(k_ptrs, mask=key_ok[:, None] & d_in[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
+        qk = _mm(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
+        valid = m_in[:, None] & key_ok[None, :]
+        if HAS_BIAS:
+            bias = tl.load(b_ptrs, mask=valid, other=0.0).to(tl.float32)
+            arg = (qk * sm_scale + bias - lse[:, None]) * 1.4426950408889634
+        else:
+            arg = qk * qk_scale - lse2[:, None]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
+        p = tl.where(valid, tl.math.exp2(arg), 0.0)
+        dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq = _mm(ds.to(k.dtype), k, dq, PREC, DOT_UPCAST)
+
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        if HAS_BIAS:
+            b_ptrs += BLOCK_N * stride_bn
+        if HAS_KPM:
+            kpm_ptrs += BLOCK_N * stride_kpmn
+
+    dq = dq * sm_scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + m064 * stride_dqm + offs_ml[:, None] * stride_dqm
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=m_in[:, None] & d_in[None, :])
+
+
+@triton.jit
+def _bwd_dbias_kernel(
+    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DB,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_kpmb, stride_kpmn,
+    stride_dbs, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    H, Nq, Nk, D, Dv, BIAS_B, BIAS_H, N_MEMBERS, MEMBERS_PER_SPLIT,
+    sm_scale,
+    HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, REDUCE_M: tl.constexpr, REDUCE_N: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """``dBias = dS`` summed over the bias's broadcast dims, one program per reduced output tile.
+
+    Grid: (``BIAS_B * BIAS_H * splits``, query tiles or 1 if ``REDUCE_M``, key tiles or 1 if ``REDUCE_N``);
+    the batch-like axis is axis 0, whose limit is 2^31 - 1 (axes 1 and 2 stop at 65535).
+    The ``N_MEMBERS = (B / BIAS_B) * (H / BIAS_H)`` pairs ``(b, h)`` sharing one bias slice are visited in
+    a fixed order (member ``t``: ``b = bb + (t // (H / BIAS_H)) * BIAS_B``, ``h = hb + (t % (H / BIAS_H)) *
+    BIAS_H``), split into chunks of ``MEMBERS_PER_SPLIT``; chunk ``s`` writes slice ``s`` of ``DB``
+    (float32 ``[splits, BIAS_B, BIAS_H, Mb, Nb]``).
+    """
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    pid_z = tl.program_id(0)
+    n_slices = BIAS_B * BIAS_H
+    split = pid_z // n_slices
+    rest = pid_z % n_slices
+    bb = rest // BIAS_H
+    hb = rest % BIAS_H
+    per_h = H // BIAS_H
+    diag = Nk - Nq
+    offs_ml = tl.arange(0, BLOCK_M)
+    offs_nl = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_in = offs_d < D
+    dv_in = offs_dv < Dv
+    if REDUCE_M:
+        m_lo = 0
+        m_hi = Nq
+    else:
+        m_lo = pid_m * BLOCK_M
+        m_hi = m_lo + 1
+    if REDUCE_N:
+        n_lo = 0
+        n_hi = Nk
+    else:
+        n_lo = pid_n * BLOCK_N
+        n_hi = n_lo + 1
+    bias_base = BIAS + bb.to(tl.int64) * stride_bb + hb.to(tl.int64) * stride_bh
+    t_lo = split * MEMBERS_PER_SPLIT
+    t_hi = tl.minimum(t_lo + MEMBERS_PER_SPLIT, N_MEMBERS)
+
+    zero64 = tl.full([], 0, tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(t_lo, t_hi):
+        b = bb + (t // per_h) * BIAS_B + zero64
+        h = hb + (t % per_h) * BIAS_H + zero64
+        bh = b * H + h
+        for m0 in range(m_lo, m_hi, BLOCK_M):
+            offs_m = m0 + offs_ml
+            m_in = offs_m < Nq
+            m064 = m0 + zero64
+            q = tl.load(Q + b * stride_qb + h * stride_qh + m064 * stride_qm + offs_ml[:, None] * stride_qm
+                        + offs_d[None, :] * stride_qd, mask=m_in[:, None] & d_in[None, :], other=0.0)
+            do = tl.load(DO + b * stride_dob + h * stride_doh + m064 * stride_dom
+                         + offs_ml[:, None] * stride_dom
+                         + offs_dv[None, :] * stride_dod, mask=m_in[:, None] & dv_in[None, :], other=0.0)
+            lse = tl.load(LSE + b * stride_lb + h * stride_lh + m064 * stride_lm + offs_ml * stride_lm,
+                          mask=m_in, other=0.0)
+            lse = tl.where(lse == float("-inf"), 0.0, lse)
+            delta = tl.load(DELTA + bh * Nq + offs_m, mask=m_in, other=0.0)
+            for n0 in range(n_lo, n_hi, BLOCK_N):
+                offs_n = n0 + offs_nl
+                n064 = n0 + zero64
+                key_ok = offs_n < Nk
+                if HAS_KPM:
+                    kpm = tl.load(KPM + b * stride_kpmb + n064 * stride_kpmn + offs_nl * stride_kpmn,
+                                  mask=key_ok, other=0)
+                    key_ok = key_ok & (kpm != 0)
+                k = tl.load(K + b * stride_kb + h * stride_kh + n064 * stride_kn
+                            + offs_nl[:, None] * stride_kn
+                            + offs_d[None, :] * stride_kd, mask=key_ok[:, None] & d_in[None, :], other=0.0)
+                v = tl.load(V + b * stride_vb + h * stride_vh + n064 * stride_vn
+                            + offs_nl[:, None] * stride_vn
+                            + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
+                valid = m_in[:, None] & key_ok[None, :]
+                bias = tl.load(bias_base + m064 * stride_bm + n064 * stride_bn + offs_ml[:, None] * stride_bm
+                               + offs_nl[None, :] * stride_bn, mask=valid, other=0.0).to(tl.float32)
+                qk = _mm(q, tl.trans(k),
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
+                arg = (qk * sm_scale + bias - lse[:, None]) * 1.4426950408889634
+                if CAUSAL:
+                    valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
+                p = tl.where(valid, tl.math.exp2(arg), 0.0)
+                dp = _mm(do, tl.trans(v),
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
+                acc += p * (dp - delta[:, None])
+
+    out_base = (DB + split.to(tl.int64) * stride_dbs + bb.to(tl.int64) * stride_dbb
+                + hb.to(tl.int64) * stride_dbh)
+    offs_m = pid_m * BLOCK_M + offs_ml
+    offs_n = pid_n * BLOCK_N + offs_nl
+    if REDUCE_M:
+        if REDUCE_N:
+            total = tl.sum(tl.sum(acc, axis=1), axis=0)
+            tl.store(out_base, total)
+        else:
+            col = tl.sum(acc, axis=0)
+            tl.store(out_base + offs_n.to(tl.int64) * stride_dbn, col, mask=offs_n < Nk)
+    else:
+        if REDUCE_N:
+            row = tl.sum(acc, axis=1)
+            tl.store(out_base + offs_m.to(tl.int64) * stride_dbm, row, mask=offs_m < Nq)
+        else:
+            tl.store(out_base + offs_m.to(tl.int64)[:, None] * stride_dbm
+                     + offs_n.to(tl.int64)[None, :] * stride_dbn,
+                     acc, mask=(offs_m < Nq)[:, None] & (offs_n < Nk)[None, :])
+
+
+# -------------------------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tile shapes and launch parameters of the three backward kernels.
+
+    ``*_1``: dK/dV kernel (key tile ``block_n1`` rows, loops over query tiles of ``block_m1``);
+    ``*_2``: dQ kernel (query tile ``block_m2``, loops over key tiles of ``block_n2``);
+    ``*_3``: dBias kernel (output tile ``block_m3 x block_n3``).
+    """
+
+    block_m1: int = 32
+    block_n1: int = 64
+    warps1: int = 4
+    stages1: int = 2
+    block_m2: int = 64
+    block_n2: int = 32
+    warps2: int = 4
+    stages2: int = 2
+    block_m3: int = 64
+    block_n3: int = 64
+    warps3: int = 4
+    stages3: int = 2
+
+
+def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) -> str:
+    """The ``tl.dot`` input precision for this dtype/precision/device.
+
+    float16/bfloat16 operands always run on tensor cores with float32 accumulation (the knob does not apply).
+    float32: ``"auto"`` is the FP32-accurate choice: ``"tf32x3"`` on CUDA GPUs with tensor cores
+    (compute capability >= 8.0), ``"ieee"`` elsewhere (the CPU interpreter, older GPUs).
+    """
+    if precision not in _PRECISIONS:
+        raise ValueError(f"elsa_bwd: unknown `precision` {precision!r}; expected one of {_PRECISIONS}")
+    if dtype != torch.float32:
+        return "tf32"
+    if precision == "auto":
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+            return "tf32x3"
+        return "ieee"
+    return precision
+
+
+def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precision: str = "tf32x3",
+               deterministic: bool = True) -> BwdConfig:
+    """Default tiles for the backward from the dtype, head dims and device (no environment variables).
+
+    Chosen from a tile sweep on an H100 (``benchmarks/attention_bwd.py --tiles``, recorded in
+    ``docs/kernel_notes.md``) at head dim 64: half precision takes the usual fused-attention split
+    (dK/dV: 32 queries x 128 keys; dQ: 128 queries x 32 keys; 4 warps, 3 stages); float32 runs best with
+    larger tiles on 8 warps (dK/dV 64 x 128, dQ 128 x 64), which pays for tf32x3's three products per
+    tile. Wider heads shrink the resident tiles to keep operands and accumulators in registers. The
+    nondeterministic float32 mode (``deterministic=False``: one more product and the dQ atomics in the
+    dK/dV kernel) uses the smaller float32 tiles: at 64 x 128 it needs 289 KiB of shared memory. So does
+    ``precision="ieee"`` (``precision`` is the resolved ``tl.dot`` precision): plain FMA products ran 3.2x
+    slower on the large tiles (65.9 vs 20.8 ms at 1,8,4096,64 on the H100).
+    """
+    wide = max(triton.next_power_of_2(d), triton.next_power_of_2(dv))
+    if device.type != "cuda":
+        # CPU interpreter: few large tiles (the interpreter's cost is per program and per loop step)
+        return BwdConfig(block_m1=64, block_n1=64, block_m2=64, block_n2=64, block_m3=64, block_n3=64)
+    if dtype in (torch.float16, torch.bfloat16):
+        cfg = BwdConfig(block_m1=32, block_n1=128, warps1=4, stages1=3,
+                        block_m2=128, block_n2=32, warps2=4, stages2=3,
+                        block_m3=64, block_n3=64, warps3=4, stages3=2)
+    elif wide <= 64 and deterministic and precision != "ieee":
+        cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=2,
+                        block_m2=128, block_n2=64, warps2=8, stages2=2,
+                        block_m3=64, block_n3=32, warps3=4, stages3=2)
+    else:
+        cfg = BwdConfig(block_m1=32, block_n1=64, warps1=4, stages1=2,
+                        block_m2=64, block_n2=32, warps2=4, stages2=2,
+                        block_m3=64, block_n3=32, warps3=4, stages3=2)
+    if wide >= 256:
+        cfg = BwdConfig(block_m1=max(16, cfg.block_m1 // 2), block_n1=max(16, cfg.block_n1 // 2),
+                        warps1=8, stages1=1, block_m2=max(16, cfg.block_m2 // 2),
+                        block_n2=max(16, cfg.block_n2 // 2), warps2=8, stages2=1,
+                        block_m3=32, block_n3=32, warps3=4, stages3=1)
+    return cfg
+
+
+# -------------------------------------------------------------------------------------------- launcher
+
+
+def _shape(t: Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale):
+    for name, t in (("do", do), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"elsa_bwd: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("do", do), ("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.dim() != 4:
+            raise ValueError(f"elsa_bwd: `{name}` must have rank 4 [B, H, N, D], got shape {_shape(t)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"elsa_bwd: `{name}` must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"elsa_bwd: `{name}` is on {t.device}, q on {q.device}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"elsa_bwd: unsupported dtype {q.dtype}; expected one of {_DTYPES}")
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    if k.shape != (B, H, Nk, D):
+        raise ValueError(f"elsa_bwd: k must be [B, H, Nk, D] = [{B}, {H}, Nk, {D}], got {_shape(k)}")
+    if v.shape != (B, H, Nk, Dv):
+        raise ValueError(f"elsa_bwd: v must be [B, H, Nk, Dv] = [{B}, {H}, {Nk}, Dv], got {_shape(v)}")
+    for name, t in (("out", out), ("do", do)):
+        if t.shape != (B, H, Nq, Dv):
+            raise ValueError(
+                f"elsa_bwd: `{name}` must be [B, H, Nq, Dv] = [{B}, {H}, {Nq}, {Dv}], got {_shape(t)}")
+    if lse.shape != (B, H, Nq) or lse.dtype != torch.float32:
+        raise ValueError(
+            f"elsa_bwd: `lse` must be float32 [B, H, Nq] = [{B}, {H}, {Nq}], got {lse.dtype} {_shape(lse)}")
+    if lse.device != q.device:
+        raise ValueError(f"elsa_bwd: `lse` is on {lse.device}, q on {q.device}")
+    if min(B, H, Nq, Nk, D, Dv) == 0:
+        raise ValueError(f"elsa_bwd: empty input, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    if attn_bias is not None:
+        if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
+            raise TypeError("elsa_bwd: `attn_bias` must be a floating-point tensor")
+        if attn_bias.device != q.device:
+            raise ValueError(f"elsa_bwd: `attn_bias` is on {attn_bias.device}, q on {q.device}")
+        shp = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape) if attn_bias.dim() <= 4 else None
+        ok = shp is not None and shp[0] >= 1 and B % shp[0] == 0 and shp[1] in (1, H) and shp[2] in (1, Nq) \
+            and shp[3] in (1, Nk)
+        if not ok:
+            raise ValueError(
+                f"elsa_bwd: `attn_bias` of shape {_shape(attn_bias)} must be [Bb, Hb, Mb, Nb] with Bb "
+                f"dividing "
+                f"B={B} (window b % Bb), Hb in (1, {H}), Mb in (1, {Nq}), Nb in (1, {Nk})"
+            )
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError(
+                "elsa_bwd: `key_padding_mask` must be a torch.bool tensor (True = key takes part)")
+        kshape = tuple(key_padding_mask.shape)
+        if len(kshape) != 2 or kshape[0] not in (1, B) or kshape[1] != Nk:
+            raise ValueError(
+                f"elsa_bwd: `key_padding_mask` must be [B, Nk] = [{B}, {Nk}], got {_shape(key_padding_mask)}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"elsa_bwd: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise TypeError(f"elsa_bwd: `scale` must be a finite float or None, got {scale!r}")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def elsa_bwd(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_bias: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    precision: str = "auto",
+    bias_requires_grad: bool = False,
+    deterministic: bool = True,
+    config: BwdConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients of ``out = softmax(scale * q k^T + bias, masked) @ v`` from the saved ``(out, lse)``.
+
+    Args:
+        do: output gradient ``[B, H, Nq, Dv]``; any strides.
+        q, k, v: ``[B, H, Nq, D]``, ``[B, H, Nk, D]``, ``[B, H, Nk, Dv]``; any strides (fused-qkv views).
+        out: forward output ``[B, H, Nq, Dv]``; lse: float32 ``[B, H, Nq]`` natural-log log-sum-exp,
+            ``-inf`` for rows with no visible key.
+        attn_bias: float ``[Bb, Hb, Mb, Nb]`` (or fewer leading dims) with ``Hb in (1, H)``,
+            ``Mb in (1, Nq)``, ``Nb in (1, Nk)`` and ``Bb`` dividing ``B``: batch ``b`` uses bias slice
+            ``b % Bb`` (``Bb = 1`` or ``B`` is ordinary broadcasting, ``Bb = nW`` the window layout
+            ``B = batch * nW``).
+        key_padding_mask: bool ``[B or 1, Nk]``, True = key takes part.
+        causal: bottom-right aligned (query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``).
+        scale: logit scale, default ``D ** -0.5``.
+        precision: ``"auto" | "ieee" | "tf32x3" | "tf32"`` for float32 inputs (ignored for half).
+        bias_requires_grad: also return ``dbias`` in ``attn_bias``'s shape and dtype (reduced over its
+            size-1 / window-tiled dims; a stride-0 *expanded* dim of full size gets its full gradient, as
+            autograd requires for that shape).
+        deterministic: True (default): separate dQ pass, bitwise reproducible. False: dQ accumulated with
+            float32 atomics in the dK/dV pass (one fewer pass over the scores; not bitwise reproducible).
+        config: tile override (``bwd_config`` picks the default).
+
+    Returns:
+        ``(dq, dk, dv, dbias)``: contiguous ``[B, H, N, D|Dv]`` in the input dtype; ``dbias`` or None.
+    """
+    _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"elsa_bwd: `causal` must be a bool, got {type(causal).__name__}")
+    prec = resolve_precision(q.dtype, precision, q.device)
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    sm_scale = float(D ** -0.5 if scale is None else scale)
+    qk_scale = sm_scale * LOG2E
+    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, deterministic)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_DV = max(16, triton.next_power_of_2(Dv))
+    device = q.device
+    dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
+
+    dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=device)
+    dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=device)
+    dv = torch.empty((B, H, Nk, Dv), dtype=v.dtype, device=device)
+    delta = torch.empty((B, H, Nq), dtype=torch.float32, device=device)
+
+    has_bias = attn_bias is not None
+    if has_bias:
+        bias4 = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
+        Bb, Hb, Mb, Nb = bias4.shape
+        bias_e = bias4.expand(Bb, Hb, Nq, Nk)
+        b_strides = (bias_e.stride(0) if Bb > 1 else 0, bias_e.stride(1) if Hb > 1 else 0,
+                     bias_e.stride(2), bias_e.stride(3))
+        bias_arg = bias_e
+    else:
+        Bb, Hb = 1, 1
+        b_strides = (0, 0, 0, 0)
+        bias_arg = delta  # never read: HAS_BIAS is False
+    has_kpm = key_padding_mask is not None
+    if has_kpm:
+        kpm = key_padding_mask.view(torch.uint8)
+        kpm_strides = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1))
+    else:
+        kpm = delta
+        kpm_strides = (0, 0)
+
+    q_s, k_s, v_s, do_s = q.stride(), k.stride(), v.stride(), do.stride()
+    lse_s = lse.stride()
+
+    _bwd_preprocess_kernel[(B * H, triton.cdiv(Nq, 64))](
+        out, do, delta, *out.stride(), *do_s, H, Nq, Dv, BLOCK_M=64, BLOCK_DV=BLOCK_DV, num_warps=4,
+    )
+
+    atomic_dq = not deterministic
+    dq_acc = torch.zeros((B, H, Nq, D), dtype=torch.float32, device=device) if atomic_dq else delta
+    dq_acc_s = dq_acc.stride() if atomic_dq else (0, 0, 0, 0)
+    _bwd_dkdv_kernel[(B * H, triton.cdiv(Nk, cfg.block_n1))](
+        q, k, v, do, lse, delta, bias_arg, kpm, dk, dv, dq_acc,
+        *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(), *dq_acc_s,
+        H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
+        HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
+        PREC=prec, DOT_UPCAST=dot_upcast,
+        BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        num_warps=cfg.warps1, num_stages=cfg.stages1,
+    )
+    if atomic_dq:
+        dq.copy_(dq_acc)
+    else:
+        _bwd_dq_kernel[(B * H, triton.cdiv(Nq, cfg.block_m2))](
+            q, k, v, do, lse, delta, bias_arg, kpm, dq,
+            *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dq.stride(),
+            H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
+            HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal,
+            PREC=prec, DOT_UPCAST=dot_upcast,
+            BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+            num_warps=cfg.warps2, num_stages=cfg.stages2,
+        )
+
+    dbias = None
+    if has_bias and bias_requires_grad:
+        reduce_m, reduce_n = Mb == 1, Nb == 1
+        grid_m = 1 if reduce_m else triton.cdiv(Nq, cfg.block_m3)
+        grid_n = 1 if reduce_n else triton.cdiv(Nk, cfg.block_n3)
+        n_members = (B // Bb) * (H // Hb)
+        tiles = grid_m * grid_n * Bb * Hb
+        # Split the member loop only when the reduced grid cannot fill the device (fixed-order sum after).
+        target = 2 * _sm_count(device)
+        n_split = max(1, min(n_members, target // tiles)) if tiles < target else 1
+        per_split = triton.cdiv(n_members, n_split)
+        n_split = triton.cdiv(n_members, per_split)
+        ws = torch.empty((n_split, Bb, Hb, Mb, Nb), dtype=torch.float32, device=device)
+        _bwd_dbias_kernel[(Bb * Hb * n_split, grid_m, grid_n)](
+            q, k, v, do, lse, delta, bias_arg, kpm, ws,
+            *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *ws.stride(),
+            H, Nq, Nk, D, Dv, Bb, Hb, n_members, per_split, sm_scale,
+            HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n,
+            PREC=prec, DOT_UPCAST=dot_upcast,
+            BLOCK_M=cfg.block_m3, BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+            num_warps=cfg.warps3, num_stages=cfg.stages3,
+        )
+        red = ws[0]
+        for s in range(1, n_split):  # fixed order: bitwise reproducible
+            red = red + ws[s]
+        dbias = red.to(attn_bias.dtype).reshape(attn_bias.shape)
+    return dq, dk, dv, dbias

@@ -1,0 +1,783 @@
+"""ELSA forward in Triton: the two-level scan over the (m, S, W) monoid.
+
+Level one (``_fwd_kernel``): each program owns one query tile of ``BLOCK_M`` rows of one (batch, head) and
+one *partition* of the keys; it folds the partition's key tiles of ``BLOCK_N`` keys into per-row states with
+``monoid.fold_tile`` (a FlashAttention-style online softmax is exactly this fold). Level two
+(``_merge_kernel``): the partition states of a row are combined by a pairwise log-depth tree of
+``monoid.merge_states`` and normalised to ``W / S``.
+
+When the query tiles alone fill the GPU the planner picks one partition and the level-one kernel finalises
+in its epilogue (the fused path: no workspace round trip). Otherwise the keys are cut into partitions so
+that ``query tiles x partitions`` fills the machine; the workspace holds ``partitions x B x H x Nq`` states.
+
+Everything about a launch (partitions, tiles, warps, stages) comes from ``plan``; nothing reads the
+environment. ``autotune_fwd`` may time candidate configurations for one problem and caches the winner
+under (dtype, head dims, causal, bias, arch, precision), which ``plan`` then uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .monoid import fold_tile, matmul, merge_states
+from .reference import merge_depth
+
+__all__ = [
+    "FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen", "autotune_fwd", "resolve_precision", "set_config",
+    "tuning_key",
+]
+
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(0.6931471805599453)
+# |bias| is clamped to this before the base-2 conversion so that log2(e) * bias stays finite in fp32
+# (finfo(float32).min * log2(e) would overflow to -inf and turn a finite bias row into a masked row).
+_BIAS_CLAMP = tl.constexpr(2.0e38)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _attend(
+    m_i, s_i, acc, q, offs_m, offs_n, offs_d, offs_dv,
+    k_ptr, v_ptr, bias_ptr, kpm_ptr,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+    lo, hi, seqlen_k, causal_shift, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
+):
+    """Fold the key tiles ``[lo, hi)`` into the state. ``MASKED`` adds the bounds and causal masks.
+
+    ``k_ptr``/``v_ptr`` point at key/value row 0 of this (batch, head); ``bias_ptr`` at the tile's
+    ``[BLOCK_M, 1]`` bias rows (column 0); ``kpm_ptr`` at this batch's mask entry 0.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        row64 = tl.cast(start_n, tl.int64)
+        kt_ptrs = k_ptr + row64 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = v_ptr + row64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=(offs_d[:, None] < D) & (cols[None, :] < seqlen_k), other=0.0)
+            v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            if D == BLOCK_D:
+                kt = tl.load(kt_ptrs)
+            else:
+                kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
+            if DV == BLOCK_DV:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+        scores = qk * qk_scale
+        if HAS_BIAS:
+            if MASKED:
+                b = tl.load(bias_ptr + cols[None, :] * stride_bn,
+                            mask=(offs_m[:, None] >= 0) & (cols[None, :] < seqlen_k), other=0.0)
+            else:
+                b = tl.load(bias_ptr + cols[None, :] * stride_bn)
+            b = b.to(tl.float32)
+            b = tl.where(b > -_BIAS_CLAMP, tl.minimum(b, _BIAS_CLAMP),
+                         tl.where(b == float("-inf"), float("-inf"), -_BIAS_CLAMP))
+            scores = scores + b * _LOG2E
+        if MASKED:
+            valid = cols[None, :] < seqlen_k
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None] + causal_shift)
+            scores = tl.where(valid, scores, float("-inf"))
+        if HAS_KPM:
+            keep = tl.load(kpm_ptr + cols * stride_kpn, mask=cols < seqlen_k, other=0) != 0
+            scores = tl.where(keep[None, :], scores, float("-inf"))
+            v = tl.where(keep[:, None], v, 0.0)
+        m_i, s_i, acc = fold_tile(m_i, s_i, acc, scores, v, PRECISION)
+    return m_i, s_i, acc
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Bias, Kpm, Out, Lse, WsM, WsS, WsW, CuQ, CuK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_kpb, stride_kpn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    H, Nq, Nk, BH, m_tiles, tiles_per_split, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Level one. Grid ``(m_tiles * B * H, partitions)`` with ``m_tiles = cdiv(Nq, BLOCK_M)`` (query tiles of
+    one head adjacent, so that they share its keys in L2; one flat axis: no 65535 limit on ``B * H``).
+
+    ``SPLIT`` = False: one partition, the epilogue writes ``out`` and ``lse``. ``SPLIT`` = True: writes the
+    states of partition ``program_id(2)`` to the workspace ``WsM/WsS [P, BH, Nq]``, ``WsW [P, BH, Nq,
+    BLOCK_DV]`` (the identity where the partition holds no visible key).
+    """
+    pid = tl.program_id(0)
+    pid_m = pid % m_tiles
+    pid_bh = pid // m_tiles
+    pid_s = tl.program_id(1)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    start_m = pid_m * BLOCK_M
+
+    if IS_VARLEN:
+        q_start = tl.load(CuQ + off_b)
+        seqlen_q = tl.load(CuQ + off_b + 1) - q_start
+        k_start = tl.load(CuK + off_b)
+        seqlen_k = tl.load(CuK + off_b + 1) - k_start
+        q_off = q_start.to(tl.int64) * stride_qm + off_h.to(tl.int64) * stride_qh
+        k_off = k_start.to(tl.int64) * stride_kn + off_h.to(tl.int64) * stride_kh
+        v_off = k_start.to(tl.int64) * stride_vn + off_h.to(tl.int64) * stride_vh
+        o_off = q_start.to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
+        l_off = q_start.to(tl.int64) * stride_lm + off_h.to(tl.int64) * stride_lh
+    else:
+        seqlen_q = Nq
+        seqlen_k = Nk
+        q_off = off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        k_off = off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
+        v_off = off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
+        o_off = off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        l_off = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    rows64 = offs_m.to(tl.int64)
+
+    q_ptrs = Q + q_off + rows64[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+    # Key range of this program: the partition, cut at the causal diagonal of the tile's last row.
+    causal_shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    if SPLIT:
+        lo = pid_s * tiles_per_split * BLOCK_N
+        hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
+    if CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M + causal_shift)
+        safe = tl.minimum(tl.maximum(start_m + causal_shift + 1, 0), seqlen_k)
+    else:
+        safe = seqlen_k
+    if IS_VARLEN:
+        hi = tl.where(start_m < seqlen_q, hi, lo)
+    # Tiles in [lo, mid) are visible to every row of the tile and in bounds: no masks there.
+    mid = tl.maximum(lo, tl.minimum(hi, (safe // BLOCK_N) * BLOCK_N))
+
+    bias_ptr = Bias
+    kpm_ptr = Kpm
+    if HAS_BIAS:
+        bias_ptr = (Bias + off_b.to(tl.int64) * stride_bb + off_h.to(tl.int64) * stride_bh
+                    + tl.minimum(offs_m, seqlen_q - 1).to(tl.int64)[:, None] * stride_bm)
+    if HAS_KPM:
+        kpm_ptr = Kpm + off_b.to(tl.int64) * stride_kpb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i, s_i, acc = _attend(
+        m_i, s_i, acc, q, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+        lo, mid, seqlen_k, causal_shift, qk_scale,
+        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
+    )
+    m_i, s_i, acc = _attend(
+        m_i, s_i, acc, q, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+        mid, hi, seqlen_k, causal_shift, qk_scale,
+        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM,
+    )
+
+    if SPLIT:
+        ws_rows = (pid_s.to(tl.int64) * BH + pid_bh) * Nq + rows64
+        tl.store(WsM + ws_rows, m_i, mask=row_ok)
+        tl.store(WsS + ws_rows, s_i, mask=row_ok)
+        tl.store(WsW + ws_rows[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=row_ok[:, None])
+    else:
+        visible = s_i > 0.0
+        denom = tl.where(visible, s_i, 1.0)
+        out = tl.where(visible[:, None], acc / denom[:, None], 0.0)
+        lse = tl.where(visible, (m_i + tl.math.log2(denom)) * _LN2, float("-inf"))
+        o_ptrs = Out + o_off + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(Lse + l_off + rows64 * stride_lm, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    WsM, WsS, WsW, Out, Lse,
+    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+    H, Nq, BH, m_tiles, num_splits,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr,
+    LEVELS: tl.constexpr,
+):
+    """Level two. Grid ``(cdiv(Nq, BLOCK_M) * B * H,)``: merge the ``num_splits`` partition states of each row
+    with a pairwise tree of ``LEVELS = log2(SPLITS)`` levels of ``merge_states`` and normalise.
+
+    The partition axis is last (``[BLOCK_M, 1 | BLOCK_DV, SPLITS]``); each level splits it into its even
+    and odd members and merges them, halving it. Padding partitions (``>= num_splits``) are identities.
+    """
+    pid = tl.program_id(0)
+    pid_m = pid % m_tiles
+    pid_bh = pid // m_tiles
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    offs_p = tl.arange(0, SPLITS)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < Nq
+    rows = (offs_p[None, None, :].to(tl.int64) * BH + pid_bh) * Nq + offs_m[:, None, None]  # [BM, 1, S]
+    ok = (offs_p[None, None, :] < num_splits) & row_ok[:, None, None]
+    m = tl.load(WsM + rows, mask=ok, other=float("-inf"))
+    s = tl.load(WsS + rows, mask=ok, other=0.0)
+    w = tl.load(WsW + rows * BLOCK_DV + offs_dv[None, :, None], mask=ok, other=0.0)  # [BM, BDV, S]
+    for lvl in tl.static_range(LEVELS):
+        m_a, m_b = tl.split(tl.reshape(m, [BLOCK_M, 1, SPLITS >> (lvl + 1), 2]))
+        s_a, s_b = tl.split(tl.reshape(s, [BLOCK_M, 1, SPLITS >> (lvl + 1), 2]))
+        w_a, w_b = tl.split(tl.reshape(w, [BLOCK_M, BLOCK_DV, SPLITS >> (lvl + 1), 2]))
+        m, s, w = merge_states(m_a, s_a, w_a, m_b, s_b, w_b)
+    m_row = tl.reshape(m, [BLOCK_M])
+    s_row = tl.reshape(s, [BLOCK_M])
+    acc = tl.reshape(w, [BLOCK_M, BLOCK_DV])
+    visible = s_row > 0.0
+    denom = tl.where(visible, s_row, 1.0)
+    out = tl.where(visible[:, None], acc / denom[:, None], 0.0)
+    lse = tl.where(visible, (m_row + tl.math.log2(denom)) * _LN2, float("-inf"))
+    rows64 = offs_m.to(tl.int64)
+    o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+              + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows64 * stride_lm,
+             lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------- planner
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _interpreting() -> bool:
+    return not isinstance(_fwd_kernel, triton.runtime.JITFunction)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+def _device_info(device) -> tuple[int, tuple[int, int], int]:
+    """(SM count, compute capability, shared memory per block) of a CUDA device; CPU: interpreter values."""
+    if device is None:
+        return _device_info_of(None)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_info_of(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_info_of(device) -> tuple[int, tuple[int, int], int]:
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+        return props.multi_processor_count, (props.major, props.minor), int(smem)
+    return 4, (0, 0), 1 << 30
+
+
+def resolve_precision(precision: str, dtype: torch.dtype, device=None) -> str:
+    """The ``PRECISION`` constexpr for a call: ``"none"`` for half dtypes; for float32 ``"auto"`` becomes
+    ``"tf32x3"`` on tensor-core GPUs (sm80+: FP32-accurate, relerr <= 1e-6) and ``"ieee"`` elsewhere."""
+    if precision not in _FP32_PRECISIONS:
+        raise ValueError(f"elsa_fwd: unknown `precision` {precision!r}; expected one of {_FP32_PRECISIONS}")
+    if dtype != torch.float32:
+        return "none"
+    if precision != "auto":
+        return precision
+    _, cc, _ = _device_info(device)
+    return "tf32x3" if cc >= (8, 0) else "ieee"
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdPlan:
+    """How one forward call runs.
+
+    ``partitions``: key partitions per query tile (1 = fused path); ``block_m``/``block_n``: query/key tile
+    sizes; ``num_warps``/``num_stages``: Triton launch options of level one; ``merge_depth``: L(n, B) =
+    ceil(log2(ceil(Nk / block_n))), the depth of the full two-level merge over the key tiles;
+    ``tree_depth``: ceil(log2(partitions)), the level-two tree; ``workspace_bytes``: level-one workspace.
+    """
+
+    partitions: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    merge_depth: int
+    tree_depth: int
+    block_d: int
+    block_dv: int
+    precision: str
+    workspace_bytes: int
+
+
+# Winners of ``autotune_fwd``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> (bm, bn, w, s).
+_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _smem_bytes(bm: int, bn: int, bd: int, bdv: int, stages: int, elem: int) -> int:
+    return elem * (bm * bd + max(1, stages - 1) * bn * (bd + bdv) + bm * bn)
+
+
+def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) without tuning."""
+    if cc == (0, 0):  # interpreter: big tiles mean few (slow) interpreted steps
+        bm = min(64, _pow2(nq))
+        return bm, 32 if max(bd, bdv) > 128 else 64, 4, 1
+    big = max(bd, bdv)
+    # Winners of benchmarks/attention.py --tune on an H100 (see docs/kernel_notes.md).
+    if dtype == torch.float32:
+        if precision == "ieee":
+            cfg = (64, 128, 8, 1) if big <= 64 else (32, 32, 4, 2)
+        elif big <= 64:
+            cfg = (128, 64, 8, 3)
+        elif big <= 128:
+            cfg = (128, 32, 4, 3)
+        else:
+            cfg = (64, 32, 8, 1)
+    else:
+        if big <= 64:
+            cfg = (128, 64, 8, 3)
+        elif big <= 128:
+            cfg = (128, 128, 8, 3)
+        else:
+            cfg = (64, 64, 8, 2)
+    bm, bn, w, st = cfg
+    elem = 4 if dtype == torch.float32 else 2
+    while st > 1 and _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
+        st -= 1
+    while bm > 16 and _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
+        bm //= 2
+    return bm, bn, w, st
+
+
+def plan(*args, **kwargs) -> FwdPlan:
+    """Choose partitions, tiles, warps and stages for one forward call (cached; see ``_plan``)."""
+    kwargs = dict(kwargs)
+    if kwargs.get("device") is not None:
+        kwargs["device"] = _canonical_device(kwargs["device"])
+    return _plan_cached(*args, **kwargs)
+
+
+def _canonical_device(device):
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _plan(
+    B: int,
+    H: int,
+    Nq: int,
+    Nk: int,
+    D: int,
+    Dv: int,
+    dtype: torch.dtype,
+    causal: bool = False,
+    device=None,
+    sm_count: int | None = None,
+    workspace_bytes: int | None = None,
+    precision: str = "auto",
+    has_bias: bool = False,
+) -> FwdPlan:
+    """Choose partitions, tiles, warps and stages for one forward call.
+
+    The fused path (``partitions == 1``) is taken unless the query tiles (``cdiv(Nq, BLOCK_M) * B * H``
+    programs) fill less than half of the ``sm_count`` multiprocessors; then the keys are cut into partitions
+    (at most 16, at least one key tile each) until the grid holds about two programs per multiprocessor.
+    ``workspace_bytes`` caps the level-one workspace (``partitions * B * H * Nq * (BLOCK_DV + 2) * 4``
+    bytes) by reducing partitions, down to the fused path which needs none.
+    """
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"plan: `dtype` must be one of {_FLOAT_DTYPES}, got {dtype}")
+    for name, val in (("B", B), ("H", H), ("Nq", Nq), ("Nk", Nk), ("D", D), ("Dv", Dv)):
+        if int(val) < (1 if name in ("D", "Dv") else 0):
+            raise ValueError(f"plan: `{name}` must be >= {1 if name in ('D', 'Dv') else 0}, got {val}")
+    if workspace_bytes is not None and workspace_bytes < 0:
+        raise ValueError(f"plan: `workspace_bytes` must be >= 0 or None, got {workspace_bytes}")
+    prec = resolve_precision(precision, dtype, device)
+    sms, cc, smem = _device_info(device)
+    if cc == (0, 0) and dtype == torch.bfloat16:
+        prec = "upcast"  # the interpreter has no bfloat16 dot
+    if sm_count is not None:
+        sms = int(sm_count)
+    bd, bdv = _pow2(D), _pow2(Dv)
+    key = (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
+    bm, bn, warps, stages = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem)
+    bh = max(1, B * H)
+    # Short sequences: halve the query tile before splitting the keys (less padding, more programs).
+    while bm > 64 and _cdiv(max(Nq, 1), bm) * bh < sms and cc != (0, 0):
+        bm //= 2
+    programs = _cdiv(max(Nq, 1), bm) * bh
+    key_tiles = max(1, _cdiv(Nk, bn))
+    parts = 1
+    if 2 * programs <= sms:
+        # Less than half a wave of query tiles: the workspace (which costs more memory than the output)
+        # pays for itself; with more programs the fused path is as fast and needs no workspace.
+        parts = min(16, key_tiles, _cdiv(2 * sms, programs))
+    per_part = 4 * bh * max(Nq, 1) * (bdv + 2)
+    if workspace_bytes is not None:
+        parts = min(parts, workspace_bytes // per_part)
+    parts = max(1, parts)
+    if parts > 1:
+        # Equalise: every partition gets the same number of key tiles, none empty.
+        tps = _cdiv(key_tiles, parts)
+        parts = _cdiv(key_tiles, tps)
+    return FwdPlan(
+        partitions=parts,
+        block_m=bm,
+        block_n=bn,
+        num_warps=warps,
+        num_stages=stages,
+        merge_depth=merge_depth(max(Nk, 1), bn),
+        tree_depth=math.ceil(math.log2(parts)) if parts > 1 else 0,
+        block_d=bd,
+        block_dv=bdv,
+        precision=prec,
+        workspace_bytes=per_part * parts if parts > 1 else 0,
+    )
+
+
+_plan_cached = functools.lru_cache(maxsize=4096)(_plan)
+plan.__doc__ = _plan.__doc__
+
+
+def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
+    """Install (or with None remove) a tuned (BLOCK_M, BLOCK_N, warps, stages) for a tuning key."""
+    if config is None:
+        _TUNED.pop(key, None)
+    else:
+        _TUNED[key] = tuple(config)
+    _plan_cached.cache_clear()
+
+
+def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:
+    """The key of a tuned config: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision)."""
+    prec = resolve_precision(precision, dtype, device)
+    _, cc, _ = _device_info(device)
+    if cc == (0, 0) and dtype == torch.bfloat16:
+        prec = "upcast"
+    return (dtype, _pow2(D), _pow2(Dv), bool(causal), bool(has_bias), cc, prec)
+
+
+def _force_plan(p: FwdPlan, Nk: int, partitions: int) -> FwdPlan:
+    key_tiles = max(1, _cdiv(Nk, p.block_n))
+    parts = max(1, min(int(partitions), key_tiles))
+    if parts > 1:
+        parts = _cdiv(key_tiles, _cdiv(key_tiles, parts))
+    ws = p.workspace_bytes // max(1, p.partitions) * parts if p.partitions > 1 else 0
+    depth = math.ceil(math.log2(parts)) if parts > 1 else 0
+    return dataclasses.replace(p, partitions=parts, tree_depth=depth,
+                               workspace_bytes=ws)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+
+
+def _check_qkv(fn: str, q, k, v, rank: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{fn}: `{name}` must have rank {rank}, got shape {list(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{fn}: `{name}` must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if not q.is_cuda and not _interpreting():
+        raise ValueError(f"{fn}: the Triton kernels need CUDA tensors, got device {q.device}")
+    D, Dv = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != D:
+        raise ValueError(f"{fn}: head dim of k must equal q's ({D}), got k {list(k.shape)}")
+    if not (1 <= D <= 256 and 1 <= Dv <= 256):
+        raise ValueError(f"{fn}: head dims must be in [1, 256], got D={D}, Dv={Dv}")
+
+
+def _bias_view(attn_bias: Tensor, B: int, H: int, Nq: int, Nk: int) -> Tensor:
+    if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
+        raise TypeError("elsa_fwd: `attn_bias` must be a floating-point tensor")
+    if attn_bias.dim() > 4:
+        raise ValueError(f"elsa_fwd: `attn_bias` must have rank <= 4, got shape {list(attn_bias.shape)}")
+    if attn_bias.dtype == torch.float64:
+        attn_bias = attn_bias.to(torch.float32)  # copies only the given (un-broadcast) tensor
+    b = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
+    try:
+        return b.expand(B, H, Nq, Nk)  # stride 0 along broadcast dims: never materialised
+    except RuntimeError as err:
+        raise ValueError(
+            f"elsa_fwd: `attn_bias` of shape {list(attn_bias.shape)} is not broadcastable to "
+            f"[B, H, Nq, Nk] = [{B}, {H}, {Nq}, {Nk}]"
+        ) from err
+
+
+def _launch(q, k, v, bias, kpm, out, lse, p: FwdPlan, dims, strides_q, strides_k, strides_v, strides_o,
+            strides_l, scale, causal, cu_q=None, cu_k=None, grid_m=None):
+    B, H, Nq, Nk, D, Dv = dims
+    bh = B * H
+    has_bias, has_kpm, varlen = bias is not None, kpm is not None, cu_q is not None
+    sb = tuple(bias.stride()) if has_bias else (0, 0, 0, 0)
+    skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
+    key_tiles = max(1, _cdiv(Nk, p.block_n))
+    tps = _cdiv(key_tiles, p.partitions)
+    m_tiles = _cdiv(grid_m if grid_m is not None else Nq, p.block_m)
+    dummy = out
+    if p.partitions > 1:
+        ws_m = torch.empty((p.partitions, bh, Nq), device=q.device, dtype=torch.float32)
+        ws_s = torch.empty_like(ws_m)
+        ws_w = torch.empty((p.partitions, bh, Nq, p.block_dv), device=q.device, dtype=torch.float32)
+    else:
+        ws_m = ws_s = ws_w = lse
+    _fwd_kernel[(m_tiles * bh, p.partitions)](
+        q, k, v, bias if has_bias else dummy, kpm if has_kpm else dummy, out, lse, ws_m, ws_s, ws_w,
+        cu_q if varlen else dummy, cu_k if varlen else dummy,
+        *strides_q, *strides_k, *strides_v, *sb, *skp, *strides_o, *strides_l,
+        H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E,
+        D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+        PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm, IS_VARLEN=varlen,
+        SPLIT=p.partitions > 1, num_warps=p.num_warps, num_stages=p.num_stages,
+    )
+    if p.partitions > 1:
+        splits = max(2, triton.next_power_of_2(p.partitions))
+        bm2 = max(2, min(64, 4096 // (splits * p.block_dv)))
+        m2 = _cdiv(Nq, bm2)
+        _merge_kernel[(m2 * bh,)](
+            ws_m, ws_s, ws_w, out, lse, *strides_o, *strides_l, H, Nq, bh, m2, p.partitions,
+            DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits, LEVELS=splits.bit_length() - 1,
+            num_warps=4,
+        )
+
+
+def elsa_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_bias: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    precision: str = "auto",
+    workspace_bytes: int | None = None,
+    partitions: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """ELSA forward: ``softmax(q k^T * scale + bias) v`` with masks, as the two-level monoid scan.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``; float16/bfloat16/float32, any
+            strides (views of a fused qkv projection are read in place).
+        attn_bias: float tensor broadcastable to ``[B, H, Nq, Nk]`` (read through stride-0 dims).
+        key_padding_mask: bool ``[B, Nk]`` (or ``[1, Nk]``), True = the key takes part.
+        causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right aligned).
+        scale: logit scale, default ``D ** -0.5``.
+        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32"`` (see ``resolve_precision``).
+        workspace_bytes: cap on the level-one workspace (None: speed-first plan).
+        partitions: force this many key partitions (tests and benchmarks of the two-level path).
+
+    Returns:
+        ``out [B, H, Nq, Dv]`` in q's dtype (rows with no visible key: 0) and ``lse [B, H, Nq]`` float32,
+        the natural-log log-sum-exp of each row's logits (``-inf`` where no key is visible).
+    """
+    _check_qkv("elsa_fwd", q, k, v, 4)
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    if tuple(k.shape[:2]) != (B, H) or tuple(v.shape[:3]) != (B, H, Nk):
+        raise ValueError(
+            f"elsa_fwd: shapes disagree: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"elsa_fwd: `causal` must be a bool, got {type(causal).__name__}")
+    scale = D ** -0.5 if scale is None else float(scale)
+    bias = None
+    if attn_bias is not None:
+        if attn_bias.device != q.device:
+            raise ValueError(f"elsa_fwd: `attn_bias` is on {attn_bias.device}, q on {q.device}")
+        bias = _bias_view(attn_bias, B, H, Nq, Nk)
+    kpm = None
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("elsa_fwd: `key_padding_mask` must be a torch.bool tensor [B, Nk]")
+        kshape = tuple(key_padding_mask.shape)
+        if len(kshape) != 2 or kshape[0] not in (1, B) or kshape[1] != Nk:
+            raise ValueError(
+                f"elsa_fwd: `key_padding_mask` must have shape [B, Nk] = [{B}, {Nk}], "
+                f"got {list(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"elsa_fwd: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
+        kpm = key_padding_mask.view(torch.uint8)
+    out = torch.empty((B, H, Nq, Dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+    if B * H * Nq == 0:
+        return out, lse
+    p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=q.device, workspace_bytes=workspace_bytes,
+                     precision=precision, has_bias=bias is not None)
+    if partitions is not None:
+        p = _force_plan(p, Nk, partitions)
+    _launch(q, k, v, bias, kpm, out, lse, p, (B, H, Nq, Nk, D, Dv), q.stride(), k.stride(), v.stride(),
+            out.stride(), lse.stride(), scale, causal)
+    return out, lse
+
+
+def _check_cu(name: str, cu, device) -> Tensor:
+    if not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 \
+            or cu.numel() < 2:
+        raise TypeError(f"elsa_fwd_varlen: `{name}` must be a 1-D int32 tensor [batch + 1], got "
+                        f"{getattr(cu, 'dtype', type(cu).__name__)} {list(getattr(cu, 'shape', []))}")
+    if cu.device != device:
+        raise ValueError(f"elsa_fwd_varlen: `{name}` is on {cu.device}, q on {device}")
+    return cu.to(torch.int32).contiguous()
+
+
+def elsa_fwd_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    precision: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Packed variable-length ELSA forward (FlashAttention's convention).
+
+    Args:
+        q: ``[total_q, H, D]``; k: ``[total_k, H, D]``; v: ``[total_k, H, Dv]`` (any strides).
+        cu_seqlens_q / cu_seqlens_k: int32 ``[batch + 1]`` cumulative lengths (``cu[0] = 0``); sequence
+            ``i`` owns rows ``cu[i]:cu[i+1]``.
+        max_seqlen_q / max_seqlen_k: the longest sequence lengths (set the grid).
+        causal: bottom-right aligned within each sequence.
+
+    Returns:
+        ``out [total_q, H, Dv]`` in q's dtype and ``lse [H, total_q]`` float32 (natural log, ``-inf`` for
+        rows with no visible key).
+    """
+    _check_qkv("elsa_fwd_varlen", q, k, v, 3)
+    total_q, H, D = q.shape
+    total_k, Dv = k.shape[0], v.shape[2]
+    if k.shape[1] != H or tuple(v.shape[:2]) != (total_k, H):
+        raise ValueError(
+            f"elsa_fwd_varlen: shapes disagree: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"elsa_fwd_varlen: cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                         f"{cu_q.numel()} and {cu_k.numel()}")
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            raise TypeError(f"elsa_fwd_varlen: `{name}` must be a non-negative int, got {val!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"elsa_fwd_varlen: `causal` must be a bool, got {type(causal).__name__}")
+    batch = cu_q.numel() - 1
+    scale = D ** -0.5 if scale is None else float(scale)
+    out = torch.empty((total_q, H, Dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((H, total_q), device=q.device, dtype=torch.float32)
+    if total_q == 0 or max_seqlen_q == 0:
+        return out.zero_(), lse.fill_(-math.inf)
+    p = _plan_cached(batch, H, max_seqlen_q, max(max_seqlen_k, 1), D, Dv, q.dtype, causal, device=q.device,
+                     precision=precision, workspace_bytes=0)
+    sq = (0, q.stride(1), q.stride(0), q.stride(2))
+    sk = (0, k.stride(1), k.stride(0), k.stride(2))
+    sv = (0, v.stride(1), v.stride(0), v.stride(2))
+    so = (0, out.stride(1), out.stride(0), out.stride(2))
+    sl = (0, lse.stride(0), lse.stride(1))
+    dims = (batch, H, max_seqlen_q, max_seqlen_k, D, Dv)
+    _launch(q, k, v, None, None, out, lse, p, dims, sq, sk, sv, so, sl,
+            scale, causal, cu_q=cu_q, cu_k=cu_k)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------- tuning
+
+
+# Candidate (BLOCK_M, BLOCK_N, warps, stages) per family: the neighbourhood of the defaults that tuning on
+# an H100 explored; pruned per call by shared memory and register footprint.
+_CANDIDATES = {
+    "tc32": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2),
+             (64, 64, 4, 3)],
+    "ieee": [(64, 64, 4, 1), (64, 64, 4, 2), (128, 32, 4, 1), (128, 64, 8, 1), (64, 128, 8, 1),
+             (64, 32, 4, 2)],
+    "half": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
+             (128, 64, 4, 4)],
+}
+
+
+def _candidates(dtype, prec, bd, bdv, smem) -> list[tuple[int, int, int, int]]:
+    elem = 4 if dtype == torch.float32 else 2
+    family = "half" if dtype != torch.float32 else ("ieee" if prec == "ieee" else "tc32")
+    out = []
+    for bm, bn, w, st in _CANDIDATES[family]:
+        if _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
+            continue  # prune: does not fit in shared memory
+        if bm * max(bd, bdv) > 128 * 128 or bm * bn > 128 * 128:
+            continue  # prune: register tiles too large to keep the accumulator resident
+        out.append((bm, bn, w, st))
+    return out
+
+
+def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, scale=None, precision="auto",
+                 max_configs: int | None = None) -> tuple[int, int, int, int]:
+    """Time the pruned candidate configs of the fused path on these inputs; cache and return the winner.
+
+    The cache key is (dtype, padded head dims, causal, bias, arch, precision): later ``plan`` calls with
+    the same key use the winner. Under the CPU interpreter nothing is timed and the default is returned.
+    """
+    B, H, Nq, D = q.shape
+    Dv = v.shape[3]
+    key = tuning_key(q.dtype, D, Dv, causal, attn_bias is not None, q.device, precision)
+    _, cc, smem = _device_info(q.device)
+    prec, bd, bdv = key[-1], key[1], key[2]
+    if key in _TUNED:
+        return _TUNED[key]
+    default = _default_config(q.dtype, prec, bd, bdv, Nq, cc, smem)
+    if _interpreting() or q.device.type != "cuda":
+        return default
+    cands = _candidates(q.dtype, prec, bd, bdv, smem)
+    if default not in cands:
+        cands.insert(0, default)
+    if max_configs is not None:
+        cands = [default] + [c for c in cands if c != default][: max(0, max_configs - 1)]
+    best, best_ms = default, math.inf
+    for cfg in cands:
+        set_config(key, cfg)
+        try:
+            ms = triton.testing.do_bench(
+                lambda: elsa_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision,
+                                 partitions=1),
+                warmup=5, rep=20)
+        except Exception:  # noqa: BLE001 - a config the compiler rejects (out of resources) is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    set_config(key, best)
+    return best

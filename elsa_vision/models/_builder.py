@@ -1,0 +1,139 @@
+"""Weight loading for the model zoo: local checkpoint files, timm filter functions, clear key reports.
+
+Checkpoints are read without unpickling arbitrary objects: ``.safetensors`` through ``safetensors``, every
+other file (``.pth``, ``.pt``, ``.bin``, ``.ckpt``) through ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LoadReport", "read_state_dict", "check_shapes", "load_checkpoint"]
+
+# Keys under which training scripts nest the weights (Lightning, timm train.py, DeiT, MAE ...), in order.
+_NESTED_KEYS = ("state_dict", "model", "module", "teacher", "model_state")
+# Prefixes added by wrappers (DDP, torch.compile, Lightning's LightningModule attribute).
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "net.", "model.")
+
+
+@dataclass
+class LoadReport:
+    """What a checkpoint load did: keys the model wanted but the file lacked, and keys nobody used."""
+
+    path: str
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.unexpected
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"{self.path}: all keys matched"
+        lines = [f"{self.path}:"]
+        if self.missing:
+            lines.append(f"  missing keys ({len(self.missing)}): {', '.join(self.missing)}")
+        if self.unexpected:
+            lines.append(f"  unexpected keys ({len(self.unexpected)}): {', '.join(self.unexpected)}")
+        return "\n".join(lines)
+
+
+def _strip_prefixes(state_dict: dict[str, Tensor], model_keys: set[str]) -> dict[str, Tensor]:
+    for prefix in _WRAPPER_PREFIXES:
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            stripped = {k[len(prefix):]: v for k, v in state_dict.items()}
+            # Only strip when it helps: a model may itself have a top-level `model.` submodule.
+            if not model_keys or len(model_keys & stripped.keys()) >= len(model_keys & state_dict.keys()):
+                state_dict = stripped
+    return state_dict
+
+
+def read_state_dict(path: str | os.PathLike, model_keys: set[str] | None = None) -> dict[str, Tensor]:
+    """Read a flat ``{name: tensor}`` dict from a local checkpoint file.
+
+    Args:
+        path: ``.safetensors`` file, or a torch checkpoint (``.pth``/``.pt``/``.bin``/``.ckpt``) loaded with
+            ``weights_only=True``. Nested dicts (``state_dict``, ``model``, ...) and wrapper prefixes
+            (``module.``, ``_orig_mod.``) are unwrapped.
+        model_keys: the target model's keys, used to decide whether stripping a prefix helps.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is not a readable checkpoint or holds no tensors.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint_path {path!r} does not exist or is not a file")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        try:
+            obj = load_file(path, device="cpu")
+        except Exception as e:  # safetensors raises its own SafetensorError on corrupt headers
+            raise ValueError(f"checkpoint_path {path!r} is not a valid .safetensors file: {e}") from e
+    else:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError, RuntimeError (bad zip), EOFError ...
+            raise ValueError(
+                f"checkpoint_path {path!r} could not be read by torch.load(weights_only=True): "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
+    while isinstance(obj, Mapping):
+        nested = next((k for k in _NESTED_KEYS if isinstance(obj.get(k), Mapping)), None)
+        if nested is None or any(isinstance(v, Tensor) for v in obj.values()):
+            break
+        obj = obj[nested]
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"checkpoint_path {path!r} holds a {type(obj).__name__}, expected a dict of tensors")
+    state_dict = {k: v for k, v in obj.items() if isinstance(v, Tensor)}
+    if not state_dict:
+        raise ValueError(f"checkpoint_path {path!r} holds no tensors (keys: {list(obj)[:8]})")
+    return _strip_prefixes(state_dict, model_keys or set())
+
+
+def check_shapes(model: nn.Module, state_dict: Mapping[str, Tensor], path: str = "checkpoint") -> None:
+    """Raise ``ValueError`` naming the first key whose tensor shape differs from the model's."""
+    own = model.state_dict()
+    for k, v in state_dict.items():
+        if k in own and own[k].shape != v.shape:
+            raise ValueError(
+                f"{path}: shape mismatch for key {k!r}: checkpoint has {tuple(v.shape)}, "
+                f"model expects {tuple(own[k].shape)}"
+            )
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike,
+    filter_fn: Callable[[dict[str, Tensor], nn.Module], dict[str, Tensor]] | None = None,
+    strict: bool = True,
+) -> LoadReport:
+    """Load a local checkpoint into ``model``.
+
+    Args:
+        model: the target module.
+        path: see :func:`read_state_dict`.
+        filter_fn: ``(state_dict, model) -> state_dict`` conversion, e.g. timm's ``checkpoint_filter_fn``
+            (OpenAI-CLIP / DINOv2 layouts, position-embedding resampling).
+        strict: raise ``ValueError`` listing missing/unexpected keys; if False they are only reported.
+
+    Returns:
+        The :class:`LoadReport`. Shape mismatches always raise ``ValueError`` naming the key.
+    """
+    own_keys = set(model.state_dict().keys())
+    state_dict = read_state_dict(path, own_keys)
+    if filter_fn is not None:
+        state_dict = filter_fn(state_dict, model)
+    check_shapes(model, state_dict, os.fspath(path))
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    report = LoadReport(os.fspath(path), sorted(missing), sorted(unexpected))
+    if strict and not report.ok:
+        raise ValueError(f"checkpoint does not match the model (strict=True):\n{report}")
+    return report

@@ -1,0 +1,404 @@
+"""ElsaHSIViT: a spectral-spatial ViT for hyperspectral patches, on ELSA attention.
+
+After HSIMAE ("HSIMAE: A Unified Masked Autoencoder with Large-scale Pre-training for Hyperspectral Image
+Classification", https://arxiv.org/abs/2404.08390): a hyperspectral patch ``(bands, P, P)`` is cut into
+spectral-spatial tokens by a ``Conv3d`` over ``[band_group, s, s]`` blocks, giving ``G = ceil(bands /
+band_group)`` spectral groups times ``S = (P / s)^2`` spatial positions. Two parallel branches of timm
+``Block``s then attend
+
+* spatially: within each spectral group across positions, tokens reshaped to ``(B*G, S, D)``;
+* spectrally: within each position across groups, tokens reshaped to ``(B*S, G, D)``;
+
+their outputs are concatenated and projected back to ``D``, and fusion blocks attend over all ``G*S`` tokens
+``(B, G*S, D)``. Every attention layer is :class:`elsa_vision.layers.ElsaAttention` (or timm's SDPA
+``Attention`` with ``attn_impl="sdpa"``, same parameter names, for comparisons).
+
+Token masking (MAE pretraining) is a key mask: masked tokens never act as keys in any branch, so visible
+tokens see exactly what they would if the masked ones were dropped; rows with no visible key are 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from timm.layers import trunc_normal_
+from timm.layers.attention import Attention
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.vision_transformer import Block
+from torch import Tensor, nn
+
+from ..layers.attention import ElsaAttention
+
+__all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "ATTN_IMPLS"]
+
+ATTN_IMPLS = ("elsa", "sdpa")
+
+
+class SpectralSpatialEmbed(nn.Module):
+    """``Conv3d`` tokens ``(B, bands, P, P)`` -> ``(B, G, S, D)``; bands zero-padded to ``G * band_group``."""
+
+    def __init__(self, in_chans: int, img_size: int, band_group: int, spatial_patch: int, embed_dim: int):
+        super().__init__()
+        self.in_chans = in_chans
+        self.band_group = band_group
+        self.num_groups = math.ceil(in_chans / band_group)
+        self.pad_bands = self.num_groups * band_group - in_chans
+        self.spatial_patch = spatial_patch
+        self.grid = img_size // spatial_patch
+        self.num_spatial = self.grid * self.grid
+        self.proj = nn.Conv3d(
+            1,
+            embed_dim,
+            kernel_size=(band_group, spatial_patch, spatial_patch),
+            stride=(band_group, spatial_patch, spatial_patch),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.pad_bands:
+            x = F.pad(x, (0, 0, 0, 0, 0, self.pad_bands))
+        x = self.proj(x.unsqueeze(1))  # (B, D, G, h, w)
+        return x.flatten(3).permute(0, 2, 3, 1)  # (B, G, S, D)
+
+    def patchify(self, x: Tensor) -> Tensor:
+        """Pixels under each token: ``(B, bands, P, P)`` -> ``(B, G*S, band_group*s*s)`` (MAE targets)."""
+        if self.pad_bands:
+            x = F.pad(x, (0, 0, 0, 0, 0, self.pad_bands))
+        B = x.shape[0]
+        g, s, n = self.band_group, self.spatial_patch, self.grid
+        x = x.reshape(B, self.num_groups, g, n, s, n, s).permute(0, 1, 3, 5, 2, 4, 6)
+        return x.reshape(B, self.num_groups * self.num_spatial, g * s * s)
+
+
+def _key_mask(visible: Tensor | None) -> Tensor | None:
+    """``(B', N)`` bool, True = visible -> SDPA/ELSA bool ``attn_mask`` ``(B', 1, 1, N)``."""
+    return None if visible is None else visible[:, None, None, :]
+
+
+class ElsaHSIViT(nn.Module):
+    """Spectral-spatial ViT for hyperspectral patch classification.
+
+    Args:
+        in_chans: number of bands of the input patch (any count; padded to a multiple of ``band_group``).
+        num_classes: classes of the head (0: no head, ``forward`` returns pooled features).
+        img_size: patch side ``P`` (must be a multiple of ``spatial_patch``).
+        band_group: bands per token (Conv3d kernel depth).
+        spatial_patch: pixels per token side ``s``.
+        embed_dim, num_heads, mlp_ratio, qkv_bias: transformer width.
+        branch_depth: blocks in each of the spatial and the spectral branch.
+        fusion_depth: blocks over all spectral-spatial tokens.
+        global_pool: ``"avg"`` (mean over tokens) or ``"center"`` (mean over the centre position's tokens).
+        drop_rate, drop_path_rate: head dropout and stochastic depth.
+        attn_impl: ``"elsa"`` (ElsaAttention) or ``"sdpa"`` (timm ``Attention``, same weights).
+        attn_backend, attn_precision: ELSA backend / float32 precision (``attn_impl="elsa"``).
+
+    Shapes: ``forward(x)``: ``x (B, in_chans, P, P)`` -> logits ``(B, num_classes)``.
+    """
+
+    def __init__(
+        self,
+        in_chans: int,
+        num_classes: int,
+        img_size: int = 9,
+        band_group: int = 8,
+        spatial_patch: int = 3,
+        embed_dim: int = 192,
+        num_heads: int = 3,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        branch_depth: int = 2,
+        fusion_depth: int = 2,
+        global_pool: str = "avg",
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        attn_impl: str = "elsa",
+        attn_backend: str = "auto",
+        attn_precision: str = "auto",
+    ):
+        super().__init__()
+        for name, val, lo in (
+            ("in_chans", in_chans, 1),
+            ("num_classes", num_classes, 0),
+            ("img_size", img_size, 1),
+            ("band_group", band_group, 1),
+            ("spatial_patch", spatial_patch, 1),
+            ("embed_dim", embed_dim, 1),
+            ("num_heads", num_heads, 1),
+            ("branch_depth", branch_depth, 0),
+            ("fusion_depth", fusion_depth, 0),
+        ):
+            if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+                raise ValueError(f"ElsaHSIViT: {name} must be an int >= {lo}, got {val!r}")
+        if img_size % spatial_patch:
+            raise ValueError(
+                f"ElsaHSIViT: img_size ({img_size}) must be a multiple of spatial_patch ({spatial_patch})"
+            )
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"ElsaHSIViT: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        if global_pool not in ("avg", "center"):
+            raise ValueError(f"ElsaHSIViT: global_pool must be 'avg' or 'center', got {global_pool!r}")
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"ElsaHSIViT: attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+        if branch_depth + fusion_depth == 0:
+            raise ValueError("ElsaHSIViT: branch_depth + fusion_depth must be >= 1")
+        self.config = dict(
+            in_chans=in_chans,
+            num_classes=num_classes,
+            img_size=img_size,
+            band_group=band_group,
+            spatial_patch=spatial_patch,
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            mlp_ratio=float(mlp_ratio),
+            qkv_bias=qkv_bias,
+            branch_depth=branch_depth,
+            fusion_depth=fusion_depth,
+            global_pool=global_pool,
+            drop_rate=float(drop_rate),
+            drop_path_rate=float(drop_path_rate),
+            attn_impl=attn_impl,
+            attn_backend=attn_backend,
+            attn_precision=attn_precision,
+        )
+        self.num_classes = num_classes
+        self.num_features = self.embed_dim = embed_dim
+        self.global_pool = global_pool
+        self.attn_impl = attn_impl
+
+        self.patch_embed = SpectralSpatialEmbed(in_chans, img_size, band_group, spatial_patch, embed_dim)
+        G, S = self.patch_embed.num_groups, self.patch_embed.num_spatial
+        self.num_groups, self.num_spatial = G, S
+        self.spatial_pos = nn.Parameter(torch.zeros(1, 1, S, embed_dim))
+        self.spectral_pos = nn.Parameter(torch.zeros(1, G, 1, embed_dim))
+
+        attn_layer = ElsaAttention if attn_impl == "elsa" else Attention
+        n_blocks = branch_depth + fusion_depth
+        dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # stochastic depth decay
+
+        def block(i: int) -> Block:
+            return Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                drop_path=dpr[i],
+                norm_layer=nn.LayerNorm,
+                attn_layer=attn_layer,
+            )
+
+        self.spatial_blocks = nn.ModuleList([block(i) for i in range(branch_depth)])
+        self.spectral_blocks = nn.ModuleList([block(i) for i in range(branch_depth)])
+        self.fuse = nn.Linear(2 * embed_dim, embed_dim) if branch_depth else nn.Identity()
+        self.fusion_blocks = nn.ModuleList([block(branch_depth + i) for i in range(fusion_depth)])
+        self.norm = nn.LayerNorm(embed_dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if attn_impl == "elsa":
+            self.set_attention(backend=attn_backend, precision=attn_precision)
+        self.init_weights()
+
+    # -- init ----------------------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        trunc_normal_(self.spatial_pos, std=0.02)
+        trunc_normal_(self.spectral_pos, std=0.02)
+        self.apply(_init_weights)
+
+    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
+        """Choose the ELSA backend/precision of every ``ElsaAttention`` (validated here)."""
+        from ..ops.attention import BACKENDS, PRECISIONS
+
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"ElsaHSIViT: attn_backend must be one of {BACKENDS}, got {backend!r}")
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"ElsaHSIViT: attn_precision must be one of {PRECISIONS}, got {precision!r}")
+        for m in self.modules():
+            if isinstance(m, ElsaAttention):
+                if backend is not None:
+                    m.backend = backend
+                if precision is not None:
+                    m.precision = precision
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"spatial_pos", "spectral_pos"}
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def embed(self, x: Tensor) -> Tensor:
+        """``(B, bands, P, P)`` -> tokens with position embeddings ``(B, G, S, D)``."""
+        if x.dim() != 4 or x.shape[1] != self.patch_embed.in_chans:
+            raise ValueError(
+                f"ElsaHSIViT: input must be (B, {self.patch_embed.in_chans}, P, P), got {tuple(x.shape)}"
+            )
+        p = self.config["img_size"]
+        if x.shape[-2:] != (p, p):
+            raise ValueError(f"ElsaHSIViT: input patch must be {p}x{p}, got {x.shape[-2]}x{x.shape[-1]}")
+        return self.patch_embed(x) + self.spatial_pos + self.spectral_pos
+
+    def forward_tokens(self, t: Tensor, visible: Tensor | None = None) -> Tensor:
+        """Encode tokens ``(B, G, S, D)``; ``visible`` ``(B, G, S)`` bool marks unmasked tokens.
+
+        Returns normalised tokens ``(B, G*S, D)``.
+        """
+        B, G, S, D = t.shape
+        if self.spatial_blocks:
+            xs = t.reshape(B * G, S, D)
+            ms = _key_mask(None if visible is None else visible.reshape(B * G, S))
+            for blk in self.spatial_blocks:
+                xs = blk(xs, attn_mask=ms)
+            xe = t.transpose(1, 2).reshape(B * S, G, D)
+            me = _key_mask(None if visible is None else visible.transpose(1, 2).reshape(B * S, G))
+            for blk in self.spectral_blocks:
+                xe = blk(xe, attn_mask=me)
+            xe = xe.reshape(B, S, G, D).transpose(1, 2)
+            t = self.fuse(torch.cat([xs.reshape(B, G, S, D), xe], dim=-1))
+        x = t.reshape(B, G * S, D)
+        mf = _key_mask(None if visible is None else visible.reshape(B, G * S))
+        for blk in self.fusion_blocks:
+            x = blk(x, attn_mask=mf)
+        return self.norm(x)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """``(B, bands, P, P)`` -> tokens ``(B, G*S, D)``."""
+        return self.forward_tokens(self.embed(x))
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        if self.global_pool == "avg":
+            x = x.mean(1)
+        else:
+            B = x.shape[0]
+            x = x.reshape(B, self.num_groups, self.num_spatial, -1)[:, :, self.num_spatial // 2].mean(1)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.config["num_classes"] = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            _init_weights(self.head)
+
+
+def _init_weights(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Conv3d):
+        w = m.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+class HSIMAEDecoder(nn.Module):
+    """MAE decoder: encoded tokens ``(B, T, D)`` and visible mask ``(B, T)`` -> pixels ``(B, T, out_dim)``.
+
+    Masked positions are replaced by a learned mask token before position embeddings are added; ``depth``
+    timm ``Block``s with ``ElsaAttention`` attend over all ``T`` tokens.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_tokens: int,
+        out_dim: int,
+        decoder_dim: int = 128,
+        depth: int = 2,
+        num_heads: int = 4,
+        mlp_ratio: float = 4.0,
+    ):
+        super().__init__()
+        if decoder_dim % num_heads:
+            raise ValueError(
+                f"HSIMAEDecoder: decoder_dim ({decoder_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        self.decoder_embed = nn.Linear(embed_dim, decoder_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, decoder_dim))
+        self.blocks = nn.ModuleList(
+            [
+                Block(
+                    decoder_dim,
+                    num_heads,
+                    mlp_ratio=mlp_ratio,
+                    qkv_bias=True,
+                    norm_layer=nn.LayerNorm,
+                    attn_layer=ElsaAttention,
+                )
+                for _ in range(depth)
+            ]
+        )
+        self.norm = nn.LayerNorm(decoder_dim)
+        self.pred = nn.Linear(decoder_dim, out_dim)
+        trunc_normal_(self.mask_token, std=0.02)
+        trunc_normal_(self.pos_embed, std=0.02)
+        self.apply(_init_weights)
+
+    def forward(self, x: Tensor, visible: Tensor) -> Tensor:
+        x = self.decoder_embed(x)
+        x = torch.where(visible[..., None], x, self.mask_token.to(x.dtype))
+        x = x + self.pos_embed
+        for blk in self.blocks:
+            x = blk(x)
+        return self.pred(self.norm(x))
+
+
+# Sizes: "base" has ViT-B's width and 12 blocks in all (3 + 3 parallel branch blocks, 6 fusion blocks).
+HSI_PRESETS = {
+    "tiny": dict(embed_dim=64, num_heads=4, branch_depth=1, fusion_depth=1),
+    "small": dict(embed_dim=384, num_heads=6, branch_depth=3, fusion_depth=6),
+    "base": dict(embed_dim=768, num_heads=12, branch_depth=3, fusion_depth=6),
+}
+
+
+def _cfg(**kwargs):
+    return {
+        "url": "",
+        "num_classes": 0,
+        "input_size": (32, 9, 9),
+        "pool_size": None,
+        "crop_pct": 1.0,
+        "mean": None,
+        "std": None,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "elsa_hsi_vit_tiny": _cfg(),
+        "elsa_hsi_vit_small": _cfg(),
+        "elsa_hsi_vit_base": _cfg(),
+    }
+)
+
+
+def _create_elsa_hsi_vit(variant: str, pretrained: bool = False, **kwargs) -> ElsaHSIViT:
+    return build_model_with_cfg(ElsaHSIViT, variant, pretrained, feature_cfg=None, **kwargs)
+
+
+@register_model
+def elsa_hsi_vit_tiny(pretrained: bool = False, **kwargs) -> ElsaHSIViT:
+    return _create_elsa_hsi_vit("elsa_hsi_vit_tiny", pretrained, **dict(HSI_PRESETS["tiny"], **kwargs))
+
+
+@register_model
+def elsa_hsi_vit_small(pretrained: bool = False, **kwargs) -> ElsaHSIViT:
+    return _create_elsa_hsi_vit("elsa_hsi_vit_small", pretrained, **dict(HSI_PRESETS["small"], **kwargs))
+
+
+@register_model
+def elsa_hsi_vit_base(pretrained: bool = False, **kwargs) -> ElsaHSIViT:
+    return _create_elsa_hsi_vit("elsa_hsi_vit_base", pretrained, **dict(HSI_PRESETS["base"], **kwargs))

@@ -1,0 +1,408 @@
+"""Hyperspectral readers, validation, splits, spectral transforms, patches and the DataModule."""
+
+import io
+
+import h5py
+import numpy as np
+import pytest
+import scipy.io
+import tifffile
+import torch
+
+from elsa_vision.data.hyperspectral import (
+    HSIDataModule,
+    SpectralTransform,
+    encode_labels,
+    extract_patches,
+    list_arrays,
+    load_cube,
+    load_gt,
+    load_scene,
+    pad_cube,
+    split_indices,
+    synthetic_scene,
+)
+
+
+@pytest.fixture(scope="module")
+def scene():
+    return synthetic_scene(height=20, width=18, bands=12, num_classes=4, block=3, seed=3)
+
+
+def write_mat73(path, arrays):
+    """Write arrays the way MATLAB's ``save -v7.3`` does: an HDF5 file with a 512-byte user block holding the
+    MAT header, each array transposed (column-major) with a ``MATLAB_class`` attribute."""
+    with h5py.File(path, "w", userblock_size=512) as f:
+        for name, a in arrays.items():
+            ds = f.create_dataset(name, data=np.ascontiguousarray(a.T))
+            ds.attrs["MATLAB_class"] = np.bytes_(
+                {"float32": "single", "float64": "double", "uint8": "uint8", "int64": "int64"}[a.dtype.name]
+            )
+        f.create_group("#refs#")
+    with open(path, "r+b") as fh:
+        text = (
+            b"MATLAB 7.3 MAT-file, Platform: GLNXA64, Created on: Mon Jan  1 00:00:00 2024 HDF5 schema 1.00 ."
+        )
+        fh.write(
+            text.ljust(116, b" ") + b"\0" * 8 + b"\x00\x02" + b"IM"
+        )  # text, subsys, version 0x0200, endian
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Readers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_mat_v5_round_trip_and_auto_keys(tmp_path, scene):
+    cube, gt = scene
+    scipy.io.savemat(tmp_path / "scene.mat", {"paviaU": cube})
+    scipy.io.savemat(tmp_path / "scene_gt.mat", {"paviaU_gt": gt})
+    s = load_scene(tmp_path / "scene.mat", tmp_path / "scene_gt.mat")
+    assert s.cube.dtype == np.float32 and s.cube.shape == cube.shape
+    np.testing.assert_array_equal(s.cube, cube)
+    np.testing.assert_array_equal(s.gt, gt.astype(np.int64))
+    # One file holding both: keys are told apart by rank and integer type.
+    scipy.io.savemat(tmp_path / "both.mat", {"img": cube.astype(np.float64), "labels": gt})
+    s2 = load_scene(tmp_path / "both.mat", tmp_path / "both.mat")
+    np.testing.assert_array_equal(s2.cube, cube)
+    np.testing.assert_array_equal(s2.gt, gt)
+
+
+def test_mat_v73_round_trip(tmp_path, scene):
+    cube, gt = scene
+    write_mat73(tmp_path / "v73.mat", {"WHU_Hi_LongKou": cube})
+    with h5py.File(tmp_path / "v73_gt_named.mat", "w") as f:  # a char variable beside the labels is ignored
+        f.create_dataset("gt", data=np.ascontiguousarray(gt.T)).attrs["MATLAB_class"] = np.bytes_("uint8")
+        name = f.create_dataset("name", data=np.frombuffer(b"p\0a\0v\0i\0a\0", dtype=np.uint16)[:, None])
+        name.attrs["MATLAB_class"] = np.bytes_("char")
+    np.testing.assert_array_equal(load_gt(tmp_path / "v73_gt_named.mat"), gt)
+    write_mat73(tmp_path / "v73_gt.mat", {"WHU_Hi_LongKou_gt": gt})
+    with pytest.raises(NotImplementedError):  # it is a real v7.3 file: scipy refuses it
+        scipy.io.loadmat(tmp_path / "v73.mat")
+    s = load_scene(tmp_path / "v73.mat", tmp_path / "v73_gt.mat")
+    assert s.cube.shape == cube.shape  # (H, W, bands), not MATLAB's stored (bands, W, H)
+    np.testing.assert_array_equal(s.cube, cube)
+    np.testing.assert_array_equal(s.gt, gt)
+    assert load_cube(tmp_path / "v73.mat", key="WHU_Hi_LongKou").shape == cube.shape
+
+
+def test_envi_round_trip(tmp_path, scene):
+    import spectral.io.envi as envi
+
+    cube, _ = scene
+    for interleave in ("bip", "bil", "bsq"):
+        hdr = tmp_path / f"scene_{interleave}.hdr"
+        envi.save_image(str(hdr), cube, dtype=np.float32, interleave=interleave, ext=".img", force=True)
+        np.testing.assert_array_equal(load_cube(hdr), cube)
+        np.testing.assert_array_equal(load_cube(hdr.with_suffix(".img")), cube)  # the data file works too
+
+
+def test_tiff_and_numpy_round_trip(tmp_path, scene):
+    cube, gt = scene
+    tifffile.imwrite(tmp_path / "hwc.tif", cube, photometric="minisblack", planarconfig="contig")
+    tifffile.imwrite(
+        tmp_path / "chw.tif", np.ascontiguousarray(cube.transpose(2, 0, 1)), photometric="minisblack"
+    )
+    tifffile.imwrite(tmp_path / "gt.tif", gt)
+    np.testing.assert_array_equal(load_cube(tmp_path / "hwc.tif"), cube)
+    np.testing.assert_array_equal(load_cube(tmp_path / "chw.tif"), cube)
+    np.testing.assert_array_equal(load_gt(tmp_path / "gt.tif"), gt)
+    np.save(tmp_path / "cube.npy", cube)
+    np.save(tmp_path / "gt.npy", gt)
+    np.savez(tmp_path / "scene.npz", cube=cube, gt=gt)
+    np.testing.assert_array_equal(load_cube(tmp_path / "cube.npy"), cube)
+    np.testing.assert_array_equal(load_gt(tmp_path / "gt.npy"), gt)
+    s = load_scene(tmp_path / "scene.npz", tmp_path / "scene.npz")
+    np.testing.assert_array_equal(s.cube, cube)
+    np.testing.assert_array_equal(s.gt, gt)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad files
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_key_errors_list_available_arrays(tmp_path, scene):
+    cube, gt = scene
+    scipy.io.savemat(tmp_path / "two.mat", {"a": cube, "b": cube + 1, "gt": gt})
+    with pytest.raises(ValueError, match=r"ambiguous.*'a'.*'b'"):
+        load_cube(tmp_path / "two.mat")
+    np.testing.assert_array_equal(load_cube(tmp_path / "two.mat", key="b"), cube + 1)
+    with pytest.raises(ValueError, match=r"key 'paviaU' not found.*available arrays: .*'a' \(20, 18, 12\)"):
+        load_cube(tmp_path / "two.mat", key="paviaU")
+    with pytest.raises(ValueError, match=r"rank 3"):
+        load_cube(tmp_path / "two.mat", key="gt")
+    scipy.io.savemat(tmp_path / "gt_only.mat", {"gt": gt, "mask": gt > 0})
+    with pytest.raises(ValueError, match=r"no 3-D array for the cube.*'gt' \(20, 18\)"):
+        load_cube(tmp_path / "gt_only.mat")
+    scipy.io.savemat(tmp_path / "two_gt.mat", {"g1": gt, "g2": gt})
+    with pytest.raises(ValueError, match=r"ground-truth key is ambiguous"):
+        load_gt(tmp_path / "two_gt.mat")
+    scipy.io.savemat(tmp_path / "cube_only.mat", {"c": cube})
+    with pytest.raises(ValueError, match=r"must have rank 2 \(H, W\), got shape \(20, 18, 12\)"):
+        load_gt(tmp_path / "cube_only.mat")
+    scipy.io.savemat(tmp_path / "no_int.mat", {"c": cube, "f": cube[..., 0] + 0.5})
+    with pytest.raises(ValueError, match=r"no 2-D integer array for the ground-truth"):
+        load_gt(tmp_path / "no_int.mat")
+
+
+def test_size_mismatch_nan_and_label_errors(tmp_path, scene):
+    cube, gt = scene
+    np.save(tmp_path / "cube.npy", cube)
+    np.save(tmp_path / "gt_small.npy", gt[:-1])
+    with pytest.raises(ValueError, match=r"gt/image size mismatch.*19x18.*20x18"):
+        load_scene(tmp_path / "cube.npy", tmp_path / "gt_small.npy")
+    bad = cube.copy()
+    bad[2, 3, 3] = np.nan
+    bad[:, :, 7] = np.inf
+    np.save(tmp_path / "nan.npy", bad)
+    with pytest.raises(ValueError, match=r"NaN/inf values in 2 band\(s\) \[3, 7\]"):
+        load_cube(tmp_path / "nan.npy")
+    filled = load_cube(tmp_path / "nan.npy", nan_policy="fill")
+    assert np.isfinite(filled).all()
+    finite3 = np.delete(cube[..., 3].ravel(), 2 * cube.shape[1] + 3)
+    assert abs(filled[2, 3, 3] - finite3.mean()) <= 1e-6 * abs(finite3.mean())
+    assert (filled[..., 7] == 0).all()  # no finite value in the band
+    np.testing.assert_array_equal(np.delete(filled, [3, 7], axis=2), np.delete(cube, [3, 7], axis=2))
+    with pytest.raises(ValueError, match="nan_policy"):
+        load_cube(tmp_path / "cube.npy", nan_policy="zero")
+    np.save(tmp_path / "neg.npy", gt.astype(np.int64) - 1)
+    with pytest.raises(ValueError, match="negative labels"):
+        load_gt(tmp_path / "neg.npy")
+    np.save(tmp_path / "frac.npy", gt + 0.5)
+    with pytest.raises(ValueError, match="integer labels"):
+        load_gt(tmp_path / "frac.npy")
+    np.save(tmp_path / "rank2.npy", cube[..., 0])
+    with pytest.raises(ValueError, match="rank 3"):
+        load_cube(tmp_path / "rank2.npy")
+
+
+def test_unreadable_files(tmp_path):
+    (tmp_path / "junk.mat").write_bytes(b"not a mat file at all" * 10)
+    with pytest.raises(ValueError, match="junk.mat"):
+        load_cube(tmp_path / "junk.mat")
+    (tmp_path / "trunc.npy").write_bytes(b"\x93NUMPY\x01\x00")
+    with pytest.raises(ValueError, match="trunc.npy"):
+        load_cube(tmp_path / "trunc.npy")
+    (tmp_path / "a.hdr").write_text("not an envi header")
+    with pytest.raises(ValueError, match="a.hdr"):
+        load_cube(tmp_path / "a.hdr")
+    (tmp_path / "b.img").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="without a header"):
+        load_cube(tmp_path / "b.img")
+    with pytest.raises(ValueError, match="file not found"):
+        load_cube(tmp_path / "missing.mat")
+    (tmp_path / "x.jpg").write_bytes(b"")
+    with pytest.raises(ValueError, match="unsupported file type '.jpg'"):
+        list_arrays(tmp_path / "x.jpg")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Labels and splits
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_encode_labels_shifts_and_ignores_zero():
+    gt = np.array([[0, 3, 3], [7, 0, 5]])
+    enc, values = encode_labels(gt)
+    np.testing.assert_array_equal(values, [3, 5, 7])
+    np.testing.assert_array_equal(enc, [[-1, 0, 0], [2, -1, 1]])
+    with pytest.raises(ValueError, match=r"labels \[7\] outside the known classes \[3, 5\]"):
+        encode_labels(gt, class_values=[3, 5])
+    with pytest.raises(ValueError, match="no labelled pixel"):
+        encode_labels(np.zeros((3, 3), dtype=np.int64))
+
+
+def test_split_protocols():
+    rng = np.random.default_rng(0)
+    counts = np.array([50, 7, 200, 3])
+    labels = rng.permutation(np.repeat(np.arange(4), counts))
+    tr, va, te = split_indices(labels, "ratio", ratio=0.1, val_ratio=0.2, seed=5)
+    for c, n in enumerate(counts):
+        assert (labels[tr] == c).sum() == max(1, round(0.1 * n))
+        assert (labels[va] == c).sum() == min(round(0.2 * n), n - max(1, round(0.1 * n)))
+    assert len(np.intersect1d(tr, va)) == len(np.intersect1d(tr, te)) == len(np.intersect1d(va, te)) == 0
+    np.testing.assert_array_equal(np.sort(np.concatenate([tr, va, te])), np.arange(labels.size))
+
+    tr, va, te = split_indices(labels, "per_class", samples_per_class=5, val_samples_per_class=4, seed=5)
+    # Classes larger than N give exactly N; the 3-sample class gives 3 // 2 = 1;
+    # val takes at most half of the rest.
+    assert [(labels[tr] == c).sum() for c in range(4)] == [5, 5, 5, 1]
+    assert [(labels[va] == c).sum() for c in range(4)] == [4, 1, 4, 1]
+    np.testing.assert_array_equal(np.sort(np.concatenate([tr, va, te])), np.arange(labels.size))
+
+    a = split_indices(labels, "per_class", samples_per_class=5, seed=1)
+    b = split_indices(labels, "per_class", samples_per_class=5, seed=1)
+    c = split_indices(labels, "per_class", samples_per_class=5, seed=2)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[0], c[0])
+
+    with pytest.raises(ValueError, match="protocol"):
+        split_indices(labels, "random")
+    with pytest.raises(ValueError, match="ratio must be in"):
+        split_indices(labels, "ratio", ratio=1.5)
+    with pytest.raises(ValueError, match="samples_per_class must be >= 1"):
+        split_indices(labels, "per_class", samples_per_class=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Spectral transform
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_normalisation_uses_training_pixels_only(scene):
+    cube, _ = scene
+    pixels = cube.reshape(-1, cube.shape[-1]).astype(np.float64)
+    train = pixels[:100]
+    t = SpectralTransform(normalize=True).fit(train.astype(np.float32))
+    ref = (pixels - train.mean(0)) / train.std(0)
+    out = t.apply(cube).reshape(-1, cube.shape[-1])
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel <= 1e-6, rel  # float32 output vs float64 reference
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_pca_matches_float64_eigendecomposition(scene, groups):
+    cube, _ = scene
+    rng = np.random.default_rng(1)
+    pixels = cube.reshape(-1, cube.shape[-1]).astype(np.float64)
+    train = pixels[rng.choice(len(pixels), 150, replace=False)]
+    t = SpectralTransform(normalize=True, n_components=6, groups=groups).fit(train.astype(np.float32))
+    assert t.num_bands_out == 6
+    z = (train.astype(np.float32).astype(np.float64) - t.mean) / t.std
+    zall = (pixels - t.mean) / t.std
+    edges = np.linspace(0, cube.shape[-1], groups + 1).round().astype(int)
+    per = [6 // groups + (g < 6 % groups) for g in range(groups)]
+    refs = []
+    for g in range(groups):
+        zg = z[:, edges[g] : edges[g + 1]]
+        mu = zg.mean(0)
+        w, v = np.linalg.eigh(np.cov(zg - mu, rowvar=False))
+        comps = v[:, ::-1][:, : per[g]]  # top components
+        proj = (zall[:, edges[g] : edges[g + 1]] - mu) @ comps
+        refs.append(proj)
+    ref = np.concatenate(refs, 1)
+    out = t.apply(cube).reshape(-1, 6).astype(np.float64)
+    # Components are defined up to sign: align each column's sign with the reference.
+    out *= np.sign((out * ref).sum(0))
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel <= 1e-5, rel  # float32 output vs float64 eigendecomposition
+    # The fitted state survives a weights-only checkpoint round trip.
+    buf = io.BytesIO()
+    torch.save(t.state_dict(), buf)
+    buf.seek(0)
+    t2 = SpectralTransform.from_state_dict(torch.load(buf, weights_only=True))
+    np.testing.assert_array_equal(t2.apply(cube), t.apply(cube))
+
+
+def test_pca_argument_errors(scene):
+    cube, _ = scene
+    px = cube.reshape(-1, cube.shape[-1])
+    with pytest.raises(ValueError, match="n_components \\(20\\) must be <= the number of bands \\(12\\)"):
+        SpectralTransform(n_components=20).fit(px)
+    with pytest.raises(ValueError, match="cannot give"):
+        SpectralTransform(n_components=6).fit(px[:3])
+    with pytest.raises(ValueError, match="fitted on 12 bands"):
+        SpectralTransform().fit(px).apply(cube[..., :5])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Patches and the DataModule
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [1, 3, 7])
+def test_patches_reflect_at_borders(scene, p):
+    cube, _ = scene
+    h, w, _ = cube.shape
+    padded = pad_cube(cube, p)
+    r = p // 2
+    ref_pad = np.pad(cube, ((r, r), (r, r), (0, 0)), mode="reflect")
+    rows = torch.tensor([0, 0, h - 1, h - 1, 5])
+    cols = torch.tensor([0, w - 1, 0, w - 1, 6])
+    out = extract_patches(padded, rows, cols, p)
+    assert out.shape == (5, cube.shape[-1], p, p)
+    for i in range(5):
+        ref = ref_pad[rows[i] : rows[i] + p, cols[i] : cols[i] + p].transpose(2, 0, 1)
+        np.testing.assert_array_equal(out[i].numpy(), ref)
+        np.testing.assert_array_equal(out[i, :, r, r].numpy(), cube[rows[i], cols[i]])  # centred on the pixel
+
+
+def test_patch_size_errors(scene):
+    cube, _ = scene
+    with pytest.raises(ValueError, match="odd"):
+        pad_cube(cube, 4)
+    with pytest.raises(ValueError, match="too large for a 20x18 scene"):
+        pad_cube(cube, 41)
+    with pytest.raises(TypeError, match="patch_size"):
+        pad_cube(cube, 3.0)
+
+
+def test_datamodule(tmp_path, scene):
+    cube, gt = scene
+    np.save(tmp_path / "c.npy", cube)
+    np.save(tmp_path / "g.npy", gt)
+    dm = HSIDataModule(
+        str(tmp_path / "c.npy"),
+        str(tmp_path / "g.npy"),
+        patch_size=5,
+        pca={"n_components": 6, "groups": 2},
+        split={"protocol": "per_class", "samples_per_class": 8},
+        batch_size=16,
+        seed=0,
+    )
+    dm.setup("fit")
+    assert dm.num_bands == 6 and dm.num_classes == 4
+    assert dm.split_sizes["train"] == 32
+    assert dm.split_sizes["train"] + dm.split_sizes["val"] + dm.split_sizes["test"] == int((gt > 0).sum())
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (16, 6, 5, 5) and x.dtype == torch.float32
+    assert y.min() >= 0 and y.max() < 4
+    # The training pixels' centre spectra, after the transform, equal the transform applied directly.
+    rc = dm.split_coords["train"]
+    direct = dm.transform.apply(cube[rc[:, 0], rc[:, 1]])
+    centres = torch.stack([dm.train_set.padded[:, r + 2, c + 2] for r, c in rc]).numpy()
+    np.testing.assert_allclose(centres, direct, rtol=0, atol=1e-6)
+    # Labels of the datasets are the encoded ground truth at the centres.
+    for name, ds in (("val", dm.val_set), ("test", dm.test_set)):
+        coords = dm.split_coords[name]
+        np.testing.assert_array_equal(ds.labels.numpy(), gt[coords[:, 0], coords[:, 1]].astype(np.int64) - 1)
+    # Statistics and PCA come from training pixels only: scaling every other pixel changes nothing.
+    other = np.ones(gt.shape, dtype=bool)
+    other[rc[:, 0], rc[:, 1]] = False
+    cube2 = cube.copy()
+    cube2[other] *= 100.0
+    np.save(tmp_path / "c2.npy", cube2)
+    dm2 = HSIDataModule(
+        str(tmp_path / "c2.npy"),
+        str(tmp_path / "g.npy"),
+        patch_size=5,
+        pca={"n_components": 6, "groups": 2},
+        split={"protocol": "per_class", "samples_per_class": 8},
+        batch_size=16,
+        seed=0,
+    )
+    dm2.setup("fit")
+    np.testing.assert_array_equal(dm2.transform.mean, dm.transform.mean)
+    np.testing.assert_array_equal(dm2.transform.std, dm.transform.std)
+    for g1, g2 in zip(dm.transform.pca, dm2.transform.pca):
+        np.testing.assert_array_equal(g1["components"], g2["components"])
+    meta = dm.hsi_meta
+    buf = io.BytesIO()
+    torch.save(meta, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True)["patch_size"] == 5
+
+    pre = HSIDataModule(
+        str(tmp_path / "c.npy"),
+        str(tmp_path / "g.npy"),
+        patch_size=3,
+        pretrain=True,
+        max_pretrain_samples=100,
+    )
+    pre.setup("fit")
+    assert len(pre.train_set) == 100 and (pre.train_set.labels == -1).all()
+    with pytest.raises(ValueError, match="split: unknown keys"):
+        HSIDataModule("c.npy", split={"protocl": "ratio"})
+    with pytest.raises(ValueError, match="patch_size must be odd"):
+        HSIDataModule("c.npy", patch_size=4)

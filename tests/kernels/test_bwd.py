@@ -1,0 +1,376 @@
+"""Triton ELSA backward (``elsa_bwd``) against float64 autograd of the textbook softmax attention.
+
+On machines without CUDA the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``) at small,
+deliberately odd shapes; the ``gpu`` tests take the large shapes, reruns and memory growth.
+
+Bounds (relative Frobenius error ``||g - ref|| / ||ref||`` against float64 autograd on the same inputs):
+
+* float32, FP32-accurate paths (``ieee``, ``tf32x3``, ``auto``): ``<= 1e-5``. Each gradient is a chain of
+  three to four float32 products of length <= N, so rounding gives ~1e-7 * sqrt(N) (measured 3e-7 to 4e-7
+  here); a single TF32 pass anywhere (unit roundoff 4.9e-4) lands near 1e-4 to 1e-3 and fails the bound.
+* float32 ``tf32``: ``<= 5e-3``. (The CPU interpreter evaluates every float32 product exactly, so on CPU
+  this checks the plumbing; the GPU test checks the TF32 rounding itself.)
+* float16/bfloat16: FlashAttention's rule: ``<= 3x`` the error of the same math done by PyTorch in the
+  input precision (``softmax_attention`` autograd in float16/bfloat16) against the same float64 reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from elsa_vision.kernels.bwd import BwdConfig, elsa_bwd  # noqa: E402
+from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP32_ACCURATE = 1e-5
+TF32_BOUND = 5e-3
+LOWP_FACTOR = 3.0
+
+
+def _expand_bias(bias: torch.Tensor | None, B: int) -> torch.Tensor | None:
+    """The window layout ``(nW, ...)`` on ``B = batch * nW`` as an ordinary broadcastable bias."""
+    if bias is None or bias.dim() < 4 or bias.shape[0] in (1, B):
+        return bias
+    return bias.repeat(B // bias.shape[0], 1, 1, 1)
+
+
+def _problem(B, H, Nq, Nk, D, Dv, *, bias_shape=None, kpm=False, seed=0, device=DEVICE):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, Nk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, Nk, Dv, generator=g, dtype=torch.float64)
+    do = torch.randn(B, H, Nq, Dv, generator=g, dtype=torch.float64)
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=g, dtype=torch.float64)
+    mask = None
+    if kpm:
+        mask = torch.rand(B, Nk, generator=g) > 0.3
+        mask[:, 0] = True
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(q), move(k), move(v), move(do), move(bias), move(mask)
+
+
+def _reference(q, k, v, do, bias=None, mask=None, causal=False, scale=None):
+    """float64 autograd grads of ``softmax_attention`` (dq, dk, dv, dbias) plus float64 (out, lse)."""
+    B = q.shape[0]
+    leaves = [t.detach().double().clone().requires_grad_() for t in (q, k, v)]
+    b = None if bias is None else bias.detach().double().clone().requires_grad_()
+    out = softmax_attention(*leaves, attn_bias=_expand_bias(b, B), key_padding_mask=mask, causal=causal,
+                            scale=scale)
+    out.backward(do.double())
+    with torch.no_grad():
+        o, lse = scan_attention(*(t.detach().double() for t in (q, k, v)), attn_bias=_expand_bias(
+            None if bias is None else bias.double(), B), key_padding_mask=mask, causal=causal, scale=scale,
+            return_lse=True)
+    grads = [t.grad for t in leaves] + [None if b is None else b.grad]
+    return grads, o, lse
+
+
+def _lowp_grads(q, k, v, do, bias=None, mask=None, causal=False):
+    """The same math in the inputs' low precision (FlashAttention's yardstick)."""
+    B = q.shape[0]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    b = None if bias is None else bias.detach().clone().requires_grad_()
+    out = softmax_attention(*leaves, attn_bias=_expand_bias(b, B), key_padding_mask=mask, causal=causal)
+    out.backward(do)
+    return [t.grad for t in leaves] + [None if b is None else b.grad]
+
+
+def _relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "non-finite gradient"
+    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def _run(q, k, v, do, o, lse, dtype, **kw):
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    bias = kw.pop("attn_bias", None)
+    return elsa_bwd(cast(do), cast(q), cast(k), cast(v), cast(o), lse.float(), attn_bias=cast(bias), **kw)
+
+
+def _check_fp32(grads, refs, bound, names=("dq", "dk", "dv", "dbias")):
+    for name, g, r in zip(names, grads, refs):
+        if r is None:
+            assert g is None
+            continue
+        assert g.shape == r.shape, f"{name}: shape {tuple(g.shape)} vs {tuple(r.shape)}"
+        err = _relerr(g, r)
+        assert err <= bound, f"{name}: relerr {err:.3e} > {bound:.1e}"
+
+
+# ------------------------------------------------------------------------------------------- CPU matrix
+
+MATRIX = [  # (B, H, Nq, Nk, D, Dv, causal)
+    (1, 2, 97, 97, 64, 64, False),
+    (1, 2, 97, 97, 40, 40, True),
+    (2, 3, 113, 203, 72, 72, False),
+    (1, 2, 113, 203, 40, 72, True),
+    (1, 2, 1, 239, 64, 64, False),
+    (1, 2, 1, 239, 72, 40, True),
+    (1, 2, 127, 63, 40, 40, False),
+    (1, 2, 127, 63, 64, 64, True),  # Nq > Nk causal: the first 64 rows see no key
+    (1, 2, 113, 97, 111, 40, True),  # head dim 111 padded to 128, Dv != D
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,D,Dv,causal", MATRIX)
+def test_grads_fp32(B, H, Nq, Nk, D, Dv, causal):
+    q, k, v, do, _, _ = _problem(B, H, Nq, Nk, D, Dv, seed=Nq * 7 + Nk + D)
+    refs, o, lse = _reference(q, k, v, do, causal=causal)
+    grads = _run(q, k, v, do, o, lse, torch.float32, causal=causal)
+    _check_fp32(grads, refs, FP32_ACCURATE)
+    for g, t in zip(grads[:3], (q, k, v)):
+        assert g.dtype == torch.float32 and g.is_contiguous() and g.shape == t.shape
+
+
+@pytest.mark.parametrize("precision,bound", [("ieee", FP32_ACCURATE), ("tf32x3", FP32_ACCURATE),
+                                             ("auto", FP32_ACCURATE), ("tf32", TF32_BOUND)])
+def test_precisions(precision, bound):
+    q, k, v, do, bias, _ = _problem(1, 2, 113, 203, 64, 64, bias_shape=(1, 2, 113, 203), seed=11)
+    refs, o, lse = _reference(q, k, v, do, bias=bias, causal=True)
+    grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, causal=True, precision=precision,
+                 bias_requires_grad=True)
+    _check_fp32(grads, refs, bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("Nq,Nk,D,causal,with_bias", [(97, 97, 64, False, True), (113, 203, 72, True, False),
+                                                       (127, 63, 40, True, True)])
+def test_grads_half(dtype, Nq, Nk, D, causal, with_bias):
+    B, H = 1, 2
+    q, k, v, do, bias, _ = _problem(B, H, Nq, Nk, D, D, bias_shape=(1, H, Nq, Nk) if with_bias else None,
+                                    seed=Nq + D)
+    q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
+    bias = None if bias is None else bias.to(dtype)
+    refs, o, lse = _reference(q, k, v, do, bias=bias, causal=causal)
+    lowp = _lowp_grads(q, k, v, do, bias=bias, causal=causal)
+    grads = _run(q, k, v, do, o, lse, dtype, attn_bias=bias, causal=causal, bias_requires_grad=with_bias)
+    for name, g, r, lp in zip(("dq", "dk", "dv", "dbias"), grads, refs, lowp):
+        if r is None:
+            assert g is None
+            continue
+        assert g.dtype == dtype
+        err, err_lp = _relerr(g, r), _relerr(lp, r)
+        assert err <= LOWP_FACTOR * err_lp, f"{name}: {err:.3e} > {LOWP_FACTOR} x low-precision {err_lp:.3e}"
+
+
+BIAS_CASES = [  # (B, H, Nq, Nk, bias shape, causal, key padding)
+    (2, 3, 97, 97, (1, 3, 97, 97), False, False),     # relative-position bias, shared over the batch
+    (4, 2, 49, 49, (2, 1, 49, 49), False, False),     # window mask: B = batch 2 x nW 2, window b % nW
+    (3, 2, 1, 239, (3, 1, 1, 239), False, True),      # padding-style bias, reduced over heads and queries
+    (2, 2, 113, 203, (113, 203), True, False),        # 2-D bias broadcast over B and H
+    (2, 2, 127, 63, (2, 2, 127, 1), True, True),      # per-row bias, reduced over keys (true grad: 0)
+    (2, 2, 97, 97, (2, 2, 97, 97), False, True),      # full bias, nothing to reduce
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,bshape,causal,kpm", BIAS_CASES)
+def test_bias_grads(B, H, Nq, Nk, bshape, causal, kpm):
+    q, k, v, do, bias, mask = _problem(B, H, Nq, Nk, 40, 40, bias_shape=bshape, kpm=kpm, seed=sum(bshape))
+    refs, o, lse = _reference(q, k, v, do, bias=bias, mask=mask, causal=causal)
+    grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, key_padding_mask=mask, causal=causal,
+                 bias_requires_grad=True)
+    assert grads[3].shape == bias.shape and grads[3].dtype == torch.float32
+    if bshape[-1] == 1:
+        # A bias constant along the keys shifts a softmax row and changes nothing: its exact gradient
+        # sum_j P_ij (dP_ij - Delta_i) is 0, so judge the rounding residue against the scale of dS itself.
+        _check_fp32(grads[:3], refs[:3], FP32_ACCURATE)
+        full = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias.expand(B, H, Nq, Nk).contiguous(),
+                    key_padding_mask=mask, causal=causal, bias_requires_grad=True)[3]
+        assert grads[3].abs().max() <= FP32_ACCURATE * full.abs().max()
+        return
+    _check_fp32(grads, refs, FP32_ACCURATE)
+    # Without bias_requires_grad no dbias is computed.
+    no_grad = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, key_padding_mask=mask, causal=causal)
+    assert no_grad[3] is None
+
+
+def test_fully_masked_rows_give_zero_finite_grads():
+    B, H, Nq, Nk = 2, 2, 61, 75
+    q, k, v, do, bias, mask = _problem(B, H, Nq, Nk, 72, 72, bias_shape=(B, H, Nq, Nk), kpm=True, seed=5)
+    bias[:, :, 5:12, :] = -math.inf          # -inf band: rows 5..11 see nothing
+    bias[:, :, :, 30:40] = -math.inf         # -inf key band
+    bias[0, 1, 20, :] = -math.inf            # one more fully masked row
+    mask[1] = False                          # batch 1: no key at all
+    refs, o, lse = _reference(q, k, v, do, bias=bias, mask=mask)
+    assert torch.isinf(lse[:, :, 5:12]).all() and torch.isinf(lse[1]).all()
+    grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, key_padding_mask=mask,
+                 bias_requires_grad=True)
+    for g in grads:
+        assert torch.isfinite(g).all()
+    dq, dk, dv, db = grads
+    assert (dq[:, :, 5:12] == 0).all() and (dq[0, 1, 20] == 0).all() and (dq[1] == 0).all()
+    assert (dk[1] == 0).all() and (dv[1] == 0).all()
+    assert (db[:, :, 5:12] == 0).all() and (db[:, :, :, 30:40] == 0).all() and (db[1] == 0).all()
+    _check_fp32(grads, refs, FP32_ACCURATE)
+
+
+def test_finfo_min_bias_is_finite():
+    """Rows whose logits all sit at float32's most negative value stay finite (lse cannot resolve them)."""
+    q, k, v, do, bias, _ = _problem(1, 2, 33, 47, 64, 64, bias_shape=(1, 2, 33, 47), seed=8)
+    bias[:, :, 3:9] = torch.finfo(torch.float32).min
+    _, o, lse = _reference(q, k, v, do, bias=bias)
+    grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, bias_requires_grad=True)
+    for g in grads:
+        assert torch.isfinite(g).all()
+
+
+def test_nan_poisoned_keys_do_not_leak():
+    """NaN in keys hidden by the padding mask and past the end of the sequence: bitwise the clean run."""
+    B, H, Nq, Nk, D = 2, 2, 97, 113, 40
+    q, k, v, do, bias, mask = _problem(B, H, Nq, Nk, D, D, bias_shape=(1, H, Nq, Nk), kpm=True, seed=21)
+    _, o, lse = _reference(q, k, v, do, bias=bias, mask=mask, causal=True)
+    kw = dict(attn_bias=bias, key_padding_mask=mask, causal=True, bias_requires_grad=True)
+    clean = _run(q, k, v, do, o, lse, torch.float32, **kw)
+    # Poisoned storage: buffers longer than the sequence, NaN in the tail and in every hidden key.
+    kbuf = torch.full((B, H, Nk + 29, D), math.nan, dtype=torch.float64, device=DEVICE)
+    vbuf = torch.full_like(kbuf, math.nan)
+    kbuf[:, :, :Nk], vbuf[:, :, :Nk] = k, v
+    hidden = ~mask[:, None, :, None].expand(B, H, Nk, D)
+    kbuf[:, :, :Nk][hidden] = math.nan
+    vbuf[:, :, :Nk][hidden] = math.nan
+    poisoned = _run(q, kbuf[:, :, :Nk], vbuf[:, :, :Nk], do, o, lse, torch.float32, **kw)
+    for a, b in zip(clean, poisoned):
+        assert torch.equal(a, b)
+
+
+def test_noncontiguous_views_match_contiguous():
+    """q, k, v as views of a fused qkv projection, dO and the bias transposed views: bitwise equal."""
+    B, N, H, D = 2, 97, 3, 72
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, N, 3, H, D, generator=g).to(DEVICE)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D] with token stride 3*H*D
+    do = torch.randn(B, N, H, D, generator=g).to(DEVICE).transpose(1, 2)
+    bias = torch.randn(1, H, N, N, generator=g).to(DEVICE).transpose(-1, -2)
+    mask = (torch.rand(1, N, generator=g) > 0.2).to(DEVICE)
+    _, o, lse = _reference(q, k, v, do, bias=bias, mask=mask)
+    o = o.float().transpose(1, 2).contiguous().transpose(1, 2)
+    kw = dict(attn_bias=bias, key_padding_mask=mask, bias_requires_grad=True)
+    assert not q.is_contiguous() and not do.is_contiguous() and not bias.is_contiguous()
+    strided = elsa_bwd(do, q, k, v, o, lse.float(), **kw)
+    kw["attn_bias"] = bias.contiguous()
+    dense = elsa_bwd(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
+                     lse.float(), **kw)
+    for a, b in zip(strided, dense):
+        assert torch.equal(a, b)
+
+
+def test_deterministic_reruns_bitwise_equal():
+    q, k, v, do, bias, mask = _problem(2, 2, 113, 97, 64, 64, bias_shape=(1, 2, 113, 97), kpm=True, seed=9)
+    _, o, lse = _reference(q, k, v, do, bias=bias, mask=mask, causal=True)
+    kw = dict(attn_bias=bias, key_padding_mask=mask, causal=True, bias_requires_grad=True)
+    first = _run(q, k, v, do, o, lse, torch.float32, **kw)
+    second = _run(q, k, v, do, o, lse, torch.float32, **kw)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_atomic_dq_mode_is_accurate():
+    q, k, v, do, bias, _ = _problem(2, 2, 113, 203, 40, 72, bias_shape=(2, 1, 113, 203), seed=13)
+    refs, o, lse = _reference(q, k, v, do, bias=bias, causal=True)
+    grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, causal=True, bias_requires_grad=True,
+                 deterministic=False)
+    _check_fp32(grads, refs, FP32_ACCURATE)
+
+
+def test_explicit_tiles_and_scale():
+    """Non-default tiles (the GPU's half-precision shapes) and a custom scale give the same gradients."""
+    q, k, v, do, bias, mask = _problem(1, 2, 113, 203, 64, 64, bias_shape=(1, 1, 113, 203), kpm=True, seed=4)
+    refs, o, lse = _reference(q, k, v, do, bias=bias, mask=mask, causal=True, scale=0.3)
+    cfg = BwdConfig(block_m1=16, block_n1=128, block_m2=128, block_n2=16, block_m3=16, block_n3=128)
+    grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, key_padding_mask=mask, causal=True,
+                 scale=0.3, bias_requires_grad=True, config=cfg)
+    _check_fp32(grads, refs, FP32_ACCURATE)
+
+
+def test_input_validation():
+    q, k, v, do, _, _ = _problem(1, 2, 9, 11, 16, 16, seed=1)
+    q, k, v, do = (t.float() for t in (q, k, v, do))
+    o = torch.zeros_like(do)
+    lse = torch.zeros(1, 2, 9, device=DEVICE)
+    with pytest.raises(ValueError, match="k must be"):
+        elsa_bwd(do, q, k[:, :1], v, o, lse)
+    with pytest.raises(ValueError, match="lse"):
+        elsa_bwd(do, q, k, v, o, lse[..., :3])
+    with pytest.raises(TypeError, match="dtype"):
+        elsa_bwd(do, q, k.double(), v, o, lse)
+    with pytest.raises(ValueError, match="attn_bias"):
+        elsa_bwd(do, q, k, v, o, lse, attn_bias=torch.zeros(1, 3, 9, 11, device=DEVICE))
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        elsa_bwd(do, q, k, v, o, lse, key_padding_mask=torch.ones(1, 11, device=DEVICE))
+    with pytest.raises(ValueError, match="precision"):
+        elsa_bwd(do, q, k, v, o, lse, precision="fp8")
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [785, 3137, 4096])
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "auto"), (torch.float32, "tf32"),
+                                             (torch.bfloat16, "auto")])
+def test_gpu_large(N, dtype, precision):
+    B, H, D = 1, 2, 64
+    q, k, v, do, bias, _ = _problem(B, H, N, N, D, D, bias_shape=(1, H, N, N), seed=N)
+    q, k, v, do, bias = (t.to(dtype) for t in (q, k, v, do, bias))
+    causal = N == 3137
+    refs, o, lse = _reference(q, k, v, do, bias=bias, causal=causal)
+    grads = _run(q, k, v, do, o, lse, dtype, attn_bias=bias, causal=causal, precision=precision,
+                 bias_requires_grad=True)
+    if dtype == torch.float32:
+        _check_fp32(grads, refs, FP32_ACCURATE if precision == "auto" else TF32_BOUND)
+        return
+    lowp = _lowp_grads(q, k, v, do, bias=bias, causal=causal)
+    for name, g, r, lp in zip(("dq", "dk", "dv", "dbias"), grads, refs, lowp):
+        err, err_lp = _relerr(g, r), _relerr(lp, r)
+        assert err <= LOWP_FACTOR * err_lp, f"{name}: {err:.3e} > {LOWP_FACTOR} x low-precision {err_lp:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_reruns_bitwise(dtype):
+    B, H, N, D = 2, 4, 3137, 64
+    q, k, v, do, bias, mask = _problem(B, H, N, N, D, D, bias_shape=(1, H, N, N), kpm=True, seed=17)
+    q, k, v, do, bias = (t.to(dtype) for t in (q, k, v, do, bias))
+    with torch.no_grad():
+        o, lse = scan_attention(q.float(), k.float(), v.float(), attn_bias=bias.float(),
+                                key_padding_mask=mask, causal=True, return_lse=True, query_chunk=1024)
+    o = o.to(dtype)
+    kw = dict(attn_bias=bias, key_padding_mask=mask, causal=True, bias_requires_grad=True)
+    first = elsa_bwd(do, q, k, v, o, lse, **kw)
+    for _ in range(19):
+        again = elsa_bwd(do, q, k, v, o, lse, **kw)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_linear_in_n():
+    """Workspace + outputs of the backward grow linearly: peak growth at 2N over N is ~2, never ~4."""
+    B, H, D = 1, 8, 64
+
+    def extra(N):
+        q, k, v, do = (torch.randn(B, H, N, D, device="cuda") for _ in range(4))
+        o = torch.randn_like(q)
+        lse = torch.randn(B, H, N, device="cuda")
+        elsa_bwd(do, q, k, v, o, lse)  # compile outside the measurement
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = elsa_bwd(do, q, k, v, o, lse)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del grads
+        return peak
+
+    small, large = extra(8192), extra(16384)
+    assert small > 0
+    assert 1.5 <= large / small <= 2.5, f"peak growth {large / small:.2f} (N^2 would be ~4)"

@@ -1,0 +1,565 @@
+"""ELSA forward kernels (``elsa_vision.kernels.fwd``) against the float64 reference.
+
+Without CUDA the kernels run in the Triton interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``
+before Triton is imported) at small, odd shapes; there every float32 dot is exact float32 arithmetic.
+``@pytest.mark.gpu`` tests run the large shapes, races and tensor-core precisions on a GPU.
+
+Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, auto) <= 1e-6,
+tf32 <= 5e-3; float16/bfloat16 the FlashAttention way: ``max|out - ref64| <= 2 max|out_lp - ref64| + atol``
+where ``out_lp`` is the same attention computed by PyTorch in the low precision.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from elsa_vision import elsa_attention, elsa_attention_varlen  # noqa: E402
+from elsa_vision.kernels import elsa_fwd, elsa_fwd_varlen, plan  # noqa: E402
+from elsa_vision.kernels.monoid import merge_states  # noqa: E402
+from elsa_vision.kernels.reference import merge_depth, scan_attention, softmax_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_ACCURATE = 1e-6
+TF32_BOUND = 5e-3
+LOW_ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=_gen(seed), dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+
+
+def qkv(B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32, scale=1.0):
+    Dv = D if Dv is None else Dv
+    return (
+        randn(B, H, Nq, D, seed=seed, dtype=dtype, scale=scale),
+        randn(B, H, Nk, D, seed=seed + 1, dtype=dtype, scale=scale),
+        randn(B, H, Nk, Dv, seed=seed + 2, dtype=dtype, scale=scale),
+    )
+
+
+def ref64(q, k, v, attn_bias=None, **kw):
+    bias = attn_bias.double() if attn_bias is not None else None
+    return softmax_attention(q.double(), k.double(), v.double(), attn_bias=bias, **kw)
+
+
+def lse64(q, k, v, attn_bias=None, **kw):
+    bias = attn_bias.double() if attn_bias is not None else None
+    return scan_attention(q.double(), k.double(), v.double(), attn_bias=bias, return_lse=True, **kw)[1]
+
+
+def relerr(out, ref) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def assert_lse(lse, ref):
+    assert lse.dtype == torch.float32
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(lse), fin), "lse must be -inf exactly where no key is visible"
+    assert bool((lse[~fin] == -math.inf).all())
+    if fin.any():
+        err = (lse.double()[fin] - ref[fin]).abs().max().item()
+        assert err <= 1e-5 * max(1.0, ref[fin].abs().max().item()), f"lse error {err}"
+
+
+def assert_low_precision(out, q, k, v, **kw):
+    """FlashAttention's criterion against the same math in the low precision."""
+    ref = ref64(q, k, v, **kw)
+    bias = kw.pop("attn_bias", None)
+    out_lp = softmax_attention(q, k, v, attn_bias=bias, **kw)
+    err = (out.double() - ref).abs().max().item()
+    base = (out_lp.double() - ref).abs().max().item()
+    assert err <= 2 * base + LOW_ATOL[q.dtype], f"max err {err} vs low-precision torch {base}"
+
+
+# ------------------------------------------------------------------------------- the monoid helpers
+
+
+@triton.jit
+def _store_state(OUT_M, OUT_S, OUT_W, slot, m, s, w, r, wp, R: tl.constexpr, DV: tl.constexpr):
+    tl.store(OUT_M + slot * R + r[:, None], m)
+    tl.store(OUT_S + slot * R + r[:, None], s)
+    tl.store(OUT_W + slot * R * DV + wp, w)
+
+
+@triton.jit
+def _monoid_probe(M, S, W, OUT_M, OUT_S, OUT_W, R: tl.constexpr, DV: tl.constexpr):
+    """Rows of three states a, b, c -> e(+)a, a(+)e, (a(+)b)(+)c, a(+)(b(+)c) (slots 0..3)."""
+    r = tl.arange(0, R)
+    d = tl.arange(0, DV)
+    ma, mb, mc = tl.load(M + r), tl.load(M + R + r), tl.load(M + 2 * R + r)
+    sa, sb, sc = tl.load(S + r), tl.load(S + R + r), tl.load(S + 2 * R + r)
+    wp = r[:, None] * DV + d[None, :]
+    wa, wb, wc = tl.load(W + wp), tl.load(W + R * DV + wp), tl.load(W + 2 * R * DV + wp)
+    me = tl.full([R], float("-inf"), tl.float32)
+    se = tl.zeros([R], tl.float32)
+    we = tl.zeros([R, DV], tl.float32)
+    m0, s0, w0 = merge_states(me[:, None], se[:, None], we, ma[:, None], sa[:, None], wa)
+    m1, s1, w1 = merge_states(ma[:, None], sa[:, None], wa, me[:, None], se[:, None], we)
+    mab, sab, wab = merge_states(ma[:, None], sa[:, None], wa, mb[:, None], sb[:, None], wb)
+    m2, s2, w2 = merge_states(mab, sab, wab, mc[:, None], sc[:, None], wc)
+    mbc, sbc, wbc = merge_states(mb[:, None], sb[:, None], wb, mc[:, None], sc[:, None], wc)
+    m3, s3, w3 = merge_states(ma[:, None], sa[:, None], wa, mbc, sbc, wbc)
+    _store_state(OUT_M, OUT_S, OUT_W, 0, m0, s0, w0, r, wp, R, DV)
+    _store_state(OUT_M, OUT_S, OUT_W, 1, m1, s1, w1, r, wp, R, DV)
+    _store_state(OUT_M, OUT_S, OUT_W, 2, m2, s2, w2, r, wp, R, DV)
+    _store_state(OUT_M, OUT_S, OUT_W, 3, m3, s3, w3, r, wp, R, DV)
+
+
+def test_monoid_merge_identity_and_associativity():
+    R, DV = 16, 16
+    m = randn(3, R, seed=200) * 4
+    m[0, :3] = -math.inf  # identity-like rows (nothing visible) inside a
+    m[1, 5] = -math.inf
+    s = torch.rand(3, R, generator=_gen(201)).to(DEVICE) + 0.5
+    s[m == -math.inf] = 0.0
+    w = randn(3, R, DV, seed=202)
+    w[m == -math.inf] = 0.0
+    out_m = torch.empty(4, R, device=DEVICE)
+    out_s = torch.empty(4, R, device=DEVICE)
+    out_w = torch.empty(4, R, DV, device=DEVICE)
+    _monoid_probe[(1,)](m.contiguous(), s.contiguous(), w.contiguous(), out_m, out_s, out_w, R=R, DV=DV)
+    for slot in (0, 1):  # e (+) a == a (+) e == a exactly
+        assert torch.equal(out_m[slot], m[0]) and torch.equal(out_s[slot], s[0])
+        assert torch.equal(out_w[slot], w[0])
+    torch.testing.assert_close(out_m[2], out_m[3], rtol=0, atol=0)
+    torch.testing.assert_close(out_s[2], out_s[3], rtol=1e-6, atol=0)
+    torch.testing.assert_close(out_w[2], out_w[3], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- the matrix
+
+SHAPES = [
+    # B, H, Nq, Nk, D, Dv, causal
+    (1, 3, 17, 17, 40, 40, False),
+    (2, 2, 113, 203, 72, 72, False),
+    (1, 2, 1, 239, 32, 32, False),
+    (1, 1, 97, 97, 111, 111, True),
+    (2, 1, 113, 50, 16, 24, True),  # Nq > Nk causal: the first 63 rows see nothing
+    (1, 2, 3, 199, 59, 80, True),  # Nq < Nk causal
+    (1, 5, 129, 128, 64, 64, False),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("c" if s[6] else ""))
+def test_fp32_ieee_matches_float64(shape):
+    B, H, Nq, Nk, D, Dv, causal = shape
+    q, k, v = qkv(B, H, Nq, Nk, D, Dv, seed=sum(shape))
+    out, lse = elsa_fwd(q, k, v, causal=causal, precision="ieee")
+    assert out.shape == (B, H, Nq, Dv) and out.dtype == torch.float32 and lse.shape == (B, H, Nq)
+    assert relerr(out, ref64(q, k, v, causal=causal)) <= FP32_ACCURATE
+    assert_lse(lse, lse64(q, k, v, causal=causal))
+    if causal and Nq > Nk:
+        assert bool((out[:, :, : Nq - Nk] == 0).all()) and bool((lse[:, :, : Nq - Nk] == -math.inf).all())
+
+
+@pytest.mark.parametrize("precision", ["auto", "tf32x3", "tf32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_precisions(precision, causal):
+    q, k, v = qkv(2, 3, 77, 131, 40, seed=11)
+    out, _ = elsa_fwd(q, k, v, causal=causal, precision=precision)
+    bound = TF32_BOUND if precision == "tf32" else FP32_ACCURATE
+    assert relerr(out, ref64(q, k, v, causal=causal)) <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 3, 97, 97, 64, 64, False), (1, 2, 45, 130, 72, 40, True)])
+def test_half_precision(dtype, shape):
+    B, H, Nq, Nk, D, Dv, causal = shape
+    q, k, v = qkv(B, H, Nq, Nk, D, Dv, seed=5, dtype=dtype)
+    out, lse = elsa_fwd(q, k, v, causal=causal)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_low_precision(out, q, k, v, causal=causal)
+
+
+# ------------------------------------------------------------------------------------ bias and masks
+
+
+@pytest.mark.parametrize("bshape", [(1, 3, 37, 70), (2, 1, 1, 70), (37, 70), (2, 3, 37, 1)])
+def test_bias_broadcast(bshape):
+    q, k, v = qkv(2, 3, 37, 70, 32, seed=21)
+    bias = randn(*bshape, seed=3)
+    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision="ieee")
+    assert relerr(out, ref64(q, k, v, attn_bias=bias)) <= FP32_ACCURATE
+    assert_lse(lse, lse64(q, k, v, attn_bias=bias))
+
+
+def test_bias_stride0_view_equals_contiguous():
+    q, k, v = qkv(2, 3, 37, 70, 32, seed=22)
+    rel = randn(1, 3, 37, 70, seed=4)
+    view = rel.expand(2, 3, 37, 70)
+    assert view.stride(0) == 0
+    a, _ = elsa_fwd(q, k, v, attn_bias=view, precision="ieee")
+    b, _ = elsa_fwd(q, k, v, attn_bias=view.contiguous(), precision="ieee")
+    assert torch.equal(a, b)
+
+
+def test_neg_inf_bias_bands_and_fully_masked_rows():
+    B, H, Nq, Nk, D = 1, 2, 41, 90, 32
+    q, k, v = qkv(B, H, Nq, Nk, D, seed=31)
+    bias = randn(1, H, Nq, Nk, seed=5)
+    bias[..., 10:40] = -math.inf  # a band of hidden keys
+    bias[:, :, 5] = -math.inf  # row 5 sees nothing
+    bias[:, 1, 20:23] = -math.inf  # rows 20-22 of head 1 see nothing
+    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision="ieee")
+    assert torch.isfinite(out).all()
+    assert bool((out[:, :, 5] == 0).all()) and bool((out[:, 1, 20:23] == 0).all())
+    assert bool((lse[:, :, 5] == -math.inf).all())
+    assert relerr(out, ref64(q, k, v, attn_bias=bias)) <= FP32_ACCURATE
+    assert_lse(lse, lse64(q, k, v, attn_bias=bias))
+
+
+def test_finfo_min_and_extreme_bias():
+    q, k, v = qkv(1, 2, 33, 70, 32, seed=32)
+    bias = randn(1, 2, 33, 70, seed=6) * 1e4
+    bias[..., :20] = torch.finfo(torch.float32).min
+    bias[:, :, 3] = torch.finfo(
+        torch.float32
+    ).min  # a whole row at finfo.min: uniform weights, as the reference
+    bias[:, :, 4, 30:] = -100.0  # Swin's shift-mask value
+    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision="ieee")
+    ref = ref64(q, k, v, attn_bias=bias)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert relerr(out, ref) <= FP32_ACCURATE
+    torch.testing.assert_close(out[:, :, 3].double(), v.double().mean(-2), rtol=0, atol=1e-6)
+
+
+def test_key_padding_mask_and_fully_masked_batch():
+    B, H, Nq, Nk, D = 3, 2, 29, 83, 40
+    q, k, v = qkv(B, H, Nq, Nk, D, seed=41)
+    kpm = torch.rand(B, Nk, generator=_gen(7)) > 0.3
+    kpm[1] = False  # batch 1 sees no key at all
+    kpm = kpm.to(DEVICE)
+    out, lse = elsa_fwd(q, k, v, key_padding_mask=kpm, precision="ieee")
+    assert bool((out[1] == 0).all()) and bool((lse[1] == -math.inf).all())
+    assert relerr(out, ref64(q, k, v, key_padding_mask=kpm)) <= FP32_ACCURATE
+    assert_lse(lse, lse64(q, k, v, key_padding_mask=kpm))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions):
+    B, H, Nq, Nk, D, pad = 2, 2, 45, 77, 40, 19
+    q, k_big, v_big = qkv(B, H, Nq, Nk + pad, D, seed=51)
+    q = q[:, :, :Nq]
+    kpm = (torch.rand(B, Nk, generator=_gen(8)) > 0.25).to(DEVICE)
+    kpm[:, -1] = True
+    k_clean, v_clean = k_big[:, :, :Nk].clone(), v_big[:, :, :Nk].clone()
+    poison = torch.zeros(B, 1, Nk + pad, 1, dtype=torch.bool, device=DEVICE)
+    poison[:, :, :Nk, :] = ~kpm[:, None, :, None]
+    poison[:, :, Nk:] = True  # the out-of-range tail of the storage
+    k_big = k_big.masked_fill(poison, math.nan)
+    v_big = v_big.masked_fill(poison, math.nan)
+    k, v = k_big[:, :, :Nk], v_big[:, :, :Nk]  # views: the NaN tail lies right behind the last key
+    out_p, lse_p = elsa_fwd(q, k, v, key_padding_mask=kpm, causal=causal, partitions=partitions)
+    out_c, lse_c = elsa_fwd(q, k_clean, v_clean, key_padding_mask=kpm, causal=causal, partitions=partitions)
+    assert torch.isfinite(out_p).all()
+    assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
+    assert relerr(out_c, ref64(q, k_clean, v_clean, key_padding_mask=kpm, causal=causal)) <= FP32_ACCURATE
+
+
+@pytest.mark.parametrize("mult", [30.0, 100.0])
+def test_large_magnitude_inputs(mult):
+    q, k, v = qkv(1, 2, 67, 67, 64, seed=61, scale=mult)
+    out, lse = elsa_fwd(q, k, v, precision="ieee")
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref = ref64(q, k, v)
+    # Logits of size ~1e4 carry an fp32 rounding of ~1e-3 in the exponent: judge against fp32 torch math.
+    base = relerr(softmax_attention(q, k, v), ref)
+    assert relerr(out, ref) <= 2 * base + FP32_ACCURATE
+    assert_lse(lse, lse64(q, k, v))
+    const = torch.full((1, 1, 20, 64), 1e3, device=DEVICE)
+    out_c, _ = elsa_fwd(const, const, randn(1, 1, 20, 64, seed=9), precision="ieee")
+    assert torch.isfinite(out_c).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_qkv_views_bitwise_equal_contiguous(dtype):
+    B, N, H, D = 2, 53, 3, 40
+    qkv_proj = randn(B, N, 3, H, D, seed=71, dtype=dtype)
+    q, k, v = qkv_proj.permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, N, D] views, no copies
+    assert not q.is_contiguous()
+    a, la = elsa_fwd(q, k, v, causal=True)
+    b, lb = elsa_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    kt = k.transpose(-1, -2).contiguous().transpose(-1, -2)  # D-major keys
+    c, _ = elsa_fwd(q, kt, v, causal=True)
+    assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("D", [40, 72, 111])
+def test_odd_head_dims_deterministic(D):
+    q, k, v = qkv(1, 2, 45, 61, D, seed=D)
+    a, _ = elsa_fwd(q, k, v)
+    b, _ = elsa_fwd(q, k, v)
+    assert torch.equal(a, b)
+    assert relerr(a, ref64(q, k, v)) <= FP32_ACCURATE
+
+
+def test_empty_keys_and_length_one():
+    q, k, v = qkv(1, 2, 5, 0, 32, seed=3)
+    out, lse = elsa_fwd(q, k, v)
+    assert bool((out == 0).all()) and bool((lse == -math.inf).all())
+    q, k, v = qkv(2, 1, 1, 1, 16, seed=4)
+    out, _ = elsa_fwd(q, k, v)
+    assert torch.equal(out, v)
+
+
+# ------------------------------------------------------------------------ two levels, plan, workspace
+
+
+def test_plan_structure():
+    p = plan(1, 8, 16384, 16384, 64, 64, torch.float32, sm_count=132)
+    assert p.partitions == 1 and p.tree_depth == 0
+    assert p.merge_depth == merge_depth(16384, p.block_n)
+    p = plan(1, 2, 256, 16384, 64, 64, torch.float32, sm_count=132)
+    assert p.partitions > 1 and p.tree_depth == math.ceil(math.log2(p.partitions))
+    per_part = p.workspace_bytes // p.partitions
+    assert per_part == 4 * 2 * 256 * (p.block_dv + 2)
+    capped = plan(1, 2, 256, 16384, 64, 64, torch.float32, sm_count=132, workspace_bytes=3 * per_part)
+    assert 1 < capped.partitions <= 3 and capped.workspace_bytes <= 3 * per_part
+    none = plan(1, 2, 256, 16384, 64, 64, torch.float32, sm_count=132, workspace_bytes=0)
+    assert none.partitions == 1 and none.workspace_bytes == 0
+    with pytest.raises(TypeError, match="dtype"):
+        plan(1, 1, 8, 8, 8, 8, torch.float64)
+    with pytest.raises(ValueError, match="workspace_bytes"):
+        plan(1, 1, 8, 8, 8, 8, torch.float32, workspace_bytes=-1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("partitions", [2, 5])
+def test_multi_partition_equals_fused(causal, partitions):
+    q, k, v = qkv(1, 3, 70, 333, 48, 40, seed=81)
+    bias = randn(1, 3, 1, 333, seed=10)
+    fused, lf = elsa_fwd(q, k, v, attn_bias=bias, causal=causal, partitions=1)
+    split, ls = elsa_fwd(q, k, v, attn_bias=bias, causal=causal, partitions=partitions)
+    ref = ref64(q, k, v, attn_bias=bias, causal=causal)
+    assert relerr(split, ref) <= FP32_ACCURATE and relerr(fused, ref) <= FP32_ACCURATE
+    assert (split - fused).abs().max().item() <= 1e-6
+    assert_lse(ls, lse64(q, k, v, attn_bias=bias, causal=causal))
+
+
+def test_workspace_cap_runs_fused():
+    q, k, v = qkv(1, 1, 20, 300, 32, seed=82)
+    a, _ = elsa_fwd(q, k, v, workspace_bytes=0)
+    b, _ = elsa_fwd(q, k, v, partitions=1)
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------ varlen
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_per_sequence(causal):
+    H, D, Dv = 3, 40, 24
+    lq, lk = [17, 1, 0, 45], [30, 7, 5, 45]
+    q = randn(sum(lq), H, D, seed=91)
+    k = randn(sum(lk), H, D, seed=92)
+    v = randn(sum(lk), H, Dv, seed=93)
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    out, lse = elsa_fwd_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal)
+    assert out.shape == (sum(lq), H, Dv) and lse.shape == (H, sum(lq))
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lq)):
+        if lq[i] == 0:
+            continue
+        qi, ki, vi = (
+            t.transpose(0, 1)[None]
+            for t in (q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]])
+        )
+        ref = ref64(qi, ki, vi, causal=causal)[0].transpose(0, 1)
+        assert relerr(out[cq[i] : cq[i + 1]], ref) <= FP32_ACCURATE
+        assert_lse(lse[:, cq[i] : cq[i + 1]], lse64(qi, ki, vi, causal=causal)[0])
+    public = elsa_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="triton")
+    torch.testing.assert_close(public, out, rtol=0, atol=0)
+    torch_backend = elsa_attention_varlen(
+        q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="torch"
+    )
+    assert relerr(out, torch_backend.double()) <= 2 * FP32_ACCURATE
+
+
+def test_public_api_routes_to_kernel():
+    q, k, v = qkv(2, 2, 31, 47, 32, seed=95)
+    kpm = torch.ones(2, 47, dtype=torch.bool, device=DEVICE)
+    kpm[0, 40:] = False
+    out = elsa_attention(q, k, v, key_padding_mask=kpm, causal=True, backend="triton")
+    direct, _ = elsa_fwd(q, k, v, key_padding_mask=kpm, causal=True)
+    assert torch.equal(out, direct)
+    ref = elsa_attention(q, k, v, key_padding_mask=kpm, causal=True, backend="torch")
+    assert relerr(out, ref.double()) <= 2 * FP32_ACCURATE
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def test_bad_inputs():
+    q, k, v = qkv(1, 2, 8, 9, 16, seed=1)
+    with pytest.raises(ValueError, match="rank 4"):
+        elsa_fwd(q[0], k, v)
+    with pytest.raises(TypeError, match="share one dtype"):
+        elsa_fwd(q, k.half(), v)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        elsa_fwd(q.double(), k.double(), v.double())
+    with pytest.raises(ValueError, match="head dim of k"):
+        elsa_fwd(q, k[..., :8], v)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        elsa_fwd(q, k, v[:, :, :5])
+    with pytest.raises(ValueError, match="precision"):
+        elsa_fwd(q, k, v, precision="fp8")
+    with pytest.raises(ValueError, match="not broadcastable"):
+        elsa_fwd(q, k, v, attn_bias=randn(3, 8, 9))
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        elsa_fwd(q, k, v, key_padding_mask=torch.ones(1, 9, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\[B, Nk\]"):
+        elsa_fwd(q, k, v, key_padding_mask=torch.ones(1, 8, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(TypeError, match="causal"):
+        elsa_fwd(q, k, v, causal=1)
+    qv, kv, vv = randn(10, 2, 16), randn(12, 2, 16), randn(12, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    cuk = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        elsa_fwd_varlen(qv, kv, vv, cu.float(), cuk, 6, 7)
+    with pytest.raises(ValueError, match="rise from 0"):
+        elsa_attention_varlen(
+            qv, kv, vv, cu, torch.tensor([0, 5, 11], dtype=torch.int32, device=DEVICE), 6, 7
+        )
+    with pytest.raises(ValueError, match="longest sequence"):
+        elsa_attention_varlen(qv, kv, vv, cu, cuk, 5, 7)
+    with pytest.raises(ValueError, match="rank 3"):
+        elsa_attention_varlen(q, kv, vv, cu, cuk, 6, 7)
+    with pytest.raises(TypeError, match="float64"):
+        elsa_attention(q.double(), k.double(), v.double(), backend="triton")
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+def _rows_ref(q, k, v, rows, causal=False, attn_bias=None):
+    """float64 reference for selected query rows (all keys): for shapes whose full reference is too big."""
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    qs = q[..., rows, :].double()
+    s = (qs @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if attn_bias is not None:
+        s = s + attn_bias[..., rows, :].double()
+    if causal:
+        cols = torch.arange(Nk, device=q.device)
+        s = s.masked_fill(cols[None, :] > (rows[:, None] + Nk - Nq), -math.inf)
+    return torch.softmax(s, -1) @ v.double()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "tf32"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_fp32_precision_thresholds(precision, D):
+    q, k, v = qkv(2, 4, 1023, 1025, D, seed=101)
+    for causal in (False, True):
+        out, _ = elsa_fwd(q, k, v, causal=causal, precision=precision)
+        err = relerr(out, ref64(q, k, v, causal=causal))
+        assert err <= (TF32_BOUND if precision == "tf32" else FP32_ACCURATE), (precision, causal, err)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_is_tensor_core_path():
+    p = plan(1, 8, 4096, 4096, 64, 64, torch.float32, device="cuda")
+    major, _ = torch.cuda.get_device_capability()
+    assert p.precision == ("tf32x3" if major >= 8 else "ieee")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_half_precision(dtype, D):
+    q, k, v = qkv(2, 4, 1023, 1025, D, seed=102, dtype=dtype)
+    for causal in (False, True):
+        out, _ = elsa_fwd(q, k, v, causal=causal)
+        assert_low_precision(out, q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "N,dtype,causal",
+    [
+        (3137, torch.float32, False),
+        (16384, torch.float32, True),
+        (2**16 + 1, torch.bfloat16, True),
+        (2**16 + 1, torch.float32, False),
+    ],
+)
+def test_gpu_large_lengths(N, dtype, causal):
+    q, k, v = qkv(1, 2, N, N, 64, seed=103, dtype=dtype)
+    out, lse = elsa_fwd(q, k, v, causal=causal)
+    rows = torch.cat(
+        [torch.arange(0, 64), torch.randint(0, N, (192,), generator=_gen(1)), torch.arange(N - 64, N)]
+    )
+    rows = rows.to(DEVICE)
+    ref = _rows_ref(q, k, v, rows, causal=causal)
+    if dtype == torch.float32:
+        assert relerr(out[..., rows, :], ref) <= FP32_ACCURATE
+    else:
+        assert (out[..., rows, :].double() - ref).abs().max().item() <= 2e-2
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.gpu
+def test_gpu_more_than_2_pow_31_elements():
+    B, H, N, D = 8200, 16, 129, 128  # 2.17e9 elements of q
+    assert B * H * N * D > 2**31
+    q = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    out, _ = elsa_fwd(q, k, v)
+    for b in (0, B // 2, B - 1):
+        ref = softmax_attention(q[b : b + 1].double(), k[b : b + 1].double(), v[b : b + 1].double())
+        assert (out[b : b + 1].double() - ref).abs().max().item() <= 2e-3
+    del q, k, v, out
+    torch.cuda.empty_cache()
+    # A bias with more than 2**31 elements: row offsets of the bias need 64-bit arithmetic.
+    H, N = 2, 33000
+    q, k, v = qkv(1, H, N, N, 64, seed=104, dtype=torch.float16)
+    bias = torch.randn(1, H, N, N, device="cuda", dtype=torch.float16)
+    assert bias.numel() > 2**31
+    out, _ = elsa_fwd(q, k, v, attn_bias=bias)
+    rows = torch.tensor([0, 1, N // 2, N - 2, N - 1], device="cuda")
+    ref = _rows_ref(q, k, v, rows, attn_bias=bias)
+    assert (out[..., rows, :].double() - ref).abs().max().item() <= 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("partitions", [None, 4])
+def test_gpu_race_bitwise_reruns(partitions):
+    q, k, v = qkv(2, 8, 1537, 1537, 64, seed=105)
+    kpm = torch.ones(2, 1537, dtype=torch.bool, device="cuda")
+    kpm[1, 1000:] = False
+    first, lse0 = elsa_fwd(q, k, v, key_padding_mask=kpm, causal=True, partitions=partitions)
+    for _ in range(20):
+        out, lse = elsa_fwd(q, k, v, key_padding_mask=kpm, causal=True, partitions=partitions)
+        assert torch.equal(out, first) and torch.equal(lse, lse0)
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_linear():
+    def peak(n):
+        q, k, v = qkv(1, 8, n, n, 64, seed=106)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        elsa_fwd(q, k, v)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    p1, p2 = peak(4096), peak(8192)
+    assert p2 <= 2.2 * p1  # outputs only: linear in N (an N^2 buffer would quadruple)

@@ -1,0 +1,529 @@
+"""ElsaVGGT: VGGT state_dict layout, checkpoint loading, RoPE2D and attention vs float64 references, frame
+structure (frame 0 distinct, other frames permutation-equivariant), frame-count agnosticism, token merging."""
+
+import math
+
+import pytest
+import torch
+
+from elsa_vision.models import ElsaVGGT
+from elsa_vision.models.vggt import (
+    VGGT_CONFIGS,
+    Attention,
+    RotaryPositionEmbedding2D,
+    TokenMerge,
+    load_vggt_state_dict,
+)
+
+# The test configuration: dim 32, depth 2, 2 heads, 4 registers, 28 px / patch 14, a 1-block DINOv2 patch
+# embed, camera trunk depth 1, DPT features 16 with out_channels (8, 16, 32, 32), point head enabled.
+SMALL = dict(
+    img_size=28,
+    patch_size=14,
+    embed_dim=32,
+    depth=2,
+    num_heads=2,
+    num_register_tokens=4,
+    patch_embed="dinov2",
+    patch_embed_depth=1,
+    camera_trunk_depth=1,
+    camera_num_heads=2,
+    dpt_features=16,
+    dpt_out_channels=(8, 16, 32, 32),
+    intermediate_layer_idx=(0, 1, 1, 1),
+    enable_point=True,
+)
+
+# Key names and shapes of facebookresearch/vggt's VGGT (aggregator with a DINOv2 ViT patch embed, camera head,
+# point and depth DPT heads; track head excluded) for the configuration SMALL, written out from the VGGT
+# sources: models/aggregator.py, layers/{block,attention,vision_transformer,layer_scale,mlp}.py,
+# heads/{camera_head,dpt_head}.py.
+VGGT_SMALL_KEYS = """
+aggregator.camera_token 1,2,1,32
+aggregator.frame_blocks.0.attn.k_norm.bias 16
+aggregator.frame_blocks.0.attn.k_norm.weight 16
+aggregator.frame_blocks.0.attn.proj.bias 32
+aggregator.frame_blocks.0.attn.proj.weight 32,32
+aggregator.frame_blocks.0.attn.q_norm.bias 16
+aggregator.frame_blocks.0.attn.q_norm.weight 16
+aggregator.frame_blocks.0.attn.qkv.bias 96
+aggregator.frame_blocks.0.attn.qkv.weight 96,32
+aggregator.frame_blocks.0.ls1.gamma 32
+aggregator.frame_blocks.0.ls2.gamma 32
+aggregator.frame_blocks.0.mlp.fc1.bias 128
+aggregator.frame_blocks.0.mlp.fc1.weight 128,32
+aggregator.frame_blocks.0.mlp.fc2.bias 32
+aggregator.frame_blocks.0.mlp.fc2.weight 32,128
+aggregator.frame_blocks.0.norm1.bias 32
+aggregator.frame_blocks.0.norm1.weight 32
+aggregator.frame_blocks.0.norm2.bias 32
+aggregator.frame_blocks.0.norm2.weight 32
+aggregator.frame_blocks.1.attn.k_norm.bias 16
+aggregator.frame_blocks.1.attn.k_norm.weight 16
+aggregator.frame_blocks.1.attn.proj.bias 32
+aggregator.frame_blocks.1.attn.proj.weight 32,32
+aggregator.frame_blocks.1.attn.q_norm.bias 16
+aggregator.frame_blocks.1.attn.q_norm.weight 16
+aggregator.frame_blocks.1.attn.qkv.bias 96
+aggregator.frame_blocks.1.attn.qkv.weight 96,32
+aggregator.frame_blocks.1.ls1.gamma 32
+aggregator.frame_blocks.1.ls2.gamma 32
+aggregator.frame_blocks.1.mlp.fc1.bias 128
+aggregator.frame_blocks.1.mlp.fc1.weight 128,32
+aggregator.frame_blocks.1.mlp.fc2.bias 32
+aggregator.frame_blocks.1.mlp.fc2.weight 32,128
+aggregator.frame_blocks.1.norm1.bias 32
+aggregator.frame_blocks.1.norm1.weight 32
+aggregator.frame_blocks.1.norm2.bias 32
+aggregator.frame_blocks.1.norm2.weight 32
+aggregator.global_blocks.0.attn.k_norm.bias 16
+aggregator.global_blocks.0.attn.k_norm.weight 16
+aggregator.global_blocks.0.attn.proj.bias 32
+aggregator.global_blocks.0.attn.proj.weight 32,32
+aggregator.global_blocks.0.attn.q_norm.bias 16
+aggregator.global_blocks.0.attn.q_norm.weight 16
+aggregator.global_blocks.0.attn.qkv.bias 96
+aggregator.global_blocks.0.attn.qkv.weight 96,32
+aggregator.global_blocks.0.ls1.gamma 32
+aggregator.global_blocks.0.ls2.gamma 32
+aggregator.global_blocks.0.mlp.fc1.bias 128
+aggregator.global_blocks.0.mlp.fc1.weight 128,32
+aggregator.global_blocks.0.mlp.fc2.bias 32
+aggregator.global_blocks.0.mlp.fc2.weight 32,128
+aggregator.global_blocks.0.norm1.bias 32
+aggregator.global_blocks.0.norm1.weight 32
+aggregator.global_blocks.0.norm2.bias 32
+aggregator.global_blocks.0.norm2.weight 32
+aggregator.global_blocks.1.attn.k_norm.bias 16
+aggregator.global_blocks.1.attn.k_norm.weight 16
+aggregator.global_blocks.1.attn.proj.bias 32
+aggregator.global_blocks.1.attn.proj.weight 32,32
+aggregator.global_blocks.1.attn.q_norm.bias 16
+aggregator.global_blocks.1.attn.q_norm.weight 16
+aggregator.global_blocks.1.attn.qkv.bias 96
+aggregator.global_blocks.1.attn.qkv.weight 96,32
+aggregator.global_blocks.1.ls1.gamma 32
+aggregator.global_blocks.1.ls2.gamma 32
+aggregator.global_blocks.1.mlp.fc1.bias 128
+aggregator.global_blocks.1.mlp.fc1.weight 128,32
+aggregator.global_blocks.1.mlp.fc2.bias 32
+aggregator.global_blocks.1.mlp.fc2.weight 32,128
+aggregator.global_blocks.1.norm1.bias 32
+aggregator.global_blocks.1.norm1.weight 32
+aggregator.global_blocks.1.norm2.bias 32
+aggregator.global_blocks.1.norm2.weight 32
+aggregator.patch_embed.blocks.0.attn.proj.bias 32
+aggregator.patch_embed.blocks.0.attn.proj.weight 32,32
+aggregator.patch_embed.blocks.0.attn.qkv.bias 96
+aggregator.patch_embed.blocks.0.attn.qkv.weight 96,32
+aggregator.patch_embed.blocks.0.ls1.gamma 32
+aggregator.patch_embed.blocks.0.ls2.gamma 32
+aggregator.patch_embed.blocks.0.mlp.fc1.bias 128
+aggregator.patch_embed.blocks.0.mlp.fc1.weight 128,32
+aggregator.patch_embed.blocks.0.mlp.fc2.bias 32
+aggregator.patch_embed.blocks.0.mlp.fc2.weight 32,128
+aggregator.patch_embed.blocks.0.norm1.bias 32
+aggregator.patch_embed.blocks.0.norm1.weight 32
+aggregator.patch_embed.blocks.0.norm2.bias 32
+aggregator.patch_embed.blocks.0.norm2.weight 32
+aggregator.patch_embed.cls_token 1,1,32
+aggregator.patch_embed.mask_token 1,32
+aggregator.patch_embed.norm.bias 32
+aggregator.patch_embed.norm.weight 32
+aggregator.patch_embed.patch_embed.proj.bias 32
+aggregator.patch_embed.patch_embed.proj.weight 32,3,14,14
+aggregator.patch_embed.pos_embed 1,5,32
+aggregator.patch_embed.register_tokens 1,4,32
+aggregator.register_token 1,2,4,32
+camera_head.embed_pose.bias 64
+camera_head.embed_pose.weight 64,9
+camera_head.empty_pose_tokens 1,1,9
+camera_head.poseLN_modulation.1.bias 192
+camera_head.poseLN_modulation.1.weight 192,64
+camera_head.pose_branch.fc1.bias 32
+camera_head.pose_branch.fc1.weight 32,64
+camera_head.pose_branch.fc2.bias 9
+camera_head.pose_branch.fc2.weight 9,32
+camera_head.token_norm.bias 64
+camera_head.token_norm.weight 64
+camera_head.trunk.0.attn.proj.bias 64
+camera_head.trunk.0.attn.proj.weight 64,64
+camera_head.trunk.0.attn.qkv.bias 192
+camera_head.trunk.0.attn.qkv.weight 192,64
+camera_head.trunk.0.ls1.gamma 64
+camera_head.trunk.0.ls2.gamma 64
+camera_head.trunk.0.mlp.fc1.bias 256
+camera_head.trunk.0.mlp.fc1.weight 256,64
+camera_head.trunk.0.mlp.fc2.bias 64
+camera_head.trunk.0.mlp.fc2.weight 64,256
+camera_head.trunk.0.norm1.bias 64
+camera_head.trunk.0.norm1.weight 64
+camera_head.trunk.0.norm2.bias 64
+camera_head.trunk.0.norm2.weight 64
+camera_head.trunk_norm.bias 64
+camera_head.trunk_norm.weight 64
+depth_head.norm.bias 64
+depth_head.norm.weight 64
+depth_head.projects.0.bias 8
+depth_head.projects.0.weight 8,64,1,1
+depth_head.projects.1.bias 16
+depth_head.projects.1.weight 16,64,1,1
+depth_head.projects.2.bias 32
+depth_head.projects.2.weight 32,64,1,1
+depth_head.projects.3.bias 32
+depth_head.projects.3.weight 32,64,1,1
+depth_head.resize_layers.0.bias 8
+depth_head.resize_layers.0.weight 8,8,4,4
+depth_head.resize_layers.1.bias 16
+depth_head.resize_layers.1.weight 16,16,2,2
+depth_head.resize_layers.3.bias 32
+depth_head.resize_layers.3.weight 32,32,3,3
+depth_head.scratch.layer1_rn.weight 16,8,3,3
+depth_head.scratch.layer2_rn.weight 16,16,3,3
+depth_head.scratch.layer3_rn.weight 16,32,3,3
+depth_head.scratch.layer4_rn.weight 16,32,3,3
+depth_head.scratch.output_conv1.bias 8
+depth_head.scratch.output_conv1.weight 8,16,3,3
+depth_head.scratch.output_conv2.0.bias 32
+depth_head.scratch.output_conv2.0.weight 32,8,3,3
+depth_head.scratch.output_conv2.2.bias 2
+depth_head.scratch.output_conv2.2.weight 2,32,1,1
+depth_head.scratch.refinenet1.out_conv.bias 16
+depth_head.scratch.refinenet1.out_conv.weight 16,16,1,1
+depth_head.scratch.refinenet1.resConfUnit1.conv1.bias 16
+depth_head.scratch.refinenet1.resConfUnit1.conv1.weight 16,16,3,3
+depth_head.scratch.refinenet1.resConfUnit1.conv2.bias 16
+depth_head.scratch.refinenet1.resConfUnit1.conv2.weight 16,16,3,3
+depth_head.scratch.refinenet1.resConfUnit2.conv1.bias 16
+depth_head.scratch.refinenet1.resConfUnit2.conv1.weight 16,16,3,3
+depth_head.scratch.refinenet1.resConfUnit2.conv2.bias 16
+depth_head.scratch.refinenet1.resConfUnit2.conv2.weight 16,16,3,3
+depth_head.scratch.refinenet2.out_conv.bias 16
+depth_head.scratch.refinenet2.out_conv.weight 16,16,1,1
+depth_head.scratch.refinenet2.resConfUnit1.conv1.bias 16
+depth_head.scratch.refinenet2.resConfUnit1.conv1.weight 16,16,3,3
+depth_head.scratch.refinenet2.resConfUnit1.conv2.bias 16
+depth_head.scratch.refinenet2.resConfUnit1.conv2.weight 16,16,3,3
+depth_head.scratch.refinenet2.resConfUnit2.conv1.bias 16
+depth_head.scratch.refinenet2.resConfUnit2.conv1.weight 16,16,3,3
+depth_head.scratch.refinenet2.resConfUnit2.conv2.bias 16
+depth_head.scratch.refinenet2.resConfUnit2.conv2.weight 16,16,3,3
+depth_head.scratch.refinenet3.out_conv.bias 16
+depth_head.scratch.refinenet3.out_conv.weight 16,16,1,1
+depth_head.scratch.refinenet3.resConfUnit1.conv1.bias 16
+depth_head.scratch.refinenet3.resConfUnit1.conv1.weight 16,16,3,3
+depth_head.scratch.refinenet3.resConfUnit1.conv2.bias 16
+depth_head.scratch.refinenet3.resConfUnit1.conv2.weight 16,16,3,3
+depth_head.scratch.refinenet3.resConfUnit2.conv1.bias 16
+depth_head.scratch.refinenet3.resConfUnit2.conv1.weight 16,16,3,3
+depth_head.scratch.refinenet3.resConfUnit2.conv2.bias 16
+depth_head.scratch.refinenet3.resConfUnit2.conv2.weight 16,16,3,3
+depth_head.scratch.refinenet4.out_conv.bias 16
+depth_head.scratch.refinenet4.out_conv.weight 16,16,1,1
+depth_head.scratch.refinenet4.resConfUnit2.conv1.bias 16
+depth_head.scratch.refinenet4.resConfUnit2.conv1.weight 16,16,3,3
+depth_head.scratch.refinenet4.resConfUnit2.conv2.bias 16
+depth_head.scratch.refinenet4.resConfUnit2.conv2.weight 16,16,3,3
+point_head.norm.bias 64
+point_head.norm.weight 64
+point_head.projects.0.bias 8
+point_head.projects.0.weight 8,64,1,1
+point_head.projects.1.bias 16
+point_head.projects.1.weight 16,64,1,1
+point_head.projects.2.bias 32
+point_head.projects.2.weight 32,64,1,1
+point_head.projects.3.bias 32
+point_head.projects.3.weight 32,64,1,1
+point_head.resize_layers.0.bias 8
+point_head.resize_layers.0.weight 8,8,4,4
+point_head.resize_layers.1.bias 16
+point_head.resize_layers.1.weight 16,16,2,2
+point_head.resize_layers.3.bias 32
+point_head.resize_layers.3.weight 32,32,3,3
+point_head.scratch.layer1_rn.weight 16,8,3,3
+point_head.scratch.layer2_rn.weight 16,16,3,3
+point_head.scratch.layer3_rn.weight 16,32,3,3
+point_head.scratch.layer4_rn.weight 16,32,3,3
+point_head.scratch.output_conv1.bias 8
+point_head.scratch.output_conv1.weight 8,16,3,3
+point_head.scratch.output_conv2.0.bias 32
+point_head.scratch.output_conv2.0.weight 32,8,3,3
+point_head.scratch.output_conv2.2.bias 4
+point_head.scratch.output_conv2.2.weight 4,32,1,1
+point_head.scratch.refinenet1.out_conv.bias 16
+point_head.scratch.refinenet1.out_conv.weight 16,16,1,1
+point_head.scratch.refinenet1.resConfUnit1.conv1.bias 16
+point_head.scratch.refinenet1.resConfUnit1.conv1.weight 16,16,3,3
+point_head.scratch.refinenet1.resConfUnit1.conv2.bias 16
+point_head.scratch.refinenet1.resConfUnit1.conv2.weight 16,16,3,3
+point_head.scratch.refinenet1.resConfUnit2.conv1.bias 16
+point_head.scratch.refinenet1.resConfUnit2.conv1.weight 16,16,3,3
+point_head.scratch.refinenet1.resConfUnit2.conv2.bias 16
+point_head.scratch.refinenet1.resConfUnit2.conv2.weight 16,16,3,3
+point_head.scratch.refinenet2.out_conv.bias 16
+point_head.scratch.refinenet2.out_conv.weight 16,16,1,1
+point_head.scratch.refinenet2.resConfUnit1.conv1.bias 16
+point_head.scratch.refinenet2.resConfUnit1.conv1.weight 16,16,3,3
+point_head.scratch.refinenet2.resConfUnit1.conv2.bias 16
+point_head.scratch.refinenet2.resConfUnit1.conv2.weight 16,16,3,3
+point_head.scratch.refinenet2.resConfUnit2.conv1.bias 16
+point_head.scratch.refinenet2.resConfUnit2.conv1.weight 16,16,3,3
+point_head.scratch.refinenet2.resConfUnit2.conv2.bias 16
+point_head.scratch.refinenet2.resConfUnit2.conv2.weight 16,16,3,3
+point_head.scratch.refinenet3.out_conv.bias 16
+point_head.scratch.refinenet3.out_conv.weight 16,16,1,1
+point_head.scratch.refinenet3.resConfUnit1.conv1.bias 16
+point_head.scratch.refinenet3.resConfUnit1.conv1.weight 16,16,3,3
+point_head.scratch.refinenet3.resConfUnit1.conv2.bias 16
+point_head.scratch.refinenet3.resConfUnit1.conv2.weight 16,16,3,3
+point_head.scratch.refinenet3.resConfUnit2.conv1.bias 16
+point_head.scratch.refinenet3.resConfUnit2.conv1.weight 16,16,3,3
+point_head.scratch.refinenet3.resConfUnit2.conv2.bias 16
+point_head.scratch.refinenet3.resConfUnit2.conv2.weight 16,16,3,3
+point_head.scratch.refinenet4.out_conv.bias 16
+point_head.scratch.refinenet4.out_conv.weight 16,16,1,1
+point_head.scratch.refinenet4.resConfUnit2.conv1.bias 16
+point_head.scratch.refinenet4.resConfUnit2.conv1.weight 16,16,3,3
+point_head.scratch.refinenet4.resConfUnit2.conv2.bias 16
+point_head.scratch.refinenet4.resConfUnit2.conv2.weight 16,16,3,3"""
+
+
+def _expected_layout() -> dict[str, tuple[int, ...]]:
+    out = {}
+    for line in VGGT_SMALL_KEYS.strip().splitlines():
+        name, shape = line.split()
+        out[name] = tuple(int(s) for s in shape.split(","))
+    return out
+
+
+def _small(**kw) -> ElsaVGGT:
+    return ElsaVGGT(**{**SMALL, **kw}).eval()
+
+
+def test_state_dict_layout_equals_vggt():
+    expected = _expected_layout()
+    assert len(expected) == 247
+    got = {k: tuple(v.shape) for k, v in _small().state_dict().items()}
+    assert sorted(set(expected) - set(got)) == []
+    assert sorted(set(got) - set(expected)) == []
+    mismatched = {k: (got[k], expected[k]) for k in expected if got[k] != expected[k]}
+    assert mismatched == {}
+
+
+def test_vggt_1b_layout_on_meta():
+    with torch.device("meta"):
+        model = ElsaVGGT.from_config("elsa_vggt")
+    sd = model.state_dict()
+    # facts of the released VGGT-1B checkpoint layout
+    assert tuple(sd["aggregator.patch_embed.pos_embed"].shape) == (1, 1 + 37 * 37, 1024)
+    assert tuple(sd["aggregator.patch_embed.patch_embed.proj.weight"].shape) == (1024, 3, 14, 14)
+    assert tuple(sd["aggregator.register_token"].shape) == (1, 2, 4, 1024)
+    assert tuple(sd["aggregator.global_blocks.23.attn.q_norm.weight"].shape) == (64,)
+    assert tuple(sd["camera_head.trunk.3.attn.qkv.weight"].shape) == (6144, 2048)
+    assert tuple(sd["depth_head.projects.3.weight"].shape) == (1024, 2048, 1, 1)
+    assert tuple(sd["depth_head.scratch.output_conv2.2.weight"].shape) == (2, 32, 1, 1)
+    assert (
+        "aggregator.patch_embed.blocks.23.ls2.gamma" in sd
+        and "aggregator.frame_blocks.24.norm1.weight" not in sd
+    )
+    n_agg = sum(v.numel() for k, v in sd.items() if k.startswith("aggregator."))
+    # 24 DINOv2 ViT-L blocks + 48 aggregator blocks of ~12.6M parameters each, plus embeddings
+    assert 0.90e9 < n_agg < 0.93e9, n_agg
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_from_vggt_checkpoint_strict_and_drops_track_head(tmp_path, fmt):
+    src = _small()
+    sd = {k: torch.randn_like(v) for k, v in src.state_dict().items()}
+    track = {
+        "track_head.feature_extractor.norm.weight": torch.randn(64),
+        "track_head.tracker.corr_mlp.fc1.weight": torch.randn(8, 4),
+    }
+    path = tmp_path / f"model.{fmt}"
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({**sd, **track}, str(path))
+    else:
+        torch.save({"model": {**sd, **track}}, path)
+    model = ElsaVGGT.from_vggt_checkpoint(path, config="elsa_vggt_small", **{k: v for k, v in SMALL.items()})
+    assert sorted(model.dropped_checkpoint_keys) == sorted(track)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+
+
+def test_checkpoint_pos_embed_resampled_for_other_resolution(tmp_path):
+    sd = _small().state_dict()
+    from safetensors.torch import save_file
+
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    model = ElsaVGGT.from_vggt_checkpoint(
+        tmp_path / "m.safetensors", config="elsa_vggt_small", **{**SMALL, "img_size": 42}
+    )
+    assert tuple(model.aggregator.patch_embed.pos_embed.shape) == (1, 10, 32)
+    assert torch.equal(
+        model.aggregator.patch_embed.pos_embed[:, 0], sd["aggregator.patch_embed.pos_embed"][:, 0]
+    )
+
+
+def test_load_rejects_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        load_vggt_state_dict(tmp_path / "nope.pt")
+
+
+def _rope_ref(x: torch.Tensor, pos: torch.Tensor, freq: float) -> torch.Tensor:
+    """Float64 RoPE2D: half 0 rotates pairs (i, i + d/2) of the first D/2 channels by row·freq^(-2i/(D/2)),
+    half 1 the same with the column."""
+    x = x.double()
+    D = x.shape[-1]
+    d = D // 2
+    out = torch.empty_like(x)
+    for half in range(2):
+        xs = x[..., half * d : (half + 1) * d]
+        p = pos[..., half].double()[:, None, :, None]  # [B,1,N,1]
+        i = torch.arange(d // 2, dtype=torch.float64)
+        theta = p * freq ** (-2 * i / d)
+        a, b = xs[..., : d // 2], xs[..., d // 2 :]
+        out[..., half * d : half * d + d // 2] = a * theta.cos() - b * theta.sin()
+        out[..., half * d + d // 2 : (half + 1) * d] = b * theta.cos() + a * theta.sin()
+    return out
+
+
+def test_rope2d_matches_float64_rotation():
+    rope = RotaryPositionEmbedding2D(100.0)
+    x = torch.randn(2, 3, 29, 24)
+    pos = torch.randint(0, 37, (2, 29, 2))
+    out = rope(x, pos)
+    ref = _rope_ref(x, pos, 100.0)
+    assert (out.double() - ref).norm() / ref.norm() <= 1e-6
+    # a rotation: norms of each rotated pair are preserved
+    assert torch.allclose(out.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        rope(torch.randn(1, 1, 3, 6), torch.zeros(1, 3, 2, dtype=torch.long))
+
+
+def test_attention_with_rope_qknorm_matches_float64_reference():
+    torch.manual_seed(1)
+    attn = Attention(
+        40, num_heads=5, qk_norm=True, rope=RotaryPositionEmbedding2D(100.0), backend="torch"
+    ).eval()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 37, 40)
+    pos = torch.randint(0, 9, (3, 37, 2))
+    out = attn(x, pos)
+    # float64 reference from the same weights
+    a64 = Attention(40, num_heads=5, qk_norm=True, rope=None, backend="torch").double()
+    a64.load_state_dict(attn.state_dict())
+    xd = x.double()
+    q, k, v = a64.qkv(xd).reshape(3, 37, 3, 5, 8).permute(2, 0, 3, 1, 4)
+    q, k = a64.q_norm(q), a64.k_norm(k)
+    q, k = _rope_ref(q, pos, 100.0), _rope_ref(k, pos, 100.0)
+    w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), dim=-1)
+    ref = a64.proj((w @ v).transpose(1, 2).reshape(3, 37, 40))
+    assert (out.double() - ref).norm() / ref.norm() <= 1e-5
+
+
+def test_forward_shapes_frame_agnostic_and_rectangular():
+    model = _small()
+    for S in (1, 2, 5):
+        with torch.no_grad():
+            out = model(torch.rand(2, S, 3, 28, 42))
+        assert out["pose_enc"].shape == (2, S, 9)
+        assert len(out["pose_enc_list"]) == 4
+        assert out["depth"].shape == (2, S, 28, 42, 1) and out["depth_conf"].shape == (2, S, 28, 42)
+        assert out["world_points"].shape == (2, S, 28, 42, 3)
+        assert bool((out["depth"] > 0).all()) and bool((out["depth_conf"] > 1).all())
+        assert bool((out["pose_enc"][..., 7:] >= 0).all())  # FoV through relu
+    with pytest.raises(ValueError, match="multiples of patch_size"):
+        model(torch.rand(1, 2, 3, 28, 30))
+
+
+def _randomize(model):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def test_reference_frame_is_distinct_and_other_frames_are_equivariant():
+    model = _randomize(_small(patch_embed="conv"))
+    x = torch.rand(1, 4, 3, 28, 28)
+    perm = torch.tensor([0, 3, 1, 2])
+    with torch.no_grad():
+        a = model(x)
+        b = model(x[:, perm])
+        c = model(x[:, torch.tensor([1, 0, 2, 3])])
+    # permuting frames 1..S-1 permutes every output the same way (global attention is set attention)
+    for key in ("pose_enc", "depth", "depth_conf"):
+        assert torch.isfinite(a[key]).all()
+        rel = (b[key] - a[key][:, perm]).norm() / a[key].norm()
+        assert rel <= 1e-5, (key, float(rel))
+    # exchanging the reference frame changes the result (frame 0 has its own camera/register tokens)
+    assert (c["pose_enc"][:, 1] - a["pose_enc"][:, 0]).abs().max() > 1e-3
+
+
+def test_global_attention_mixes_frames_and_frame_attention_does_not():
+    model = _randomize(_small(patch_embed="conv", depth=1, intermediate_layer_idx=(0, 0, 0, 0)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gamma"):
+                p.fill_(1.0)
+    x = torch.rand(1, 3, 3, 28, 28)
+    x2 = x.clone()
+    x2[:, 2] = torch.rand(3, 28, 28)
+    with torch.no_grad():
+        ta, _ = model.aggregator(x)
+        tb, _ = model.aggregator(x2)
+    C = 32
+    frame_a, frame_b = ta[0][..., :C], tb[0][..., :C]
+    glob_a, glob_b = ta[0][..., C:], tb[0][..., C:]
+    assert torch.equal(frame_a[:, :2], frame_b[:, :2])  # frame block: frames 0, 1 untouched by frame 2
+    assert (
+        glob_a[:, :2] - glob_b[:, :2]
+    ).abs().max() > 1e-4  # global block: they see frame 2 (fp32 noise ~1e-7)
+
+
+def test_token_merging_is_opt_in_and_routes_to_most_similar():
+    tm = TokenMerge(num_frames=3, tokens_per_frame=7, patch_start_idx=1, ratio=0.5)
+    # frame 0 and the special tokens are destinations; half of the other patch tokens are merged
+    assert set(range(7)).issubset(set(tm.dst.tolist())) and {7, 14}.issubset(set(tm.dst.tolist()))
+    assert len(tm.src) == 6 and len(tm.dst) == 15
+    x = torch.randn(2, 21, 16)
+    x[:, tm.src] = x[:, tm.dst[:6]] * 3.0  # each source is a scaled copy of one destination
+    merged, _, assign = tm.merge(x, None)
+    assert torch.equal(assign, torch.arange(6).expand(2, 6))
+    assert torch.allclose(merged[:, :6], 2.0 * x[:, tm.dst[:6]])  # mean of d and 3d
+    y = tm.unmerge(merged, assign, 21)
+    assert torch.equal(y[:, tm.src], merged[:, :6])
+    exact = _randomize(_small(patch_embed="conv"))
+    approx = _small(patch_embed="conv", merge_ratio=0.5)
+    approx.load_state_dict(exact.state_dict())
+    x = torch.rand(1, 3, 3, 28, 28)
+    with torch.no_grad():
+        a, b = exact(x), approx(x)
+    assert b["depth"].shape == a["depth"].shape and torch.isfinite(b["depth"]).all()
+    assert not torch.equal(a["depth"], b["depth"])  # merging is approximate
+    with pytest.raises(ValueError, match="merge_ratio"):
+        _small(merge_ratio=1.0)
+
+
+def test_configs_and_bad_arguments():
+    assert VGGT_CONFIGS["elsa_vggt"]["embed_dim"] == 1024 and VGGT_CONFIGS["elsa_vggt"]["depth"] == 24
+    assert VGGT_CONFIGS["elsa_vggt"]["num_heads"] == 16 and VGGT_CONFIGS["elsa_vggt"]["img_size"] == 518
+    with pytest.raises(ValueError, match="unknown ElsaVGGT config"):
+        ElsaVGGT.from_config("vggt_huge")
+    with pytest.raises(ValueError, match="patch_embed"):
+        _small(patch_embed="resnet")
+    with pytest.raises(ValueError, match="intermediate_layer_idx"):
+        _small(intermediate_layer_idx=(0, 1, 2, 5))
+    with pytest.raises(ValueError, match="images"):
+        _small()(torch.rand(1, 2, 4, 28, 28))
+    model = _small()
+    model.set_attention(backend="torch", precision="ieee")
+    assert all(
+        m.backend == "torch" and m.precision == "ieee" for m in model.modules() if isinstance(m, Attention)
+    )
+    with pytest.raises(ValueError, match="unknown backend"):
+        model.set_attention(backend="cuda")
