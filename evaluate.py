@@ -14,9 +14,16 @@ os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__))
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    from elsa_vision.evaluate import evaluate
+    from elsa_vision.evaluate import TASKS, evaluate, evaluate_zeroshot
     from elsa_vision.utils.run import print_json_line
 
+    task = cfg.get("task", "classification")
+    if task not in TASKS:
+        raise ValueError(f"unknown task={task!r}; expected one of {', '.join(TASKS)}")
+    if task != "classification":
+        result = evaluate_zeroshot(cfg)
+        print_json_line({"metrics": result, "run_dir": str(cfg.paths.output_dir)})
+        return
     metrics, objects = evaluate(cfg)
     if objects["trainer"].is_global_zero:
         print_json_line(

@@ -26,7 +26,9 @@ from timm.models import load_state_dict
 from .train import instantiate_data
 from .utils.run import extras, instantiate_loggers, save_resolved_config
 
-__all__ = ["evaluate", "load_weights", "plot_confusion_matrix", "format_table"]
+__all__ = ["evaluate", "evaluate_zeroshot", "load_weights", "plot_confusion_matrix", "format_table", "TASKS"]
+
+TASKS = ("classification", "zeroshot", "embed")
 
 log = logging.getLogger(__name__)
 
@@ -173,3 +175,22 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         weights=source,
     )
     return metrics, objects
+
+
+def evaluate_zeroshot(cfg: DictConfig) -> dict[str, Any]:
+    """``task=zeroshot`` (top-1/top-5 from class-name prompts) or ``task=embed`` (image-embedding export).
+
+    Runs :func:`elsa_vision.tasks.zeroshot.run` with the ``cfg.zeroshot`` block; needs open-clip-torch
+    (``pip install elsa_vision[clip]``).
+    """
+    from omegaconf import OmegaConf
+
+    from .tasks.zeroshot import run
+
+    task = cfg.get("task", "classification")
+    if task not in ("zeroshot", "embed"):
+        raise ValueError(f"evaluate_zeroshot: task must be 'zeroshot' or 'embed', got {task!r}")
+    options = OmegaConf.to_container(cfg.zeroshot, resolve=True)
+    if not options.get("data"):
+        raise ValueError(f"task={task} needs zeroshot.data=/path/to/imagefolder (one sub-folder per class)")
+    return run(task=task, **options)

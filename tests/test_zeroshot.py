@@ -245,3 +245,28 @@ def test_cli_zeroshot_and_embed(tiny_name, image_folder, tmp_path, capsys):
     assert res["image_size"] == 48 and res["num_samples"] == 12 and res["dim"] == 32
     z = np.load(out / "embeddings.npz")
     assert z["embeddings"].shape == (12, 32) and np.isfinite(z["embeddings"]).all()
+
+
+def test_evaluate_task_zeroshot_and_embed(tiny_name, image_folder, tmp_path):
+    """evaluate.py's task=zeroshot / task=embed route through the same pipeline as the CLI."""
+    from elsa_vision.evaluate import evaluate_zeroshot
+    from tests.train_helpers import compose_cfg
+
+    torch.manual_seed(0)
+    ckpt = tmp_path / "tiny.pt"
+    torch.save(open_clip.create_model(tiny_name).state_dict(), ckpt)
+    common = [f"zeroshot.model={tiny_name}", f"zeroshot.pretrained={ckpt}", f"zeroshot.data={image_folder}",
+              "zeroshot.num_workers=0", "zeroshot.batch_size=5", "zeroshot.device=cpu"]
+    cfg = compose_cfg("eval", ["task=zeroshot", *common], tmp_path / "zs")
+    res = evaluate_zeroshot(cfg)
+    direct = run(model=tiny_name, data=str(image_folder), pretrained=str(ckpt), num_workers=0, batch_size=5,
+                 device="cpu")
+    assert res["num_samples"] == 12 and res["top1"] == direct["top1"] and res["top5"] == direct["top5"]
+    cfg = compose_cfg("eval", ["task=embed", "zeroshot.embed_format=npz", *common], tmp_path / "emb")
+    res = evaluate_zeroshot(cfg)
+    z = np.load(tmp_path / "emb" / "embeddings.npz")
+    assert z["embeddings"].shape == (12, 32) and res["num_samples"] == 12
+    with pytest.raises(ValueError, match="zeroshot.data"):
+        evaluate_zeroshot(compose_cfg("eval", ["task=zeroshot"], tmp_path / "bad"))
+    with pytest.raises(ValueError, match="task"):
+        evaluate_zeroshot(compose_cfg("eval", [], tmp_path / "cls"))
