@@ -183,7 +183,8 @@ def test_gradcheck_float64():
     kpm[0, 2] = False
     for causal in (False, True):
         assert torch.autograd.gradcheck(
-            lambda q, k, v, b: elsa_attention(q, k, v, attn_bias=b, key_padding_mask=kpm, causal=causal),
+            lambda q, k, v, b, causal=causal: elsa_attention(q, k, v, attn_bias=b, key_padding_mask=kpm,
+                                                             causal=causal),
             (q, k, v, bias))
 
 

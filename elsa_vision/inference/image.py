@@ -11,7 +11,7 @@ Usage::
         [--num-classes 1000] [--in-chans 1]
 
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
-sub-folder ``slice_XXXX`` per image when several slices/frames are selected). The last stdout line is a JSON
+sub-folder ``slice_<index>`` per image when several slices/frames are selected). The last stdout line is a JSON
 summary.
 """
 

@@ -235,7 +235,7 @@ def scan_attention(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     B, H, Nq, D = q.shape
-    Nk, Dv = k.shape[-2], v.shape[-1]
+    Nk = k.shape[-2]
     scale = D ** -0.5 if scale is None else scale
     chunk = Nq if query_chunk is None else max(1, int(query_chunk))
     nb = max(1, -(-Nk // block_size))
