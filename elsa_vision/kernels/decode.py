@@ -378,7 +378,8 @@ def elsa_decode(
             raise ValueError(f"elsa_decode: `key_padding_mask` must have shape [B, Nk] = [{B}, {Nk}], "
                              f"got {list(key_padding_mask.shape)}")
         if key_padding_mask.device != q.device:
-            raise ValueError(f"elsa_decode: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
+            raise ValueError(
+                f"elsa_decode: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
         kpm = key_padding_mask.view(torch.uint8)
     out = torch.empty((B, H, Nq, Dv), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)

@@ -180,7 +180,8 @@ def test_causal_kv_cache_steps():
     assert_matches(q, k, v, out, lse, causal=True)
     for i in range(Nq):
         n = Nk - Nq + i + 1
-        row, row_lse = elsa_decode(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n], causal=True, block_n=16, programs=5)
+        row, row_lse = elsa_decode(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n], causal=True, block_n=16,
+                                   programs=5)
         assert relerr(row, out[:, :, i:i + 1].double()) <= FP32_ACCURATE
         assert (row_lse - lse[:, :, i:i + 1]).abs().max().item() <= 1e-5 * lse.abs().max().item()
 
@@ -235,7 +236,8 @@ def test_nan_in_masked_keys_and_tail_does_not_leak(causal):
     poison[:, :, Nk:] = True  # the out-of-range tail right behind the last key
     k, v = k_big.masked_fill(poison, math.nan)[:, :, :Nk], v_big.masked_fill(poison, math.nan)[:, :, :Nk]
     out_p, lse_p = elsa_decode(q, k, v, key_padding_mask=kpm, causal=causal, block_n=32, programs=3)
-    out_c, lse_c = elsa_decode(q, k_clean, v_clean, key_padding_mask=kpm, causal=causal, block_n=32, programs=3)
+    out_c, lse_c = elsa_decode(q, k_clean, v_clean, key_padding_mask=kpm, causal=causal, block_n=32,
+                               programs=3)
     assert torch.isfinite(out_p).all()
     assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
     assert_matches(q, k_clean, v_clean, out_c, lse_c, key_padding_mask=kpm, causal=causal)
