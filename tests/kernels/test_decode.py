@@ -4,9 +4,9 @@ On CPU the kernels run in the Triton interpreter (``tests/conftest.py``) at smal
 of 16-64 keys and forced program counts, so that program ranges start and end inside heads; there every
 float32 dot is exact float32 arithmetic. ``@pytest.mark.gpu`` tests run the long-cache shapes.
 
-Thresholds (``relerr = ||out - ref64|| / ||ref64||``): float32 FP32-accurate paths <= 1e-6; float16/bfloat16
-the FlashAttention way: ``max|out - ref64| <= 2 max|out_lp - ref64| + atol`` where ``out_lp`` is the same
-attention computed by PyTorch in the low precision; lse: ``|lse - ref| <= 1e-5 max(1, |ref|)``.
+Thresholds (``relerr = ||out - ref64|| / ||ref64||``): float32 FP32-accurate paths <= 1e-6, tf32 <= 5e-3;
+float16/bfloat16 the FlashAttention way: ``max|out - ref64| <= 2 max|out_lp - ref64| + atol`` where ``out_lp``
+is the same attention computed by PyTorch in the low precision; lse: ``|lse - ref| <= 1e-5 max(1, |ref|)``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from elsa_vision.kernels.reference import scan_attention, softmax_attention  # n
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_ACCURATE = 1e-6
+TF32_BOUND = 5e-3
 LOW_ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
@@ -125,6 +126,17 @@ def test_fp32_matches_float64(B, H, Nq, Nk, D, block_n, programs, causal):
     out, lse = elsa_decode(q, k, v, causal=causal, block_n=block_n, programs=programs)
     assert out.shape == (B, H, Nq, D) and out.dtype == q.dtype
     assert_matches(q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "tf32"])
+def test_fp32_precisions(precision):
+    q, k, v = qkv(2, 2, 3, 131, 40, seed=7)
+    out, lse = elsa_decode(q, k, v, causal=True, precision=precision, block_n=32, programs=3)
+    ref, ref_lse = ref64(q, k, v, causal=True)
+    bound = TF32_BOUND if precision == "tf32" else FP32_ACCURATE
+    assert relerr(out, ref) <= bound
+    if precision != "tf32":
+        assert_lse(lse, ref_lse)
 
 
 @pytest.mark.parametrize("D,Dv", [(16, 16), (33, 20), (130, 70), (256, 256)])
