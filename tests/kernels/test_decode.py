@@ -391,3 +391,21 @@ def test_gpu_few_queries_masks(Nq):
     base = (out_lp.double() - ref).abs().max().item()
     assert err <= 2 * base + LOW_ATOL[torch.bfloat16], f"max err {err} vs low-precision torch {base}"
     assert_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_bitwise():
+    q, k, v = qkv(1, 8, 1, 65536, 128, seed=9, dtype=torch.bfloat16)
+    eager, eager_lse = elsa_decode(q, k, v, causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile, allocate) on a side stream
+        elsa_decode(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = elsa_decode(q, k, v, causal=True)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
