@@ -94,6 +94,23 @@ def test_plan_ranges_straddle_heads():
     # Many programs: one tile each.
     p = decode_plan(1, 1, 1, 50, 16, torch.float32, block_n=16, programs=99)
     assert (p.programs, p.tiles_per_program, p.max_partials) == (4, 1, 4)
+    # Every flat tile belongs to exactly one program and every (program, head) run has its own slot.
+    for bh_count in (1, 2, 5, 6):
+        for nk in (1, 15, 16, 17, 100, 700):
+            for programs in (1, 2, 3, 7, 11, 64):
+                p = decode_plan(1, bh_count, 1, nk, 16, torch.float32, block_n=16, programs=programs)
+                tpp, tph = p.tiles_per_program, p.tiles_per_head
+                assert p.programs <= programs and (p.programs - 1) * tpp < p.total_tiles <= p.programs * tpp
+                slots = set()
+                for tile in range(p.total_tiles):
+                    prog, bh = tile // tpp, tile // tph
+                    slot = prog - bh * tph // tpp
+                    assert 0 <= slot < p.max_partials
+                    slots.add((bh, slot, prog))
+                assert len({(bh, slot) for bh, slot, _ in slots}) == len(slots)
+                for bh in range(bh_count):  # the merge reads slots 0 .. last - first
+                    first, last = bh * tph // tpp, ((bh + 1) * tph - 1) // tpp
+                    assert sorted(sl for h, sl, _ in slots if h == bh) == list(range(last - first + 1))
 
 
 def test_choose_forward():
