@@ -426,3 +426,55 @@ def test_gpu_cuda_graph_replay_bitwise():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+
+
+_SM90_COMPILE = r"""
+import json
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from elsa_vision.kernels import decode
+
+names = decode._decode_kernel.arg_names
+aligned = {"Q", "K", "V", "Bias", "Kpm", "WsM", "WsS", "WsW", "stride_qb", "stride_qh", "stride_qm",
+           "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"}
+report = []
+for ptr, block_n, precision in (("*bf16", 128, "none"), ("*fp32", 64, "tf32x3")):
+    consts = dict(D=128, DV=128, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=128, BLOCK_DV=128, PRECISION=precision,
+                  CAUSAL=True, HAS_BIAS=True, HAS_KPM=True, EVEN_N=False,
+                  stride_qd=1, stride_kd=1, stride_vd=1)
+    sig = {n: "i32" for n in names}
+    sig.update({"Q": ptr, "K": ptr, "V": ptr, "Bias": "*fp32", "Kpm": "*u8", "WsM": "*fp32", "WsS": "*fp32",
+                "WsW": "*fp32", "qk_scale": "fp32"})
+    sig.update({n: "constexpr" for n in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
+    k = triton.compile(ASTSource(fn=decode._decode_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    report.append({"dtype": ptr, "shared": k.metadata.shared, "cp_async": "cp.async" in k.asm["ptx"]})
+print(json.dumps(report))
+"""
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    # The real compiler (no interpreter) down to a cubin for an H100 with the GPU defaults of the plan
+    # (bf16: 128-key tiles, fp32 tf32x3: 64-key tiles; D = 128, 3 stages, all masks): it must compile, fit
+    # the 227 KB of shared memory per block and pipeline the K/V loads (cp.async).
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton build ships no ptxas")
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + sys.path)
+    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(report) == 2
+    for entry in report:
+        assert 0 < entry["shared"] <= 232448, entry
+        assert entry["cp_async"], entry
