@@ -458,7 +458,7 @@ sig.update({"WsM": "*fp32", "WsS": "*fp32", "WsW": "*fp32", "Out": "*bf16", "Lse
 sig.update({n: "constexpr" for n in consts})
 k = triton.compile(ASTSource(fn=decode._decode_merge_kernel, signature=sig, constexprs=consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-report.append({"dtype": "merge", "shared": max(1, k.metadata.shared), "cp_async": True})
+report.append({"dtype": "merge", "shared": k.metadata.shared})
 print(json.dumps(report))
 """
 
@@ -483,6 +483,7 @@ def test_compiles_for_sm90_without_a_gpu():
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(report) == 3
-    for entry in report:
+    for entry in report[:2]:
         assert 0 < entry["shared"] <= 232448, entry
         assert entry["cp_async"], entry
+    assert report[2]["shared"] <= 232448
