@@ -136,9 +136,12 @@ def _cuda_matmul_precision(tf32: bool):
            "float scale, str precision) -> (Tensor, Tensor)",
 )
 def _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
+    from ..kernels.decode import choose_forward, elsa_decode
     from ..kernels.fwd import elsa_fwd
 
-    return elsa_fwd(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal, scale=scale,
+    B, H, Nq, _ = q.shape
+    forward = elsa_decode if choose_forward(B, H, Nq, k.shape[2], device=q.device) == "decode" else elsa_fwd
+    return forward(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal, scale=scale,
                     precision=precision)
 
 
