@@ -36,10 +36,15 @@ __all__ = [
     "elsa_fwd_varlen",
     "BwdConfig",
     "elsa_bwd",
+    "DecodePlan",
+    "decode_plan",
+    "elsa_decode",
+    "choose_forward",
 ]
 
 _FWD_EXPORTS = ("FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen")
 _BWD_EXPORTS = ("BwdConfig", "elsa_bwd")
+_DECODE_EXPORTS = ("DecodePlan", "decode_plan", "elsa_decode", "choose_forward")
 
 
 def __getattr__(name: str):
@@ -52,6 +57,10 @@ def __getattr__(name: str):
         from . import bwd
 
         return getattr(bwd, name)
+    if name in _DECODE_EXPORTS:
+        from . import decode
+
+        return getattr(decode, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
