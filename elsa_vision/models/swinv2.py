@@ -94,8 +94,9 @@ class ElsaSwinV2Attention(ElsaSwinV2WindowAttention):
 
         B_, N, C = x.shape
         q, k, v = self._qkv(x)
-        out = window_attention(q, k, v, self.logit_scale.view(-1), self.position_bias().to(q.dtype),
-                               None if mask is None else mask.to(q.dtype), precision=self.elsa_precision)
+        # Bias and mask keep their dtype (float32 under autocast): the kernel reads them as float32.
+        out = window_attention(q, k, v, self.logit_scale.view(-1), self.position_bias(), mask,
+                               precision=self.elsa_precision)
         x = out.transpose(1, 2).reshape(B_, N, C)
         x = self.proj(x)
         return self.proj_drop(x)

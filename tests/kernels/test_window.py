@@ -196,3 +196,16 @@ def test_gpu_swin_shapes(window, H, D, B, nW, dtype):
         assert relerr(out, ref) <= LOWP_FACTOR * relerr(lp, ref)
         for a, b, c in zip(grads, ref_grads, lp_grads):
             assert relerr(a, b) <= LOWP_FACTOR * relerr(c, b)
+
+
+def test_opcheck_and_compile():
+    """Schema, fake tensor, autograd registration of the custom op; ``torch.compile(fullgraph=True)`` traces
+    it without a graph break and gives the eager result."""
+    q, k, v, ls, bias, mask = make_inputs(3, 5, 2, 16, 2, True, grid=(1, 2))
+    args = (q.contiguous().requires_grad_(True), k.contiguous(), v.contiguous(), ls.requires_grad_(True),
+            bias.contiguous().requires_grad_(True), mask, "ieee")
+    torch.library.opcheck(torch.ops.elsa_vision.window_attention_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    eager = window_attention(*args[:6], precision="ieee")
+    compiled = torch.compile(lambda *a: window_attention(*a, precision="ieee"), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(*args[:6]), eager)
