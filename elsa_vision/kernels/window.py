@@ -53,15 +53,16 @@ def _window_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOWS: tl.constexpr, PRECISION: tl.constexpr,
     HAS_MASK: tl.constexpr,
 ):
-    """Grid ``(m_tiles * H, cdiv(Bw, WINDOWS))``: axis 0 = (head, query tile), query tiles of one head
-    adjacent so that they share the head's bias rows in L2; axis 1 = a group of ``WINDOWS`` windows.
+    """Grid ``(cdiv(Bw, WINDOWS), m_tiles * H)``: axis 0 = a group of ``WINDOWS`` windows (the long axis:
+    no 65535 limit; consecutive programs are consecutive windows of one head and query tile, so they read
+    the same bias rows from L2), axis 1 = (head, query tile).
 
     Writes ``Out [Bw, H, N, DV]`` (input dtype) and ``Lse [Bw, H, N]`` (float32, natural log).
     """
-    pid = tl.program_id(0)
+    pid_w = tl.program_id(0)
+    pid = tl.program_id(1)
     pid_m = pid % m_tiles
     off_h = pid // m_tiles
-    pid_w = tl.program_id(1)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -207,7 +208,7 @@ def window_fwd(
     has_mask = mask is not None
     mask_arg = mask if has_mask else bias
     m_strides = mask.stride() if has_mask else (0, 0, 0)
-    grid = (m_tiles * H, triton.cdiv(Bw, cfg["WINDOWS"]))
+    grid = (triton.cdiv(Bw, cfg["WINDOWS"]), m_tiles * H)
     _window_fwd_kernel[grid](
         q, k, v, logit_scale, bias, mask_arg, out, lse,
         *q.stride(), *k.stride(), *v.stride(), logit_scale.stride(0), *bias.stride(), *m_strides,
