@@ -247,3 +247,38 @@ def test_triton_backend_matches_timm():
             assert err <= bound, f"{name}: {err:.2e} > {bound:.1e} (timm float32 {err32:.2e})"
             checked += 1
     assert checked == 9 * sum(SMALL["depths"])
+
+
+def test_non_square_windows_and_image_triton():
+    """Window (6, 10) on a 96x160 image: stage maps 24x40, 12x20, 6x10 (shifted by (3, 5)) and 3x5 (window
+    clipped to the map), fused W-ELSA op in every block; fp32 forward ``<= 1e-5`` against timm."""
+    ref = SwinTransformerV2(img_size=(96, 160), **dict(SMALL, window_size=(6, 10)))
+    _randomize(ref)
+    ref.eval()
+    assert ref.layers[3].blocks[0].window_size == (3, 5) and ref.layers[1].blocks[1].shift_size == (3, 5)
+    model = ElsaSwinV2.from_timm(ref, attn_backend="triton", attn_precision="ieee").eval()
+    x = torch.randn(2, 3, 96, 160)
+    with torch.no_grad():
+        assert _rel(model(x), ref(x)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["swinv2_tiny_window8_256", "swinv2_small_window16_256"])
+def test_gpu_full_model_matches_timm(name):
+    """Full-size models on CUDA (default ``auto`` backend: the W-ELSA op, ``tf32x3``) against timm in float64:
+    fp32 forward ``<= 1e-5``; bfloat16 autocast forward ``<= 3x`` timm's own bfloat16 autocast error."""
+    import copy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = timm.create_model(name)
+    _randomize(ref)
+    ref = ref.cuda().eval()
+    ref64 = copy.deepcopy(ref).double()
+    model = ElsaSwinV2.from_timm(ref).eval()
+    x = torch.randn(4, 3, 256, 256, device="cuda")
+    with torch.no_grad():
+        want = ref64(x.double())
+        assert _rel(model(x).double(), want) <= 1e-5
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got_bf, ref_bf = model(x), ref(x)
+        assert _rel(got_bf.double(), want) <= 3 * _rel(ref_bf.double(), want)
