@@ -192,6 +192,8 @@ def window_fwd(
 
     Returns:
         ``(out [B*nW, H, N, Dv]`` in q's dtype, ``lse [B*nW, H, N]`` float32 natural-log log-sum-exp).
+        ``out`` is stored as ``[B*nW, N, H, Dv]`` (a transposed view), so that
+        ``out.transpose(1, 2).reshape(B*nW, N, H*Dv)``, the input of the output projection, is free.
     """
     _check(q, k, v, logit_scale, bias, mask)
     Bw, H, N, D = q.shape
@@ -199,7 +201,7 @@ def window_fwd(
     prec = resolve_precision(precision, q.dtype, q.device)
     if q.device.type == "cpu" and q.dtype != torch.float32:
         prec = "upcast"  # the interpreter has no half dot
-    out = torch.empty((Bw, H, N, Dv), dtype=q.dtype, device=q.device)
+    out = torch.empty((Bw, N, H, Dv), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((Bw, H, N), dtype=torch.float32, device=q.device)
     if Bw == 0 or N == 0:
         return out, lse

@@ -39,7 +39,8 @@ def _window_fwd(q, k, v, logit_scale, bias, mask, precision):
 @_window_fwd.register_fake
 def _window_fwd_fake(q, k, v, logit_scale, bias, mask, precision):
     Bw, H, N, _ = q.shape
-    return q.new_empty(Bw, H, N, v.shape[-1]), q.new_empty(Bw, H, N, dtype=torch.float32)
+    out = q.new_empty(Bw, N, H, v.shape[-1]).transpose(1, 2)  # the kernel's layout (window_fwd)
+    return out, q.new_empty(Bw, H, N, dtype=torch.float32)
 
 
 def _normalized(q: Tensor, k: Tensor, logit_scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -111,7 +112,8 @@ def window_attention(
         precision: float32 dot precision, one of ``("auto", "ieee", "tf32x3", "tf32")``.
 
     Returns:
-        ``[B*nW, H, N, Dv]`` in q's dtype. Differentiable in q, k, v, logit_scale and bias.
+        ``[B*nW, H, N, Dv]`` in q's dtype, stored as ``[B*nW, N, H, Dv]`` (``.transpose(1, 2)`` of it is
+        contiguous). Differentiable in q, k, v, logit_scale and bias.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"window_attention: unknown `precision` {precision!r}; expected one of {PRECISIONS}")

@@ -117,6 +117,7 @@ def test_several_windows_per_program_with_tail():
     ref = reference(*(t.double() for t in (q, k, v, ls, bias)), mask.double())
     assert relerr(out, ref) <= FWD_BOUND
     assert torch.isfinite(lse).all()
+    assert out.transpose(1, 2).is_contiguous()  # [B*nW, N, H, Dv]: the projection's input, no copy
 
 
 def test_bfloat16_forward():
