@@ -154,7 +154,12 @@ def _check(q, k, v, logit_scale, bias, mask):
         raise TypeError(f"window_fwd: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"window_fwd: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.is_cuda and isinstance(_window_fwd_kernel, triton.runtime.JITFunction):
+        raise ValueError(f"window_fwd: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                         f"triton is imported), got device {q.device}")
     Bw, H, N, D = q.shape
+    if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
+        raise ValueError(f"window_fwd: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
     if k.shape != (Bw, H, N, D) or v.shape[:3] != (Bw, H, N):
         raise ValueError(f"window_fwd: k must be {(Bw, H, N, D)} and v [{Bw}, {H}, {N}, Dv], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")

@@ -3,12 +3,14 @@
 Forward: one Triton launch over all windows (:func:`elsa_vision.kernels.window.window_fwd`: q/k normalisation,
 per-head logit scale, shared ``[H, N, N]`` bias and ``[nW, N, N]`` shift mask read by stride).
 
-Backward: the normalised, scaled ``q``/``k`` are recomputed and the attention gradients come from the ELSA
-backward (``elsa_vision::attention_bwd``) in the folded window layout ``[B, nW*H, N, D]`` with the bias plus
-mask as one ``[1, nW*H, N, N]`` ``attn_bias`` (the per-window bias is never expanded over the batch); the
-bias gradient is reduced from the saved log-sum-exp (``attention_bias_grad``) and summed over the windows;
-the normalisation and the clamped ``exp`` of ``logit_scale`` are differentiated by autograd. So gradients
-reach ``q``, ``k``, ``v``, ``logit_scale`` and the bias (hence ``cpb_mlp``); the mask gets none.
+Backward: the normalised, scaled ``q``/``k`` are recomputed; the gradients of ``q``, ``k``, ``v`` come from the
+ELSA backward (``elsa_vision::attention_bwd``) in the folded window layout ``[B, nW*H, N, D]`` with bias plus
+mask as one ``[1, nW*H, N, N]`` ``attn_bias`` (per window, never expanded over the batch), then through the
+normalisation by autograd. The bias gradient ``dS = P (dP - rowsum(P dP))`` is recomputed densely per window
+in chunks of images (windows hold at most a few hundred tokens) and summed over the images; the
+``logit_scale`` gradient comes from the same ``dS`` as ``sum dS (L - rowmax L)`` (``L`` the scaled cosine
+logits), which avoids the cancellation of the ``dq . q`` route. Gradients reach ``q``, ``k``, ``v``,
+``logit_scale`` and the bias (hence ``cpb_mlp``); the mask gets none.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.reference import attention_bias_grad
 from .attention import PRECISIONS
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
@@ -50,6 +51,33 @@ def _normalized(q: Tensor, k: Tensor, logit_scale: Tensor) -> tuple[Tensor, Tens
     return qn.to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype)
 
 
+def _bias_and_scale_grads(dout: Tensor, qn: Tensor, kn: Tensor, v: Tensor, full: Tensor, nW: int,
+                          max_elements: int = 1 << 24) -> tuple[Tensor, Tensor]:
+    """``dS = P * (dP - rowsum(P * dP))`` of every window, recomputed densely from ``qn``, ``kn`` in chunks of
+    whole images (at most ``max_elements`` scores at a time); returns ``(dfull [nW, H, N, N], dscale [H])`` in
+    float32: the bias gradient summed over the images and ``sum dS * L`` with ``L = qn . kn``, the
+    logit-scale gradient before the clamp. Each row's logits are shifted by their maximum before that sum
+    (``sum_j dS_ij = 0``): the products then carry no common offset of up to 100 that would cancel.
+    """
+    Bw, H, N, _ = qn.shape
+    B = Bw // nW
+    full5 = full.float().reshape(1, nW, H, N, N)
+    chunk = max(1, max_elements // max(1, nW * H * N * N))
+    dfull = torch.zeros(nW, H, N, N, dtype=torch.float32, device=qn.device)
+    dscale = torch.zeros(H, dtype=torch.float32, device=qn.device)
+    for b0 in range(0, B, chunk):
+        b1 = min(B, b0 + chunk)
+        rows = slice(b0 * nW, b1 * nW)
+        qc, kc, vc, dc = (t[rows].float() for t in (qn, kn, v, dout))
+        logits = (qc @ kc.transpose(-2, -1)).view(b1 - b0, nW, H, N, N)
+        p = (logits + full5).softmax(-1)
+        dp = (dc @ vc.transpose(-2, -1)).view(b1 - b0, nW, H, N, N)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        dfull += ds.sum(0)
+        dscale += (ds * (logits - logits.amax(-1, keepdim=True))).sum((0, 1, 3, 4))
+    return dfull, dscale
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, logit_scale, bias, mask, precision = inputs
     out, lse = output
@@ -64,7 +92,7 @@ def _backward(ctx, dout, _dlse):
     nW = 1 if mask is None else mask.shape[0]
     B = Bw // nW
     full = bias.unsqueeze(0) if mask is None else bias.unsqueeze(0) + mask.to(bias.dtype).unsqueeze(1)
-    full = full.to(q.dtype).reshape(1, nW * H, N, N)
+    full = full.to(q.dtype)  # [nW, H, N, N]: per window, never per image
 
     def fold(t: Tensor) -> Tensor:  # [B*nW, H, N, X] -> [B, nW*H, N, X]: windows of one image become heads
         return t.reshape(B, nW * H, *t.shape[2:])
@@ -73,16 +101,21 @@ def _backward(ctx, dout, _dlse):
     with torch.enable_grad():
         qd, kd, lsd = (t.detach().requires_grad_(True) for t in (q, k, logit_scale))
         qn, kn = _normalized(qd, kd, lsd)
-    args = (fold(qn.detach()), fold(kn.detach()), fold(v), fold(out), fold(lse))
-    dqn, dkn, dv, _ = torch.ops.elsa_vision.attention_bwd(
-        fold(dout.contiguous()), *args[:4], args[4], full, None, False, 1.0, ctx.precision, False)
-    dq = dk = dls = dbias = None
-    if need_q or need_k or need_ls:
-        dq, dk, dls = torch.autograd.grad(
-            (qn, kn), (qd, kd, lsd), (dqn.reshape(qn.shape), dkn.reshape(kn.shape)), allow_unused=True)
-    if need_bias:
-        dfull = attention_bias_grad(fold(dout), *args, full, scale=1.0)
-        dbias = dfull.reshape(nW, H, N, N).sum(0).to(bias.dtype)
+    dout = dout.contiguous()
+    dq = dk = dv = dls = dbias = None
+    if need_q or need_k or need_v:
+        dqn, dkn, dv, _ = torch.ops.elsa_vision.attention_bwd(
+            fold(dout), fold(qn.detach()), fold(kn.detach()), fold(v), fold(out), fold(lse),
+            full.reshape(1, nW * H, N, N), None, False, 1.0, ctx.precision, False)
+        if need_q or need_k:
+            dq, dk = torch.autograd.grad((qn, kn), (qd, kd), (dqn.reshape(qn.shape), dkn.reshape(kn.shape)))
+    if need_bias or need_ls:
+        dfull, dscale = _bias_and_scale_grads(dout, qn.detach(), kn.detach(), v, full, nW)
+        if need_bias:
+            dbias = dfull.sum(0).to(bias.dtype)
+        if need_ls:
+            # L = exp(min(logit_scale, log 100)) cos: dL / dlogit_scale = L where the clamp is inactive.
+            dls = (dscale * (logit_scale.float() <= LOGIT_SCALE_MAX)).to(logit_scale.dtype)
     return (dq if need_q else None, dk if need_k else None, dv.reshape(v.shape) if need_v else None,
             dls if need_ls else None, dbias, None, None)
 
