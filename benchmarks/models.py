@@ -37,7 +37,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
-
 from timm.models.swin_transformer_v2 import SwinTransformerV2  # noqa: E402
 
 from elsa_vision import ElsaViT  # noqa: E402
@@ -187,7 +186,8 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny smoke cases (CPU-friendly)")
-    p.add_argument("--cases", default="", help="regex on 'model/img/batch/dtype' selecting cases (mode: fwd|train)")
+    p.add_argument("--cases", default="",
+                   help="regex on 'model/img/batch/dtype/mode' (mode: fwd | train) selecting cases")
     p.add_argument("--precision", default="auto", help="ElsaViT attn_precision for float32")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> str:
         torch.backends.cudnn.allow_tf32 = False
     cases = QUICK_CASES if args.quick else CASES
     if args.cases:
-        cases = [c for c in cases if re.search(args.cases, f"{c.model}/{c.img}/{c.batch}/{c.dtype}/{_mode(c)}")]
+        cases = [c for c in cases
+                 if re.search(args.cases, f"{c.model}/{c.img}/{c.batch}/{c.dtype}/{_mode(c)}")]
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
     reps = args.reps if args.reps is not None else (3 if args.quick else 30)
 

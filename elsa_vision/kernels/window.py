@@ -83,7 +83,8 @@ def _window_fwd_kernel(
         b64 = tl.minimum(b, Bw - 1).to(tl.int64)
         row_ok = row_in & b_ok
 
-        q_ptrs = Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm
+                  + offs_d[None, :] * stride_qd)
         q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
         q_norm = tl.maximum(tl.sqrt(tl.sum(q * q, 1)), _NORM_EPS)
         qn = (q * (q_scale / q_norm)[:, None]).to(Q.dtype.element_ty)
@@ -110,7 +111,8 @@ def _window_fwd_kernel(
             tile_ok = row_in[:, None] & col_ok[None, :]
             add = tl.load(bias_rows + cols64[None, :] * stride_bn, mask=tile_ok, other=0.0).to(tl.float32)
             if HAS_MASK:
-                add += tl.load(mask_rows + cols64[None, :] * stride_mn, mask=tile_ok, other=0.0).to(tl.float32)
+                add += tl.load(mask_rows + cols64[None, :] * stride_mn, mask=tile_ok,
+                               other=0.0).to(tl.float32)
             scores = scores + add * _LOG2E
             scores = tl.where(col_ok[None, :], scores, float("-inf"))
             m_i, s_i, acc = fold_tile(m_i, s_i, acc, scores, v, PRECISION)
@@ -155,8 +157,8 @@ def _check(q, k, v, logit_scale, bias, mask):
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"window_fwd: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.is_cuda and isinstance(_window_fwd_kernel, triton.runtime.JITFunction):
-        raise ValueError(f"window_fwd: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
-                         f"triton is imported), got device {q.device}")
+        raise ValueError(f"window_fwd: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
+                         f"before triton is imported), got device {q.device}")
     Bw, H, N, D = q.shape
     if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
         raise ValueError(f"window_fwd: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")

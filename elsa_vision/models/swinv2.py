@@ -164,8 +164,8 @@ class ElsaSwinV2(SwinTransformerV2):
             src: a timm ``SwinTransformerV2`` instance (deep-copied, ``src`` untouched) or a timm model name
                 such as ``"swinv2_tiny_window8_256"`` (built with ``**kwargs``: ``img_size``,
                 ``window_size``, ``strict_img_size``, ``num_classes`` ...).
-            checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, converted by
-                timm's swinv2 ``checkpoint_filter_fn`` (original Microsoft layout, non-persistent buffers
+            checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, converted
+                by timm's swinv2 ``checkpoint_filter_fn`` (original Microsoft layout, non-persistent buffers
                 dropped, patch embedding resampled). A checkpoint of another window size loads as well: the
                 ``cpb_mlp`` weights are window independent (pass ``pretrained_window_sizes`` as timm does).
             attn_backend, attn_precision: see :class:`ElsaSwinV2`.
@@ -224,7 +224,8 @@ default_cfgs = generate_default_cfgs({
     "elsa_swinv2_small_window16_256": _cfg(),
     "elsa_swinv2_base_window8_256": _cfg(),
     "elsa_swinv2_base_window16_256": _cfg(),
-    "elsa_swinv2_base_window12to24_192to384": _cfg(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0),
+    "elsa_swinv2_base_window12to24_192to384": _cfg(
+        input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0),
 })
 
 
@@ -263,7 +264,8 @@ def elsa_swinv2_small_window8_256(pretrained: bool = False, **kwargs) -> ElsaSwi
 @register_model
 def elsa_swinv2_small_window16_256(pretrained: bool = False, **kwargs) -> ElsaSwinV2:
     args = dict(window_size=16, **_SMALL)
-    return _create_elsa_swinv2("elsa_swinv2_small_window16_256", pretrained=pretrained, **dict(args, **kwargs))
+    return _create_elsa_swinv2(
+        "elsa_swinv2_small_window16_256", pretrained=pretrained, **dict(args, **kwargs))
 
 
 @register_model

@@ -3,11 +3,11 @@
 Forward: one Triton launch over all windows (:func:`elsa_vision.kernels.window.window_fwd`: q/k normalisation,
 per-head logit scale, shared ``[H, N, N]`` bias and ``[nW, N, N]`` shift mask read by stride).
 
-Backward: the normalised, scaled ``q``/``k`` are recomputed; the gradients of ``q``, ``k``, ``v`` come from the
-ELSA backward (``elsa_vision::attention_bwd``) in the folded window layout ``[B, nW*H, N, D]`` with bias plus
-mask as one ``[1, nW*H, N, N]`` ``attn_bias`` (per window, never expanded over the batch), then through the
-normalisation by autograd. The bias gradient ``dS = P (dP - rowsum(P dP))`` is recomputed densely per window
-in chunks of images (windows hold at most a few hundred tokens) and summed over the images; the
+Backward: the normalised, scaled ``q``/``k`` are recomputed; the gradients of ``q``, ``k``, ``v`` come from
+the ELSA backward (``elsa_vision::attention_bwd``) in the folded window layout ``[B, nW*H, N, D]`` with bias
+plus mask as one ``[1, nW*H, N, N]`` ``attn_bias`` (per window, never expanded over the batch), then through
+the normalisation by autograd. The bias gradient ``dS = P (dP - rowsum(P dP))`` is recomputed densely per
+window in chunks of images (windows hold at most a few hundred tokens) and summed over the images; the
 ``logit_scale`` gradient comes from the same ``dS`` as ``sum dS (L - rowmax L)`` (``L`` the scaled cosine
 logits), which avoids the cancellation of the ``dq . q`` route. Gradients reach ``q``, ``k``, ``v``,
 ``logit_scale`` and the bias (hence ``cpb_mlp``); the mask gets none.
@@ -45,7 +45,7 @@ def _window_fwd_fake(q, k, v, logit_scale, bias, mask, precision):
 
 
 def _normalized(q: Tensor, k: Tensor, logit_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """The kernel's logits operands: ``normalize(q) * exp(min(logit_scale, log 100))`` and ``normalize(k)``."""
+    """The kernel's logit operands: ``normalize(q) * exp(min(logit_scale, log 100))``, ``normalize(k)``."""
     scale = torch.clamp(logit_scale.float(), max=LOGIT_SCALE_MAX).exp().view(1, -1, 1, 1)
     qn = F.normalize(q.float(), dim=-1) * scale
     return qn.to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype)

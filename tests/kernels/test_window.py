@@ -90,8 +90,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0][0]}x{c[0][1]}_h{c[1]}_d{c[2]}_b{c[3]}_s{int(c[4])}"
-                         + ("_ls" if len(c) > 5 else ""))
+def _case_id(c) -> str:
+    return f"{c[0][0]}x{c[0][1]}_h{c[1]}_d{c[2]}_b{c[3]}_s{int(c[4])}" + ("_ls" if len(c) > 5 else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_forward_and_grads_match_float64(case):
     window, H, D, B, shift = case[:5]
     q, k, v, ls, bias, mask = make_inputs(*window, H, D, B, shift)
@@ -213,7 +216,8 @@ def test_opcheck_and_compile():
     torch.library.opcheck(torch.ops.elsa_vision.window_attention_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     eager = window_attention(*args[:6], precision="ieee")
-    compiled = torch.compile(lambda *a: window_attention(*a, precision="ieee"), fullgraph=True, backend="eager")
+    compiled = torch.compile(lambda *a: window_attention(*a, precision="ieee"), fullgraph=True,
+                             backend="eager")
     assert torch.equal(compiled(*args[:6]), eager)
 
 

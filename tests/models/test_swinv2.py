@@ -64,8 +64,7 @@ def test_registered_layout_equals_timm(name):
     want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     assert got == want
     attns = [m for m in model.modules() if isinstance(m, ElsaSwinV2Attention)]
-    assert len(attns) == sum(ref.layers[i].depth if hasattr(ref.layers[i], "depth") else len(ref.layers[i].blocks)
-                             for i in range(len(ref.layers)))
+    assert len(attns) == sum(len(stage.blocks) for stage in ref.layers)
     assert [m.window_size for m in attns] == [b.window_size for s in ref.layers for b in s.blocks]
 
 
@@ -167,7 +166,8 @@ def test_features_only_matches_timm():
     x = torch.randn(1, 3, 256, 256)
     with torch.no_grad():
         got, want = model(x), ref(x)
-    assert [tuple(t.shape) for t in got] == [(1, 64, 64, 24), (1, 32, 32, 48), (1, 16, 16, 96), (1, 8, 8, 192)]
+    shapes = [(1, 64, 64, 24), (1, 32, 32, 48), (1, 16, 16, 96), (1, 8, 8, 192)]
+    assert [tuple(t.shape) for t in got] == shapes
     for g, w in zip(got, want):
         assert _rel(g, w) <= 1e-5
 
@@ -231,8 +231,8 @@ def test_triton_backend_matches_timm():
         got, want, want64 = model(x), ref(x), ref64(x.double())
         assert len(calls) == sum(SMALL["depths"])
         assert _rel(got, want64) <= 1e-5
-        for m, inp, ww in ((model, got, w), (ref, want, w), (ref64, want64, w.double())):
-            (inp * ww).sum().backward()
+        for out, ww in ((got, w), (want, w), (want64, w.double())):
+            (out * ww).sum().backward()
     finally:
         wa.window_attention = real
     ours, timm32 = dict(model.named_parameters()), dict(ref.named_parameters())
