@@ -266,16 +266,20 @@ def test_gpu_full_model_matches_timm(name):
     fp32 forward ``<= 1e-5``; bfloat16 autocast forward ``<= 3x`` timm's own bfloat16 autocast error."""
     import copy
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     ref = timm.create_model(name)
     _randomize(ref)
     ref = ref.cuda().eval()
     ref64 = copy.deepcopy(ref).double()
     model = ElsaSwinV2.from_timm(ref).eval()
     x = torch.randn(4, 3, 256, 256, device="cuda")
-    with torch.no_grad():
-        want = ref64(x.double())
-        assert _rel(model(x).double(), want) <= 1e-5
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            got_bf, ref_bf = model(x), ref(x)
-        assert _rel(got_bf.double(), want) <= 3 * _rel(ref_bf.double(), want)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # IEEE float32 for the linear layers of both models
+    try:
+        with torch.no_grad():
+            want = ref64(x.double())
+            assert _rel(model(x).double(), want) <= 1e-5
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                got_bf, ref_bf = model(x), ref(x)
+            assert _rel(got_bf.double(), want) <= 3 * _rel(ref_bf.double(), want)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
