@@ -1,10 +1,13 @@
-"""Full-model forward: timm's ViT as shipped vs the same weights in ElsaViT, in one run.
+"""Full models: timm's ViT and Swin-v2 as shipped vs the same weights in ElsaViT / ElsaSwinV2, in one run.
 
-For every case the timm model is built once (random init, eval, no grad) and measured three ways:
+For every case the timm model is built once (random init) and measured as a forward (eval, no grad) or, for
+``train`` cases, a training step (train mode, forward + backward of a mean-square loss):
 
-* ``timm_sdpa``  -- timm as shipped (``fused_attn``: ``F.scaled_dot_product_attention``),
-* ``timm_math``  -- the same module with ``fused_attn = False`` (timm's explicit softmax path),
-* ``elsa``       -- ``ElsaViT.from_timm(model)``: identical weights, ELSA attention.
+* ``timm_sdpa``  -- timm as shipped (ViT: ``fused_attn``, ``F.scaled_dot_product_attention``; Swin-v2: its
+  ``WindowAttention``, which always forms the softmax explicitly),
+* ``timm_math``  -- ViT only: the same module with ``fused_attn = False`` (timm's explicit softmax path),
+* ``elsa``       -- ``ElsaViT.from_timm(model)`` / ``ElsaSwinV2.from_timm(model)``: identical weights, ELSA
+  attention (Swin-v2 on CUDA: the fused W-ELSA window op).
 
 Reported per peer: images/s and median ms per batch, peak allocated memory of one forward (CUDA), and the max
 absolute deviation of the logits from ``timm_sdpa``. Rows go to
@@ -34,11 +37,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
+from timm.models.swin_transformer_v2 import SwinTransformerV2  # noqa: E402
 
 from elsa_vision import ElsaViT  # noqa: E402
+from elsa_vision.models import ElsaSwinV2  # noqa: E402
 
 COLUMNS = ["device", "torch", "triton", "date", "model", "img", "batch", "dtype", "peer", "img_per_s", "ms",
-           "peak_mb", "max_dev"]
+           "peak_mb", "max_dev", "mode"]
 PEERS = ("timm_sdpa", "timm_math", "elsa")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,6 +56,7 @@ class Case:
     dtype: str
     goal: float = 1.0  # elsa img/s over timm_sdpa img/s to reach
     mem_goal: bool = False  # elsa peak memory must not exceed timm_sdpa's
+    train: bool = False  # time a training step (forward + backward) instead of an inference forward
     kwargs: dict = field(default_factory=dict, hash=False)
 
 
@@ -62,6 +68,11 @@ CASES = [
     Case("vit_small_patch16_224", 1024, 2, "fp32", goal=1.35, mem_goal=True),
     Case("vit_base_patch16_224", 448, 8, "bf16", goal=1.0),
     Case("vit_base_patch16_224", 896, 2, "bf16", goal=1.0),
+    # W-ELSA (Swin-v2 window attention), goals vs timm as shipped.
+    Case("swinv2_tiny_window8_256", 256, 8, "fp32", goal=1.1),
+    Case("swinv2_small_window16_256", 256, 8, "fp32", goal=1.1),
+    Case("swinv2_tiny_window8_256", 256, 8, "bf16", goal=1.0),
+    Case("swinv2_tiny_window8_256", 256, 8, "fp32", goal=1.0, train=True),
 ]
 
 # Smoke run: tiny models and images, every code path (fp32 + bf16, several sequence lengths).
@@ -69,7 +80,14 @@ QUICK_CASES = [
     Case("vit_tiny_patch16_224", 64, 2, "fp32", kwargs=dict(depth=2)),
     Case("vit_small_patch16_224", 96, 2, "fp32", kwargs=dict(depth=2)),
     Case("vit_tiny_patch16_224", 64, 2, "bf16", kwargs=dict(depth=2)),
+    Case("swinv2_tiny_window8_256", 64, 2, "fp32", kwargs=dict(depths=(1, 2, 1, 1), embed_dim=24)),
+    Case("swinv2_tiny_window8_256", 64, 2, "fp32", train=True,
+         kwargs=dict(depths=(1, 2, 1, 1), embed_dim=24, drop_path_rate=0.0)),
 ]
+
+
+def _mode(case: Case) -> str:
+    return "train" if case.train else "fwd"
 
 
 def _sync(device: torch.device) -> None:
@@ -104,9 +122,15 @@ def peak_forward_mb(fn, device: torch.device) -> float:
 
 
 def build_peers(case: Case, precision: str) -> dict[str, torch.nn.Module]:
-    """The three peers on the CPU, sharing one set of random weights."""
+    """The peers on the CPU, sharing one set of random weights (Swin-v2 has no fused timm path: two peers)."""
     torch.manual_seed(0)
     timm_model = timm.create_model(case.model, img_size=case.img, **case.kwargs).eval()
+    if isinstance(timm_model, SwinTransformerV2):
+        # timm zero-initialises the res-post-norm weights, which would hide the attention from max_dev.
+        for name, p in timm_model.named_parameters():
+            if name.endswith(("norm1.weight", "norm2.weight")):
+                torch.nn.init.ones_(p)
+        return {"timm_sdpa": timm_model, "elsa": ElsaSwinV2.from_timm(timm_model, attn_precision=precision)}
     math_model = copy.deepcopy(timm_model)
     for blk in math_model.blocks:
         blk.attn.fused_attn = False
@@ -118,11 +142,16 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
     peers = build_peers(case, precision)
     x = torch.randn(case.batch, 3, case.img, case.img, device=device, dtype=DTYPES[case.dtype])
     rows, ref = [], None
-    for name in PEERS:
+    for name in (p for p in PEERS if p in peers):
         # One model on the device at a time: peak memory is that of the peer alone (weights + activations).
-        model = peers[name].to(device=device, dtype=DTYPES[case.dtype])
+        model = peers[name].to(device=device, dtype=DTYPES[case.dtype]).train(case.train)
 
         def fwd(model=model):
+            if case.train:
+                out = model(x)
+                out.float().square().mean().backward()
+                model.zero_grad(set_to_none=True)
+                return out.detach()
             with torch.inference_mode():
                 return model(x)
 
@@ -157,7 +186,8 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny smoke cases (CPU-friendly)")
-    p.add_argument("--cases", default="", help="regex on 'model/img/batch/dtype' selecting cases")
+    p.add_argument("--cases", default="",
+                   help="regex on 'model/img/batch/dtype/mode' (mode: fwd | train) selecting cases")
     p.add_argument("--precision", default="auto", help="ElsaViT attn_precision for float32")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
@@ -173,7 +203,8 @@ def main(argv: list[str] | None = None) -> str:
         torch.backends.cudnn.allow_tf32 = False
     cases = QUICK_CASES if args.quick else CASES
     if args.cases:
-        cases = [c for c in cases if re.search(args.cases, f"{c.model}/{c.img}/{c.batch}/{c.dtype}")]
+        cases = [c for c in cases
+                 if re.search(args.cases, f"{c.model}/{c.img}/{c.batch}/{c.dtype}/{_mode(c)}")]
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
     reps = args.reps if args.reps is not None else (3 if args.quick else 30)
 
@@ -195,24 +226,25 @@ def main(argv: list[str] | None = None) -> str:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for case in cases:
-            print(f"{case.model} img {case.img} batch {case.batch} {case.dtype}", flush=True)
+            print(f"{case.model} img {case.img} batch {case.batch} {case.dtype} {_mode(case)}", flush=True)
             rows = run_case(case, device, warmup, reps, args.precision)
             for r in rows:
                 values = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}
                 writer.writerow(dict(meta, model=case.model, img=case.img, batch=case.batch, dtype=case.dtype,
-                                     **values))
+                                     mode=_mode(case), **values))
             f.flush()
             results.append((case, {r["peer"]: r for r in rows}))
 
     print(f"\nratios (elsa vs timm), {label}, torch {torch.__version__}, triton {triton_version}")
-    print(f"{'case':40s} {'vs sdpa':>8s} {'goal':>6s} {'vs math':>8s} {'mem/sdpa':>9s}  status")
+    print(f"{'case':46s} {'vs timm':>8s} {'goal':>6s} {'vs math':>8s} {'mem/timm':>9s}  status")
+    nan_row = dict(img_per_s=math.nan)
     for case, r in results:
-        e, s, m = r["elsa"], r["timm_sdpa"], r["timm_math"]
+        e, s, m = r["elsa"], r["timm_sdpa"], r.get("timm_math", nan_row)
         speed = e["img_per_s"] / s["img_per_s"]
         mem = e["peak_mb"] / s["peak_mb"] if s["peak_mb"] == s["peak_mb"] else math.nan
         ok = speed >= case.goal and (not case.mem_goal or not mem > 1.0)
-        name = f"{case.model} {case.img}px b{case.batch} {case.dtype}"
-        print(f"{name:40s} {speed:8.3f} {case.goal:6.2f} {e['img_per_s'] / m['img_per_s']:8.3f} {mem:9.3f}  "
+        name = f"{case.model} {case.img}px b{case.batch} {case.dtype}{' train' if case.train else ''}"
+        print(f"{name:46s} {speed:8.3f} {case.goal:6.2f} {e['img_per_s'] / m['img_per_s']:8.3f} {mem:9.3f}  "
               f"{'meets goal' if ok else 'below goal'}")
     print(f"\nwrote {path}")
     return path

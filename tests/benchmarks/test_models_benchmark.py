@@ -19,8 +19,8 @@ def _load():
 
 def test_quick_cpu_run_writes_csv(tmp_path):
     bench = _load()
-    assert len(bench.CASES) == 6 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
-    path = bench.main(["--device", "cpu", "--quick", "--cases", "tiny.*fp32", "--out", str(tmp_path),
+    assert len(bench.CASES) == 10 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
+    path = bench.main(["--device", "cpu", "--quick", "--cases", "vit_tiny.*fp32", "--out", str(tmp_path),
                        "--warmup", "0", "--reps", "1"])
     rows = list(csv.DictReader(open(path)))
     assert Path(path).name.startswith("models_cpu_")
@@ -30,3 +30,20 @@ def test_quick_cpu_run_writes_csv(tmp_path):
         assert float(r["img_per_s"]) > 0 and math.isnan(float(r["peak_mb"]))
         # Same weights, FP32-accurate attention on both sides: logits agree to float32 rounding.
         assert float(r["max_dev"]) < 1e-4
+
+
+def test_quick_cpu_swinv2_rows(tmp_path):
+    bench = _load()
+    swin = [c for c in bench.CASES if c.model.startswith("swinv2")]
+    assert {c.model for c in swin} == {"swinv2_tiny_window8_256", "swinv2_small_window16_256"}
+    assert any(c.train for c in swin)
+    path = bench.main(["--device", "cpu", "--quick", "--cases", "swinv2", "--out", str(tmp_path),
+                       "--warmup", "0", "--reps", "1"])
+    rows = list(csv.DictReader(open(path)))
+    assert [(r["peer"], r["mode"]) for r in rows] == [("timm_sdpa", "fwd"), ("elsa", "fwd"),
+                                                      ("timm_sdpa", "train"), ("elsa", "train")]
+    for r in rows:
+        assert float(r["img_per_s"]) > 0
+        assert float(r["max_dev"]) < 1e-4
+    # The attention reaches the logits (res-post-norm weights set to one): ELSA and timm differ by rounding.
+    assert 0 < float(rows[1]["max_dev"])

@@ -1,0 +1,228 @@
+"""W-ELSA forward in Triton: Swin-v2 window attention over all windows of a batch in one launch.
+
+For every window ``b`` (of ``B*nW``), head ``h`` and query row ``i`` of the ``N`` window tokens::
+
+    out[b, h, i] = softmax_j( cos(q_bi, k_bj) * exp(min(logit_scale[h], log 100))
+                              + bias[h, i, j] + mask[b % nW, i, j] ) @ v[b, h]
+
+as Swin Transformer V2 (timm ``swin_transformer_v2.WindowAttention``): q and k are L2-normalised in the
+kernel, ``bias [H, N, N]`` (``16 sigmoid(cpb_mlp(coords))[index]``) is shared by every window and read by
+stride (never expanded per window), the shifted-window mask ``[nW, N, N]`` (0 / -100) is read at window
+index ``b % nW`` (timm's layout ``B*nW`` with the window index fastest).
+
+Each program owns one query tile of ``BLOCK_M`` rows of one head and ``WINDOWS`` consecutive windows; for each
+window it folds the key tiles of ``BLOCK_N`` keys into per-row ``(m, S, W)`` states with
+``monoid.fold_tile`` and finalises ``W / S`` (a window of at most 576 tokens is one partition: no split, no
+workspace). ``WINDOWS > 1`` keeps the program count near a few waves of the GPU when there are many small
+windows. Windows of any token count ``N`` (49, 64, 144, 256, 576, non-square) are covered by masked tiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .fwd import _device_info, resolve_precision
+from .monoid import fold_tile, matmul
+
+__all__ = ["window_fwd", "window_plan", "LOGIT_SCALE_MAX"]
+
+LOGIT_SCALE_MAX = math.log(1.0 / 0.01)  # timm's clamp of the per-head logit scale: exp(.) <= 100
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+_NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps: x / max(|x|, eps)
+
+
+@triton.jit
+def _window_fwd_kernel(
+    Q, K, V, LogitScale, Bias, Mask, Out, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ls,
+    stride_bh, stride_bm, stride_bn,
+    stride_mw, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    Bw, H, N, nW, m_tiles, logit_max,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOWS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """Grid ``(cdiv(Bw, WINDOWS), m_tiles * H)``: axis 0 = a group of ``WINDOWS`` windows (the long axis:
+    no 65535 limit; consecutive programs are consecutive windows of one head and query tile, so they read
+    the same bias rows from L2), axis 1 = (head, query tile).
+
+    Writes ``Out [Bw, H, N, DV]`` (input dtype) and ``Lse [Bw, H, N]`` (float32, natural log).
+    """
+    pid_w = tl.program_id(0)
+    pid = tl.program_id(1)
+    pid_m = pid % m_tiles
+    off_h = pid // m_tiles
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_in = offs_m < N
+    rows64 = tl.minimum(offs_m, N - 1).to(tl.int64)
+    h64 = off_h.to(tl.int64)
+
+    # Per-head scale of the normalised logits, base 2: exp(min(logit_scale, log 100)) * log2(e).
+    ls = tl.load(LogitScale + h64 * stride_ls).to(tl.float32)
+    q_scale = tl.exp(tl.minimum(ls, logit_max)) * _LOG2E
+    bias_rows = Bias + h64 * stride_bh + rows64[:, None] * stride_bm
+
+    for w in range(WINDOWS):
+        b = pid_w * WINDOWS + w
+        b_ok = b < Bw
+        b64 = tl.minimum(b, Bw - 1).to(tl.int64)
+        row_ok = row_in & b_ok
+
+        q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm
+                  + offs_d[None, :] * stride_qd)
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+        q_norm = tl.maximum(tl.sqrt(tl.sum(q * q, 1)), _NORM_EPS)
+        qn = (q * (q_scale / q_norm)[:, None]).to(Q.dtype.element_ty)
+
+        k_base = K + b64 * stride_kb + h64 * stride_kh
+        v_base = V + b64 * stride_vb + h64 * stride_vh
+        if HAS_MASK:
+            mask_rows = Mask + (b64 % nW) * stride_mw + rows64[:, None] * stride_mm
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for start_n in range(0, N, BLOCK_N):
+            cols = start_n + offs_n
+            col_ok = cols < N
+            cols64 = cols.to(tl.int64)
+            kt = tl.load(k_base + cols64[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                         mask=(offs_d[:, None] < D) & col_ok[None, :], other=0.0).to(tl.float32)
+            k_norm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 0)), _NORM_EPS)
+            kn = (kt / k_norm[None, :]).to(K.dtype.element_ty)
+            v = tl.load(v_base + cols64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                        mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            scores = matmul(qn, kn, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+            tile_ok = row_in[:, None] & col_ok[None, :]
+            add = tl.load(bias_rows + cols64[None, :] * stride_bn, mask=tile_ok, other=0.0).to(tl.float32)
+            if HAS_MASK:
+                add += tl.load(mask_rows + cols64[None, :] * stride_mn, mask=tile_ok,
+                               other=0.0).to(tl.float32)
+            scores = scores + add * _LOG2E
+            scores = tl.where(col_ok[None, :], scores, float("-inf"))
+            m_i, s_i, acc = fold_tile(m_i, s_i, acc, scores, v, PRECISION)
+
+        # Every row sees at least its own key (bias and mask are finite): s_i >= 1.
+        out = acc / s_i[:, None]
+        lse = (m_i + tl.math.log2(s_i)) * _LN2
+        o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + rows64[:, None] * stride_om
+                  + offs_dv[None, :] * stride_od)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(Lse + b64 * stride_lb + h64 * stride_lh + rows64 * stride_lm, lse, mask=row_ok)
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(int(x)))
+
+
+def window_plan(Bw: int, H: int, N: int, D: int, Dv: int, dtype: torch.dtype, device) -> dict:
+    """Launch options of :func:`window_fwd`: tiles, windows per program, warps.
+
+    ``BLOCK_M`` covers a 49/64-token window in one tile (larger windows take 64-row tiles); ``WINDOWS`` is the
+    largest power of two <= 8 that still leaves at least four programs per SM.
+    """
+    sms, _, _ = _device_info(device)
+    block_m = 64 if N > 32 else 32
+    big = max(_pow2(D), _pow2(Dv))
+    block_n = 32 if big > 64 or dtype == torch.float32 and big > 32 else 64
+    m_tiles = triton.cdiv(N, block_m)
+    windows = 1
+    while windows < 8 and m_tiles * H * triton.cdiv(Bw, 2 * windows) >= 4 * sms:
+        windows *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, WINDOWS=windows, num_warps=4, num_stages=2)
+
+
+def _check(q, k, v, logit_scale, bias, mask):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"window_fwd: `{name}` must be a 4-D tensor [B*nW, H, N, D], got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"window_fwd: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"window_fwd: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.is_cuda and isinstance(_window_fwd_kernel, triton.runtime.JITFunction):
+        raise ValueError(f"window_fwd: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
+                         f"before triton is imported), got device {q.device}")
+    Bw, H, N, D = q.shape
+    if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
+        raise ValueError(f"window_fwd: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
+    if k.shape != (Bw, H, N, D) or v.shape[:3] != (Bw, H, N):
+        raise ValueError(f"window_fwd: k must be {(Bw, H, N, D)} and v [{Bw}, {H}, {N}, Dv], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if logit_scale.shape != (H,):
+        raise ValueError(f"window_fwd: `logit_scale` must be [{H}], got {tuple(logit_scale.shape)}")
+    if bias.shape != (H, N, N):
+        raise ValueError(f"window_fwd: `bias` must be [{H}, {N}, {N}], got {tuple(bias.shape)}")
+    if mask is not None:
+        if mask.dim() != 3 or mask.shape[1:] != (N, N) or mask.shape[0] < 1 or Bw % mask.shape[0]:
+            raise ValueError(f"window_fwd: `mask` must be [nW, {N}, {N}] with nW dividing {Bw}, got "
+                             f"{tuple(mask.shape)}")
+    for name, t in (("k", k), ("v", v), ("logit_scale", logit_scale), ("bias", bias), ("mask", mask)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"window_fwd: `{name}` is on {t.device}, q on {q.device}")
+
+
+def window_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    logit_scale: Tensor,
+    bias: Tensor,
+    mask: Tensor | None = None,
+    precision: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Swin-v2 window attention forward.
+
+    Args:
+        q, k: ``[B*nW, H, N, D]``; v: ``[B*nW, H, N, Dv]``; any strides (views of a fused qkv); float16,
+            bfloat16 or float32. Not normalised: the kernel L2-normalises q and k per row.
+        logit_scale: ``[H]``, the raw parameter; ``exp(min(logit_scale, log 100))`` multiplies the cosines.
+        bias: ``[H, N, N]`` additive bias shared by all windows (any strides, e.g. a permuted view).
+        mask: ``[nW, N, N]`` additive shift mask, window ``b`` uses ``mask[b % nW]``; or None.
+        precision: float32 dot precision ``"auto" | "ieee" | "tf32x3" | "tf32"`` (ignored for half inputs).
+
+    Returns:
+        ``(out [B*nW, H, N, Dv]`` in q's dtype, ``lse [B*nW, H, N]`` float32 natural-log log-sum-exp).
+        ``out`` is stored as ``[B*nW, N, H, Dv]`` (a transposed view), so that
+        ``out.transpose(1, 2).reshape(B*nW, N, H*Dv)``, the input of the output projection, is free.
+    """
+    _check(q, k, v, logit_scale, bias, mask)
+    Bw, H, N, D = q.shape
+    Dv = v.shape[-1]
+    prec = resolve_precision(precision, q.dtype, q.device)
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        prec = "upcast"  # the interpreter has no half dot
+    out = torch.empty((Bw, N, H, Dv), dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty((Bw, H, N), dtype=torch.float32, device=q.device)
+    if Bw == 0 or N == 0:
+        return out, lse
+    cfg = window_plan(Bw, H, N, D, Dv, q.dtype, q.device)
+    m_tiles = triton.cdiv(N, cfg["BLOCK_M"])
+    has_mask = mask is not None
+    mask_arg = mask if has_mask else bias
+    m_strides = mask.stride() if has_mask else (0, 0, 0)
+    grid = (triton.cdiv(Bw, cfg["WINDOWS"]), m_tiles * H)
+    _window_fwd_kernel[grid](
+        q, k, v, logit_scale, bias, mask_arg, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), logit_scale.stride(0), *bias.stride(), *m_strides,
+        *out.stride(), *lse.stride(),
+        Bw, H, N, mask.shape[0] if has_mask else 1, m_tiles, LOGIT_SCALE_MAX,
+        D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), PRECISION=prec, HAS_MASK=has_mask, **cfg,
+    )
+    return out, lse

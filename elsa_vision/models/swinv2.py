@@ -1,0 +1,287 @@
+"""ElsaSwinV2: timm's ``SwinTransformerV2`` with ELSA window attention.
+
+Swin Transformer V2 ("Scaling Up Capacity and Resolution", https://arxiv.org/abs/2111.09883) as timm
+implements it: patch embedding, res-post-norm blocks with (shifted) windows, PatchMerging, classifier head are
+timm's own modules. Only each block's ``WindowAttention`` changes class (same parameters and buffers), so the
+state_dict is exactly timm's and timm checkpoints load unchanged through timm's ``checkpoint_filter_fn``.
+
+Inside a window the attention is
+
+    softmax(cos(q, k) * exp(min(logit_scale, log 100)) + 16 sigmoid(cpb_mlp(coords))[index] + shift_mask) @ v
+
+computed by the W-ELSA op (:func:`elsa_vision.ops.window_attention.window_attention`, one Triton launch over
+all windows, the bias and shift mask read by stride) when the backend resolves to ``"triton"`` (CUDA), and by
+:func:`elsa_vision.elsa_attention` with the bias as ``attn_bias`` otherwise (CPU, float64, attention dropout).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import swin_transformer_v2 as _timm_swinv2
+from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
+from torch import Tensor, nn
+
+from ..ops.attention import BACKENDS, PRECISIONS, resolve_backend
+from ..patching import ElsaSwinV2WindowAttention
+from ._builder import LoadReport, load_checkpoint
+
+__all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
+
+_LOGIT_SCALE_MAX = math.log(1.0 / 0.01)
+
+
+def _check_attention_options(who: str, backend: str, precision: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"{who}: unknown attn_backend {backend!r}; expected one of {BACKENDS}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{who}: unknown attn_precision {precision!r}; expected one of {PRECISIONS}")
+
+
+class ElsaSwinV2Attention(ElsaSwinV2WindowAttention):
+    """timm Swin v2 ``WindowAttention`` (same parameters and buffers) computed by ELSA.
+
+    ``forward(x [B*nW, N, C], mask [nW, N, N] (0 / -100) | None) -> [B*nW, N, C]``. Backend ``"triton"``
+    (what ``"auto"`` resolves to on CUDA without attention dropout) runs the fused W-ELSA op: q/k
+    normalisation, per-head logit scale, ``16 sigmoid(cpb)`` bias ``[H, N, N]`` and the shift mask in one
+    launch. Other backends run :class:`~elsa_vision.patching.ElsaSwinV2WindowAttention`'s path.
+    """
+
+    @classmethod
+    def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
+        """Turn a timm Swin v2 ``WindowAttention`` (or an ELSA one) into ``cls`` in place; weights kept."""
+        _check_attention_options(cls.__name__, backend, precision)
+        if not isinstance(module, _timm_swinv2.WindowAttention):
+            raise TypeError(f"{cls.__name__}.convert: expected a timm swin_transformer_v2.WindowAttention, "
+                            f"got {type(module).__name__}")
+        module.__class__ = cls
+        module.elsa_backend = backend
+        module.elsa_precision = precision
+        return module
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B_, N, _ = x.shape
+        if self.q_bias is None:
+            qkv = self.qkv(x)
+        else:
+            qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+            if getattr(self, "qkv_bias_separate", False):
+                qkv = self.qkv(x) + qkv_bias
+            else:
+                qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+        qkv = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        return qkv.unbind(0)
+
+    def position_bias(self) -> Tensor:
+        """``16 sigmoid(cpb_mlp(relative_coords_table))[relative_position_index]`` as ``[H, N, N]``."""
+        N = self.relative_position_index.shape[0]
+        table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
+        bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
+        return 16 * torch.sigmoid(bias)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        if resolve_backend(self.elsa_backend, x, dropout_p) != "triton" or dropout_p > 0:
+            return super().forward(x, mask)
+        from ..ops.window_attention import window_attention
+
+        B_, N, C = x.shape
+        q, k, v = self._qkv(x)
+        # Bias and mask keep their dtype (float32 under autocast): the kernel reads them as float32.
+        out = window_attention(q, k, v, self.logit_scale.view(-1), self.position_bias(), mask,
+                               precision=self.elsa_precision)
+        x = out.transpose(1, 2).reshape(B_, N, C)
+        x = self.proj(x)
+        return self.proj_drop(x)
+
+
+class ElsaSwinV2(SwinTransformerV2):
+    """A timm ``SwinTransformerV2`` whose window attentions are :class:`ElsaSwinV2Attention`.
+
+    Everything else is timm's: ``img_size`` / ``strict_img_size=False`` (any input size: feature maps padded
+    to the window multiple, shift masks built per call, as timm), per-stage ``window_size``,
+    ``pretrained_window_sizes`` (the ``relative_coords_table`` of a window fine-tuned from a smaller one is
+    normalised by the pretraining window, so ``cpb_mlp`` weights transfer to any window), windows clipped to
+    the stage resolution (shift 0 there), ``set_input_size``, ``forward_intermediates`` and
+    ``features_only`` through ``timm.create_model``.
+
+    Args:
+        attn_backend: ``"auto"`` (W-ELSA Triton op on CUDA, torch otherwise), ``"torch"``, ``"triton"``.
+        attn_precision: float32 precision (``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32"``).
+        **kwargs: ``timm.models.swin_transformer_v2.SwinTransformerV2`` arguments.
+
+    Shapes: ``forward(x: [B, in_chans, H, W]) -> [B, num_classes]``; ``forward_features -> [B, H/32, W/32,
+    num_features]`` (NHWC, timm's layout).
+    """
+
+    load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
+
+    def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto", **kwargs):
+        _check_attention_options("ElsaSwinV2", attn_backend, attn_precision)
+        super().__init__(*args, **kwargs)
+        self._elsa_convert(attn_backend, attn_precision)
+
+    def _elsa_convert(self, backend: str, precision: str) -> None:
+        n = 0
+        for m in self.modules():
+            if isinstance(m, _timm_swinv2.WindowAttention):
+                ElsaSwinV2Attention.convert(m, backend=backend, precision=precision)
+                n += 1
+        if n == 0:
+            raise TypeError("ElsaSwinV2: the model has no Swin v2 WindowAttention to convert")
+
+    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
+        """Choose the ELSA backend/precision of every window attention."""
+        _check_attention_options("ElsaSwinV2.set_attention", backend or "auto", precision or "auto")
+        for m in self.modules():
+            if isinstance(m, ElsaSwinV2Attention):
+                if backend is not None:
+                    m.elsa_backend = backend
+                if precision is not None:
+                    m.elsa_precision = precision
+
+    @classmethod
+    def from_timm(
+        cls,
+        src: SwinTransformerV2 | str,
+        checkpoint_path: str | os.PathLike | None = None,
+        *,
+        attn_backend: str = "auto",
+        attn_precision: str = "auto",
+        strict: bool = True,
+        **kwargs: Any,
+    ) -> ElsaSwinV2:
+        """An ``ElsaSwinV2`` with the configuration and weights of a timm Swin v2.
+
+        Args:
+            src: a timm ``SwinTransformerV2`` instance (deep-copied, ``src`` untouched) or a timm model name
+                such as ``"swinv2_tiny_window8_256"`` (built with ``**kwargs``: ``img_size``,
+                ``window_size``, ``strict_img_size``, ``num_classes`` ...).
+            checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, converted
+                by timm's swinv2 ``checkpoint_filter_fn`` (original Microsoft layout, non-persistent buffers
+                dropped, patch embedding resampled). A checkpoint of another window size loads as well: the
+                ``cpb_mlp`` weights are window independent (pass ``pretrained_window_sizes`` as timm does).
+            attn_backend, attn_precision: see :class:`ElsaSwinV2`.
+            strict: missing or unexpected checkpoint keys raise ``ValueError``; with ``strict=False`` they are
+                kept in ``model.load_report``. Shape mismatches always raise ``ValueError`` naming the key.
+
+        Returns:
+            The ``ElsaSwinV2`` in the train/eval mode of the source (eval for a name).
+        """
+        _check_attention_options("ElsaSwinV2.from_timm", attn_backend, attn_precision)
+        report = None
+        if isinstance(src, str):
+            model = timm.create_model(src, pretrained=False, **kwargs)
+            if not isinstance(model, SwinTransformerV2):
+                raise TypeError(
+                    f"ElsaSwinV2.from_timm: {src!r} builds a {type(model).__name__}, not a SwinTransformerV2")
+            if checkpoint_path is not None:
+                report = load_checkpoint(model, checkpoint_path, checkpoint_filter_fn, strict=strict)
+            model.eval()
+        elif isinstance(src, nn.Module):
+            if kwargs:
+                raise TypeError(
+                    f"ElsaSwinV2.from_timm: model kwargs {sorted(kwargs)} only apply when src is a model "
+                    f"name; a model instance keeps its own configuration")
+            if checkpoint_path is not None:
+                raise TypeError("ElsaSwinV2.from_timm: checkpoint_path only applies when src is a model name")
+            if type(src) not in (SwinTransformerV2, cls):
+                raise TypeError(
+                    f"ElsaSwinV2.from_timm: src must be a timm SwinTransformerV2 (exact class), got "
+                    f"{type(src).__name__}; use elsa_vision.patch_attention for other models")
+            model = copy.deepcopy(src)
+        else:
+            raise TypeError(
+                f"ElsaSwinV2.from_timm: src must be a timm model name or SwinTransformerV2, got {type(src)}")
+        model.__class__ = cls
+        model._elsa_convert(attn_backend, attn_precision)
+        model.load_report = report
+        return model
+
+
+def _cfg(**kwargs):
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 256, 256), "pool_size": (8, 8),
+        "crop_pct": 0.9, "interpolation": "bicubic", "fixed_input_size": True,
+        "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225),
+        "first_conv": "patch_embed.proj", "classifier": "head.fc", "license": "mit", **kwargs,
+    }
+
+
+# Weights are local files: timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path))
+# (timm's checkpoint files for the same names without the ``elsa_`` prefix load unchanged).
+default_cfgs = generate_default_cfgs({
+    "elsa_swinv2_tiny_window8_256": _cfg(),
+    "elsa_swinv2_tiny_window16_256": _cfg(),
+    "elsa_swinv2_small_window8_256": _cfg(),
+    "elsa_swinv2_small_window16_256": _cfg(),
+    "elsa_swinv2_base_window8_256": _cfg(),
+    "elsa_swinv2_base_window16_256": _cfg(),
+    "elsa_swinv2_base_window12to24_192to384": _cfg(
+        input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0),
+})
+
+
+def _create_elsa_swinv2(variant: str, pretrained: bool = False, **kwargs) -> ElsaSwinV2:
+    default_out_indices = tuple(range(len(kwargs.get("depths", (1, 1, 1, 1)))))
+    out_indices = kwargs.pop("out_indices", default_out_indices)
+    return build_model_with_cfg(
+        ElsaSwinV2, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices), **kwargs,
+    )
+
+
+_TINY = dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24))
+_SMALL = dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24))
+_BASE = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32))
+
+
+@register_model
+def elsa_swinv2_tiny_window8_256(pretrained: bool = False, **kwargs) -> ElsaSwinV2:
+    args = dict(window_size=8, **_TINY)
+    return _create_elsa_swinv2("elsa_swinv2_tiny_window8_256", pretrained=pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def elsa_swinv2_tiny_window16_256(pretrained: bool = False, **kwargs) -> ElsaSwinV2:
+    args = dict(window_size=16, **_TINY)
+    return _create_elsa_swinv2("elsa_swinv2_tiny_window16_256", pretrained=pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def elsa_swinv2_small_window8_256(pretrained: bool = False, **kwargs) -> ElsaSwinV2:
+    args = dict(window_size=8, **_SMALL)
+    return _create_elsa_swinv2("elsa_swinv2_small_window8_256", pretrained=pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def elsa_swinv2_small_window16_256(pretrained: bool = False, **kwargs) -> ElsaSwinV2:
+    args = dict(window_size=16, **_SMALL)
+    return _create_elsa_swinv2(
+        "elsa_swinv2_small_window16_256", pretrained=pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def elsa_swinv2_base_window8_256(pretrained: bool = False, **kwargs) -> ElsaSwinV2:
+    args = dict(window_size=8, **_BASE)
+    return _create_elsa_swinv2("elsa_swinv2_base_window8_256", pretrained=pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def elsa_swinv2_base_window16_256(pretrained: bool = False, **kwargs) -> ElsaSwinV2:
+    args = dict(window_size=16, **_BASE)
+    return _create_elsa_swinv2("elsa_swinv2_base_window16_256", pretrained=pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def elsa_swinv2_base_window12to24_192to384(pretrained: bool = False, **kwargs) -> ElsaSwinV2:
+    args = dict(window_size=24, pretrained_window_sizes=(12, 12, 12, 6), **_BASE)
+    return _create_elsa_swinv2(
+        "elsa_swinv2_base_window12to24_192to384", pretrained=pretrained, **dict(args, **kwargs))

@@ -1,0 +1,235 @@
+"""W-ELSA (``window_attention``: Triton forward, ELSA backward) against a float64 Swin-v2 reference.
+
+Runs the kernels under the CPU interpreter at small odd windows (7x7, 8x8, 12x12, 6x10, shifted and not);
+the ``gpu`` tests take Swin-T/S/B window shapes. Relative Frobenius errors ``||x - ref|| / ||ref||``:
+
+* forward, float32: ``<= 5e-6`` (measured 5e-7 to 8e-7, the same as PyTorch's own float32 of this math).
+* gradients, float32: ``<= 3e-5``. The logits reach ``100 cos + 16 sigmoid`` (and -200 with the mask): one
+  float32 rounding of a logit near 116 is ~7e-6 absolute, which the probabilities and the gradients inherit
+  (measured 1e-6 to 6e-6, PyTorch's own float32 of this math 1e-6 to 4e-5 on the logit_scale gradient).
+* bfloat16 forward: ``<= 3x`` the error of PyTorch's bfloat16 computation of the same math.
+* the torch path of the bias / logit-scale chain (``ElsaSwinV2Attention``, backend torch) passes
+  ``torch.autograd.gradcheck`` in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
+
+from elsa_vision.kernels.window import window_fwd, window_plan  # noqa: E402
+from elsa_vision.models.swinv2 import ElsaSwinV2Attention  # noqa: E402
+from elsa_vision.ops.window_attention import window_attention  # noqa: E402
+
+from ..helpers import relerr  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FWD_BOUND = 5e-6
+GRAD_BOUND = 3e-5
+LOWP_FACTOR = 3.0
+
+
+def reference(q, k, v, logit_scale, bias, mask):
+    """Swin-v2 window attention as timm writes it (dense scores), in the inputs' dtype."""
+    attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+    attn = attn * torch.clamp(logit_scale, max=math.log(100.0)).exp().view(1, -1, 1, 1) + bias.unsqueeze(0)
+    if mask is not None:
+        nW = mask.shape[0]
+        attn = (attn.view(-1, nW, *attn.shape[1:]) + mask.to(attn.dtype)[None, :, None]).view(attn.shape)
+    return attn.softmax(-1) @ v
+
+
+def shift_mask(wh: int, ww: int, nh: int, nw: int) -> torch.Tensor:
+    """timm's shifted-window mask (0 / -100) for an ``(nh*wh) x (nw*ww)`` map shifted by half a window."""
+    H, W = nh * wh, nw * ww
+    img = torch.zeros(H, W)
+    cnt = 0
+    for hs in ((0, -wh), (-wh, -(wh // 2)), (-(wh // 2), None)):
+        for ws in ((0, -ww), (-ww, -(ww // 2)), (-(ww // 2), None)):
+            img[hs[0]:hs[1], ws[0]:ws[1]] = cnt
+            cnt += 1
+    win = img.view(nh, wh, nw, ww).permute(0, 2, 1, 3).reshape(nh * nw, wh * ww)
+    diff = win.unsqueeze(1) - win.unsqueeze(2)
+    return torch.where(diff != 0, -100.0, 0.0)
+
+
+def make_inputs(wh, ww, H, D, B, shift, dtype=torch.float32, grid=(2, 2)):
+    """q, k, v as strided views of one fused qkv, a permuted ``[H, N, N]`` bias view (as the model passes)."""
+    N = wh * ww
+    nW = grid[0] * grid[1] if shift else 1
+    Bw = B * nW
+    qkv = torch.randn(Bw, N, 3, H, D, device=DEVICE).to(dtype)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    logit_scale = torch.tensor([1.0, 5.0, 2.3, 3.9][:H], device=DEVICE)  # 5.0 > log 100: clamped
+    bias = (16 * torch.sigmoid(torch.randn(N, N, H, device=DEVICE))).permute(2, 0, 1).to(dtype)
+    mask = shift_mask(wh, ww, *grid).to(DEVICE) if shift else None
+    return q, k, v, logit_scale, bias, mask
+
+
+CASES = [
+    # (wh, ww), H, D, B, shifted
+    ((7, 7), 3, 32, 2, True),
+    ((7, 7), 2, 24, 3, False),
+    ((8, 8), 2, 16, 2, True),
+    ((8, 8), 3, 32, 1, False),
+    ((12, 12), 2, 24, 1, True),
+    ((6, 10), 3, 16, 2, True),
+    ((8, 8), 3, 32, 2, False, (4.6, 4.6, 4.6)),  # every head at the clamp's edge: logits near 100
+]
+
+
+def _case_id(c) -> str:
+    return f"{c[0][0]}x{c[0][1]}_h{c[1]}_d{c[2]}_b{c[3]}_s{int(c[4])}" + ("_ls" if len(c) > 5 else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_forward_and_grads_match_float64(case):
+    window, H, D, B, shift = case[:5]
+    q, k, v, ls, bias, mask = make_inputs(*window, H, D, B, shift)
+    if len(case) > 5:
+        ls = torch.tensor(case[5], device=DEVICE)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, ls, bias)]
+    out = window_attention(*leaves, mask, precision="ieee")
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = reference(*ref_leaves, None if mask is None else mask.double())
+    assert relerr(out, ref) <= FWD_BOUND
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, g)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, g.double())
+    for name, a, b in zip(("q", "k", "v", "logit_scale", "bias"), grads, ref_grads):
+        assert a.shape == b.shape, name
+        assert relerr(a, b) <= GRAD_BOUND, f"{name}: {relerr(a, b):.3e}"
+    if len(case) == 5:  # logit_scale[1] = 5 is above the clamp: no gradient there, as torch.clamp.
+        assert ref_grads[3][1] == 0 and grads[3][1] == 0
+
+
+def test_several_windows_per_program_with_tail():
+    """18 windows at 4 per program (2 in the last group): every window written, none twice."""
+    q, k, v, ls, bias, mask = make_inputs(4, 4, 4, 16, 2, True, grid=(3, 3))
+    assert q.shape[0] == 18
+    cfg = window_plan(18, 4, 16, 16, 16, torch.float32, torch.device("cpu"))
+    assert cfg["WINDOWS"] == 4
+    out, lse = window_fwd(q, k, v, ls, bias, mask, "ieee")
+    ref = reference(*(t.double() for t in (q, k, v, ls, bias)), mask.double())
+    assert relerr(out, ref) <= FWD_BOUND
+    assert torch.isfinite(lse).all()
+    assert out.transpose(1, 2).is_contiguous()  # [B*nW, N, H, Dv]: the projection's input, no copy
+
+
+def test_bfloat16_forward():
+    q, k, v, ls, bias, mask = make_inputs(7, 7, 2, 32, 2, True, dtype=torch.bfloat16)
+    out = window_attention(q, k, v, ls, bias, mask)
+    assert out.dtype == torch.bfloat16
+    ref = reference(*(t.double() for t in (q, k, v, ls, bias)), mask.double())
+    lowp = reference(q, k, v, ls.to(torch.bfloat16), bias, mask.to(torch.bfloat16))
+    assert relerr(out, ref) <= LOWP_FACTOR * relerr(lowp, ref)
+
+
+def test_bias_and_logit_scale_chain_gradcheck():
+    """float64 gradcheck of the torch path: logit_scale, cpb_mlp weights (through 16 sigmoid and the index
+    gather) and the input, with a shift mask on a 3x3 window."""
+    torch.manual_seed(2)
+    attn = WindowAttention(dim=8, window_size=(3, 3), num_heads=2).double()
+    with torch.no_grad():
+        attn.logit_scale.copy_(torch.tensor([1.5, 2.5]).view(2, 1, 1))
+        attn.q_bias.normal_()
+        attn.v_bias.normal_()
+    ElsaSwinV2Attention.convert(attn, backend="torch")
+    mask = shift_mask(3, 3, 1, 2).double()
+    x = torch.randn(4, 9, 8, dtype=torch.float64)
+    names = ["logit_scale", "cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"]
+    params = dict(attn.named_parameters())
+
+    def f(x, *vals):
+        return torch.func.functional_call(attn, {**params, **dict(zip(names, vals))}, (x, mask))
+
+    inputs = (x.requires_grad_(True), *(params[n].detach().clone().requires_grad_(True) for n in names))
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
+
+
+def test_bad_inputs():
+    q, k, v, ls, bias, mask = make_inputs(4, 4, 2, 16, 2, True)
+    with pytest.raises(ValueError, match="bias"):
+        window_attention(q, k, v, ls, bias[:, :-1], mask)
+    with pytest.raises(ValueError, match="mask"):
+        window_attention(q, k, v, ls, bias, mask[:3])
+    with pytest.raises(ValueError, match="logit_scale"):
+        window_attention(q, k, v, ls[:1], bias, mask)
+    with pytest.raises(ValueError, match="k must be"):
+        window_attention(q, k[:, :, :-1], v, ls, bias, mask)
+    with pytest.raises(TypeError, match="dtype"):
+        window_attention(q.double(), k.double(), v.double(), ls, bias, mask)
+    with pytest.raises(ValueError, match="precision"):
+        window_attention(q, k, v, ls, bias, mask, precision="fp8")
+    with pytest.raises(ValueError, match="4-D"):
+        window_attention(q[0], k, v, ls, bias, mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,H,D,B,nW", [((8, 8), 3, 32, 8, 64), ((16, 16), 6, 32, 8, 16),
+                                               ((24, 24), 4, 32, 2, 4), ((7, 7), 12, 32, 4, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_swin_shapes(window, H, D, B, nW, dtype):
+    """Swin-v2 T/S/B window shapes on CUDA, forward and gradients (float32: the bounds above; bfloat16: 3x
+    PyTorch's bfloat16 error)."""
+    wh, ww = window
+    grid = (int(math.isqrt(nW)), nW // int(math.isqrt(nW)))
+    q, k, v, ls, bias, mask = make_inputs(wh, ww, H, D, B, True, dtype=dtype, grid=grid)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, ls, bias)]
+    out = window_attention(*leaves, mask)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = reference(*ref_leaves, mask.double())
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, g)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, g.double())
+    if dtype == torch.float32:
+        assert relerr(out, ref) <= FWD_BOUND
+        for a, b in zip(grads, ref_grads):
+            assert relerr(a, b) <= GRAD_BOUND
+    else:
+        lp_leaves = [t.detach().clone().to(dtype).requires_grad_(True) for t in leaves]
+        lp = reference(*lp_leaves, mask.to(dtype))
+        lp_grads = torch.autograd.grad(lp, lp_leaves, g)
+        assert relerr(out, ref) <= LOWP_FACTOR * relerr(lp, ref)
+        for a, b, c in zip(grads, ref_grads, lp_grads):
+            assert relerr(a, b) <= LOWP_FACTOR * relerr(c, b)
+
+
+def test_opcheck_and_compile():
+    """Schema, fake tensor, autograd registration of the custom op; ``torch.compile(fullgraph=True)`` traces
+    it without a graph break and gives the eager result."""
+    q, k, v, ls, bias, mask = make_inputs(3, 5, 2, 16, 2, True, grid=(1, 2))
+    args = (q.contiguous().requires_grad_(True), k.contiguous(), v.contiguous(), ls.requires_grad_(True),
+            bias.contiguous().requires_grad_(True), mask, "ieee")
+    torch.library.opcheck(torch.ops.elsa_vision.window_attention_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    eager = window_attention(*args[:6], precision="ieee")
+    compiled = torch.compile(lambda *a: window_attention(*a, precision="ieee"), fullgraph=True,
+                             backend="eager")
+    assert torch.equal(compiled(*args[:6]), eager)
+
+
+def test_bias_grad_chunks_over_images():
+    """The dense dS pass of the backward bounds its memory by chunks of whole images: one image at a time
+    gives the single-chunk result (float32 summation order only)."""
+    from elsa_vision.ops.window_attention import _bias_and_scale_grads
+
+    q, k, v, ls, bias, mask = make_inputs(5, 3, 2, 16, 3, True, grid=(2, 2))
+    full = bias.unsqueeze(0) + mask.unsqueeze(1)
+    dout = torch.randn(q.shape[0], 2, 15, 16, device=DEVICE)
+    one = _bias_and_scale_grads(dout, q, k, v, full, 4)
+    per_image = _bias_and_scale_grads(dout, q, k, v, full, 4, max_elements=1)
+    for a, b in zip(per_image, one):
+        assert relerr(a, b) <= 1e-6
