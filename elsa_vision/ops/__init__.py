@@ -1,6 +1,8 @@
-"""Public functional ops (custom-op registration and autograd live here)."""
+"""Public functional ops (custom-op registration and autograd live here).
+
+The Swin-v2 window op is ``elsa_vision.ops.window_attention.window_attention``.
+"""
 
 from .attention import BACKENDS, PRECISIONS, elsa_attention, elsa_attention_varlen
-from .window_attention import window_attention
 
-__all__ = ["elsa_attention", "elsa_attention_varlen", "window_attention", "PRECISIONS", "BACKENDS"]
+__all__ = ["elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS"]
