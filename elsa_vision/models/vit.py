@@ -161,15 +161,15 @@ class ElsaViT(VisionTransformer):
         if cp is None:
             return super().pool(x, pool_type)
         pool_type = self.global_pool if pool_type is None else pool_type
-        if self.attn_pool is None and pool_type == "token":
-            # Token 0 is the first token of rank 0's shard in both layouts.
-            part = x[:, 0] if cp.rank == 0 else x.new_zeros(x.shape[0], x.shape[-1])
-            return cp.all_reduce(part)
-        if self.attn_pool is None and pool_type == "avg":
+        if self.attn_pool is None and pool_type in ("token", "avg"):
+            # Each rank reduces the tokens it holds (token 0 lives in rank 0's shard in both layouts); the
+            # partial results are summed over the group. Ranks holding none of the pooled tokens still take
+            # part in the graph (an empty sum), so every rank runs the same collectives in backward.
             start = 0 if self.pool_include_prefix else self.num_prefix_tokens
-            keep = cp.global_index(device=x.device) >= start
+            index = cp.global_index(device=x.device)
+            keep = index == 0 if pool_type == "token" else index >= start
             total = cp.all_reduce(x[:, keep].sum(dim=1))
-            return total / (cp.seq_len - start)
+            return total if pool_type == "token" else total / (cp.seq_len - start)
         return super().pool(cp.gather(x, dim=1), pool_type)
 
     def forward_intermediates(self, *args, **kwargs):
