@@ -284,8 +284,8 @@ class _RingAttention(torch.autograd.Function):
         valid = torch.ones(k.shape[0], k.shape[-2], dtype=torch.bool, device=k.device)
         if kpm is not None:
             valid = valid & kpm
-        kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).contiguous()
-        vb = torch.nn.functional.pad(v, (0, 0, 0, pad)).contiguous()
+        kb = (k if pad == 0 else torch.nn.functional.pad(k, (0, 0, 0, pad))).contiguous()
+        vb = (v if pad == 0 else torch.nn.functional.pad(v, (0, 0, 0, pad))).contiguous()
         mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
         state = [None] * len(ranges[rank])  # one running state per local query chunk
         for step in range(world):
@@ -332,8 +332,8 @@ class _RingAttention(torch.autograd.Function):
         delta = (out * do).sum(-1)
         acc = out.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).contiguous()
-        vb = torch.nn.functional.pad(v, (0, 0, 0, pad)).contiguous()
+        kb = (k if pad == 0 else torch.nn.functional.pad(k, (0, 0, 0, pad))).contiguous()
+        vb = (v if pad == 0 else torch.nn.functional.pad(v, (0, 0, 0, pad))).contiguous()
         mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
         dkb = torch.zeros(kb.shape, dtype=acc, device=k.device)
         dvb = torch.zeros(vb.shape, dtype=acc, device=v.device)

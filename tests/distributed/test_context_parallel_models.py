@@ -118,6 +118,16 @@ def _inference_case(group):
             "logits": _rel(res.logits, single.logits), "mode": res.plan.mode}
 
 
+def _load_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cp_bench", os.path.join(ROOT, "benchmarks", "context_parallel.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _worker(rank, world, init_file, tmp, cli_args):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -133,6 +143,9 @@ def _worker(rank, world, init_file, tmp, cli_args):
         from elsa_vision.inference.image import main
 
         results["cli"] = main(cli_args)  # all 4 ranks, the default group; rank 0 writes
+        bench = _load_benchmark()
+        results["bench"] = bench.main(["--device", "cpu", "--quick", "--cases", "attention", "--repeats", "1",
+                                       "--out", os.path.join(tmp, "bench.csv")])
         torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -210,6 +223,15 @@ def test_inference_cli_context_parallel_writes_rank0_outputs_equal_single(spawne
     cp_report = spawned["reports"]["cp"]
     assert cp_report["context_parallel"]["world_size"] == 4
     assert len(cp_report["context_parallel"]["peak_memory_mb_per_rank"]) == 4
+
+
+def test_benchmark_quick_mode_runs_and_agrees(spawned):
+    rows = spawned["results"][0]["bench"]
+    assert [r["case"] for r in rows] == [c.name for c in _load_benchmark().QUICK["attention"]]
+    for r in rows:  # float32 ring over 4 ranks vs one device: <= 1e-6 relative
+        assert r["world"] == 4 and r["relerr_vs_1dev"] <= 1e-6, r
+        assert r["fwd_s_cp"] > 0 and r["fwdbwd_s_cp"] > 0 and r["fwd_speed_up"] > 0
+    assert all(res["bench"] == [] for res in spawned["results"][1:])
 
 
 def test_bad_arguments():
