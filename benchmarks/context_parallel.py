@@ -53,7 +53,8 @@ class AttentionCase:
 
     @property
     def name(self) -> str:
-        return f"attention B{self.B} H{self.H} N{self.N} D{self.D}{' causal' if self.causal else ''} {self.layout}"
+        causal = " causal" if self.causal else ""
+        return f"attention B{self.B} H{self.H} N{self.N} D{self.D}{causal} {self.layout}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +82,26 @@ QUICK = {
     "vit": [ViTCase("elsa_vit_tiny_patch16_224", 112)],
 }
 GOAL = {"attention_tokens": 262144, "peak_fraction": 0.5, "speed_up": 1.7, "vit_img_size": 8192}
-FIELDS = ["case", "world", "device", "precision", "tokens", "fwd_s_1dev", "fwd_s_cp", "fwd_speed_up",
-          "fwdbwd_s_1dev", "fwdbwd_s_cp", "fwdbwd_speed_up", "peak_mb_1dev", "peak_mb_cp_per_rank",
-          "peak_fraction", "relerr_vs_1dev", "date", "torch", "host"]
+FIELDS = [
+    "case",
+    "world",
+    "device",
+    "precision",
+    "tokens",
+    "fwd_s_1dev",
+    "fwd_s_cp",
+    "fwd_speed_up",
+    "fwdbwd_s_1dev",
+    "fwdbwd_s_cp",
+    "fwdbwd_speed_up",
+    "peak_mb_1dev",
+    "peak_mb_cp_per_rank",
+    "peak_fraction",
+    "relerr_vs_1dev",
+    "date",
+    "torch",
+    "host",
+]
 
 
 def _sync(device: torch.device) -> None:
@@ -127,7 +145,7 @@ def _all_peaks(value: float | None, device: torch.device) -> list[float | None]:
 
 
 def run_attention(case: AttentionCase, device: torch.device, precision: str, repeats: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     gen = torch.Generator(device="cpu").manual_seed(0)
     shape = (case.B, case.H, case.N, case.D)
 
@@ -168,16 +186,18 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
     _reset_peak(device)
 
     def fwd():
-        return context_parallel_attention(q, k, v, seq_len=case.N, causal=case.causal, precision=precision,
-                                          layout=case.layout)
+        return context_parallel_attention(
+            q, k, v, seq_len=case.N, causal=case.causal, precision=precision, layout=case.layout
+        )
 
     row["fwd_s_cp"] = _time(fwd, device, repeats, group=dist.group.WORLD)
     if case.backward:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
         def fb():
-            context_parallel_attention(*leaves, seq_len=case.N, causal=case.causal, precision=precision,
-                                       layout=case.layout).backward(do)
+            context_parallel_attention(
+                *leaves, seq_len=case.N, causal=case.causal, precision=precision, layout=case.layout
+            ).backward(do)
 
         row["fwdbwd_s_cp"] = _time(fb, device, repeats, group=dist.group.WORLD)
         del leaves
@@ -190,12 +210,22 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
 
 
 def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -> dict:
-    from elsa_vision.inference.highres import build_model, run_context_parallel, run_plan, Plan
+    from elsa_vision.inference.highres import Plan, build_model, run_context_parallel, run_plan
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = build_model(case.model, None, (case.img_size, case.img_size), in_chans=case.in_chans,
-                        num_classes=1000, attn_precision=precision).to(device).eval()
+    model = (
+        build_model(
+            case.model,
+            None,
+            (case.img_size, case.img_size),
+            in_chans=case.in_chans,
+            num_classes=1000,
+            attn_precision=precision,
+        )
+        .to(device)
+        .eval()
+    )
     for t in model.state_dict().values():  # identical weights on every rank
         dist.broadcast(t, 0)
     gen = torch.Generator().manual_seed(1)
@@ -238,7 +268,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--cases", default="attention,vit", help="comma list of: attention, vit")
     ap.add_argument("--precision", default="auto", help="ELSA float32 precision (auto, ieee, tf32x3, tf32)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (median; one warm-up)")
-    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/context_parallel_*.csv)")
+    ap.add_argument(
+        "--out", default=None, help="CSV path (default benchmarks/results/context_parallel_*.csv)"
+    )
     args = ap.parse_args(argv)
     kinds = [c.strip() for c in args.cases.split(",") if c.strip()]
     for kind in kinds:
@@ -251,7 +283,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     owns = not dist.is_initialized()
     if owns:
         if "RANK" not in os.environ:
-            raise SystemExit("launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/context_parallel.py")
+            raise SystemExit(
+                "launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/context_parallel.py"
+            )
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
@@ -268,8 +302,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 fn = run_attention if kind == "attention" else run_vit
                 row = fn(case, device, args.precision, args.repeats)
                 if rank == 0:
-                    row.update(world=world, device=torch.cuda.get_device_name(device) if device.type == "cuda"
-                               else "cpu (gloo)", precision=args.precision)
+                    row.update(
+                        world=world,
+                        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (gloo)",
+                        precision=args.precision,
+                    )
                     for what in ("fwd", "fwdbwd"):
                         one, cp = row.get(f"{what}_s_1dev"), row.get(f"{what}_s_cp")
                         if one is not None and cp:
@@ -288,10 +325,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     stamp = datetime.date.today().isoformat()
     for r in rows:
         r.update(date=stamp, torch=torch.__version__, host=platform.node())
-    tag = "cpu_quick" if args.device == "cpu" else f"{torch.cuda.get_device_name(device).replace(' ', '_').lower()}" \
-          f"_x{world}_{stamp}"
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"context_parallel_{tag}.csv")
+    tag = (
+        "cpu_quick"
+        if args.device == "cpu"
+        else f"{torch.cuda.get_device_name(device).replace(' ', '_').lower()}_x{world}_{stamp}"
+    )
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"context_parallel_{tag}.csv"
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)
@@ -301,11 +342,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     goal = [r for r in rows if r["case"].startswith("attention") and r["tokens"] == GOAL["attention_tokens"]]
     if goal:
         g = goal[0]
-        print(json.dumps({"goal_attention_256k": {
-            "fwd_speed_up": g.get("fwd_speed_up"), "fwdbwd_speed_up": g.get("fwdbwd_speed_up"),
-            "peak_fraction": g.get("peak_fraction"),
-            "met": bool((g.get("fwd_speed_up") or 0) >= GOAL["speed_up"]
-                        and (g.get("peak_fraction") or 1) <= GOAL["peak_fraction"] + 0.1)}}))
+        print(
+            json.dumps(
+                {
+                    "goal_attention_256k": {
+                        "fwd_speed_up": g.get("fwd_speed_up"),
+                        "fwdbwd_speed_up": g.get("fwdbwd_speed_up"),
+                        "peak_fraction": g.get("peak_fraction"),
+                        "met": bool(
+                            (g.get("fwd_speed_up") or 0) >= GOAL["speed_up"]
+                            and (g.get("peak_fraction") or 1) <= GOAL["peak_fraction"] + 0.1
+                        ),
+                    }
+                }
+            )
+        )
     print(f"wrote {out}")
     return rows
 

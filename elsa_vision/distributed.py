@@ -146,8 +146,8 @@ class ContextParallel:
         if layout not in LAYOUTS:
             raise ValueError(f"ContextParallel: unknown layout {layout!r}; expected one of {LAYOUTS}")
         if group is None:
-            raise ValueError("ContextParallel: group must be a process group (dist.group.WORLD for all ranks), "
-                             "got None")
+            raise ValueError(
+                "ContextParallel: group must be a process group (dist.group.WORLD for all ranks), got None")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ContextParallel needs an initialised torch.distributed process group")
         self.group = group
@@ -184,7 +184,8 @@ class ContextParallel:
         """This rank's tokens of a full sequence ``x`` (length ``seq_len`` along ``dim``)."""
         n = self._n(None)
         if x.shape[dim] != n:
-            raise ValueError(f"ContextParallel.shard: dim {dim} of x must be seq_len={n}, got {list(x.shape)}")
+            raise ValueError(
+                f"ContextParallel.shard: dim {dim} of x must be seq_len={n}, got {list(x.shape)}")
         return shard_sequence(x, self.group, dim=dim, layout=self.layout)
 
     def gather(self, x_local: Tensor, dim: int = 1) -> Tensor:
@@ -196,8 +197,8 @@ class ContextParallel:
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
         """:func:`context_parallel_attention` over this group, layout and ``seq_len``."""
-        return context_parallel_attention(q, k, v, seq_len=self._n(None), group=self.group, layout=self.layout,
-                                          **kwargs)
+        return context_parallel_attention(
+            q, k, v, seq_len=self._n(None), group=self.group, layout=self.layout, **kwargs)
 
 
 class _Ring:

@@ -38,7 +38,6 @@ import torch
 
 from .highres import (
     MODEL_ALIASES,
-    run_context_parallel,
     Plan,
     build_model,
     default_budget_mb,
@@ -47,6 +46,7 @@ from .highres import (
     plan_execution,
     resize_image,
     resolve_model_name,
+    run_context_parallel,
     run_plan,
     weights_shape_info,
 )
@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if bad:
                 raise ValueError(f"--{flag} does not combine with --context-parallel")
         if args.overlay == "cls-attn":
-            raise ValueError("--overlay cls-attn does not combine with --context-parallel (use --overlay norm)")
+            raise ValueError(
+                "--overlay cls-attn does not combine with --context-parallel (use --overlay norm)")
     try:
         return _run(args, device, cp_group)
     finally:
@@ -418,8 +419,9 @@ def _init_context_parallel(device: torch.device) -> tuple[torch.device, Any, boo
     owns = False
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise ValueError("--context-parallel needs torchrun (RANK/WORLD_SIZE are not set), e.g. "
-                             "torchrun --nproc-per-node 2 -m elsa_vision.inference.image --context-parallel ...")
+            raise ValueError(
+                "--context-parallel needs torchrun (RANK/WORLD_SIZE are not set), e.g. "
+                "torchrun --nproc-per-node 2 -m elsa_vision.inference.image --context-parallel ...")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         owns = True
     if device.type == "cuda" and device.index is None:
@@ -541,7 +543,9 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
                 forward_tokens(model, img[None, :, : 2 * patch, : 2 * patch], query_chunk=plan.query_chunk)
             if cp_group is not None:
                 runs = (
-                    run_context_parallel(model, img, cp_group, layout=args.cp_layout, autocast_dtype=amp_dtype)
+                    run_context_parallel(
+                        model, img, cp_group, layout=args.cp_layout, autocast_dtype=amp_dtype
+                    )
                     for _ in range(args.repeats)
                 )
             else:

@@ -22,7 +22,6 @@ from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_
 from torch import Tensor, nn
 
 from ..distributed import LAYOUTS, ContextParallel
-
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
 from ..ops.attention import BACKENDS, PRECISIONS
@@ -104,8 +103,8 @@ class ElsaViT(VisionTransformer):
         Norms and MLPs run on the local shard, every block's attention is
         :func:`elsa_vision.distributed.context_parallel_attention` over the group, and the pooling joins the
         shards: ``"token"`` and ``"avg"`` pooling through an all-reduce of per-rank partial results, the other
-        pools (``max``, ``avgmax``, ``map``, ``""``) after an all-gather of the tokens. Every rank then returns
-        the logits of the single-process model.
+        pools (``max``, ``avgmax``, ``map``, ``""``) after an all-gather of the tokens. Every rank then
+        returns the logits of the single-process model.
 
         ``forward_features`` returns this rank's shard ``[B, n_local, C]`` (global order given by
         ``self.context_parallel.global_index()``); :meth:`gather_tokens` reassembles ``[B, N, C]``.
@@ -117,7 +116,8 @@ class ElsaViT(VisionTransformer):
         draw from each rank's own generator: keep them off (or the ranks' seeds equal) for exact parity.
         """
         if layout not in LAYOUTS:
-            raise ValueError(f"ElsaViT: unknown context_parallel_layout {layout!r}; expected one of {LAYOUTS}")
+            raise ValueError(
+                f"ElsaViT: unknown context_parallel_layout {layout!r}; expected one of {LAYOUTS}")
         cp = None if group is None else ContextParallel(group, layout)
         self.context_parallel = cp
         for i, blk in enumerate(self.blocks):

@@ -131,7 +131,8 @@ class ContextParallelStrategy(DDPStrategy):
 
     def setup(self, trainer) -> None:
         count = attach_context_parallel(self.lightning_module, self.mesh.cp_group, self.layout)
-        rank_zero_info(f"context parallel: {self.mesh}, {self.layout} layout, {count} module(s) split their tokens")
+        rank_zero_info(
+            f"context parallel: {self.mesh}, {self.layout} layout, {count} module(s) split their tokens")
         super().setup(trainer)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

@@ -27,15 +27,29 @@ VIT_CASES = [
     dict(world=3, layout="zigzag", class_token=False, reg_tokens=0, global_pool="avg"),  # 15
     dict(world=3, layout="contiguous", class_token=True, reg_tokens=1, global_pool="avgmax"),  # 17
     dict(world=2, layout="zigzag", class_token=False, reg_tokens=0, global_pool="map"),  # 15
-    dict(world=3, layout="contiguous", class_token=True, reg_tokens=0, global_pool="avg", no_embed_class=True),
+    dict(
+        world=3, layout="contiguous", class_token=True, reg_tokens=0, global_pool="avg", no_embed_class=True
+    ),
 ]
 
 
 def _tiny_vit(case, **kw):
     torch.manual_seed(7)  # same weights on every rank and in the reference
-    kw = dict(img_size=(40, 24), patch_size=8, in_chans=3, embed_dim=32, depth=2, num_heads=4, num_classes=5,
-              class_token=case["class_token"], reg_tokens=case["reg_tokens"], global_pool=case["global_pool"],
-              no_embed_class=case.get("no_embed_class", False), attn_backend="torch", **kw)
+    kw = dict(
+        img_size=(40, 24),
+        patch_size=8,
+        in_chans=3,
+        embed_dim=32,
+        depth=2,
+        num_heads=4,
+        num_classes=5,
+        class_token=case["class_token"],
+        reg_tokens=case["reg_tokens"],
+        global_pool=case["global_pool"],
+        no_embed_class=case.get("no_embed_class", False),
+        attn_backend="torch",
+        **kw,
+    )
     return ElsaViT(**kw).double()
 
 
@@ -57,11 +71,13 @@ def _vit_case(group, case):
     logits = model.forward_head(local)
     F.mse_loss(logits, target).backward()
     world = dist.get_world_size(group)
-    errs = {"logits": _rel(logits.detach(), ref_logits.detach()),
-            "features": _rel(model.gather_tokens(local).detach(), ref_feats.detach()),
-            "local_len": float(local.shape[1] != model.context_parallel.local_len())}
+    errs = {
+        "logits": _rel(logits.detach(), ref_logits.detach()),
+        "features": _rel(model.gather_tokens(local).detach(), ref_feats.detach()),
+        "local_len": float(local.shape[1] != model.context_parallel.local_len()),
+    }
     grads, ref_grads = [], []
-    for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+    for p, rp in zip(model.parameters(), ref.parameters()):
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
         grads.append(g / world)
@@ -77,11 +93,30 @@ def _train_step_case(rank):
     from elsa_vision.utils import attach_context_parallel, build_context_parallel_mesh
 
     mesh = build_context_parallel_mesh(2)
-    out = {"mesh": (mesh.dp_size, mesh.dp_rank, mesh.cp_rank, mesh.cp_root,
-                    dist.get_world_size(mesh.cp_group), dist.get_rank(mesh.cp_group))}
-    net_kw = dict(model_name="elsa_vit_tiny_patch16_224", num_classes=10, img_size=32, patch_size=8, in_chans=1,
-                  embed_dim=48, depth=2, num_heads=4, mlp_ratio=2.0, class_token=False, global_pool="avg",
-                  attn_backend="torch")
+    out = {
+        "mesh": (
+            mesh.dp_size,
+            mesh.dp_rank,
+            mesh.cp_rank,
+            mesh.cp_root,
+            dist.get_world_size(mesh.cp_group),
+            dist.get_rank(mesh.cp_group),
+        )
+    }
+    net_kw = dict(
+        model_name="elsa_vit_tiny_patch16_224",
+        num_classes=10,
+        img_size=32,
+        patch_size=8,
+        in_chans=1,
+        embed_dim=48,
+        depth=2,
+        num_heads=4,
+        mlp_ratio=2.0,
+        class_token=False,
+        global_pool="avg",
+        attn_backend="torch",
+    )
     torch.manual_seed(3)
     net = create_backbone(**net_kw).double()
     torch.manual_seed(5)
@@ -114,14 +149,20 @@ def _inference_case(group):
     single = run_plan(model, img, Plan("whole", 0.0, None))
     res = run_context_parallel(model, img, group, layout="zigzag")
     assert model.context_parallel is None  # restored
-    return {"features": _rel(res.features, single.features), "prefix": _rel(res.prefix, single.prefix),
-            "logits": _rel(res.logits, single.logits), "mode": res.plan.mode}
+    return {
+        "features": _rel(res.features, single.features),
+        "prefix": _rel(res.prefix, single.prefix),
+        "logits": _rel(res.logits, single.logits),
+        "mode": res.plan.mode,
+    }
 
 
 def _load_benchmark():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("cp_bench", os.path.join(ROOT, "benchmarks", "context_parallel.py"))
+    spec = importlib.util.spec_from_file_location(
+        "cp_bench", os.path.join(ROOT, "benchmarks", "context_parallel.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(mod)
@@ -144,8 +185,19 @@ def _worker(rank, world, init_file, tmp, cli_args):
 
         results["cli"] = main(cli_args)  # all 4 ranks, the default group; rank 0 writes
         bench = _load_benchmark()
-        results["bench"] = bench.main(["--device", "cpu", "--quick", "--cases", "attention", "--repeats", "1",
-                                       "--out", os.path.join(tmp, "bench.csv")])
+        results["bench"] = bench.main(
+            [
+                "--device",
+                "cpu",
+                "--quick",
+                "--cases",
+                "attention",
+                "--repeats",
+                "1",
+                "--out",
+                os.path.join(tmp, "bench.csv"),
+            ]
+        )
         torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -162,8 +214,19 @@ def spawned():
         Image.fromarray(rng.integers(0, 255, (48, 80), dtype=np.uint8)).save(os.path.join(tmp, "im.png"))
         weights = os.path.join(tmp, "w.safetensors")
         main(["--model", "elsa_vit_tiny_patch16_224", "--save-random-weights", weights, "--num-classes", "7"])
-        common = ["--model", "elsa_vit_tiny_patch16_224", "--weights", weights, "--input",
-                  os.path.join(tmp, "im.png"), "--img-size", "48", "80", "--device", "cpu"]
+        common = [
+            "--model",
+            "elsa_vit_tiny_patch16_224",
+            "--weights",
+            weights,
+            "--input",
+            os.path.join(tmp, "im.png"),
+            "--img-size",
+            "48",
+            "80",
+            "--device",
+            "cpu",
+        ]
         single = main(common + ["--out", os.path.join(tmp, "single")])
         cp_args = common + ["--out", os.path.join(tmp, "cp"), "--context-parallel", "--cp-layout", "zigzag"]
         world = 4
@@ -239,26 +302,42 @@ def test_bad_arguments():
         ElsaViT(img_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=2, context_parallel_layout="ring")
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="process group"):
-            ElsaViT(img_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=2,
-                    context_parallel_group=object())
+            ElsaViT(
+                img_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=2, context_parallel_group=object()
+            )
         with pytest.raises(ValueError, match="group"):
             ContextParallel(None)
 
 
 def test_train_cli_context_parallel_equals_single_process(tmp_path):
     """`python train.py trainer=cp` on 2 CPU processes: one step's train/val loss equal one process."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1"
+    )
     # Both runs draw the same first batch: the epoch-seeded sampler is used as is (no distributed
     # re-shuffle) and the strategy broadcasts every batch from the group's first rank.
     runs = {
-        "cp": ["trainer=cp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.use_distributed_sampler=false"],
+        "cp": [
+            "trainer=cp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "trainer.use_distributed_sampler=false",
+        ],
         "single": [],
     }
     metrics = {}
     for name, extra in runs.items():
         out = tmp_path / name
-        cmd = [sys.executable, "train.py", "debug=fdr", "logger=none", "test=false", f"paths.output_dir={out}",
-               f"hydra.run.dir={out}", *extra]
+        cmd = [
+            sys.executable,
+            "train.py",
+            "debug=fdr",
+            "logger=none",
+            "test=false",
+            f"paths.output_dir={out}",
+            f"hydra.run.dir={out}",
+            *extra,
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         metrics[name] = json.loads(proc.stdout.strip().splitlines()[-1])["metrics"]
