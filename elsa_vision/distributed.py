@@ -288,24 +288,27 @@ class _RingAttention(torch.autograd.Function):
         kb = (k if pad == 0 else torch.nn.functional.pad(k, (0, 0, 0, pad))).contiguous()
         vb = (v if pad == 0 else torch.nn.functional.pad(v, (0, 0, 0, pad))).contiguous()
         mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
+        # Without a padding mask and with equal shards every key is valid: the mask stays home.
+        masked = kpm is not None or min(lengths) != longest
         state = [None] * len(ranges[rank])  # one running state per local query chunk
         for step in range(world):
             src = (rank - step) % world
-            reqs, recv = ring.start([kb, vb, mb]) if step < world - 1 else ([], None)
+            reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
             k_ranges = ranges[src]
             for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
                 bias_blk = None
                 if bias is not None:
                     cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
                     bias_blk = bias[..., qs, :].index_select(-1, cols) if bias.shape[-1] > 1 else bias[..., qs, :]
-                out_b, lse_b = _fold_forward(q[..., qs, :], kb[..., ks, :], vb[..., ks, :], mb[:, ks], bias_blk,
+                out_b, lse_b = _fold_forward(q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
+                                             mb[:, ks] if masked else None, bias_blk,
                                              blk_causal, scale, precision, backend)
                 st = state_from_output(out_b, lse_b)
                 idx = _chunk_index(ranges[rank], qs)
                 state[idx] = st if state[idx] is None else merge_states(state[idx], st)
             if reqs:
                 _Ring.wait(reqs)
-                kb, vb, mb = recv
+                kb, vb, mb = recv if masked else (*recv, mb)
         outs, lses = [], []
         for (a, b), st in zip(ranges[rank], state):
             if st is None:  # nothing visible for this chunk (cannot happen for self-attention; kept exact)
@@ -317,13 +320,13 @@ class _RingAttention(torch.autograd.Function):
             lses.append(torch.where(st.s > 0, st.m + torch.log(st.s), torch.full_like(st.m, float("-inf"))))
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse, valid, bias)
-        ctx.cfg = (group, n, causal, scale, precision, backend, layout)
+        ctx.cfg = (group, n, causal, scale, precision, backend, layout, masked)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, valid, bias = ctx.saved_tensors
-        group, n, causal, scale, precision, backend, layout = ctx.cfg
+        group, n, causal, scale, precision, backend, layout, masked = ctx.cfg
         ring = _Ring(group)
         world, rank = ring.world, ring.rank
         ranges = [shard_ranges(n, world, r, layout) for r in range(world)]
@@ -342,7 +345,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(world):
             src = (rank - step) % world
             k_ranges = ranges[src]
-            reqs, recv = ring.start([kb, vb, mb]) if step < world - 1 else ([], None)
+            reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
             # This step's dK/dV blocks are kept apart while the accumulator of the visiting shard is still
             # on its way from the previous rank; they are added in block order once it has arrived.
             blocks = []
@@ -352,7 +355,8 @@ class _RingAttention(torch.autograd.Function):
                     cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
                     bias_blk = bias[..., qs, :].index_select(-1, cols) if bias.shape[-1] > 1 else bias[..., qs, :]
                 gq, gk, gv = _fold_backward(do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
-                                            out[..., qs, :], lse[..., qs], delta[..., qs], mb[:, ks], bias_blk,
+                                            out[..., qs, :], lse[..., qs], delta[..., qs],
+                                            mb[:, ks] if masked else None, bias_blk,
                                             blk_causal, scale, precision, backend)
                 dq[..., qs, :] += gq
                 blocks.append((ks, gk, gv))
@@ -368,7 +372,7 @@ class _RingAttention(torch.autograd.Function):
             greqs, grecv = ring.start([dkb, dvb])
             if reqs:
                 _Ring.wait(reqs)
-                kb, vb, mb = recv
+                kb, vb, mb = recv if masked else (*recv, mb)
         _Ring.wait(greqs)
         dkb, dvb = grecv
         nk = k.shape[-2]
