@@ -169,6 +169,29 @@ def _load_benchmark():
     return mod
 
 
+def _triton_ring_case(group):
+    """The ring with the Triton kernels (interpreted on CPU): FP32 'ieee' vs a float64 reference."""
+    from elsa_vision.distributed import context_parallel_attention, gather_sequence, shard_sequence
+    from elsa_vision.kernels.reference import softmax_attention
+
+    torch.manual_seed(21)
+    N = 37
+    q, k, v, do = (torch.randn(1, 2, N, 16) for _ in range(4))
+    kpm = torch.rand(1, N) > 0.2
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = softmax_attention(*leaves, causal=True, key_padding_mask=kpm)
+    ref.backward(do.double())
+    shard = lambda t, dim=-2: shard_sequence(t, group, dim=dim, layout="zigzag")  # noqa: E731
+    local = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*local, seq_len=N, group=group, causal=True, layout="zigzag",
+                                     backend="triton", precision="ieee", key_padding_mask=shard(kpm, dim=-1))
+    out.backward(shard(do))
+    errs = {"out": _rel(gather_sequence(out.detach(), N, group, layout="zigzag").double(), ref.detach())}
+    for name, loc, leaf in zip("qkv", local, leaves):
+        errs["d" + name] = _rel(gather_sequence(loc.grad, N, group, layout="zigzag").double(), leaf.grad)
+    return errs
+
+
 def _worker(rank, world, init_file, tmp, cli_args):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -181,6 +204,7 @@ def _worker(rank, world, init_file, tmp, cli_args):
         pair = dist.new_group([0, 1])
         if rank < 2:
             results["inference"] = _inference_case(pair)
+            results["triton"] = _triton_ring_case(pair)
         from elsa_vision.inference.image import main
 
         results["cli"] = main(cli_args)  # all 4 ranks, the default group; rank 0 writes
@@ -263,6 +287,12 @@ def test_mesh_and_training_step_equal_single_process(spawned):
         # float64 loss and DDP-averaged gradients of a dp=2 x cp=2 step vs the mean loss on one process
         assert t["loss"] <= 1e-10, (r, t["loss"])
         assert t["grads"] <= 1e-10, (r, t["grads"])
+
+
+def test_ring_with_triton_kernels(spawned):
+    for r in range(2):
+        for name, err in spawned["results"][r]["triton"].items():  # FP32 'ieee' vs float64: <= 1e-6
+            assert err <= 1e-6, (r, name, err)
 
 
 def test_inference_engine_equals_single_process(spawned):
