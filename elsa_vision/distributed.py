@@ -17,6 +17,8 @@ Works with NCCL (GPU) and gloo (CPU). Self-attention only (queries and keys are 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -25,6 +27,8 @@ from .kernels.reference import attention_backward, finalize, merge_states, scan_
 from .ops.attention import BACKENDS, PRECISIONS, resolve_backend
 
 __all__ = [
+    "ContextParallel",
+    "all_reduce_sum",
     "shard_ranges",
     "shard_sequence",
     "gather_sequence",
@@ -67,24 +71,134 @@ def shard_sequence(x: Tensor, group=None, *, dim: int = -2, layout: str = "conti
     return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
 
 
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, n, group, dim, layout):
+        ctx.cfg = (group, dim, layout)
+        world, _ = _group_info(group)
+        lengths = [sum(b - a for a, b in shard_ranges(n, world, r, layout)) for r in range(world)]
+        longest = max(lengths)
+        pad = [0, 0] * (x_local.dim() - 1 - dim) + [0, longest - x_local.shape[dim]]
+        padded = torch.nn.functional.pad(x_local, pad).contiguous()
+        bufs = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(bufs, padded, group=group)
+        out_parts = []
+        for r, buf in enumerate(bufs):
+            offset = 0
+            for a, b in shard_ranges(n, world, r, layout):
+                out_parts.append((a, buf.narrow(dim, offset, b - a)))
+                offset += b - a
+        out_parts.sort(key=lambda t: t[0])
+        return torch.cat([p for _, p in out_parts], dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim, layout = ctx.cfg
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
+        return shard_sequence(grad, group, dim=dim, layout=layout), None, None, None, None
+
+
 def gather_sequence(x_local: Tensor, n: int, group=None, *, dim: int = -2, layout: str = "contiguous") -> Tensor:
-    """Reassemble the full sequence (length ``n``) from every rank's shard (an all-gather)."""
-    world, _ = _group_info(group)
-    dim = dim % x_local.dim()
-    lengths = [sum(b - a for a, b in shard_ranges(n, world, r, layout)) for r in range(world)]
-    longest = max(lengths)
-    pad = [0, 0] * (x_local.dim() - 1 - dim) + [0, longest - x_local.shape[dim]]
-    padded = torch.nn.functional.pad(x_local, pad).contiguous()
-    bufs = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(bufs, padded, group=group)
-    out_parts = []
-    for r, buf in enumerate(bufs):
-        offset = 0
-        for a, b in shard_ranges(n, world, r, layout):
-            out_parts.append((a, buf.narrow(dim, offset, b - a)))
-            offset += b - a
-    out_parts.sort(key=lambda t: t[0])
-    return torch.cat([p for _, p in out_parts], dim=dim)
+    """Reassemble the full sequence (length ``n``) from every rank's shard (an all-gather).
+
+    Differentiable: the backward sums the incoming gradients over the ranks (an all-reduce) and returns this
+    rank's rows, the adjoint of "every rank computes the same function of the gathered sequence". When every
+    rank then holds the same loss, the gradients reaching the shards are ``world`` times those of one loss,
+    so averaging parameter gradients over the group (what DDP does) gives the single-process gradient.
+    """
+    return _GatherSequence.apply(x_local, n, group, dim % x_local.dim(), layout)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: Tensor, group=None) -> Tensor:
+    """Sum of ``x`` over the ranks of ``group``; differentiable (the backward sums gradients likewise)."""
+    return _AllReduceSum.apply(x, group)
+
+
+class ContextParallel:
+    """One sequence sharded over ``group`` with ``layout``: the helpers a model needs in one object.
+
+    ``seq_len`` is the global length of the sequence currently being processed; the model that owns the
+    object sets it (``cp.seq_len = n``) after embedding and before the attention layers run. The object holds
+    a handle to the process group, so a deep copy of a model shares it (process groups are per process).
+
+    Args:
+        group: a ``torch.distributed`` process group (``dist.group.WORLD`` for all ranks).
+        layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`shard_ranges`).
+    """
+
+    def __init__(self, group: Any, layout: str = "contiguous", seq_len: int | None = None) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"ContextParallel: unknown layout {layout!r}; expected one of {LAYOUTS}")
+        if group is None:
+            raise ValueError(
+                "ContextParallel: group must be a process group (dist.group.WORLD for all ranks), got None")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ContextParallel needs an initialised torch.distributed process group")
+        self.group = group
+        self.layout = layout
+        self.seq_len = seq_len
+        self.world, self.rank = _group_info(group)
+        if self.rank < 0:
+            raise ValueError("ContextParallel: this process is not a member of `group`")
+
+    def __deepcopy__(self, memo):
+        return ContextParallel(self.group, self.layout, self.seq_len)
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(world={self.world}, rank={self.rank}, layout={self.layout!r})"
+
+    def _n(self, n: int | None) -> int:
+        n = self.seq_len if n is None else n
+        if n is None:
+            raise ValueError("ContextParallel: seq_len is not set (the owner sets it before attention runs)")
+        return int(n)
+
+    def ranges(self, n: int | None = None) -> list[tuple[int, int]]:
+        """Global ``[start, end)`` ranges of this rank's tokens."""
+        return shard_ranges(self._n(n), self.world, self.rank, self.layout)
+
+    def local_len(self, n: int | None = None) -> int:
+        return sum(b - a for a, b in self.ranges(n))
+
+    def global_index(self, n: int | None = None, device=None) -> Tensor:
+        """Global positions of this rank's tokens, ``[n_local]`` int64, in local order."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.ranges(n)])
+
+    def shard(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's tokens of a full sequence ``x`` (length ``seq_len`` along ``dim``)."""
+        n = self._n(None)
+        if x.shape[dim] != n:
+            raise ValueError(
+                f"ContextParallel.shard: dim {dim} of x must be seq_len={n}, got {list(x.shape)}")
+        return shard_sequence(x, self.group, dim=dim, layout=self.layout)
+
+    def gather(self, x_local: Tensor, dim: int = 1) -> Tensor:
+        """The full sequence from every rank's shard (differentiable, see :func:`gather_sequence`)."""
+        return gather_sequence(x_local, self._n(None), self.group, dim=dim, layout=self.layout)
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        return all_reduce_sum(x, self.group)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+        """:func:`context_parallel_attention` over this group, layout and ``seq_len``."""
+        return context_parallel_attention(
+            q, k, v, seq_len=self._n(None), group=self.group, layout=self.layout, **kwargs)
 
 
 class _Ring:
@@ -171,27 +285,30 @@ class _RingAttention(torch.autograd.Function):
         valid = torch.ones(k.shape[0], k.shape[-2], dtype=torch.bool, device=k.device)
         if kpm is not None:
             valid = valid & kpm
-        kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).contiguous()
-        vb = torch.nn.functional.pad(v, (0, 0, 0, pad)).contiguous()
+        kb = (k if pad == 0 else torch.nn.functional.pad(k, (0, 0, 0, pad))).contiguous()
+        vb = (v if pad == 0 else torch.nn.functional.pad(v, (0, 0, 0, pad))).contiguous()
         mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
+        # Without a padding mask and with equal shards every key is valid: the mask stays home.
+        masked = kpm is not None or min(lengths) != longest
         state = [None] * len(ranges[rank])  # one running state per local query chunk
         for step in range(world):
             src = (rank - step) % world
-            reqs, recv = ring.start([kb, vb, mb]) if step < world - 1 else ([], None)
+            reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
             k_ranges = ranges[src]
             for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
                 bias_blk = None
                 if bias is not None:
                     cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
                     bias_blk = bias[..., qs, :].index_select(-1, cols) if bias.shape[-1] > 1 else bias[..., qs, :]
-                out_b, lse_b = _fold_forward(q[..., qs, :], kb[..., ks, :], vb[..., ks, :], mb[:, ks], bias_blk,
+                out_b, lse_b = _fold_forward(q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
+                                             mb[:, ks] if masked else None, bias_blk,
                                              blk_causal, scale, precision, backend)
                 st = state_from_output(out_b, lse_b)
                 idx = _chunk_index(ranges[rank], qs)
                 state[idx] = st if state[idx] is None else merge_states(state[idx], st)
             if reqs:
                 _Ring.wait(reqs)
-                kb, vb, mb = recv
+                kb, vb, mb = recv if masked else (*recv, mb)
         outs, lses = [], []
         for (a, b), st in zip(ranges[rank], state):
             if st is None:  # nothing visible for this chunk (cannot happen for self-attention; kept exact)
@@ -203,13 +320,13 @@ class _RingAttention(torch.autograd.Function):
             lses.append(torch.where(st.s > 0, st.m + torch.log(st.s), torch.full_like(st.m, float("-inf"))))
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse, valid, bias)
-        ctx.cfg = (group, n, causal, scale, precision, backend, layout)
+        ctx.cfg = (group, n, causal, scale, precision, backend, layout, masked)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, valid, bias = ctx.saved_tensors
-        group, n, causal, scale, precision, backend, layout = ctx.cfg
+        group, n, causal, scale, precision, backend, layout, masked = ctx.cfg
         ring = _Ring(group)
         world, rank = ring.world, ring.rank
         ranges = [shard_ranges(n, world, r, layout) for r in range(world)]
@@ -219,33 +336,45 @@ class _RingAttention(torch.autograd.Function):
         delta = (out * do).sum(-1)
         acc = out.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).contiguous()
-        vb = torch.nn.functional.pad(v, (0, 0, 0, pad)).contiguous()
+        kb = (k if pad == 0 else torch.nn.functional.pad(k, (0, 0, 0, pad))).contiguous()
+        vb = (v if pad == 0 else torch.nn.functional.pad(v, (0, 0, 0, pad))).contiguous()
         mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
         dkb = torch.zeros(kb.shape, dtype=acc, device=k.device)
         dvb = torch.zeros(vb.shape, dtype=acc, device=v.device)
+        greqs, grecv = [], None
         for step in range(world):
             src = (rank - step) % world
             k_ranges = ranges[src]
-            reqs, recv = ring.start([kb, vb, mb]) if step < world - 1 else ([], None)
+            reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
+            # This step's dK/dV blocks are kept apart while the accumulator of the visiting shard is still
+            # on its way from the previous rank; they are added in block order once it has arrived.
+            blocks = []
             for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
                 bias_blk = None
                 if bias is not None:
                     cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
                     bias_blk = bias[..., qs, :].index_select(-1, cols) if bias.shape[-1] > 1 else bias[..., qs, :]
                 gq, gk, gv = _fold_backward(do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
-                                            out[..., qs, :], lse[..., qs], delta[..., qs], mb[:, ks], bias_blk,
+                                            out[..., qs, :], lse[..., qs], delta[..., qs],
+                                            mb[:, ks] if masked else None, bias_blk,
                                             blk_causal, scale, precision, backend)
                 dq[..., qs, :] += gq
+                blocks.append((ks, gk, gv))
+            if greqs:
+                _Ring.wait(greqs)
+                dkb, dvb = grecv
+            for ks, gk, gv in blocks:
                 dkb[..., ks, :] += gk
                 dvb[..., ks, :] += gv
-            # The accumulators travel with their shard; after the last step they go home (one more hop).
+            del blocks
+            # The accumulators travel with their shard (after the last step they go home: one more hop);
+            # the transfer overlaps the next step's compute.
             greqs, grecv = ring.start([dkb, dvb])
-            _Ring.wait(greqs)
-            dkb, dvb = grecv
             if reqs:
                 _Ring.wait(reqs)
-                kb, vb, mb = recv
+                kb, vb, mb = recv if masked else (*recv, mb)
+        _Ring.wait(greqs)
+        dkb, dvb = grecv
         nk = k.shape[-2]
         return (dq.to(q.dtype), dkb[..., :nk, :].to(k.dtype), dvb[..., :nk, :].to(v.dtype),
                 None, None, None, None, None, None, None, None, None)

@@ -37,6 +37,7 @@ __all__ = [
     "forward_tokens",
     "cls_attention",
     "run_plan",
+    "run_context_parallel",
     "InferenceResult",
     "tile_starts",
 ]
@@ -51,7 +52,7 @@ MODEL_ALIASES = {
     "elsa_vit_l_patch14_clip": "elsa_vit_large_patch14_clip_224",
     "elsa_vit_b_patch14_dinov2": "elsa_vit_base_patch14_reg4_dinov2",
 }
-MODES = ("whole", "query_chunked", "tiled")
+MODES = ("whole", "query_chunked", "tiled", "context_parallel")
 _QUERY_CHUNKS = (16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
 # rows per call inside the torch attention backend (elsa_vision.ops.attention._TORCH_QUERY_CHUNK)
 _TORCH_BACKEND_ROWS = 1024
@@ -608,6 +609,70 @@ def run_plan(
         n_tiles,
         cls_map,
     )
+
+
+@torch.no_grad()
+def run_context_parallel(
+    model: nn.Module,
+    image: Tensor,
+    group,
+    *,
+    layout: str = "contiguous",
+    autocast_dtype: torch.dtype | None = None,
+) -> InferenceResult:
+    """Global attention over one image whose tokens are split over the ranks of ``group``.
+
+    Every rank passes the same ``image [in_chans, H, W]`` (on its own device); each rank embeds it, keeps its
+    shard of the tokens (:meth:`elsa_vision.models.ElsaViT.set_context_parallel`), runs the blocks with
+    ring attention, and the final tokens are all-gathered: every rank returns the same result, equal to a
+    whole-image run on one device up to the summation order of the attention. Memory per rank: the
+    embedded tokens of the whole image plus ``1/world`` of every block's activations.
+    ``peak_memory_mb`` is this rank's. The model's context-parallel setting is restored afterwards.
+    """
+    from ..models.vit import ElsaViT
+
+    if not isinstance(model, ElsaViT):
+        raise TypeError(f"run_context_parallel: model must be an ElsaViT, got {type(model).__name__}")
+    device = image.device
+    p = model.patch_embed.patch_size[0]
+    _, H, W = image.shape
+    gh, gw = H // p, W // p
+    amp = (
+        torch.autocast(device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else torch.autocast(device.type, enabled=False)
+    )
+    previous = model.context_parallel
+    model.set_context_parallel(group, layout=layout)
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        with amp:
+            local = model.forward_features(image[None])
+            logits = model.forward_head(local)[0] if model.num_classes else None
+            tokens = model.gather_tokens(local)
+            feats, prefix = _split(model, tokens.float(), gh, gw)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    finally:
+        if previous is None:
+            model.set_context_parallel(None)
+        else:
+            model.set_context_parallel(previous.group, layout=previous.layout)
+    if device.type == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    else:
+        peak, kind = _peak_rss_mb(), "cpu_process_max_rss"
+    world = torch.distributed.get_world_size(group)
+    one_device = estimate_memory_mb(model, gh * gw + model.num_prefix_tokens, mode="whole",
+                                    backend=_resolved_backend(model, device), image_elems=image.numel())
+    plan = Plan("context_parallel", estimated_peak_mb=one_device, budget_mb=None,
+                reason=f"tokens split over {world} ranks ({layout} layout), ring attention; "
+                       f"estimated_peak_mb is the one-device whole-image estimate")
+    return InferenceResult(feats.float(), prefix.float(), None if logits is None else logits.float(), plan,
+                           seconds, peak, kind)
 
 
 def default_budget_mb(device: torch.device) -> float:

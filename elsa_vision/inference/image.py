@@ -6,6 +6,9 @@ Usage::
         --input scan.dcm --img-size 2048 [--precision fp32|tf32|bf16] [--device cuda] \\
         [--memory-budget-mb N | --query-chunk N] [--compare-sdpa] --out DIR
 
+    torchrun --nproc-per-node 2 -m elsa_vision.inference.image --context-parallel \\
+        --model elsa_vit_b_patch16 --weights x.safetensors --input slide.tif --img-size 8192 --out DIR
+
     python -m elsa_vision.inference.image --save-random-weights w.safetensors \\
         --model elsa_vit_tiny_patch16_224 \\
         [--num-classes 1000] [--in-chans 1]
@@ -13,6 +16,10 @@ Usage::
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
 sub-folder ``slice_<index>`` per image when several slices/frames are selected). The last stdout line is a JSON
 summary.
+
+With ``--context-parallel`` (under ``torchrun``, one process per GPU; gloo processes on CPU) every rank reads
+the same image and holds ``1/world`` of its tokens; attention is global (ring attention over the ranks) and
+rank 0 writes the outputs and prints the summary.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from .highres import (
     plan_execution,
     resize_image,
     resolve_model_name,
+    run_context_parallel,
     run_plan,
     weights_shape_info,
 )
@@ -136,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="global attention with this many query rows per step (no budget planning)",
+    )
+    p.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="split the image's tokens over the ranks of torch.distributed (launch with torchrun; nccl on "
+        "GPUs, gloo on CPU); every process uses cuda:LOCAL_RANK on GPUs; rank 0 writes the outputs",
+    )
+    p.add_argument(
+        "--cp-layout",
+        choices=("contiguous", "zigzag"),
+        default="contiguous",
+        help="token shards of --context-parallel",
     )
     p.add_argument("--tile-overlap", type=float, default=0.25, help="tile overlap as a fraction of the tile")
     p.add_argument(
@@ -374,6 +394,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(args, flag) is None:
             raise SystemExit(f"error: --{flag} is required")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cp_group, owns_group = None, False
+    if args.context_parallel:
+        device, cp_group, owns_group = _init_context_parallel(device)
+        for flag, bad in (("compare-sdpa", args.compare_sdpa), ("query-chunk", args.query_chunk is not None),
+                          ("memory-budget-mb", args.memory_budget_mb is not None)):
+            if bad:
+                raise ValueError(f"--{flag} does not combine with --context-parallel")
+        if args.overlay == "cls-attn":
+            raise ValueError(
+                "--overlay cls-attn does not combine with --context-parallel (use --overlay norm)")
+    try:
+        return _run(args, device, cp_group)
+    finally:
+        if owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def _init_context_parallel(device: torch.device) -> tuple[torch.device, Any, bool]:
+    """The process group of ``--context-parallel`` (initialised from torchrun's environment unless one is
+    already up) and this rank's device (``cuda:LOCAL_RANK`` on GPUs)."""
+    import torch.distributed as dist
+
+    owns = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise ValueError(
+                "--context-parallel needs torchrun (RANK/WORLD_SIZE are not set), e.g. "
+                "torchrun --nproc-per-node 2 -m elsa_vision.inference.image --context-parallel ...")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        owns = True
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    return device, dist.group.WORLD, owns
+
+
+def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
+    is_writer = cp_group is None or torch.distributed.get_rank() == 0
     name = resolve_model_name(args.model)
     images = list(
         iter_images(
@@ -428,6 +486,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         attn_backend=args.attn_backend,
         attn_precision=attn_precision,
     ).to(device)
+    if cp_group is not None:  # every rank must hold rank 0's weights (random initialisation included)
+        for t in model.state_dict().values():
+            torch.distributed.broadcast(t, 0, group=cp_group)
     in_chans = model.patch_embed.proj.in_channels
     mean, std = cfg.mean, cfg.std
     amp_dtype = torch.bfloat16 if args.precision == "bf16" else None
@@ -439,18 +500,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else torch.autocast(device.type, enabled=False)
         )
 
-    budget = args.memory_budget_mb
-    if budget is None and args.query_chunk is None:
-        budget = default_budget_mb(device)
-    plan = plan_execution(
-        model,
-        size,
-        device=device,
-        budget_mb=budget,
-        query_chunk=args.query_chunk,
-        overlap_frac=args.tile_overlap,
-        act_bytes=2 if amp_dtype is not None else 4,
-    )
+    if cp_group is None:
+        budget = args.memory_budget_mb
+        if budget is None and args.query_chunk is None:
+            budget = default_budget_mb(device)
+        plan = plan_execution(
+            model,
+            size,
+            device=device,
+            budget_mb=budget,
+            query_chunk=args.query_chunk,
+            overlap_frac=args.tile_overlap,
+            act_bytes=2 if amp_dtype is not None else 4,
+        )
+    else:
+        plan = Plan("context_parallel", estimated_peak_mb=0.0, budget_mb=None, reason="--context-parallel")
     stock = None
     if args.compare_sdpa:
         stock = build_model(name, model.state_dict(), size, stock=True)  # on the device only while it runs
@@ -477,13 +541,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
             with amp():  # warm-up on a 2x2-patch crop: kernel compilation is not timed
                 forward_tokens(model, img[None, :, : 2 * patch, : 2 * patch], query_chunk=plan.query_chunk)
-            res = min(
-                (
+            if cp_group is not None:
+                runs = (
+                    run_context_parallel(
+                        model, img, cp_group, layout=args.cp_layout, autocast_dtype=amp_dtype
+                    )
+                    for _ in range(args.repeats)
+                )
+            else:
+                runs = (
                     run_plan(model, img, plan, autocast_dtype=amp_dtype, with_cls_attention=want_cls)
                     for _ in range(args.repeats)
-                ),
-                key=lambda r: r.seconds,
-            )
+                )
+            res = min(runs, key=lambda r: r.seconds)
             extra: dict[str, Any] = {
                 "model": name,
                 "weights": args.weights,
@@ -536,6 +606,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{extra['speed_ratio']:.2f}x ({sdpa_sec:.3f}s vs {res.seconds:.3f}s)"
                 )
             out_dir = args.out if len(images) == 1 else os.path.join(args.out, f"slice_{im.index:04d}")
+            if cp_group is not None:
+                extra["context_parallel"] = {
+                    "world_size": torch.distributed.get_world_size(cp_group),
+                    "layout": args.cp_layout,
+                    "peak_memory_mb_per_rank": _gather_floats(res.peak_memory_mb, cp_group),
+                }
+            if not is_writer:
+                continue
             report = _write_outputs(out_dir, res, model, img, args, extra)
             if plan.mode == "tiled":
                 print(f"TILED: {plan.reason}; {res.tiles} tiles (attention is local to each tile)")
@@ -554,9 +632,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     else {}
                 )
             )
+    if not is_writer:
+        return {"rank": torch.distributed.get_rank(), "written": False}
     summary = summaries[0] if len(summaries) == 1 else {"images": len(summaries), "results": summaries}
     print(json.dumps(summary))
     return summary
+
+
+def _gather_floats(value: float, group) -> list[float]:
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    bufs = [torch.zeros(1, dtype=torch.float64, device=dev) for _ in range(world)]
+    dist.all_gather(bufs, torch.tensor([value], dtype=torch.float64, device=dev), group=group)
+    return [float(b) for b in bufs]
 
 
 def cli() -> None:

@@ -32,6 +32,13 @@ class ElsaAttention(nn.Module):
 
     Args are those of ``timm.layers.Attention``; in addition ``backend`` and ``precision`` are passed to
     :func:`elsa_vision.elsa_attention`.
+
+    Context parallelism: with ``context_parallel`` set to an :class:`elsa_vision.distributed.ContextParallel`
+    (``ElsaViT.set_context_parallel`` does this for every block), ``x`` is this rank's shard
+    ``[B, n_local, C]`` of a sequence of ``context_parallel.seq_len`` tokens, attention runs as
+    :func:`elsa_vision.distributed.context_parallel_attention` over the group, and ``attn_mask`` holds this
+    rank's query rows of the full mask (``[B|1, H|1, n_local, seq_len]``). Attention dropout is not available
+    in that mode.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class ElsaAttention(nn.Module):
         self.gate = nn.Linear(dim, self.attn_dim, bias=qkv_bias, **dd) if gated else None
         self.proj = nn.Linear(self.attn_dim, dim_out, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.context_parallel = None  # an elsa_vision.distributed.ContextParallel, or None
 
     def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         B, N, _ = x.shape
@@ -92,10 +100,20 @@ class ElsaAttention(nn.Module):
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         dropout_p = self.attn_drop.p if self.training else 0.0
-        x = elsa_attention(
-            q, k, v, attn_bias=mask_to_bias(attn_mask, q.dtype), causal=bool(is_causal), scale=self.scale,
-            precision=self.precision, backend="torch" if dropout_p > 0 else self.backend, dropout_p=dropout_p,
-        )
+        cp = self.context_parallel
+        if cp is not None:
+            if dropout_p > 0:
+                raise ValueError(
+                    f"ElsaAttention: attention dropout (attn_drop={dropout_p}) is not available with context "
+                    f"parallelism; set attn_drop_rate=0 or call .eval()")
+            x = cp.attention(q, k, v, attn_bias=mask_to_bias(attn_mask, q.dtype), causal=bool(is_causal),
+                             scale=self.scale, precision=self.precision, backend=self.backend)
+        else:
+            x = elsa_attention(
+                q, k, v, attn_bias=mask_to_bias(attn_mask, q.dtype), causal=bool(is_causal), scale=self.scale,
+                precision=self.precision, backend="torch" if dropout_p > 0 else self.backend,
+                dropout_p=dropout_p,
+            )
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
         if gate is not None:

@@ -14,11 +14,14 @@ from functools import partial
 from typing import Any
 
 import timm
+import torch
 from timm.layers import Attention, AttentionPoolLatent, LayerNorm
 from timm.models import adapt_input_conv, build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._manipulate import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import Tensor, nn
 
+from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
 from ..ops.attention import BACKENDS, PRECISIONS
@@ -52,15 +55,30 @@ class ElsaViT(VisionTransformer):
     Args:
         attn_backend: ``elsa_attention`` backend for every block (``"auto"``, ``"torch"``, ``"triton"``).
         attn_precision: float32 precision (``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32"``).
+        context_parallel_group: a ``torch.distributed`` process group over which every image's tokens are
+            split (context parallelism, see :meth:`set_context_parallel`); ``None`` runs on one process.
+        context_parallel_layout: ``"contiguous"`` or ``"zigzag"`` shards (see
+            :func:`elsa_vision.distributed.shard_ranges`).
         **kwargs: ``timm.models.vision_transformer.VisionTransformer`` arguments.
 
     Shapes: ``forward(x: [B, in_chans, H, W]) -> [B, num_classes]`` (``[B, embed_dim]`` with
-    ``num_classes=0``); ``forward_features -> [B, num_prefix_tokens + (H/p)(W/p), embed_dim]``.
+    ``num_classes=0``); ``forward_features -> [B, num_prefix_tokens + (H/p)(W/p), embed_dim]`` (with context
+    parallelism: this rank's shard of those tokens, see :meth:`set_context_parallel`).
     """
 
     load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
 
-    def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto", **kwargs):
+    context_parallel: ContextParallel | None = None
+
+    def __init__(
+        self,
+        *args,
+        attn_backend: str = "auto",
+        attn_precision: str = "auto",
+        context_parallel_group=None,
+        context_parallel_layout: str = "contiguous",
+        **kwargs,
+    ):
         _check_attention_options(attn_backend, attn_precision)
         for k in _OWN_KWARGS:
             if k in kwargs and kwargs[k] is not ElsaAttention:
@@ -73,6 +91,92 @@ class ElsaViT(VisionTransformer):
             kwargs["attn_layer"] = ElsaAttention
         super().__init__(*args, **kwargs)
         self._elsa_convert(attn_backend, attn_precision)
+        self.set_context_parallel(context_parallel_group, layout=context_parallel_layout)
+
+    # ------------------------------------------------------------------------------- context parallelism
+    def set_context_parallel(self, group, layout: str = "contiguous") -> None:
+        """Split every image's tokens over the ranks of ``group`` (``None``: back to one process).
+
+        After the patch and position embedding (computed whole on every rank, cheap next to attention) the
+        token sequence -- class/register tokens first, then the patches -- is sharded with ``layout``; the
+        prefix tokens therefore belong to rank 0's shard, like any other token, and are not replicated.
+        Norms and MLPs run on the local shard, every block's attention is
+        :func:`elsa_vision.distributed.context_parallel_attention` over the group, and the pooling joins the
+        shards: ``"token"`` and ``"avg"`` pooling through an all-reduce of per-rank partial results, the other
+        pools (``max``, ``avgmax``, ``map``, ``""``) after an all-gather of the tokens. Every rank then
+        returns the logits of the single-process model.
+
+        ``forward_features`` returns this rank's shard ``[B, n_local, C]`` (global order given by
+        ``self.context_parallel.global_index()``); :meth:`gather_tokens` reassembles ``[B, N, C]``.
+
+        Gradients: every rank computes the same loss, so the gradient reaching a rank is ``world`` times the
+        share of one loss for parameters used on the shard and once the full gradient for the replicated head;
+        the parameter gradients averaged over the group (what DDP over the ranks does) equal single-process
+        gradients. Every rank of the group must receive the same images. Dropout, drop-path and patch dropout
+        draw from each rank's own generator: keep them off (or the ranks' seeds equal) for exact parity.
+        """
+        if layout not in LAYOUTS:
+            raise ValueError(
+                f"ElsaViT: unknown context_parallel_layout {layout!r}; expected one of {LAYOUTS}")
+        cp = None if group is None else ContextParallel(group, layout)
+        self.context_parallel = cp
+        for i, blk in enumerate(self.blocks):
+            attn = getattr(blk, "attn", None)
+            if not isinstance(attn, ElsaAttention):
+                raise TypeError(f"ElsaViT: blocks.{i}.attn is a {type(attn).__name__}, not ElsaAttention")
+            attn.context_parallel = cp
+
+    def gather_tokens(self, x_local: Tensor) -> Tensor:
+        """``[B, N, C]`` from every rank's ``[B, n_local, C]`` of the last forward (differentiable)."""
+        if self.context_parallel is None:
+            return x_local
+        return self.context_parallel.gather(x_local, dim=1)
+
+    def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        cp = self.context_parallel
+        if cp is None:
+            return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        x = self.patch_embed(x)
+        x = self._pos_embed(x)
+        x = self.patch_drop(x)
+        cp.seq_len = x.shape[1]
+        x = cp.shard(x, dim=1)
+        x = self.norm_pre(x)
+        if attn_mask is not None:
+            if attn_mask.dim() != 4 or attn_mask.shape[-2] != cp.seq_len:
+                raise ValueError(f"ElsaViT: with context parallelism attn_mask must be [B|1, H|1, N, N] with "
+                                 f"N={cp.seq_len}, got {list(attn_mask.shape)}")
+            attn_mask = cp.shard(attn_mask, dim=-2)
+        if attn_mask is not None or is_causal:
+            for blk in self.blocks:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
+        elif self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
+
+    def pool(self, x: Tensor, pool_type: str | None = None) -> Tensor:
+        cp = self.context_parallel
+        if cp is None:
+            return super().pool(x, pool_type)
+        pool_type = self.global_pool if pool_type is None else pool_type
+        if self.attn_pool is None and pool_type in ("token", "avg"):
+            # Each rank reduces the tokens it holds (token 0 lives in rank 0's shard in both layouts); the
+            # partial results are summed over the group. Ranks holding none of the pooled tokens still take
+            # part in the graph (an empty sum), so every rank runs the same collectives in backward.
+            start = 0 if self.pool_include_prefix else self.num_prefix_tokens
+            index = cp.global_index(device=x.device)
+            keep = index == 0 if pool_type == "token" else index >= start
+            total = cp.all_reduce(x[:, keep].sum(dim=1))
+            return total if pool_type == "token" else total / (cp.seq_len - start)
+        return super().pool(cp.gather(x, dim=1), pool_type)
+
+    def forward_intermediates(self, *args, **kwargs):
+        if self.context_parallel is not None:
+            raise RuntimeError("ElsaViT.forward_intermediates is not available with context parallelism; "
+                               "call set_context_parallel(None) first")
+        return super().forward_intermediates(*args, **kwargs)
 
     def _elsa_convert(self, backend: str, precision: str) -> None:
         """Make every attention of the model ELSA (weights kept) and set backend/precision."""

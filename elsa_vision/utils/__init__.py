@@ -10,10 +10,18 @@ from .run import (
     print_json_line,
     save_resolved_config,
 )
-from .strategies import fsdp_strategy
+from .strategies import (
+    ContextParallelStrategy,
+    attach_context_parallel,
+    build_context_parallel_mesh,
+    fsdp_strategy,
+)
 
 __all__ = [
+    "ContextParallelStrategy",
     "EpochSeed",
+    "attach_context_parallel",
+    "build_context_parallel_mesh",
     "extras",
     "find_last_checkpoint",
     "fsdp_strategy",

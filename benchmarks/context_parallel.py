@@ -1,0 +1,365 @@
+"""Context-parallel ELSA: one sequence over several GPUs vs one GPU, FP32.
+
+Launched with torchrun, one process per device; every case is measured twice in the same job: on rank 0 alone
+(the one-device baseline, the other ranks wait at a barrier) and split over all ranks
+(:func:`elsa_vision.distributed.context_parallel_attention`, ring of K/V shards). Reported per case: median
+seconds (forward, and forward + backward for attention), the speed-up (one device / all ranks), the peak
+allocated memory of every rank and of the baseline, and the relative error of the context-parallel output
+against the one-device output (gathered on rank 0).
+
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py                    # GPUs: both cases
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --cases attention  # one case per call
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --device cpu --quick  # gloo smoke run
+
+Goals (2x H200): 256K-token FP32 attention (B=1, H=16, D=64) with per-GPU peak memory about half of one GPU's
+and a speed-up >= 1.7x; ViT-B/16 forward on an 8192 x 8192 image (262,145 tokens) split over 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from elsa_vision import elsa_attention  # noqa: E402
+from elsa_vision.distributed import (  # noqa: E402
+    context_parallel_attention,
+    gather_sequence,
+    shard_sequence,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    B: int
+    H: int
+    N: int
+    D: int
+    causal: bool = False
+    layout: str = "contiguous"
+    backward: bool = True
+
+    @property
+    def name(self) -> str:
+        causal = " causal" if self.causal else ""
+        return f"attention B{self.B} H{self.H} N{self.N} D{self.D}{causal} {self.layout}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTCase:
+    model: str
+    img_size: int
+    in_chans: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.img_size}x{self.img_size} forward"
+
+
+# The declared sweeps (goal cases last).
+FULL = {
+    "attention": [
+        AttentionCase(1, 16, 65536, 64),
+        AttentionCase(1, 16, 65536, 64, causal=True, layout="zigzag"),
+        AttentionCase(1, 16, 262144, 64),
+    ],
+    "vit": [ViTCase("elsa_vit_base_patch16_224", 4096), ViTCase("elsa_vit_base_patch16_224", 8192)],
+}
+QUICK = {
+    "attention": [AttentionCase(1, 2, 1031, 16), AttentionCase(1, 2, 1031, 16, causal=True, layout="zigzag")],
+    "vit": [ViTCase("elsa_vit_tiny_patch16_224", 112)],
+}
+GOAL = {"attention_tokens": 262144, "peak_fraction": 0.5, "speed_up": 1.7, "vit_img_size": 8192}
+FIELDS = [
+    "case",
+    "world",
+    "device",
+    "precision",
+    "tokens",
+    "fwd_s_1dev",
+    "fwd_s_cp",
+    "fwd_speed_up",
+    "fwdbwd_s_1dev",
+    "fwdbwd_s_cp",
+    "fwdbwd_speed_up",
+    "peak_mb_1dev",
+    "peak_mb_cp_per_rank",
+    "peak_fraction",
+    "relerr_vs_1dev",
+    "date",
+    "torch",
+    "host",
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def _time(fn, device: torch.device, repeats: int, group=None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after one warm-up (kernel compilation)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if group is not None:
+            dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if group is not None:
+            dist.barrier(group=group)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _all_peaks(value: float | None, device: torch.device) -> list[float | None]:
+    world = dist.get_world_size()
+    t = torch.tensor([-1.0 if value is None else value], dtype=torch.float64, device=device)
+    bufs = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(bufs, t)
+    return [None if float(b) < 0 else round(float(b), 1) for b in bufs]
+
+
+def run_attention(case: AttentionCase, device: torch.device, precision: str, repeats: int) -> dict:
+    rank = dist.get_rank()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shape = (case.B, case.H, case.N, case.D)
+
+    def full(seed_offset: int) -> torch.Tensor:
+        gen.manual_seed(seed_offset)
+        return torch.randn(shape, generator=gen).to(device)
+
+    row: dict = {"case": case.name, "tokens": case.N}
+    # One device: rank 0 alone.
+    out_1 = None
+    if rank == 0:
+        q, k, v, do = (full(i) for i in range(4))
+        _reset_peak(device)
+
+        def fwd1():
+            return elsa_attention(q, k, v, causal=case.causal, precision=precision)
+
+        row["fwd_s_1dev"] = _time(fwd1, device, repeats)
+        if case.backward:
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+            def fb1():
+                elsa_attention(*leaves, causal=case.causal, precision=precision).backward(do)
+
+            row["fwdbwd_s_1dev"] = _time(fb1, device, repeats)
+            del leaves
+        out_1 = fwd1()
+        row["peak_mb_1dev"] = _peak_mb(device)
+        del q, k, v, do
+    dist.barrier()
+    # All ranks: this rank's shards only (generated whole on the host, sharded, then moved).
+    gen.manual_seed(0)
+    local = []
+    for i in range(4):
+        gen.manual_seed(i)
+        local.append(shard_sequence(torch.randn(shape, generator=gen), None, layout=case.layout).to(device))
+    q, k, v, do = local
+    _reset_peak(device)
+
+    def fwd():
+        return context_parallel_attention(
+            q, k, v, seq_len=case.N, causal=case.causal, precision=precision, layout=case.layout
+        )
+
+    row["fwd_s_cp"] = _time(fwd, device, repeats, group=dist.group.WORLD)
+    if case.backward:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+        def fb():
+            context_parallel_attention(
+                *leaves, seq_len=case.N, causal=case.causal, precision=precision, layout=case.layout
+            ).backward(do)
+
+        row["fwdbwd_s_cp"] = _time(fb, device, repeats, group=dist.group.WORLD)
+        del leaves
+    out = fwd()
+    row["peak_mb_cp_per_rank"] = _all_peaks(_peak_mb(device), device)
+    gathered = gather_sequence(out, case.N, None, layout=case.layout)
+    if rank == 0:
+        row["relerr_vs_1dev"] = float((gathered - out_1).norm() / out_1.norm())
+    return row
+
+
+def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -> dict:
+    from elsa_vision.inference.highres import Plan, build_model, run_context_parallel, run_plan
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = (
+        build_model(
+            case.model,
+            None,
+            (case.img_size, case.img_size),
+            in_chans=case.in_chans,
+            num_classes=1000,
+            attn_precision=precision,
+        )
+        .to(device)
+        .eval()
+    )
+    for t in model.state_dict().values():  # identical weights on every rank
+        dist.broadcast(t, 0)
+    gen = torch.Generator().manual_seed(1)
+    img = torch.randn(case.in_chans, case.img_size, case.img_size, generator=gen).to(device)
+    p = model.patch_embed.patch_size[0]
+    row: dict = {"case": case.name, "tokens": (case.img_size // p) ** 2 + model.num_prefix_tokens}
+    feats_1 = None
+    if rank == 0:
+        _reset_peak(device)
+        plan = Plan("whole", 0.0, None)
+        res = None
+
+        def one():
+            nonlocal res
+            res = run_plan(model, img, plan)
+
+        row["fwd_s_1dev"] = _time(one, device, repeats)
+        row["peak_mb_1dev"] = _peak_mb(device)
+        feats_1 = res.features
+        del res
+    dist.barrier()
+    _reset_peak(device)
+    res_cp = None
+
+    def cp():
+        nonlocal res_cp
+        res_cp = run_context_parallel(model, img, dist.group.WORLD)
+
+    row["fwd_s_cp"] = _time(cp, device, repeats, group=dist.group.WORLD)
+    row["peak_mb_cp_per_rank"] = _all_peaks(_peak_mb(device), device)
+    if rank == 0:
+        row["relerr_vs_1dev"] = float((res_cp.features - feats_1).norm() / feats_1.norm())
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small CPU-sized cases (smoke run)")
+    ap.add_argument("--cases", default="attention,vit", help="comma list of: attention, vit")
+    ap.add_argument("--precision", default="auto", help="ELSA float32 precision (auto, ieee, tf32x3, tf32)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (median; one warm-up)")
+    ap.add_argument(
+        "--out", default=None, help="CSV path (default benchmarks/results/context_parallel_*.csv)"
+    )
+    args = ap.parse_args(argv)
+    kinds = [c.strip() for c in args.cases.split(",") if c.strip()]
+    for kind in kinds:
+        if kind not in FULL:
+            raise SystemExit(f"--cases: unknown case kind {kind!r}; expected attention and/or vit")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device (use --device cpu --quick for the gloo smoke run)")
+    owns = not dist.is_initialized()
+    if owns:
+        if "RANK" not in os.environ:
+            raise SystemExit(
+                "launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/context_parallel.py"
+            )
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # FP32 end to end outside the attention kernels
+    else:
+        device = torch.device("cpu")
+    sweep = QUICK if args.quick else FULL
+    rows = []
+    try:
+        for kind in kinds:
+            for case in sweep[kind]:
+                fn = run_attention if kind == "attention" else run_vit
+                row = fn(case, device, args.precision, args.repeats)
+                if rank == 0:
+                    row.update(
+                        world=world,
+                        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (gloo)",
+                        precision=args.precision,
+                    )
+                    for what in ("fwd", "fwdbwd"):
+                        one, cp = row.get(f"{what}_s_1dev"), row.get(f"{what}_s_cp")
+                        if one is not None and cp:
+                            row[f"{what}_speed_up"] = round(one / cp, 3)
+                    peaks, one = row.get("peak_mb_cp_per_rank"), row.get("peak_mb_1dev")
+                    if one and peaks and all(p is not None for p in peaks):
+                        row["peak_fraction"] = round(max(peaks) / one, 3)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                dist.barrier()
+    finally:
+        if owns:
+            dist.destroy_process_group()
+    if rank != 0:
+        return rows
+    stamp = datetime.date.today().isoformat()
+    for r in rows:
+        r.update(date=stamp, torch=torch.__version__, host=platform.node())
+    tag = (
+        "cpu_quick"
+        if args.device == "cpu"
+        else f"{torch.cuda.get_device_name(device).replace(' ', '_').lower()}_x{world}_{stamp}"
+    )
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"context_parallel_{tag}.csv"
+    )
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (json.dumps(r[k]) if isinstance(r.get(k), list) else r.get(k)) for k in FIELDS})
+    goal = [r for r in rows if r["case"].startswith("attention") and r["tokens"] == GOAL["attention_tokens"]]
+    if goal:
+        g = goal[0]
+        print(
+            json.dumps(
+                {
+                    "goal_attention_256k": {
+                        "fwd_speed_up": g.get("fwd_speed_up"),
+                        "fwdbwd_speed_up": g.get("fwdbwd_speed_up"),
+                        "peak_fraction": g.get("peak_fraction"),
+                        "met": bool(
+                            (g.get("fwd_speed_up") or 0) >= GOAL["speed_up"]
+                            and (g.get("peak_fraction") or 1) <= GOAL["peak_fraction"] + 0.1
+                        ),
+                    }
+                }
+            )
+        )
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
