@@ -232,8 +232,9 @@ def _swin_classes():
         the per-head logit scale multiplies the normalised q, the rest is ``attn_bias``; ``scale=1``.
         """
 
-        def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-            B_, N, C = x.shape
+        def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            """q, k, v ``[B_, H, N, Dh]`` from the projection with timm's (q_bias, zero k_bias, v_bias)."""
+            B_, N, _ = x.shape
             if self.q_bias is None:
                 qkv = self.qkv(x)
             else:
@@ -243,14 +244,21 @@ def _swin_classes():
                 else:
                     qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
             qkv = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv.unbind(0)
+            return qkv.unbind(0)
+
+        def position_bias(self) -> Tensor:
+            """``16 sigmoid(cpb_mlp(relative_coords_table))[relative_position_index]`` as ``[H, N, N]``."""
+            N = self.relative_position_index.shape[0]
+            table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
+            bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
+            return 16 * torch.sigmoid(bias)
+
+        def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+            q, k, v = self._qkv(x)
             logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
             q = F.normalize(q, dim=-1) * logit_scale
             k = F.normalize(k, dim=-1)
-            table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
-            bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
-            bias = 16 * torch.sigmoid(bias).unsqueeze(0)
-            x = _window_attention(self, q, k, v, bias, mask, 1.0)
+            x = _window_attention(self, q, k, v, self.position_bias().unsqueeze(0), mask, 1.0)
             x = self.proj(x)
             return self.proj_drop(x)
 

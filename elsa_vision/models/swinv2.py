@@ -22,8 +22,6 @@ import os
 from typing import Any
 
 import timm
-import torch
-import torch.nn.functional as F
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
@@ -65,26 +63,6 @@ class ElsaSwinV2Attention(ElsaSwinV2WindowAttention):
         module.elsa_backend = backend
         module.elsa_precision = precision
         return module
-
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B_, N, _ = x.shape
-        if self.q_bias is None:
-            qkv = self.qkv(x)
-        else:
-            qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-            if getattr(self, "qkv_bias_separate", False):
-                qkv = self.qkv(x) + qkv_bias
-            else:
-                qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
-        qkv = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        return qkv.unbind(0)
-
-    def position_bias(self) -> Tensor:
-        """``16 sigmoid(cpb_mlp(relative_coords_table))[relative_position_index]`` as ``[H, N, N]``."""
-        N = self.relative_position_index.shape[0]
-        table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
-        bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
-        return 16 * torch.sigmoid(bias)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         dropout_p = self.attn_drop.p if self.training else 0.0
