@@ -1,6 +1,13 @@
-"""Shared test helpers: relative error against a float64 reference."""
+"""Shared test helpers: seeded inputs on the test device and errors against a float64 reference."""
+
+import math
 
 import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_ACCURATE = 1e-6  # relerr of FP32-accurate forward paths against float64
+TF32_BOUND = 5e-3  # relerr of one TF32 pass
+LOW_ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-3}  # atol of the FlashAttention-style half check
 
 
 def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -9,3 +16,32 @@ def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
     den = ref.norm().item()
     num = (out - ref).norm().item()
     return num / den if den > 0 else num
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
+    """Normal samples drawn in float64 on the CPU from ``seed``, then cast and moved to ``DEVICE``."""
+    return (torch.randn(*shape, generator=gen(seed), dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+
+
+def qkv(B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32, scale=1.0):
+    Dv = D if Dv is None else Dv
+    return (
+        randn(B, H, Nq, D, seed=seed, dtype=dtype, scale=scale),
+        randn(B, H, Nk, D, seed=seed + 1, dtype=dtype, scale=scale),
+        randn(B, H, Nk, Dv, seed=seed + 2, dtype=dtype, scale=scale),
+    )
+
+
+def assert_lse(lse: torch.Tensor, ref: torch.Tensor) -> None:
+    """float32 lse, -inf exactly where no key is visible, else |lse − ref| <= 1e-5·max(1, |ref|)."""
+    assert lse.dtype == torch.float32
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(lse), fin), "lse must be -inf exactly where no key is visible"
+    assert bool((lse[~fin] == -math.inf).all())
+    if fin.any():
+        err = (lse.double()[fin] - ref[fin]).abs().max().item()
+        assert err <= 1e-5 * max(1.0, ref[fin].abs().max().item()), f"lse error {err}"

@@ -25,45 +25,12 @@ from elsa_vision.kernels import decode  # noqa: E402
 from elsa_vision.kernels.decode import choose_forward, decode_plan, elsa_decode  # noqa: E402
 from elsa_vision.kernels.fwd import elsa_fwd  # noqa: E402
 from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FP32_ACCURATE = 1e-6
-TF32_BOUND = 5e-3
-LOW_ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(seed)
-
-
-def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=_gen(seed), dtype=torch.float64) * scale).to(dtype).to(DEVICE)
-
-
-def qkv(B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32, scale=1.0):
-    Dv = D if Dv is None else Dv
-    return (randn(B, H, Nq, D, seed=seed, dtype=dtype, scale=scale),
-            randn(B, H, Nk, D, seed=seed + 1, dtype=dtype, scale=scale),
-            randn(B, H, Nk, Dv, seed=seed + 2, dtype=dtype, scale=scale))
+from tests.helpers import DEVICE, FP32_ACCURATE, LOW_ATOL, TF32_BOUND, assert_lse, gen, qkv, randn, relerr  # noqa: E402
 
 
 def ref64(q, k, v, attn_bias=None, **kw):
     bias = attn_bias.double() if attn_bias is not None else None
     return scan_attention(q.double(), k.double(), v.double(), attn_bias=bias, return_lse=True, **kw)
-
-
-def relerr(out, ref) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def assert_lse(lse, ref):
-    assert lse.dtype == torch.float32
-    fin = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(lse), fin), "lse must be -inf exactly where no key is visible"
-    assert bool((lse[~fin] == -math.inf).all())
-    if fin.any():
-        err = (lse.double()[fin] - ref[fin]).abs().max().item()
-        assert err <= 1e-5 * max(1.0, ref[fin].abs().max().item()), f"lse error {err}"
 
 
 def assert_matches(q, k, v, out, lse, **kw):
@@ -241,7 +208,7 @@ def test_neg_inf_bias_and_key_padding_mask():
     bias = torch.zeros(B, H, Nq, Nk, device=DEVICE)
     bias[:, :, 0, 10:70] = -math.inf  # a band hidden from row 0
     bias[1, 0, 1, :] = -math.inf  # a fully hidden row
-    kpm = (torch.rand(B, Nk, generator=_gen(62)) > 0.3).to(DEVICE)
+    kpm = (torch.rand(B, Nk, generator=gen(62)) > 0.3).to(DEVICE)
     kpm[2] = False  # a batch with no key at all
     out, lse = elsa_decode(q, k, v, attn_bias=bias, key_padding_mask=kpm, block_n=16, programs=5)
     assert torch.isfinite(out).all()
@@ -257,7 +224,7 @@ def test_nan_in_masked_keys_and_tail_does_not_leak(causal):
     B, H, Nq, Nk, D, pad = 2, 2, 3, 77, 24, 19
     q, k_big, v_big = qkv(B, H, Nq, Nk + pad, D, seed=71)
     q = q[:, :, :Nq]
-    kpm = (torch.rand(B, Nk, generator=_gen(72)) > 0.25).to(DEVICE)
+    kpm = (torch.rand(B, Nk, generator=gen(72)) > 0.25).to(DEVICE)
     kpm[:, -1] = True
     k_clean, v_clean = k_big[:, :, :Nk].clone(), v_big[:, :, :Nk].clone()
     poison = torch.zeros(B, 1, Nk + pad, 1, dtype=torch.bool, device=DEVICE)
@@ -399,7 +366,7 @@ def test_gpu_long_cache(Nk, dtype):
 def test_gpu_few_queries_masks(Nq):
     B, H, Nk, D = 2, 4, 65536 + 77, 128
     q, k, v = qkv(B, H, Nq, Nk, D, seed=Nq, dtype=torch.bfloat16)
-    kpm = (torch.rand(B, Nk, generator=_gen(5)) > 0.1).to(DEVICE)
+    kpm = (torch.rand(B, Nk, generator=gen(5)) > 0.1).to(DEVICE)
     bias = randn(1, H, 1, Nk, seed=6, dtype=torch.float32)
     out, lse = elsa_decode(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=True)
     ref, ref_lse = ref64(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=True)

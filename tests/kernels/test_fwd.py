@@ -27,28 +27,17 @@ from elsa_vision import elsa_attention, elsa_attention_varlen  # noqa: E402
 from elsa_vision.kernels import elsa_fwd, elsa_fwd_varlen, plan  # noqa: E402
 from elsa_vision.kernels.monoid import merge_states  # noqa: E402
 from elsa_vision.kernels.reference import merge_depth, scan_attention, softmax_attention  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FP32_ACCURATE = 1e-6
-TF32_BOUND = 5e-3
-LOW_ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(seed)
-
-
-def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=_gen(seed), dtype=torch.float64) * scale).to(dtype).to(DEVICE)
-
-
-def qkv(B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32, scale=1.0):
-    Dv = D if Dv is None else Dv
-    return (
-        randn(B, H, Nq, D, seed=seed, dtype=dtype, scale=scale),
-        randn(B, H, Nk, D, seed=seed + 1, dtype=dtype, scale=scale),
-        randn(B, H, Nk, Dv, seed=seed + 2, dtype=dtype, scale=scale),
-    )
+from tests.helpers import (  # noqa: E402
+    DEVICE,
+    FP32_ACCURATE,
+    LOW_ATOL,
+    TF32_BOUND,
+    assert_lse,
+    gen,
+    qkv,
+    randn,
+    relerr,
+)
 
 
 def ref64(q, k, v, attn_bias=None, **kw):
@@ -59,20 +48,6 @@ def ref64(q, k, v, attn_bias=None, **kw):
 def lse64(q, k, v, attn_bias=None, **kw):
     bias = attn_bias.double() if attn_bias is not None else None
     return scan_attention(q.double(), k.double(), v.double(), attn_bias=bias, return_lse=True, **kw)[1]
-
-
-def relerr(out, ref) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def assert_lse(lse, ref):
-    assert lse.dtype == torch.float32
-    fin = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(lse), fin), "lse must be -inf exactly where no key is visible"
-    assert bool((lse[~fin] == -math.inf).all())
-    if fin.any():
-        err = (lse.double()[fin] - ref[fin]).abs().max().item()
-        assert err <= 1e-5 * max(1.0, ref[fin].abs().max().item()), f"lse error {err}"
 
 
 def assert_low_precision(out, q, k, v, **kw):
@@ -124,7 +99,7 @@ def test_monoid_merge_identity_and_associativity():
     m = randn(3, R, seed=200) * 4
     m[0, :3] = -math.inf  # identity-like rows (nothing visible) inside a
     m[1, 5] = -math.inf
-    s = torch.rand(3, R, generator=_gen(201)).to(DEVICE) + 0.5
+    s = torch.rand(3, R, generator=gen(201)).to(DEVICE) + 0.5
     s[m == -math.inf] = 0.0
     w = randn(3, R, DV, seed=202)
     w[m == -math.inf] = 0.0
@@ -240,7 +215,7 @@ def test_finfo_min_and_extreme_bias():
 def test_key_padding_mask_and_fully_masked_batch():
     B, H, Nq, Nk, D = 3, 2, 29, 83, 40
     q, k, v = qkv(B, H, Nq, Nk, D, seed=41)
-    kpm = torch.rand(B, Nk, generator=_gen(7)) > 0.3
+    kpm = torch.rand(B, Nk, generator=gen(7)) > 0.3
     kpm[1] = False  # batch 1 sees no key at all
     kpm = kpm.to(DEVICE)
     out, lse = elsa_fwd(q, k, v, key_padding_mask=kpm, precision="ieee")
@@ -255,7 +230,7 @@ def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions):
     B, H, Nq, Nk, D, pad = 2, 2, 45, 77, 40, 19
     q, k_big, v_big = qkv(B, H, Nq, Nk + pad, D, seed=51)
     q = q[:, :, :Nq]
-    kpm = (torch.rand(B, Nk, generator=_gen(8)) > 0.25).to(DEVICE)
+    kpm = (torch.rand(B, Nk, generator=gen(8)) > 0.25).to(DEVICE)
     kpm[:, -1] = True
     k_clean, v_clean = k_big[:, :, :Nk].clone(), v_big[:, :, :Nk].clone()
     poison = torch.zeros(B, 1, Nk + pad, 1, dtype=torch.bool, device=DEVICE)
@@ -503,7 +478,7 @@ def test_gpu_large_lengths(N, dtype, causal):
     q, k, v = qkv(1, 2, N, N, 64, seed=103, dtype=dtype)
     out, lse = elsa_fwd(q, k, v, causal=causal)
     rows = torch.cat(
-        [torch.arange(0, 64), torch.randint(0, N, (192,), generator=_gen(1)), torch.arange(N - 64, N)]
+        [torch.arange(0, 64), torch.randint(0, N, (192,), generator=gen(1)), torch.arange(N - 64, N)]
     )
     rows = rows.to(DEVICE)
     ref = _rows_ref(q, k, v, rows, causal=causal)
