@@ -6,6 +6,7 @@ other file (``.pth``, ``.pt``, ``.bin``, ``.ckpt``) through ``torch.load(weights
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LoadReport", "read_state_dict", "check_shapes", "load_checkpoint"]
+__all__ = ["LoadReport", "read_state_dict", "check_shapes", "load_checkpoint", "timm_source"]
 
 # Keys under which training scripts nest the weights (Lightning, timm train.py, DeiT, MAE ...), in order.
 _NESTED_KEYS = ("state_dict", "model", "module", "teacher", "model_state")
@@ -137,3 +138,40 @@ def load_checkpoint(
     if strict and not report.ok:
         raise ValueError(f"checkpoint does not match the model (strict=True):\n{report}")
     return report
+
+
+def timm_source(
+    owner: str,
+    src: nn.Module | str,
+    base_cls: type[nn.Module],
+    elsa_cls: type[nn.Module],
+    checkpoint_path: str | os.PathLike | None,
+    filter_fn: Callable,
+    strict: bool,
+    kwargs: dict,
+) -> tuple[nn.Module, LoadReport | None]:
+    """The timm model an ELSA ``from_timm`` converts: built from a name (plus a local checkpoint), or a deep
+    copy of an instance of exactly ``base_cls`` (or ``elsa_cls``). Returns ``(model, load report or None)``.
+    """
+    import timm
+
+    base = base_cls.__name__
+    if isinstance(src, str):
+        model = timm.create_model(src, pretrained=False, **kwargs)
+        if not isinstance(model, base_cls):
+            raise TypeError(f"{owner}: {src!r} builds a {type(model).__name__}, not a {base}")
+        report = None
+        if checkpoint_path is not None:
+            report = load_checkpoint(model, checkpoint_path, filter_fn, strict=strict)
+        return model.eval(), report
+    if isinstance(src, nn.Module):
+        if kwargs:
+            raise TypeError(f"{owner}: model kwargs {sorted(kwargs)} only apply when src is a model name; "
+                            f"a model instance keeps its own configuration")
+        if checkpoint_path is not None:
+            raise TypeError(f"{owner}: checkpoint_path only applies when src is a model name")
+        if type(src) not in (base_cls, elsa_cls):
+            raise TypeError(f"{owner}: src must be a timm {base} (exact class), got {type(src).__name__}; "
+                            f"use elsa_vision.patch_attention for other models")
+        return copy.deepcopy(src), None
+    raise TypeError(f"{owner}: src must be a timm model name or {base}, got {type(src)}")

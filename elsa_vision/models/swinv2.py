@@ -16,12 +16,10 @@ all windows, the bias and shift mask read by stride) when the backend resolves t
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from typing import Any
 
-import timm
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
@@ -29,7 +27,7 @@ from torch import Tensor, nn
 
 from ..ops.attention import BACKENDS, PRECISIONS, resolve_backend
 from ..patching import ElsaSwinV2WindowAttention
-from ._builder import LoadReport, load_checkpoint
+from ._builder import LoadReport, timm_source
 
 __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 
@@ -154,30 +152,8 @@ class ElsaSwinV2(SwinTransformerV2):
             The ``ElsaSwinV2`` in the train/eval mode of the source (eval for a name).
         """
         _check_attention_options("ElsaSwinV2.from_timm", attn_backend, attn_precision)
-        report = None
-        if isinstance(src, str):
-            model = timm.create_model(src, pretrained=False, **kwargs)
-            if not isinstance(model, SwinTransformerV2):
-                raise TypeError(
-                    f"ElsaSwinV2.from_timm: {src!r} builds a {type(model).__name__}, not a SwinTransformerV2")
-            if checkpoint_path is not None:
-                report = load_checkpoint(model, checkpoint_path, checkpoint_filter_fn, strict=strict)
-            model.eval()
-        elif isinstance(src, nn.Module):
-            if kwargs:
-                raise TypeError(
-                    f"ElsaSwinV2.from_timm: model kwargs {sorted(kwargs)} only apply when src is a model "
-                    f"name; a model instance keeps its own configuration")
-            if checkpoint_path is not None:
-                raise TypeError("ElsaSwinV2.from_timm: checkpoint_path only applies when src is a model name")
-            if type(src) not in (SwinTransformerV2, cls):
-                raise TypeError(
-                    f"ElsaSwinV2.from_timm: src must be a timm SwinTransformerV2 (exact class), got "
-                    f"{type(src).__name__}; use elsa_vision.patch_attention for other models")
-            model = copy.deepcopy(src)
-        else:
-            raise TypeError(
-                f"ElsaSwinV2.from_timm: src must be a timm model name or SwinTransformerV2, got {type(src)}")
+        model, report = timm_source("ElsaSwinV2.from_timm", src, SwinTransformerV2, cls, checkpoint_path, checkpoint_filter_fn,
+                                    strict, kwargs)
         model.__class__ = cls
         model._elsa_convert(attn_backend, attn_precision)
         model.load_report = report

@@ -7,25 +7,23 @@ timm checkpoints (and timm's ``checkpoint_filter_fn`` for OpenAI-CLIP / DINOv2 l
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from functools import partial
 from typing import Any
 
-import timm
 import torch
 from timm.layers import Attention, AttentionPoolLatent, LayerNorm
 from timm.models import adapt_input_conv, build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._manipulate import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
 from ..ops.attention import BACKENDS, PRECISIONS
-from ._builder import LoadReport, load_checkpoint
+from ._builder import LoadReport, timm_source
 
 __all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
 
@@ -234,32 +232,8 @@ class ElsaViT(VisionTransformer):
             The ``ElsaViT`` in the train/eval mode of the source (eval for a name).
         """
         _check_attention_options(attn_backend, attn_precision)
-        report = None
-        if isinstance(src, str):
-            model = timm.create_model(src, pretrained=False, **kwargs)
-            if not isinstance(model, VisionTransformer):
-                raise TypeError(
-                    f"ElsaViT.from_timm: {src!r} builds a {type(model).__name__}, not a VisionTransformer")
-            if checkpoint_path is not None:
-                report = load_checkpoint(model, checkpoint_path, elsa_checkpoint_filter_fn, strict=strict)
-            model.eval()
-        elif isinstance(src, nn.Module):
-            if kwargs:
-                raise TypeError(
-                    f"ElsaViT.from_timm: model kwargs {sorted(kwargs)} only apply when src is a model name; "
-                    f"a model instance keeps its own configuration"
-                )
-            if checkpoint_path is not None:
-                raise TypeError("ElsaViT.from_timm: checkpoint_path only applies when src is a model name")
-            if type(src) not in (VisionTransformer, cls):
-                raise TypeError(
-                    f"ElsaViT.from_timm: src must be a timm VisionTransformer (exact class), got "
-                    f"{type(src).__name__}; use elsa_vision.patch_attention for other models"
-                )
-            model = copy.deepcopy(src)
-        else:
-            raise TypeError(
-                f"ElsaViT.from_timm: src must be a timm model name or VisionTransformer, got {type(src)}")
+        model, report = timm_source("ElsaViT.from_timm", src, VisionTransformer, cls, checkpoint_path, elsa_checkpoint_filter_fn,
+                                    strict, kwargs)
         model.__class__ = cls
         model._elsa_convert(attn_backend, attn_precision)
         model.load_report = report
