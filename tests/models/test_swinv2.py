@@ -12,6 +12,9 @@ import elsa_vision  # noqa: F401  (registers the elsa_* names)
 from elsa_vision.models import ElsaSwinV2
 from elsa_vision.models.swinv2 import ElsaSwinV2Attention
 
+# The fused W-ELSA op runs compiled on CUDA, else in the Triton interpreter (tests/conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 NAMES = (
     "elsa_swinv2_tiny_window8_256",
     "elsa_swinv2_tiny_window16_256",
@@ -43,7 +46,10 @@ def _randomize(model: torch.nn.Module) -> None:
 
 
 def _pair(img_size=256, dtype=torch.float32, **kw):
-    ref = SwinTransformerV2(img_size=img_size, **dict(SMALL, window_size=8, **kw))
+    try:
+        ref = SwinTransformerV2(img_size=img_size, **dict(SMALL, window_size=8, **kw))
+    except RuntimeError as err:  # older timm cannot pad a strict size that is no window multiple
+        pytest.skip(f"timm {timm.__version__} cannot build the reference SwinTransformerV2: {err}")
     _randomize(ref)
     ref = ref.to(dtype).eval()
     return ref, ElsaSwinV2.from_timm(ref, attn_backend="torch").eval()
@@ -215,6 +221,7 @@ def test_triton_backend_matches_timm():
     import elsa_vision.ops.window_attention as wa
 
     ref, model = _pair(64)  # stage maps 16, 8, 4, 2: windows 8 (shifted), 8, 4, 2
+    ref, model = ref.to(DEVICE), model.to(DEVICE)
     ref64 = copy.deepcopy(ref).double()
     model.set_attention(backend="triton", precision="ieee")
     calls = []
@@ -226,8 +233,8 @@ def test_triton_backend_matches_timm():
 
     wa.window_attention = counting
     try:
-        x = torch.randn(2, 3, 64, 64)
-        w = torch.randn(2, 10)
+        x = torch.randn(2, 3, 64, 64, device=DEVICE)
+        w = torch.randn(2, 10, device=DEVICE)
         got, want, want64 = model(x), ref(x), ref64(x.double())
         assert len(calls) == sum(SMALL["depths"])
         assert _rel(got, want64) <= 1e-5
@@ -251,10 +258,10 @@ def test_non_square_windows_and_image_triton():
     clipped to the map), fused W-ELSA op in every block; fp32 forward ``<= 1e-5`` against timm."""
     ref = SwinTransformerV2(img_size=(96, 160), **dict(SMALL, window_size=(6, 10)))
     _randomize(ref)
-    ref.eval()
+    ref = ref.to(DEVICE).eval()
     assert ref.layers[3].blocks[0].window_size == (3, 5) and ref.layers[1].blocks[1].shift_size == (3, 5)
     model = ElsaSwinV2.from_timm(ref, attn_backend="triton", attn_precision="ieee").eval()
-    x = torch.randn(2, 3, 96, 160)
+    x = torch.randn(2, 3, 96, 160, device=DEVICE)
     with torch.no_grad():
         assert _rel(model(x), ref(x)) <= 1e-5
 
