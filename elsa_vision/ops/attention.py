@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..kernels.reference import attention_bias_grad, scan_attention
+from ..kernels.reference import scan_attention
 
 __all__ = ["elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend"]
 
@@ -181,15 +181,10 @@ def _attention_setup_context(ctx, inputs, output):
 def _attention_backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_bias, key_padding_mask = ctx.saved_tensors
     causal, scale, precision = ctx.options
-    dq, dk, dv, _ = torch.ops.elsa_vision.attention_bwd(
-        dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, False)
-    dbias = None
-    if attn_bias is not None and ctx.needs_input_grad[3]:
-        # The bias gradient is recomputed from lse by the chunked torch reduction: the Triton dbias kernel
-        # passes on the CPU interpreter but not yet on the H100 (docs/kernel_notes.md, "Open problems").
-        dbias = attention_bias_grad(dout, q, k, v, out, lse, attn_bias, key_padding_mask=key_padding_mask,
-                                    causal=causal, scale=scale)
-    return dq, dk, dv, dbias, None, None, None, None
+    bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = torch.ops.elsa_vision.attention_bwd(
+        dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad)
+    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
 
 
 _attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)

@@ -3,14 +3,17 @@
 Forward: one Triton launch over all windows (:func:`elsa_vision.kernels.window.window_fwd`: q/k normalisation,
 per-head logit scale, shared ``[H, N, N]`` bias and ``[nW, N, N]`` shift mask read by stride).
 
-Backward: the normalised, scaled ``q``/``k`` are recomputed; the gradients of ``q``, ``k``, ``v`` come from
-the ELSA backward (``elsa_vision::attention_bwd``) in the folded window layout ``[B, nW*H, N, D]`` with bias
-plus mask as one ``[1, nW*H, N, N]`` ``attn_bias`` (per window, never expanded over the batch), then through
-the normalisation by autograd. The bias gradient ``dS = P (dP - rowsum(P dP))`` is recomputed densely per
-window in chunks of images (windows hold at most a few hundred tokens) and summed over the images; the
-``logit_scale`` gradient comes from the same ``dS`` as ``sum dS (L - rowmax L)`` (``L`` the scaled cosine
-logits), which avoids the cancellation of the ``dq . q`` route. Gradients reach ``q``, ``k``, ``v``,
-``logit_scale`` and the bias (hence ``cpb_mlp``); the mask gets none.
+Backward: the normalised, scaled ``q``/``k`` are recomputed and every window's softmax is formed densely
+(windows hold at most a few hundred tokens), in chunks of whole images that bound the memory. From one
+``P`` and ``dS = P (dP - rowsum(P dP))`` per chunk come ``dV = P^T dO``, ``dq = dS k``, ``dk = dS^T q``
+(then through the normalisation by autograd), the bias gradient (``dS`` summed over the images) and the
+``logit_scale`` gradient ``sum dS (L - rowmax L)`` (``L`` the scaled cosine logits; this avoids the
+cancellation of the ``dq . q`` route). The dense softmax matters for float32 accuracy here: Swin-v2 logits
+reach ``100 cos + 16``, and a probability recomputed from a saved float32 log-sum-exp of that size carries
+its rounding (~4e-6 relative) into every gradient, several times the error of the dense softmax
+(``docs/kernel_notes.md``, "W-ELSA backward"). Gradients reach ``q``, ``k``, ``v``, ``logit_scale`` and the
+bias (hence ``cpb_mlp``); the mask gets none. Float32 matmuls of the backward run in IEEE float32 unless
+``precision="tf32"``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import PRECISIONS
+from .attention import PRECISIONS, _cuda_matmul_precision
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
@@ -51,13 +54,16 @@ def _normalized(q: Tensor, k: Tensor, logit_scale: Tensor) -> tuple[Tensor, Tens
     return qn.to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype)
 
 
-def _bias_and_scale_grads(dout: Tensor, qn: Tensor, kn: Tensor, v: Tensor, full: Tensor, nW: int,
-                          max_elements: int = 1 << 24) -> tuple[Tensor, Tensor]:
-    """``dS = P * (dP - rowsum(P * dP))`` of every window, recomputed densely from ``qn``, ``kn`` in chunks of
-    whole images (at most ``max_elements`` scores at a time); returns ``(dfull [nW, H, N, N], dscale [H])`` in
-    float32: the bias gradient summed over the images and ``sum dS * L`` with ``L = qn . kn``, the
-    logit-scale gradient before the clamp. Each row's logits are shifted by their maximum before that sum
-    (``sum_j dS_ij = 0``): the products then carry no common offset of up to 100 that would cancel.
+def _dense_window_grads(dout: Tensor, qn: Tensor, kn: Tensor, v: Tensor, full: Tensor, nW: int,
+                        need_qkv: bool = True, max_elements: int = 1 << 24):
+    """Gradients of every window from its dense softmax, in chunks of whole images (at most
+    ``max_elements`` scores at a time), all in float32.
+
+    Returns ``(dqn, dkn, dv, dfull, dscale)``: the gradients of the logit operands ``qn``, ``kn`` and of
+    ``v`` (``[B*nW, H, N, D|Dv]``; None unless ``need_qkv``), the bias gradient ``dfull [nW, H, N, N]``
+    summed over the images, and ``dscale [H] = sum dS * L`` with ``L = qn . kn``, the logit-scale gradient
+    before the clamp. Each row's logits are shifted by their maximum before that sum (``sum_j dS_ij = 0``):
+    the products then carry no common offset of up to 100 that would cancel.
     """
     Bw, H, N, _ = qn.shape
     B = Bw // nW
@@ -65,6 +71,11 @@ def _bias_and_scale_grads(dout: Tensor, qn: Tensor, kn: Tensor, v: Tensor, full:
     chunk = max(1, max_elements // max(1, nW * H * N * N))
     dfull = torch.zeros(nW, H, N, N, dtype=torch.float32, device=qn.device)
     dscale = torch.zeros(H, dtype=torch.float32, device=qn.device)
+    dqn = dkn = dv = None
+    if need_qkv:
+        dqn = torch.empty(qn.shape, dtype=torch.float32, device=qn.device)
+        dkn = torch.empty(kn.shape, dtype=torch.float32, device=qn.device)
+        dv = torch.empty(v.shape, dtype=torch.float32, device=qn.device)
     for b0 in range(0, B, chunk):
         b1 = min(B, b0 + chunk)
         rows = slice(b0 * nW, b1 * nW)
@@ -75,7 +86,12 @@ def _bias_and_scale_grads(dout: Tensor, qn: Tensor, kn: Tensor, v: Tensor, full:
         ds = p * (dp - (p * dp).sum(-1, keepdim=True))
         dfull += ds.sum(0)
         dscale += (ds * (logits - logits.amax(-1, keepdim=True))).sum((0, 1, 3, 4))
-    return dfull, dscale
+        if need_qkv:
+            p4, ds4 = p.view(-1, H, N, N), ds.view(-1, H, N, N)
+            dv[rows] = p4.transpose(-2, -1) @ dc
+            dqn[rows] = ds4 @ kc
+            dkn[rows] = ds4.transpose(-2, -1) @ qc
+    return dqn, dkn, dv, dfull, dscale
 
 
 def _setup_context(ctx, inputs, output):
@@ -88,36 +104,26 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, logit_scale, bias, mask, out, lse = ctx.saved_tensors
-    Bw, H, N, D = q.shape
     nW = 1 if mask is None else mask.shape[0]
-    B = Bw // nW
     full = bias.unsqueeze(0) if mask is None else bias.unsqueeze(0) + mask.to(bias.dtype).unsqueeze(1)
     full = full.to(q.dtype)  # [nW, H, N, N]: per window, never per image
-
-    def fold(t: Tensor) -> Tensor:  # [B*nW, H, N, X] -> [B, nW*H, N, X]: windows of one image become heads
-        return t.reshape(B, nW * H, *t.shape[2:])
-
     need_q, need_k, need_v, need_ls, need_bias = ctx.needs_input_grad[:5]
     with torch.enable_grad():
         qd, kd, lsd = (t.detach().requires_grad_(True) for t in (q, k, logit_scale))
         qn, kn = _normalized(qd, kd, lsd)
-    dout = dout.contiguous()
-    dq = dk = dv = dls = dbias = None
-    if need_q or need_k or need_v:
-        dqn, dkn, dv, _ = torch.ops.elsa_vision.attention_bwd(
-            fold(dout), fold(qn.detach()), fold(kn.detach()), fold(v), fold(out), fold(lse),
-            full.reshape(1, nW * H, N, N), None, False, 1.0, ctx.precision, False)
-        if need_q or need_k:
-            dq, dk = torch.autograd.grad((qn, kn), (qd, kd), (dqn.reshape(qn.shape), dkn.reshape(kn.shape)))
-    if need_bias or need_ls:
-        dfull, dscale = _bias_and_scale_grads(dout, qn.detach(), kn.detach(), v, full, nW)
-        if need_bias:
-            dbias = dfull.sum(0).to(bias.dtype)
-        if need_ls:
-            # L = exp(min(logit_scale, log 100)) cos: dL / dlogit_scale = L where the clamp is inactive.
-            dls = (dscale * (logit_scale.float() <= LOGIT_SCALE_MAX)).to(logit_scale.dtype)
-    return (dq if need_q else None, dk if need_k else None, dv.reshape(v.shape) if need_v else None,
-            dls if need_ls else None, dbias, None, None)
+    with _cuda_matmul_precision(ctx.precision == "tf32"):
+        dqn, dkn, dv, dfull, dscale = _dense_window_grads(
+            dout, qn.detach(), kn.detach(), v, full, nW, need_qkv=need_q or need_k or need_v)
+    dq = dk = dls = dbias = None
+    if need_q or need_k:
+        dq, dk = torch.autograd.grad((qn, kn), (qd, kd), (dqn.to(qn.dtype), dkn.to(kn.dtype)))
+    if need_bias:
+        dbias = dfull.sum(0).to(bias.dtype)
+    if need_ls:
+        # L = exp(min(logit_scale, log 100)) cos: dL / dlogit_scale = L where the clamp is inactive.
+        dls = (dscale * (logit_scale.float() <= LOGIT_SCALE_MAX)).to(logit_scale.dtype)
+    return (dq if need_q else None, dk if need_k else None, dv.to(v.dtype) if need_v else None,
+            dls, dbias, None, None)
 
 
 _window_fwd.register_autograd(_backward, setup_context=_setup_context)
