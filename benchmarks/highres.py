@@ -127,10 +127,10 @@ def run_case(case: Case, dev: torch.device, repeats: int, attn_backend: str) -> 
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     stock = build_model(case.model, sd, size, stock=True).to(dev)
-    ctx, kernel = _sdpa_context(dev)
+    kernel = _sdpa_context(dev)[1]
 
-    def run_stock():
-        with torch.no_grad(), ctx:
+    def run_stock():  # a fresh context per call: sdpa_kernel is a one-shot generator context manager
+        with torch.no_grad(), _sdpa_context(dev)[0]:
             return stock.forward_features(x)
 
     sdpa_s, sdpa_peak, ref = _measure(run_stock, dev, repeats)
