@@ -15,6 +15,7 @@ from torch import nn
 
 import elsa_vision.layers.attention as elsa_attention_module
 import elsa_vision.layers.attention_pool as elsa_pool_module
+import elsa_vision.layers.multihead_attention as elsa_mha_module
 import elsa_vision.patching as patching
 from elsa_vision import (
     ElsaAttention,
@@ -48,7 +49,7 @@ def randomize_(model: nn.Module) -> nn.Module:
 def elsa_calls(monkeypatch):
     """Counts every elsa_attention call made by patched modules and by the SDPA override."""
     calls = {"n": 0}
-    for mod in (patching, elsa_attention_module, elsa_pool_module):
+    for mod in (patching, elsa_attention_module, elsa_pool_module, elsa_mha_module):
         orig = mod.elsa_attention
 
         def counted(*a, _orig=orig, **k):

@@ -2,7 +2,7 @@
 
 ``elsa_clip(model)`` replaces every ``nn.MultiheadAttention`` inside ``model.visual`` (the blocks'
 self-attention and the CoCa attentional poolers' cross-attention) by
-:class:`elsa_vision.models.clip_vision.ElsaMultiheadAttention` sharing the same parameter tensors, so the
+:class:`elsa_vision.layers.ElsaMultiheadAttention` in place (same module objects and parameters), so the
 state dict, optimiser references and ``encode_image`` / ``encode_text`` / ``forward`` keep working unchanged.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..layers.multihead_attention import ElsaMultiheadAttention
 from ..ops.attention import BACKENDS, PRECISIONS
-from .clip_vision import ElsaMultiheadAttention
 
 __all__ = ["elsa_clip"]
 
@@ -43,11 +43,7 @@ def elsa_clip(model: nn.Module, *, backend: str = "auto", precision: str = "auto
             if isinstance(child, ElsaMultiheadAttention):
                 continue
             if isinstance(child, nn.MultiheadAttention):
-                setattr(
-                    parent,
-                    child_name,
-                    ElsaMultiheadAttention.from_torch(child, backend=backend, precision=precision),
-                )
+                ElsaMultiheadAttention.convert(child, backend=backend, precision=precision)
                 replaced.append(full)
             elif type(child).__name__ == "Attention" and hasattr(child, "in_proj_weight"):
                 skipped.append((full, type(child).__name__))

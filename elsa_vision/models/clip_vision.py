@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.attention import BACKENDS, PRECISIONS, elsa_attention
+from ..layers.multihead_attention import ElsaMultiheadAttention
+from ..ops.attention import BACKENDS, PRECISIONS
 
 __all__ = [
     "ElsaCLIPVision",
@@ -111,209 +112,6 @@ class PatchDropout(nn.Module):
         return torch.cat((cls_tok, x), dim=1)
 
 
-class ElsaMultiheadAttention(nn.Module):
-    """``nn.MultiheadAttention``'s parameters and call signature, computed by ELSA.
-
-    Parameters are those of ``torch.nn.MultiheadAttention`` (``in_proj_weight (3E, E)`` when
-    ``kdim == vdim == embed_dim``, else ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``; ``in_proj_bias
-    (3E,)``; ``out_proj``), so its state_dict (and open_clip's) loads unchanged. Self-attention projects
-    q, k, v with one GEMM and hands ELSA strided views; cross-attention projects k and v together.
-
-    ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None, ...)`` returns
-    ``(out, None)`` like ``nn.MultiheadAttention``. Mask semantics are torch's: bool ``attn_mask`` /
-    ``key_padding_mask`` True = *not* attended; float masks are added to the logits. Attention weights are
-    never formed, so ``need_weights=True`` is rejected.
-
-    Args:
-        embed_dim: query width E. num_heads: heads (E divisible by it). bias: projection biases.
-        kdim, vdim: key / value input widths (default E).
-        batch_first: ``[B, N, E]`` inputs (else ``[N, B, E]``).
-        dropout: attention dropout (training only). backend, precision: passed to ``elsa_attention``.
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        batch_first: bool = True,
-        *,
-        backend: str = "auto",
-        precision: str = "auto",
-    ) -> None:
-        super().__init__()
-        if embed_dim % num_heads:
-            raise ValueError(
-                f"ElsaMultiheadAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
-                f"({num_heads})"
-            )
-        if backend not in BACKENDS:
-            raise ValueError(
-                f"ElsaMultiheadAttention: unknown backend {backend!r}; expected one of {BACKENDS}"
-            )
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"ElsaMultiheadAttention: unknown precision {precision!r}; expected one of {PRECISIONS}"
-            )
-        self.embed_dim = embed_dim
-        self.kdim = kdim if kdim is not None else embed_dim
-        self.vdim = vdim if vdim is not None else embed_dim
-        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
-        self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
-        self.dropout = dropout
-        self.batch_first = batch_first
-        self.backend = backend
-        self.precision = precision
-        if self._qkv_same_embed_dim:
-            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
-            self.register_parameter("q_proj_weight", None)
-            self.register_parameter("k_proj_weight", None)
-            self.register_parameter("v_proj_weight", None)
-        else:
-            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim))
-            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim))
-            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim))
-            self.register_parameter("in_proj_weight", None)
-        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim)) if bias else None
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self._reset_parameters()
-
-    def _reset_parameters(self) -> None:
-        for w in (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
-            if w is not None:
-                nn.init.xavier_uniform_(w)
-        if self.in_proj_bias is not None:
-            nn.init.zeros_(self.in_proj_bias)
-            nn.init.zeros_(self.out_proj.bias)
-
-    @classmethod
-    def from_torch(cls, mha: nn.MultiheadAttention, *, backend: str = "auto", precision: str = "auto"):
-        """An ELSA module sharing ``mha``'s parameter tensors (no copy; optimiser references stay valid)."""
-        if not isinstance(mha, nn.MultiheadAttention):
-            raise TypeError(f"from_torch: expected nn.MultiheadAttention, got {type(mha).__name__}")
-        if mha.bias_k is not None or mha.bias_v is not None or mha.add_zero_attn:
-            raise ValueError("from_torch: add_bias_kv / add_zero_attn are not supported (expected False)")
-        with torch.device("meta"):
-            new = cls(
-                mha.embed_dim,
-                mha.num_heads,
-                dropout=mha.dropout,
-                bias=mha.in_proj_bias is not None,
-                kdim=mha.kdim,
-                vdim=mha.vdim,
-                batch_first=mha.batch_first,
-                backend=backend,
-                precision=precision,
-            )
-        for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias"):
-            setattr(new, name, getattr(mha, name))
-        new.out_proj = mha.out_proj
-        new.train(mha.training)
-        return new
-
-    def _bias(self, attn_mask, key_padding_mask, B, Nq, Nk, dtype, device) -> Tensor | None:
-        """torch MHA masks (bool True = hidden, or additive float) as a float bias ``[B|1, H|1, Nq, Nk]``."""
-        bias = None
-        if attn_mask is not None:
-            if attn_mask.dim() == 2:
-                m = attn_mask.reshape(1, 1, Nq, Nk)
-            elif attn_mask.dim() == 3 and attn_mask.shape[0] == B * self.num_heads:
-                m = attn_mask.reshape(B, self.num_heads, Nq, Nk)
-            else:
-                raise ValueError(
-                    f"ElsaMultiheadAttention: attn_mask must be [Nq, Nk] or [B*H, Nq, Nk] = "
-                    f"[{B * self.num_heads}, {Nq}, {Nk}], got {list(attn_mask.shape)}"
-                )
-            bias = (
-                torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(m, -math.inf)
-                if m.dtype == torch.bool
-                else m.to(dtype)
-            )
-        if key_padding_mask is not None:
-            if key_padding_mask.shape != (B, Nk):
-                raise ValueError(
-                    f"ElsaMultiheadAttention: key_padding_mask must be [B, Nk] = [{B}, {Nk}], got "
-                    f"{list(key_padding_mask.shape)}"
-                )
-            kp = key_padding_mask.reshape(B, 1, 1, Nk)
-            kp = (
-                torch.zeros(kp.shape, dtype=dtype, device=device).masked_fill_(kp, -math.inf)
-                if kp.dtype == torch.bool
-                else kp.to(dtype)
-            )
-            bias = kp if bias is None else bias + kp
-        return bias
-
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
-        need_weights: bool = False,
-        attn_mask: Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[Tensor, None]:
-        if need_weights:
-            raise ValueError(
-                "ElsaMultiheadAttention: need_weights=True is not supported (ELSA never forms the "
-                "attention matrix); pass need_weights=False"
-            )
-        self_attn = (key is None or key is query) and (value is None or value is query)
-        key = query if key is None else key
-        value = key if value is None else value
-        if not self.batch_first:
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        B, Nq, E = query.shape
-        Nk = key.shape[1]
-        H, Dh = self.num_heads, self.head_dim
-        bq = bk = bv = None
-        if self.in_proj_bias is not None:
-            bq, bk, bv = self.in_proj_bias.chunk(3)
-        if self_attn and self._qkv_same_embed_dim:
-            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
-            q, k, v = qkv.view(B, Nq, 3, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)
-        else:
-            if self._qkv_same_embed_dim:
-                wq, wk, wv = self.in_proj_weight.chunk(3)
-            else:
-                wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-            q = F.linear(query, wq, bq).view(B, Nq, H, Dh).transpose(1, 2)
-            if key is value and self._qkv_same_embed_dim:
-                kv = F.linear(key, self.in_proj_weight[E:], None if bk is None else self.in_proj_bias[E:])
-                k, v = kv.view(B, Nk, 2, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)
-            else:
-                k = F.linear(key, wk, bk).view(B, Nk, H, Dh).transpose(1, 2)
-                v = F.linear(value, wv, bv).view(B, Nk, H, Dh).transpose(1, 2)
-        bias = self._bias(attn_mask, key_padding_mask, B, Nq, Nk, q.dtype, q.device)
-        dropout_p = self.dropout if self.training else 0.0
-        out = elsa_attention(
-            q,
-            k,
-            v,
-            attn_bias=bias,
-            causal=bool(is_causal),
-            precision=self.precision,
-            backend="torch" if dropout_p > 0 else self.backend,
-            dropout_p=dropout_p,
-        )
-        out = self.out_proj(out.transpose(1, 2).reshape(B, Nq, E))
-        if not self.batch_first:
-            out = out.transpose(0, 1)
-        return out, None
-
-    def extra_repr(self) -> str:
-        return (
-            f"embed_dim={self.embed_dim}, heads={self.num_heads}, kdim={self.kdim}, vdim={self.vdim}, "
-            f"backend={self.backend}, precision={self.precision}"
-        )
-
-
 class ResidualAttentionBlock(nn.Module):
     """Pre-norm block ``x + ls_1(attn(ln_1(x)))``, ``x + ls_2(mlp(ln_2(x)))`` with open_clip's names."""
 
@@ -330,7 +128,8 @@ class ResidualAttentionBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.ln_1 = norm_layer(width)
-        self.attn = ElsaMultiheadAttention(width, heads, backend=backend, precision=precision)
+        self.attn = ElsaMultiheadAttention(width, heads, batch_first=True, backend=backend,
+                                           precision=precision)
         self.ls_1 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
         self.ln_2 = norm_layer(width)
         hidden = int(width * mlp_ratio)
@@ -347,7 +146,7 @@ class ResidualAttentionBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.ln_1(x)
-        x = x + self.ls_1(self.attn(y, y, y)[0])
+        x = x + self.ls_1(self.attn(y, y, y, need_weights=False)[0])
         return x + self.ls_2(self.mlp(self.ln_2(x)))
 
 
@@ -406,7 +205,8 @@ class AttentionalPooler(nn.Module):
         super().__init__()
         self.query = nn.Parameter(torch.randn(n_queries, d_model))
         self.attn = ElsaMultiheadAttention(
-            d_model, n_head, kdim=context_dim, vdim=context_dim, backend=backend, precision=precision
+            d_model, n_head, kdim=context_dim, vdim=context_dim, batch_first=True, backend=backend,
+            precision=precision,
         )
         self.ln_q = norm_layer(d_model)
         self.ln_k = norm_layer(context_dim)
@@ -414,7 +214,7 @@ class AttentionalPooler(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = self.ln_k(x)
         q = self.ln_q(self.query).unsqueeze(0).expand(x.shape[0], -1, -1)
-        return self.attn(q, x, x)[0]
+        return self.attn(q, x, x, need_weights=False)[0]
 
 
 def _sincos_2d(width: int, grid: tuple[int, int]) -> Tensor:
@@ -608,8 +408,8 @@ class ElsaCLIPVision(nn.Module):
             raise ValueError(f"set_attention: unknown precision {precision!r}; expected one of {PRECISIONS}")
         for m in self.modules():
             if isinstance(m, ElsaMultiheadAttention):
-                m.backend = backend if backend is not None else m.backend
-                m.precision = precision if precision is not None else m.precision
+                m.elsa_backend = backend if backend is not None else m.elsa_backend
+                m.elsa_precision = precision if precision is not None else m.elsa_precision
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.transformer.grad_checkpointing = enable

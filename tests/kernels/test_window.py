@@ -1,4 +1,4 @@
-"""W-ELSA (``window_attention``: Triton forward, dense per-window backward) against a float64 Swin-v2 reference.
+"""W-ELSA (``window_attention``: Triton forward, dense per-window backward) vs a float64 Swin-v2 reference.
 
 Runs the kernels under the CPU interpreter at small odd windows (7x7, 8x8, 12x12, 6x10, shifted and not);
 the ``gpu`` tests take Swin-T/S/B window shapes. Relative Frobenius errors ``||x - ref|| / ||ref||``:

@@ -181,7 +181,7 @@ def test_lock_matches_open_clip(unlocked):
 
 def test_coca_pooler_uses_elsa_cross_attention(monkeypatch):
     """The pooler's learned queries go through elsa_attention with Nq = n_queries, Nk = 1 + grid tokens."""
-    import elsa_vision.models.clip_vision as cv
+    import elsa_vision.layers.multihead_attention as cv
 
     ours = from_open_clip(_tower(**VARIANTS["coca_attn_pool"])).eval()
     calls = []
@@ -207,8 +207,8 @@ def test_multihead_attention_masks_match_torch():
     ):
         mha = torch.nn.MultiheadAttention(**kw, batch_first=True).double().eval()
         _perturb(mha)
-        ours = ElsaMultiheadAttention.from_torch(mha).eval()
-        assert ours.in_proj_bias is mha.in_proj_bias  # parameters are shared, not copied
+        ours = ElsaMultiheadAttention.convert(copy.deepcopy(mha)).eval()
+        assert isinstance(ours, torch.nn.MultiheadAttention)
         q = torch.randn(2, 5, 24, dtype=torch.float64)
         kv = torch.randn(2, 9, 20 if cross else 24, dtype=torch.float64) if cross else q
         Nk = kv.shape[1]
