@@ -13,6 +13,7 @@ Two declared sweeps:
 ``--quick`` swaps in small CPU-sized declarations (a smoke run that exercises every path).
 
     python benchmarks/hsi.py                   # GPU: full sweeps
+    python benchmarks/hsi.py --part scenes --scene-reps 1   # GPU: the whole-scene timings alone
     python benchmarks/hsi.py --quick --device cpu
 """
 
@@ -228,10 +229,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--mode", choices=("fwd", "train"), default="fwd", help="forward or train step")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10, quick 3)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--part", choices=("all", "throughput", "scenes"), default="all",
+                    help="run both sweeps or one of them")
+    ap.add_argument("--scene-reps", type=int, default=None,
+                    help="timed whole-scene runs per case (default: reps // 3, at least 1)")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     reps = a.reps or (3 if a.quick else 10)
     tp_cases, scene_cases = (QUICK_THROUGHPUT, QUICK_SCENES) if a.quick else (THROUGHPUT, SCENES)
+    if a.part == "scenes":
+        tp_cases = []
+    if a.part == "throughput":
+        scene_cases = []
     tp = [bench_throughput(c, device, a.mode, warmup=1 if a.quick else 3, reps=reps) for c in tp_cases]
     print(f"## ElsaHSIViT throughput, {a.mode}, FP32 (TF32 off), {device}")
     print(
@@ -251,7 +260,7 @@ def main(argv=None) -> dict:
             ],
         )
     )
-    sc = [bench_scene(c, device, reps=max(1, reps // 3)) for c in scene_cases]
+    sc = [bench_scene(c, device, reps=a.scene_reps or max(1, reps // 3)) for c in scene_cases]
     print(f"\n## Whole-scene FP32 inference (batched patches), {device}")
     print(_table(sc, ["name", "preset", "height", "width", "bands", "pca", "patch", "params_m", "batch",
                       "scene_seconds", "pixels_per_s", "peak_mb"]))  # fmt: skip
