@@ -6,14 +6,18 @@ Usage (on a CUDA machine, from the repository root)::
     PYTHONPATH=$PWD python benchmarks/attention.py --quick         # headline shapes only
     PYTHONPATH=$PWD python benchmarks/attention.py --dtype float32 --shapes 1,8,4096,64 1,8,16384,64
     PYTHONPATH=$PWD python benchmarks/attention.py --tune          # time the kernel's candidate configs
+    PYTHONPATH=$PWD python benchmarks/attention.py --dtype float32 --peers elsa_tf32x3 elsa_tf32x3s \
+        --shapes 1,8,4096,64                                       # tf32x3 against tf32x3s
     python benchmarks/attention.py --plot-only benchmarks/results/attention_h100_20261122.csv
 
 Each (shape, dtype) is run by every peer on the same inputs: ``sdpa_math``, ``sdpa_efficient``,
 ``sdpa_flash``, ``sdpa_cudnn`` (``torch.nn.attention.sdpa_kernel``), ``flex``
-(``torch.compile(flex_attention)``), ``elsa`` (default precision), ``elsa_ieee`` and ``elsa_tf32`` (float32
-only). A peer that cannot run a case (flash/cudnn in float32, out of memory) is skipped with a note. Times are
-the median of ``triton.testing.do_bench``; TFLOP/s counts ``4 B H N^2 D`` (halved for causal); ``extra_mb``
-is the peak allocation of one call above what was allocated before it (output included); ``relerr`` is
+(``torch.compile(flex_attention)``), ``elsa`` (default precision), ``elsa_ieee``, ``elsa_tf32x3s`` (the
+kernel's own TF32 split, the query tile split once) and ``elsa_tf32`` (float32 only); ``elsa_tf32x3``
+(Triton's tf32x3 by name, whatever ``auto`` resolves to) runs when named in ``--peers``. A peer that cannot
+run a case (flash/cudnn in float32, out of memory) is skipped with a note. Times are the median of
+``triton.testing.do_bench``; TFLOP/s counts ``4 B H N^2 D`` (halved for causal); ``extra_mb`` is the peak
+allocation of one call above what was allocated before it (output included); ``relerr`` is
 ``||out - ref|| / ||ref||`` against a float64 reference computed on the GPU in query chunks.
 """
 
@@ -58,7 +62,10 @@ SHAPES = [
 ]
 QUICK = [Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_ieee", "elsa_tf32"]
+PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_ieee",
+         "elsa_tf32x3s", "elsa_tf32"]
+# Peers that name a float32 precision: not run for half dtypes (where the precision does not apply).
+FP32_PEERS = ("elsa_ieee", "elsa_tf32x3", "elsa_tf32x3s", "elsa_tf32")
 # Largest problem (B*H*N^2) for which the float64 reference is computed; beyond, relerr stays empty.
 REF_LIMIT = 2 * 16 * 16385**2
 COLUMNS = [
@@ -128,6 +135,8 @@ RUNNERS = {
     "flex": _flex,
     "elsa": _elsa("auto"),
     "elsa_ieee": _elsa("ieee"),
+    "elsa_tf32x3": _elsa("tf32x3"),
+    "elsa_tf32x3s": _elsa("tf32x3s"),
     "elsa_tf32": _elsa("tf32"),
 }
 
@@ -195,7 +204,7 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=()):
                     print(f"autotune {dname} D={c.D} {prec}: {cfg}", flush=True)
             flops = 4 * c.B * c.H * c.N**2 * c.D * (0.5 if c.causal else 1.0)
             for peer in peers:
-                if peer in ("elsa_ieee", "elsa_tf32") and dtype != torch.float32:
+                if peer in FP32_PEERS and dtype != torch.float32:
                     continue  # precisions exist for float32 only
                 if peer == "flex" and flex_cases is not None and c not in flex_cases:
                     continue  # each flex shape is a fresh torch.compile: limited to the selected shapes
@@ -289,7 +298,7 @@ def plot(csv_path, png_path):
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in rows)]
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dname in zip(axes[0], dtypes):
-        for color, peer in enumerate(PEERS):
+        for color, peer in enumerate(RUNNERS):
             for D in sorted({int(r["D"]) for r in rows}):
                 pts = sorted(
                     (int(r["N"]), float(r["tflops"]))
@@ -367,7 +376,7 @@ def main(argv=None):
         "--shapes", nargs="+", type=parse_case, help="B,H,N,D[,causal] cases (default: the sweep)"
     )
     ap.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=list(DTYPES))
-    ap.add_argument("--peers", nargs="+", choices=PEERS, default=PEERS)
+    ap.add_argument("--peers", nargs="+", choices=list(RUNNERS), default=PEERS)
     ap.add_argument(
         "--flex-shapes",
         nargs="+",
@@ -383,7 +392,8 @@ def main(argv=None):
     )
     ap.add_argument("--png", default=None, help="plot path (default docs/img/attention_<gpu>.png)")
     ap.add_argument("--tune", action="store_true", help="time the candidate kernel configs instead")
-    ap.add_argument("--tune-precisions", nargs="+", default=["tf32x3", "ieee", "tf32"])
+    ap.add_argument("--tune-precisions", nargs="+", default=["tf32x3", "ieee", "tf32"],
+                    help="float32 precisions to tune (any of auto, ieee, tf32x3, tf32x3s, tf32)")
     ap.add_argument(
         "--configs",
         nargs="+",

@@ -24,7 +24,8 @@ Conventions are the forward's: SDPA layout, bottom-right causal (query ``i`` see
 finite gradients, keys hidden by the padding mask are loaded as zeros so NaN stored there never leaks.
 Precision as the forward: float16/bfloat16 operands with float32 accumulation; float32 with ``"ieee"``
 (plain FP32 FMA), ``"tf32x3"`` (FP32-accurate on tensor cores), ``"tf32"`` (one TF32 pass) and
-``"auto"`` (the FP32-accurate choice for the device: ``tf32x3`` on tensor-core GPUs, else ``ieee``).
+``"auto"`` (the FP32-accurate choice for the device: ``tf32x3`` on tensor-core GPUs, else ``ieee``); the
+forward's ``"tf32x3s"`` (its own split of the same three TF32 products) runs here as ``"tf32x3"``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch import Tensor
 __all__ = ["BwdConfig", "bwd_config", "elsa_bwd", "resolve_precision"]
 
 LOG2E = 1.4426950408889634
-_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
+_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "tf32")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -455,7 +456,8 @@ def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) 
 
     float16/bfloat16 operands always run on tensor cores with float32 accumulation (the knob does not apply).
     float32: ``"auto"`` is the FP32-accurate choice: ``"tf32x3"`` on CUDA GPUs with tensor cores
-    (compute capability >= 8.0), ``"ieee"`` elsewhere (the CPU interpreter, older GPUs).
+    (compute capability >= 8.0), ``"ieee"`` elsewhere (the CPU interpreter, older GPUs). ``"tf32x3s"``
+    (a forward variant: same products, split by the kernel) is ``"tf32x3"`` here.
     """
     if precision not in _PRECISIONS:
         raise ValueError(f"elsa_bwd: unknown `precision` {precision!r}; expected one of {_PRECISIONS}")
@@ -465,6 +467,8 @@ def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) 
         if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
             return "tf32x3"
         return "ieee"
+    if precision == "tf32x3s":
+        return "tf32x3"
     return precision
 
 
@@ -611,7 +615,8 @@ def elsa_bwd(
         key_padding_mask: bool ``[B or 1, Nk]``, True = key takes part.
         causal: bottom-right aligned (query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``).
         scale: logit scale, default ``D ** -0.5``.
-        precision: ``"auto" | "ieee" | "tf32x3" | "tf32"`` for float32 inputs (ignored for half).
+        precision: ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "tf32"`` for float32 inputs (ignored for
+            half; ``"tf32x3s"`` runs as ``"tf32x3"``).
         bias_requires_grad: also return ``dbias`` in ``attn_bias``'s shape and dtype (reduced over its
             size-1 / window-tiled dims; a stride-0 *expanded* dim of full size gets its full gradient, as
             autograd requires for that shape).

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .monoid import fold_tile, matmul, merge_states
+from .monoid import fold_tile, matmul, matmul_split, merge_states, split_tf32
 from .reference import merge_depth
 
 __all__ = [
@@ -47,7 +47,7 @@ _BIAS_CLAMP = tl.constexpr(2.0e38)
 
 @triton.jit
 def _attend(
-    m_i, s_i, acc, q, offs_m, offs_n, offs_d, offs_dv,
+    m_i, s_i, acc, q, q_lo, offs_m, offs_n, offs_d, offs_dv,
     k_ptr, v_ptr, bias_ptr, kpm_ptr,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
     lo, hi, seqlen_k, causal_shift, qk_scale,
@@ -57,8 +57,10 @@ def _attend(
 ):
     """Fold the key tiles ``[lo, hi)`` into the state. ``MASKED`` adds the bounds and causal masks.
 
-    ``k_ptr``/``v_ptr`` point at key/value row 0 of this (batch, head); ``bias_ptr`` at the tile's
-    ``[BLOCK_M, 1]`` bias rows (column 0); ``kpm_ptr`` at this batch's mask entry 0.
+    ``q`` is the query tile; under ``"tf32x3s"`` its ``split_tf32`` high part, with ``q_lo`` the low part
+    (split once by the caller; unused otherwise). ``k_ptr``/``v_ptr`` point at key/value row 0 of this
+    (batch, head); ``bias_ptr`` at the tile's ``[BLOCK_M, 1]`` bias rows (column 0); ``kpm_ptr`` at this
+    batch's mask entry 0.
     """
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -77,7 +79,11 @@ def _attend(
                 v = tl.load(v_ptrs)
             else:
                 v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
-        qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+        if PRECISION == "tf32x3s":
+            kt_hi, kt_lo = split_tf32(kt)
+            qk = matmul_split(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+        else:
+            qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
         scores = qk * qk_scale
         if HAS_BIAS:
             if MASKED:
@@ -160,6 +166,9 @@ def _fwd_kernel(
 
     q_ptrs = Q + q_off + rows64[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_lo = q
+    if PRECISION == "tf32x3s":
+        q, q_lo = split_tf32(q)  # the tile is loop-invariant: split once, not at every key tile
 
     # Key range of this program: the partition, cut at the causal diagonal of the tile's last row.
     causal_shift = seqlen_k - seqlen_q
@@ -190,13 +199,13 @@ def _fwd_kernel(
     s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i, s_i, acc = _attend(
-        m_i, s_i, acc, q, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
+        m_i, s_i, acc, q, q_lo, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         lo, mid, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
     )
     m_i, s_i, acc = _attend(
-        m_i, s_i, acc, q, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
+        m_i, s_i, acc, q, q_lo, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         mid, hi, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM,
@@ -268,7 +277,7 @@ def _merge_kernel(
 # --------------------------------------------------------------------------------------------- planner
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
+_FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "tf32")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -304,7 +313,11 @@ def _device_info_of(device) -> tuple[int, tuple[int, int], int]:
 
 def resolve_precision(precision: str, dtype: torch.dtype, device=None) -> str:
     """The ``PRECISION`` constexpr for a call: ``"none"`` for half dtypes; for float32 ``"auto"`` becomes
-    ``"tf32x3"`` on tensor-core GPUs (sm80+: FP32-accurate, relerr <= 1e-6) and ``"ieee"`` elsewhere."""
+    ``"tf32x3"`` on tensor-core GPUs (sm80+: FP32-accurate, relerr <= 1e-6) and ``"ieee"`` elsewhere.
+
+    ``"tf32x3s"`` is FP32-accurate like ``"tf32x3"`` (the same three TF32 products per dot) with the split
+    done by the kernel (``monoid.split_tf32``): the forward splits its query tile once per program instead
+    of at every key tile. Other kernels that accept it split both operands at each product."""
     if precision not in _FP32_PRECISIONS:
         raise ValueError(f"elsa_fwd: unknown `precision` {precision!r}; expected one of {_FP32_PRECISIONS}")
     if dtype != torch.float32:
@@ -598,7 +611,8 @@ def elsa_fwd(
         key_padding_mask: bool ``[B, Nk]`` (or ``[1, Nk]``), True = the key takes part.
         causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right aligned).
         scale: logit scale, default ``D ** -0.5``.
-        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32"`` (see ``resolve_precision``).
+        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"tf32"`` (see
+            ``resolve_precision``).
         workspace_bytes: cap on the level-one workspace (None: speed-first plan).
         partitions: force this many key partitions (tests and benchmarks of the two-level path).
 

@@ -195,7 +195,8 @@ def window_fwd(
         logit_scale: ``[H]``, the raw parameter; ``exp(min(logit_scale, log 100))`` multiplies the cosines.
         bias: ``[H, N, N]`` additive bias shared by all windows (any strides, e.g. a permuted view).
         mask: ``[nW, N, N]`` additive shift mask, window ``b`` uses ``mask[b % nW]``; or None.
-        precision: float32 dot precision ``"auto" | "ieee" | "tf32x3" | "tf32"`` (ignored for half inputs).
+        precision: float32 dot precision ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "tf32"`` (ignored for
+            half inputs).
 
     Returns:
         ``(out [B*nW, H, N, Dv]`` in q's dtype, ``lse [B*nW, H, N]`` float32 natural-log log-sum-exp).

@@ -16,7 +16,7 @@ from ..kernels.reference import scan_attention
 
 __all__ = ["elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend"]
 
-PRECISIONS = ("auto", "ieee", "tf32x3", "tf32")
+PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "tf32")
 BACKENDS = ("auto", "torch", "triton", "eca")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Rows per query chunk of the torch backend: bounds its memory at O(chunk * Nk) for long sequences.
@@ -231,8 +231,9 @@ def elsa_attention(
         scale: logit scale, default ``D ** -0.5``.
         precision: for float32 inputs: ``"auto"`` (FP32-accurate, relative error <= 1e-6 vs float64),
             ``"ieee"`` (plain FP32 arithmetic, no tensor cores), ``"tf32x3"`` (FP32-accurate on tensor
-            cores), ``"tf32"`` (one TF32 pass, ~1e-3). Ignored for float16/bfloat16 (float32 accumulation
-            always) and float64.
+            cores), ``"tf32x3s"`` (the same three TF32 products with the split done by the forward kernel,
+            the query tile split once; the backward runs it as ``"tf32x3"``), ``"tf32"`` (one TF32 pass,
+            ~1e-3). Ignored for float16/bfloat16 (float32 accumulation always) and float64.
         backend: ``"auto"`` (Triton on CUDA where available, else torch), ``"torch"`` (the reference scan;
             any device, full autograd), ``"triton"``, ``"eca"`` (causal self-attention on the Exact Causal
             Attention products: fewer multiply-adds, needs ``causal=True`` and ``Nq == Nk``, materialises

@@ -4,9 +4,10 @@ Without CUDA the kernels run in the Triton interpreter (``tests/conftest.py`` se
 before Triton is imported) at small, odd shapes; there every float32 dot is exact float32 arithmetic.
 ``@pytest.mark.gpu`` tests run the large shapes, races and tensor-core precisions on a GPU.
 
-Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, auto) <= 1e-6,
-tf32 <= 5e-3; float16/bfloat16 the FlashAttention way: ``max|out - ref64| <= 2 max|out_lp - ref64| + atol``
-where ``out_lp`` is the same attention computed by PyTorch in the low precision.
+Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, tf32x3s, auto)
+<= 1e-6, tf32 <= 5e-3; float16/bfloat16 the FlashAttention way:
+``max|out - ref64| <= 2 max|out_lp - ref64| + atol`` where ``out_lp`` is the same attention computed by
+PyTorch in the low precision.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton.language as tl  # noqa: E402
 
 from elsa_vision import elsa_attention, elsa_attention_varlen  # noqa: E402
 from elsa_vision.kernels import elsa_fwd, elsa_fwd_varlen, plan  # noqa: E402
-from elsa_vision.kernels.monoid import merge_states  # noqa: E402
+from elsa_vision.kernels.monoid import matmul_split, merge_states, split_tf32  # noqa: E402
 from elsa_vision.kernels.reference import merge_depth, scan_attention, softmax_attention  # noqa: E402
 from tests.helpers import (  # noqa: E402
     DEVICE,
@@ -117,6 +118,81 @@ def test_monoid_merge_identity_and_associativity():
 
 # ---------------------------------------------------------------------------------------- the matrix
 
+@triton.jit
+def _split_probe(X, HI, LO, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    hi, lo = split_tf32(tl.load(X + offs))
+    tl.store(HI + offs, hi)
+    tl.store(LO + offs, lo)
+
+
+@triton.jit
+def _matmul_split_probe(A, B, C, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a_hi, a_lo = split_tf32(tl.load(A + rm[:, None] * K + rk[None, :]))
+    b_hi, b_lo = split_tf32(tl.load(B + rk[:, None] * N + rn[None, :]))
+    c = matmul_split(a_hi, a_lo, b_hi, b_lo, tl.zeros([M, N], dtype=tl.float32))
+    tl.store(C + rm[:, None] * N + rn[None, :], c)
+
+
+def _tf32_truncate(x: torch.Tensor) -> torch.Tensor:
+    """What a TF32 MMA reads of a float32 operand: the low 13 mantissa bits cleared."""
+    return (x.view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")  # lo = inf - inf, as documented
+def test_split_tf32_bits():
+    """``split_tf32`` against the bit rule in torch: ``hi`` is the TF32 round-to-nearest (ties away) of x,
+    ``hi + lo == x`` exactly, ``|lo| <= ulp_tf32(x) / 2``, signed zeros and infinities kept in ``hi``."""
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, 1.0, -1.0, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11,
+                            2.0 - 2.0**-23, -(2.0 - 2.0**-12), 1e-40, -3e-39, 3.0e38, -1.17e-38])
+    rand = torch.randn(1024 - special.numel(), generator=gen(3), dtype=torch.float64)
+    rand = (rand * torch.exp2(torch.randint(-60, 60, rand.shape, generator=gen(4)).double())).float()
+    x = torch.cat([special, rand]).to(DEVICE)
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    _split_probe[(1,)](x, hi, lo, N=x.numel())
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    expect = ((((bits + 0x1000) & 0xFFFFE000) ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
+    assert torch.equal(hi.view(torch.int32), expect.view(torch.int32))
+    assert bool(((hi.view(torch.int32) & 0x1FFF) == 0).all())
+    fin = torch.isfinite(x)
+    assert torch.equal(hi[~fin], x[~fin]) and torch.equal(torch.signbit(hi[:2]), torch.signbit(x[:2]))
+    assert torch.equal(hi[fin] + lo[fin], x[fin])  # float32 sum: exact
+    assert torch.equal(hi[fin].double() + lo[fin].double(), x[fin].double())
+    normal = fin & (x.abs() >= torch.finfo(torch.float32).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(x[normal].abs().double())) - 10)
+    assert bool((lo[normal].double().abs() <= ulp / 2).all())
+    ties_away = torch.tensor([1.0, -1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-9], device=DEVICE)
+    assert torch.equal(hi[4:8], ties_away)
+
+
+def test_matmul_split_accuracy():
+    """Three TF32 products from ``split_tf32`` parts are FP32-accurate.
+
+    In the interpreter ``tl.dot(..., input_precision="tf32")`` multiplies in full float32, so the kernel
+    checks the algebra (``acc + a_hi b_lo + a_lo b_hi + a_hi b_hi``) and the plumbing, not TF32 rounding;
+    the error bound of the tensor-core product is checked on an emulation (operands truncated as a TF32
+    MMA reads them, float64 products and sums) against one TF32 pass.
+    """
+    M, K, N = 32, 64, 16
+    a = randn(M, K, seed=12)
+    b = randn(K, N, seed=13)
+    c = torch.empty(M, N, device=DEVICE)
+    _matmul_split_probe[(1,)](a, b, c, M=M, K=K, N=N)
+    ref = a.double() @ b.double()
+    assert relerr(c, ref) <= FP32_ACCURATE
+
+    a, b = a.cpu(), b.cpu()
+    t, d = _tf32_truncate, torch.float64
+    a_hi = (a.view(torch.int32) + 0x1000 & ~0x1FFF).view(torch.float32)
+    b_hi = (b.view(torch.int32) + 0x1000 & ~0x1FFF).view(torch.float32)
+    a_lo, b_lo = a - a_hi, b - b_hi
+    assert torch.equal(t(a_hi), a_hi) and torch.equal(t(b_hi), b_hi)
+    emulated = (t(a_hi).to(d) @ t(b_lo).to(d) + t(a_lo).to(d) @ t(b_hi).to(d) + a_hi.to(d) @ b_hi.to(d))
+    one_pass = t(a).to(d) @ t(b).to(d)
+    assert relerr(emulated, ref.cpu()) <= FP32_ACCURATE < relerr(one_pass, ref.cpu())
+
+
 SHAPES = [
     # B, H, Nq, Nk, D, Dv, causal
     (1, 3, 17, 17, 40, 40, False),
@@ -129,11 +205,12 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("c" if s[6] else ""))
-def test_fp32_ieee_matches_float64(shape):
+def test_fp32_matches_float64(shape, precision):
     B, H, Nq, Nk, D, Dv, causal = shape
     q, k, v = qkv(B, H, Nq, Nk, D, Dv, seed=sum(shape))
-    out, lse = elsa_fwd(q, k, v, causal=causal, precision="ieee")
+    out, lse = elsa_fwd(q, k, v, causal=causal, precision=precision)
     assert out.shape == (B, H, Nq, Dv) and out.dtype == torch.float32 and lse.shape == (B, H, Nq)
     assert relerr(out, ref64(q, k, v, causal=causal)) <= FP32_ACCURATE
     assert_lse(lse, lse64(q, k, v, causal=causal))
@@ -141,7 +218,7 @@ def test_fp32_ieee_matches_float64(shape):
         assert bool((out[:, :, : Nq - Nk] == 0).all()) and bool((lse[:, :, : Nq - Nk] == -math.inf).all())
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3", "tf32"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3", "tf32x3s", "tf32"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp32_precisions(precision, causal):
     q, k, v = qkv(2, 3, 77, 131, 40, seed=11)
@@ -163,11 +240,12 @@ def test_half_precision(dtype, shape):
 # ------------------------------------------------------------------------------------ bias and masks
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
 @pytest.mark.parametrize("bshape", [(1, 3, 37, 70), (2, 1, 1, 70), (37, 70), (2, 3, 37, 1)])
-def test_bias_broadcast(bshape):
+def test_bias_broadcast(bshape, precision):
     q, k, v = qkv(2, 3, 37, 70, 32, seed=21)
     bias = randn(*bshape, seed=3)
-    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision="ieee")
+    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision=precision)
     assert relerr(out, ref64(q, k, v, attn_bias=bias)) <= FP32_ACCURATE
     assert_lse(lse, lse64(q, k, v, attn_bias=bias))
 
@@ -182,14 +260,15 @@ def test_bias_stride0_view_equals_contiguous():
     assert torch.equal(a, b)
 
 
-def test_neg_inf_bias_bands_and_fully_masked_rows():
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+def test_neg_inf_bias_bands_and_fully_masked_rows(precision):
     B, H, Nq, Nk, D = 1, 2, 41, 90, 32
     q, k, v = qkv(B, H, Nq, Nk, D, seed=31)
     bias = randn(1, H, Nq, Nk, seed=5)
     bias[..., 10:40] = -math.inf  # a band of hidden keys
     bias[:, :, 5] = -math.inf  # row 5 sees nothing
     bias[:, 1, 20:23] = -math.inf  # rows 20-22 of head 1 see nothing
-    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision="ieee")
+    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision=precision)
     assert torch.isfinite(out).all()
     assert bool((out[:, :, 5] == 0).all()) and bool((out[:, 1, 20:23] == 0).all())
     assert bool((lse[:, :, 5] == -math.inf).all())
@@ -197,7 +276,8 @@ def test_neg_inf_bias_bands_and_fully_masked_rows():
     assert_lse(lse, lse64(q, k, v, attn_bias=bias))
 
 
-def test_finfo_min_and_extreme_bias():
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+def test_finfo_min_and_extreme_bias(precision):
     q, k, v = qkv(1, 2, 33, 70, 32, seed=32)
     bias = randn(1, 2, 33, 70, seed=6) * 1e4
     bias[..., :20] = torch.finfo(torch.float32).min
@@ -205,28 +285,30 @@ def test_finfo_min_and_extreme_bias():
         torch.float32
     ).min  # a whole row at finfo.min: uniform weights, as the reference
     bias[:, :, 4, 30:] = -100.0  # Swin's shift-mask value
-    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision="ieee")
+    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision=precision)
     ref = ref64(q, k, v, attn_bias=bias)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert relerr(out, ref) <= FP32_ACCURATE
     torch.testing.assert_close(out[:, :, 3].double(), v.double().mean(-2), rtol=0, atol=1e-6)
 
 
-def test_key_padding_mask_and_fully_masked_batch():
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+def test_key_padding_mask_and_fully_masked_batch(precision):
     B, H, Nq, Nk, D = 3, 2, 29, 83, 40
     q, k, v = qkv(B, H, Nq, Nk, D, seed=41)
     kpm = torch.rand(B, Nk, generator=gen(7)) > 0.3
     kpm[1] = False  # batch 1 sees no key at all
     kpm = kpm.to(DEVICE)
-    out, lse = elsa_fwd(q, k, v, key_padding_mask=kpm, precision="ieee")
+    out, lse = elsa_fwd(q, k, v, key_padding_mask=kpm, precision=precision)
     assert bool((out[1] == 0).all()) and bool((lse[1] == -math.inf).all())
     assert relerr(out, ref64(q, k, v, key_padding_mask=kpm)) <= FP32_ACCURATE
     assert_lse(lse, lse64(q, k, v, key_padding_mask=kpm))
 
 
+@pytest.mark.parametrize("precision", ["auto", "tf32x3s"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions", [1, 3])
-def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions):
+def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions, precision):
     B, H, Nq, Nk, D, pad = 2, 2, 45, 77, 40, 19
     q, k_big, v_big = qkv(B, H, Nq, Nk + pad, D, seed=51)
     q = q[:, :, :Nq]
@@ -239,8 +321,9 @@ def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions):
     k_big = k_big.masked_fill(poison, math.nan)
     v_big = v_big.masked_fill(poison, math.nan)
     k, v = k_big[:, :, :Nk], v_big[:, :, :Nk]  # views: the NaN tail lies right behind the last key
-    out_p, lse_p = elsa_fwd(q, k, v, key_padding_mask=kpm, causal=causal, partitions=partitions)
-    out_c, lse_c = elsa_fwd(q, k_clean, v_clean, key_padding_mask=kpm, causal=causal, partitions=partitions)
+    kw = dict(key_padding_mask=kpm, causal=causal, partitions=partitions, precision=precision)
+    out_p, lse_p = elsa_fwd(q, k, v, **kw)
+    out_c, lse_c = elsa_fwd(q, k_clean, v_clean, **kw)
     assert torch.isfinite(out_p).all()
     assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
     assert relerr(out_c, ref64(q, k_clean, v_clean, key_padding_mask=kpm, causal=causal)) <= FP32_ACCURATE
@@ -275,11 +358,12 @@ def test_fused_qkv_views_bitwise_equal_contiguous(dtype):
     assert torch.equal(a, c)
 
 
+@pytest.mark.parametrize("precision", ["auto", "tf32x3s"])
 @pytest.mark.parametrize("D", [40, 72, 111])
-def test_odd_head_dims_deterministic(D):
+def test_odd_head_dims_deterministic(D, precision):
     q, k, v = qkv(1, 2, 45, 61, D, seed=D)
-    a, _ = elsa_fwd(q, k, v)
-    b, _ = elsa_fwd(q, k, v)
+    a, _ = elsa_fwd(q, k, v, precision=precision)
+    b, _ = elsa_fwd(q, k, v, precision=precision)
     assert torch.equal(a, b)
     assert relerr(a, ref64(q, k, v)) <= FP32_ACCURATE
 
@@ -293,8 +377,9 @@ def test_empty_keys_and_length_one():
     q, k, v = qkv(2, 1, 1, 1, 16, seed=4)
     out, _ = elsa_fwd(q, k, v, precision="ieee")
     assert torch.equal(out, v)
-    out, _ = elsa_fwd(q, k, v)
-    assert relerr(out, v) <= FP32_ACCURATE
+    for precision in ("auto", "tf32x3s"):
+        out, _ = elsa_fwd(q, k, v, precision=precision)
+        assert relerr(out, v) <= FP32_ACCURATE
 
 
 # ------------------------------------------------------------------------ two levels, plan, workspace
@@ -318,13 +403,14 @@ def test_plan_structure():
         plan(1, 1, 8, 8, 8, 8, torch.float32, workspace_bytes=-1)
 
 
+@pytest.mark.parametrize("precision", ["auto", "tf32x3s"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions", [2, 5])
-def test_multi_partition_equals_fused(causal, partitions):
+def test_multi_partition_equals_fused(causal, partitions, precision):
     q, k, v = qkv(1, 3, 70, 333, 48, 40, seed=81)
     bias = randn(1, 3, 1, 333, seed=10)
-    fused, lf = elsa_fwd(q, k, v, attn_bias=bias, causal=causal, partitions=1)
-    split, ls = elsa_fwd(q, k, v, attn_bias=bias, causal=causal, partitions=partitions)
+    fused, lf = elsa_fwd(q, k, v, attn_bias=bias, causal=causal, partitions=1, precision=precision)
+    split, ls = elsa_fwd(q, k, v, attn_bias=bias, causal=causal, partitions=partitions, precision=precision)
     ref = ref64(q, k, v, attn_bias=bias, causal=causal)
     assert relerr(split, ref) <= FP32_ACCURATE and relerr(fused, ref) <= FP32_ACCURATE
     assert (split - fused).abs().max().item() <= 1e-6
@@ -341,8 +427,9 @@ def test_workspace_cap_runs_fused():
 # ------------------------------------------------------------------------------------------ varlen
 
 
+@pytest.mark.parametrize("precision", ["auto", "tf32x3s"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_matches_per_sequence(causal):
+def test_varlen_matches_per_sequence(causal, precision):
     H, D, Dv = 3, 40, 24
     lq, lk = [17, 1, 0, 45], [30, 7, 5, 45]
     q = randn(sum(lq), H, D, seed=91)
@@ -350,7 +437,7 @@ def test_varlen_matches_per_sequence(causal):
     v = randn(sum(lk), H, Dv, seed=93)
     cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    out, lse = elsa_fwd_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal)
+    out, lse = elsa_fwd_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, precision=precision)
     assert out.shape == (sum(lq), H, Dv) and lse.shape == (H, sum(lq))
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for i in range(len(lq)):
@@ -363,7 +450,8 @@ def test_varlen_matches_per_sequence(causal):
         ref = ref64(qi, ki, vi, causal=causal)[0].transpose(0, 1)
         assert relerr(out[cq[i] : cq[i + 1]], ref) <= FP32_ACCURATE
         assert_lse(lse[:, cq[i] : cq[i + 1]], lse64(qi, ki, vi, causal=causal)[0])
-    public = elsa_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="triton")
+    public = elsa_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="triton",
+                                   precision=precision)
     torch.testing.assert_close(public, out, rtol=0, atol=0)
     torch_backend = elsa_attention_varlen(
         q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="torch"
@@ -424,6 +512,51 @@ def test_bad_inputs():
         elsa_attention(q.double(), k.double(), v.double(), backend="triton")
 
 
+# --------------------------------------------------------------------------- compiled without a GPU
+
+_SM90_COMPILE = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from elsa_vision.kernels import fwd
+
+names = fwd._fwd_kernel.arg_names
+consts = dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRECISION="tf32x3s",
+              CAUSAL=True, HAS_BIAS=True, HAS_KPM=True, IS_VARLEN=False, SPLIT=False,
+              stride_qd=1, stride_kd=1, stride_vd=1)
+sig = {n: "i32" for n in names}
+sig.update({n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "Lse", "WsM", "WsS", "WsW")})
+sig.update({"Kpm": "*u8", "CuQ": "*i32", "CuK": "*i32", "qk_scale": "fp32"})
+sig.update({n: "constexpr" for n in consts})
+k = triton.compile(ASTSource(fn=fwd._fwd_kernel, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+ptx = k.asm["ptx"]
+print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
+                  "cvt_tf32": "cvt.rna.tf32" in ptx}))
+"""
+
+
+def test_tf32x3s_compiles_for_sm90_without_a_gpu():
+    # The interpreter runs the kernel as Python: the real compiler (down to a cubin for an H100, with the
+    # plan's float32 default 128 x 64 tiles, 8 warps, 3 stages and all masks) must take "tf32x3s" too, on
+    # tensor cores (wgmma) and with the kernel's own split (no cvt.rna.tf32 of Triton's tf32x3).
+    import json
+    import subprocess
+    import sys
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton build ships no ptxas")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + sys.path)
+    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert 0 < report["shared"] <= 232448 and report["wgmma"] and not report["cvt_tf32"], report
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 
@@ -441,7 +574,7 @@ def _rows_ref(q, k, v, rows, causal=False, attn_bias=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "tf32"])
+@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "tf32x3s", "tf32"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_fp32_precision_thresholds(precision, D):
     q, k, v = qkv(2, 4, 1023, 1025, D, seed=101)

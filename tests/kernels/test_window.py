@@ -115,13 +115,14 @@ def test_forward_and_grads_match_float64(case):
         assert ref_grads[3][1] == 0 and grads[3][1] == 0
 
 
-def test_several_windows_per_program_with_tail():
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+def test_several_windows_per_program_with_tail(precision):
     """18 windows at 4 per program (2 in the last group): every window written, none twice."""
     q, k, v, ls, bias, mask = make_inputs(4, 4, 4, 16, 2, True, grid=(3, 3))
     assert q.shape[0] == 18
     cfg = window_plan(18, 4, 16, 16, 16, torch.float32, torch.device("cpu"))
     assert cfg["WINDOWS"] == 4
-    out, lse = window_fwd(q, k, v, ls, bias, mask, "ieee")
+    out, lse = window_fwd(q, k, v, ls, bias, mask, precision)
     ref = reference(*(t.double() for t in (q, k, v, ls, bias)), mask.double())
     assert relerr(out, ref) <= FWD_BOUND
     assert torch.isfinite(lse).all()
