@@ -1,7 +1,12 @@
 """Shared test helpers: seeded inputs on the test device and errors against a float64 reference."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,3 +50,19 @@ def assert_lse(lse: torch.Tensor, ref: torch.Tensor) -> None:
     if fin.any():
         err = (lse.double()[fin] - ref[fin]).abs().max().item()
         assert err <= 1e-5 * max(1.0, ref[fin].abs().max().item()), f"lse error {err}"
+
+
+def compile_for_sm90(script: str):
+    """Run ``script`` (which compiles Triton kernels for an H100 target and prints a JSON report as its last
+    line) in a fresh interpreter without ``TRITON_INTERPRET``; return the parsed report. Skips when this
+    Triton build ships no ``ptxas`` (no cubin can be made)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton build ships no ptxas")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + sys.path)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -25,7 +25,18 @@ from elsa_vision.kernels import decode  # noqa: E402
 from elsa_vision.kernels.decode import choose_forward, decode_plan, elsa_decode  # noqa: E402
 from elsa_vision.kernels.fwd import elsa_fwd  # noqa: E402
 from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
-from tests.helpers import DEVICE, FP32_ACCURATE, LOW_ATOL, TF32_BOUND, assert_lse, gen, qkv, randn, relerr  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    DEVICE,
+    FP32_ACCURATE,
+    LOW_ATOL,
+    TF32_BOUND,
+    assert_lse,
+    compile_for_sm90,
+    gen,
+    qkv,
+    randn,
+    relerr,
+)
 
 
 def ref64(q, k, v, attn_bias=None, **kw):
@@ -434,21 +445,7 @@ def test_compiles_for_sm90_without_a_gpu():
     # The real compiler (no interpreter) down to a cubin for an H100 with the GPU defaults of the plan
     # (bf16: 128-key tiles, fp32 tf32x3: 64-key tiles; D = 128, 3 stages, all masks): it must compile, fit
     # the 227 KB of shared memory per block and pipeline the K/V loads (cp.async); the merge kernel compiles.
-    import json
-    import subprocess
-    import sys
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this Triton build ships no ptxas")
-    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + sys.path)
-    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
+    report = compile_for_sm90(_SM90_COMPILE)
     assert len(report) == 3
     for entry in report[:2]:
         assert 0 < entry["shared"] <= 232448, entry

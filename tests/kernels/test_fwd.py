@@ -34,6 +34,7 @@ from tests.helpers import (  # noqa: E402
     LOW_ATOL,
     TF32_BOUND,
     assert_lse,
+    compile_for_sm90,
     gen,
     qkv,
     randn,
@@ -541,19 +542,7 @@ def test_tf32x3s_compiles_for_sm90_without_a_gpu():
     # The interpreter runs the kernel as Python: the real compiler (down to a cubin for an H100, with the
     # plan's float32 default 128 x 64 tiles, 8 warps, 3 stages and all masks) must take "tf32x3s" too, on
     # tensor cores (wgmma) and with the kernel's own split (no cvt.rna.tf32 of Triton's tf32x3).
-    import json
-    import subprocess
-    import sys
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this Triton build ships no ptxas")
-    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + sys.path)
-    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
+    report = compile_for_sm90(_SM90_COMPILE)
     assert 0 < report["shared"] <= 232448 and report["wgmma"] and not report["cvt_tf32"], report
 
 
