@@ -172,7 +172,7 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
 
             row["fwdbwd_s_1dev"] = _time(fb1, device, repeats)
             del leaves
-        out_1 = fwd1()
+        out_1 = fwd1().cpu()  # on the host: rank 0's context-parallel peak must not carry it
         row["peak_mb_1dev"] = _peak_mb(device)
         del q, k, v, do
     dist.barrier()
@@ -205,7 +205,7 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
     row["peak_mb_cp_per_rank"] = _all_peaks(_peak_mb(device), device)
     gathered = gather_sequence(out, case.N, None, layout=case.layout)
     if rank == 0:
-        row["relerr_vs_1dev"] = float((gathered - out_1).norm() / out_1.norm())
+        row["relerr_vs_1dev"] = float((gathered.cpu() - out_1).norm() / out_1.norm())
     return row
 
 
@@ -244,7 +244,7 @@ def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -
 
         row["fwd_s_1dev"] = _time(one, device, repeats)
         row["peak_mb_1dev"] = _peak_mb(device)
-        feats_1 = res.features
+        feats_1 = res.features.cpu()  # on the host, as for attention
         del res
     dist.barrier()
     _reset_peak(device)
@@ -257,7 +257,7 @@ def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -
     row["fwd_s_cp"] = _time(cp, device, repeats, group=dist.group.WORLD)
     row["peak_mb_cp_per_rank"] = _all_peaks(_peak_mb(device), device)
     if rank == 0:
-        row["relerr_vs_1dev"] = float((res_cp.features - feats_1).norm() / feats_1.norm())
+        row["relerr_vs_1dev"] = float((res_cp.features.cpu() - feats_1).norm() / feats_1.norm())
     return row
 
 
