@@ -49,30 +49,10 @@ COLUMNS = [
     "img_per_s_end_to_end",
 ]
 # The recipe (model config, backbones, data geometry) and the step counts of the full and the smoke run.
-FULL = dict(
-    model="elsa_vit_b",
-    elsa="elsa_vit_base_patch16_224",
-    timm="vit_base_patch16_224",
-    img_size=224,
-    batch=64,
-    classes=10,
-    per_class=160,
-    steps=30,
-    warmup=5,
-    workers=8,
-)
-QUICK = dict(
-    model="elsa_vit_t",
-    elsa="elsa_vit_tiny_patch16_224",
-    timm="vit_tiny_patch16_224",
-    img_size=64,
-    batch=4,
-    classes=2,
-    per_class=8,
-    steps=3,
-    warmup=1,
-    workers=0,
-)
+FULL = dict(model="elsa_vit_b", elsa="elsa_vit_base_patch16_224", timm="vit_base_patch16_224",
+            img_size=224, batch=64, classes=10, per_class=160, steps=30, warmup=5, workers=8)  # fmt: skip
+QUICK = dict(model="elsa_vit_t", elsa="elsa_vit_tiny_patch16_224", timm="vit_tiny_patch16_224",
+             img_size=64, batch=4, classes=2, per_class=8, steps=3, warmup=1, workers=0)  # fmt: skip
 
 
 def make_imagefolder(root: Path, classes: int, per_class: int, size=(500, 375), seed: int = 0) -> Path:
