@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .kernels.reference import attention_backward, finalize, merge_states, scan_attention, state_from_output
-from .ops.attention import BACKENDS, PRECISIONS, resolve_backend
+from .ops.attention import check_options, resolve_backend
 
 __all__ = [
     "ContextParallel",
@@ -427,10 +427,7 @@ def context_parallel_attention(
         raise RuntimeError("context_parallel_attention needs an initialised torch.distributed process group")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    check_options("context_parallel_attention", backend, precision)
     world, rank = _group_info(group)
     n_local = sum(b - a for a, b in shard_ranges(seq_len, world, rank, layout))
     for name, t in (("q", q), ("k", k), ("v", v)):

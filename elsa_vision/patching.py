@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from .layers.attention import ElsaAttention, mask_to_bias
 from .layers.attention_pool import ElsaAttentionPoolLatent
 from .layers.multihead_attention import ElsaMultiheadAttention
-from .ops.attention import BACKENDS, PRECISIONS, elsa_attention
+from .ops.attention import check_options, elsa_attention
 
 __all__ = [
     "PatchReport",
@@ -55,13 +55,6 @@ __all__ = [
 ]
 
 KINDS = ("vit", "swin", "mha", "sdpa_routed")
-
-
-def _check_options(who: str, backend: str, precision: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"{who}: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"{who}: unknown precision {precision!r}; expected one of {PRECISIONS}")
 
 
 def _dropout_backend(module: nn.Module, p: float) -> tuple[float, str]:
@@ -154,7 +147,7 @@ def sdpa_override(*, backend: str = "auto", precision: str = "auto") -> Iterator
         with elsa_vision.sdpa_override(precision="ieee"):
             logits = hf_model(pixel_values=x).logits
     """
-    _check_options("sdpa_override", backend, precision)
+    check_options("sdpa_override", backend, precision)
     previous = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _elsa_sdpa(backend, precision)
     try:
@@ -197,7 +190,7 @@ class _ElsaConverted:
     @classmethod
     def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
         """Turn ``module`` (an instance of the timm/torch base class) into ``cls`` in place; weights kept."""
-        _check_options(cls.__name__, backend, precision)
+        check_options(cls.__name__, backend, precision)
         base = cls.__mro__[2]
         if not isinstance(module, base):
             raise TypeError(f"{cls.__name__}.convert: expected {base.__name__}, got {type(module).__name__}")
@@ -358,7 +351,7 @@ def patch_attention(
     Raises:
         ValueError: nothing was patched (the report says what was skipped), or bad options.
     """
-    _check_options("patch_attention", backend, precision)
+    check_options("patch_attention", backend, precision)
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(f"patch_attention: unknown kinds {bad or kinds!r}; expected a subset of {KINDS}")

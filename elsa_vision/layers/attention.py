@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..ops.attention import BACKENDS, PRECISIONS, elsa_attention
+from ..ops.attention import check_options, elsa_attention
 
 __all__ = ["ElsaAttention", "mask_to_bias"]
 
@@ -62,10 +62,7 @@ class ElsaAttention(nn.Module):
         precision: str = "auto",
     ) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"ElsaAttention: unknown backend {backend!r}; expected one of {BACKENDS}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"ElsaAttention: unknown precision {precision!r}; expected one of {PRECISIONS}")
+        check_options("ElsaAttention", backend, precision)
         dd = {"device": device, "dtype": dtype}
         dim_out = dim_out or dim
         head_dim = attn_head_dim

@@ -9,7 +9,7 @@ from __future__ import annotations
 from timm.layers import AttentionPoolLatent
 from torch import Tensor
 
-from ..ops.attention import BACKENDS, PRECISIONS, elsa_attention
+from ..ops.attention import check_options, elsa_attention
 from .attention import mask_to_bias
 
 __all__ = ["ElsaAttentionPoolLatent"]
@@ -27,12 +27,7 @@ class ElsaAttentionPoolLatent(AttentionPoolLatent):
         self._set_elsa(backend, precision)
 
     def _set_elsa(self, backend: str, precision: str) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(
-                f"ElsaAttentionPoolLatent: unknown backend {backend!r}; expected one of {BACKENDS}")
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"ElsaAttentionPoolLatent: unknown precision {precision!r}; expected one of {PRECISIONS}")
+        check_options("ElsaAttentionPoolLatent", backend, precision)
         self.backend = backend
         self.precision = precision
 

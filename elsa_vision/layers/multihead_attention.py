@@ -13,18 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.attention import BACKENDS, PRECISIONS, elsa_attention
+from ..ops.attention import check_options, elsa_attention
 from .attention import mask_to_bias
 
 __all__ = ["ElsaMultiheadAttention"]
-
-
-def _check_options(backend: str, precision: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"ElsaMultiheadAttention: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"ElsaMultiheadAttention: unknown precision {precision!r}; expected one of {PRECISIONS}")
 
 
 class ElsaMultiheadAttention(nn.MultiheadAttention):
@@ -61,7 +53,7 @@ class ElsaMultiheadAttention(nn.MultiheadAttention):
         backend: str = "auto",
         precision: str = "auto",
     ) -> None:
-        _check_options(backend, precision)
+        check_options("ElsaMultiheadAttention", backend, precision)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
                          batch_first=batch_first, device=device, dtype=dtype)
         self.elsa_backend = backend
@@ -71,7 +63,7 @@ class ElsaMultiheadAttention(nn.MultiheadAttention):
     def convert(cls, module: nn.MultiheadAttention, *, backend: str = "auto",
                 precision: str = "auto") -> ElsaMultiheadAttention:
         """Make ``module`` an ``ElsaMultiheadAttention`` in place (same object, parameters, hooks, name)."""
-        _check_options(backend, precision)
+        check_options("ElsaMultiheadAttention", backend, precision)
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"ElsaMultiheadAttention.convert: expected nn.MultiheadAttention, "
                             f"got {type(module).__name__}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..layers.multihead_attention import ElsaMultiheadAttention
-from ..ops.attention import BACKENDS, PRECISIONS
+from ..ops.attention import check_options
 
 __all__ = ["elsa_clip"]
 
@@ -31,10 +31,7 @@ def elsa_clip(model: nn.Module, *, backend: str = "auto", precision: str = "auto
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"elsa_clip: model must be an nn.Module, got {type(model).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"elsa_clip: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"elsa_clip: unknown precision {precision!r}; expected one of {PRECISIONS}")
+    check_options("elsa_clip", backend, precision)
     visual = getattr(model, "visual", model)
     replaced, skipped = [], []
     for name, parent in list(visual.named_modules()):

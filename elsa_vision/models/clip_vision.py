@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers.multihead_attention import ElsaMultiheadAttention
-from ..ops.attention import BACKENDS, PRECISIONS
+from ..ops.attention import check_options
 
 __all__ = [
     "ElsaCLIPVision",
@@ -402,10 +402,7 @@ class ElsaCLIPVision(nn.Module):
     # -- attention settings ----------------------------------------------------------------------------
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend / precision of every attention (blocks and poolers)."""
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"set_attention: unknown backend {backend!r}; expected one of {BACKENDS}")
-        if precision is not None and precision not in PRECISIONS:
-            raise ValueError(f"set_attention: unknown precision {precision!r}; expected one of {PRECISIONS}")
+        check_options("set_attention", backend or "auto", precision or "auto")
         for m in self.modules():
             if isinstance(m, ElsaMultiheadAttention):
                 m.elsa_backend = backend if backend is not None else m.elsa_backend

@@ -208,12 +208,9 @@ class ElsaHSIViT(nn.Module):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every ``ElsaAttention`` (validated here)."""
-        from ..ops.attention import BACKENDS, PRECISIONS
+        from ..ops.attention import check_options
 
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"ElsaHSIViT: attn_backend must be one of {BACKENDS}, got {backend!r}")
-        if precision is not None and precision not in PRECISIONS:
-            raise ValueError(f"ElsaHSIViT: attn_precision must be one of {PRECISIONS}, got {precision!r}")
+        check_options("ElsaHSIViT", backend or "auto", precision or "auto", "attn_")
         for m in self.modules():
             if isinstance(m, ElsaAttention):
                 if backend is not None:

@@ -25,20 +25,13 @@ from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
 from torch import Tensor, nn
 
-from ..ops.attention import BACKENDS, PRECISIONS, resolve_backend
+from ..ops.attention import check_options, resolve_backend
 from ..patching import ElsaSwinV2WindowAttention
 from ._builder import LoadReport, timm_source
 
 __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 
 _LOGIT_SCALE_MAX = math.log(1.0 / 0.01)
-
-
-def _check_attention_options(who: str, backend: str, precision: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"{who}: unknown attn_backend {backend!r}; expected one of {BACKENDS}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"{who}: unknown attn_precision {precision!r}; expected one of {PRECISIONS}")
 
 
 class ElsaSwinV2Attention(ElsaSwinV2WindowAttention):
@@ -53,7 +46,7 @@ class ElsaSwinV2Attention(ElsaSwinV2WindowAttention):
     @classmethod
     def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
         """Turn a timm Swin v2 ``WindowAttention`` (or an ELSA one) into ``cls`` in place; weights kept."""
-        _check_attention_options(cls.__name__, backend, precision)
+        check_options(cls.__name__, backend, precision, "attn_")
         if not isinstance(module, _timm_swinv2.WindowAttention):
             raise TypeError(f"{cls.__name__}.convert: expected a timm swin_transformer_v2.WindowAttention, "
                             f"got {type(module).__name__}")
@@ -100,7 +93,7 @@ class ElsaSwinV2(SwinTransformerV2):
     load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
 
     def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto", **kwargs):
-        _check_attention_options("ElsaSwinV2", attn_backend, attn_precision)
+        check_options("ElsaSwinV2", attn_backend, attn_precision, "attn_")
         super().__init__(*args, **kwargs)
         self._elsa_convert(attn_backend, attn_precision)
 
@@ -115,7 +108,7 @@ class ElsaSwinV2(SwinTransformerV2):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every window attention."""
-        _check_attention_options("ElsaSwinV2.set_attention", backend or "auto", precision or "auto")
+        check_options("ElsaSwinV2.set_attention", backend or "auto", precision or "auto", "attn_")
         for m in self.modules():
             if isinstance(m, ElsaSwinV2Attention):
                 if backend is not None:
@@ -151,7 +144,7 @@ class ElsaSwinV2(SwinTransformerV2):
         Returns:
             The ``ElsaSwinV2`` in the train/eval mode of the source (eval for a name).
         """
-        _check_attention_options("ElsaSwinV2.from_timm", attn_backend, attn_precision)
+        check_options("ElsaSwinV2.from_timm", attn_backend, attn_precision, "attn_")
         model, report = timm_source("ElsaSwinV2.from_timm", src, SwinTransformerV2, cls, checkpoint_path, checkpoint_filter_fn,
                                     strict, kwargs)
         model.__class__ = cls

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.attention import BACKENDS, PRECISIONS, elsa_attention
+from ..ops.attention import check_options, elsa_attention
 
 __all__ = [
     "ElsaVGGT",
@@ -155,10 +155,7 @@ class Attention(nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"Attention: dim ({dim}) must be divisible by num_heads ({num_heads})")
-        if backend not in BACKENDS:
-            raise ValueError(f"Attention: unknown backend {backend!r}; expected one of {BACKENDS}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"Attention: unknown precision {precision!r}; expected one of {PRECISIONS}")
+        check_options("Attention", backend, precision)
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
@@ -881,10 +878,7 @@ class ElsaVGGT(nn.Module):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ``elsa_attention`` backend / precision of every attention layer."""
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"set_attention: unknown backend {backend!r}; expected one of {BACKENDS}")
-        if precision is not None and precision not in PRECISIONS:
-            raise ValueError(f"set_attention: unknown precision {precision!r}; expected one of {PRECISIONS}")
+        check_options("set_attention", backend or "auto", precision or "auto")
         for m in self.modules():
             if isinstance(m, Attention):
                 m.backend = backend or m.backend

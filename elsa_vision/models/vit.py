@@ -22,7 +22,7 @@ from torch import Tensor
 from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
-from ..ops.attention import BACKENDS, PRECISIONS
+from ..ops.attention import check_options
 from ._builder import LoadReport, timm_source
 
 __all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
@@ -32,13 +32,6 @@ _OWN_KWARGS = ("attn_layer",)
 # timm >= 1.0.23 injects the attention class (`attn_layer`); older versions build timm's Attention, which
 # ElsaViT then converts block by block with the same weights.
 _TIMM_HAS_ATTN_LAYER = "attn_layer" in inspect.signature(VisionTransformer.__init__).parameters
-
-
-def _check_attention_options(backend: str, precision: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"ElsaViT: unknown attn_backend {backend!r}; expected one of {BACKENDS}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"ElsaViT: unknown attn_precision {precision!r}; expected one of {PRECISIONS}")
 
 
 class ElsaViT(VisionTransformer):
@@ -77,7 +70,7 @@ class ElsaViT(VisionTransformer):
         context_parallel_layout: str = "contiguous",
         **kwargs,
     ):
-        _check_attention_options(attn_backend, attn_precision)
+        check_options("ElsaViT", attn_backend, attn_precision, "attn_")
         for k in _OWN_KWARGS:
             if k in kwargs and kwargs[k] is not ElsaAttention:
                 raise ValueError(f"ElsaViT: `{k}` is fixed to ElsaAttention, got {kwargs[k]!r}")
@@ -196,7 +189,7 @@ class ElsaViT(VisionTransformer):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every attention layer (MAP head included)."""
-        _check_attention_options(backend or "auto", precision or "auto")
+        check_options("ElsaViT", backend or "auto", precision or "auto", "attn_")
         for m in self.modules():
             if isinstance(m, (ElsaAttention, ElsaAttentionPoolLatent)):
                 if backend is not None:
@@ -231,7 +224,7 @@ class ElsaViT(VisionTransformer):
         Returns:
             The ``ElsaViT`` in the train/eval mode of the source (eval for a name).
         """
-        _check_attention_options(attn_backend, attn_precision)
+        check_options("ElsaViT", attn_backend, attn_precision, "attn_")
         model, report = timm_source("ElsaViT.from_timm", src, VisionTransformer, cls, checkpoint_path, elsa_checkpoint_filter_fn,
                                     strict, kwargs)
         model.__class__ = cls

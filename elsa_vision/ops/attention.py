@@ -14,13 +14,26 @@ from torch import Tensor
 
 from ..kernels.reference import scan_attention
 
-__all__ = ["elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend"]
+__all__ = [
+    "elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend",
+    "check_options",
+]
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "tf32")
 BACKENDS = ("auto", "torch", "triton", "eca")
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Rows per query chunk of the torch backend: bounds its memory at O(chunk * Nk) for long sequences.
 _TORCH_QUERY_CHUNK = 1024
+
+
+def check_options(who: str, backend: str, precision: str, prefix: str = "") -> None:
+    """Raise a ``ValueError`` naming ``who`` for a ``backend`` / float32 ``precision`` that
+    ``elsa_attention`` does not know (``prefix``: how the caller's arguments are named, e.g. ``"attn_"``)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{who}: unknown {prefix}precision {precision!r}; expected one of {PRECISIONS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{who}: unknown {prefix}backend {backend!r}; expected one of {BACKENDS}")
 
 
 def _shape(t: Tensor) -> str:
@@ -95,10 +108,7 @@ def _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise TypeError(f"elsa_attention: `scale` must be a finite float or None, got {scale!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"elsa_attention: unknown `precision` {precision!r}; expected one of {PRECISIONS}")
-    if backend not in BACKENDS:
-        raise ValueError(f"elsa_attention: unknown `backend` {backend!r}; expected one of {BACKENDS}")
+    check_options("elsa_attention", backend, precision)
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"elsa_attention: `dropout_p` must be in [0, 1), got {dropout_p}")
 
@@ -316,10 +326,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise TypeError(f"{fn}: `scale` must be a finite float or None, got {scale!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"{fn}: unknown `precision` {precision!r}; expected one of {PRECISIONS}")
-    if backend not in BACKENDS:
-        raise ValueError(f"{fn}: unknown `backend` {backend!r}; expected one of {BACKENDS}")
+    check_options(fn, backend, precision)
 
 
 def elsa_attention_varlen(
