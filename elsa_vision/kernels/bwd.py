@@ -448,7 +448,6 @@ class BwdConfig:
     block_m3: int = 64
     block_n3: int = 64
     warps3: int = 4
-    stages3: int = 1
 
 
 def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) -> str:
@@ -485,9 +484,9 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     dK/dV kernel) uses the smaller float32 tiles: at 64 x 128 it needs 289 KiB of shared memory. So does
     ``precision="ieee"`` (``precision`` is the resolved ``tl.dot`` precision): plain FMA products ran 3.2x
     slower on the large tiles (65.9 vs 20.8 ms at 1,8,4096,64 on the H100).
-    The dBias kernel always runs unpipelined (``stages3=1``): with Triton 3.6 on the H100, its nested
-    member / tile loops pipelined at ``num_stages=2`` returned wrong, run-to-run different values at head
-    dim 16 (``docs/kernel_notes.md``, "dBias kernel and software pipelining").
+    The dBias kernel always runs unpipelined (``num_stages=1``, so the config has no stage count for it):
+    with Triton 3.6 on the H100, its nested member / tile loops pipelined at ``num_stages=2`` returned wrong
+    values at head dim 16 (``docs/kernel_notes.md``, "dBias kernel and software pipelining").
     """
     wide = max(triton.next_power_of_2(d), triton.next_power_of_2(dv))
     if device.type != "cuda":
@@ -496,20 +495,20 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     if dtype in (torch.float16, torch.bfloat16):
         cfg = BwdConfig(block_m1=32, block_n1=128, warps1=4, stages1=3,
                         block_m2=128, block_n2=32, warps2=4, stages2=3,
-                        block_m3=64, block_n3=64, warps3=4, stages3=1)
+                        block_m3=64, block_n3=64, warps3=4)
     elif wide <= 64 and deterministic and precision != "ieee":
         cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=2,
                         block_m2=128, block_n2=64, warps2=8, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4, stages3=1)
+                        block_m3=64, block_n3=32, warps3=4)
     else:
         cfg = BwdConfig(block_m1=32, block_n1=64, warps1=4, stages1=2,
                         block_m2=64, block_n2=32, warps2=4, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4, stages3=1)
+                        block_m3=64, block_n3=32, warps3=4)
     if wide >= 256:
         cfg = BwdConfig(block_m1=max(16, cfg.block_m1 // 2), block_n1=max(16, cfg.block_n1 // 2),
                         warps1=8, stages1=1, block_m2=max(16, cfg.block_m2 // 2),
                         block_n2=max(16, cfg.block_n2 // 2), warps2=8, stages2=1,
-                        block_m3=32, block_n3=32, warps3=4, stages3=1)
+                        block_m3=32, block_n3=32, warps3=4)
     return cfg
 
 
@@ -718,7 +717,7 @@ def elsa_bwd(
             HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n,
             PREC=prec, DOT_UPCAST=dot_upcast,
             BLOCK_M=cfg.block_m3, BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-            num_warps=cfg.warps3, num_stages=cfg.stages3,
+            num_warps=cfg.warps3, num_stages=1,  # unpipelined: see bwd_config
         )
         red = ws[0]
         for s in range(1, n_split):  # fixed order: bitwise reproducible
