@@ -98,11 +98,12 @@ def _measure(fn, dev: torch.device, repeats: int) -> tuple[float, float, torch.T
 
 
 def _sdpa_context(dev: torch.device):
+    """A fresh context for one stock call (``sdpa_kernel`` is a one-shot generator context manager)."""
     if dev.type != "cuda":
-        return contextlib.nullcontext(), "default"
+        return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]), "efficient"
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
 
 
 def run_case(case: Case, dev: torch.device, repeats: int, attn_backend: str) -> dict:
@@ -127,10 +128,10 @@ def run_case(case: Case, dev: torch.device, repeats: int, attn_backend: str) -> 
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     stock = build_model(case.model, sd, size, stock=True).to(dev)
-    kernel = _sdpa_context(dev)[1]
+    kernel = "efficient" if dev.type == "cuda" else "default"
 
-    def run_stock():  # a fresh context per call: sdpa_kernel is a one-shot generator context manager
-        with torch.no_grad(), _sdpa_context(dev)[0]:
+    def run_stock():
+        with torch.no_grad(), _sdpa_context(dev):
             return stock.forward_features(x)
 
     sdpa_s, sdpa_peak, ref = _measure(run_stock, dev, repeats)
