@@ -237,33 +237,19 @@ def main(argv=None) -> dict:
     device = torch.device(a.device)
     reps = a.reps or (3 if a.quick else 10)
     tp_cases, scene_cases = (QUICK_THROUGHPUT, QUICK_SCENES) if a.quick else (THROUGHPUT, SCENES)
-    if a.part == "scenes":
-        tp_cases = []
-    if a.part == "throughput":
-        scene_cases = []
+    tp_cases = tp_cases if a.part in ("all", "throughput") else []
+    scene_cases = scene_cases if a.part in ("all", "scenes") else []
     tp = [bench_throughput(c, device, a.mode, warmup=1 if a.quick else 3, reps=reps) for c in tp_cases]
-    print(f"## ElsaHSIViT throughput, {a.mode}, FP32 (TF32 off), {device}")
-    print(
-        _table(
-            tp,
-            [
-                "name",
-                "preset",
-                "batch",
-                "tokens",
-                "elsa_patches_per_s",
-                "sdpa_patches_per_s",
-                "speedup_elsa_over_sdpa",
-                "elsa_peak_mb",
-                "sdpa_peak_mb",
-                "relerr_elsa_vs_sdpa",
-            ],
-        )
-    )
+    if tp:
+        print(f"## ElsaHSIViT throughput, {a.mode}, FP32 (TF32 off), {device}")
+        print(_table(tp, ["name", "preset", "batch", "tokens", "elsa_patches_per_s", "sdpa_patches_per_s",
+                          "speedup_elsa_over_sdpa", "elsa_peak_mb", "sdpa_peak_mb",
+                          "relerr_elsa_vs_sdpa"]))  # fmt: skip
     sc = [bench_scene(c, device, reps=a.scene_reps or max(1, reps // 3)) for c in scene_cases]
-    print(f"\n## Whole-scene FP32 inference (batched patches), {device}")
-    print(_table(sc, ["name", "preset", "height", "width", "bands", "pca", "patch", "params_m", "batch",
-                      "scene_seconds", "pixels_per_s", "peak_mb"]))  # fmt: skip
+    if sc:
+        print(f"\n## Whole-scene FP32 inference (batched patches), {device}")
+        print(_table(sc, ["name", "preset", "height", "width", "bands", "pca", "patch", "params_m", "batch",
+                          "scene_seconds", "pixels_per_s", "peak_mb"]))  # fmt: skip
     result = {"torch": torch.__version__, "device": str(device), "throughput": tp, "scenes": sc}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
