@@ -13,7 +13,8 @@ Usage (on a CUDA machine, from the repository root)::
 Each (shape, dtype) is run by every peer on the same inputs: ``sdpa_math``, ``sdpa_efficient``,
 ``sdpa_flash``, ``sdpa_cudnn`` (``torch.nn.attention.sdpa_kernel``), ``flex``
 (``torch.compile(flex_attention)``), ``elsa`` (default precision), ``elsa_ieee``, ``elsa_tf32x3s`` (the
-kernel's own TF32 split, the query tile split once) and ``elsa_tf32`` (float32 only); ``elsa_tf32x3``
+kernel's own TF32 split, the query tile split once), ``elsa_fp16x3`` (three float16 products of scaled
+two-part splits) and ``elsa_tf32`` (float32 only); ``elsa_tf32x3``
 (Triton's tf32x3 by name, whatever ``auto`` resolves to) runs when named in ``--peers``. A peer that cannot
 run a case (flash/cudnn in float32, out of memory) is skipped with a note. Times are the median of
 ``triton.testing.do_bench``; TFLOP/s counts ``4 B H N^2 D`` (halved for causal); ``extra_mb`` is the peak
@@ -63,9 +64,9 @@ SHAPES = [
 QUICK = [Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_ieee",
-         "elsa_tf32x3s", "elsa_tf32"]
+         "elsa_tf32x3s", "elsa_fp16x3", "elsa_tf32"]
 # Peers that name a float32 precision: not run for half dtypes (where the precision does not apply).
-FP32_PEERS = ("elsa_ieee", "elsa_tf32x3", "elsa_tf32x3s", "elsa_tf32")
+FP32_PEERS = ("elsa_ieee", "elsa_tf32x3", "elsa_tf32x3s", "elsa_fp16x3", "elsa_tf32")
 # Largest problem (B*H*N^2) for which the float64 reference is computed; beyond, relerr stays empty.
 REF_LIMIT = 2 * 16 * 16385**2
 COLUMNS = [
@@ -137,6 +138,7 @@ RUNNERS = {
     "elsa_ieee": _elsa("ieee"),
     "elsa_tf32x3": _elsa("tf32x3"),
     "elsa_tf32x3s": _elsa("tf32x3s"),
+    "elsa_fp16x3": _elsa("fp16x3"),
     "elsa_tf32": _elsa("tf32"),
 }
 
@@ -393,7 +395,7 @@ def main(argv=None):
     ap.add_argument("--png", default=None, help="plot path (default docs/img/attention_<gpu>.png)")
     ap.add_argument("--tune", action="store_true", help="time the candidate kernel configs instead")
     ap.add_argument("--tune-precisions", nargs="+", default=["tf32x3", "ieee", "tf32"],
-                    help="float32 precisions to tune (any of auto, ieee, tf32x3, tf32x3s, tf32)")
+                    help="float32 precisions to tune (any of auto, ieee, tf32x3, tf32x3s, fp16x3, tf32)")
     ap.add_argument(
         "--configs",
         nargs="+",

@@ -41,7 +41,7 @@ from torch import Tensor
 __all__ = ["BwdConfig", "bwd_config", "elsa_bwd", "resolve_precision"]
 
 LOG2E = 1.4426950408889634
-_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "tf32")
+_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -455,8 +455,8 @@ def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) 
 
     float16/bfloat16 operands always run on tensor cores with float32 accumulation (the knob does not apply).
     float32: ``"auto"`` is the FP32-accurate choice: ``"tf32x3"`` on CUDA GPUs with tensor cores
-    (compute capability >= 8.0), ``"ieee"`` elsewhere (the CPU interpreter, older GPUs). ``"tf32x3s"``
-    (a forward variant: same products, split by the kernel) is ``"tf32x3"`` here.
+    (compute capability >= 8.0), ``"ieee"`` elsewhere (the CPU interpreter, older GPUs). The forward's
+    FP32-accurate variants ``"tf32x3s"`` and ``"fp16x3"`` are ``"tf32x3"`` here.
     """
     if precision not in _PRECISIONS:
         raise ValueError(f"elsa_bwd: unknown `precision` {precision!r}; expected one of {_PRECISIONS}")
@@ -466,7 +466,7 @@ def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) 
         if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
             return "tf32x3"
         return "ieee"
-    if precision == "tf32x3s":
+    if precision in ("tf32x3s", "fp16x3"):
         return "tf32x3"
     return precision
 
@@ -614,8 +614,8 @@ def elsa_bwd(
         key_padding_mask: bool ``[B or 1, Nk]``, True = key takes part.
         causal: bottom-right aligned (query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``).
         scale: logit scale, default ``D ** -0.5``.
-        precision: ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "tf32"`` for float32 inputs (ignored for
-            half; ``"tf32x3s"`` runs as ``"tf32x3"``).
+        precision: ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "fp16x3" | "tf32"`` for float32 inputs
+            (ignored for half; ``"tf32x3s"`` and ``"fp16x3"`` run as ``"tf32x3"``).
         bias_requires_grad: also return ``dbias`` in ``attn_bias``'s shape and dtype (reduced over its
             size-1 / window-tiled dims; a stride-0 *expanded* dim of full size gets its full gradient, as
             autograd requires for that shape).

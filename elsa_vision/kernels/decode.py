@@ -227,6 +227,8 @@ def _decode_plan(B, H, Nq, Nk, D, dtype, sm_count=None, Dv=None, precision="auto
     if Nq > 128:
         raise ValueError(f"decode_plan: the few-query path takes Nq <= 128 query rows, got Nq={Nq}")
     prec = resolve_precision(precision, dtype, device)
+    if prec == "fp16x3":
+        prec = "tf32x3s"  # the dense forward's float16 split; here the same accuracy from TF32 products
     sms, cc, smem = _device_info(device)
     if cc == (0, 0) and dtype == torch.bfloat16:
         prec = "upcast"  # the interpreter has no bfloat16 dot
@@ -349,8 +351,9 @@ def elsa_decode(
         causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right: one decode query sees
             the whole cache).
         scale: logit scale, default ``D ** -0.5``.
-        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"tf32"`` (as
-            ``elsa_fwd``; ``"tf32x3s"`` splits both operands at every product here).
+        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"fp16x3"``,
+            ``"tf32"`` (as ``elsa_fwd``; ``"tf32x3s"`` splits both operands at every product here and
+            ``"fp16x3"`` runs as ``"tf32x3s"``).
         block_n, programs: force the lean tile size and the level-one program count (see ``decode_plan``).
 
     Returns:

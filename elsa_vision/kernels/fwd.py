@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .monoid import fold_tile, matmul, matmul_split, merge_states, split_tf32
+from .monoid import fold_tile, matmul, matmul_f16x3, matmul_split, merge_states, pow2, split_f16, split_tf32
 from .reference import merge_depth
 
 __all__ = [
@@ -47,7 +47,7 @@ _BIAS_CLAMP = tl.constexpr(2.0e38)
 
 @triton.jit
 def _attend(
-    m_i, s_i, acc, q, q_lo, offs_m, offs_n, offs_d, offs_dv,
+    m_i, s_i, acc, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv,
     k_ptr, v_ptr, bias_ptr, kpm_ptr,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
     lo, hi, seqlen_k, causal_shift, qk_scale,
@@ -57,8 +57,9 @@ def _attend(
 ):
     """Fold the key tiles ``[lo, hi)`` into the state. ``MASKED`` adds the bounds and causal masks.
 
-    ``q`` is the query tile; under ``"tf32x3s"`` its ``split_tf32`` high part, with ``q_lo`` the low part
-    (split once by the caller; unused otherwise). ``k_ptr``/``v_ptr`` point at key/value row 0 of this
+    ``q`` is the query tile; under ``"tf32x3s"`` its ``split_tf32`` high part, with ``q_lo`` the low part,
+    under ``"fp16x3"`` its ``split_f16`` parts with ``q_c`` their scale exponent (split once by the caller;
+    ``q_lo``/``q_c`` unused otherwise). ``k_ptr``/``v_ptr`` point at key/value row 0 of this
     (batch, head); ``bias_ptr`` at the tile's ``[BLOCK_M, 1]`` bias rows (column 0); ``kpm_ptr`` at this
     batch's mask entry 0.
     """
@@ -79,12 +80,24 @@ def _attend(
                 v = tl.load(v_ptrs)
             else:
                 v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        if HAS_KPM:
+            keep = tl.load(kpm_ptr + cols * stride_kpn, mask=cols < seqlen_k, other=0) != 0
+            v = tl.where(keep[:, None], v, 0.0)
+            if PRECISION == "fp16x3":
+                kt = tl.where(keep[None, :], kt, 0.0)  # a hidden key must not set the tile's scale
         if PRECISION == "tf32x3s":
             kt_hi, kt_lo = split_tf32(kt)
             qk = matmul_split(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+            scores = qk * qk_scale
+        elif PRECISION == "fp16x3":
+            kt_hi, kt_lo, k_c = split_f16(kt)
+            qk = matmul_f16x3(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+            # q carries qk_scale (see the caller). Clamping the exponent only touches scores below ~1e-27
+            # (their exp2 is 1 either way) or beyond float32 range (products of inputs past 2^154).
+            scores = qk * pow2(-tl.minimum(tl.maximum(q_c + k_c, -126), 127))
         else:
             qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
-        scores = qk * qk_scale
+            scores = qk * qk_scale
         if HAS_BIAS:
             if MASKED:
                 b = tl.load(bias_ptr + cols[None, :] * stride_bn,
@@ -101,9 +114,7 @@ def _attend(
                 valid = valid & (cols[None, :] <= offs_m[:, None] + causal_shift)
             scores = tl.where(valid, scores, float("-inf"))
         if HAS_KPM:
-            keep = tl.load(kpm_ptr + cols * stride_kpn, mask=cols < seqlen_k, other=0) != 0
             scores = tl.where(keep[None, :], scores, float("-inf"))
-            v = tl.where(keep[:, None], v, 0.0)
         m_i, s_i, acc = fold_tile(m_i, s_i, acc, scores, v, PRECISION)
     return m_i, s_i, acc
 
@@ -167,8 +178,14 @@ def _fwd_kernel(
     q_ptrs = Q + q_off + rows64[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q_lo = q
+    q_c = 0
     if PRECISION == "tf32x3s":
         q, q_lo = split_tf32(q)  # the tile is loop-invariant: split once, not at every key tile
+    elif PRECISION == "fp16x3":
+        # qk_scale (not a power of two) goes into the query tile before its split, so that the scores are
+        # the products times a power of two (one float32 rounding per query element, as the scaling of
+        # the products on the other paths).
+        q, q_lo, q_c = split_f16(q * qk_scale)
 
     # Key range of this program: the partition, cut at the causal diagonal of the tile's last row.
     causal_shift = seqlen_k - seqlen_q
@@ -199,13 +216,13 @@ def _fwd_kernel(
     s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i, s_i, acc = _attend(
-        m_i, s_i, acc, q, q_lo, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
+        m_i, s_i, acc, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         lo, mid, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
     )
     m_i, s_i, acc = _attend(
-        m_i, s_i, acc, q, q_lo, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
+        m_i, s_i, acc, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         mid, hi, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM,
@@ -277,7 +294,7 @@ def _merge_kernel(
 # --------------------------------------------------------------------------------------------- planner
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "tf32")
+_FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -313,11 +330,18 @@ def _device_info_of(device) -> tuple[int, tuple[int, int], int]:
 
 def resolve_precision(precision: str, dtype: torch.dtype, device=None) -> str:
     """The ``PRECISION`` constexpr for a call: ``"none"`` for half dtypes; for float32 ``"auto"`` becomes
-    ``"tf32x3"`` on tensor-core GPUs (sm80+: FP32-accurate, relerr <= 1e-6) and ``"ieee"`` elsewhere.
+    ``"tf32x3"`` on tensor-core GPUs (sm80+: FP32-accurate, relerr <= 1e-6) and ``"ieee"`` elsewhere (the
+    dense forward's ``plan`` then takes ``"fp16x3"`` for it on sm90, see ``tuning_key``).
 
     ``"tf32x3s"`` is FP32-accurate like ``"tf32x3"`` (the same three TF32 products per dot) with the split
     done by the kernel (``monoid.split_tf32``): the forward splits its query tile once per program instead
-    of at every key tile. Other kernels that accept it split both operands at each product."""
+    of at every key tile. Other kernels that accept it split both operands at each product.
+
+    ``"fp16x3"`` is FP32-accurate from three float16 tensor-core products per dot (``monoid.split_f16``:
+    each tile scaled by a power of two into float16 range and split into two float16 parts of 11 bits
+    each; the weights P are scaled by 2^14 before their split). Half-precision MMAs run at twice the TF32
+    rate. Magnitudes past 2^74 in q, k or v overflow the float16 parts (inf/NaN); ``"tf32x3"`` has the
+    full float32 range."""
     if precision not in _FP32_PRECISIONS:
         raise ValueError(f"elsa_fwd: unknown `precision` {precision!r}; expected one of {_FP32_PRECISIONS}")
     if dtype != torch.float32:
@@ -369,6 +393,8 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, 
     if dtype == torch.float32:
         if precision == "ieee":
             cfg = (64, 128, 8, 1) if big <= 64 else (32, 32, 4, 2)
+        elif precision == "fp16x3":
+            cfg = (128, 64, 4, 3) if big <= 64 else (128, 64, 8, 3) if big <= 128 else (64, 32, 4, 2)
         elif big <= 64:
             cfg = (128, 64, 8, 3)
         elif big <= 128:
@@ -383,6 +409,8 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, 
         else:
             cfg = (64, 64, 8, 2)
     bm, bn, w, st = cfg
+    if precision == "fp16x3" and bdv < 64:
+        bn = min(bn, 32)  # see _fp16x3_safe
     elem = 4 if dtype == torch.float32 else 2
     while st > 1 and _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
         st -= 1
@@ -436,14 +464,11 @@ def _plan(
             raise ValueError(f"plan: `{name}` must be >= {1 if name in ('D', 'Dv') else 0}, got {val}")
     if workspace_bytes is not None and workspace_bytes < 0:
         raise ValueError(f"plan: `workspace_bytes` must be >= 0 or None, got {workspace_bytes}")
-    prec = resolve_precision(precision, dtype, device)
     sms, cc, smem = _device_info(device)
-    if cc == (0, 0) and dtype == torch.bfloat16:
-        prec = "upcast"  # the interpreter has no bfloat16 dot
     if sm_count is not None:
         sms = int(sm_count)
-    bd, bdv = _pow2(D), _pow2(Dv)
-    key = (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
+    key = tuning_key(dtype, D, Dv, causal, has_bias, device, precision)
+    bd, bdv, prec = key[1], key[2], key[-1]
     bm, bn, warps, stages = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem)
     bh = max(1, B * H)
     # Short sequences: halve the query tile before splitting the keys (less padding, more programs).
@@ -493,12 +518,18 @@ def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
 
 
 def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:
-    """The key of a tuned config: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision)."""
+    """The key of a tuned config: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision), with the
+    precision the dense forward runs: ``"auto"`` in float32 is ``"fp16x3"`` on sm90 for head dims up to
+    128 (measured there: FP32-accurate and 1.4-1.6x faster than ``"tf32x3"``, docs/kernel_notes.md),
+    ``resolve_precision``'s choice elsewhere; bfloat16 under the interpreter is ``"upcast"``."""
     prec = resolve_precision(precision, dtype, device)
     _, cc, _ = _device_info(device)
+    bd, bdv = _pow2(D), _pow2(Dv)
     if cc == (0, 0) and dtype == torch.bfloat16:
-        prec = "upcast"
-    return (dtype, _pow2(D), _pow2(Dv), bool(causal), bool(has_bias), cc, prec)
+        prec = "upcast"  # the interpreter has no bfloat16 dot
+    if precision == "auto" and prec == "tf32x3" and cc[0] == 9 and max(bd, bdv) <= 128:
+        prec = "fp16x3"
+    return (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
 
 
 def _force_plan(p: FwdPlan, Nk: int, partitions: int) -> FwdPlan:
@@ -611,8 +642,8 @@ def elsa_fwd(
         key_padding_mask: bool ``[B, Nk]`` (or ``[1, Nk]``), True = the key takes part.
         causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right aligned).
         scale: logit scale, default ``D ** -0.5``.
-        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"tf32"`` (see
-            ``resolve_precision``).
+        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"fp16x3"``,
+            ``"tf32"`` (see ``resolve_precision``).
         workspace_bytes: cap on the level-one workspace (None: speed-first plan).
         partitions: force this many key partitions (tests and benchmarks of the two-level path).
 
@@ -741,20 +772,33 @@ _CANDIDATES = {
              (64, 64, 4, 3)],
     "ieee": [(64, 64, 4, 1), (64, 64, 4, 2), (128, 32, 4, 1), (128, 64, 8, 1), (64, 128, 8, 1),
              (64, 32, 4, 2)],
+    "fp16x3": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+               (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)],
     "half": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
              (128, 64, 4, 4)],
 }
 
 
+def _fp16x3_safe(bn: int, bdv: int) -> bool:
+    """Whether Triton 3.6 compiles ``"fp16x3"`` correctly for these tiles on sm90. Measured on an H100:
+    value tiles narrower than 64 (``BLOCK_DV = 32``) with key tiles of 64 or 128 gave NaN, wrong values or
+    illegal memory accesses (every warp/stage count tried); key tiles of 32 were right for every head dim
+    tried (docs/kernel_notes.md)."""
+    return bdv >= 64 or bn <= 32
+
+
 def _candidates(dtype, prec, bd, bdv, smem) -> list[tuple[int, int, int, int]]:
     elem = 4 if dtype == torch.float32 else 2
-    family = "half" if dtype != torch.float32 else ("ieee" if prec == "ieee" else "tc32")
+    family = "half" if dtype != torch.float32 else ("ieee" if prec == "ieee" else
+                                                    "fp16x3" if prec == "fp16x3" else "tc32")
     out = []
     for bm, bn, w, st in _CANDIDATES[family]:
         if _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
             continue  # prune: does not fit in shared memory
         if bm * max(bd, bdv) > 128 * 128 or bm * bn > 128 * 128:
             continue  # prune: register tiles too large to keep the accumulator resident
+        if prec == "fp16x3" and not _fp16x3_safe(bn, bdv):
+            continue
         out.append((bm, bn, w, st))
     return out
 

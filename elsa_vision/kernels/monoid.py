@@ -17,7 +17,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["safe_shift", "merge_states", "fold_tile", "matmul", "matmul_split", "split_tf32"]
+__all__ = [
+    "safe_shift", "merge_states", "fold_tile", "matmul", "matmul_split", "split_tf32", "split_f16",
+    "matmul_f16x3", "pow2",
+]
 
 
 @triton.jit
@@ -65,6 +68,47 @@ def matmul_split(a_hi, a_lo, b_hi, b_lo, acc):
 
 
 @triton.jit
+def pow2(c):
+    """``2 ** c`` as float32 for an int32 ``c`` in ``[-126, 127]`` (built from the exponent bits: exact)."""
+    return ((c + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split_f16(x):
+    """``(hi, lo, c)``: float16 ``hi + lo`` equal to ``x * 2**c`` up to ``2^-22`` of each element (or
+    ``2^-39`` of the block's largest magnitude), for a float32 block ``x`` of rank 2.
+
+    ``c`` (int32) scales the block's largest magnitude into ``[2^14, 2^15)``: float16 then holds it with
+    room to spare (max 65504), and ``hi`` keeps 11 significant bits of every element down to ``2^-29`` of
+    that maximum. ``hi`` is ``x * 2**c`` rounded to float16 (round to nearest even), ``lo`` the
+    float32-exact remainder rounded to float16: 11 more bits while it is a normal float16, a ``2^-25``
+    absolute step below that. So the pair carries 22 significant bits, the budget of a TF32 ``hi``/``lo``
+    split, and the products run on half-precision tensor cores at twice the TF32 rate. ``c`` is clamped to
+    ``[-112, 126]`` so that ``pow2(c)`` and ``pow2(-c)`` are normal floats: every float32 maximum from the
+    subnormals to ``2^127`` is scaled into float16 range (a block of zeros stays zero; NaN stays NaN). The
+    scaling by ``2**c`` is exact, so callers undo it exactly with ``pow2(-c)``.
+    """
+    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    c = tl.minimum(tl.maximum(14 - e, -112), 126)
+    xs = x * pow2(c)
+    hi = xs.to(tl.float16)
+    lo = (xs - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo, c
+
+
+@triton.jit
+def matmul_f16x3(a_hi, a_lo, b_hi, b_lo, acc):
+    """``acc + a @ b`` from the ``split_f16`` parts of ``a`` and ``b`` (both scaled: the caller undoes the
+    scales): ``a_hi @ b_lo + a_lo @ b_hi + a_hi @ b_hi`` on half-precision tensor cores with float32
+    accumulation, the small terms first. Pass zeros and add a long-running sum outside in float32, as for
+    ``matmul_split``. The ``a_lo @ b_lo`` term left out is ``~2^-22`` of ``|a| |b|``: FP32-accurate."""
+    acc = tl.dot(a_hi, b_lo, acc)
+    acc = tl.dot(a_lo, b_hi, acc)
+    return tl.dot(a_hi, b_hi, acc)
+
+
+@triton.jit
 def matmul(a, b, acc, PRECISION: tl.constexpr):
     """``acc + a @ b`` with fp32 accumulation.
 
@@ -72,7 +116,7 @@ def matmul(a, b, acc, PRECISION: tl.constexpr):
     ``"none"`` for float16/bfloat16 operands (tensor cores, fp32 accumulate). ``"tf32x3s"`` splits both
     operands here and calls ``matmul_split`` on a fresh accumulator, then adds ``acc`` in float32: the same
     three TF32 products as ``"tf32x3"`` (callers that reuse an operand split it once themselves and call
-    ``matmul_split``). ``"upcast"`` multiplies half operands as float32 (exact products, fp32 accumulate:
+    ``matmul_split``; ``"fp16x3"`` callers use ``split_f16`` and ``matmul_f16x3``). ``"upcast"`` multiplies half operands as float32 (exact products, fp32 accumulate:
     the tensor-core result) where no half dot is available (the CPU interpreter has none for bfloat16).
     """
     if PRECISION == "none":
@@ -114,12 +158,23 @@ def fold_tile(m, s, w, scores, v, PRECISION: tl.constexpr):
     m_new = tl.maximum(m, tl.max(scores, 1))
     shift = safe_shift(m_new)
     alpha = tl.math.exp2(m - shift)
-    p = tl.math.exp2(scores - shift[:, None])
-    s = s * alpha + tl.sum(p, 1)
-    if PRECISION == "ieee":
-        # FMA dots add each product straight into the accumulator: sum the tile first, then add it, so the
-        # running sum takes one rounding per tile instead of one per key.
-        w = w * alpha[:, None] + matmul(p, v, tl.zeros_like(w), PRECISION)
+    if PRECISION == "fp16x3":
+        # Weights scaled by 2^14 (exactly; the largest is 2^14) so that the float16 parts of P keep 22 bits
+        # down to small weights; S is scaled back, the product below too.
+        p = tl.math.exp2(scores - shift[:, None]) * 16384.0
+        s = s * alpha + tl.sum(p, 1) * (1.0 / 16384.0)
+        v_hi, v_lo, cv = split_f16(v.to(tl.float32))
+        p_hi = p.to(tl.float16)
+        p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
+        pv = matmul_f16x3(p_hi, p_lo, v_hi, v_lo, tl.zeros_like(w))
+        w = w * alpha[:, None] + pv * (1.0 / 16384.0) * pow2(-cv)
     else:
-        w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
+        p = tl.math.exp2(scores - shift[:, None])
+        s = s * alpha + tl.sum(p, 1)
+        if PRECISION == "ieee":
+            # FMA dots add each product straight into the accumulator: sum the tile first, then add it, so
+            # the running sum takes one rounding per tile instead of one per key.
+            w = w * alpha[:, None] + matmul(p, v, tl.zeros_like(w), PRECISION)
+        else:
+            w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
     return m_new, s, w

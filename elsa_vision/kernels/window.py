@@ -195,8 +195,8 @@ def window_fwd(
         logit_scale: ``[H]``, the raw parameter; ``exp(min(logit_scale, log 100))`` multiplies the cosines.
         bias: ``[H, N, N]`` additive bias shared by all windows (any strides, e.g. a permuted view).
         mask: ``[nW, N, N]`` additive shift mask, window ``b`` uses ``mask[b % nW]``; or None.
-        precision: float32 dot precision ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "tf32"`` (ignored for
-            half inputs).
+        precision: float32 dot precision ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "fp16x3" | "tf32"``
+            (ignored for half inputs; ``"fp16x3"`` runs as ``"tf32x3s"``).
 
     Returns:
         ``(out [B*nW, H, N, Dv]`` in q's dtype, ``lse [B*nW, H, N]`` float32 natural-log log-sum-exp).
@@ -207,6 +207,8 @@ def window_fwd(
     Bw, H, N, D = q.shape
     Dv = v.shape[-1]
     prec = resolve_precision(precision, q.dtype, q.device)
+    if prec == "fp16x3":
+        prec = "tf32x3s"  # the dense forward's float16 split; here the same accuracy from TF32 products
     if q.device.type == "cpu" and q.dtype != torch.float32:
         prec = "upcast"  # the interpreter has no half dot
     out = torch.empty((Bw, N, H, Dv), dtype=q.dtype, device=q.device).transpose(1, 2)

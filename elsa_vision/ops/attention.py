@@ -19,7 +19,7 @@ __all__ = [
     "check_options",
 ]
 
-PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "tf32")
+PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
 BACKENDS = ("auto", "torch", "triton", "eca")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -242,7 +242,9 @@ def elsa_attention(
         precision: for float32 inputs: ``"auto"`` (FP32-accurate, relative error <= 1e-6 vs float64),
             ``"ieee"`` (plain FP32 arithmetic, no tensor cores), ``"tf32x3"`` (FP32-accurate on tensor
             cores), ``"tf32x3s"`` (the same three TF32 products with the split done by the forward kernel,
-            the query tile split once; the backward runs it as ``"tf32x3"``), ``"tf32"`` (one TF32 pass,
+            the query tile split once; the backward runs it as ``"tf32x3"``), ``"fp16x3"`` (FP32-accurate
+            from three float16 tensor-core products per dot: each fp32 tile scaled by a power of two and
+            split into two float16 parts; the backward runs it as ``"tf32x3"``), ``"tf32"`` (one TF32 pass,
             ~1e-3). Ignored for float16/bfloat16 (float32 accumulation always) and float64.
         backend: ``"auto"`` (Triton on CUDA where available, else torch), ``"torch"`` (the reference scan;
             any device, full autograd), ``"triton"``, ``"eca"`` (causal self-attention on the Exact Causal

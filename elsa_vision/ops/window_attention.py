@@ -148,7 +148,7 @@ def window_attention(
         logit_scale: ``[H]`` (or timm's ``[H, 1, 1]``) raw per-head parameter.
         bias: ``[H, N, N]`` relative-position bias shared by all windows.
         mask: ``[nW, N, N]`` shift mask (0 / -100), window ``b`` uses ``mask[b % nW]``; None for no shift.
-        precision: float32 dot precision, one of ``("auto", "ieee", "tf32x3", "tf32x3s", "tf32")``.
+        precision: float32 dot precision, one of ``PRECISIONS`` (``ops.attention``).
 
     Returns:
         ``[B*nW, H, N, Dv]`` in q's dtype, stored as ``[B*nW, N, H, Dv]`` (``.transpose(1, 2)`` of it is

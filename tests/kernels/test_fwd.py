@@ -4,7 +4,7 @@ Without CUDA the kernels run in the Triton interpreter (``tests/conftest.py`` se
 before Triton is imported) at small, odd shapes; there every float32 dot is exact float32 arithmetic.
 ``@pytest.mark.gpu`` tests run the large shapes, races and tensor-core precisions on a GPU.
 
-Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, tf32x3s, auto)
+Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, tf32x3s, fp16x3, auto)
 <= 1e-6, tf32 <= 5e-3; float16/bfloat16 the FlashAttention way:
 ``max|out - ref64| <= 2 max|out_lp - ref64| + atol`` where ``out_lp`` is the same attention computed by
 PyTorch in the low precision.
@@ -206,7 +206,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("c" if s[6] else ""))
 def test_fp32_matches_float64(shape, precision):
     B, H, Nq, Nk, D, Dv, causal = shape
@@ -219,13 +219,40 @@ def test_fp32_matches_float64(shape, precision):
         assert bool((out[:, :, : Nq - Nk] == 0).all()) and bool((lse[:, :, : Nq - Nk] == -math.inf).all())
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3", "tf32x3s", "tf32"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3", "tf32x3s", "fp16x3", "tf32"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp32_precisions(precision, causal):
     q, k, v = qkv(2, 3, 77, 131, 40, seed=11)
     out, _ = elsa_fwd(q, k, v, causal=causal, precision=precision)
     bound = TF32_BOUND if precision == "tf32" else FP32_ACCURATE
     assert relerr(out, ref64(q, k, v, causal=causal)) <= bound
+
+
+# q, k, v magnitudes (q and k reciprocal so that the logits stay of order one): "fp16x3" scales every tile
+# by a power of two into float16 range, so the whole float32 range must come out FP32-accurate.
+RANGES = [(1e-20, 1e20, 1e-30), (1e20, 1e-20, 1e30), (1e-3, 1e-3, 1e-38), (1.0, 1.0, 1e37)]
+
+
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3", "tf32x3s"])
+@pytest.mark.parametrize("mags", RANGES, ids=lambda m: "q%g-k%g-v%g" % m)
+def test_fp32_input_ranges(mags, precision):
+    q, k, v = qkv(1, 2, 97, 97, 64, seed=12)
+    q, k, v = q * mags[0], k * mags[1], v * mags[2]
+    out, _ = elsa_fwd(q, k, v, precision=precision)
+    assert relerr(out, ref64(q, k, v)) <= FP32_ACCURATE
+
+
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3", "tf32x3s"])
+def test_fp32_mixed_magnitudes_in_one_tile(precision):
+    # Rows of q and k spread over 1e-6..1e3 and values over 1e-8..1e8 inside every tile: one power-of-two
+    # scale per tile must still leave each element 22 significant bits (or an error far below the tile's
+    # largest contribution).
+    q, k, v = qkv(1, 2, 97, 97, 64, seed=13)
+    q = q * 10 ** (torch.rand(1, 2, 97, 1, generator=gen(1)) * 9 - 6).to(DEVICE)
+    k = k * 10 ** (torch.rand(1, 2, 97, 1, generator=gen(2)) * 9 - 6).to(DEVICE)
+    v = v * 10 ** (torch.rand(1, 2, 97, 64, generator=gen(3)) * 16 - 8).to(DEVICE)
+    out, _ = elsa_fwd(q, k, v, precision=precision)
+    assert relerr(out, ref64(q, k, v)) <= FP32_ACCURATE
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -241,7 +268,7 @@ def test_half_precision(dtype, shape):
 # ------------------------------------------------------------------------------------ bias and masks
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
 @pytest.mark.parametrize("bshape", [(1, 3, 37, 70), (2, 1, 1, 70), (37, 70), (2, 3, 37, 1)])
 def test_bias_broadcast(bshape, precision):
     q, k, v = qkv(2, 3, 37, 70, 32, seed=21)
@@ -261,7 +288,7 @@ def test_bias_stride0_view_equals_contiguous():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
 def test_neg_inf_bias_bands_and_fully_masked_rows(precision):
     B, H, Nq, Nk, D = 1, 2, 41, 90, 32
     q, k, v = qkv(B, H, Nq, Nk, D, seed=31)
@@ -277,7 +304,7 @@ def test_neg_inf_bias_bands_and_fully_masked_rows(precision):
     assert_lse(lse, lse64(q, k, v, attn_bias=bias))
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
 def test_finfo_min_and_extreme_bias(precision):
     q, k, v = qkv(1, 2, 33, 70, 32, seed=32)
     bias = randn(1, 2, 33, 70, seed=6) * 1e4
@@ -293,7 +320,7 @@ def test_finfo_min_and_extreme_bias(precision):
     torch.testing.assert_close(out[:, :, 3].double(), v.double().mean(-2), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
 def test_key_padding_mask_and_fully_masked_batch(precision):
     B, H, Nq, Nk, D = 3, 2, 29, 83, 40
     q, k, v = qkv(B, H, Nq, Nk, D, seed=41)
@@ -306,7 +333,7 @@ def test_key_padding_mask_and_fully_masked_batch(precision):
     assert_lse(lse, lse64(q, k, v, key_padding_mask=kpm))
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3s", "fp16x3"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions", [1, 3])
 def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions, precision):
@@ -359,7 +386,7 @@ def test_fused_qkv_views_bitwise_equal_contiguous(dtype):
     assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3s", "fp16x3"])
 @pytest.mark.parametrize("D", [40, 72, 111])
 def test_odd_head_dims_deterministic(D, precision):
     q, k, v = qkv(1, 2, 45, 61, D, seed=D)
@@ -378,7 +405,7 @@ def test_empty_keys_and_length_one():
     q, k, v = qkv(2, 1, 1, 1, 16, seed=4)
     out, _ = elsa_fwd(q, k, v, precision="ieee")
     assert torch.equal(out, v)
-    for precision in ("auto", "tf32x3s"):
+    for precision in ("auto", "tf32x3s", "fp16x3"):
         out, _ = elsa_fwd(q, k, v, precision=precision)
         assert relerr(out, v) <= FP32_ACCURATE
 
@@ -404,7 +431,7 @@ def test_plan_structure():
         plan(1, 1, 8, 8, 8, 8, torch.float32, workspace_bytes=-1)
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3s", "fp16x3"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions", [2, 5])
 def test_multi_partition_equals_fused(causal, partitions, precision):
@@ -428,7 +455,7 @@ def test_workspace_cap_runs_fused():
 # ------------------------------------------------------------------------------------------ varlen
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3s", "fp16x3"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_matches_per_sequence(causal, precision):
     H, D, Dv = 3, 40, 24
@@ -523,7 +550,7 @@ from triton.compiler import ASTSource
 from elsa_vision.kernels import fwd
 
 names = fwd._fwd_kernel.arg_names
-consts = dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRECISION="tf32x3s",
+consts = dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRECISION="@PRECISION@",
               CAUSAL=True, HAS_BIAS=True, HAS_KPM=True, IS_VARLEN=False, SPLIT=False,
               stride_qd=1, stride_kd=1, stride_vd=1)
 sig = {n: "i32" for n in names}
@@ -534,7 +561,7 @@ k = triton.compile(ASTSource(fn=fwd._fwd_kernel, signature=sig, constexprs=const
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
 ptx = k.asm["ptx"]
 print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
-                  "cvt_tf32": "cvt.rna.tf32" in ptx}))
+                  "cvt_tf32": "cvt.rna.tf32" in ptx, "wgmma_f16": ".f32.f16.f16" in ptx}))
 """
 
 
@@ -542,8 +569,14 @@ def test_tf32x3s_compiles_for_sm90_without_a_gpu():
     # The interpreter runs the kernel as Python: the real compiler (down to a cubin for an H100, with the
     # plan's float32 default 128 x 64 tiles, 8 warps, 3 stages and all masks) must take "tf32x3s" too, on
     # tensor cores (wgmma) and with the kernel's own split (no cvt.rna.tf32 of Triton's tf32x3).
-    report = compile_for_sm90(_SM90_COMPILE)
+    report = compile_for_sm90(_SM90_COMPILE.replace("@PRECISION@", "tf32x3s"))
     assert 0 < report["shared"] <= 232448 and report["wgmma"] and not report["cvt_tf32"], report
+
+
+def test_fp16x3_compiles_for_sm90_without_a_gpu():
+    # "fp16x3" must reach the half-precision tensor cores: wgmma on float16 operands, no TF32 rounding.
+    report = compile_for_sm90(_SM90_COMPILE.replace("@PRECISION@", "fp16x3"))
+    assert 0 < report["shared"] <= 232448 and report["wgmma_f16"] and not report["cvt_tf32"], report
 
 
 # ------------------------------------------------------------------------------------------- GPU
@@ -563,7 +596,7 @@ def _rows_ref(q, k, v, rows, causal=False, attn_bias=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "tf32x3s", "tf32"])
+@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_fp32_precision_thresholds(precision, D):
     q, k, v = qkv(2, 4, 1023, 1025, D, seed=101)
@@ -577,6 +610,9 @@ def test_gpu_fp32_precision_thresholds(precision, D):
 def test_gpu_auto_is_tensor_core_path():
     p = plan(1, 8, 4096, 4096, 64, 64, torch.float32, device="cuda")
     major, _ = torch.cuda.get_device_capability()
+    assert p.precision == ("fp16x3" if major == 9 else "tf32x3" if major >= 8 else "ieee")
+    # head dims past 128: the float16 split is not used
+    p = plan(1, 8, 4096, 4096, 256, 256, torch.float32, device="cuda")
     assert p.precision == ("tf32x3" if major >= 8 else "ieee")
 
 

@@ -115,7 +115,7 @@ def test_forward_and_grads_match_float64(case):
         assert ref_grads[3][1] == 0 and grads[3][1] == 0
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
 def test_several_windows_per_program_with_tail(precision):
     """18 windows at 4 per program (2 in the last group): every window written, none twice."""
     q, k, v, ls, bias, mask = make_inputs(4, 4, 4, 16, 2, True, grid=(3, 3))
