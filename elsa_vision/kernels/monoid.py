@@ -116,8 +116,9 @@ def matmul(a, b, acc, PRECISION: tl.constexpr):
     ``"none"`` for float16/bfloat16 operands (tensor cores, fp32 accumulate). ``"tf32x3s"`` splits both
     operands here and calls ``matmul_split`` on a fresh accumulator, then adds ``acc`` in float32: the same
     three TF32 products as ``"tf32x3"`` (callers that reuse an operand split it once themselves and call
-    ``matmul_split``; ``"fp16x3"`` callers use ``split_f16`` and ``matmul_f16x3``). ``"upcast"`` multiplies half operands as float32 (exact products, fp32 accumulate:
-    the tensor-core result) where no half dot is available (the CPU interpreter has none for bfloat16).
+    ``matmul_split``; ``"fp16x3"`` callers use ``split_f16`` and ``matmul_f16x3``). ``"upcast"``
+    multiplies half operands as float32 (exact products, fp32 accumulate: the tensor-core result) where no
+    half dot is available (the CPU interpreter has none for bfloat16).
     """
     if PRECISION == "none":
         return tl.dot(a, b, acc)

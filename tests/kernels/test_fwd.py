@@ -4,8 +4,8 @@ Without CUDA the kernels run in the Triton interpreter (``tests/conftest.py`` se
 before Triton is imported) at small, odd shapes; there every float32 dot is exact float32 arithmetic.
 ``@pytest.mark.gpu`` tests run the large shapes, races and tensor-core precisions on a GPU.
 
-Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, tf32x3s, fp16x3, auto)
-<= 1e-6, tf32 <= 5e-3; float16/bfloat16 the FlashAttention way:
+Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, tf32x3s, fp16x3,
+auto) <= 1e-6, tf32 <= 5e-3; float16/bfloat16 the FlashAttention way:
 ``max|out - ref64| <= 2 max|out_lp - ref64| + atol`` where ``out_lp`` is the same attention computed by
 PyTorch in the low precision.
 """
@@ -234,7 +234,7 @@ RANGES = [(1e-20, 1e20, 1e-30), (1e20, 1e-20, 1e30), (1e-3, 1e-3, 1e-38), (1.0, 
 
 
 @pytest.mark.parametrize("precision", ["ieee", "fp16x3", "tf32x3s"])
-@pytest.mark.parametrize("mags", RANGES, ids=lambda m: "q%g-k%g-v%g" % m)
+@pytest.mark.parametrize("mags", RANGES, ids=lambda m: "q{:g}-k{:g}-v{:g}".format(*m))
 def test_fp32_input_ranges(mags, precision):
     q, k, v = qkv(1, 2, 97, 97, 64, seed=12)
     q, k, v = q * mags[0], k * mags[1], v * mags[2]
