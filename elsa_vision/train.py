@@ -102,7 +102,11 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             log.warning(
                 "No best checkpoint (no ModelCheckpoint or fast_dev_run): testing the current weights"
             )
-        trainer.test(model=model, datamodule=datamodule, ckpt_path=test_ckpt)
+        # After fit, test the trainer's own model: under FSDP the module passed to fit is wrapped and
+        # sharded inside the strategy, and handing the bare module back would load the checkpoint into
+        # its flattened shards.
+        fitted = cfg.get("train", True)
+        trainer.test(model=None if fitted else model, datamodule=datamodule, ckpt_path=test_ckpt)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
 
     if trainer.is_global_zero and cfg.get("train", True):

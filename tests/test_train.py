@@ -164,7 +164,7 @@ def test_ddp_two_cpu_processes_run_a_step(tmp_path):
             "trainer=ddp",
             "trainer.accelerator=cpu",
             "trainer.devices=2",
-            "trainer.strategy.start_method=fork",
+            "trainer.strategy.start_method=spawn",
             "trainer.max_epochs=1",
             "trainer.limit_train_batches=2",
             "trainer.limit_val_batches=1",
