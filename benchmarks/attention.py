@@ -308,7 +308,7 @@ def plot(csv_path, png_path):
                     if r["dtype"] == dname and r["peer"] == peer and int(r["D"]) == D
                 )
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", color=f"C{color}", linestyle="-" if D == 64 else "--",
+                    ax.plot(*zip(*pts), marker="o", color=plt.cm.tab20(color % 20), linestyle="-" if D == 64 else "--",
                             label=f"{peer} D={D}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (B=1, H=8)")
