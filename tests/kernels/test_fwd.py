@@ -607,6 +607,24 @@ def test_gpu_fp32_precision_thresholds(precision, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "D,Dv",
+    [(16, 16), (32, 32), (40, 24), (48, 48), (64, 32), (64, 64), (72, 72), (80, 80), (96, 96), (111, 111),
+     (128, 128), (64, 128), (128, 64), (24, 64), (256, 256), (200, 40)],
+)
+def test_gpu_default_plan_head_dims(D, Dv):
+    # The planner's default tiles for every head-dim pair (fp16x3 up to 128 on sm90, with the 32-key tiles
+    # that avoid Triton's miscompiled narrow value tiles), plain and causal with a bias, Nk = Nq + 13.
+    for N in (70, 300, 1000):
+        q, k, v = qkv(2, 3, N, N + 13, D, Dv, seed=N + D)
+        bias = randn(1, 3, N, N + 13, seed=D)
+        for causal, b in ((False, None), (True, bias)):
+            out, _ = elsa_fwd(q, k, v, attn_bias=b, causal=causal)
+            err = relerr(out, ref64(q, k, v, attn_bias=b, causal=causal))
+            assert err <= FP32_ACCURATE, (D, Dv, N, causal, err)
+
+
+@pytest.mark.gpu
 def test_gpu_auto_is_tensor_core_path():
     p = plan(1, 8, 4096, 4096, 64, 64, torch.float32, device="cuda")
     major, _ = torch.cuda.get_device_capability()
