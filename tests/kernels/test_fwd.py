@@ -357,10 +357,11 @@ def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions, precision
     assert relerr(out_c, ref64(q, k_clean, v_clean, key_padding_mask=kpm, causal=causal)) <= FP32_ACCURATE
 
 
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
 @pytest.mark.parametrize("mult", [30.0, 100.0])
-def test_large_magnitude_inputs(mult):
+def test_large_magnitude_inputs(mult, precision):
     q, k, v = qkv(1, 2, 67, 67, 64, seed=61, scale=mult)
-    out, lse = elsa_fwd(q, k, v, precision="ieee")
+    out, lse = elsa_fwd(q, k, v, precision=precision)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     ref = ref64(q, k, v)
     # Logits of size ~1e4 carry an fp32 rounding of ~1e-3 in the exponent: judge against fp32 torch math.
@@ -368,7 +369,7 @@ def test_large_magnitude_inputs(mult):
     assert relerr(out, ref) <= 2 * base + FP32_ACCURATE
     assert_lse(lse, lse64(q, k, v))
     const = torch.full((1, 1, 20, 64), 1e3, device=DEVICE)
-    out_c, _ = elsa_fwd(const, const, randn(1, 1, 20, 64, seed=9), precision="ieee")
+    out_c, _ = elsa_fwd(const, const, randn(1, 1, 20, 64, seed=9), precision=precision)
     assert torch.isfinite(out_c).all()
 
 
