@@ -446,6 +446,27 @@ def test_multi_partition_equals_fused(causal, partitions, precision):
     assert_lse(ls, lse64(q, k, v, attn_bias=bias, causal=causal))
 
 
+def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
+    # The planner as it runs on an H100 (132 SMs, sm90, 227 KiB shared memory per block), without one.
+    from elsa_vision.kernels import fwd
+
+    monkeypatch.setattr(fwd, "_device_info", lambda device=None: (132, (9, 0), 232448))
+    p = fwd._plan(1, 8, 16384, 16384, 64, 64, torch.float32)
+    assert p.precision == "fp16x3" and (p.block_m, p.block_n, p.num_warps, p.num_stages) == (128, 64, 4, 3)
+    assert fwd._plan(1, 8, 4096, 4096, 128, 128, torch.float32).precision == "fp16x3"
+    assert fwd._plan(1, 8, 4096, 4096, 256, 256, torch.float32).precision == "tf32x3"  # past 128: not measured
+    assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32, precision="tf32x3").precision == "tf32x3"
+    assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.bfloat16).precision == "none"
+    # value tiles narrower than 64 take 32-key tiles (Triton 3.6 miscompiles wider ones with fp16x3)
+    for D, Dv in ((64, 32), (40, 24), (16, 16)):
+        assert fwd._plan(2, 3, 1000, 1000, D, Dv, torch.float32).block_n == 32
+    assert all(bn <= 32 for _, bn, _, _ in fwd._candidates(torch.float32, "fp16x3", 64, 32, 232448))
+    assert any(bn == 64 for _, bn, _, _ in fwd._candidates(torch.float32, "fp16x3", 64, 64, 232448))
+    # sm80/sm89 keep tf32x3 under "auto"
+    monkeypatch.setattr(fwd, "_device_info", lambda device=None: (108, (8, 0), 166912))
+    assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32).precision == "tf32x3"
+
+
 def test_workspace_cap_runs_fused():
     q, k, v = qkv(1, 1, 20, 300, 32, seed=82)
     a, _ = elsa_fwd(q, k, v, workspace_bytes=0)
