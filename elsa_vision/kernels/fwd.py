@@ -340,8 +340,8 @@ def resolve_precision(precision: str, dtype: torch.dtype, device=None) -> str:
     ``"fp16x3"`` is FP32-accurate from three float16 tensor-core products per dot (``monoid.split_f16``:
     each tile scaled by a power of two into float16 range and split into two float16 parts of 11 bits
     each; the weights P are scaled by 2^14 before their split). Half-precision MMAs run at twice the TF32
-    rate. Magnitudes past 2^74 in q, k or v overflow the float16 parts (inf/NaN); ``"tf32x3"`` has the
-    full float32 range."""
+    rate. Every float32 tile maximum (subnormal to 2^127) is scaled into float16 range. It covers head dims
+    up to 128; wider heads run as ``"tf32x3"`` (``tuning_key``)."""
     if precision not in _FP32_PRECISIONS:
         raise ValueError(f"elsa_fwd: unknown `precision` {precision!r}; expected one of {_FP32_PRECISIONS}")
     if dtype != torch.float32:
@@ -394,7 +394,7 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, 
         if precision == "ieee":
             cfg = (64, 128, 8, 1) if big <= 64 else (32, 32, 4, 2)
         elif precision == "fp16x3":
-            cfg = (128, 64, 4, 3) if big <= 64 else (128, 64, 8, 3) if big <= 128 else (64, 32, 4, 2)
+            cfg = (128, 64, 4, 3) if big <= 64 else (128, 64, 8, 3)  # head dims <= 128 (tuning_key)
         elif big <= 64:
             cfg = (128, 64, 8, 3)
         elif big <= 128:
@@ -521,7 +521,8 @@ def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, pre
     """The key of a tuned config: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision), with the
     precision the dense forward runs: ``"auto"`` in float32 is ``"fp16x3"`` on sm90 for head dims up to
     128 (measured there: FP32-accurate and 1.4-1.6x faster than ``"tf32x3"``, docs/kernel_notes.md),
-    ``resolve_precision``'s choice elsewhere; bfloat16 under the interpreter is ``"upcast"``."""
+    ``resolve_precision``'s choice elsewhere; an explicit ``"fp16x3"`` past head dim 128 is ``"tf32x3"``;
+    bfloat16 under the interpreter is ``"upcast"``."""
     prec = resolve_precision(precision, dtype, device)
     _, cc, _ = _device_info(device)
     bd, bdv = _pow2(D), _pow2(Dv)
@@ -529,6 +530,8 @@ def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, pre
         prec = "upcast"  # the interpreter has no bfloat16 dot
     if precision == "auto" and prec == "tf32x3" and cc[0] == 9 and max(bd, bdv) <= 128:
         prec = "fp16x3"
+    elif prec == "fp16x3" and max(bd, bdv) > 128:
+        prec = "tf32x3"  # fp16x3's tiles are measured (and tested on the GPU) up to head dim 128
     return (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
 
 

@@ -244,7 +244,8 @@ def elsa_attention(
             cores), ``"tf32x3s"`` (the same three TF32 products with the split done by the forward kernel,
             the query tile split once; the backward runs it as ``"tf32x3"``), ``"fp16x3"`` (FP32-accurate
             from three float16 tensor-core products per dot: each fp32 tile scaled by a power of two and
-            split into two float16 parts; the backward runs it as ``"tf32x3"``), ``"tf32"`` (one TF32 pass,
+            split into two float16 parts; head dims up to 128, wider ones and the backward run it as
+            ``"tf32x3"``), ``"tf32"`` (one TF32 pass,
             ~1e-3). Ignored for float16/bfloat16 (float32 accumulation always) and float64.
         backend: ``"auto"`` (Triton on CUDA where available, else torch), ``"torch"`` (the reference scan;
             any device, full autograd), ``"triton"``, ``"eca"`` (causal self-attention on the Exact Causal

@@ -456,6 +456,7 @@ def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
     assert fwd._plan(1, 8, 4096, 4096, 128, 128, torch.float32).precision == "fp16x3"
     assert fwd._plan(1, 8, 4096, 4096, 256, 256, torch.float32).precision == "tf32x3"  # > 128: unmeasured
     assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32, precision="tf32x3").precision == "tf32x3"
+    assert fwd._plan(1, 8, 4096, 4096, 256, 64, torch.float32, precision="fp16x3").precision == "tf32x3"
     assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.bfloat16).precision == "none"
     # value tiles narrower than 64 take 32-key tiles (Triton 3.6 miscompiles wider ones with fp16x3)
     for D, Dv in ((64, 32), (40, 24), (16, 16)):
