@@ -45,7 +45,7 @@ class ElsaViT(VisionTransformer):
 
     Args:
         attn_backend: ``elsa_attention`` backend for every block (``"auto"``, ``"torch"``, ``"triton"``).
-        attn_precision: float32 precision (``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"tf32"``).
+        attn_precision: float32 precision, one of ``ops.attention.PRECISIONS`` (``"auto"``: FP32-accurate).
         context_parallel_group: a ``torch.distributed`` process group over which every image's tokens are
             split (context parallelism, see :meth:`set_context_parallel`); ``None`` runs on one process.
         context_parallel_layout: ``"contiguous"`` or ``"zigzag"`` shards (see
