@@ -227,8 +227,6 @@ def _decode_plan(B, H, Nq, Nk, D, dtype, sm_count=None, Dv=None, precision="auto
     if Nq > 128:
         raise ValueError(f"decode_plan: the few-query path takes Nq <= 128 query rows, got Nq={Nq}")
     prec = resolve_precision(precision, dtype, device)
-    if prec == "fp16x3":
-        prec = "tf32x3s"  # the dense forward's float16 split; here the same accuracy from TF32 products
     sms, cc, smem = _device_info(device)
     if cc == (0, 0) and dtype == torch.bfloat16:
         prec = "upcast"  # the interpreter has no bfloat16 dot

@@ -328,10 +328,11 @@ def _device_info_of(device) -> tuple[int, tuple[int, int], int]:
     return 4, (0, 0), 1 << 30
 
 
-def resolve_precision(precision: str, dtype: torch.dtype, device=None) -> str:
+def resolve_precision(precision: str, dtype: torch.dtype, device=None, head_dim: int | None = None) -> str:
     """The ``PRECISION`` constexpr for a call: ``"none"`` for half dtypes; for float32 ``"auto"`` becomes
-    ``"tf32x3"`` on tensor-core GPUs (sm80+: FP32-accurate, relerr <= 1e-6) and ``"ieee"`` elsewhere (the
-    dense forward's ``plan`` then takes ``"fp16x3"`` for it on sm90, see ``tuning_key``).
+    the fastest FP32-accurate path (relerr <= 1e-6): ``"fp16x3"`` in the dense forward on sm90 for padded
+    head dims up to 128 (``head_dim``, given by the dense forward only), ``"tf32x3"`` on other tensor-core
+    GPUs (sm80+) and kernels, ``"ieee"`` elsewhere.
 
     ``"tf32x3s"`` is FP32-accurate like ``"tf32x3"`` (the same three TF32 products per dot) with the split
     done by the kernel (``monoid.split_tf32``): the forward splits its query tile once per program instead
@@ -340,16 +341,22 @@ def resolve_precision(precision: str, dtype: torch.dtype, device=None) -> str:
     ``"fp16x3"`` is FP32-accurate from three float16 tensor-core products per dot (``monoid.split_f16``:
     each tile scaled by a power of two into float16 range and split into two float16 parts of 11 bits
     each; the weights P are scaled by 2^14 before their split). Half-precision MMAs run at twice the TF32
-    rate. Every float32 tile maximum (subnormal to 2^127) is scaled into float16 range. It covers head dims
-    up to 128; wider heads run as ``"tf32x3"`` (``tuning_key``)."""
+    rate. Every float32 tile maximum (subnormal to 2^127) is scaled into float16 range. Its tiles are
+    measured and GPU-tested in the dense forward up to head dim 128: wider heads run it as ``"tf32x3"``,
+    the other kernels (no ``head_dim``) as ``"tf32x3s"``."""
     if precision not in _FP32_PRECISIONS:
         raise ValueError(f"elsa_fwd: unknown `precision` {precision!r}; expected one of {_FP32_PRECISIONS}")
     if dtype != torch.float32:
         return "none"
+    f16_ok = head_dim is not None and head_dim <= 128
+    if precision == "fp16x3" and not f16_ok:
+        return "tf32x3s" if head_dim is None else "tf32x3"
     if precision != "auto":
         return precision
     _, cc, _ = _device_info(device)
-    return "tf32x3" if cc >= (8, 0) else "ieee"
+    if cc < (8, 0):
+        return "ieee"
+    return "fp16x3" if f16_ok and cc[0] == 9 else "tf32x3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,19 +526,13 @@ def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
 
 def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:
     """The key of a tuned config: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision), with the
-    precision the dense forward runs: ``"auto"`` in float32 is ``"fp16x3"`` on sm90 for head dims up to
-    128 (measured there: FP32-accurate and 1.4-1.6x faster than ``"tf32x3"``, docs/kernel_notes.md),
-    ``resolve_precision``'s choice elsewhere; an explicit ``"fp16x3"`` past head dim 128 is ``"tf32x3"``;
-    bfloat16 under the interpreter is ``"upcast"``."""
-    prec = resolve_precision(precision, dtype, device)
+    precision the dense forward runs (``resolve_precision`` given the padded head dim; bfloat16 under the
+    interpreter is ``"upcast"``)."""
     _, cc, _ = _device_info(device)
     bd, bdv = _pow2(D), _pow2(Dv)
+    prec = resolve_precision(precision, dtype, device, head_dim=max(bd, bdv))
     if cc == (0, 0) and dtype == torch.bfloat16:
         prec = "upcast"  # the interpreter has no bfloat16 dot
-    if precision == "auto" and prec == "tf32x3" and cc[0] == 9 and max(bd, bdv) <= 128:
-        prec = "fp16x3"
-    elif prec == "fp16x3" and max(bd, bdv) > 128:
-        prec = "tf32x3"  # fp16x3's tiles are measured (and tested on the GPU) up to head dim 128
     return (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
 
 

@@ -207,8 +207,6 @@ def window_fwd(
     Bw, H, N, D = q.shape
     Dv = v.shape[-1]
     prec = resolve_precision(precision, q.dtype, q.device)
-    if prec == "fp16x3":
-        prec = "tf32x3s"  # the dense forward's float16 split; here the same accuracy from TF32 products
     if q.device.type == "cpu" and q.dtype != torch.float32:
         prec = "upcast"  # the interpreter has no half dot
     out = torch.empty((Bw, N, H, Dv), dtype=q.dtype, device=q.device).transpose(1, 2)
