@@ -19,7 +19,7 @@ import triton.language as tl
 
 __all__ = [
     "safe_shift", "merge_states", "fold_tile", "matmul", "matmul_split", "split_tf32", "split_f16",
-    "matmul_f16x3", "pow2",
+    "matmul_f16x3", "pow2", "f16_pair",
 ]
 
 
@@ -74,6 +74,14 @@ def pow2(c):
 
 
 @triton.jit
+def f16_pair(xs):
+    """``(hi, lo)``: float32 ``xs`` rounded to float16 (``hi``, round to nearest even) and the float32-exact
+    remainder ``xs - hi`` rounded to float16 (``lo``). ``xs`` must already lie in float16 range."""
+    hi = xs.to(tl.float16)
+    return hi, (xs - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def split_f16(x):
     """``(hi, lo, c)``: float16 ``hi + lo`` equal to ``x * 2**c`` up to ``2^-22`` of each element (or
     ``2^-39`` of the block's largest magnitude), for a float32 block ``x`` of rank 2.
@@ -91,9 +99,7 @@ def split_f16(x):
     amax = tl.max(tl.max(tl.abs(x), 1), 0)
     e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     c = tl.minimum(tl.maximum(14 - e, -112), 126)
-    xs = x * pow2(c)
-    hi = xs.to(tl.float16)
-    lo = (xs - hi.to(tl.float32)).to(tl.float16)
+    hi, lo = f16_pair(x * pow2(c))
     return hi, lo, c
 
 
@@ -159,23 +165,19 @@ def fold_tile(m, s, w, scores, v, PRECISION: tl.constexpr):
     m_new = tl.maximum(m, tl.max(scores, 1))
     shift = safe_shift(m_new)
     alpha = tl.math.exp2(m - shift)
+    p = tl.math.exp2(scores - shift[:, None])
+    s = s * alpha + tl.sum(p, 1)
     if PRECISION == "fp16x3":
-        # Weights scaled by 2^14 (exactly; the largest is 2^14) so that the float16 parts of P keep 22 bits
-        # down to small weights; S is scaled back, the product below too.
-        p = tl.math.exp2(scores - shift[:, None]) * 16384.0
-        s = s * alpha + tl.sum(p, 1) * (1.0 / 16384.0)
-        v_hi, v_lo, cv = split_f16(v.to(tl.float32))
-        p_hi = p.to(tl.float16)
-        p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
+        # The weights are split scaled by 2^14 (exact; the largest becomes 2^14) so that their float16 parts
+        # keep 22 bits down to small weights; the product is scaled back with V's own scale.
+        p_hi, p_lo = f16_pair(p * 16384.0)
+        v_hi, v_lo, cv = split_f16(v)
         pv = matmul_f16x3(p_hi, p_lo, v_hi, v_lo, tl.zeros_like(w))
         w = w * alpha[:, None] + pv * (1.0 / 16384.0) * pow2(-cv)
+    elif PRECISION == "ieee":
+        # FMA dots add each product straight into the accumulator: sum the tile first, then add it, so the
+        # running sum takes one rounding per tile instead of one per key.
+        w = w * alpha[:, None] + matmul(p, v, tl.zeros_like(w), PRECISION)
     else:
-        p = tl.math.exp2(scores - shift[:, None])
-        s = s * alpha + tl.sum(p, 1)
-        if PRECISION == "ieee":
-            # FMA dots add each product straight into the accumulator: sum the tile first, then add it, so
-            # the running sum takes one rounding per tile instead of one per key.
-            w = w * alpha[:, None] + matmul(p, v, tl.zeros_like(w), PRECISION)
-        else:
-            w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
+        w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
     return m_new, s, w
