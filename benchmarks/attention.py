@@ -308,8 +308,8 @@ def plot(csv_path, png_path):
                     if r["dtype"] == dname and r["peer"] == peer and int(r["D"]) == D
                 )
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", color=plt.cm.tab20(color % 20), linestyle="-" if D == 64 else "--",
-                            label=f"{peer} D={D}")
+                    ax.plot(*zip(*pts), marker="o", color=plt.cm.tab20(color % 20),
+                            linestyle="-" if D == 64 else "--", label=f"{peer} D={D}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (B=1, H=8)")
         ax.set_ylabel("TFLOP/s (4 B H N^2 D / time)")

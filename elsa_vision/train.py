@@ -88,7 +88,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         log.info("Resuming from %s", ckpt_path)
 
     metrics: dict[str, Any] = {}
-    if cfg.get("train", True):
+    fitted = bool(cfg.get("train", True))
+    if fitted:
         trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
@@ -105,11 +106,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         # After fit, test the trainer's own model: under FSDP the module passed to fit is wrapped and
         # sharded inside the strategy, and handing the bare module back would load the checkpoint into
         # its flattened shards.
-        fitted = cfg.get("train", True)
         trainer.test(model=None if fitted else model, datamodule=datamodule, ckpt_path=test_ckpt)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
 
-    if trainer.is_global_zero and cfg.get("train", True):
+    if trainer.is_global_zero and fitted:
         plot_curves(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "curves.png"))
 
     metrics["epochs"] = int(trainer.current_epoch)
