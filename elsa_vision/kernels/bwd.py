@@ -23,9 +23,11 @@ Conventions are the forward's: SDPA layout, bottom-right causal (query ``i`` see
 ``j <= i + Nk - Nq``), ``key_padding_mask`` True = key takes part, rows with no visible key have zero,
 finite gradients, keys hidden by the padding mask are loaded as zeros so NaN stored there never leaks.
 Precision as the forward: float16/bfloat16 operands with float32 accumulation; float32 with ``"ieee"``
-(plain FP32 FMA), ``"tf32x3"`` (FP32-accurate on tensor cores), ``"tf32"`` (one TF32 pass) and
-``"auto"`` (the FP32-accurate choice for the device: ``tf32x3`` on tensor-core GPUs, else ``ieee``); the
-forward's ``"tf32x3s"`` (its own split of the same three TF32 products) runs here as ``"tf32x3"``.
+(plain FP32 FMA), ``"tf32x3"`` (FP32-accurate on TF32 tensor cores), ``"fp16x3"`` (FP32-accurate from three
+float16 tensor-core products of power-of-two-scaled two-part splits, ``monoid.split_f16``; head dims up to
+128), ``"tf32"`` (one TF32 pass) and ``"auto"`` (the fastest FP32-accurate choice for the device:
+``fp16x3`` on sm90, ``tf32x3`` on other tensor-core GPUs, else ``ieee``); the forward's ``"tf32x3s"`` (its
+own split of the same three TF32 products) runs here as ``"tf32x3"``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .monoid import f16_pair, matmul_f16x3, pow2, split_f16
 
 __all__ = ["BwdConfig", "bwd_config", "elsa_bwd", "resolve_precision"]
 
@@ -62,6 +66,23 @@ def _mm(a, b, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc, input_precision=PREC)
     return acc
+
+
+@triton.jit
+def _unscale(x, c):
+    """``x * 2**-c`` for the exponent sum ``c`` in ``[-224, 252]`` of two ``split_f16`` scales, in two exact
+    halves (each a normal power of two): a gradient as small as 1e-34 can come from a tile scaled by 2^94
+    times one scaled by 2^47. The intermediate lies between ``x`` and the result, so it cannot overflow."""
+    c1 = c >> 1
+    return x * pow2(-c1) * pow2(c1 - c)
+
+
+@triton.jit
+def _mm_f16x3(a_hi, a_lo, a_c, b_hi, b_lo, b_c, shape: tl.constexpr):
+    """``a @ b`` in float32 from the ``split_f16`` parts and scale exponents of ``a`` and ``b``: three float16
+    tensor-core products into a fresh float32 accumulator of ``shape``, then the scales undone exactly.
+    The caller adds the result to its running sum in IEEE float32 (``monoid.matmul_f16x3``)."""
+    return _unscale(matmul_f16x3(a_hi, a_lo, b_hi, b_lo, tl.zeros(shape, dtype=tl.float32)), a_c + b_c)
 
 
 @triton.jit
@@ -160,6 +181,11 @@ def _bwd_dkdv_kernel(
         dq_ptrs = (DQ_ACC + b * stride_dqb + h * stride_dqh + m_start64 * stride_dqm
                    + offs_ml[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
 
+    if PREC == "fp16x3":
+        # K and V are split once per program, Q and dO once per query tile, P and dS where they are formed
+        k_hi, k_lo, k_c = split_f16(k)
+        v_hi, v_lo, v_c = split_f16(v)
+
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for m0 in range(m_start, Nq, BLOCK_M):
@@ -173,7 +199,12 @@ def _bwd_dkdv_kernel(
         delta = tl.load(delta_ptrs, mask=m_in, other=0.0)
 
         # scores^T [BLOCK_N, BLOCK_M]
-        qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
+        if PREC == "fp16x3":
+            q_hi, q_lo, q_c = split_f16(q)
+            do_hi, do_lo, do_c = split_f16(do)
+            qkt = _mm_f16x3(k_hi, k_lo, k_c, tl.trans(q_hi), tl.trans(q_lo), q_c, [BLOCK_N, BLOCK_M])
+        else:
+            qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
         valid = key_ok[:, None] & m_in[None, :]
         if HAS_BIAS:
             # natural-log domain: bias near finfo.min must not overflow when scaled by log2(e)
@@ -184,13 +215,26 @@ def _bwd_dkdv_kernel(
         if CAUSAL:
             valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
         pt = tl.where(valid, tl.math.exp2(arg), 0.0)
-        dv = _mm(pt.to(do.dtype), do, dv, PREC, DOT_UPCAST)
-        dpt = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
-        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
-        dk = _mm(dst, q, dk, PREC, DOT_UPCAST)
+        if PREC == "fp16x3":
+            # P <= 1 is split scaled by 2^14 (exact), as in the forward's fold_tile
+            pt_hi, pt_lo = f16_pair(pt * 16384.0)
+            dv += _mm_f16x3(pt_hi, pt_lo, 0, do_hi, do_lo, do_c, [BLOCK_N, BLOCK_DV]) * (1.0 / 16384.0)
+            dpt = _mm_f16x3(v_hi, v_lo, v_c, tl.trans(do_hi), tl.trans(do_lo), do_c, [BLOCK_N, BLOCK_M])
+            dst = pt * (dpt - delta[None, :])
+            ds_hi, ds_lo, ds_c = split_f16(dst)
+            dk += _mm_f16x3(ds_hi, ds_lo, ds_c, q_hi, q_lo, q_c, [BLOCK_N, BLOCK_D])
+        else:
+            dv = _mm(pt.to(do.dtype), do, dv, PREC, DOT_UPCAST)
+            dpt = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
+            dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+            dk = _mm(dst, q, dk, PREC, DOT_UPCAST)
         if ATOMIC_DQ:
-            dq_part = _mm(tl.trans(dst), k,
-                          tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, DOT_UPCAST) * sm_scale
+            if PREC == "fp16x3":
+                dq_part = _mm_f16x3(tl.trans(ds_hi), tl.trans(ds_lo), ds_c, k_hi, k_lo, k_c,
+                                    [BLOCK_M, BLOCK_D]) * sm_scale
+            else:
+                dq_part = _mm(tl.trans(dst), k,
+                              tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, DOT_UPCAST) * sm_scale
             tl.atomic_add(dq_ptrs, dq_part, mask=m_in[:, None] & d_in[None, :], sem="relaxed")
             dq_ptrs += BLOCK_M * stride_dqm
 
@@ -266,6 +310,11 @@ def _bwd_dq_kernel(
     if HAS_KPM:
         kpm_ptrs = KPM + b * stride_kpmb + offs_nl * stride_kpmn
 
+    if PREC == "fp16x3":
+        # Q and dO are split once per program, K, V and dS at every key tile
+        q_hi, q_lo, q_c = split_f16(q)
+        do_hi, do_lo, do_c = split_f16(do)
+
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + offs_nl
@@ -274,7 +323,12 @@ def _bwd_dq_kernel(
             key_ok = key_ok & (tl.load(kpm_ptrs, mask=key_ok, other=0) != 0)
         k = tl.load(k_ptrs, mask=key_ok[:, None] & d_in[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
-        qk = _mm(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
+        if PREC == "fp16x3":
+            k_hi, k_lo, k_c = split_f16(k)
+            v_hi, v_lo, v_c = split_f16(v)
+            qk = _mm_f16x3(q_hi, q_lo, q_c, tl.trans(k_hi), tl.trans(k_lo), k_c, [BLOCK_M, BLOCK_N])
+        else:
+            qk = _mm(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
         valid = m_in[:, None] & key_ok[None, :]
         if HAS_BIAS:
             bias = tl.load(b_ptrs, mask=valid, other=0.0).to(tl.float32)
@@ -284,9 +338,14 @@ def _bwd_dq_kernel(
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
         p = tl.where(valid, tl.math.exp2(arg), 0.0)
-        dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
-        ds = p * (dp - delta[:, None])
-        dq = _mm(ds.to(k.dtype), k, dq, PREC, DOT_UPCAST)
+        if PREC == "fp16x3":
+            dp = _mm_f16x3(do_hi, do_lo, do_c, tl.trans(v_hi), tl.trans(v_lo), v_c, [BLOCK_M, BLOCK_N])
+            ds_hi, ds_lo, ds_c = split_f16(p * (dp - delta[:, None]))
+            dq += _mm_f16x3(ds_hi, ds_lo, ds_c, k_hi, k_lo, k_c, [BLOCK_M, BLOCK_D])
+        else:
+            dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
+            ds = p * (dp - delta[:, None])
+            dq = _mm(ds.to(k.dtype), k, dq, PREC, DOT_UPCAST)
 
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -450,40 +509,48 @@ class BwdConfig:
     warps3: int = 4
 
 
-def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device) -> str:
+def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device,
+                      head_dim: int | None = None) -> str:
     """The ``tl.dot`` input precision for this dtype/precision/device.
 
     float16/bfloat16 operands always run on tensor cores with float32 accumulation (the knob does not apply).
-    float32: ``"auto"`` is the FP32-accurate choice: ``"tf32x3"`` on CUDA GPUs with tensor cores
-    (compute capability >= 8.0), ``"ieee"`` elsewhere (the CPU interpreter, older GPUs). The forward's
-    FP32-accurate variants ``"tf32x3s"`` and ``"fp16x3"`` are ``"tf32x3"`` here.
+    float32: ``"auto"`` is the fastest FP32-accurate choice: ``"fp16x3"`` on sm90 for padded head dims
+    (``head_dim`` = the larger of D and Dv) up to 128, ``"tf32x3"`` on other CUDA GPUs with tensor cores
+    (compute capability >= 8.0), ``"ieee"`` elsewhere (the CPU interpreter, older GPUs). ``"fp16x3"``
+    (three float16 products of power-of-two-scaled two-part splits, as in the forward) runs as
+    ``"tf32x3"`` past head dim 128 or when no ``head_dim`` is given; the forward's ``"tf32x3s"`` (its own
+    split of the same three TF32 products) runs as ``"tf32x3"``.
     """
     if precision not in _PRECISIONS:
         raise ValueError(f"elsa_bwd: unknown `precision` {precision!r}; expected one of {_PRECISIONS}")
     if dtype != torch.float32:
         return "tf32"
+    f16_ok = head_dim is not None and max(16, triton.next_power_of_2(head_dim)) <= 128
     if precision == "auto":
         if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
-            return "tf32x3"
+            return "fp16x3" if f16_ok and torch.cuda.get_device_capability(device)[0] == 9 else "tf32x3"
         return "ieee"
-    if precision in ("tf32x3s", "fp16x3"):
+    if precision == "tf32x3s" or (precision == "fp16x3" and not f16_ok):
         return "tf32x3"
     return precision
 
 
 def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precision: str = "tf32x3",
-               deterministic: bool = True) -> BwdConfig:
-    """Default tiles for the backward from the dtype, head dims and device (no environment variables).
+               deterministic: bool = True, n_k: int | None = None) -> BwdConfig:
+    """Default tiles for the backward from the dtype, head dims, key length and device (no environment
+    variables).
 
-    Chosen from a tile sweep on an H100 (``benchmarks/attention_bwd.py --tiles``, recorded in
-    ``docs/kernel_notes.md``) at head dim 64: half precision takes the usual fused-attention split
-    (dK/dV: 32 queries x 128 keys; dQ: 128 queries x 32 keys; 4 warps, 3 stages); float32 runs best with
-    larger tiles on 8 warps (dK/dV 64 x 128, dQ 128 x 64), which pays for tf32x3's three products per
-    tile. Wider heads shrink the resident tiles to keep operands and accumulators in registers. The
-    nondeterministic float32 mode (``deterministic=False``: one more product and the dQ atomics in the
-    dK/dV kernel) uses the smaller float32 tiles: at 64 x 128 it needs 289 KiB of shared memory. So does
-    ``precision="ieee"`` (``precision`` is the resolved ``tl.dot`` precision): plain FMA products ran 3.2x
-    slower on the large tiles (65.9 vs 20.8 ms at 1,8,4096,64 on the H100).
+    Chosen from tile sweeps on an H100 (``benchmarks/attention_bwd.py --tiles``, recorded in
+    ``docs/kernel_notes.md``): half precision takes the usual fused-attention split (dK/dV: 32 queries x
+    128 keys; dQ: 128 queries x 32 keys; 4 warps, 3 stages); float32 runs best with larger tiles on 8 warps
+    (dK/dV 64 x 128, dQ 128 x 64), which pays for the three products per tile of ``tf32x3`` and ``fp16x3``.
+    ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision) pipelines 3 stages at head dim <= 64
+    and uses 64-key dK/dV tiles on 4 warps up to ``n_k = 1024`` keys (more programs for short sequences);
+    at head dim 128 it takes the 32 x 128 / 128 x 32 split on 8 warps. Wider heads shrink the resident
+    tiles to keep operands and accumulators in registers. The nondeterministic float32 mode
+    (``deterministic=False``: one more product and the dQ atomics in the dK/dV kernel) uses the smaller
+    float32 tiles: at 64 x 128 it needs 289 KiB of shared memory. So does ``precision="ieee"``: plain FMA
+    products ran 3.2x slower on the large tiles (65.9 vs 20.8 ms at 1,8,4096,64 on the H100).
     The dBias kernel always runs unpipelined (``num_stages=1``, so the config has no stage count for it):
     with Triton 3.6 on the H100, its nested member / tile loops pipelined at ``num_stages=2`` returned wrong
     values at head dim 16 (``docs/kernel_notes.md``, "dBias kernel and software pipelining").
@@ -496,6 +563,19 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
         cfg = BwdConfig(block_m1=32, block_n1=128, warps1=4, stages1=3,
                         block_m2=128, block_n2=32, warps2=4, stages2=3,
                         block_m3=64, block_n3=64, warps3=4)
+    elif precision == "fp16x3" and deterministic and wide <= 64:
+        if n_k is not None and n_k <= 1024:
+            cfg = BwdConfig(block_m1=64, block_n1=64, warps1=4, stages1=2,
+                            block_m2=128, block_n2=64, warps2=8, stages2=2,
+                            block_m3=64, block_n3=32, warps3=4)
+        else:
+            cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=3,
+                            block_m2=128, block_n2=64, warps2=8, stages2=3,
+                            block_m3=64, block_n3=32, warps3=4)
+    elif precision == "fp16x3" and deterministic and wide <= 128:
+        cfg = BwdConfig(block_m1=32, block_n1=128, warps1=8, stages1=2,
+                        block_m2=128, block_n2=32, warps2=8, stages2=2,
+                        block_m3=64, block_n3=32, warps3=4)
     elif wide <= 64 and deterministic and precision != "ieee":
         cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=2,
                         block_m2=128, block_n2=64, warps2=8, stages2=2,
@@ -629,12 +709,12 @@ def elsa_bwd(
     _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale)
     if not isinstance(causal, bool):
         raise TypeError(f"elsa_bwd: `causal` must be a bool, got {type(causal).__name__}")
-    prec = resolve_precision(q.dtype, precision, q.device)
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
+    prec = resolve_precision(q.dtype, precision, q.device, max(D, Dv))
     sm_scale = float(D ** -0.5 if scale is None else scale)
     qk_scale = sm_scale * LOG2E
-    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, deterministic)
+    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, deterministic, Nk)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_DV = max(16, triton.next_power_of_2(Dv))
     device = q.device
@@ -710,12 +790,13 @@ def elsa_bwd(
         per_split = triton.cdiv(n_members, n_split)
         n_split = triton.cdiv(n_members, per_split)
         ws = torch.empty((n_split, Bb, Hb, Mb, Nb), dtype=torch.float32, device=device)
+        # The dBias kernel recomputes S and dP with tf32x3 under fp16x3 (FP32-accurate either way).
         _bwd_dbias_kernel[(Bb * Hb * n_split, grid_m, grid_n)](
             q, k, v, do, lse, delta, bias_arg, kpm, ws,
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *ws.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, n_members, per_split, sm_scale,
             HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n,
-            PREC=prec, DOT_UPCAST=dot_upcast,
+            PREC="tf32x3" if prec == "fp16x3" else prec, DOT_UPCAST=dot_upcast,
             BLOCK_M=cfg.block_m3, BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
             num_warps=cfg.warps3, num_stages=1,  # unpipelined: see bwd_config
         )

@@ -5,9 +5,10 @@ deliberately odd shapes; the ``gpu`` tests take the large shapes, reruns and mem
 
 Bounds (relative Frobenius error ``||g - ref|| / ||ref||`` against float64 autograd on the same inputs):
 
-* float32, FP32-accurate paths (``ieee``, ``tf32x3``, ``auto``): ``<= 1e-5``. Each gradient is a chain of
-  three to four float32 products of length <= N, so rounding gives ~1e-7 * sqrt(N) (measured 3e-7 to 4e-7
-  here); a single TF32 pass anywhere (unit roundoff 4.9e-4) lands near 1e-4 to 1e-3 and fails the bound.
+* float32, FP32-accurate paths (``ieee``, ``tf32x3``, ``fp16x3``, ``auto``): ``<= 1e-5``. Each gradient is
+  a chain of three to four float32 products of length <= N, so rounding gives ~1e-7 * sqrt(N) (measured 3e-7
+  to 4e-7 here); a single TF32 pass anywhere (unit roundoff 4.9e-4) lands near 1e-4 to 1e-3 and fails the
+  bound.
 * float32 ``tf32``: ``<= 5e-3``. (The CPU interpreter evaluates every float32 product exactly, so on CPU
   this checks the plumbing; the GPU test checks the TF32 rounding itself.)
 * float16/bfloat16: FlashAttention's rule: ``<= 3x`` the error of the same math done by PyTorch in the
@@ -28,7 +29,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from elsa_vision.kernels.bwd import BwdConfig, elsa_bwd  # noqa: E402
+from elsa_vision.kernels.bwd import BwdConfig, elsa_bwd, resolve_precision  # noqa: E402
 from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,17 +122,19 @@ MATRIX = [  # (B, H, Nq, Nk, D, Dv, causal)
 ]
 
 
+@pytest.mark.parametrize("precision", ["auto", "fp16x3"])
 @pytest.mark.parametrize("B,H,Nq,Nk,D,Dv,causal", MATRIX)
-def test_grads_fp32(B, H, Nq, Nk, D, Dv, causal):
+def test_grads_fp32(B, H, Nq, Nk, D, Dv, causal, precision):
     q, k, v, do, _, _ = _problem(B, H, Nq, Nk, D, Dv, seed=Nq * 7 + Nk + D)
     refs, o, lse = _reference(q, k, v, do, causal=causal)
-    grads = _run(q, k, v, do, o, lse, torch.float32, causal=causal)
+    grads = _run(q, k, v, do, o, lse, torch.float32, causal=causal, precision=precision)
     _check_fp32(grads, refs, FP32_ACCURATE)
     for g, t in zip(grads[:3], (q, k, v)):
         assert g.dtype == torch.float32 and g.is_contiguous() and g.shape == t.shape
 
 
 @pytest.mark.parametrize("precision,bound", [("ieee", FP32_ACCURATE), ("tf32x3", FP32_ACCURATE),
+                                             ("fp16x3", FP32_ACCURATE), ("tf32x3s", FP32_ACCURATE),
                                              ("auto", FP32_ACCURATE), ("tf32", TF32_BOUND)])
 def test_precisions(precision, bound):
     q, k, v, do, bias, _ = _problem(1, 2, 113, 203, 64, 64, bias_shape=(1, 2, 113, 203), seed=11)
@@ -197,7 +200,8 @@ def test_bias_grads(B, H, Nq, Nk, D, bshape, causal, kpm):
     assert no_grad[3] is None
 
 
-def test_fully_masked_rows_give_zero_finite_grads():
+@pytest.mark.parametrize("precision", ["auto", "fp16x3"])
+def test_fully_masked_rows_give_zero_finite_grads(precision):
     B, H, Nq, Nk = 2, 2, 61, 75
     q, k, v, do, bias, mask = _problem(B, H, Nq, Nk, 72, 72, bias_shape=(B, H, Nq, Nk), kpm=True, seed=5)
     bias[:, :, 5:12, :] = -math.inf          # -inf band: rows 5..11 see nothing
@@ -207,7 +211,7 @@ def test_fully_masked_rows_give_zero_finite_grads():
     refs, o, lse = _reference(q, k, v, do, bias=bias, mask=mask)
     assert torch.isinf(lse[:, :, 5:12]).all() and torch.isinf(lse[1]).all()
     grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, key_padding_mask=mask,
-                 bias_requires_grad=True)
+                 bias_requires_grad=True, precision=precision)
     for g in grads:
         assert torch.isfinite(g).all()
     dq, dk, dv, db = grads
@@ -227,12 +231,14 @@ def test_finfo_min_bias_is_finite():
         assert torch.isfinite(g).all()
 
 
-def test_nan_poisoned_keys_do_not_leak():
+@pytest.mark.parametrize("precision", ["auto", "fp16x3"])
+def test_nan_poisoned_keys_do_not_leak(precision):
     """NaN in keys hidden by the padding mask and past the end of the sequence: bitwise the clean run."""
     B, H, Nq, Nk, D = 2, 2, 97, 113, 40
     q, k, v, do, bias, mask = _problem(B, H, Nq, Nk, D, D, bias_shape=(1, H, Nq, Nk), kpm=True, seed=21)
     _, o, lse = _reference(q, k, v, do, bias=bias, mask=mask, causal=True)
-    kw = dict(attn_bias=bias, key_padding_mask=mask, causal=True, bias_requires_grad=True)
+    kw = dict(attn_bias=bias, key_padding_mask=mask, causal=True, bias_requires_grad=True,
+              precision=precision)
     clean = _run(q, k, v, do, o, lse, torch.float32, **kw)
     # Poisoned storage: buffers longer than the sequence, NaN in the tail and in every hidden key.
     kbuf = torch.full((B, H, Nk + 29, D), math.nan, dtype=torch.float64, device=DEVICE)
@@ -267,21 +273,24 @@ def test_noncontiguous_views_match_contiguous():
         assert torch.equal(a, b)
 
 
-def test_deterministic_reruns_bitwise_equal():
+@pytest.mark.parametrize("precision", ["auto", "fp16x3"])
+def test_deterministic_reruns_bitwise_equal(precision):
     q, k, v, do, bias, mask = _problem(2, 2, 113, 97, 64, 64, bias_shape=(1, 2, 113, 97), kpm=True, seed=9)
     _, o, lse = _reference(q, k, v, do, bias=bias, mask=mask, causal=True)
-    kw = dict(attn_bias=bias, key_padding_mask=mask, causal=True, bias_requires_grad=True)
+    kw = dict(attn_bias=bias, key_padding_mask=mask, causal=True, bias_requires_grad=True,
+              precision=precision)
     first = _run(q, k, v, do, o, lse, torch.float32, **kw)
     second = _run(q, k, v, do, o, lse, torch.float32, **kw)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
 
-def test_atomic_dq_mode_is_accurate():
+@pytest.mark.parametrize("precision", ["auto", "fp16x3"])
+def test_atomic_dq_mode_is_accurate(precision):
     q, k, v, do, bias, _ = _problem(2, 2, 113, 203, 40, 72, bias_shape=(2, 1, 113, 203), seed=13)
     refs, o, lse = _reference(q, k, v, do, bias=bias, causal=True)
     grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, causal=True, bias_requires_grad=True,
-                 deterministic=False)
+                 deterministic=False, precision=precision)
     _check_fp32(grads, refs, FP32_ACCURATE)
 
 
@@ -293,6 +302,50 @@ def test_explicit_tiles_and_scale():
     grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, key_padding_mask=mask, causal=True,
                  scale=0.3, bias_requires_grad=True, config=cfg)
     _check_fp32(grads, refs, FP32_ACCURATE)
+
+
+# q, k, v, dO magnitudes (q and k reciprocal so that the logits stay of order one, every gradient inside
+# float32's normal range): "fp16x3" scales each tile by a power of two into float16 range.
+RANGES = [(1e-10, 1e10, 1e-12, 1e-12), (1e10, 1e-10, 1e12, 1e12), (1e-3, 1e-3, 1e-30, 1.0),
+          (1.0, 1.0, 1e17, 1e17)]
+
+
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+@pytest.mark.parametrize("mags", RANGES, ids=lambda m: "q{:g}-k{:g}-v{:g}-do{:g}".format(*m))
+def test_fp32_input_ranges(mags, precision):
+    q, k, v, do, _, _ = _problem(1, 2, 97, 75, 64, 64, seed=31)
+    q, k, v, do = q * mags[0], k * mags[1], v * mags[2], do * mags[3]
+    refs, o, lse = _reference(q, k, v, do, causal=True)
+    grads = _run(q, k, v, do, o, lse, torch.float32, causal=True, precision=precision)
+    _check_fp32(grads, refs, FP32_ACCURATE)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+def test_fp32_mixed_magnitudes_in_one_tile(precision):
+    """Rows of q, k and dO over several decades and values over 1e-8..1e8 inside every tile: one
+    power-of-two scale per tile still leaves each element 22 significant bits, or an error far below the
+    tile's largest contribution. (q and k rows stay below ~3 so that the logits stay of order one: logits
+    of ~1e4 and more carry an exponent rounding that no float32 backward, ``ieee`` included, resolves.)"""
+    q, k, v, do, bias, mask = _problem(2, 2, 97, 113, 64, 64, bias_shape=(1, 2, 97, 113), kpm=True, seed=33)
+    g = torch.Generator().manual_seed(34)
+    spread = lambda shape, lo, hi: (10 ** (torch.rand(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+                                           * (hi - lo) + lo)).to(DEVICE)
+    q, k = q * spread((2, 2, 97, 1), -6, 0.5), k * spread((2, 2, 113, 1), -6, 0.5)
+    v, do = v * spread((2, 2, 113, 64), -8, 8), do * spread((2, 2, 97, 1), -4, 4)
+    refs, o, lse = _reference(q, k, v, do, bias=bias, mask=mask)
+    grads = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, key_padding_mask=mask,
+                 precision=precision, bias_requires_grad=True)
+    _check_fp32(grads, refs, FP32_ACCURATE)
+
+
+def test_resolve_precision():
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert resolve_precision(f32, "auto", cpu, 64) == "ieee"
+    assert resolve_precision(f32, "fp16x3", cpu, 128) == "fp16x3"
+    assert resolve_precision(f32, "fp16x3", cpu, 129) == "tf32x3"  # pads to 256: measured up to 128 only
+    assert resolve_precision(f32, "fp16x3", cpu) == "tf32x3"
+    assert resolve_precision(f32, "tf32x3s", cpu, 64) == "tf32x3"
+    assert resolve_precision(torch.bfloat16, "fp16x3", cpu, 64) == "tf32"  # half: operands as they are
 
 
 def test_input_validation():
@@ -319,7 +372,8 @@ def test_input_validation():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [785, 3137, 4096])
-@pytest.mark.parametrize("dtype,precision", [(torch.float32, "auto"), (torch.float32, "tf32"),
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "auto"), (torch.float32, "tf32x3"),
+                                             (torch.float32, "fp16x3"), (torch.float32, "tf32"),
                                              (torch.bfloat16, "auto")])
 def test_gpu_large(N, dtype, precision):
     B, H, D = 1, 2, 64
@@ -330,12 +384,26 @@ def test_gpu_large(N, dtype, precision):
     grads = _run(q, k, v, do, o, lse, dtype, attn_bias=bias, causal=causal, precision=precision,
                  bias_requires_grad=True)
     if dtype == torch.float32:
-        _check_fp32(grads, refs, FP32_ACCURATE if precision == "auto" else TF32_BOUND)
+        _check_fp32(grads, refs, TF32_BOUND if precision == "tf32" else FP32_ACCURATE)
         return
     lowp = _lowp_grads(q, k, v, do, bias=bias, causal=causal)
     for name, g, r, lp in zip(("dq", "dk", "dv", "dbias"), grads, refs, lowp):
         err, err_lp = _relerr(g, r), _relerr(lp, r)
         assert err <= LOWP_FACTOR * err_lp, f"{name}: {err:.3e} > {LOWP_FACTOR} x low-precision {err_lp:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,Dv", [(16, 16), (32, 32), (40, 40), (32, 64), (64, 32), (64, 64), (72, 72),
+                                  (80, 80), (96, 96), (111, 40), (128, 128), (128, 64), (64, 128),
+                                  (160, 160)])
+def test_gpu_fp16x3_head_dims(D, Dv):
+    """The default float32 backward (fp16x3 on sm90, tf32x3 past head dim 128) at every head-dim pair, with
+    a key padding mask and causal, against float64 (fresh inputs per pair)."""
+    q, k, v, do, _, mask = _problem(2, 3, 785, 785, D, Dv, kpm=True, seed=D * 1000 + Dv)
+    for causal in (False, True):
+        refs, o, lse = _reference(q, k, v, do, mask=mask, causal=causal)
+        grads = _run(q, k, v, do, o, lse, torch.float32, key_padding_mask=mask, causal=causal)
+        _check_fp32(grads, refs, FP32_ACCURATE)
 
 
 @pytest.mark.gpu

@@ -236,6 +236,10 @@ RANGES = [(1e-20, 1e20, 1e-30), (1e20, 1e-20, 1e30), (1e-3, 1e-3, 1e-38), (1.0, 
 @pytest.mark.parametrize("precision", ["ieee", "fp16x3", "tf32x3s"])
 @pytest.mark.parametrize("mags", RANGES, ids=lambda m: "q{:g}-k{:g}-v{:g}".format(*m))
 def test_fp32_input_ranges(mags, precision):
+    if precision == "tf32x3s" and DEVICE == "cuda" and min(mags) < torch.finfo(torch.float32).tiny:
+        # Measured on an H100: relerr 3.6e-4 with values of 1e-38 (the CPU interpreter multiplies exactly).
+        pytest.skip("TF32 tensor cores flush subnormal operands to zero: tf32x3/tf32x3s do not resolve "
+                    "inputs below float32's normal range (fp16x3 and ieee do)")
     q, k, v = qkv(1, 2, 97, 97, 64, seed=12)
     q, k, v = q * mags[0], k * mags[1], v * mags[2]
     out, _ = elsa_fwd(q, k, v, precision=precision)
