@@ -8,6 +8,7 @@ Usage (on a CUDA machine, from the repository root)::
     PYTHONPATH=$PWD python benchmarks/attention.py --tune          # time the kernel's candidate configs
     PYTHONPATH=$PWD python benchmarks/attention.py --dtype float32 --peers elsa_tf32x3 elsa_tf32x3s \
         --shapes 1,8,4096,64                                       # tf32x3 against tf32x3s
+    PYTHONPATH=$PWD python benchmarks/attention.py --quick --backward  # also forward+backward rows
     python benchmarks/attention.py --plot-only benchmarks/results/attention_h100_20261122.csv
 
 Each (shape, dtype) is run by every peer on the same inputs: ``sdpa_math``, ``sdpa_efficient``,
@@ -20,6 +21,12 @@ run a case (flash/cudnn in float32, out of memory) is skipped with a note. Times
 ``triton.testing.do_bench``; TFLOP/s counts ``4 B H N^2 D`` (halved for causal); ``extra_mb`` is the peak
 allocation of one call above what was allocated before it (output included); ``relerr`` is
 ``||out - ref|| / ||ref||`` against a float64 reference computed on the GPU in query chunks.
+
+``--backward`` adds a ``pass=fwdbwd`` row per peer and case (same ``peer`` names): forward plus
+``backward()`` of a fixed output gradient, the ELSA peers through the autograd op ``elsa_attention``
+(``backend="triton"``, the peer's precision for both passes). TFLOP/s then counts ``14 B H N^2 D`` (4 for
+the forward, 10 for the backward's five products), ``extra_mb`` includes the gradients, and ``relerr`` is
+the largest of dq, dk, dv's relative errors on batch 0, head 0 against float64 autograd.
 """
 
 from __future__ import annotations
@@ -177,7 +184,59 @@ def measure(fn, q, k, v, causal, ref):
     return ms, extra, err
 
 
-def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=()):
+def _elsa_autograd(precision):
+    from elsa_vision.ops import elsa_attention
+
+    def run(q, k, v, causal):
+        return elsa_attention(q, k, v, causal=causal, precision=precision, backend="triton")
+
+    return run
+
+
+def train_runner(peer):
+    """The peer as a differentiable function: the SDPA backends and flex as they are, the ELSA peers
+    through the autograd op with the peer's precision."""
+    if peer.startswith("elsa"):
+        return _elsa_autograd("auto" if peer == "elsa" else peer[len("elsa_"):])
+    return RUNNERS[peer]
+
+
+def reference_grads(q, k, v, do, causal):
+    """float64 autograd (dq, dk, dv) of batch 0, head 0 (one ``[N, N]`` float64 score matrix)."""
+    from elsa_vision.kernels.reference import softmax_attention
+
+    leaves = [t[:1, :1].detach().double().requires_grad_() for t in (q, k, v)]
+    softmax_attention(*leaves, causal=causal).backward(do[:1, :1].double())
+    return [t.grad for t in leaves]
+
+
+def measure_fwdbwd(fn, q, k, v, causal, do, ref_grads):
+    """(ms, extra MB, relerr) of forward + ``backward(do)``; relerr over dq, dk, dv of batch 0, head 0."""
+    import triton
+
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def step():
+        qg.grad = kg.grad = vg.grad = None
+        fn(qg, kg, vg, causal).backward(do)
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+    err = ""
+    if ref_grads is not None:
+        errs = [((g[:1, :1].double() - r).norm() / r.norm()).item()
+                for g, r in zip((qg.grad, kg.grad, vg.grad), ref_grads)]
+        err = f"{max(errs):.3e}"
+    ms = triton.testing.do_bench(step, warmup=10, rep=60, return_mode="median")
+    return ms, extra, err
+
+
+def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=(), backward=False):
     import triton
 
     from elsa_vision.kernels import fwd
@@ -200,21 +259,31 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=()):
                 torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype, generator=g) for _ in range(3)
             )
             ref = reference(q, k, v, c.causal) if c.B * c.H * c.N**2 <= REF_LIMIT else None
+            do = ref_grads = None
+            if backward:
+                do = torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype, generator=g)
+                ref_grads = reference_grads(q, k, v, do, c.causal) if c.N <= 16384 else None
             for dt_name, dim, prec in autotune:
                 if dt_name == dname and dim == c.D:  # tuned once per key, on the first case that has it
                     cfg = fwd.autotune_fwd(q, k, v, causal=c.causal, precision=prec)
                     print(f"autotune {dname} D={c.D} {prec}: {cfg}", flush=True)
-            flops = 4 * c.B * c.H * c.N**2 * c.D * (0.5 if c.causal else 1.0)
-            for peer in peers:
+            passes = [(peer, pas) for pas in (("fwd", "fwdbwd") if backward else ("fwd",)) for peer in peers]
+            for peer, pas in passes:
                 if peer in FP32_PEERS and dtype != torch.float32:
                     continue  # precisions exist for float32 only
                 if peer == "flex" and flex_cases is not None and c not in flex_cases:
                     continue  # each flex shape is a fresh torch.compile: limited to the selected shapes
+                if pas == "fwdbwd" and peer == "sdpa_math" and c.N > 8192:
+                    continue  # its backward keeps several [B, H, N, N] float tensors
+                flops = (4 if pas == "fwd" else 14) * c.B * c.H * c.N**2 * c.D * (0.5 if c.causal else 1.0)
                 note = ""
                 ms = extra = None
                 err = ""
                 try:
-                    ms, extra, err = measure(RUNNERS[peer], q, k, v, c.causal, ref)
+                    if pas == "fwd":
+                        ms, extra, err = measure(RUNNERS[peer], q, k, v, c.causal, ref)
+                    else:
+                        ms, extra, err = measure_fwdbwd(train_runner(peer), q, k, v, c.causal, do, ref_grads)
                 except torch.cuda.OutOfMemoryError:
                     note = "out of memory"
                 except Exception as exc:  # noqa: BLE001 - an unsupported peer/case is recorded and skipped
@@ -238,33 +307,34 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=()):
                     causal=int(c.causal),
                     note=note,
                 )
-                row["pass"] = "fwd"
+                row["pass"] = pas
                 rows.append(row)
                 writer.writerow(row)
                 f.flush()
                 print(
-                    f"{dname:9s} {c.B},{c.H},{c.N},{c.D}{'c' if c.causal else ''} {peer:15s} "
+                    f"{dname:9s} {c.B},{c.H},{c.N},{c.D}{'c' if c.causal else ''} {peer:15s} {pas:6s} "
                     f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s {row['extra_mb']:>9s} MB {err:>10s} {note}",
                     flush=True,
                 )
-            del q, k, v, ref
+            del q, k, v, ref, do, ref_grads
     f.close()
     return rows
 
 
 def ratio_table(rows):
-    """elsa's speedup over sdpa_efficient, sdpa_cudnn and flex per (shape, dtype); memory vs efficient."""
+    """elsa's speedup over sdpa_efficient, sdpa_cudnn and flex per (pass, shape, dtype); memory vs
+    efficient."""
     by = {}
     for r in rows:
         if r["ms"]:
-            by[(r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"], r["peer"])] = r
-    keys = sorted({k[:6] for k in by}, key=lambda k: (k[0],) + tuple(int(x) for x in k[1:]))
+            by[(r["pass"], r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"], r["peer"])] = r
+    keys = sorted({k[:7] for k in by}, key=lambda k: (k[0], k[1]) + tuple(int(x) for x in k[2:]))
     print(
-        "\n| dtype | B,H,N,D | elsa ms | relerr | x sdpa_efficient | x cudnn | x flex | ieee x eff "
+        "\n| pass | dtype | B,H,N,D | elsa ms | relerr | x sdpa_efficient | x cudnn | x flex | ieee x eff "
         "| tf32 x eff "
         "| mem / eff |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k in keys:
         e = by.get(k + ("elsa",))
         if e is None:
@@ -282,8 +352,8 @@ def ratio_table(rows):
             else "-"
         )
         print(
-            f"| {k[0]} | {k[1]},{k[2]},{k[3]},{k[4]}{'c' if int(k[5]) else ''} | {e['ms']} | {e['relerr']} | "
-            f"{ratio('sdpa_efficient')} | {ratio('sdpa_cudnn')} | {ratio('flex')} | "
+            f"| {k[0]} | {k[1]} | {k[2]},{k[3]},{k[4]},{k[5]}{'c' if int(k[6]) else ''} | {e['ms']} | "
+            f"{e['relerr']} | {ratio('sdpa_efficient')} | {ratio('sdpa_cudnn')} | {ratio('flex')} | "
             f"{ratio('sdpa_efficient', ie) if ie else '-'} | "
             f"{ratio('sdpa_efficient', tf) if tf else '-'} | {mem} |"
         )
@@ -296,7 +366,8 @@ def plot(csv_path, png_path):
     import matplotlib.pyplot as plt
 
     with open(csv_path) as f:
-        rows = [r for r in csv.DictReader(f) if r["ms"] and r["B"] == "1" and r["H"] == "8"]
+        rows = [r for r in csv.DictReader(f) if r["ms"] and r["B"] == "1" and r["H"] == "8"
+                and r.get("pass", "fwd") == "fwd"]
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in rows)]
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dname in zip(axes[0], dtypes):
@@ -389,6 +460,7 @@ def main(argv=None):
     ap.add_argument("--autotune", nargs="+", default=[],
                     help="dtype:D:precision keys to autotune (on their first case) before timing elsa")
     ap.add_argument("--causal", action="store_true", help="also run every shape causal")
+    ap.add_argument("--backward", action="store_true", help="also time forward+backward (pass=fwdbwd rows)")
     ap.add_argument(
         "--out", default=None, help="CSV path (default benchmarks/results/attention_<gpu>_<date>.csv)"
     )
@@ -421,7 +493,7 @@ def main(argv=None):
     day = datetime.date.today().strftime("%Y%m%d")
     out_csv = args.out or f"benchmarks/results/attention_{gpu}_{day}.csv"
     autotune = [(a.split(":")[0], int(a.split(":")[1]), a.split(":")[2]) for a in args.autotune]
-    rows = run_sweep(cases, args.dtype, args.peers, out_csv, args.flex_shapes, autotune)
+    rows = run_sweep(cases, args.dtype, args.peers, out_csv, args.flex_shapes, autotune, args.backward)
     print(f"wrote {out_csv}")
     ratio_table(rows)
     with contextlib.suppress(ImportError):

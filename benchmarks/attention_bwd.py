@@ -8,7 +8,8 @@ Rows (CSV ``benchmarks/results/attention_bwd_<gpu>_<yyyymmdd>.csv``)::
   ``sdpa_cudnn`` through ``torch.nn.attention.sdpa_kernel``; ``flex`` = ``torch.compile(flex_attention)``).
 * ``pass=bwd``: backward only. For a peer: its forward+backward minus its forward (both medians). For
   ``elsa*``: ``elsa_bwd`` given the saved ``(out, lse)`` (preprocess + dK/dV + dQ kernels), precision
-  ``auto`` (``elsa``), ``ieee``, ``tf32``; ``elsa_atomic`` is the nondeterministic single-pass mode.
+  ``auto`` (``elsa``: ``fp16x3`` on sm90, else ``tf32x3``), ``tf32x3``, ``ieee``, ``tf32``; ``elsa_atomic``
+  is the nondeterministic single-pass mode.
 
 Timing: ``triton.testing.do_bench`` median. TFLOP/s counts ``4 B H N^2 D`` per forward and 2.5x that per
 backward (five N^2 D products), i.e. ``14 B H N^2 D`` for fwd+bwd. ``extra_mb``: peak allocation above the
@@ -41,18 +42,25 @@ from elsa_vision.kernels.reference import scan_attention, softmax_attention  # n
 
 SHAPES = [(1, 8, 4096, 64), (1, 8, 16384, 64), (8, 12, 785, 64)]
 DTYPES = ["float32", "bfloat16"]
-PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_ieee", "elsa_tf32",
-         "elsa_atomic"]
+PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_tf32x3",
+         "elsa_ieee", "elsa_tf32", "elsa_atomic"]
 SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
         "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-ELSA = {"elsa": ("auto", True), "elsa_ieee": ("ieee", True), "elsa_tf32": ("tf32", True),
-        "elsa_atomic": ("auto", False)}
+ELSA = {"elsa": ("auto", True), "elsa_tf32x3": ("tf32x3", True), "elsa_ieee": ("ieee", True),
+        "elsa_tf32": ("tf32", True), "elsa_atomic": ("auto", False)}
 TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), per dtype
     "float32": [
         (64, 128, 8, 2, 128, 64, 8, 2),
+        (64, 128, 8, 3, 128, 64, 8, 3),
         (32, 64, 4, 2, 64, 32, 4, 2),
         (32, 128, 8, 2, 128, 32, 8, 2),
+        (32, 128, 4, 3, 128, 32, 4, 3),
         (64, 64, 4, 2, 128, 64, 8, 2),
+        (64, 64, 4, 3, 64, 64, 4, 3),
+        (64, 128, 4, 2, 128, 64, 4, 2),
+        (64, 64, 4, 3, 128, 64, 8, 3),
+        (32, 64, 4, 2, 128, 64, 8, 2),
+        (32, 128, 8, 3, 128, 32, 8, 3),
     ],
     "bfloat16": [
         (32, 128, 4, 3, 128, 32, 4, 3),
@@ -174,7 +182,7 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
     out = out.to(dtype)
     torch.cuda.empty_cache()
     for peer in peers:
-        if peer not in ELSA or (peer in ("elsa_ieee", "elsa_tf32") and dtype != torch.float32):
+        if peer not in ELSA or (peer in ("elsa_tf32x3", "elsa_ieee", "elsa_tf32") and dtype != torch.float32):
             continue
         precision, det = ELSA[peer]
 
@@ -195,7 +203,7 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
 
     best = None
     if tiles:
-        base = bwd_config(dtype, D, D, q.device)
+        base = bwd_config(dtype, D, D, q.device, n_k=N)
         print(f"  default tiles {base}")
         for t in tiles:
             cfg = replace(base, block_m1=t[0], block_n1=t[1], warps1=t[2], stages1=t[3], block_m2=t[4],

@@ -1,7 +1,7 @@
 """Full models: timm's ViT and Swin-v2 as shipped vs the same weights in ElsaViT / ElsaSwinV2, in one run.
 
 For every case the timm model is built once (random init) and measured as a forward (eval, no grad) or, for
-``train`` cases, a training step (train mode, forward + backward of a mean-square loss):
+``train`` cases, a training step (train mode, forward + backward of a mean-square loss + an AdamW step):
 
 * ``timm_sdpa``  -- timm as shipped (ViT: ``fused_attn``, ``F.scaled_dot_product_attention``; Swin-v2: its
   ``WindowAttention``, which always forms the softmax explicitly),
@@ -68,6 +68,8 @@ CASES = [
     Case("vit_small_patch16_224", 1024, 2, "fp32", goal=1.35, mem_goal=True),
     Case("vit_base_patch16_224", 448, 8, "bf16", goal=1.0),
     Case("vit_base_patch16_224", 896, 2, "bf16", goal=1.0),
+    # The training-step target of the backward issue (forward + backward + optimizer).
+    Case("vit_base_patch16_224", 448, 8, "fp32", goal=1.2, train=True),
     # W-ELSA (Swin-v2 window attention), goals vs timm as shipped.
     Case("swinv2_tiny_window8_256", 256, 8, "fp32", goal=1.1),
     Case("swinv2_small_window16_256", 256, 8, "fp32", goal=1.1),
@@ -145,12 +147,14 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
     for name in (p for p in PEERS if p in peers):
         # One model on the device at a time: peak memory is that of the peer alone (weights + activations).
         model = peers[name].to(device=device, dtype=DTYPES[case.dtype]).train(case.train)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6) if case.train else None
 
-        def fwd(model=model):
+        def fwd(model=model, opt=opt):
             if case.train:
                 out = model(x)
                 out.float().square().mean().backward()
-                model.zero_grad(set_to_none=True)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
                 return out.detach()
             with torch.inference_mode():
                 return model(x)

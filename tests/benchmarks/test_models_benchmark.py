@@ -19,7 +19,10 @@ def _load():
 
 def test_quick_cpu_run_writes_csv(tmp_path):
     bench = _load()
-    assert len(bench.CASES) == 10 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
+    assert len(bench.CASES) == 11 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
+    # the backward issue's training-step target is declared
+    assert any(c.model == "vit_base_patch16_224" and c.img == 448 and c.train and c.goal == 1.2
+               for c in bench.CASES)
     path = bench.main(["--device", "cpu", "--quick", "--cases", "vit_tiny.*fp32", "--out", str(tmp_path),
                        "--warmup", "0", "--reps", "1"])
     rows = list(csv.DictReader(open(path)))
