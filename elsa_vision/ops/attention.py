@@ -172,7 +172,7 @@ def _attention_bwd(dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal,
 
     dq, dk, dv, dbias = elsa_bwd(dout, q, k, v, out, lse, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
                                  causal=causal, scale=scale, precision=precision, bias_requires_grad=bias_grad)
-    return dq, dk, dv, (dbias if dbias is not None else q.new_zeros(0))
+    return dq, dk, dv, (dbias if dbias is not None else q.new_empty(0))
 
 
 @_attention_bwd.register_fake
@@ -186,9 +186,12 @@ def _attention_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask)
     ctx.options = (causal, scale, precision)
+    ctx.set_materialize_grads(False)  # lse is never differentiated: no zero-filled gradient for it
 
 
 def _attention_backward(ctx, dout, dlse):
+    if dout is None:
+        return None, None, None, None, None, None, None, None
     q, k, v, out, lse, attn_bias, key_padding_mask = ctx.saved_tensors
     causal, scale, precision = ctx.options
     bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
@@ -244,9 +247,9 @@ def elsa_attention(
             cores), ``"tf32x3s"`` (the same three TF32 products with the split done by the forward kernel,
             the query tile split once; the backward runs it as ``"tf32x3"``), ``"fp16x3"`` (FP32-accurate
             from three float16 tensor-core products per dot: each fp32 tile scaled by a power of two and
-            split into two float16 parts; head dims up to 128, wider ones and the backward run it as
-            ``"tf32x3"``), ``"tf32"`` (one TF32 pass,
-            ~1e-3). Ignored for float16/bfloat16 (float32 accumulation always) and float64.
+            split into two float16 parts; forward and backward, head dims up to 128, wider ones run it
+            as ``"tf32x3"``; what ``"auto"`` picks on sm90), ``"tf32"`` (one TF32 pass, ~1e-3). Ignored
+            for float16/bfloat16 (float32 accumulation always) and float64.
         backend: ``"auto"`` (Triton on CUDA where available, else torch), ``"torch"`` (the reference scan;
             any device, full autograd), ``"triton"``, ``"eca"`` (causal self-attention on the Exact Causal
             Attention products: fewer multiply-adds, needs ``causal=True`` and ``Nq == Nk``, materialises
