@@ -103,10 +103,15 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             log.warning(
                 "No best checkpoint (no ModelCheckpoint or fast_dev_run): testing the current weights"
             )
-        # After fit, test the trainer's own model: under FSDP the module passed to fit is wrapped and
-        # sharded inside the strategy, and handing the bare module back would load the checkpoint into
-        # its flattened shards.
-        trainer.test(model=None if fitted else model, datamodule=datamodule, ckpt_path=test_ckpt)
+        test_model = model
+        if fitted and test_ckpt is not None:
+            # The best checkpoint goes into a freshly built module: under FSDP the module passed to fit now
+            # holds flattened shards (the full state dict does not load into them, and the trainer's own
+            # wrapped model fails the same way); a fresh module loads it and is wrapped again for the test.
+            test_model = hydra.utils.instantiate(cfg.model, _convert_="partial")
+        elif fitted:
+            test_model = None  # no checkpoint (fast_dev_run): the trainer's current weights
+        trainer.test(model=test_model, datamodule=datamodule, ckpt_path=test_ckpt)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
 
     if trainer.is_global_zero and fitted:
