@@ -19,7 +19,7 @@ def _load():
 
 def test_quick_cpu_run_writes_csv(tmp_path):
     bench = _load()
-    assert len(bench.CASES) == 11 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
+    assert len(bench.CASES) == 12 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
     # the backward issue's training-step target is declared
     assert any(c.model == "vit_base_patch16_224" and c.img == 448 and c.train and c.goal == 1.2
                for c in bench.CASES)
@@ -28,9 +28,13 @@ def test_quick_cpu_run_writes_csv(tmp_path):
     rows = list(csv.DictReader(open(path)))
     assert Path(path).name.startswith("models_cpu_")
     assert list(rows[0]) == bench.COLUMNS
-    assert [r["peer"] for r in rows] == ["timm_sdpa", "timm_math", "elsa"]
+    assert [r["peer"] for r in rows] == ["timm_sdpa", "timm_math", "timm_noattn", "elsa"]
     for r in rows:
         assert float(r["img_per_s"]) > 0 and math.isnan(float(r["peak_mb"]))
+        if r["peer"] == "timm_noattn":
+            # the stand-in really removes the attention (a speed ceiling, not the same function)
+            assert float(r["max_dev"]) > 1e-3
+            continue
         # Same weights, FP32-accurate attention on both sides: logits agree to float32 rounding.
         assert float(r["max_dev"]) < 1e-4
 
