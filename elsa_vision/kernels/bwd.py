@@ -40,12 +40,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fwd import _FP32_PRECISIONS
+from .fwd import resolve_precision as _fwd_resolve_precision
 from .monoid import f16_pair, matmul_f16x3, pow2, split_f16
 
 __all__ = ["BwdConfig", "bwd_config", "elsa_bwd", "resolve_precision"]
 
 LOG2E = 1.4426950408889634
-_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
+_PRECISIONS = _FP32_PRECISIONS
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -511,28 +513,29 @@ class BwdConfig:
 
 def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device,
                       head_dim: int | None = None) -> str:
-    """The ``tl.dot`` input precision for this dtype/precision/device.
+    """The ``tl.dot`` input precision for this dtype/precision/device: the forward's choice
+    (``fwd.resolve_precision``, with ``head_dim`` = the larger of D and Dv, padded), except that the
+    forward-only ``"tf32x3s"`` (its own split of the same three TF32 products) runs here as ``"tf32x3"``.
 
-    float16/bfloat16 operands always run on tensor cores with float32 accumulation (the knob does not apply).
-    float32: ``"auto"`` is the fastest FP32-accurate choice: ``"fp16x3"`` on sm90 for padded head dims
-    (``head_dim`` = the larger of D and Dv) up to 128, ``"tf32x3"`` on other CUDA GPUs with tensor cores
-    (compute capability >= 8.0), ``"ieee"`` elsewhere (the CPU interpreter, older GPUs). ``"fp16x3"``
-    (three float16 products of power-of-two-scaled two-part splits, as in the forward) runs as
-    ``"tf32x3"`` past head dim 128 or when no ``head_dim`` is given; the forward's ``"tf32x3s"`` (its own
-    split of the same three TF32 products) runs as ``"tf32x3"``.
+    float16/bfloat16 operands always run on tensor cores with float32 accumulation (the knob does not
+    apply). float32 ``"auto"``: ``"fp16x3"`` on sm90 for padded head dims up to 128, ``"tf32x3"`` on other
+    tensor-core GPUs, ``"ieee"`` elsewhere; an explicit ``"fp16x3"`` runs as ``"tf32x3"`` past head dim 128
+    or when no ``head_dim`` is given.
     """
     if precision not in _PRECISIONS:
         raise ValueError(f"elsa_bwd: unknown `precision` {precision!r}; expected one of {_PRECISIONS}")
     if dtype != torch.float32:
         return "tf32"
-    f16_ok = head_dim is not None and max(16, triton.next_power_of_2(head_dim)) <= 128
-    if precision == "auto":
-        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
-            return "fp16x3" if f16_ok and torch.cuda.get_device_capability(device)[0] == 9 else "tf32x3"
-        return "ieee"
-    if precision == "tf32x3s" or (precision == "fp16x3" and not f16_ok):
-        return "tf32x3"
-    return precision
+    padded = None if head_dim is None else max(16, triton.next_power_of_2(head_dim))
+    prec = _fwd_resolve_precision(precision, dtype, device, padded)
+    return "tf32x3" if prec == "tf32x3s" else prec
+
+
+def _cfg(dkdv: tuple[int, int, int, int], dq: tuple[int, int, int, int],
+         dbias: tuple[int, int, int] = (64, 32, 4)) -> BwdConfig:
+    """A ``BwdConfig`` from ``(BLOCK_M, BLOCK_N, warps, stages)`` of the dK/dV and dQ kernels and
+    ``(BLOCK_M, BLOCK_N, warps)`` of the dBias kernel."""
+    return BwdConfig(*dkdv, *dq, *dbias)
 
 
 def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precision: str = "tf32x3",
@@ -560,30 +563,16 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
         # CPU interpreter: few large tiles (the interpreter's cost is per program and per loop step)
         return BwdConfig(block_m1=64, block_n1=64, block_m2=64, block_n2=64, block_m3=64, block_n3=64)
     if dtype in (torch.float16, torch.bfloat16):
-        cfg = BwdConfig(block_m1=32, block_n1=128, warps1=4, stages1=3,
-                        block_m2=128, block_n2=32, warps2=4, stages2=3,
-                        block_m3=64, block_n3=64, warps3=4)
+        cfg = _cfg((32, 128, 4, 3), (128, 32, 4, 3), (64, 64, 4))
     elif precision == "fp16x3" and deterministic and wide <= 64:
-        if n_k is not None and n_k <= 1024:
-            cfg = BwdConfig(block_m1=64, block_n1=64, warps1=4, stages1=2,
-                            block_m2=128, block_n2=64, warps2=8, stages2=2,
-                            block_m3=64, block_n3=32, warps3=4)
-        else:
-            cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=3,
-                            block_m2=128, block_n2=64, warps2=8, stages2=3,
-                            block_m3=64, block_n3=32, warps3=4)
+        short = n_k is not None and n_k <= 1024
+        cfg = _cfg((64, 64, 4, 2), (128, 64, 8, 2)) if short else _cfg((64, 128, 8, 3), (128, 64, 8, 3))
     elif precision == "fp16x3" and deterministic and wide <= 128:
-        cfg = BwdConfig(block_m1=32, block_n1=128, warps1=8, stages1=2,
-                        block_m2=128, block_n2=32, warps2=8, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4)
+        cfg = _cfg((32, 128, 8, 2), (128, 32, 8, 2))
     elif wide <= 64 and deterministic and precision != "ieee":
-        cfg = BwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=2,
-                        block_m2=128, block_n2=64, warps2=8, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4)
+        cfg = _cfg((64, 128, 8, 2), (128, 64, 8, 2))
     else:
-        cfg = BwdConfig(block_m1=32, block_n1=64, warps1=4, stages1=2,
-                        block_m2=64, block_n2=32, warps2=4, stages2=2,
-                        block_m3=64, block_n3=32, warps3=4)
+        cfg = _cfg((32, 64, 4, 2), (64, 32, 4, 2))
     if wide >= 256:
         cfg = BwdConfig(block_m1=max(16, cfg.block_m1 // 2), block_n1=max(16, cfg.block_n1 // 2),
                         warps1=8, stages1=1, block_m2=max(16, cfg.block_m2 // 2),
