@@ -2,6 +2,8 @@
 
 The sweep is declared in ``SWEEPS``; each case builds open_clip's tower at its resolution (random init),
 converts it with ``from_open_clip`` (identical weights) and times ``forward`` of both in ``torch.no_grad``.
+A third row times the ELSA tower with free attention (``benchmarks/ceiling.py``: every attention returns
+``v``): its speedup is the ceiling of the case, the most any attention kernel can give this encoder.
 Rows go to ``benchmarks/results/clip_<device>.csv`` with images/s, the speedup over open_clip and the relative
 difference of the two outputs.
 
@@ -25,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.ceiling import free_attention  # noqa: E402
 from elsa_vision.models.clip_vision import from_open_clip  # noqa: E402
 
 
@@ -109,6 +112,8 @@ def run_case(
         err = ((elsa(x).double() - ref).norm() / ref.norm()).item()
         ms_stock = _time_ms(lambda: stock(x), device, warmup, reps)
         ms_elsa = _time_ms(lambda: elsa(x), device, warmup, reps)
+        with free_attention():
+            ms_free = _time_ms(lambda: elsa(x), device, warmup, reps)
     patch = dict(case.vision_cfg)["patch_size"]
     common = dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
@@ -137,6 +142,14 @@ def run_case(
             images_per_s=round(case.batch / ms_elsa * 1e3, 2),
             speedup_vs_open_clip=round(ms_stock / ms_elsa, 3),
             relerr_vs_open_clip=f"{err:.2e}",
+        ),
+        dict(
+            common,
+            impl="ceiling[free attention]",
+            ms=round(ms_free, 3),
+            images_per_s=round(case.batch / ms_free * 1e3, 2),
+            speedup_vs_open_clip=round(ms_stock / ms_free, 3),
+            relerr_vs_open_clip="n/a",
         ),
     ]
 

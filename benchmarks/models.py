@@ -6,10 +6,11 @@ For every case the timm model is built once (random init) and measured as a forw
 * ``timm_sdpa``  -- timm as shipped (ViT: ``fused_attn``, ``F.scaled_dot_product_attention``; Swin-v2: its
   ``WindowAttention``, which always forms the softmax explicitly),
 * ``timm_math``  -- ViT only: the same module with ``fused_attn = False`` (timm's explicit softmax path),
-* ``timm_noattn`` -- ViT only: timm's fused path with ``F.scaled_dot_product_attention`` replaced by a free
-  stand-in that returns ``v`` (no attention work at all). Not a model anyone would run: its speed over
-  ``timm_sdpa`` is the ceiling that any attention kernel can give the model (printed as ``ceiling``);
-  its ``max_dev`` is meaningless.
+* ``timm_noattn`` -- the model with free attention (``benchmarks/ceiling.py``: every attention call returns
+  ``v``, no attention work at all; ViT: timm's fused path, Swin-v2: ``ElsaSwinV2``, i.e. timm's Swin-v2 with
+  the window attention as one op). Not a model anyone would run: its speed over ``timm_sdpa`` is the
+  ceiling that any attention kernel can give the model (printed as ``ceiling``); its ``max_dev`` is
+  meaningless.
 * ``elsa``       -- ``ElsaViT.from_timm(model)`` / ``ElsaSwinV2.from_timm(model)``: identical weights, ELSA
   attention (Swin-v2 on CUDA: the fused W-ELSA window op).
 
@@ -43,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import timm  # noqa: E402
 from timm.models.swin_transformer_v2 import SwinTransformerV2  # noqa: E402
 
+from benchmarks.ceiling import free_attention  # noqa: E402
 from elsa_vision import ElsaViT  # noqa: E402
 from elsa_vision.models import ElsaSwinV2  # noqa: E402
 
@@ -130,19 +132,15 @@ def peak_forward_mb(fn, device: torch.device) -> float:
 
 
 class NoAttention(torch.nn.Module):
-    """``model`` with ``F.scaled_dot_product_attention`` answered by ``v`` while it runs (``timm_noattn``)."""
+    """``model`` with every attention answered by ``v`` while it runs (``timm_noattn``)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, x):
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        torch.nn.functional.scaled_dot_product_attention = lambda q, k, v, *args, **kwargs: v
-        try:
+        with free_attention():
             return self.model(x)
-        finally:
-            torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
 def build_peers(case: Case, precision: str) -> dict[str, torch.nn.Module]:
@@ -154,7 +152,9 @@ def build_peers(case: Case, precision: str) -> dict[str, torch.nn.Module]:
         for name, p in timm_model.named_parameters():
             if name.endswith(("norm1.weight", "norm2.weight")):
                 torch.nn.init.ones_(p)
-        return {"timm_sdpa": timm_model, "elsa": ElsaSwinV2.from_timm(timm_model, attn_precision=precision)}
+        elsa_model = ElsaSwinV2.from_timm(timm_model, attn_precision=precision)
+        no_attn = NoAttention(copy.deepcopy(elsa_model))
+        return {"timm_sdpa": timm_model, "timm_noattn": no_attn, "elsa": elsa_model}
     math_model = copy.deepcopy(timm_model)
     for blk in math_model.blocks:
         blk.attn.fused_attn = False
@@ -196,8 +196,10 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if name == "timm_sdpa":
-            ref = out.float()
-        max_dev = (out.float() - ref).abs().max().item() if ref is not None else math.nan
+            # Kept on the CPU: a reference left on the device would count in the next peers' peak memory
+            # (B x classes float32: 8 KiB at batch 2, 32 KiB at batch 8).
+            ref = out.float().cpu()
+        max_dev = (out.float().cpu() - ref).abs().max().item() if ref is not None else math.nan
         rows.append(dict(peer=name, img_per_s=case.batch / (ms / 1e3), ms=ms, peak_mb=peak, max_dev=max_dev))
         print(f"  {name:10s} {case.batch / (ms / 1e3):10.1f} img/s  {ms:9.3f} ms  peak {peak:9.1f} MB  "
               f"max_dev {max_dev:.3e}", flush=True)

@@ -1,0 +1,60 @@
+"""Free attention: how much faster a model could get if its attention cost nothing.
+
+``free_attention()`` answers every attention call of a model with ``v`` while it is active:
+``torch.nn.functional.scaled_dot_product_attention`` (timm, open_clip's ``nn.MultiheadAttention`` path and
+the ``sdpa`` peers), ``elsa_attention`` as the ELSA layers call it, and the W-ELSA window op of Swin-v2.
+Everything else of the model -- projections, MLPs, norms, the layout copies around the attention -- runs
+unchanged. A model timed under it gives the ceiling of a case: ``peer_ms / free_ms`` is the most any attention
+kernel can speed that model up, so a goal above it cannot be met by the attention alone.
+
+The outputs are meaningless (attention is replaced by its values); only the time is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+# (module, attribute) pairs that a model looks up at call time.
+_ELSA_CALLS = (
+    ("elsa_vision.layers.attention", "elsa_attention"),
+    ("elsa_vision.layers.multihead_attention", "elsa_attention"),
+    ("elsa_vision.layers.attention_pool", "elsa_attention"),
+    ("elsa_vision.patching", "elsa_attention"),  # patched timm modules; Swin-v2 off CUDA
+)
+_WINDOW_CALL = ("elsa_vision.ops.window_attention", "window_attention")
+
+
+def _answer_with_v(real):
+    def free(q, k, v, *args, **kwargs):
+        if q.shape[-2] != k.shape[-2] or q.shape[-1] != v.shape[-1]:
+            return real(q, k, v, *args, **kwargs)  # cross-attention with other shapes: keep it real
+        return v
+
+    return free
+
+
+def _free_window(q, k, v, *args, **kwargs):
+    # The W-ELSA op stores its output as [B*nW, N, H, Dv]: same layout, so the reshape after it stays free.
+    return v.new_empty(v.shape[0], v.shape[2], v.shape[1], v.shape[3]).transpose(1, 2)
+
+
+@contextlib.contextmanager
+def free_attention():
+    """Within the block every self-attention of the ELSA models, timm and open_clip returns ``v``."""
+    targets = [(torch.nn.functional, "scaled_dot_product_attention")]
+    targets += [(importlib.import_module(mod), name) for mod, name in _ELSA_CALLS]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in targets]
+    window = importlib.import_module(_WINDOW_CALL[0])
+    saved_window = getattr(window, _WINDOW_CALL[1])
+    try:
+        for obj, name, real in saved:
+            setattr(obj, name, _answer_with_v(real))
+        setattr(window, _WINDOW_CALL[1], _free_window)
+        yield
+    finally:
+        setattr(window, _WINDOW_CALL[1], saved_window)
+        for obj, name, real in saved:
+            setattr(obj, name, real)
