@@ -178,7 +178,8 @@ def _window_attention(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, bias: 
     dropout_p, backend = _dropout_backend(module, module.attn_drop.p)
     x = elsa_attention(q, k, v, attn_bias=bias.to(q.dtype), scale=scale, precision=module.elsa_precision,
                        backend=backend, dropout_p=dropout_p)
-    return x.reshape(Bw, H, N, -1).transpose(1, 2).reshape(Bw, N, -1)
+    # [B', nW*H, N, Dv] -> [Bw, N, H*Dv] in one copy at most, whichever layout the backend returned.
+    return x.unflatten(1, (-1, H)).permute(0, 1, 3, 2, 4).reshape(Bw, N, -1)
 
 
 class _ElsaConverted:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _FLOAT_DTYPES, LOG2E, _cdiv, _check_qkv, _device_info, _pow2, resolve_precision
+from .fwd import _FLOAT_DTYPES, LOG2E, _cdiv, _check_qkv, _device_info, _pow2, empty_output, resolve_precision
 from .monoid import fold_tile, matmul, merge_states
 
 __all__ = ["DecodePlan", "decode_plan", "elsa_decode", "choose_forward", "DECODE_MAX_QUERIES",
@@ -383,7 +383,7 @@ def elsa_decode(
             raise ValueError(
                 f"elsa_decode: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
         kpm = key_padding_mask.view(torch.uint8)
-    out = torch.empty((B, H, Nq, Dv), device=q.device, dtype=q.dtype)
+    out = empty_output(B, H, Nq, Dv, q)
     lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     if B * H * Nq == 0:
         return out, lse

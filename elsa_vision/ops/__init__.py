@@ -1,4 +1,4 @@
-"""Public functional ops (custom-op registration and autograd live here).
+"""Public functional ops (operator registration and autograd live here).
 
 The Swin-v2 window op is ``elsa_vision.ops.window_attention.window_attention``.
 """

@@ -7,15 +7,18 @@ FlashAttention (bottom-right aligned causal mask; rows that see no key return 0,
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
 from torch import Tensor
 
 from ..kernels.reference import scan_attention
+from ._library import define_op
 
 __all__ = [
-    "elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES", "resolve_backend",
+    "elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES",
+    "resolve_backend",
     "check_options",
 ]
 
@@ -52,18 +55,23 @@ def _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision
                 f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
             )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"elsa_attention: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+        raise TypeError(
+            f"elsa_attention: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"elsa_attention: q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+        raise ValueError(
+            f"elsa_attention: q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
     B, H, Nq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"elsa_attention: batch size B must match: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+        raise ValueError(
+            f"elsa_attention: batch size B must match: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     if k.shape[1] != H or v.shape[1] != H:
-        raise ValueError(f"elsa_attention: head count H must match: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+        raise ValueError(
+            f"elsa_attention: head count H must match: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     if k.shape[3] != D:
         raise ValueError(f"elsa_attention: head dim D of k must equal q's ({D}), got k {_shape(k)}")
     if v.shape[2] != k.shape[2]:
-        raise ValueError(f"elsa_attention: k and v must have the same length Nk, got k {_shape(k)}, v {_shape(v)}")
+        raise ValueError(
+            f"elsa_attention: k and v must have the same length Nk, got k {_shape(k)}, v {_shape(v)}")
     if D == 0 or v.shape[3] == 0:
         raise ValueError(f"elsa_attention: head dims must be >= 1, got q {_shape(q)}, v {_shape(v)}")
     Nk = k.shape[2]
@@ -89,20 +97,23 @@ def _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, Tensor):
             raise TypeError(
-                f"elsa_attention: `key_padding_mask` must be a bool tensor, got {type(key_padding_mask).__name__}"
+                "elsa_attention: `key_padding_mask` must be a bool tensor, got "
+                f"{type(key_padding_mask).__name__}"
             )
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(
                 f"elsa_attention: `key_padding_mask` must have dtype torch.bool (True = key takes part), "
                 f"got {key_padding_mask.dtype}"
             )
-        if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] not in (1, B) or key_padding_mask.shape[1] != Nk:
+        kshape = tuple(key_padding_mask.shape)
+        if len(kshape) != 2 or kshape[0] not in (1, B) or kshape[1] != Nk:
             raise ValueError(
                 f"elsa_attention: `key_padding_mask` must have shape [B, Nk] = [{B}, {Nk}], "
                 f"got {_shape(key_padding_mask)}"
             )
         if key_padding_mask.device != q.device:
-            raise ValueError(f"elsa_attention: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
+            raise ValueError(
+                f"elsa_attention: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
     if not isinstance(causal, bool):
         raise TypeError(f"elsa_attention: `causal` must be a bool, got {type(causal).__name__}")
     if scale is not None:
@@ -137,46 +148,42 @@ def _cuda_matmul_precision(tf32: bool):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The Triton path as torch custom ops with autograd: torch.compile(fullgraph=True) sees two opaque ops
-# (no graph break), the fake implementations give it shapes, and the backward consumes the saved lse.
+# The Triton path as two torch operators with autograd (``_library.define_op``): torch.compile(fullgraph=True)
+# sees two opaque ops (no graph break), the fake kernels give it shapes, the backward consumes the saved lse.
 
-@torch.library.custom_op(
-    "elsa_vision::attention_fwd", mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor? key_padding_mask, bool causal, "
-           "float scale, str precision) -> (Tensor, Tensor)",
-)
+
+@functools.cache
+def _kernels():
+    """The Triton kernel modules ``(fwd, bwd, decode)``, imported on first use (the package imports without
+    Triton)."""
+    from ..kernels import bwd, decode, fwd
+
+    return fwd, bwd, decode
+
+
 def _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
-    from ..kernels.decode import choose_forward, elsa_decode
-    from ..kernels.fwd import elsa_fwd
-
-    B, H, Nq, _ = q.shape
-    forward = elsa_decode if choose_forward(B, H, Nq, k.shape[2], device=q.device) == "decode" else elsa_fwd
-    return forward(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal, scale=scale,
-                    precision=precision)
+    fwd, _, decode = _kernels()
+    few_queries = decode.choose_forward(*q.shape[:3], k.shape[2], device=q.device) == "decode"
+    return (decode.elsa_decode if few_queries else fwd.elsa_fwd)(
+        q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal, scale=scale,
+        precision=precision)
 
 
-@_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
     B, H, Nq, _ = q.shape
-    return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
+    out = q.new_empty(B, Nq, H, v.shape[-1]).transpose(1, 2)  # the kernels' layout (fwd.empty_output)
+    return out, q.new_empty(B, H, Nq, dtype=torch.float32)
 
 
-@torch.library.custom_op(
-    "elsa_vision::attention_bwd", mutates_args=(),
-    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_bias, "
-           "Tensor? key_padding_mask, bool causal, float scale, str precision, bool bias_grad) "
-           "-> (Tensor, Tensor, Tensor, Tensor)",
-)
 def _attention_bwd(dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad):
-    from ..kernels.bwd import elsa_bwd
-
-    dq, dk, dv, dbias = elsa_bwd(dout, q, k, v, out, lse, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
-                                 causal=causal, scale=scale, precision=precision, bias_requires_grad=bias_grad)
+    dq, dk, dv, dbias = _kernels()[1].elsa_bwd(
+        dout, q, k, v, out, lse, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal,
+        scale=scale, precision=precision, bias_requires_grad=bias_grad)
     return dq, dk, dv, (dbias if dbias is not None else q.new_empty(0))
 
 
-@_attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad):
+def _attention_bwd_fake(dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
+                        bias_grad):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
@@ -195,12 +202,24 @@ def _attention_backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_bias, key_padding_mask = ctx.saved_tensors
     causal, scale, precision = ctx.options
     bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = torch.ops.elsa_vision.attention_bwd(
+    dq, dk, dv, dbias = _ATTENTION_BWD(
         dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad)
     return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
 
 
-_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+_ATTENTION_BWD = define_op(
+    "attention_bwd",
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_bias, "
+    "Tensor? key_padding_mask, bool causal, float scale, str precision, bool bias_grad) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    _attention_bwd, _attention_bwd_fake,
+)
+_ATTENTION_FWD = define_op(
+    "attention_fwd",
+    "(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor? key_padding_mask, bool causal, float scale, "
+    "str precision) -> (Tensor, Tensor)",
+    _attention_fwd, _attention_fwd_fake, _attention_backward, _attention_setup_context,
+)
 
 
 def _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p):
@@ -257,7 +276,9 @@ def elsa_attention(
         dropout_p: attention dropout probability (torch backend; 0 in eval).
 
     Returns:
-        ``[B, H, Nq, Dv]`` in the dtype of ``q``. Rows with no visible key are 0, never NaN.
+        ``[B, H, Nq, Dv]`` in the dtype of ``q``. Rows with no visible key are 0, never NaN. The Triton
+        backend stores it as ``[B, Nq, H, Dv]`` (as SDPA's flash and efficient backends do), so that
+        ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is a view, not a copy.
     """
     _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
     chosen = resolve_backend(backend, q, dropout_p)
@@ -276,10 +297,10 @@ def elsa_attention(
         if dropout_p > 0.0:
             raise ValueError("elsa_attention: backend='triton' has no attention dropout; use backend='torch'")
         if q.dtype == torch.float64:
-            raise TypeError("elsa_attention: backend='triton' takes float16, bfloat16 or float32; float64 runs on "
-                            "backend='torch'")
+            raise TypeError("elsa_attention: backend='triton' takes float16, bfloat16 or float32; "
+                            "float64 runs on backend='torch'")
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        out, _ = torch.ops.elsa_vision.attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
+        out, _ = _ATTENTION_FWD(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
         return out
     return _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p)
 
@@ -323,7 +344,8 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if isinstance(mx, bool) or not isinstance(mx, int):
             raise TypeError(f"{fn}: max seqlen for `{name}` must be an int, got {mx!r}")
         if mx < int(lens.max()):
-            raise ValueError(f"{fn}: max seqlen {mx} for `{name}` is below its longest sequence {int(lens.max())}")
+            raise ValueError(
+                f"{fn}: max seqlen {mx} for `{name}` is below its longest sequence {int(lens.max())}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must have the same length, got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")

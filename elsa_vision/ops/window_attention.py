@@ -1,4 +1,4 @@
-"""``window_attention``: Swin-v2 window attention (W-ELSA) as a torch custom op with autograd.
+"""``window_attention``: Swin-v2 window attention (W-ELSA) as a torch operator with autograd.
 
 Forward: one Triton launch over all windows (:func:`elsa_vision.kernels.window.window_fwd`: q/k normalisation,
 per-head logit scale, shared ``[H, N, N]`` bias and ``[nW, N, N]`` shift mask read by stride).
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._library import define_op
 from .attention import PRECISIONS, _cuda_matmul_precision
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
@@ -29,18 +30,12 @@ __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 LOGIT_SCALE_MAX = 4.605170185988092  # log(100), timm's clamp
 
 
-@torch.library.custom_op(
-    "elsa_vision::window_attention_fwd", mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor logit_scale, Tensor bias, Tensor? mask, str precision) "
-           "-> (Tensor, Tensor)",
-)
 def _window_fwd(q, k, v, logit_scale, bias, mask, precision):
     from ..kernels.window import window_fwd
 
     return window_fwd(q, k, v, logit_scale, bias, mask, precision)
 
 
-@_window_fwd.register_fake
 def _window_fwd_fake(q, k, v, logit_scale, bias, mask, precision):
     Bw, H, N, _ = q.shape
     out = q.new_empty(Bw, N, H, v.shape[-1]).transpose(1, 2)  # the kernel's layout (window_fwd)
@@ -126,7 +121,12 @@ def _backward(ctx, dout, _dlse):
             dls, dbias, None, None)
 
 
-_window_fwd.register_autograd(_backward, setup_context=_setup_context)
+_WINDOW_FWD = define_op(
+    "window_attention_fwd",
+    "(Tensor q, Tensor k, Tensor v, Tensor logit_scale, Tensor bias, Tensor? mask, str precision) "
+    "-> (Tensor, Tensor)",
+    _window_fwd, _window_fwd_fake, _backward, _setup_context,
+)
 
 
 def window_attention(
@@ -160,5 +160,5 @@ def window_attention(
         raise TypeError(f"window_attention: `logit_scale` must be a tensor, got {type(logit_scale).__name__}")
     if q.dim() == 4 and logit_scale.numel() == q.shape[1]:
         logit_scale = logit_scale.reshape(-1)
-    out, _ = torch.ops.elsa_vision.window_attention_fwd(q, k, v, logit_scale, bias, mask, precision)
+    out, _ = _WINDOW_FWD(q, k, v, logit_scale, bias, mask, precision)
     return out

@@ -672,6 +672,20 @@ def test_gpu_half_precision(dtype, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 72, 80, 96, 128])
+def test_gpu_half_precision_vit_lengths(dtype, D):
+    # 257..1024 query rows run 64-row tiles in half precision (ViT-B at 448 px: 785 tokens).
+    B, H, N = 2, 3, 785
+    assert plan(B, H, N, N, D, D, dtype, device="cuda").block_m == 64
+    q, k, v = qkv(B, H, N, N, D, seed=105, dtype=dtype)
+    bias = randn(1, H, N, N, seed=106, dtype=dtype)
+    kpm = torch.rand(B, N, generator=gen(107)).to(DEVICE) > 0.1
+    out, _ = elsa_fwd(q, k, v, attn_bias=bias, key_padding_mask=kpm)
+    assert_low_precision(out, q, k, v, attn_bias=bias, key_padding_mask=kpm)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "N,dtype,causal",
     [
