@@ -1,4 +1,5 @@
-"""The Triton path as one autograd-aware custom op: gradients, opcheck, torch.compile, CUDA graphs, training.
+"""The Triton path as one autograd-aware torch operator: gradients, opcheck, torch.compile, CUDA graphs,
+training.
 
 On CPU the kernels run in Triton's interpreter (small odd shapes); the `gpu` tests repeat the checks at real
 sizes on CUDA.

@@ -209,7 +209,7 @@ def test_gpu_swin_shapes(window, H, D, B, nW, dtype):
 
 
 def test_opcheck_and_compile():
-    """Schema, fake tensor, autograd registration of the custom op; ``torch.compile(fullgraph=True)`` traces
+    """Schema, fake tensor, autograd registration of the operator; ``torch.compile(fullgraph=True)`` traces
     it without a graph break and gives the eager result."""
     q, k, v, ls, bias, mask = make_inputs(3, 5, 2, 16, 2, True, grid=(1, 2))
     args = (q.contiguous().requires_grad_(True), k.contiguous(), v.contiguous(), ls.requires_grad_(True),
