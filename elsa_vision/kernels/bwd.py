@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _FP32_PRECISIONS
+from .fwd import _FP32_PRECISIONS, _cdiv, _next_pow2
 from .fwd import resolve_precision as _fwd_resolve_precision
 from .monoid import f16_pair, matmul_f16x3, pow2, split_f16
 
@@ -526,7 +526,7 @@ def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device,
         raise ValueError(f"elsa_bwd: unknown `precision` {precision!r}; expected one of {_PRECISIONS}")
     if dtype != torch.float32:
         return "tf32"
-    padded = None if head_dim is None else max(16, triton.next_power_of_2(head_dim))
+    padded = None if head_dim is None else max(16, _next_pow2(head_dim))
     prec = _fwd_resolve_precision(precision, dtype, device, padded)
     return "tf32x3" if prec == "tf32x3s" else prec
 
@@ -558,7 +558,7 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     with Triton 3.6 on the H100, its nested member / tile loops pipelined at ``num_stages=2`` returned wrong
     values at head dim 16 (``docs/kernel_notes.md``, "dBias kernel and software pipelining").
     """
-    wide = max(triton.next_power_of_2(d), triton.next_power_of_2(dv))
+    wide = max(_next_pow2(d), _next_pow2(dv))
     if device.type != "cuda":
         # CPU interpreter: few large tiles (the interpreter's cost is per program and per loop step)
         return BwdConfig(block_m1=64, block_n1=64, block_m2=64, block_n2=64, block_m3=64, block_n3=64)
@@ -704,8 +704,8 @@ def elsa_bwd(
     sm_scale = float(D ** -0.5 if scale is None else scale)
     qk_scale = sm_scale * LOG2E
     cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, deterministic, Nk)
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_DV = max(16, triton.next_power_of_2(Dv))
+    BLOCK_D = max(16, _next_pow2(D))
+    BLOCK_DV = max(16, _next_pow2(Dv))
     device = q.device
     dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
 
@@ -737,14 +737,14 @@ def elsa_bwd(
     q_s, k_s, v_s, do_s = q.stride(), k.stride(), v.stride(), do.stride()
     lse_s = lse.stride()
 
-    _bwd_preprocess_kernel[(B * H, triton.cdiv(Nq, 64))](
+    _bwd_preprocess_kernel[(B * H, _cdiv(Nq, 64))](
         out, do, delta, *out.stride(), *do_s, H, Nq, Dv, BLOCK_M=64, BLOCK_DV=BLOCK_DV, num_warps=4,
     )
 
     atomic_dq = not deterministic
     dq_acc = torch.zeros((B, H, Nq, D), dtype=torch.float32, device=device) if atomic_dq else delta
     dq_acc_s = dq_acc.stride() if atomic_dq else (0, 0, 0, 0)
-    _bwd_dkdv_kernel[(B * H, triton.cdiv(Nk, cfg.block_n1))](
+    _bwd_dkdv_kernel[(B * H, _cdiv(Nk, cfg.block_n1))](
         q, k, v, do, lse, delta, bias_arg, kpm, dk, dv, dq_acc,
         *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(), *dq_acc_s,
         H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
@@ -756,7 +756,7 @@ def elsa_bwd(
     if atomic_dq:
         dq.copy_(dq_acc)
     else:
-        _bwd_dq_kernel[(B * H, triton.cdiv(Nq, cfg.block_m2))](
+        _bwd_dq_kernel[(B * H, _cdiv(Nq, cfg.block_m2))](
             q, k, v, do, lse, delta, bias_arg, kpm, dq,
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dq.stride(),
             H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
@@ -769,15 +769,15 @@ def elsa_bwd(
     dbias = None
     if has_bias and bias_requires_grad:
         reduce_m, reduce_n = Mb == 1, Nb == 1
-        grid_m = 1 if reduce_m else triton.cdiv(Nq, cfg.block_m3)
-        grid_n = 1 if reduce_n else triton.cdiv(Nk, cfg.block_n3)
+        grid_m = 1 if reduce_m else _cdiv(Nq, cfg.block_m3)
+        grid_n = 1 if reduce_n else _cdiv(Nk, cfg.block_n3)
         n_members = (B // Bb) * (H // Hb)
         tiles = grid_m * grid_n * Bb * Hb
         # Split the member loop only when the reduced grid cannot fill the device (fixed-order sum after).
         target = 2 * _sm_count(device)
         n_split = max(1, min(n_members, target // tiles)) if tiles < target else 1
-        per_split = triton.cdiv(n_members, n_split)
-        n_split = triton.cdiv(n_members, per_split)
+        per_split = _cdiv(n_members, n_split)
+        n_split = _cdiv(n_members, per_split)
         ws = torch.empty((n_split, Bb, Hb, Mb, Nb), dtype=torch.float32, device=device)
         # The dBias kernel recomputes S and dP with tf32x3 under fp16x3 (FP32-accurate either way).
         _bwd_dbias_kernel[(Bb * Hb * n_split, grid_m, grid_n)](

@@ -297,8 +297,14 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
 
 
+# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions: called from Python
+# they cost a few µs each (measured 2.6 µs on a fast host), several times per launch.
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 def _interpreting() -> bool:
@@ -306,7 +312,7 @@ def _interpreting() -> bool:
 
 
 def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(n)))
+    return max(lo, _next_pow2(n))
 
 
 def _device_info(device) -> tuple[int, tuple[int, int], int]:
@@ -617,7 +623,7 @@ def _launch(q, k, v, bias, kpm, out, lse, p: FwdPlan, dims, strides_q, strides_k
         SPLIT=p.partitions > 1, num_warps=p.num_warps, num_stages=p.num_stages,
     )
     if p.partitions > 1:
-        splits = max(2, triton.next_power_of_2(p.partitions))
+        splits = max(2, _next_pow2(p.partitions))
         bm2 = max(2, min(64, 4096 // (splits * p.block_dv)))
         m2 = _cdiv(Nq, bm2)
         _merge_kernel[(m2 * bh,)](
