@@ -19,6 +19,7 @@ windows. Windows of any token count ``N`` (49, 64, 144, 256, 576, non-square) ar
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,10 +27,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _device_info, resolve_precision
+from .fwd import _cdiv, _device_info, _next_pow2, resolve_precision
 from .monoid import fold_tile, matmul
 
-__all__ = ["window_fwd", "window_plan", "LOGIT_SCALE_MAX"]
+__all__ = ["window_fwd", "window_plan", "window_bwd", "window_bwd_plan",
+           "BWD_MAX_TOKENS", "LOGIT_SCALE_MAX"]
 
 LOGIT_SCALE_MAX = math.log(1.0 / 0.01)  # timm's clamp of the per-head logit scale: exp(.) <= 100
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -126,10 +128,116 @@ def _window_fwd_kernel(
         tl.store(Lse + b64 * stride_lb + h64 * stride_lh + rows64 * stride_lm, lse, mask=row_ok)
 
 
+@triton.jit
+def _window_bwd_kernel(
+    Q, K, V, DO, LogitScale, Bias, Mask, GradQ, GradK, GradV, DBias, DScale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_ls,
+    stride_bh, stride_bm, stride_bn,
+    stride_mw, stride_mm, stride_mn,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    Bw, H, N, nW, logit_max,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WINDOWS: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr, NEED_QKV: tl.constexpr,
+):
+    """Grid ``(cdiv(Bw, WINDOWS), H)``: one program owns one head of ``WINDOWS`` consecutive windows, each
+    window whole in one ``BLOCK x BLOCK`` tile (``N <= BLOCK``).
+
+    Per window: the logits ``L = normalize(q) * scale . normalize(k)`` and the dense softmax ``P`` of
+    ``L + bias + mask`` (row maximum and sum formed here, no saved log-sum-exp), ``dP = dO V^T``,
+    ``dS = P (dP - rowsum(P dP))``; then ``dV = P^T dO`` and ``dq``, ``dk`` through the normalisation.
+    Writes ``GradQ``, ``GradK``, ``GradV`` (when ``NEED_QKV``), and per program the bias gradient summed
+    over its windows ``DBias [G, H, N, N]`` and ``DScale [G, H] = sum dS (L - rowmax L)`` (float32).
+    """
+    pid_w = tl.program_id(0)
+    off_h = tl.program_id(1)
+    h64 = off_h.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tok = offs < N
+    tok64 = tl.minimum(offs, N - 1).to(tl.int64)
+    tile_ok = tok[:, None] & tok[None, :]
+    d_ok = offs_d[None, :] < D
+    dv_ok = offs_dv[None, :] < DV
+
+    scale = tl.exp(tl.minimum(tl.load(LogitScale + h64 * stride_ls).to(tl.float32), logit_max))
+    bias = tl.load(Bias + h64 * stride_bh + tok64[:, None] * stride_bm + tok64[None, :] * stride_bn,
+                   mask=tile_ok, other=0.0).to(tl.float32)
+    dbias = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    dscale = tl.zeros([BLOCK], dtype=tl.float32)
+
+    for w in range(WINDOWS):
+        b = pid_w * WINDOWS + w
+        b64 = tl.minimum(b, Bw - 1).to(tl.int64)
+        row_ok = tok & (b < Bw)
+        q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + tok64[:, None] * stride_qm
+                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+        k = tl.load(K + b64 * stride_kb + h64 * stride_kh + tok64[:, None] * stride_kn
+                    + offs_d[None, :] * stride_kd, mask=row_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+        v = tl.load(V + b64 * stride_vb + h64 * stride_vh + tok64[:, None] * stride_vn
+                    + offs_dv[None, :] * stride_vd, mask=row_ok[:, None] & dv_ok, other=0.0).to(tl.float32)
+        do = tl.load(DO + b64 * stride_ob + h64 * stride_oh + tok64[:, None] * stride_om
+                     + offs_dv[None, :] * stride_od, mask=row_ok[:, None] & dv_ok, other=0.0).to(tl.float32)
+        # F.normalize: x / max(|x|, eps)
+        q_raw = tl.sqrt(tl.sum(q * q, 1))
+        k_raw = tl.sqrt(tl.sum(k * k, 1))
+        q_norm = tl.maximum(q_raw, _NORM_EPS)
+        k_norm = tl.maximum(k_raw, _NORM_EPS)
+        qhat = q / q_norm[:, None]
+        khat = k / k_norm[:, None]
+        qn = qhat * scale
+
+        logits = matmul(qn, tl.trans(khat), tl.zeros([BLOCK, BLOCK], dtype=tl.float32), PRECISION)
+        s = logits + bias
+        if HAS_MASK:
+            mask_ptrs = (Mask + (b64 % nW) * stride_mw + tok64[:, None] * stride_mm
+                         + tok64[None, :] * stride_mn)
+            s += tl.load(mask_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+        s = tl.where(tok[None, :], s, float("-inf"))
+        p = tl.exp(s - tl.max(s, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        dp = matmul(do, tl.trans(v), tl.zeros([BLOCK, BLOCK], dtype=tl.float32), PRECISION)
+        ds = p * (dp - tl.sum(p * dp, 1)[:, None])
+        ds = tl.where(row_ok[:, None], ds, 0.0)
+        dbias += ds
+        # sum_j dS_ij = 0: shifting each row's logits by their maximum removes a common offset of up to 100
+        lmax = tl.max(tl.where(tok[None, :], logits, float("-inf")), 1)
+        dscale += tl.sum(ds * tl.where(tok[None, :], logits - lmax[:, None], 0.0), 1)
+
+        if NEED_QKV:
+            dv = matmul(tl.trans(p), do, tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32), PRECISION)
+            dqh = matmul(ds, khat, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), PRECISION) * scale
+            dkh = matmul(tl.trans(ds), qn, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), PRECISION)
+            # through the normalisation: (dy - y (y . dy)) / |x|, or dy / eps where the norm is clamped
+            q_dot = tl.where(q_raw > _NORM_EPS, tl.sum(qhat * dqh, 1), 0.0)
+            k_dot = tl.where(k_raw > _NORM_EPS, tl.sum(khat * dkh, 1), 0.0)
+            dq = (dqh - qhat * q_dot[:, None]) / q_norm[:, None]
+            dk = (dkh - khat * k_dot[:, None]) / k_norm[:, None]
+            qk_ok = row_ok[:, None] & d_ok
+            tl.store(GradQ + b64 * stride_dqb + h64 * stride_dqh + tok64[:, None] * stride_dqm
+                     + offs_d[None, :] * stride_dqd, dq.to(GradQ.dtype.element_ty), mask=qk_ok)
+            tl.store(GradK + b64 * stride_dkb + h64 * stride_dkh + tok64[:, None] * stride_dkn
+                     + offs_d[None, :] * stride_dkd, dk.to(GradK.dtype.element_ty), mask=qk_ok)
+            tl.store(GradV + b64 * stride_dvb + h64 * stride_dvh + tok64[:, None] * stride_dvn
+                     + offs_dv[None, :] * stride_dvd, dv.to(GradV.dtype.element_ty),
+                     mask=row_ok[:, None] & dv_ok)
+
+    ws = (pid_w * H + off_h).to(tl.int64)
+    tl.store(DBias + ws * N * N + tok64[:, None] * N + tok64[None, :], dbias, mask=tile_ok)
+    tl.store(DScale + ws, tl.sum(dscale, 0))
+
+
 def _pow2(x: int) -> int:
-    return max(16, triton.next_power_of_2(int(x)))
+    return max(16, _next_pow2(x))
 
 
+@functools.lru_cache(maxsize=1024)
 def window_plan(Bw: int, H: int, N: int, D: int, Dv: int, dtype: torch.dtype, device) -> dict:
     """Launch options of :func:`window_fwd`: tiles, windows per program, warps.
 
@@ -140,9 +248,9 @@ def window_plan(Bw: int, H: int, N: int, D: int, Dv: int, dtype: torch.dtype, de
     block_m = 64 if N > 32 else 32
     big = max(_pow2(D), _pow2(Dv))
     block_n = 32 if big > 64 or dtype == torch.float32 and big > 32 else 64
-    m_tiles = triton.cdiv(N, block_m)
+    m_tiles = _cdiv(N, block_m)
     windows = 1
-    while windows < 8 and m_tiles * H * triton.cdiv(Bw, 2 * windows) >= 4 * sms:
+    while windows < 8 and m_tiles * H * _cdiv(Bw, 2 * windows) >= 4 * sms:
         windows *= 2
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, WINDOWS=windows, num_warps=4, num_stages=2)
 
@@ -214,11 +322,11 @@ def window_fwd(
     if Bw == 0 or N == 0:
         return out, lse
     cfg = window_plan(Bw, H, N, D, Dv, q.dtype, q.device)
-    m_tiles = triton.cdiv(N, cfg["BLOCK_M"])
+    m_tiles = _cdiv(N, cfg["BLOCK_M"])
     has_mask = mask is not None
     mask_arg = mask if has_mask else bias
     m_strides = mask.stride() if has_mask else (0, 0, 0)
-    grid = (triton.cdiv(Bw, cfg["WINDOWS"]), m_tiles * H)
+    grid = (_cdiv(Bw, cfg["WINDOWS"]), m_tiles * H)
     _window_fwd_kernel[grid](
         q, k, v, logit_scale, bias, mask_arg, out, lse,
         *q.stride(), *k.stride(), *v.stride(), logit_scale.stride(0), *bias.stride(), *m_strides,
@@ -227,3 +335,91 @@ def window_fwd(
         D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), PRECISION=prec, HAS_MASK=has_mask, **cfg,
     )
     return out, lse
+
+
+BWD_MAX_TOKENS = 64  # windows the fused backward holds whole in one tile (Swin-v2 W8: 64 tokens)
+
+
+@functools.lru_cache(maxsize=1024)
+def window_bwd_plan(Bw: int, H: int, N: int, D: int, Dv: int, device) -> dict:
+    """Launch options of :func:`window_bwd`: the window tile, windows per program, warps.
+
+    ``WINDOWS`` is the largest power of two <= 8 that still leaves at least four programs per SM; each
+    program writes one ``[N, N]`` partial bias gradient, so fewer programs also means a smaller workspace.
+    Four warps: on the H100 machine they beat eight in 13 of 16 (shape, ``WINDOWS``) pairs of Swin-v2-T/W8's
+    four stages (``docs/kernel_notes.md``, "W-ELSA backward").
+    """
+    sms, _, _ = _device_info(device)
+    block = _pow2(N)
+    windows = 1
+    while windows < 8 and H * _cdiv(Bw, 2 * windows) >= 4 * sms:
+        windows *= 2
+    return dict(BLOCK=block, WINDOWS=windows, num_warps=4, num_stages=1)
+
+
+def window_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    logit_scale: Tensor,
+    bias: Tensor,
+    mask: Tensor | None = None,
+    precision: str = "auto",
+    need_qkv: bool = True,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor]:
+    """Gradients of :func:`window_fwd` for windows of at most ``BWD_MAX_TOKENS`` tokens, in one launch.
+
+    Each window's softmax is formed densely from its recomputed logits (row maximum and sum in float32,
+    no saved log-sum-exp: Swin-v2 logits reach ``100 cos + 16``, where a float32 log-sum-exp carries a
+    rounding of ~4e-6 into every probability). All arithmetic is float32 whatever the input dtype; the dots
+    run at ``precision`` resolved as for float32 (``"auto"``: FP32-accurate three-pass TF32 on sm80+).
+
+    Args:
+        dout: ``[B*nW, H, N, Dv]`` gradient of the output (any strides); the rest as :func:`window_fwd`.
+        need_qkv: compute ``dq``, ``dk``, ``dv`` (else only the bias and logit-scale gradients).
+
+    Returns:
+        ``(dq, dk, dv, dbias, dscale)``: ``dq``, ``dk``, ``dv`` in the inputs' dtype (None unless
+        ``need_qkv``); ``dbias [H, N, N]`` float32, summed over all windows; ``dscale [H]`` float32,
+        ``sum dS * L`` with ``L`` the scaled cosine logits: the gradient of ``exp(logit_scale)`` times that
+        scale, i.e. of ``logit_scale`` before its clamp.
+    """
+    _check(q, k, v, logit_scale, bias, mask)
+    Bw, H, N, D = q.shape
+    Dv = v.shape[-1]
+    if N > BWD_MAX_TOKENS:
+        raise ValueError(f"window_bwd: windows of at most {BWD_MAX_TOKENS} tokens, got N={N}")
+    if dout.shape != (Bw, H, N, Dv) or dout.device != q.device:
+        raise ValueError(f"window_bwd: `dout` must be [{Bw}, {H}, {N}, {Dv}] on {q.device}, got "
+                         f"{tuple(dout.shape)} on {dout.device}")
+    prec = resolve_precision(precision, torch.float32, q.device)
+    dev = q.device
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if need_qkv else None
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if need_qkv else None
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if need_qkv else None
+    if Bw == 0 or N == 0:
+        zeros = torch.zeros((H, N, N), dtype=torch.float32, device=dev)
+        return dq, dk, dv, zeros, torch.zeros(H, dtype=torch.float32, device=dev)
+    cfg = window_bwd_plan(Bw, H, N, D, Dv, dev)
+    groups = _cdiv(Bw, cfg["WINDOWS"])
+    dbias = torch.empty((groups, H, N, N), dtype=torch.float32, device=dev)
+    dscale = torch.empty((groups, H), dtype=torch.float32, device=dev)
+    has_mask = mask is not None
+    mask_arg = mask if has_mask else bias
+    m_strides = mask.stride() if has_mask else (0, 0, 0)
+    no_grad = (0, 0, 0, 0)
+    _window_bwd_kernel[(groups, H)](
+        q, k, v, dout, logit_scale, bias, mask_arg, dq if need_qkv else q, dk if need_qkv else k,
+        dv if need_qkv else v, dbias, dscale,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), logit_scale.stride(0), *bias.stride(),
+        *m_strides,
+        *(dq.stride() if need_qkv else no_grad), *(dk.stride() if need_qkv else no_grad),
+        *(dv.stride() if need_qkv else no_grad),
+        Bw, H, N, mask.shape[0] if has_mask else 1, LOGIT_SCALE_MAX,
+        D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), PRECISION=prec, HAS_MASK=has_mask,
+        NEED_QKV=need_qkv, **cfg,
+    )
+    dbias = dbias[0] if groups == 1 else dbias.sum(0)
+    dscale = dscale[0] if groups == 1 else dscale.sum(0)
+    return dq, dk, dv, dbias, dscale

@@ -3,17 +3,17 @@
 Forward: one Triton launch over all windows (:func:`elsa_vision.kernels.window.window_fwd`: q/k normalisation,
 per-head logit scale, shared ``[H, N, N]`` bias and ``[nW, N, N]`` shift mask read by stride).
 
-Backward: the normalised, scaled ``q``/``k`` are recomputed and every window's softmax is formed densely
-(windows hold at most a few hundred tokens), in chunks of whole images that bound the memory. From one
-``P`` and ``dS = P (dP - rowsum(P dP))`` per chunk come ``dV = P^T dO``, ``dq = dS k``, ``dk = dS^T q``
-(then through the normalisation by autograd), the bias gradient (``dS`` summed over the images) and the
-``logit_scale`` gradient ``sum dS (L - rowmax L)`` (``L`` the scaled cosine logits; this avoids the
-cancellation of the ``dq . q`` route). The dense softmax matters for float32 accuracy here: Swin-v2 logits
-reach ``100 cos + 16``, and a probability recomputed from a saved float32 log-sum-exp of that size carries
-its rounding (~4e-6 relative) into every gradient, several times the error of the dense softmax
-(``docs/kernel_notes.md``, "W-ELSA backward"). Gradients reach ``q``, ``k``, ``v``, ``logit_scale`` and the
-bias (hence ``cpb_mlp``); the mask gets none. Float32 matmuls of the backward run in IEEE float32 unless
-``precision="tf32"``.
+Backward: every window's softmax is formed densely from its recomputed logits (no saved log-sum-exp: Swin-v2
+logits reach ``100 cos + 16``, and a probability recomputed from a float32 log-sum-exp of that size carries
+its rounding, ~4e-6 relative, into every gradient; ``docs/kernel_notes.md``, "W-ELSA backward"). From ``P``
+and ``dS = P (dP - rowsum(P dP))`` come ``dV = P^T dO``, ``dq = dS k``, ``dk = dS^T q`` (then through the
+normalisation), the bias gradient (``dS`` summed over the windows) and the ``logit_scale`` gradient
+``sum dS (L - rowmax L)`` (``L`` the scaled cosine logits; this avoids the cancellation of the ``dq . q``
+route). Windows of up to 64 tokens (window 8, the common Swin-v2 case) run one fused Triton launch
+(:func:`elsa_vision.kernels.window.window_bwd`, float32 arithmetic, dots at the forward's ``precision``:
+FP32-accurate three-pass TF32 for ``"auto"`` on sm80+); larger windows run the same math in PyTorch, in
+chunks of whole images that bound the memory, with IEEE float32 matmuls unless ``precision="tf32"``.
+Gradients reach ``q``, ``k``, ``v``, ``logit_scale`` and the bias (hence ``cpb_mlp``); the mask gets none.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .attention import PRECISIONS, _cuda_matmul_precision
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
 LOGIT_SCALE_MAX = 4.605170185988092  # log(100), timm's clamp
+_BWD_MAX_TOKENS = 64  # kernels.window.BWD_MAX_TOKENS (not imported here: the kernels load lazily)
 
 
 def _window_fwd(q, k, v, logit_scale, bias, mask, precision):
@@ -99,26 +100,41 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, logit_scale, bias, mask, out, lse = ctx.saved_tensors
-    nW = 1 if mask is None else mask.shape[0]
-    full = bias.unsqueeze(0) if mask is None else bias.unsqueeze(0) + mask.to(bias.dtype).unsqueeze(1)
-    full = full.to(q.dtype)  # [nW, H, N, N]: per window, never per image
     need_q, need_k, need_v, need_ls, need_bias = ctx.needs_input_grad[:5]
-    with torch.enable_grad():
-        qd, kd, lsd = (t.detach().requires_grad_(True) for t in (q, k, logit_scale))
-        qn, kn = _normalized(qd, kd, lsd)
-    with _cuda_matmul_precision(ctx.precision == "tf32"):
-        dqn, dkn, dv, dfull, dscale = _dense_window_grads(
-            dout, qn.detach(), kn.detach(), v, full, nW, need_qkv=need_q or need_k or need_v)
-    dq = dk = dls = dbias = None
-    if need_q or need_k:
-        dq, dk = torch.autograd.grad((qn, kn), (qd, kd), (dqn.to(qn.dtype), dkn.to(kn.dtype)))
+    need_qkv = need_q or need_k or need_v
+    if q.shape[2] <= _BWD_MAX_TOKENS:
+        from ..kernels.window import window_bwd
+
+        dq, dk, dv, dfull, dscale = window_bwd(dout, q, k, v, logit_scale, bias, mask, ctx.precision,
+                                               need_qkv=need_qkv)
+    else:
+        dq, dk, dv, dfull, dscale = _dense_backward(dout, q, k, v, logit_scale, bias, mask, ctx.precision,
+                                                    need_q or need_k, need_qkv)
+    dls = dbias = None
     if need_bias:
-        dbias = dfull.sum(0).to(bias.dtype)
+        dbias = dfull.to(bias.dtype)
     if need_ls:
         # L = exp(min(logit_scale, log 100)) cos: dL / dlogit_scale = L where the clamp is inactive.
         dls = (dscale * (logit_scale.float() <= LOGIT_SCALE_MAX)).to(logit_scale.dtype)
     return (dq if need_q else None, dk if need_k else None, dv.to(v.dtype) if need_v else None,
             dls, dbias, None, None)
+
+
+def _dense_backward(dout, q, k, v, logit_scale, bias, mask, precision, need_qk, need_qkv):
+    """Windows larger than the fused kernel's tile: dense float32 softmax per chunk of images (PyTorch)."""
+    nW = 1 if mask is None else mask.shape[0]
+    full = bias.unsqueeze(0) if mask is None else bias.unsqueeze(0) + mask.to(bias.dtype).unsqueeze(1)
+    full = full.to(q.dtype)  # [nW, H, N, N]: per window, never per image
+    with torch.enable_grad():
+        qd, kd, lsd = (t.detach().requires_grad_(True) for t in (q, k, logit_scale))
+        qn, kn = _normalized(qd, kd, lsd)
+    with _cuda_matmul_precision(precision == "tf32"):
+        dqn, dkn, dv, dfull, dscale = _dense_window_grads(
+            dout, qn.detach(), kn.detach(), v, full, nW, need_qkv=need_qkv)
+    dq = dk = None
+    if need_qk:
+        dq, dk = torch.autograd.grad((qn, kn), (qd, kd), (dqn.to(qn.dtype), dkn.to(kn.dtype)))
+    return dq, dk, dv, dfull.sum(0), dscale
 
 
 _WINDOW_FWD = define_op(
