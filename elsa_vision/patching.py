@@ -201,6 +201,12 @@ class _ElsaConverted:
         return module
 
 
+def _same_key(a: tuple, b: tuple) -> bool:
+    """Equal ``(autocast, ((tensor, data_ptr, version), ...))`` keys: the same tensor objects, unchanged."""
+    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
+        t is u and p == q and v == w for (t, p, v), (u, q, w) in zip(a[1], b[1]))
+
+
 def _swin_classes():
     from timm.models import swin_transformer as swin1
     from timm.models import swin_transformer_v2 as swin2
@@ -242,11 +248,32 @@ def _swin_classes():
             return qkv.unbind(0)
 
         def position_bias(self) -> Tensor:
-            """``16 sigmoid(cpb_mlp(relative_coords_table))[relative_position_index]`` as ``[H, N, N]``."""
+            """``16 sigmoid(cpb_mlp(relative_coords_table))[relative_position_index]`` as ``[H, N, N]``.
+
+            With autograd off (inference) the bias is computed once and reused until an input changes: a
+            ``cpb_mlp`` parameter or the table/index buffers updated in place (their version counters),
+            replaced or moved (``.to()``, ``load_state_dict``), or a different autocast state. Under
+            ``torch.compile`` it is always recomputed (the compiler folds it itself).
+            """
+            key = None
+            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                key = self._position_bias_key()
+                cached = self.__dict__.get("_elsa_position_bias")
+                if cached is not None and _same_key(cached[0], key):
+                    return cached[1]
             N = self.relative_position_index.shape[0]
             table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
             bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
-            return 16 * torch.sigmoid(bias)
+            bias = 16 * torch.sigmoid(bias)
+            if key is not None:
+                self.__dict__["_elsa_position_bias"] = (key, bias)
+            return bias
+
+        def _position_bias_key(self) -> tuple:
+            dev = self.relative_coords_table.device.type
+            tensors = (*self.cpb_mlp.parameters(), self.relative_coords_table, self.relative_position_index)
+            autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
+            return autocast, tuple((t, t.data_ptr(), t._version) for t in tensors)
 
         def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
             q, k, v = self._qkv(x)

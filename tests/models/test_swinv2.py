@@ -199,6 +199,47 @@ def test_set_attention_and_errors():
         ElsaSwinV2Attention.convert(torch.nn.Linear(2, 2))
 
 
+def _fresh_bias(m: ElsaSwinV2Attention) -> torch.Tensor:
+    """The position bias computed from scratch (timm's formula), for comparison with the cached one."""
+    N = m.relative_position_index.shape[0]
+    table = m.cpb_mlp(m.relative_coords_table).view(-1, m.num_heads)
+    return 16 * torch.sigmoid(table[m.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1))
+
+
+def test_position_bias_cached_in_inference_only():
+    """With autograd off the ``[H, N, N]`` bias is computed once per block and reused; an in-place weight
+    update, a replaced parameter, a dtype change or autocast recompute it; with autograd on it is never
+    cached (it must carry the graph to ``cpb_mlp``)."""
+    _, model = _pair(64)
+    m = next(a for a in model.modules() if isinstance(a, ElsaSwinV2Attention))
+    with torch.no_grad():
+        b1 = m.position_bias()
+        assert m.position_bias() is b1  # cache hit
+        assert _rel(b1, _fresh_bias(m)) == 0.0
+        m.cpb_mlp[0].weight.add_(0.5)  # in-place update (e.g. an optimizer step): version bump
+        b2 = m.position_bias()
+        assert b2 is not b1 and _rel(b2, _fresh_bias(m)) == 0.0 and _rel(b2, b1) > 1e-3
+    with torch.inference_mode():
+        assert m.position_bias() is b2
+    m.cpb_mlp[2].weight = torch.nn.Parameter(m.cpb_mlp[2].weight.detach() * 2)  # a replaced parameter
+    with torch.no_grad():
+        b3 = m.position_bias()
+        assert b3 is not b2 and _rel(b3, _fresh_bias(m)) == 0.0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            b4 = m.position_bias()
+            assert b4 is not b3 and b4.dtype == torch.bfloat16 and m.position_bias() is b4
+        assert m.position_bias() is not b4 and m.position_bias().dtype == torch.float32
+    model.double()
+    with torch.no_grad():
+        assert m.position_bias().dtype == torch.float64
+    b5 = m.position_bias()  # autograd on: a fresh bias attached to cpb_mlp's graph
+    assert b5.requires_grad and b5 is not m.position_bias()
+    b5.sum().backward()
+    assert m.cpb_mlp[0].weight.grad is not None
+    assert "_elsa_position_bias" not in model.state_dict() and not any(
+        "position_bias" in k for k in model.state_dict())
+
+
 def test_attention_dropout_in_training_only():
     ref, model = _pair(64, attn_drop_rate=0.5)
     x = torch.randn(1, 3, 64, 64)
