@@ -253,11 +253,12 @@ def _swin_classes():
             With autograd off (inference) the bias is computed once and reused until an input changes: a
             ``cpb_mlp`` parameter or the table/index buffers updated in place (their version counters),
             replaced or moved (``.to()``, ``load_state_dict``), or a different autocast state. Under
-            ``torch.compile`` it is always recomputed (the compiler folds it itself).
+            ``torch.compile`` it is always recomputed (the compiler folds it itself), and so it is for a model
+            whose weights are inference tensors (built under ``torch.inference_mode``: no version counters).
             """
             key = None
             if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                key = self._position_bias_key()
+                key = self._position_bias_key()  # None for inference tensors: no version counter
                 cached = self.__dict__.get("_elsa_position_bias")
                 if cached is not None and _same_key(cached[0], key):
                     return cached[1]
@@ -269,9 +270,11 @@ def _swin_classes():
                 self.__dict__["_elsa_position_bias"] = (key, bias)
             return bias
 
-        def _position_bias_key(self) -> tuple:
+        def _position_bias_key(self) -> tuple | None:
             dev = self.relative_coords_table.device.type
             tensors = (*self.cpb_mlp.parameters(), self.relative_coords_table, self.relative_position_index)
+            if any(t.is_inference() for t in tensors):  # a model built under inference_mode: no caching
+                return None
             autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
             return autocast, tuple((t, t.data_ptr(), t._version) for t in tensors)
 

@@ -238,6 +238,15 @@ def test_position_bias_cached_in_inference_only():
     assert m.cpb_mlp[0].weight.grad is not None
     assert "_elsa_position_bias" not in model.state_dict() and not any(
         "position_bias" in k for k in model.state_dict())
+    with torch.inference_mode():  # weights made under inference_mode have no version counter: no cache
+        _, model = _pair(64)
+        m = next(a for a in model.modules() if isinstance(a, ElsaSwinV2Attention))
+        b6 = m.position_bias()
+        assert m.position_bias() is not b6 and _rel(m.position_bias(), b6) == 0.0
+        m.cpb_mlp[0].weight.add_(0.5)
+        assert _rel(m.position_bias(), _fresh_bias(m)) == 0.0 and _rel(m.position_bias(), b6) > 1e-3
+        x = torch.randn(1, 3, 64, 64)
+        assert torch.isfinite(model(x)).all()
 
 
 def test_attention_dropout_in_training_only():
