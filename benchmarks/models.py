@@ -14,9 +14,13 @@ For every case the timm model is built once (random init) and measured as a forw
 * ``elsa``       -- ``ElsaViT.from_timm(model)`` / ``ElsaSwinV2.from_timm(model)``: identical weights, ELSA
   attention (Swin-v2 on CUDA: the fused W-ELSA window op).
 
-Reported per peer: images/s and median ms per batch, peak allocated memory of one forward (CUDA), and the max
-absolute deviation of the logits from ``timm_sdpa``. Rows go to
-``benchmarks/results/models_<gpu>_<date>.csv``; ratios vs timm (and the targets of the cases) are printed.
+Reported per peer: images/s and median ms per batch, peak allocated memory of one forward (CUDA), the max
+absolute deviation of the logits from ``timm_sdpa``, and (CUDA) ``gpu_ms``: the summed duration of the GPU
+kernels of one call (``torch.profiler``, mean of three), i.e. the GPU work alone. Where the host enqueues
+kernels slower than the GPU runs them (small batches, Swin's many small ops), the wall time measures the
+host's Python and launch speed, and ``gpu ratio`` (timm's ``gpu_ms`` over ELSA's) says what the kernels
+changed. Rows go to ``benchmarks/results/models_<gpu>_<date>.csv``; ratios vs timm (and the targets of the
+cases) are printed.
 CUDA float32 matmuls run in IEEE FP32 (TF32 off) so that every peer computes the same thing.
 
     python benchmarks/models.py                         # the declared GPU cases
@@ -49,7 +53,7 @@ from elsa_vision import ElsaViT  # noqa: E402
 from elsa_vision.models import ElsaSwinV2  # noqa: E402
 
 COLUMNS = ["device", "torch", "triton", "date", "model", "img", "batch", "dtype", "peer", "img_per_s", "ms",
-           "peak_mb", "max_dev", "mode"]
+           "peak_mb", "max_dev", "mode", "gpu_ms"]
 PEERS = ("timm_sdpa", "timm_math", "timm_noattn", "elsa")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,6 +135,23 @@ def peak_forward_mb(fn, device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
+def gpu_kernel_ms(fn, device: torch.device, calls: int = 3) -> float:
+    """Summed duration (ms) of the GPU kernels that one ``fn()`` launches, mean of ``calls``; NaN off CUDA."""
+    if device.type != "cuda":
+        return math.nan
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    events = prof.key_averages()
+    us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+             for e in events)
+    return us / calls / 1e3
+
+
 class NoAttention(torch.nn.Module):
     """``model`` with every attention answered by ``v`` while it runs (``timm_noattn``)."""
 
@@ -187,9 +208,11 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
             out = fwd()
             ms = time_forward(fwd, device, warmup, reps)
             peak = peak_forward_mb(fwd, device)
+            gpu_ms = gpu_kernel_ms(fwd, device)
         except torch.cuda.OutOfMemoryError:
             print(f"  {name}: out of memory", flush=True)
-            rows.append(dict(peer=name, img_per_s=math.nan, ms=math.nan, peak_mb=math.nan, max_dev=math.nan))
+            rows.append(dict(peer=name, img_per_s=math.nan, ms=math.nan, peak_mb=math.nan, max_dev=math.nan,
+                             gpu_ms=math.nan))
             continue
         finally:
             peers[name] = model.to("cpu")
@@ -200,9 +223,10 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
             # (B x classes float32: 8 KiB at batch 2, 32 KiB at batch 8).
             ref = out.float().cpu()
         max_dev = (out.float().cpu() - ref).abs().max().item() if ref is not None else math.nan
-        rows.append(dict(peer=name, img_per_s=case.batch / (ms / 1e3), ms=ms, peak_mb=peak, max_dev=max_dev))
+        rows.append(dict(peer=name, img_per_s=case.batch / (ms / 1e3), ms=ms, peak_mb=peak, max_dev=max_dev,
+                         gpu_ms=gpu_ms))
         print(f"  {name:10s} {case.batch / (ms / 1e3):10.1f} img/s  {ms:9.3f} ms  peak {peak:9.1f} MB  "
-              f"max_dev {max_dev:.3e}", flush=True)
+              f"max_dev {max_dev:.3e}  gpu {gpu_ms:8.3f} ms", flush=True)
     return rows
 
 
@@ -267,7 +291,7 @@ def main(argv: list[str] | None = None) -> str:
 
     print(f"\nratios (elsa vs timm), {label}, torch {torch.__version__}, triton {triton_version}")
     print(f"{'case':46s} {'vs timm':>8s} {'goal':>6s} {'vs math':>8s} {'mem/timm':>9s} {'ceiling':>8s}"
-          "  status")
+          f" {'gpu ratio':>9s}  status")
     nan_row = dict(img_per_s=math.nan)
     for case, r in results:
         e, s, m = r["elsa"], r["timm_sdpa"], r.get("timm_math", nan_row)
@@ -278,7 +302,7 @@ def main(argv: list[str] | None = None) -> str:
                                          ("memory", case.mem_goal and mem > 1.0)) if bad]
         name = f"{case.model} {case.img}px b{case.batch} {case.dtype}{' train' if case.train else ''}"
         print(f"{name:46s} {speed:8.3f} {case.goal:6.2f} {e['img_per_s'] / m['img_per_s']:8.3f} {mem:9.4f} "
-              f"{ceiling:8.3f}  "
+              f"{ceiling:8.3f} {s['gpu_ms'] / e['gpu_ms']:9.3f}  "
               f"{'below goal (' + ', '.join(misses) + ')' if misses else 'meets goal'}")
     print(f"\nwrote {path}")
     return path
