@@ -99,7 +99,8 @@ class _GatherSequence(torch.autograd.Function):
         return shard_sequence(grad, group, dim=dim, layout=layout), None, None, None, None
 
 
-def gather_sequence(x_local: Tensor, n: int, group=None, *, dim: int = -2, layout: str = "contiguous") -> Tensor:
+def gather_sequence(x_local: Tensor, n: int, group=None, *, dim: int = -2,
+                    layout: str = "contiguous") -> Tensor:
     """Reassemble the full sequence (length ``n``) from every rank's shard (an all-gather).
 
     Differentiable: the backward sums the incoming gradients over the ranks (an all-reduce) and returns this
@@ -208,8 +209,9 @@ class _Ring:
         self.group = group
         world, rank = _group_info(group)
         self.world, self.rank = world, rank
-        self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        self.next = dist.get_global_rank(group, nxt) if group is not None else nxt
+        self.prev = dist.get_global_rank(group, prv) if group is not None else prv
 
     def start(self, tensors: list[Tensor]) -> tuple[list, list[Tensor]]:
         recv = [torch.empty_like(t) for t in tensors]
@@ -253,8 +255,9 @@ def _fold_forward(q, k, v, kpm, bias, causal, scale, precision, backend):
                             precision=precision)
         return out.to(_acc(q)), lse.to(_acc(q))
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out, lse = scan_attention(q.to(compute), k.to(compute), v.to(compute), attn_bias=bias, key_padding_mask=kpm,
-                              causal=causal, scale=scale, query_chunk=1024, return_lse=True)
+    out, lse = scan_attention(q.to(compute), k.to(compute), v.to(compute), attn_bias=bias,
+                              key_padding_mask=kpm, causal=causal, scale=scale, query_chunk=1024,
+                              return_lse=True)
     return out, lse
 
 
@@ -262,8 +265,8 @@ def _fold_backward(do, q, k, v, out, lse, delta, kpm, bias, causal, scale, preci
     if backend == "triton":
         from .kernels import elsa_bwd
 
-        dq, dk, dv, _ = elsa_bwd(do, q, k, v, out.to(q.dtype), lse.float(), attn_bias=bias, key_padding_mask=kpm,
-                                 causal=causal, scale=scale, precision=precision)
+        dq, dk, dv, _ = elsa_bwd(do, q, k, v, out.to(q.dtype), lse.float(), attn_bias=bias,
+                                 key_padding_mask=kpm, causal=causal, scale=scale, precision=precision)
         return dq.to(out.dtype), dk.to(out.dtype), dv.to(out.dtype)
     compute = out.dtype
     dq, dk, dv, _ = attention_backward(do.to(compute), q.to(compute), k.to(compute), v.to(compute), out, lse,
@@ -299,7 +302,9 @@ class _RingAttention(torch.autograd.Function):
                 bias_blk = None
                 if bias is not None:
                     cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
-                    bias_blk = bias[..., qs, :].index_select(-1, cols) if bias.shape[-1] > 1 else bias[..., qs, :]
+                    bias_blk = bias[..., qs, :]
+                    if bias.shape[-1] > 1:
+                        bias_blk = bias_blk.index_select(-1, cols)
                 out_b, lse_b = _fold_forward(q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
                                              mb[:, ks] if masked else None, bias_blk,
                                              blk_causal, scale, precision, backend)
@@ -353,7 +358,9 @@ class _RingAttention(torch.autograd.Function):
                 bias_blk = None
                 if bias is not None:
                     cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
-                    bias_blk = bias[..., qs, :].index_select(-1, cols) if bias.shape[-1] > 1 else bias[..., qs, :]
+                    bias_blk = bias[..., qs, :]
+                    if bias.shape[-1] > 1:
+                        bias_blk = bias_blk.index_select(-1, cols)
                 gq, gk, gv = _fold_backward(do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
                                             out[..., qs, :], lse[..., qs], delta[..., qs],
                                             mb[:, ks] if masked else None, bias_blk,
@@ -442,11 +449,12 @@ def context_parallel_attention(
     if attn_bias is not None:
         if attn_bias.requires_grad:
             raise ValueError("context_parallel_attention: `attn_bias` gradients are not supported")
-        if attn_bias.dim() != 4 or attn_bias.shape[-2] not in (1, n_local) or attn_bias.shape[-1] not in (1, seq_len):
-            raise ValueError(f"context_parallel_attention: `attn_bias` must be [B|1, H|1, {n_local}, {seq_len}], "
-                             f"got {list(attn_bias.shape)}")
+        if (attn_bias.dim() != 4 or attn_bias.shape[-2] not in (1, n_local)
+                or attn_bias.shape[-1] not in (1, seq_len)):
+            raise ValueError(f"context_parallel_attention: `attn_bias` must be "
+                             f"[B|1, H|1, {n_local}, {seq_len}], got {list(attn_bias.shape)}")
         attn_bias = attn_bias.expand(*attn_bias.shape[:2], n_local, attn_bias.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     chosen = resolve_backend(backend, q)
-    return _RingAttention.apply(q, k, v, key_padding_mask, attn_bias, group, seq_len, causal, scale, precision,
-                                chosen, layout)
+    return _RingAttention.apply(q, k, v, key_padding_mask, attn_bias, group, seq_len, causal, scale,
+                                precision, chosen, layout)

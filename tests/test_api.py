@@ -74,7 +74,8 @@ def test_attn_bias_broadcasts(bias_shape):
     bias = torch.randn(bias_shape) * 2
     out = elsa_attention(q, k, v, attn_bias=bias)
     assert relerr(out, _ref(q, k, v, attn_bias=bias)) <= 1e-6
-    ref_sdpa = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias.double().expand(2, 3, 97, 131))
+    ref_sdpa = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                              attn_mask=bias.double().expand(2, 3, 97, 131))
     assert relerr(out, ref_sdpa) <= 1e-6
 
 
@@ -135,7 +136,8 @@ def test_constant_huge_logits():
     assert relerr(out, v.mean(dim=-2, keepdim=True).expand_as(out)) <= 1e-6
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("dtype,tol",
+                         [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2), (torch.float64, 1e-13)])
 def test_dtypes(dtype, tol):
     q, k, v = _qkv(2, 2, 97, 97, 64, dtype=dtype)
     out = elsa_attention(q, k, v)

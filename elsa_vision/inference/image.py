@@ -14,8 +14,8 @@ Usage::
         [--num-classes 1000] [--in-chans 1]
 
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
-sub-folder ``slice_<index>`` per image when several slices/frames are selected). The last stdout line is a JSON
-summary.
+sub-folder ``slice_<index>`` per image when several slices/frames are selected). The last stdout line is a
+JSON summary.
 
 With ``--context-parallel`` (under ``torchrun``, one process per GPU; gloo processes on CPU) every rank reads
 the same image and holds ``1/world`` of its tokens; attention is global (ring attention over the ranks) and

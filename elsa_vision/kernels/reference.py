@@ -73,7 +73,8 @@ def identity_state(like: ElsaState | Tensor, dv: int | None = None) -> ElsaState
         m, w = like.m, like.w
         return ElsaState(torch.full_like(m, -math.inf), torch.zeros_like(like.s), torch.zeros_like(w))
     if dv is None:
-        raise ValueError("identity_state(tensor, dv): dv (the value head dim) is required when `like` is a tensor")
+        raise ValueError("identity_state(tensor, dv): dv (the value head dim) is required when `like` is a "
+                         "tensor")
     m = torch.full_like(like, -math.inf)
     return ElsaState(m, torch.zeros_like(like), like.new_zeros(*like.shape, dv))
 
@@ -257,7 +258,8 @@ def scan_attention(
         )
         keep = None
         if dropout_p > 0.0:
-            keep = torch.bernoulli(torch.full_like(scores, 1.0 - dropout_p), generator=generator) / (1.0 - dropout_p)
+            keep = torch.bernoulli(torch.full_like(scores, 1.0 - dropout_p), generator=generator)
+            keep = keep / (1.0 - dropout_p)
             keep = torch.nn.functional.pad(keep, (0, pad)).unflatten(-1, (nb, block_size)).movedim(-2, 0)
         scores = torch.nn.functional.pad(scores, (0, pad), value=-math.inf)
         blocks = scores.unflatten(-1, (nb, block_size)).movedim(-2, 0)  # [nb, B, H, rows, block]

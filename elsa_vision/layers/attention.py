@@ -24,7 +24,8 @@ def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
         return attn_mask
     if attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
-    return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
+    bias = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device)
+    return bias.masked_fill_(~attn_mask, -math.inf)
 
 
 class ElsaAttention(nn.Module):
@@ -160,4 +161,5 @@ class ElsaAttention(nn.Module):
         return new.train(attn.training)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend}, precision={self.precision}"
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend}, "
+                f"precision={self.precision}")

@@ -146,8 +146,8 @@ class ElsaSwinV2(SwinTransformerV2):
             The ``ElsaSwinV2`` in the train/eval mode of the source (eval for a name).
         """
         check_options("ElsaSwinV2.from_timm", attn_backend, attn_precision, "attn_")
-        model, report = timm_source("ElsaSwinV2.from_timm", src, SwinTransformerV2, cls, checkpoint_path, checkpoint_filter_fn,
-                                    strict, kwargs)
+        model, report = timm_source("ElsaSwinV2.from_timm", src, SwinTransformerV2, cls, checkpoint_path,
+                                    checkpoint_filter_fn, strict, kwargs)
         model.__class__ = cls
         model._elsa_convert(attn_backend, attn_precision)
         model.load_report = report

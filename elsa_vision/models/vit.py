@@ -225,8 +225,8 @@ class ElsaViT(VisionTransformer):
             The ``ElsaViT`` in the train/eval mode of the source (eval for a name).
         """
         check_options("ElsaViT", attn_backend, attn_precision, "attn_")
-        model, report = timm_source("ElsaViT.from_timm", src, VisionTransformer, cls, checkpoint_path, elsa_checkpoint_filter_fn,
-                                    strict, kwargs)
+        model, report = timm_source("ElsaViT.from_timm", src, VisionTransformer, cls, checkpoint_path,
+                                    elsa_checkpoint_filter_fn, strict, kwargs)
         model.__class__ = cls
         model._elsa_convert(attn_backend, attn_precision)
         model.load_report = report

@@ -73,7 +73,11 @@ def test_fully_masked_rows_give_zero_finite_grads():
     q, k, v, bias = _inputs(1, 2, 21, 21, 16, 16, bias_shape=(1, 2, 21, 21))
     bias[..., 4, :] = -math.inf
     dout = torch.randn(1, 2, 21, 16, device=DEV)
-    out, g = _grads(lambda q, k, v, b: elsa_attention(q, k, v, attn_bias=b, backend="triton"), (q, k, v, bias), dout)
+
+    def fn(q, k, v, b):
+        return elsa_attention(q, k, v, attn_bias=b, backend="triton")
+
+    out, g = _grads(fn, (q, k, v, bias), dout)
     assert torch.equal(out[..., 4, :], torch.zeros_like(out[..., 4, :]))
     for t in g:
         assert torch.isfinite(t).all()
@@ -137,7 +141,8 @@ def test_varlen_trains_through_the_differentiable_op():
     out.square().sum().backward()
     start = 0
     for n in lens:
-        qs, ks, vs = (t.detach()[start:start + n].double().transpose(0, 1)[None].requires_grad_() for t in (q, k, v))
+        qs, ks, vs = (t.detach()[start:start + n].double().transpose(0, 1)[None].requires_grad_()
+                      for t in (q, k, v))
         ref = softmax_attention(qs, ks, vs)
         ref.square().sum().backward()
         assert relerr(out[start:start + n].transpose(0, 1)[None], ref) <= 1e-6
@@ -184,7 +189,11 @@ def test_cuda_graph_capture_and_replay_is_bitwise_stable():
 def test_gpu_vit_sizes_fwd_bwd_float64_reference(N):
     q, k, v, bias = _inputs(2, 12, N, N, 64, 64, bias_shape=(1, 12, N, N))
     dout = torch.randn(2, 12, N, 64, device="cuda")
-    out, g = _grads(lambda q, k, v, b: elsa_attention(q, k, v, attn_bias=b, backend="triton"), (q, k, v, bias), dout)
+
+    def fn(q, k, v, b):
+        return elsa_attention(q, k, v, attn_bias=b, backend="triton")
+
+    out, g = _grads(fn, (q, k, v, bias), dout)
     out_ref, g_ref = _grads(lambda q, k, v, b: softmax_attention(q, k, v, attn_bias=b),
                             [t.double() for t in (q, k, v, bias)], dout.double())
     assert relerr(out, out_ref) <= 1e-6

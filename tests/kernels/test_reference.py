@@ -205,8 +205,8 @@ def test_scan_rows_without_keys_are_zero():
 
 # Theorem 1 of the ELSA paper: ‖ŷ − y‖/‖y‖ <= c·u·(2⌈log2 n⌉ + 3) for the float32 scan.
 # u = 2^-24 (float32 unit roundoff). We use c = 2: the measured constant is 0.18-0.35 for these
-# sizes (random normal q, k, v, D = 64, three seeds), so c = 2 leaves a >5x margin and still fails on a real bug
-# (e.g. a lost rescale, which costs O(1) relative error).
+# sizes (random normal q, k, v, D = 64, three seeds), so c = 2 leaves a >5x margin and still fails on a real
+# bug (e.g. a lost rescale, which costs O(1) relative error).
 THEOREM1_C = 2.0
 
 
@@ -248,8 +248,8 @@ def test_attention_backward_matches_autograd(causal):
 def test_states_from_partial_outputs_merge_to_the_whole():
     from elsa_vision.kernels.reference import state_from_output
 
-    q, k, v = torch.randn(1, 2, 9, 4, dtype=F64), torch.randn(1, 2, 20, 4, dtype=F64), torch.randn(1, 2, 20, 3,
-                                                                                                    dtype=F64)
+    q, k = torch.randn(1, 2, 9, 4, dtype=F64), torch.randn(1, 2, 20, 4, dtype=F64)
+    v = torch.randn(1, 2, 20, 3, dtype=F64)
     bias = torch.zeros(1, 1, 9, 20, dtype=F64)
     bias[..., 0, :12] = -math.inf  # row 0 sees nothing in the first shard
     parts = [scan_attention(q, k[..., a:b, :], v[..., a:b, :], attn_bias=bias[..., a:b], return_lse=True)
@@ -264,8 +264,8 @@ def test_attention_bias_grad_reduces_broadcast_dims(bias_shape, causal):
     from elsa_vision.kernels.reference import attention_bias_grad
 
     B, H, Nq, Nk = 2, 3, 19, 29
-    q, k, v = torch.randn(B, H, Nq, 8, dtype=F64), torch.randn(B, H, Nk, 8, dtype=F64), torch.randn(B, H, Nk, 5,
-                                                                                                    dtype=F64)
+    q, k = torch.randn(B, H, Nq, 8, dtype=F64), torch.randn(B, H, Nk, 8, dtype=F64)
+    v = torch.randn(B, H, Nk, 5, dtype=F64)
     bias = torch.randn(bias_shape, dtype=F64, requires_grad=True)
     out = softmax_attention(q, k, v, attn_bias=bias, causal=causal)
     do = torch.randn_like(out)

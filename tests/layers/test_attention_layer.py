@@ -104,4 +104,5 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="norm_layer"):
         ElsaAttention(32, qk_norm=True)
     with pytest.raises(TypeError, match="attn_mask"):
-        ElsaAttention(32, num_heads=2)(torch.randn(1, 4, 32), attn_mask=torch.ones(1, 1, 4, 4, dtype=torch.int64))
+        ElsaAttention(32, num_heads=2)(torch.randn(1, 4, 32),
+                                       attn_mask=torch.ones(1, 1, 4, 4, dtype=torch.int64))
