@@ -146,10 +146,7 @@ def gpu_kernel_ms(fn, device: torch.device, calls: int = 3) -> float:
         for _ in range(calls):
             fn()
         _sync(device)
-    events = prof.key_averages()
-    us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-             for e in events)
-    return us / calls / 1e3
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
 
 
 class NoAttention(torch.nn.Module):

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _FP32_PRECISIONS, _cdiv, _next_pow2
+from .fwd import _FP32_PRECISIONS, _cdiv, _next_pow2, _pow2
 from .fwd import resolve_precision as _fwd_resolve_precision
 from .monoid import f16_pair, matmul_f16x3, pow2, split_f16
 
@@ -526,7 +526,7 @@ def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device,
         raise ValueError(f"elsa_bwd: unknown `precision` {precision!r}; expected one of {_PRECISIONS}")
     if dtype != torch.float32:
         return "tf32"
-    padded = None if head_dim is None else max(16, _next_pow2(head_dim))
+    padded = None if head_dim is None else _pow2(head_dim)
     prec = _fwd_resolve_precision(precision, dtype, device, padded)
     return "tf32x3" if prec == "tf32x3s" else prec
 
@@ -704,8 +704,8 @@ def elsa_bwd(
     sm_scale = float(D ** -0.5 if scale is None else scale)
     qk_scale = sm_scale * LOG2E
     cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, deterministic, Nk)
-    BLOCK_D = max(16, _next_pow2(D))
-    BLOCK_DV = max(16, _next_pow2(Dv))
+    BLOCK_D = _pow2(D)
+    BLOCK_DV = _pow2(Dv)
     device = q.device
     dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
 

@@ -298,7 +298,8 @@ _FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions: called from Python
-# they cost a few µs each (measured 2.6 µs on a fast host), several times per launch.
+# they cost ~2 µs each (2.08 / 2.05 µs vs 0.09 / 0.14 µs for these, CPU machine, triton 3.8), several times
+# per launch.
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

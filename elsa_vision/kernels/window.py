@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _cdiv, _device_info, _next_pow2, resolve_precision
+from .fwd import _cdiv, _device_info, _pow2, resolve_precision
 from .monoid import fold_tile, matmul
 
 __all__ = ["window_fwd", "window_plan", "window_bwd", "window_bwd_plan",
@@ -233,8 +233,13 @@ def _window_bwd_kernel(
     tl.store(DScale + ws, tl.sum(dscale, 0))
 
 
-def _pow2(x: int) -> int:
-    return max(16, _next_pow2(x))
+def _windows_per_program(Bw: int, programs_per_window: int, device) -> int:
+    """The largest power of two <= 8 windows per program that still leaves >= 4 programs per SM."""
+    sms, _, _ = _device_info(device)
+    windows = 1
+    while windows < 8 and programs_per_window * _cdiv(Bw, 2 * windows) >= 4 * sms:
+        windows *= 2
+    return windows
 
 
 @functools.lru_cache(maxsize=1024)
@@ -244,46 +249,42 @@ def window_plan(Bw: int, H: int, N: int, D: int, Dv: int, dtype: torch.dtype, de
     ``BLOCK_M`` covers a 49/64-token window in one tile (larger windows take 64-row tiles); ``WINDOWS`` is the
     largest power of two <= 8 that still leaves at least four programs per SM.
     """
-    sms, _, _ = _device_info(device)
     block_m = 64 if N > 32 else 32
     big = max(_pow2(D), _pow2(Dv))
     block_n = 32 if big > 64 or dtype == torch.float32 and big > 32 else 64
-    m_tiles = _cdiv(N, block_m)
-    windows = 1
-    while windows < 8 and m_tiles * H * _cdiv(Bw, 2 * windows) >= 4 * sms:
-        windows *= 2
+    windows = _windows_per_program(Bw, _cdiv(N, block_m) * H, device)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, WINDOWS=windows, num_warps=4, num_stages=2)
 
 
-def _check(q, k, v, logit_scale, bias, mask):
+def _check(q, k, v, logit_scale, bias, mask, fn: str = "window_fwd"):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"window_fwd: `{name}` must be a 4-D tensor [B*nW, H, N, D], got "
+            raise ValueError(f"{fn}: `{name}` must be a 4-D tensor [B*nW, H, N, D], got "
                              f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"window_fwd: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
+        raise TypeError(f"{fn}: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"window_fwd: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.is_cuda and isinstance(_window_fwd_kernel, triton.runtime.JITFunction):
-        raise ValueError(f"window_fwd: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
+        raise ValueError(f"{fn}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
                          f"before triton is imported), got device {q.device}")
     Bw, H, N, D = q.shape
     if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
-        raise ValueError(f"window_fwd: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
+        raise ValueError(f"{fn}: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
     if k.shape != (Bw, H, N, D) or v.shape[:3] != (Bw, H, N):
-        raise ValueError(f"window_fwd: k must be {(Bw, H, N, D)} and v [{Bw}, {H}, {N}, Dv], got "
+        raise ValueError(f"{fn}: k must be {(Bw, H, N, D)} and v [{Bw}, {H}, {N}, Dv], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if logit_scale.shape != (H,):
-        raise ValueError(f"window_fwd: `logit_scale` must be [{H}], got {tuple(logit_scale.shape)}")
+        raise ValueError(f"{fn}: `logit_scale` must be [{H}], got {tuple(logit_scale.shape)}")
     if bias.shape != (H, N, N):
-        raise ValueError(f"window_fwd: `bias` must be [{H}, {N}, {N}], got {tuple(bias.shape)}")
+        raise ValueError(f"{fn}: `bias` must be [{H}, {N}, {N}], got {tuple(bias.shape)}")
     if mask is not None:
         if mask.dim() != 3 or mask.shape[1:] != (N, N) or mask.shape[0] < 1 or Bw % mask.shape[0]:
-            raise ValueError(f"window_fwd: `mask` must be [nW, {N}, {N}] with nW dividing {Bw}, got "
+            raise ValueError(f"{fn}: `mask` must be [nW, {N}, {N}] with nW dividing {Bw}, got "
                              f"{tuple(mask.shape)}")
     for name, t in (("k", k), ("v", v), ("logit_scale", logit_scale), ("bias", bias), ("mask", mask)):
         if t is not None and t.device != q.device:
-            raise ValueError(f"window_fwd: `{name}` is on {t.device}, q on {q.device}")
+            raise ValueError(f"{fn}: `{name}` is on {t.device}, q on {q.device}")
 
 
 def window_fwd(
@@ -349,12 +350,7 @@ def window_bwd_plan(Bw: int, H: int, N: int, D: int, Dv: int, device) -> dict:
     Four warps: on the H100 machine they beat eight in 13 of 16 (shape, ``WINDOWS``) pairs of Swin-v2-T/W8's
     four stages (``docs/kernel_notes.md``, "W-ELSA backward").
     """
-    sms, _, _ = _device_info(device)
-    block = _pow2(N)
-    windows = 1
-    while windows < 8 and H * _cdiv(Bw, 2 * windows) >= 4 * sms:
-        windows *= 2
-    return dict(BLOCK=block, WINDOWS=windows, num_warps=4, num_stages=1)
+    return dict(BLOCK=_pow2(N), WINDOWS=_windows_per_program(Bw, H, device), num_warps=4, num_stages=1)
 
 
 def window_bwd(
@@ -385,7 +381,7 @@ def window_bwd(
         ``sum dS * L`` with ``L`` the scaled cosine logits: the gradient of ``exp(logit_scale)`` times that
         scale, i.e. of ``logit_scale`` before its clamp.
     """
-    _check(q, k, v, logit_scale, bias, mask)
+    _check(q, k, v, logit_scale, bias, mask, "window_bwd")
     Bw, H, N, D = q.shape
     Dv = v.shape[-1]
     if N > BWD_MAX_TOKENS:

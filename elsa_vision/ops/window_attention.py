@@ -28,7 +28,6 @@ from .attention import PRECISIONS, _cuda_matmul_precision
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
 LOGIT_SCALE_MAX = 4.605170185988092  # log(100), timm's clamp
-_BWD_MAX_TOKENS = 64  # kernels.window.BWD_MAX_TOKENS (not imported here: the kernels load lazily)
 
 
 def _window_fwd(q, k, v, logit_scale, bias, mask, precision):
@@ -102,9 +101,9 @@ def _backward(ctx, dout, _dlse):
     q, k, v, logit_scale, bias, mask, out, lse = ctx.saved_tensors
     need_q, need_k, need_v, need_ls, need_bias = ctx.needs_input_grad[:5]
     need_qkv = need_q or need_k or need_v
-    if q.shape[2] <= _BWD_MAX_TOKENS:
-        from ..kernels.window import window_bwd
+    from ..kernels.window import BWD_MAX_TOKENS, window_bwd  # loaded already: the forward ran the kernel
 
+    if q.shape[2] <= BWD_MAX_TOKENS:
         dq, dk, dv, dfull, dscale = window_bwd(dout, q, k, v, logit_scale, bias, mask, ctx.precision,
                                                need_qkv=need_qkv)
     else:
