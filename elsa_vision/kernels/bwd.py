@@ -115,90 +115,52 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV, DQ_ACC,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_lb, stride_lh, stride_lm,
-    stride_bb, stride_bh, stride_bm, stride_bn,
-    stride_kpmb, stride_kpmn,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
-    sm_scale, qk_scale,
-    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+def _load_rows(ptrs, rows_ok, cols_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Load a ``[rows, cols]`` tile, masking (and zero-filling) only the dimensions that need it."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            return tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+        return tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+    if MASK_COLS:
+        return tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _dkdv_loop(
+    dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
+    q_base, do_base, lse_base, delta_base, bias_base, dq_base,
+    stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_dqm, stride_dqd,
+    lo, hi, Nq, diag, sm_scale, qk_scale,
+    D: tl.constexpr, Dv: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (b * H + h, key tile): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
+    """Accumulate ``dK, dV`` of one key tile over the query tiles ``[lo, hi)``.
 
-    Works on the transposed scores ``S^T [BLOCK_N, BLOCK_M]`` so that ``dV += P^T dO`` and
-    ``dK += dS^T Q`` are plain products. With ``ATOMIC_DQ`` it also adds ``scale * dS K`` into the float32
-    buffer ``DQ_ACC`` with atomics (the nondeterministic single-pass mode).
+    ``MASKED`` = False is the caller's promise that every (key, query) pair of these tiles is visible and in
+    bounds (full key and query tiles, no padding mask, past the causal diagonal): no bounds masks, no
+    ``tl.where`` on the scores and no ``-inf`` guard on the lse (a row that sees a key has a finite one).
     """
-    pid_n = tl.program_id(1)
-    pid_bh = tl.program_id(0)
-    b32 = pid_bh // H
-    h32 = pid_bh % H
-    b = b32.to(tl.int64)
-    h = h32.to(tl.int64)
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_ml = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     d_in = offs_d < D
     dv_in = offs_dv < Dv
-    diag = Nk - Nq  # bottom-right causal: key j visible to query i iff j <= i + diag
-
-    key_ok = offs_n < Nk
-    if HAS_KPM:
-        kpm = tl.load(KPM + b * stride_kpmb + offs_n.to(tl.int64) * stride_kpmn, mask=key_ok, other=0)
-        key_ok = key_ok & (kpm != 0)
-    # Hidden keys are loaded as zeros: whatever they hold (NaN included) never reaches a gradient.
-    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn
-                + offs_d[None, :] * stride_kd, mask=key_ok[:, None] & d_in[None, :], other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn
-                + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
-
-    m_start = n0 * 0
-    if CAUSAL:
-        m_start = tl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
-    m_start64 = m_start.to(tl.int64)
-    q_ptrs = (Q + b * stride_qb + h * stride_qh + m_start64 * stride_qm
-              + offs_ml[:, None] * stride_qm + offs_d[None, :] * stride_qd)
-    do_ptrs = (DO + b * stride_dob + h * stride_doh + m_start64 * stride_dom
-               + offs_ml[:, None] * stride_dom + offs_dv[None, :] * stride_dod)
-    lse_ptrs = LSE + b * stride_lb + h * stride_lh + m_start64 * stride_lm + offs_ml * stride_lm
-    delta_ptrs = DELTA + pid_bh.to(tl.int64) * Nq + m_start + offs_ml
-    if HAS_BIAS:
-        # transposed bias tile [BLOCK_N, BLOCK_M]; the bias's batch index is b % BIAS_B (window tiling)
-        bt_ptrs = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
-                   + m_start64 * stride_bm + n0.to(tl.int64) * stride_bn
-                   + offs_ml[None, :] * stride_bm + (offs_n - n0)[:, None] * stride_bn)
-    if ATOMIC_DQ:
-        dq_ptrs = (DQ_ACC + b * stride_dqb + h * stride_dqh + m_start64 * stride_dqm
-                   + offs_ml[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
-
-    if PREC == "fp16x3":
-        # K and V are split once per program, Q and dO once per query tile, P and dS where they are formed
-        k_hi, k_lo, k_c = split_f16(k)
-        v_hi, v_lo, v_c = split_f16(v)
-
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    for m0 in range(m_start, Nq, BLOCK_M):
+    for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + offs_ml
         m_in = offs_m < Nq
-        q = tl.load(q_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
-        do = tl.load(do_ptrs, mask=m_in[:, None] & dv_in[None, :], other=0.0)
-        lse = tl.load(lse_ptrs, mask=m_in, other=0.0)
-        # A row with no visible key has lse = -inf and every score masked: shift by 0 so P = 0, not NaN.
-        lse = tl.where(lse == float("-inf"), 0.0, lse)
-        delta = tl.load(delta_ptrs, mask=m_in, other=0.0)
+        m64 = tl.cast(m0, tl.int64)
+        q = _load_rows(q_base + m64 * stride_qm + offs_ml[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                       m_in, d_in, MASKED, D != BLOCK_D)
+        do = _load_rows(do_base + m64 * stride_dom + offs_ml[:, None] * stride_dom
+                        + offs_dv[None, :] * stride_dod, m_in, dv_in, MASKED, Dv != BLOCK_DV)
+        if MASKED:
+            lse = tl.load(lse_base + m64 * stride_lm + offs_ml * stride_lm, mask=m_in, other=0.0)
+            delta = tl.load(delta_base + m0 + offs_ml, mask=m_in, other=0.0)
+        else:
+            lse = tl.load(lse_base + m64 * stride_lm + offs_ml * stride_lm)
+            delta = tl.load(delta_base + m0 + offs_ml)
+        if MASKED or HAS_BIAS:
+            # A row with no visible key has lse = -inf and every score masked: shift by 0 so P = 0, not NaN.
+            lse = tl.where(lse == float("-inf"), 0.0, lse)
 
         # scores^T [BLOCK_N, BLOCK_M]
         if PREC == "fp16x3":
@@ -207,16 +169,23 @@ def _bwd_dkdv_kernel(
             qkt = _mm_f16x3(k_hi, k_lo, k_c, tl.trans(q_hi), tl.trans(q_lo), q_c, [BLOCK_N, BLOCK_M])
         else:
             qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
-        valid = key_ok[:, None] & m_in[None, :]
         if HAS_BIAS:
             # natural-log domain: bias near finfo.min must not overflow when scaled by log2(e)
-            bias = tl.load(bt_ptrs, mask=valid, other=0.0).to(tl.float32)
+            bt_ptrs = bias_base + m64 * stride_bm + offs_ml[None, :] * stride_bm
+            if MASKED:
+                bias = tl.load(bt_ptrs, mask=key_ok[:, None] & m_in[None, :], other=0.0).to(tl.float32)
+            else:
+                bias = tl.load(bt_ptrs).to(tl.float32)
             arg = (qkt * sm_scale + bias - lse[None, :]) * 1.4426950408889634
         else:
             arg = qkt * qk_scale - (lse * 1.4426950408889634)[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
-        pt = tl.where(valid, tl.math.exp2(arg), 0.0)
+        if MASKED:
+            valid = key_ok[:, None] & m_in[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
+            pt = tl.where(valid, tl.math.exp2(arg), 0.0)
+        else:
+            pt = tl.math.exp2(arg)
         if PREC == "fp16x3":
             # P <= 1 is split scaled by 2^14 (exact), as in the forward's fold_tile
             pt_hi, pt_lo = f16_pair(pt * 16384.0)
@@ -237,22 +206,187 @@ def _bwd_dkdv_kernel(
             else:
                 dq_part = _mm(tl.trans(dst), k,
                               tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, DOT_UPCAST) * sm_scale
-            tl.atomic_add(dq_ptrs, dq_part, mask=m_in[:, None] & d_in[None, :], sem="relaxed")
-            dq_ptrs += BLOCK_M * stride_dqm
+            tl.atomic_add(dq_base + m64 * stride_dqm + offs_ml[:, None] * stride_dqm
+                          + offs_d[None, :] * stride_dqd, dq_part, mask=m_in[:, None] & d_in[None, :],
+                          sem="relaxed")
+    return dk, dv
 
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
-        lse_ptrs += BLOCK_M * stride_lm
-        delta_ptrs += BLOCK_M
-        if HAS_BIAS:
-            bt_ptrs += BLOCK_M * stride_bm
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV, DQ_ACC,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_kpmb, stride_kpmn,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, Nq, Nk, BIAS_B, BIAS_H,
+    sm_scale, qk_scale,
+    D: tl.constexpr, Dv: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per (b * H + h, key tile): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
+
+    Works on the transposed scores ``S^T [BLOCK_N, BLOCK_M]`` so that ``dV += P^T dO`` and
+    ``dK += dS^T Q`` are plain products. With ``ATOMIC_DQ`` it also adds ``scale * dS K`` into the float32
+    buffer ``DQ_ACC`` with atomics (the nondeterministic single-pass mode). The query tiles run in three
+    stretches: those crossing the causal diagonal (masked), the full visible ones (no masks: the bulk of
+    the work), and the partial last tile (masked); a partial key tile or a padding mask masks them all.
+    """
+    pid_n = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    b32 = pid_bh // H
+    h32 = pid_bh % H
+    b = b32.to(tl.int64)
+    h = h32.to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_ml = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    diag = Nk - Nq  # bottom-right causal: key j visible to query i iff j <= i + diag
+
+    key_ok = offs_n < Nk
+    if HAS_KPM:
+        kpm = tl.load(KPM + b * stride_kpmb + offs_n.to(tl.int64) * stride_kpmn, mask=key_ok, other=0)
+        key_ok = key_ok & (kpm != 0)
+    # Hidden keys are loaded as zeros: whatever they hold (NaN included) never reaches a gradient.
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn
+                + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & (offs_dv < Dv)[None, :], other=0.0)
+    k_hi = k
+    k_lo = k
+    k_c = 0
+    v_hi = v
+    v_lo = v
+    v_c = 0
+    if PREC == "fp16x3":
+        # K and V are split once per program, Q and dO once per query tile, P and dS where they are formed
+        k_hi, k_lo, k_c = split_f16(k)
+        v_hi, v_lo, v_c = split_f16(v)
+
+    # Query tiles: [m_start, m_full) cross the diagonal, [m_full, m_mid) are full and visible, the rest
+    # (the partial last tile) masked.
+    m_start = n0 * 0
+    m_full = n0 * 0
+    if CAUSAL:
+        m_start = tl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
+        m_full = (tl.maximum(n0 + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        m_full = tl.minimum(tl.maximum(m_full, m_start), Nq)
+    m_mid = m_full
+    if not HAS_KPM:
+        if n0 + BLOCK_N <= Nk:
+            m_mid = tl.maximum(m_full, Nq // BLOCK_M * BLOCK_M)
+
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    lse_base = LSE + b * stride_lb + h * stride_lh
+    delta_base = DELTA + pid_bh.to(tl.int64) * Nq
+    bias_base = BIAS
+    if HAS_BIAS:
+        # transposed bias tile [BLOCK_N, BLOCK_M]; the bias's batch index is b % BIAS_B (window tiling)
+        bias_base = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
+                     + offs_n.to(tl.int64)[:, None] * stride_bn)
+    dq_base = DQ_ACC + b * stride_dqb + h * stride_dqh
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk, dv = _dkdv_loop(
+        dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
+        q_base, do_base, lse_base, delta_base, bias_base, dq_base,
+        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_dqm, stride_dqd,
+        m_start, m_full, Nq, diag, sm_scale, qk_scale,
+        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, ATOMIC_DQ, PREC, DOT_UPCAST, True,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    dk, dv = _dkdv_loop(
+        dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
+        q_base, do_base, lse_base, delta_base, bias_base, dq_base,
+        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_dqm, stride_dqd,
+        m_full, m_mid, Nq, diag, sm_scale, qk_scale,
+        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, ATOMIC_DQ, PREC, DOT_UPCAST, False,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    dk, dv = _dkdv_loop(
+        dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
+        q_base, do_base, lse_base, delta_base, bias_base, dq_base,
+        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_dqm, stride_dqd,
+        m_mid, Nq, Nq, diag, sm_scale, qk_scale,
+        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, ATOMIC_DQ, PREC, DOT_UPCAST, True,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     dk = dk * sm_scale
     n_in = offs_n < Nk
     tl.store(DK + b * stride_dkb + h * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn
-             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=n_in[:, None] & d_in[None, :])
+             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=n_in[:, None] & (offs_d < D)[None, :])
     tl.store(DV + b * stride_dvb + h * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvn
-             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=n_in[:, None] & dv_in[None, :])
+             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=n_in[:, None] & (offs_dv < Dv)[None, :])
+
+
+@triton.jit
+def _dq_loop(
+    dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, offs_nl, offs_d, offs_dv,
+    k_base, v_base, bias_base, kpm_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
+    lo, hi, Nk, diag, sm_scale, qk_scale,
+    D: tl.constexpr, Dv: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Accumulate ``dQ`` of one query tile over the key tiles ``[lo, hi)`` (``MASKED`` as in ``_dkdv_loop``;
+    ``q_hi``/``do_hi`` are ``q``/``dO`` themselves except under ``"fp16x3"``)."""
+    d_in = offs_d < D
+    dv_in = offs_dv < Dv
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + offs_nl
+        n64 = tl.cast(n0, tl.int64)
+        key_ok = offs_n < Nk
+        if MASKED and HAS_KPM:
+            kpm = tl.load(kpm_base + offs_n.to(tl.int64) * stride_kpmn, mask=key_ok, other=0)
+            key_ok = key_ok & (kpm != 0)
+        k = _load_rows(k_base + n64 * stride_kn + offs_nl[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       key_ok, d_in, MASKED, D != BLOCK_D)
+        v = _load_rows(v_base + n64 * stride_vn + offs_nl[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                       key_ok, dv_in, MASKED, Dv != BLOCK_DV)
+        if PREC == "fp16x3":
+            k_hi, k_lo, k_c = split_f16(k)
+            v_hi, v_lo, v_c = split_f16(v)
+            qk = _mm_f16x3(q_hi, q_lo, q_c, tl.trans(k_hi), tl.trans(k_lo), k_c, [BLOCK_M, BLOCK_N])
+        else:
+            qk = _mm(q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
+        if HAS_BIAS:
+            b_ptrs = bias_base + n64 * stride_bn + offs_nl[None, :] * stride_bn
+            if MASKED:
+                bias = tl.load(b_ptrs, mask=m_in[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+            else:
+                bias = tl.load(b_ptrs).to(tl.float32)
+            arg = (qk * sm_scale + bias - lse[:, None]) * 1.4426950408889634
+        else:
+            arg = qk * qk_scale - lse2[:, None]
+        if MASKED:
+            valid = m_in[:, None] & key_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
+            p = tl.where(valid, tl.math.exp2(arg), 0.0)
+        else:
+            p = tl.math.exp2(arg)
+        if PREC == "fp16x3":
+            dp = _mm_f16x3(do_hi, do_lo, do_c, tl.trans(v_hi), tl.trans(v_lo), v_c, [BLOCK_M, BLOCK_N])
+            ds_hi, ds_lo, ds_c = split_f16(p * (dp - delta[:, None]))
+            dq += _mm_f16x3(ds_hi, ds_lo, ds_c, k_hi, k_lo, k_c, [BLOCK_M, BLOCK_D])
+        else:
+            dp = _mm(do_hi, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
+            ds = p * (dp - delta[:, None])
+            dq = _mm(ds.to(k.dtype), k, dq, PREC, DOT_UPCAST)
+    return dq
 
 
 @triton.jit
@@ -266,13 +400,16 @@ def _bwd_dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_kpmb, stride_kpmn,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, Nq, Nk, D, Dv, BIAS_B, BIAS_H,
+    H, Nq, Nk, BIAS_B, BIAS_H,
     sm_scale, qk_scale,
+    D: tl.constexpr, Dv: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (b * H + h, query tile): ``dQ [BLOCK_M, D]`` from a loop over the key tiles."""
+    """One program per (b * H + h, query tile): ``dQ [BLOCK_M, D]`` from a loop over the key tiles: the full
+    key tiles every row of the tile sees without masks, then the diagonal and the partial last tile masked
+    (all of them masked for a partial query tile or with a padding mask)."""
     pid_m = tl.program_id(1)
     pid_bh = tl.program_id(0)
     b32 = pid_bh // H
@@ -286,79 +423,67 @@ def _bwd_dq_kernel(
     offs_nl = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    d_in = offs_d < D
-    dv_in = offs_dv < Dv
     m_in = offs_m < Nq
     diag = Nk - Nq
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + m064 * stride_qm + offs_ml[:, None] * stride_qm
-                + offs_d[None, :] * stride_qd, mask=m_in[:, None] & d_in[None, :], other=0.0)
+                + offs_d[None, :] * stride_qd, mask=m_in[:, None] & (offs_d < D)[None, :], other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + m064 * stride_dom + offs_ml[:, None] * stride_dom
-                 + offs_dv[None, :] * stride_dod, mask=m_in[:, None] & dv_in[None, :], other=0.0)
+                 + offs_dv[None, :] * stride_dod, mask=m_in[:, None] & (offs_dv < Dv)[None, :], other=0.0)
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + m064 * stride_lm + offs_ml * stride_lm,
                   mask=m_in, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     lse2 = lse * 1.4426950408889634
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * Nq + offs_m, mask=m_in, other=0.0)
 
+    # Key tiles: [0, n_mid) are full and visible to every row of the tile, [n_mid, n_end) masked.
     n_end = Nk
+    n_mid = m0 * 0 + Nk // BLOCK_N * BLOCK_N
     if CAUSAL:
         n_end = tl.minimum(tl.maximum(m0 + BLOCK_M + diag, 0), Nk)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_nl[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_nl[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    if HAS_BIAS:
-        b_ptrs = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
-                  + m064 * stride_bm + offs_ml[:, None] * stride_bm + offs_nl[None, :] * stride_bn)
+        n_mid = tl.minimum(n_mid, tl.maximum(m0 + diag + 1, 0) // BLOCK_N * BLOCK_N)
     if HAS_KPM:
-        kpm_ptrs = KPM + b * stride_kpmb + offs_nl * stride_kpmn
+        n_mid = m0 * 0
+    if m0 + BLOCK_M > Nq:
+        n_mid = m0 * 0
 
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    bias_base = BIAS
+    if HAS_BIAS:
+        bias_base = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
+                     + m064 * stride_bm + offs_ml[:, None] * stride_bm)
+    kpm_base = KPM + b * stride_kpmb
+
+    q_hi = q
+    q_lo = q
+    q_c = 0
+    do_hi = do
+    do_lo = do
+    do_c = 0
     if PREC == "fp16x3":
         # Q and dO are split once per program, K, V and dS at every key tile
         q_hi, q_lo, q_c = split_f16(q)
         do_hi, do_lo, do_c = split_f16(do)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, n_end, BLOCK_N):
-        offs_n = n0 + offs_nl
-        key_ok = offs_n < Nk
-        if HAS_KPM:
-            key_ok = key_ok & (tl.load(kpm_ptrs, mask=key_ok, other=0) != 0)
-        k = tl.load(k_ptrs, mask=key_ok[:, None] & d_in[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
-        if PREC == "fp16x3":
-            k_hi, k_lo, k_c = split_f16(k)
-            v_hi, v_lo, v_c = split_f16(v)
-            qk = _mm_f16x3(q_hi, q_lo, q_c, tl.trans(k_hi), tl.trans(k_lo), k_c, [BLOCK_M, BLOCK_N])
-        else:
-            qk = _mm(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
-        valid = m_in[:, None] & key_ok[None, :]
-        if HAS_BIAS:
-            bias = tl.load(b_ptrs, mask=valid, other=0.0).to(tl.float32)
-            arg = (qk * sm_scale + bias - lse[:, None]) * 1.4426950408889634
-        else:
-            arg = qk * qk_scale - lse2[:, None]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
-        p = tl.where(valid, tl.math.exp2(arg), 0.0)
-        if PREC == "fp16x3":
-            dp = _mm_f16x3(do_hi, do_lo, do_c, tl.trans(v_hi), tl.trans(v_lo), v_c, [BLOCK_M, BLOCK_N])
-            ds_hi, ds_lo, ds_c = split_f16(p * (dp - delta[:, None]))
-            dq += _mm_f16x3(ds_hi, ds_lo, ds_c, k_hi, k_lo, k_c, [BLOCK_M, BLOCK_D])
-        else:
-            dp = _mm(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
-            ds = p * (dp - delta[:, None])
-            dq = _mm(ds.to(k.dtype), k, dq, PREC, DOT_UPCAST)
-
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
-        if HAS_BIAS:
-            b_ptrs += BLOCK_N * stride_bn
-        if HAS_KPM:
-            kpm_ptrs += BLOCK_N * stride_kpmn
+    dq = _dq_loop(
+        dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, offs_nl, offs_d, offs_dv,
+        k_base, v_base, bias_base, kpm_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
+        0, n_mid, Nk, diag, sm_scale, qk_scale,
+        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    dq = _dq_loop(
+        dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, offs_nl, offs_d, offs_dv,
+        k_base, v_base, bias_base, kpm_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
+        n_mid, n_end, Nk, diag, sm_scale, qk_scale,
+        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + m064 * stride_dqm + offs_ml[:, None] * stride_dqm
-             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=m_in[:, None] & d_in[None, :])
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=m_in[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
@@ -544,8 +669,9 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     variables).
 
     Chosen from tile sweeps on an H100 (``benchmarks/attention_bwd.py --tiles``, recorded in
-    ``docs/kernel_notes.md``): half precision takes the usual fused-attention split (dK/dV: 32 queries x
-    128 keys; dQ: 128 queries x 32 keys; 4 warps, 3 stages); float32 runs best with larger tiles on 8 warps
+    ``docs/kernel_notes.md``): half precision takes dK/dV tiles of 32 queries x 128 keys (4 warps, 3
+    stages) and, at head dims <= 64, dQ tiles of 128 queries x 64 keys on 8 warps (64 x 64 on 4 warps up to
+    ``n_k = 1024`` keys; 128 x 32 on 4 warps for wider heads); float32 runs best with larger tiles on 8 warps
     (dK/dV 64 x 128, dQ 128 x 64), which pays for the three products per tile of ``tf32x3`` and ``fp16x3``.
     ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision) pipelines 3 stages at head dim <= 64
     and uses 64-key dK/dV tiles on 4 warps up to ``n_k = 1024`` keys (more programs for short sequences);
@@ -562,7 +688,10 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     if device.type != "cuda":
         # CPU interpreter: few large tiles (the interpreter's cost is per program and per loop step)
         return BwdConfig(block_m1=64, block_n1=64, block_m2=64, block_n2=64, block_m3=64, block_n3=64)
-    if dtype in (torch.float16, torch.bfloat16):
+    if dtype in (torch.float16, torch.bfloat16) and wide <= 64:
+        short = n_k is not None and n_k <= 1024
+        cfg = _cfg((32, 128, 4, 3), (64, 64, 4, 3) if short else (128, 64, 8, 3), (64, 64, 4))
+    elif dtype in (torch.float16, torch.bfloat16):
         cfg = _cfg((32, 128, 4, 3), (128, 32, 4, 3), (64, 64, 4))
     elif precision == "fp16x3" and deterministic and wide <= 64:
         short = n_k is not None and n_k <= 1024
@@ -747,7 +876,7 @@ def elsa_bwd(
     _bwd_dkdv_kernel[(B * H, _cdiv(Nk, cfg.block_n1))](
         q, k, v, do, lse, delta, bias_arg, kpm, dk, dv, dq_acc,
         *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(), *dq_acc_s,
-        H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
+        H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, D=D, Dv=Dv,
         HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
         PREC=prec, DOT_UPCAST=dot_upcast,
         BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
@@ -759,7 +888,7 @@ def elsa_bwd(
         _bwd_dq_kernel[(B * H, _cdiv(Nq, cfg.block_m2))](
             q, k, v, do, lse, delta, bias_arg, kpm, dq,
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dq.stride(),
-            H, Nq, Nk, D, Dv, Bb, Hb, sm_scale, qk_scale,
+            H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, D=D, Dv=Dv,
             HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal,
             PREC=prec, DOT_UPCAST=dot_upcast,
             BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
