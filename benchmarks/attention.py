@@ -27,6 +27,10 @@ allocation of one call above what was allocated before it (output included); ``r
 (``backend="triton"``, the peer's precision for both passes). TFLOP/s then counts ``14 B H N^2 D`` (4 for
 the forward, 10 for the backward's five products), ``extra_mb`` includes the gradients, and ``relerr`` is
 the largest of dq, dk, dv's relative errors on batch 0, head 0 against float64 autograd.
+
+``--cuda-graph`` times the replay of a CUDA graph of each peer's call (forward, or forward + ``backward()``)
+instead of the eager call: the GPU's time without the host's launch work, for cases where the host, not the
+GPU, sets the eager time (rows noted ``cuda graph``).
 """
 
 from __future__ import annotations
@@ -166,6 +170,28 @@ def reference(q, k, v, causal, chunk=1024):
     return out
 
 
+# --cuda-graph: time CUDA-graph replays of each call instead of eager calls (the GPU's time without the host's
+# launch work; every peer is captured the same way).
+CUDA_GRAPH = False
+
+
+def _timed(step):
+    """``step`` itself, or under ``CUDA_GRAPH`` the replay of a CUDA graph of it (captured after a warm-up
+    on a side stream, as torch.cuda.graphs requires)."""
+    if not CUDA_GRAPH:
+        return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def measure(fn, q, k, v, causal, ref):
     import triton
 
@@ -180,7 +206,8 @@ def measure(fn, q, k, v, causal, ref):
     if ref is not None:
         err = f"{((out.double() - ref).norm() / ref.norm()).item():.3e}"
     del out
-    ms = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=100, return_mode="median")
+    ms = triton.testing.do_bench(_timed(lambda: fn(q, k, v, causal)), warmup=25, rep=100,
+                                 return_mode="median")
     return ms, extra, err
 
 
@@ -232,7 +259,7 @@ def measure_fwdbwd(fn, q, k, v, causal, do, ref_grads):
         errs = [((g[:1, :1].double() - r).norm() / r.norm()).item()
                 for g, r in zip((qg.grad, kg.grad, vg.grad), ref_grads)]
         err = f"{max(errs):.3e}"
-    ms = triton.testing.do_bench(step, warmup=10, rep=60, return_mode="median")
+    ms = triton.testing.do_bench(_timed(step), warmup=10, rep=60, return_mode="median")
     return ms, extra, err
 
 
@@ -276,7 +303,7 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=(), backw
                 if pas == "fwdbwd" and peer == "sdpa_math" and c.N > 8192:
                     continue  # its backward keeps several [B, H, N, N] float tensors
                 flops = (4 if pas == "fwd" else 14) * c.B * c.H * c.N**2 * c.D * (0.5 if c.causal else 1.0)
-                note = ""
+                note = "cuda graph" if CUDA_GRAPH else ""
                 ms = extra = None
                 err = ""
                 try:
@@ -461,6 +488,9 @@ def main(argv=None):
                     help="dtype:D:precision keys to autotune (on their first case) before timing elsa")
     ap.add_argument("--causal", action="store_true", help="also run every shape causal")
     ap.add_argument("--backward", action="store_true", help="also time forward+backward (pass=fwdbwd rows)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="time CUDA-graph replays of every peer's call (GPU time without host launch work; "
+                         "the rows' note says 'cuda graph')")
     ap.add_argument(
         "--out", default=None, help="CSV path (default benchmarks/results/attention_<gpu>_<date>.csv)"
     )
@@ -482,6 +512,8 @@ def main(argv=None):
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
+    global CUDA_GRAPH
+    CUDA_GRAPH = args.cuda_graph
     cases = args.shapes or (QUICK if args.quick else SHAPES)
     if args.causal:
         cases = cases + [Case(c.B, c.H, c.N, c.D, True) for c in cases]
