@@ -717,11 +717,14 @@ def _shape(t: Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale):
-    for name, t in (("do", do), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+def _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale, delta=None):
+    if out is None and delta is None:
+        raise ValueError("elsa_bwd: pass `out` (the forward output), or `delta` = rowsum(out * do)")
+    given = [("do", do), ("q", q), ("k", k), ("v", v)] + ([("out", out)] if out is not None else [])
+    for name, t in given + [("lse", lse)]:
         if not isinstance(t, Tensor):
             raise TypeError(f"elsa_bwd: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("do", do), ("q", q), ("k", k), ("v", v), ("out", out)):
+    for name, t in given:
         if t.dim() != 4:
             raise ValueError(f"elsa_bwd: `{name}` must have rank 4 [B, H, N, D], got shape {_shape(t)}")
         if t.dtype != q.dtype:
@@ -736,7 +739,7 @@ def _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale):
         raise ValueError(f"elsa_bwd: k must be [B, H, Nk, D] = [{B}, {H}, Nk, {D}], got {_shape(k)}")
     if v.shape != (B, H, Nk, Dv):
         raise ValueError(f"elsa_bwd: v must be [B, H, Nk, Dv] = [{B}, {H}, {Nk}, Dv], got {_shape(v)}")
-    for name, t in (("out", out), ("do", do)):
+    for name, t in given[4:] + given[:1]:  # out (if given), do
         if t.shape != (B, H, Nq, Dv):
             raise ValueError(
                 f"elsa_bwd: `{name}` must be [B, H, Nq, Dv] = [{B}, {H}, {Nq}, {Dv}], got {_shape(t)}")
@@ -745,6 +748,10 @@ def _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale):
             f"elsa_bwd: `lse` must be float32 [B, H, Nq] = [{B}, {H}, {Nq}], got {lse.dtype} {_shape(lse)}")
     if lse.device != q.device:
         raise ValueError(f"elsa_bwd: `lse` is on {lse.device}, q on {q.device}")
+    if delta is not None and (not isinstance(delta, Tensor) or delta.shape != (B, H, Nq)
+                              or delta.dtype != torch.float32 or delta.device != q.device):
+        raise ValueError(f"elsa_bwd: `delta` must be float32 [B, H, Nq] = [{B}, {H}, {Nq}] on {q.device}, "
+                         f"got {getattr(delta, 'dtype', type(delta).__name__)} {getattr(delta, 'shape', '')}")
     if min(B, H, Nq, Nk, D, Dv) == 0:
         raise ValueError(f"elsa_bwd: empty input, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     if attn_bias is not None:
@@ -787,7 +794,7 @@ def elsa_bwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    out: Tensor,
+    out: Tensor | None,
     lse: Tensor,
     attn_bias: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
@@ -797,14 +804,17 @@ def elsa_bwd(
     bias_requires_grad: bool = False,
     deterministic: bool = True,
     config: BwdConfig | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    delta: Tensor | None = None,
+    compute_dq: bool = True,
+    compute_dkdv: bool = True,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of ``out = softmax(scale * q k^T + bias, masked) @ v`` from the saved ``(out, lse)``.
 
     Args:
         do: output gradient ``[B, H, Nq, Dv]``; any strides.
         q, k, v: ``[B, H, Nq, D]``, ``[B, H, Nk, D]``, ``[B, H, Nk, Dv]``; any strides (fused-qkv views).
-        out: forward output ``[B, H, Nq, Dv]``; lse: float32 ``[B, H, Nq]`` natural-log log-sum-exp,
-            ``-inf`` for rows with no visible key.
+        out: forward output ``[B, H, Nq, Dv]`` (may be None when ``delta`` is given); lse: float32
+            ``[B, H, Nq]`` natural-log log-sum-exp, ``-inf`` for rows with no visible key.
         attn_bias: float ``[Bb, Hb, Mb, Nb]`` (or fewer leading dims) with ``Hb in (1, H)``,
             ``Mb in (1, Nq)``, ``Nb in (1, Nk)`` and ``Bb`` dividing ``B``: batch ``b`` uses bias slice
             ``b % Bb`` (``Bb = 1`` or ``B`` is ordinary broadcasting, ``Bb = nW`` the window layout
@@ -820,11 +830,16 @@ def elsa_bwd(
         deterministic: True (default): separate dQ pass, bitwise reproducible. False: dQ accumulated with
             float32 atomics in the dK/dV pass (one fewer pass over the scores; not bitwise reproducible).
         config: tile override (``bwd_config`` picks the default).
+        delta: float32 ``[B, H, Nq]`` ``rowsum(out * dO)`` computed by the caller (the preprocess kernel is
+            then skipped and ``out`` is not read): context parallelism sends it along with the query rows.
+        compute_dq / compute_dkdv: False skips the dQ kernel / the dK/dV kernel (its gradients are returned
+            as None), for callers that need one side only (the two passes of ring attention's backward).
 
     Returns:
-        ``(dq, dk, dv, dbias)``: contiguous ``[B, H, N, D|Dv]`` in the input dtype; ``dbias`` or None.
+        ``(dq, dk, dv, dbias)``: contiguous ``[B, H, N, D|Dv]`` in the input dtype (None where not
+        computed); ``dbias`` or None.
     """
-    _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale)
+    _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale, delta)
     if not isinstance(causal, bool):
         raise TypeError(f"elsa_bwd: `causal` must be a bool, got {type(causal).__name__}")
     B, H, Nq, D = q.shape
@@ -832,16 +847,18 @@ def elsa_bwd(
     prec = resolve_precision(q.dtype, precision, q.device, max(D, Dv))
     sm_scale = float(D ** -0.5 if scale is None else scale)
     qk_scale = sm_scale * LOG2E
-    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, deterministic, Nk)
+    atomic = not deterministic and compute_dq and compute_dkdv
+    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, not atomic, Nk)
     BLOCK_D = _pow2(D)
     BLOCK_DV = _pow2(Dv)
     device = q.device
     dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
 
-    dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=device)
-    dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=device)
-    dv = torch.empty((B, H, Nk, Dv), dtype=v.dtype, device=device)
-    delta = torch.empty((B, H, Nq), dtype=torch.float32, device=device)
+    dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=device) if compute_dq else None
+    dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=device) if compute_dkdv else None
+    dv = torch.empty((B, H, Nk, Dv), dtype=v.dtype, device=device) if compute_dkdv else None
+    given_delta = delta is not None
+    delta = delta.contiguous() if given_delta else torch.empty((B, H, Nq), dtype=torch.float32, device=device)
 
     has_bias = attn_bias is not None
     if has_bias:
@@ -866,25 +883,28 @@ def elsa_bwd(
     q_s, k_s, v_s, do_s = q.stride(), k.stride(), v.stride(), do.stride()
     lse_s = lse.stride()
 
-    _bwd_preprocess_kernel[(B * H, _cdiv(Nq, 64))](
-        out, do, delta, *out.stride(), *do_s, H, Nq, Dv, BLOCK_M=64, BLOCK_DV=BLOCK_DV, num_warps=4,
-    )
+    if not given_delta:
+        _bwd_preprocess_kernel[(B * H, _cdiv(Nq, 64))](
+            out, do, delta, *out.stride(), *do_s, H, Nq, Dv, BLOCK_M=64, BLOCK_DV=BLOCK_DV, num_warps=4,
+        )
 
-    atomic_dq = not deterministic
+    # The single-pass atomic dQ needs the dK/dV pass; one side alone runs deterministically.
+    atomic_dq = atomic
     dq_acc = torch.zeros((B, H, Nq, D), dtype=torch.float32, device=device) if atomic_dq else delta
     dq_acc_s = dq_acc.stride() if atomic_dq else (0, 0, 0, 0)
-    _bwd_dkdv_kernel[(B * H, _cdiv(Nk, cfg.block_n1))](
-        q, k, v, do, lse, delta, bias_arg, kpm, dk, dv, dq_acc,
-        *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(), *dq_acc_s,
-        H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, D=D, Dv=Dv,
-        HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
-        PREC=prec, DOT_UPCAST=dot_upcast,
-        BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-        num_warps=cfg.warps1, num_stages=cfg.stages1,
-    )
+    if compute_dkdv:
+        _bwd_dkdv_kernel[(B * H, _cdiv(Nk, cfg.block_n1))](
+            q, k, v, do, lse, delta, bias_arg, kpm, dk, dv, dq_acc,
+            *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(),
+            *dq_acc_s, H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, D=D, Dv=Dv,
+            HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
+            PREC=prec, DOT_UPCAST=dot_upcast,
+            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+            num_warps=cfg.warps1, num_stages=cfg.stages1,
+        )
     if atomic_dq:
         dq.copy_(dq_acc)
-    else:
+    elif compute_dq:
         _bwd_dq_kernel[(B * H, _cdiv(Nq, cfg.block_m2))](
             q, k, v, do, lse, delta, bias_arg, kpm, dq,
             *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dq.stride(),

@@ -348,6 +348,26 @@ def test_resolve_precision():
     assert resolve_precision(torch.bfloat16, "fp16x3", cpu, 64) == "tf32"  # half: operands as they are
 
 
+@pytest.mark.parametrize("precision", ["auto", "fp16x3"])
+def test_precomputed_delta_and_one_sided_passes(precision):
+    """``delta`` given (``out`` then unread: None), and ``compute_dq`` / ``compute_dkdv`` switched off, give
+    the same gradients as the full call, within the float32 bound against float64, and None where skipped."""
+    q, k, v, do, bias, mask = _problem(1, 2, 97, 130, 40, 72, bias_shape=(1, 2, 97, 130), kpm=True, seed=21)
+    refs, o, lse = _reference(q, k, v, do, bias=bias, mask=mask, causal=True)
+    delta = (o * do).sum(-1).float()
+    full = _run(q, k, v, do, o, lse, torch.float32, attn_bias=bias, key_padding_mask=mask, causal=True,
+                precision=precision)
+    args = [t.float() for t in (do, q, k, v)] + [None, lse.float()]
+    kw = dict(attn_bias=bias.float(), key_padding_mask=mask, causal=True, precision=precision, delta=delta)
+    dq_only = elsa_bwd(*args, **kw, compute_dkdv=False)
+    dkdv_only = elsa_bwd(*args, **kw, compute_dq=False, deterministic=False)
+    assert dq_only[1] is None and dq_only[2] is None and dkdv_only[0] is None
+    _check_fp32([dq_only[0], dkdv_only[1], dkdv_only[2]], refs[:3], FP32_ACCURATE)
+    # the same kernels on the same inputs: equal to the full call up to the delta's summation order
+    for part, whole in ((dq_only[0], full[0]), (dkdv_only[1], full[1]), (dkdv_only[2], full[2])):
+        assert _relerr(part, whole.double()) <= 1e-6
+
+
 def test_input_validation():
     q, k, v, do, _, _ = _problem(1, 2, 9, 11, 16, 16, seed=1)
     q, k, v, do = (t.float() for t in (q, k, v, do))
@@ -365,6 +385,10 @@ def test_input_validation():
         elsa_bwd(do, q, k, v, o, lse, key_padding_mask=torch.ones(1, 11, device=DEVICE))
     with pytest.raises(ValueError, match="precision"):
         elsa_bwd(do, q, k, v, o, lse, precision="fp8")
+    with pytest.raises(ValueError, match="pass `out`"):
+        elsa_bwd(do, q, k, v, None, lse)
+    with pytest.raises(ValueError, match="delta"):
+        elsa_bwd(do, q, k, v, None, lse, delta=torch.zeros(1, 2, 8, device=DEVICE))
 
 
 # ------------------------------------------------------------------------------------------------- GPU
