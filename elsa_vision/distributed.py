@@ -4,8 +4,12 @@ Each rank holds the queries, keys and values of its own tokens. Key/value shards
 (``batch_isend_irecv`` to the next rank while the current shard is being folded in), and every rank folds
 each visiting shard into its queries' (m, S, W) states with the ELSA monoid. Because the merge is
 associative and commutative, the order in which shards arrive does not change the result beyond rounding:
-this is the multi-device level of the scan. The backward pass sends the key/value shards around the ring
-once more, together with their dK/dV accumulators, which arrive home complete after a full turn.
+this is the multi-device level of the scan. The backward pass makes two turns of the ring: in the first the
+key/value shards travel again and every rank accumulates the dQ of its queries; in the second the query side
+(q, dO and the per-row lse and Delta = rowsum(O dO)) travels and every rank accumulates the dK/dV of its own
+keys in place. No gradient buffer is sent, so the ring holds one incoming shard at a time: the same
+products as one dK/dV + dQ backward (the kernels' two passes), the same bytes per hop as sending the
+accumulators along, less memory.
 
 Layouts (``layout=``):
     ``"contiguous"`` -- rank r holds one contiguous slice; slices differ in length by at most one token.
@@ -246,6 +250,39 @@ def _pairs(q_ranges, k_ranges, causal):
         q_off += qb - qa
 
 
+def _bias_block(bias, qs, n_rows, k_ranges, ks):
+    """The bias entries of one (query block, key block) pair: rows ``qs`` of ``bias`` (or, for a bias whose
+    rows are broadcast, ``n_rows`` copies of its row), columns: the global key indices of ``ks`` within a
+    shard made of ``k_ranges``."""
+    if bias is None:
+        return None
+    blk = bias[..., qs, :] if n_rows is None else bias[..., :1, :].expand(*bias.shape[:2], n_rows,
+                                                                           bias.shape[-1])
+    if bias.shape[-1] > 1:
+        cols = torch.cat([torch.arange(a, b, device=bias.device) for a, b in k_ranges])[ks]
+        blk = blk.index_select(-1, cols)
+    return blk
+
+
+def _pad_rows(x: Tensor, rows: int, dim: int = -2, value: float = 0.0) -> Tensor:
+    """``x`` padded with ``value`` to ``rows`` entries along ``dim``, contiguous: the buffers a ring sends."""
+    pad = rows - x.shape[dim]
+    if pad == 0:
+        return x.contiguous()
+    widths = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, pad]
+    return torch.nn.functional.pad(x, widths, value=value).contiguous()
+
+
+def _bias_rows_travel(bias: Tensor, group) -> bool:
+    """Whether the rows of ``bias`` differ between ranks (then they travel with the query side): a bias given
+    with one row for all queries stays home. Decided by all ranks together, so that every rank sends the same
+    list of buffers; a rank holding a single query row counts as having rows."""
+    has_rows = bias.shape[-2] == 1 or bias.stride(-2) != 0
+    flag = torch.tensor([1 if has_rows else 0], device=bias.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 def _fold_forward(q, k, v, kpm, bias, causal, scale, precision, backend):
     """(out, lse) of q against one key shard, through the chosen backend."""
     if backend == "triton":
@@ -261,18 +298,21 @@ def _fold_forward(q, k, v, kpm, bias, causal, scale, precision, backend):
     return out, lse
 
 
-def _fold_backward(do, q, k, v, out, lse, delta, kpm, bias, causal, scale, precision, backend):
+def _fold_backward(do, q, k, v, lse, delta, kpm, bias, causal, scale, precision, backend, want_dq):
+    """One block's contribution to dQ (``want_dq``) or to (dK, dV), in the accumulation dtype of ``delta``,
+    from the global lse and ``Delta = rowsum(O dO)`` of the block's query rows."""
+    acc = delta.dtype
     if backend == "triton":
         from .kernels import elsa_bwd
 
-        dq, dk, dv, _ = elsa_bwd(do, q, k, v, out.to(q.dtype), lse.float(), attn_bias=bias,
-                                 key_padding_mask=kpm, causal=causal, scale=scale, precision=precision)
-        return dq.to(out.dtype), dk.to(out.dtype), dv.to(out.dtype)
-    compute = out.dtype
-    dq, dk, dv, _ = attention_backward(do.to(compute), q.to(compute), k.to(compute), v.to(compute), out, lse,
-                                       attn_bias=bias, key_padding_mask=kpm, causal=causal, scale=scale,
-                                       delta=delta)
-    return dq, dk, dv
+        dq, dk, dv, _ = elsa_bwd(do.to(q.dtype), q, k, v, None, lse.float(), attn_bias=bias,
+                                 key_padding_mask=kpm, causal=causal, scale=scale, precision=precision,
+                                 delta=delta.float(), compute_dq=want_dq, compute_dkdv=not want_dq)
+    else:
+        dq, dk, dv, _ = attention_backward(do.to(acc), q.to(acc), k.to(acc), v.to(acc), None, lse,
+                                           attn_bias=bias, key_padding_mask=kpm, causal=causal, scale=scale,
+                                           delta=delta)
+    return (dq.to(acc),) if want_dq else (dk.to(acc), dv.to(acc))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -299,14 +339,9 @@ class _RingAttention(torch.autograd.Function):
             reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
             k_ranges = ranges[src]
             for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
-                bias_blk = None
-                if bias is not None:
-                    cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
-                    bias_blk = bias[..., qs, :]
-                    if bias.shape[-1] > 1:
-                        bias_blk = bias_blk.index_select(-1, cols)
                 out_b, lse_b = _fold_forward(q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
-                                             mb[:, ks] if masked else None, bias_blk,
+                                             mb[:, ks] if masked else None,
+                                             _bias_block(bias, qs, None, k_ranges, ks),
                                              blk_causal, scale, precision, backend)
                 st = state_from_output(out_b, lse_b)
                 idx = _chunk_index(ranges[rank], qs)
@@ -325,65 +360,64 @@ class _RingAttention(torch.autograd.Function):
             lses.append(torch.where(st.s > 0, st.m + torch.log(st.s), torch.full_like(st.m, float("-inf"))))
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse, valid, bias)
-        ctx.cfg = (group, n, causal, scale, precision, backend, layout, masked)
+        ctx.cfg = (group, n, causal, scale, precision, backend, layout, masked, kpm is not None)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, valid, bias = ctx.saved_tensors
-        group, n, causal, scale, precision, backend, layout, masked = ctx.cfg
+        group, n, causal, scale, precision, backend, layout, masked, has_kpm = ctx.cfg
         ring = _Ring(group)
         world, rank = ring.world, ring.rank
         ranges = [shard_ranges(n, world, r, layout) for r in range(world)]
         longest = max(sum(b - a for a, b in rr) for rr in ranges)
-        pad = longest - k.shape[-2]
         do = dout.to(out.dtype)
         delta = (out * do).sum(-1)
-        acc = out.dtype
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kb = (k if pad == 0 else torch.nn.functional.pad(k, (0, 0, 0, pad))).contiguous()
-        vb = (v if pad == 0 else torch.nn.functional.pad(v, (0, 0, 0, pad))).contiguous()
-        mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
-        dkb = torch.zeros(kb.shape, dtype=acc, device=k.device)
-        dvb = torch.zeros(vb.shape, dtype=acc, device=v.device)
-        greqs, grecv = [], None
+
+        # Turn 1, dQ: the key/value shards travel as in the forward; each rank adds its queries' dQ blocks.
+        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        kv = [_pad_rows(k, longest), _pad_rows(v, longest)]
+        mb = _pad_rows(valid, longest, dim=-1, value=False) if masked else None
         for step in range(world):
             src = (rank - step) % world
-            k_ranges = ranges[src]
-            reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
-            # This step's dK/dV blocks are kept apart while the accumulator of the visiting shard is still
-            # on its way from the previous rank; they are added in block order once it has arrived.
-            blocks = []
-            for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
-                bias_blk = None
-                if bias is not None:
-                    cols = torch.cat([torch.arange(a, b, device=q.device) for a, b in k_ranges])[ks]
-                    bias_blk = bias[..., qs, :]
-                    if bias.shape[-1] > 1:
-                        bias_blk = bias_blk.index_select(-1, cols)
-                gq, gk, gv = _fold_backward(do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
-                                            out[..., qs, :], lse[..., qs], delta[..., qs],
-                                            mb[:, ks] if masked else None, bias_blk,
-                                            blk_causal, scale, precision, backend)
+            reqs, recv = ring.start(kv + ([mb] if masked else [])) if step < world - 1 else ([], None)
+            for qs, ks, blk_causal in _pairs(ranges[rank], ranges[src], causal):
+                (gq,) = _fold_backward(do[..., qs, :], q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :],
+                                       lse[..., qs], delta[..., qs], mb[:, ks] if masked else None,
+                                       _bias_block(bias, qs, None, ranges[src], ks), blk_causal, scale,
+                                       precision, backend, want_dq=True)
                 dq[..., qs, :] += gq
-                blocks.append((ks, gk, gv))
-            if greqs:
-                _Ring.wait(greqs)
-                dkb, dvb = grecv
-            for ks, gk, gv in blocks:
-                dkb[..., ks, :] += gk
-                dvb[..., ks, :] += gv
-            del blocks
-            # The accumulators travel with their shard (after the last step they go home: one more hop);
-            # the transfer overlaps the next step's compute.
-            greqs, grecv = ring.start([dkb, dvb])
+                del gq
             if reqs:
                 _Ring.wait(reqs)
-                kb, vb, mb = recv if masked else (*recv, mb)
-        _Ring.wait(greqs)
-        dkb, dvb = grecv
-        nk = k.shape[-2]
-        return (dq.to(q.dtype), dkb[..., :nk, :].to(k.dtype), dvb[..., :nk, :].to(v.dtype),
+                kv, mb = recv[:2], (recv[2] if masked else None)
+        del kv, mb, recv
+
+        # Turn 2, dK/dV: the query side travels (q, dO, lse, Delta, and the bias rows where they differ
+        # between ranks); each rank adds the dK/dV blocks of its own keys in place.
+        travel_bias = bias is not None and _bias_rows_travel(bias, group)
+        side = [_pad_rows(q, longest), _pad_rows(do, longest), _pad_rows(lse, longest, dim=-1),
+                _pad_rows(delta, longest, dim=-1)] + ([_pad_rows(bias, longest)] if travel_bias else [])
+        kpm = valid if has_kpm else None
+        dk = torch.zeros(k.shape, dtype=out.dtype, device=k.device)
+        dv = torch.zeros(v.shape, dtype=out.dtype, device=v.device)
+        for step in range(world):
+            src = (rank - step) % world  # owner of the visiting query rows
+            reqs, recv = ring.start(side) if step < world - 1 else ([], None)
+            qb, dob, lseb, deltab = side[:4]
+            for qs, ks, blk_causal in _pairs(ranges[src], ranges[rank], causal):
+                bias_blk = (_bias_block(side[4], qs, None, ranges[rank], ks) if travel_bias else
+                            _bias_block(bias, None, qs.stop - qs.start, ranges[rank], ks))
+                gk, gv = _fold_backward(dob[..., qs, :], qb[..., qs, :], k[..., ks, :], v[..., ks, :],
+                                        lseb[..., qs], deltab[..., qs], None if kpm is None else kpm[:, ks],
+                                        bias_blk, blk_causal, scale, precision, backend, want_dq=False)
+                dk[..., ks, :] += gk
+                dv[..., ks, :] += gv
+                del gk, gv
+            if reqs:
+                _Ring.wait(reqs)
+                side = recv
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 None, None, None, None, None, None, None, None, None)
 
 

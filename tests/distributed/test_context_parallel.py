@@ -20,7 +20,13 @@ def _run_case(rank, group, cfg):
     v = torch.randn(B, H, N, Dv, dtype=torch.float64)
     do = torch.randn(B, H, N, Dv, dtype=torch.float64)
     kpm = torch.rand(B, N) > 0.25 if cfg["mask"] else None
-    bias = torch.randn(1, H, N, N, dtype=torch.float64) if cfg["bias"] else None
+    # bias=True: a relative-position-like bias with a row per query (each rank passes its rows);
+    # bias="row": one row for every query ([B, 1, 1, N], every rank passes it whole).
+    bias = None
+    if cfg["bias"] == "row":
+        bias = torch.randn(B, 1, 1, N, dtype=torch.float64)
+    elif cfg["bias"]:
+        bias = torch.randn(1, H, N, N, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = softmax_attention(*leaves, causal=cfg["causal"], key_padding_mask=kpm, attn_bias=bias)
     ref.backward(do)
@@ -31,7 +37,7 @@ def _run_case(rank, group, cfg):
     out = context_parallel_attention(
         *local, seq_len=N, group=group, causal=cfg["causal"], layout=layout, backend="torch",
         key_padding_mask=None if kpm is None else shard(kpm, dim=-1),
-        attn_bias=None if bias is None else shard(bias))
+        attn_bias=None if bias is None else (bias if cfg["bias"] == "row" else shard(bias)))
     out.backward(shard(do))
     full = gather_sequence(out.detach(), N, group, layout=layout)
     errs = {"out": ((full - ref).norm() / ref.norm()).item()}
@@ -62,6 +68,8 @@ CASES = [
     dict(world=2, N=41, causal=True, layout="zigzag", mask=False, bias=True),
     dict(world=4, N=53, causal=True, layout="zigzag", mask=True, bias=False),
     dict(world=3, N=29, causal=False, layout="zigzag", mask=True, bias=True),
+    dict(world=3, N=31, causal=True, layout="zigzag", mask=True, bias="row"),
+    dict(world=2, N=23, causal=False, layout="contiguous", mask=False, bias="row"),
 ]
 
 
