@@ -75,6 +75,15 @@ def shard_sequence(x: Tensor, group=None, *, dim: int = -2, layout: str = "conti
     return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
 
 
+def _pad_rows(x: Tensor, rows: int, dim: int = -2, value: float = 0.0) -> Tensor:
+    """``x`` padded with ``value`` to ``rows`` entries along ``dim``, contiguous: the buffers a ring sends."""
+    pad = rows - x.shape[dim]
+    if pad == 0:
+        return x.contiguous()
+    widths = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, pad]
+    return torch.nn.functional.pad(x, widths, value=value).contiguous()
+
+
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_local, n, group, dim, layout):
@@ -82,8 +91,7 @@ class _GatherSequence(torch.autograd.Function):
         world, _ = _group_info(group)
         lengths = [sum(b - a for a, b in shard_ranges(n, world, r, layout)) for r in range(world)]
         longest = max(lengths)
-        pad = [0, 0] * (x_local.dim() - 1 - dim) + [0, longest - x_local.shape[dim]]
-        padded = torch.nn.functional.pad(x_local, pad).contiguous()
+        padded = _pad_rows(x_local, longest, dim=dim)
         bufs = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(bufs, padded, group=group)
         out_parts = []
@@ -264,15 +272,6 @@ def _bias_block(bias, qs, n_rows, k_ranges, ks):
     return blk
 
 
-def _pad_rows(x: Tensor, rows: int, dim: int = -2, value: float = 0.0) -> Tensor:
-    """``x`` padded with ``value`` to ``rows`` entries along ``dim``, contiguous: the buffers a ring sends."""
-    pad = rows - x.shape[dim]
-    if pad == 0:
-        return x.contiguous()
-    widths = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, pad]
-    return torch.nn.functional.pad(x, widths, value=value).contiguous()
-
-
 def _bias_rows_travel(bias: Tensor, group) -> bool:
     """Whether the rows of ``bias`` differ between ranks (then they travel with the query side): a bias given
     with one row for all queries stays home. Decided by all ranks together, so that every rank sends the same
@@ -323,16 +322,14 @@ class _RingAttention(torch.autograd.Function):
         ranges = [shard_ranges(n, world, r, layout) for r in range(world)]
         lengths = [sum(b - a for a, b in rr) for rr in ranges]
         longest = max(lengths)
-        pad = longest - k.shape[-2]
         # Every rank sends equally shaped buffers; padded keys are hidden by the travelling mask.
         valid = torch.ones(k.shape[0], k.shape[-2], dtype=torch.bool, device=k.device)
         if kpm is not None:
             valid = valid & kpm
-        kb = (k if pad == 0 else torch.nn.functional.pad(k, (0, 0, 0, pad))).contiguous()
-        vb = (v if pad == 0 else torch.nn.functional.pad(v, (0, 0, 0, pad))).contiguous()
-        mb = torch.nn.functional.pad(valid, (0, pad), value=False).contiguous()
         # Without a padding mask and with equal shards every key is valid: the mask stays home.
         masked = kpm is not None or min(lengths) != longest
+        kb, vb = _pad_rows(k, longest), _pad_rows(v, longest)
+        mb = _pad_rows(valid, longest, dim=-1, value=False) if masked else None
         state = [None] * len(ranges[rank])  # one running state per local query chunk
         for step in range(world):
             src = (rank - step) % world
@@ -376,13 +373,13 @@ class _RingAttention(torch.autograd.Function):
 
         # Turn 1, dQ: the key/value shards travel as in the forward; each rank adds its queries' dQ blocks.
         dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
-        kv = [_pad_rows(k, longest), _pad_rows(v, longest)]
+        kb, vb = _pad_rows(k, longest), _pad_rows(v, longest)
         mb = _pad_rows(valid, longest, dim=-1, value=False) if masked else None
         for step in range(world):
             src = (rank - step) % world
-            reqs, recv = ring.start(kv + ([mb] if masked else [])) if step < world - 1 else ([], None)
+            reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
             for qs, ks, blk_causal in _pairs(ranges[rank], ranges[src], causal):
-                (gq,) = _fold_backward(do[..., qs, :], q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :],
+                (gq,) = _fold_backward(do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
                                        lse[..., qs], delta[..., qs], mb[:, ks] if masked else None,
                                        _bias_block(bias, qs, None, ranges[src], ks), blk_causal, scale,
                                        precision, backend, want_dq=True)
@@ -390,8 +387,8 @@ class _RingAttention(torch.autograd.Function):
                 del gq
             if reqs:
                 _Ring.wait(reqs)
-                kv, mb = recv[:2], (recv[2] if masked else None)
-        del kv, mb, recv
+                kb, vb, mb = recv if masked else (*recv, None)
+        del kb, vb, mb, recv
 
         # Turn 2, dK/dV: the query side travels (q, dO, lse, Delta, and the bias rows where they differ
         # between ranks); each rank adds the dK/dV blocks of its own keys in place.

@@ -847,8 +847,9 @@ def elsa_bwd(
     prec = resolve_precision(q.dtype, precision, q.device, max(D, Dv))
     sm_scale = float(D ** -0.5 if scale is None else scale)
     qk_scale = sm_scale * LOG2E
-    atomic = not deterministic and compute_dq and compute_dkdv
-    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, not atomic, Nk)
+    # The single-pass atomic dQ needs the dK/dV pass; one side alone runs deterministically.
+    atomic_dq = not deterministic and compute_dq and compute_dkdv
+    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, not atomic_dq, Nk)
     BLOCK_D = _pow2(D)
     BLOCK_DV = _pow2(Dv)
     device = q.device
@@ -888,8 +889,6 @@ def elsa_bwd(
             out, do, delta, *out.stride(), *do_s, H, Nq, Dv, BLOCK_M=64, BLOCK_DV=BLOCK_DV, num_warps=4,
         )
 
-    # The single-pass atomic dQ needs the dK/dV pass; one side alone runs deterministically.
-    atomic_dq = atomic
     dq_acc = torch.zeros((B, H, Nq, D), dtype=torch.float32, device=device) if atomic_dq else delta
     dq_acc_s = dq_acc.stride() if atomic_dq else (0, 0, 0, 0)
     if compute_dkdv:
