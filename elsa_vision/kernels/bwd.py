@@ -32,7 +32,6 @@ own split of the same three TF32 products) runs here as ``"tf32x3"``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -40,15 +39,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _FP32_PRECISIONS, _cdiv, _next_pow2, _pow2
-from .fwd import resolve_precision as _fwd_resolve_precision
+from .fwd import _cdiv, _next_pow2, _pow2
+from .launch import Launch, ProgramCache, signature
 from .monoid import f16_pair, matmul_f16x3, pow2, split_f16
+from .precision import device_info
+from .precision import resolve_precision as _resolve_precision
 
 __all__ = ["BwdConfig", "bwd_config", "elsa_bwd", "resolve_precision"]
 
 LOG2E = 1.4426950408889634
-_PRECISIONS = _FP32_PRECISIONS
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -65,6 +64,8 @@ def _mm(a, b, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """
     if DOT_UPCAST:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif PREC == "none":
+        acc = tl.dot(a, b, acc)
     else:
         acc = tl.dot(a, b, acc, input_precision=PREC)
     return acc
@@ -391,11 +392,12 @@ def _dq_loop(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DQ,
+    Q, K, V, DO, O, LSE, DELTA, BIAS, KPM, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_kpmb, stride_kpmn,
@@ -403,13 +405,17 @@ def _bwd_dq_kernel(
     H, Nq, Nk, BIAS_B, BIAS_H,
     sm_scale, qk_scale,
     D: tl.constexpr, Dv: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_DELTA: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (b * H + h, query tile): ``dQ [BLOCK_M, D]`` from a loop over the key tiles: the full
     key tiles every row of the tile sees without masks, then the diagonal and the partial last tile masked
-    (all of them masked for a partial query tile or with a padding mask)."""
+    (all of them masked for a partial query tile or with a padding mask).
+
+    ``WRITE_DELTA``: the tile's ``Delta = rowsum(O * dO)`` is formed here from ``O`` and written to
+    ``DELTA`` for the dK/dV kernel that runs after this one (no separate preprocess launch); otherwise it
+    is read from ``DELTA``."""
     pid_m = tl.program_id(1)
     pid_bh = tl.program_id(0)
     b32 = pid_bh // H
@@ -434,7 +440,13 @@ def _bwd_dq_kernel(
                   mask=m_in, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     lse2 = lse * 1.4426950408889634
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * Nq + offs_m, mask=m_in, other=0.0)
+    if WRITE_DELTA:
+        o = tl.load(O + b * stride_ob + h * stride_oh + m064 * stride_om + offs_ml[:, None] * stride_om
+                    + offs_dv[None, :] * stride_od, mask=m_in[:, None] & (offs_dv < Dv)[None, :], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + pid_bh.to(tl.int64) * Nq + offs_m, delta, mask=m_in)
+    else:
+        delta = tl.load(DELTA + pid_bh.to(tl.int64) * Nq + offs_m, mask=m_in, other=0.0)
 
     # Key tiles: [0, n_mid) are full and visible to every row of the tile, [n_mid, n_end) masked.
     n_end = Nk
@@ -638,22 +650,9 @@ class BwdConfig:
 
 def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device,
                       head_dim: int | None = None) -> str:
-    """The ``tl.dot`` input precision for this dtype/precision/device: the forward's choice
-    (``fwd.resolve_precision``, with ``head_dim`` = the larger of D and Dv, padded), except that the
-    forward-only ``"tf32x3s"`` (its own split of the same three TF32 products) runs here as ``"tf32x3"``.
-
-    float16/bfloat16 operands always run on tensor cores with float32 accumulation (the knob does not
-    apply). float32 ``"auto"``: ``"fp16x3"`` on sm90 for padded head dims up to 128, ``"tf32x3"`` on other
-    tensor-core GPUs, ``"ieee"`` elsewhere; an explicit ``"fp16x3"`` runs as ``"tf32x3"`` past head dim 128
-    or when no ``head_dim`` is given.
-    """
-    if precision not in _PRECISIONS:
-        raise ValueError(f"elsa_bwd: unknown `precision` {precision!r}; expected one of {_PRECISIONS}")
-    if dtype != torch.float32:
-        return "tf32"
-    padded = None if head_dim is None else _pow2(head_dim)
-    prec = _fwd_resolve_precision(precision, dtype, device, padded)
-    return "tf32x3" if prec == "tf32x3s" else prec
+    """The backward's ``PREC`` constexpr: ``kernels.precision.resolve_precision`` for the ``"bwd"`` kernels
+    with ``head_dim`` the larger of D and Dv (``"none"`` for float16/bfloat16)."""
+    return _resolve_precision(precision, dtype, device, "bwd", head_dim)
 
 
 def _cfg(dkdv: tuple[int, int, int, int], dq: tuple[int, int, int, int],
@@ -713,80 +712,148 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
 # -------------------------------------------------------------------------------------------- launcher
 
 
-def _shape(t: Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+class _BwdProgram:
+    """Every launch of one backward signature, planned once (see ``launch``).
+
+    Launch order: the dQ kernel (which also forms and writes ``Delta`` unless it was given), then the dK/dV
+    kernel, then the dBias kernel. The separate ``Delta`` kernel runs only where no dQ pass precedes the
+    dK/dV one (``compute_dq=False`` or atomic dQ)."""
+
+    def __init__(self, do, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
+                 bias_requires_grad, deterministic, config, given_delta, compute_dq, compute_dkdv):
+        B, H, Nq, D = q.shape
+        Nk, Dv = k.shape[2], v.shape[3]
+        device = q.device
+        self.device, self.dtype = device, q.dtype
+        self.device_index = device.index if q.is_cuda else None
+        self.q_size, self.k_size, self.v_size = (B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, Dv)
+        self.delta_size = (B, H, Nq)
+        self.compute_dq, self.compute_dkdv, self.given_delta = compute_dq, compute_dkdv, given_delta
+        self.empty = min(B, H, Nq, Nk) == 0
+        if self.empty:
+            return
+        prec = resolve_precision(q.dtype, precision, device, max(D, Dv))
+        sm_scale = float(scale)
+        qk_scale = sm_scale * LOG2E
+        # The single-pass atomic dQ needs the dK/dV pass; one side alone runs deterministically.
+        self.atomic_dq = atomic_dq = not deterministic and compute_dq and compute_dkdv
+        cfg = config or bwd_config(q.dtype, D, Dv, device, prec, not atomic_dq, Nk)
+        BLOCK_D, BLOCK_DV = _pow2(D), _pow2(Dv)
+        dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
+        has_bias, has_kpm = attn_bias is not None, key_padding_mask is not None
+        if has_bias:
+            bias4 = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
+            Bb, Hb, Mb, Nb = bias4.shape
+            bias_e = bias4.expand(Bb, Hb, Nq, Nk)
+            b_strides = (bias_e.stride(0) if Bb > 1 else 0, bias_e.stride(1) if Hb > 1 else 0,
+                         bias_e.stride(2), bias_e.stride(3))
+        else:
+            Bb, Hb, Mb, Nb = 1, 1, 1, 1
+            b_strides = (0, 0, 0, 0)
+        kpm_strides = ((key_padding_mask.stride(0) if key_padding_mask.shape[0] > 1 else 0,
+                        key_padding_mask.stride(1)) if has_kpm else (0, 0))
+        q_s, k_s, v_s, do_s, lse_s = q.stride(), k.stride(), v.stride(), do.stride(), lse.stride()
+        o_s = out.stride() if out is not None else (0, 0, 0, 0)
+        self.write_delta = compute_dq and not atomic_dq and not given_delta
+        self.pre = None
+        if not given_delta and not self.write_delta:
+            self.pre = Launch(_bwd_preprocess_kernel, (B * H, _cdiv(Nq, 64)), (*o_s, *do_s, H, Nq, Dv),
+                              dict(BLOCK_M=64, BLOCK_DV=BLOCK_DV), 4)
+        common = dict(D=D, Dv=Dv, HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, PREC=prec,
+                      DOT_UPCAST=dot_upcast)
+        self.dq = None
+        if compute_dq and not atomic_dq:
+            self.dq = Launch(
+                _bwd_dq_kernel, (B * H, _cdiv(Nq, cfg.block_m2)),
+                (*q_s, *k_s, *v_s, *do_s, *o_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.q_size),
+                 H, Nq, Nk, Bb, Hb, sm_scale, qk_scale),
+                dict(common, WRITE_DELTA=self.write_delta, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
+                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV),
+                cfg.warps2, cfg.stages2)
+        self.dkdv = None
+        if compute_dkdv:
+            self.dkdv = Launch(
+                _bwd_dkdv_kernel, (B * H, _cdiv(Nk, cfg.block_n1)),
+                (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.k_size),
+                 *_contiguous(self.v_size), *(_contiguous(self.q_size) if atomic_dq else (0, 0, 0, 0)),
+                 H, Nq, Nk, Bb, Hb, sm_scale, qk_scale),
+                dict(common, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D,
+                     BLOCK_DV=BLOCK_DV),
+                cfg.warps1, cfg.stages1)
+        self.dbias = None
+        if has_bias and bias_requires_grad:
+            reduce_m, reduce_n = Mb == 1, Nb == 1
+            grid_m = 1 if reduce_m else _cdiv(Nq, cfg.block_m3)
+            grid_n = 1 if reduce_n else _cdiv(Nk, cfg.block_n3)
+            n_members = (B // Bb) * (H // Hb)
+            tiles = grid_m * grid_n * Bb * Hb
+            # Split the member loop only when the reduced grid cannot fill the device (fixed-order sum after).
+            target = 2 * device_info(device)[0]
+            n_split = max(1, min(n_members, target // tiles)) if tiles < target else 1
+            per_split = _cdiv(n_members, n_split)
+            n_split = _cdiv(n_members, per_split)
+            self.ws_size = (n_split, Bb, Hb, Mb, Nb)
+            self.bias_shape, self.bias_dtype = tuple(attn_bias.shape), attn_bias.dtype
+            # The dBias kernel recomputes S and dP with tf32x3 under fp16x3 (FP32-accurate either way).
+            self.dbias = Launch(
+                _bwd_dbias_kernel, (Bb * Hb * n_split, grid_m, grid_n),
+                (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.ws_size),
+                 H, Nq, Nk, D, Dv, Bb, Hb, n_members, per_split, sm_scale),
+                dict(HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n,
+                     PREC="tf32x3" if prec == "fp16x3" else prec, DOT_UPCAST=dot_upcast, BLOCK_M=cfg.block_m3,
+                     BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV),
+                cfg.warps3, 1)  # unpipelined: see bwd_config
+
+    def __call__(self, do, q, k, v, out, lse, bias, kpm, delta):
+        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                return self(do, q, k, v, out, lse, bias, kpm, delta)
+        dev, dtype = self.device, self.dtype
+        dq = torch.empty(self.q_size, dtype=dtype, device=dev) if self.compute_dq else None
+        dk = torch.empty(self.k_size, dtype=dtype, device=dev) if self.compute_dkdv else None
+        dv = torch.empty(self.v_size, dtype=dtype, device=dev) if self.compute_dkdv else None
+        if self.empty:
+            return (None if dq is None else dq.zero_(), None if dk is None else dk.zero_(),
+                    None if dv is None else dv.zero_(), None)
+        if delta is None:
+            delta = torch.empty(self.delta_size, dtype=torch.float32, device=dev)
+        elif not delta.is_contiguous():
+            delta = delta.contiguous()
+        if out is None:
+            out = delta  # not read: Delta is given
+        if bias is None:
+            bias = delta  # not read: HAS_BIAS is False
+        kpm = delta if kpm is None else kpm.view(torch.uint8)
+        if self.pre is not None:
+            self.pre(out, do, delta)
+        if self.dq is not None:
+            self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq)
+        if self.dkdv is not None:
+            dq_acc = torch.zeros(self.q_size, dtype=torch.float32, device=dev) if self.atomic_dq else delta
+            self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv, dq_acc)
+            if self.atomic_dq:
+                dq.copy_(dq_acc)
+        dbias = None
+        if self.dbias is not None:
+            ws = torch.empty(self.ws_size, dtype=torch.float32, device=dev)
+            self.dbias(q, k, v, do, lse, delta, bias, kpm, ws)
+            red = ws[0]
+            for s in range(1, self.ws_size[0]):  # fixed order: bitwise reproducible
+                red = red + ws[s]
+            dbias = red.to(self.bias_dtype).reshape(self.bias_shape)
+        return dq, dk, dv, dbias
 
 
-def _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale, delta=None):
-    if out is None and delta is None:
-        raise ValueError("elsa_bwd: pass `out` (the forward output), or `delta` = rowsum(out * do)")
-    given = [("do", do), ("q", q), ("k", k), ("v", v)] + ([("out", out)] if out is not None else [])
-    for name, t in given + [("lse", lse)]:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"elsa_bwd: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in given:
-        if t.dim() != 4:
-            raise ValueError(f"elsa_bwd: `{name}` must have rank 4 [B, H, N, D], got shape {_shape(t)}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"elsa_bwd: `{name}` must have q's dtype {q.dtype}, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"elsa_bwd: `{name}` is on {t.device}, q on {q.device}")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"elsa_bwd: unsupported dtype {q.dtype}; expected one of {_DTYPES}")
-    B, H, Nq, D = q.shape
-    Nk, Dv = k.shape[2], v.shape[3]
-    if k.shape != (B, H, Nk, D):
-        raise ValueError(f"elsa_bwd: k must be [B, H, Nk, D] = [{B}, {H}, Nk, {D}], got {_shape(k)}")
-    if v.shape != (B, H, Nk, Dv):
-        raise ValueError(f"elsa_bwd: v must be [B, H, Nk, Dv] = [{B}, {H}, {Nk}, Dv], got {_shape(v)}")
-    for name, t in given[4:] + given[:1]:  # out (if given), do
-        if t.shape != (B, H, Nq, Dv):
-            raise ValueError(
-                f"elsa_bwd: `{name}` must be [B, H, Nq, Dv] = [{B}, {H}, {Nq}, {Dv}], got {_shape(t)}")
-    if lse.shape != (B, H, Nq) or lse.dtype != torch.float32:
-        raise ValueError(
-            f"elsa_bwd: `lse` must be float32 [B, H, Nq] = [{B}, {H}, {Nq}], got {lse.dtype} {_shape(lse)}")
-    if lse.device != q.device:
-        raise ValueError(f"elsa_bwd: `lse` is on {lse.device}, q on {q.device}")
-    if delta is not None and (not isinstance(delta, Tensor) or delta.shape != (B, H, Nq)
-                              or delta.dtype != torch.float32 or delta.device != q.device):
-        raise ValueError(f"elsa_bwd: `delta` must be float32 [B, H, Nq] = [{B}, {H}, {Nq}] on {q.device}, "
-                         f"got {getattr(delta, 'dtype', type(delta).__name__)} {getattr(delta, 'shape', '')}")
-    if min(B, H, Nq, Nk, D, Dv) == 0:
-        raise ValueError(f"elsa_bwd: empty input, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
-    if attn_bias is not None:
-        if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
-            raise TypeError("elsa_bwd: `attn_bias` must be a floating-point tensor")
-        if attn_bias.device != q.device:
-            raise ValueError(f"elsa_bwd: `attn_bias` is on {attn_bias.device}, q on {q.device}")
-        shp = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape) if attn_bias.dim() <= 4 else None
-        ok = shp is not None and shp[0] >= 1 and B % shp[0] == 0 and shp[1] in (1, H) and shp[2] in (1, Nq) \
-            and shp[3] in (1, Nk)
-        if not ok:
-            raise ValueError(
-                f"elsa_bwd: `attn_bias` of shape {_shape(attn_bias)} must be [Bb, Hb, Mb, Nb] with Bb "
-                f"dividing "
-                f"B={B} (window b % Bb), Hb in (1, {H}), Mb in (1, {Nq}), Nb in (1, {Nk})"
-            )
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError(
-                "elsa_bwd: `key_padding_mask` must be a torch.bool tensor (True = key takes part)")
-        kshape = tuple(key_padding_mask.shape)
-        if len(kshape) != 2 or kshape[0] not in (1, B) or kshape[1] != Nk:
-            raise ValueError(
-                f"elsa_bwd: `key_padding_mask` must be [B, Nk] = [{B}, {Nk}], got {_shape(key_padding_mask)}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"elsa_bwd: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise TypeError(f"elsa_bwd: `scale` must be a finite float or None, got {scale!r}")
+def _contiguous(size: tuple) -> tuple:
+    """Strides of a contiguous tensor of ``size``."""
+    strides, acc = [], 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(1, n)
+    return tuple(reversed(strides))
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+_PROGRAMS = ProgramCache()
 
 
 def elsa_bwd(
@@ -810,6 +877,8 @@ def elsa_bwd(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of ``out = softmax(scale * q k^T + bias, masked) @ v`` from the saved ``(out, lse)``.
 
+    A trusted launcher: the inputs are not checked (the public ``elsa_attention`` checks them).
+
     Args:
         do: output gradient ``[B, H, Nq, Dv]``; any strides.
         q, k, v: ``[B, H, Nq, D]``, ``[B, H, Nk, D]``, ``[B, H, Nk, Dv]``; any strides (fused-qkv views).
@@ -823,122 +892,30 @@ def elsa_bwd(
         causal: bottom-right aligned (query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``).
         scale: logit scale, default ``D ** -0.5``.
         precision: ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "fp16x3" | "tf32"`` for float32 inputs
-            (ignored for half; ``"tf32x3s"`` and ``"fp16x3"`` run as ``"tf32x3"``).
+            (ignored for half; ``"tf32x3s"`` runs as ``"tf32x3"``).
         bias_requires_grad: also return ``dbias`` in ``attn_bias``'s shape and dtype (reduced over its
             size-1 / window-tiled dims; a stride-0 *expanded* dim of full size gets its full gradient, as
             autograd requires for that shape).
         deterministic: True (default): separate dQ pass, bitwise reproducible. False: dQ accumulated with
             float32 atomics in the dK/dV pass (one fewer pass over the scores; not bitwise reproducible).
         config: tile override (``bwd_config`` picks the default).
-        delta: float32 ``[B, H, Nq]`` ``rowsum(out * dO)`` computed by the caller (the preprocess kernel is
-            then skipped and ``out`` is not read): context parallelism sends it along with the query rows.
+        delta: float32 ``[B, H, Nq]`` ``rowsum(out * dO)`` computed by the caller (``out`` is then not
+            read): context parallelism sends it along with the query rows.
         compute_dq / compute_dkdv: False skips the dQ kernel / the dK/dV kernel (its gradients are returned
             as None), for callers that need one side only (the two passes of ring attention's backward).
 
     Returns:
         ``(dq, dk, dv, dbias)``: contiguous ``[B, H, N, D|Dv]`` in the input dtype (None where not
-        computed); ``dbias`` or None.
+        computed; zeros for empty inputs); ``dbias`` or None.
     """
-    _check(do, q, k, v, out, lse, attn_bias, key_padding_mask, scale, delta)
-    if not isinstance(causal, bool):
-        raise TypeError(f"elsa_bwd: `causal` must be a bool, got {type(causal).__name__}")
-    B, H, Nq, D = q.shape
-    Nk, Dv = k.shape[2], v.shape[3]
-    prec = resolve_precision(q.dtype, precision, q.device, max(D, Dv))
-    sm_scale = float(D ** -0.5 if scale is None else scale)
-    qk_scale = sm_scale * LOG2E
-    # The single-pass atomic dQ needs the dK/dV pass; one side alone runs deterministically.
-    atomic_dq = not deterministic and compute_dq and compute_dkdv
-    cfg = config or bwd_config(q.dtype, D, Dv, q.device, prec, not atomic_dq, Nk)
-    BLOCK_D = _pow2(D)
-    BLOCK_DV = _pow2(Dv)
-    device = q.device
-    dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
-
-    dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=device) if compute_dq else None
-    dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=device) if compute_dkdv else None
-    dv = torch.empty((B, H, Nk, Dv), dtype=v.dtype, device=device) if compute_dkdv else None
-    given_delta = delta is not None
-    delta = delta.contiguous() if given_delta else torch.empty((B, H, Nq), dtype=torch.float32, device=device)
-
-    has_bias = attn_bias is not None
-    if has_bias:
-        bias4 = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
-        Bb, Hb, Mb, Nb = bias4.shape
-        bias_e = bias4.expand(Bb, Hb, Nq, Nk)
-        b_strides = (bias_e.stride(0) if Bb > 1 else 0, bias_e.stride(1) if Hb > 1 else 0,
-                     bias_e.stride(2), bias_e.stride(3))
-        bias_arg = bias_e
-    else:
-        Bb, Hb = 1, 1
-        b_strides = (0, 0, 0, 0)
-        bias_arg = delta  # never read: HAS_BIAS is False
-    has_kpm = key_padding_mask is not None
-    if has_kpm:
-        kpm = key_padding_mask.view(torch.uint8)
-        kpm_strides = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1))
-    else:
-        kpm = delta
-        kpm_strides = (0, 0)
-
-    q_s, k_s, v_s, do_s = q.stride(), k.stride(), v.stride(), do.stride()
-    lse_s = lse.stride()
-
-    if not given_delta:
-        _bwd_preprocess_kernel[(B * H, _cdiv(Nq, 64))](
-            out, do, delta, *out.stride(), *do_s, H, Nq, Dv, BLOCK_M=64, BLOCK_DV=BLOCK_DV, num_warps=4,
-        )
-
-    dq_acc = torch.zeros((B, H, Nq, D), dtype=torch.float32, device=device) if atomic_dq else delta
-    dq_acc_s = dq_acc.stride() if atomic_dq else (0, 0, 0, 0)
-    if compute_dkdv:
-        _bwd_dkdv_kernel[(B * H, _cdiv(Nk, cfg.block_n1))](
-            q, k, v, do, lse, delta, bias_arg, kpm, dk, dv, dq_acc,
-            *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk.stride(), *dv.stride(),
-            *dq_acc_s, H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, D=D, Dv=Dv,
-            HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
-            PREC=prec, DOT_UPCAST=dot_upcast,
-            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-            num_warps=cfg.warps1, num_stages=cfg.stages1,
-        )
-    if atomic_dq:
-        dq.copy_(dq_acc)
-    elif compute_dq:
-        _bwd_dq_kernel[(B * H, _cdiv(Nq, cfg.block_m2))](
-            q, k, v, do, lse, delta, bias_arg, kpm, dq,
-            *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dq.stride(),
-            H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, D=D, Dv=Dv,
-            HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal,
-            PREC=prec, DOT_UPCAST=dot_upcast,
-            BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-            num_warps=cfg.warps2, num_stages=cfg.stages2,
-        )
-
-    dbias = None
-    if has_bias and bias_requires_grad:
-        reduce_m, reduce_n = Mb == 1, Nb == 1
-        grid_m = 1 if reduce_m else _cdiv(Nq, cfg.block_m3)
-        grid_n = 1 if reduce_n else _cdiv(Nk, cfg.block_n3)
-        n_members = (B // Bb) * (H // Hb)
-        tiles = grid_m * grid_n * Bb * Hb
-        # Split the member loop only when the reduced grid cannot fill the device (fixed-order sum after).
-        target = 2 * _sm_count(device)
-        n_split = max(1, min(n_members, target // tiles)) if tiles < target else 1
-        per_split = _cdiv(n_members, n_split)
-        n_split = _cdiv(n_members, per_split)
-        ws = torch.empty((n_split, Bb, Hb, Mb, Nb), dtype=torch.float32, device=device)
-        # The dBias kernel recomputes S and dP with tf32x3 under fp16x3 (FP32-accurate either way).
-        _bwd_dbias_kernel[(Bb * Hb * n_split, grid_m, grid_n)](
-            q, k, v, do, lse, delta, bias_arg, kpm, ws,
-            *q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *ws.stride(),
-            H, Nq, Nk, D, Dv, Bb, Hb, n_members, per_split, sm_scale,
-            HAS_KPM=has_kpm, CAUSAL=causal, REDUCE_M=reduce_m, REDUCE_N=reduce_n,
-            PREC="tf32x3" if prec == "fp16x3" else prec, DOT_UPCAST=dot_upcast,
-            BLOCK_M=cfg.block_m3, BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-            num_warps=cfg.warps3, num_stages=1,  # unpipelined: see bwd_config
-        )
-        red = ws[0]
-        for s in range(1, n_split):  # fixed order: bitwise reproducible
-            red = red + ws[s]
-        dbias = red.to(attn_bias.dtype).reshape(attn_bias.shape)
-    return dq, dk, dv, dbias
+    if out is None and delta is None:
+        raise ValueError("elsa_bwd: pass `out` (the forward output), or `delta` = rowsum(out * do)")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    options = (causal, scale, precision, bool(bias_requires_grad), deterministic, config, delta is not None,
+               compute_dq, compute_dkdv)
+    key = signature((do, q, k, v, out, lse, attn_bias, key_padding_mask), options)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS.put(key, _BwdProgram(do, q, k, v, out, lse, attn_bias, key_padding_mask,
+                                                 *options))
+    return program(do, q, k, v, out, lse, attn_bias, key_padding_mask, delta)

@@ -34,15 +34,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _FLOAT_DTYPES, LOG2E, _cdiv, _check_qkv, _device_info, _pow2, empty_output, resolve_precision
-from .monoid import fold_tile, matmul, merge_states
+from .fwd import _FLOAT_DTYPES, LOG2E, _bias4, _cdiv, _device_info, _pow2
+from .launch import Launch, ProgramCache, signature
+from .monoid import clamp_bias, finalize_state, fold_tile, matmul, merge_states
+from .precision import resolve_precision
 
 __all__ = ["DecodePlan", "decode_plan", "elsa_decode", "choose_forward", "DECODE_MAX_QUERIES",
            "DECODE_MIN_KEYS"]
 
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
-_BIAS_CLAMP = tl.constexpr(2.0e38)
 
 # Routing thresholds of ``choose_forward``: at most this many query rows, at least this many keys.
 DECODE_MAX_QUERIES = 16
@@ -120,8 +121,7 @@ def _decode_kernel(
             if HAS_BIAS:
                 b = tl.load(bias_base + cols[None, :].to(tl.int64) * stride_bn,
                             mask=(offs_m[:, None] >= 0) & (cols[None, :] < Nk), other=0.0).to(tl.float32)
-                b = tl.where(b > -_BIAS_CLAMP, tl.minimum(b, _BIAS_CLAMP),
-                             tl.where(b == float("-inf"), float("-inf"), -_BIAS_CLAMP))
+                b = clamp_bias(b)
                 scores = scores + b * _LOG2E
             valid = (cols[None, :] < Nk) & (offs_m[:, None] >= 0)
             if CAUSAL:
@@ -168,17 +168,13 @@ def _decode_merge_kernel(
         w_p = tl.load(WsW + ws_rows[:, None] * BLOCK_DV + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
         m_i, s_i, acc = merge_states(m_i, s_i, acc, m_p[:, None], s_p[:, None], w_p)
 
-    visible = s_i > 0.0
-    denom = tl.where(visible, s_i, 1.0)
-    out = tl.where(visible, acc / denom, 0.0)
-    lse = tl.where(visible, (m_i + tl.math.log2(denom)) * _LN2, float("-inf"))
+    out, lse = finalize_state(tl.reshape(m_i, [BLOCK_M]), tl.reshape(s_i, [BLOCK_M]), acc)
     off_b = (bh // H).to(tl.int64)
     off_h = (bh % H).to(tl.int64)
     o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + rows64[:, None] * stride_om \
         + offs_dv[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    l_ptrs = Lse + off_b * stride_lb + off_h * stride_lh + rows64[:, None] * stride_lm
-    tl.store(l_ptrs, lse, mask=row_ok[:, None])
+    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + rows64 * stride_lm, lse, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------- planning
@@ -226,7 +222,7 @@ def _decode_plan(B, H, Nq, Nk, D, dtype, sm_count=None, Dv=None, precision="auto
         raise ValueError(f"decode_plan: head dims must be in [1, 256], got D={D}, Dv={Dv}")
     if Nq > 128:
         raise ValueError(f"decode_plan: the few-query path takes Nq <= 128 query rows, got Nq={Nq}")
-    prec = resolve_precision(precision, dtype, device)
+    prec = resolve_precision(precision, dtype, device, "decode")
     sms, cc, smem = _device_info(device)
     if cc == (0, 0) and dtype == torch.bfloat16:
         prec = "upcast"  # the interpreter has no bfloat16 dot
@@ -309,22 +305,77 @@ def choose_forward(B: int, H: int, Nq: int, Nk: int, device=None, sm_count: int 
 # --------------------------------------------------------------------------------------------- launcher
 
 
-def _bias_view(attn_bias, B, H, Nq, Nk, device) -> Tensor:
-    if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
-        raise TypeError(f"elsa_decode: `attn_bias` must be a floating-point tensor, got "
-                        f"{getattr(attn_bias, 'dtype', type(attn_bias).__name__)}")
-    if attn_bias.device != device:
-        raise ValueError(f"elsa_decode: `attn_bias` is on {attn_bias.device}, q on {device}")
-    if attn_bias.dim() > 4:
-        raise ValueError(f"elsa_decode: `attn_bias` must have rank <= 4, got shape {list(attn_bias.shape)}")
-    if attn_bias.dtype == torch.float64:
-        attn_bias = attn_bias.to(torch.float32)
-    b = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
-    try:
-        return b.expand(B, H, Nq, Nk)  # stride 0 along broadcast dims: never materialised
-    except RuntimeError as err:
-        raise ValueError(f"elsa_decode: `attn_bias` of shape {list(attn_bias.shape)} is not broadcastable to "
-                         f"[B, H, Nq, Nk] = [{B}, {H}, {Nq}, {Nk}]") from err
+class _DecodeProgram:
+    """Both launches of one few-query signature, planned once (see ``launch``)."""
+
+    def __init__(self, q, k, v, bias, kpm, causal, scale, precision, block_n=None, programs=None):
+        B, H, Nq, D = q.shape
+        Nk, Dv = k.shape[2], v.shape[3]
+        self.device, self.dtype = q.device, q.dtype
+        self.device_index = q.device.index if q.is_cuda else None
+        self.bias_cast = bias is not None and bias.dtype == torch.float64
+        self.out_size, self.out_stride = (B, H, Nq, Dv), (Nq * H * Dv, Dv, H * Dv, 1)
+        self.lse_size = (B, H, Nq)
+        self.empty = B * H * Nq == 0
+        self.zero = Nk == 0
+        if self.empty or self.zero:
+            return
+        p = decode_plan(B, H, Nq, Nk, D, q.dtype, Dv=Dv, precision=precision, device=q.device,
+                        block_n=block_n, programs=programs)
+        self.plan = p
+        bh = B * H
+        self.ws_sizes = ((bh, p.max_partials, Nq), (bh, p.max_partials, Nq, p.block_dv))
+        has_bias, has_kpm = bias is not None, kpm is not None
+        sb = tuple(_bias4(bias).expand(B, H, Nq, Nk).stride()) if has_bias else (0, 0, 0, 0)
+        skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
+        self.main = Launch(
+            _decode_kernel, (p.programs,),
+            (*q.stride(), *k.stride(), *v.stride(), *sb, *skp,
+             H, Nq, Nk, p.tiles_per_head, p.total_tiles, p.tiles_per_program, p.max_partials, scale * LOG2E),
+            dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+                 PRECISION=p.precision, CAUSAL=causal, HAS_BIAS=has_bias, HAS_KPM=has_kpm,
+                 EVEN_N=Nk % p.block_n == 0),
+            p.num_warps, p.num_stages)
+        self.merge = Launch(
+            _decode_merge_kernel, (bh,),
+            (*self.out_stride, H * Nq, Nq, 1, H, Nq, p.tiles_per_head, p.tiles_per_program, p.max_partials),
+            dict(DV=Dv, BLOCK_M=p.block_m, BLOCK_DV=p.block_dv), 4)
+
+    def __call__(self, q, k, v, bias=None, kpm=None):
+        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                return self(q, k, v, bias, kpm)
+        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
+        if self.empty:
+            return out, lse
+        if self.zero:
+            return out.zero_(), lse.fill_(-math.inf)
+        ws_m = torch.empty(self.ws_sizes[0], device=self.device, dtype=torch.float32)
+        ws_s = torch.empty(self.ws_sizes[0], device=self.device, dtype=torch.float32)
+        ws_w = torch.empty(self.ws_sizes[1], device=self.device, dtype=torch.float32)
+        if bias is None:
+            bias = ws_m
+        elif self.bias_cast:
+            bias = bias.to(torch.float32)
+        kpm = ws_m if kpm is None else kpm.view(torch.uint8)
+        self.main(q, k, v, bias, kpm, ws_m, ws_s, ws_w)
+        self.merge(ws_m, ws_s, ws_w, out, lse)
+        return out, lse
+
+
+_PROGRAMS = ProgramCache()
+
+
+def decode_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, block_n=None,
+                   programs=None) -> _DecodeProgram:
+    """The cached launch program of this few-query signature (``scale`` resolved)."""
+    key = signature((q, k, v, attn_bias, key_padding_mask), (causal, scale, precision, block_n, programs))
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS.put(key, _DecodeProgram(q, k, v, attn_bias, key_padding_mask, causal, scale,
+                                                    precision, block_n, programs))
+    return program
 
 
 def elsa_decode(
@@ -340,6 +391,8 @@ def elsa_decode(
     programs: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Few-query attention ``softmax(q k^T * scale + bias) v`` by the stream-K split; ``elsa_fwd``'s contract.
+
+    A trusted launcher: the inputs are not checked (``elsa_attention`` checks them).
 
     Args:
         q: ``[B, H, Nq, D]`` with ``Nq <= 128`` (the path is planned for ``Nq <= 16``); k: ``[B, H, Nk, D]``;
@@ -358,57 +411,6 @@ def elsa_decode(
         ``out [B, H, Nq, Dv]`` in q's dtype (rows with no visible key: 0) and ``lse [B, H, Nq]`` float32
         (natural log, ``-inf`` where no key is visible). Deterministic: reruns are bitwise equal.
     """
-    _check_qkv("elsa_decode", q, k, v, 4)
-    B, H, Nq, D = q.shape
-    Nk, Dv = k.shape[2], v.shape[3]
-    if tuple(k.shape[:2]) != (B, H) or tuple(v.shape[:3]) != (B, H, Nk):
-        raise ValueError(
-            f"elsa_decode: shapes disagree: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
-    if Nq > 128:
-        raise ValueError(f"elsa_decode: q must have at most 128 query rows, got Nq={Nq}; use elsa_fwd")
-    if not isinstance(causal, bool):
-        raise TypeError(f"elsa_decode: `causal` must be a bool, got {type(causal).__name__}")
-    scale = D ** -0.5 if scale is None else float(scale)
-    bias = None if attn_bias is None else _bias_view(attn_bias, B, H, Nq, Nk, q.device)
-    kpm = None
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("elsa_decode: `key_padding_mask` must be a torch.bool tensor [B, Nk], got "
-                            f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
-        kshape = tuple(key_padding_mask.shape)
-        if len(kshape) != 2 or kshape[0] not in (1, B) or kshape[1] != Nk:
-            raise ValueError(f"elsa_decode: `key_padding_mask` must have shape [B, Nk] = [{B}, {Nk}], "
-                             f"got {list(key_padding_mask.shape)}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(
-                f"elsa_decode: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
-        kpm = key_padding_mask.view(torch.uint8)
-    out = empty_output(B, H, Nq, Dv, q)
-    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    if B * H * Nq == 0:
-        return out, lse
-    if Nk == 0:
-        return out.zero_(), lse.fill_(-math.inf)
-    p = decode_plan(B, H, Nq, Nk, D, q.dtype, Dv=Dv, precision=precision, device=q.device, block_n=block_n,
-                    programs=programs)
-    bh = B * H
-    ws_m = torch.empty((bh, p.max_partials, Nq), device=q.device, dtype=torch.float32)
-    ws_s = torch.empty_like(ws_m)
-    ws_w = torch.empty((bh, p.max_partials, Nq, p.block_dv), device=q.device, dtype=torch.float32)
-    sb = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
-    skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if kpm is not None else (0, 0)
-    dummy = ws_m
-    _decode_kernel[(p.programs,)](
-        q, k, v, bias if bias is not None else dummy, kpm if kpm is not None else dummy, ws_m, ws_s, ws_w,
-        *q.stride(), *k.stride(), *v.stride(), *sb, *skp,
-        H, Nq, Nk, p.tiles_per_head, p.total_tiles, p.tiles_per_program, p.max_partials, scale * LOG2E,
-        D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
-        PRECISION=p.precision, CAUSAL=causal, HAS_BIAS=bias is not None, HAS_KPM=kpm is not None,
-        EVEN_N=Nk % p.block_n == 0, num_warps=p.num_warps, num_stages=p.num_stages,
-    )
-    _decode_merge_kernel[(bh,)](
-        ws_m, ws_s, ws_w, out, lse, *out.stride(), *lse.stride(),
-        H, Nq, p.tiles_per_head, p.tiles_per_program, p.max_partials,
-        DV=Dv, BLOCK_M=p.block_m, BLOCK_DV=p.block_dv, num_warps=4,
-    )
-    return out, lse
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return decode_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, block_n,
+                          programs)(q, k, v, attn_bias, key_padding_mask)

@@ -26,7 +26,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .monoid import fold_tile, matmul, matmul_f16x3, matmul_split, merge_states, pow2, split_f16, split_tf32
+from .launch import Launch, ProgramCache, interpreting, signature
+from .monoid import (
+    clamp_bias,
+    finalize_state,
+    fold_tile,
+    matmul,
+    matmul_f16x3,
+    matmul_split,
+    merge_states,
+    pow2,
+    split_f16,
+    split_tf32,
+)
+from .precision import device_info, resolve_precision
 from .reference import merge_depth
 
 __all__ = [
@@ -37,9 +50,6 @@ __all__ = [
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
-# |bias| is clamped to this before the base-2 conversion so that log2(e) * bias stays finite in fp32
-# (finfo(float32).min * log2(e) would overflow to -inf and turn a finite bias row into a masked row).
-_BIAS_CLAMP = tl.constexpr(2.0e38)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -105,8 +115,7 @@ def _attend(
             else:
                 b = tl.load(bias_ptr + cols[None, :] * stride_bn)
             b = b.to(tl.float32)
-            b = tl.where(b > -_BIAS_CLAMP, tl.minimum(b, _BIAS_CLAMP),
-                         tl.where(b == float("-inf"), float("-inf"), -_BIAS_CLAMP))
+            b = clamp_bias(b)
             scores = scores + b * _LOG2E
         if MASKED:
             valid = cols[None, :] < seqlen_k
@@ -234,10 +243,7 @@ def _fwd_kernel(
         tl.store(WsS + ws_rows, s_i, mask=row_ok)
         tl.store(WsW + ws_rows[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=row_ok[:, None])
     else:
-        visible = s_i > 0.0
-        denom = tl.where(visible, s_i, 1.0)
-        out = tl.where(visible[:, None], acc / denom[:, None], 0.0)
-        lse = tl.where(visible, (m_i + tl.math.log2(denom)) * _LN2, float("-inf"))
+        out, lse = finalize_state(m_i, s_i, acc)
         o_ptrs = Out + o_off + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(Lse + l_off + rows64 * stride_lm, lse, mask=row_ok)
@@ -279,10 +285,7 @@ def _merge_kernel(
     m_row = tl.reshape(m, [BLOCK_M])
     s_row = tl.reshape(s, [BLOCK_M])
     acc = tl.reshape(w, [BLOCK_M, BLOCK_DV])
-    visible = s_row > 0.0
-    denom = tl.where(visible, s_row, 1.0)
-    out = tl.where(visible[:, None], acc / denom[:, None], 0.0)
-    lse = tl.where(visible, (m_row + tl.math.log2(denom)) * _LN2, float("-inf"))
+    out, lse = finalize_state(m_row, s_row, acc)
     rows64 = offs_m.to(tl.int64)
     o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
               + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od)
@@ -294,7 +297,6 @@ def _merge_kernel(
 # --------------------------------------------------------------------------------------------- planner
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP32_PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions: called from Python
@@ -309,7 +311,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _interpreting() -> bool:
-    return not isinstance(_fwd_kernel, triton.runtime.JITFunction)
+    return interpreting(_fwd_kernel)
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -317,53 +319,7 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 def _device_info(device) -> tuple[int, tuple[int, int], int]:
-    """(SM count, compute capability, shared memory per block) of a CUDA device; CPU: interpreter values."""
-    if device is None:
-        return _device_info_of(None)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _device_info_of(device)
-
-
-@functools.lru_cache(maxsize=64)
-def _device_info_of(device) -> tuple[int, tuple[int, int], int]:
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(device)
-        smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
-        return props.multi_processor_count, (props.major, props.minor), int(smem)
-    return 4, (0, 0), 1 << 30
-
-
-def resolve_precision(precision: str, dtype: torch.dtype, device=None, head_dim: int | None = None) -> str:
-    """The ``PRECISION`` constexpr for a call: ``"none"`` for half dtypes; for float32 ``"auto"`` becomes
-    the fastest FP32-accurate path (relerr <= 1e-6): ``"fp16x3"`` in the dense forward on sm90 for padded
-    head dims up to 128 (``head_dim``, given by the dense forward only), ``"tf32x3"`` on other tensor-core
-    GPUs (sm80+) and kernels, ``"ieee"`` elsewhere.
-
-    ``"tf32x3s"`` is FP32-accurate like ``"tf32x3"`` (the same three TF32 products per dot) with the split
-    done by the kernel (``monoid.split_tf32``): the forward splits its query tile once per program instead
-    of at every key tile. Other kernels that accept it split both operands at each product.
-
-    ``"fp16x3"`` is FP32-accurate from three float16 tensor-core products per dot (``monoid.split_f16``:
-    each tile scaled by a power of two into float16 range and split into two float16 parts of 11 bits
-    each; the weights P are scaled by 2^14 before their split). Half-precision MMAs run at twice the TF32
-    rate. Every float32 tile maximum (subnormal to 2^127) is scaled into float16 range. Its tiles are
-    measured and GPU-tested in the dense forward up to head dim 128: wider heads run it as ``"tf32x3"``,
-    the other kernels (no ``head_dim``) as ``"tf32x3s"``."""
-    if precision not in _FP32_PRECISIONS:
-        raise ValueError(f"elsa_fwd: unknown `precision` {precision!r}; expected one of {_FP32_PRECISIONS}")
-    if dtype != torch.float32:
-        return "none"
-    f16_ok = head_dim is not None and head_dim <= 128
-    if precision == "fp16x3" and not f16_ok:
-        return "tf32x3s" if head_dim is None else "tf32x3"
-    if precision != "auto":
-        return precision
-    _, cc, _ = _device_info(device)
-    if cc < (8, 0):
-        return "ieee"
-    return "fp16x3" if f16_ok and cc[0] == 9 else "tf32x3"
+    return device_info(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,7 +353,7 @@ def _smem_bytes(bm: int, bn: int, bd: int, bdv: int, stages: int, elem: int) -> 
     return elem * (bm * bd + max(1, stages - 1) * bn * (bd + bdv) + bm * bn)
 
 
-def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, int, int]:
+def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) without tuning."""
     if cc == (0, 0):  # interpreter: big tiles mean few (slow) interpreted steps
         bm = min(64, _pow2(nq))
@@ -425,6 +381,11 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem) -> tuple[int, int, 
         else:
             cfg = (64, 64, 8, 2)
     bm, bn, w, st = cfg
+    # Short sequences (windows of 49 or 64 tokens): tiles no taller or wider than the sequence (a 128-row
+    # tile over 49 rows does 2.6x the work). Key tiles stay >= 32 (the fp16x3 tiles measured on sm90).
+    bm = min(bm, _pow2(nq))
+    if nk is not None:
+        bn = min(bn, _pow2(nk, 32))
     if precision == "fp16x3" and bdv < 64:
         bn = min(bn, 32)  # see _fp16x3_safe
     elem = 4 if dtype == torch.float32 else 2
@@ -485,7 +446,7 @@ def _plan(
         sms = int(sm_count)
     key = tuning_key(dtype, D, Dv, causal, has_bias, device, precision)
     bd, bdv, prec = key[1], key[2], key[-1]
-    bm, bn, warps, stages = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem)
+    bm, bn, warps, stages = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem, Nk)
     bh = max(1, B * H)
     # Short sequences: halve the query tile before splitting the keys (less padding, more programs).
     while bm > 64 and _cdiv(max(Nq, 1), bm) * bh < sms and cc != (0, 0):
@@ -531,6 +492,7 @@ def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
     else:
         _TUNED[key] = tuple(config)
     _plan_cached.cache_clear()
+    _PROGRAMS.clear()
 
 
 def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:
@@ -539,7 +501,7 @@ def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, pre
     interpreter is ``"upcast"``)."""
     _, cc, _ = _device_info(device)
     bd, bdv = _pow2(D), _pow2(Dv)
-    prec = resolve_precision(precision, dtype, device, head_dim=max(bd, bdv))
+    prec = resolve_precision(precision, dtype, device, "fwd", head_dim=max(bd, bdv))
     if cc == (0, 0) and dtype == torch.bfloat16:
         prec = "upcast"  # the interpreter has no bfloat16 dot
     return (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
@@ -557,81 +519,122 @@ def _force_plan(p: FwdPlan, Nk: int, partitions: int) -> FwdPlan:
 
 
 # --------------------------------------------------------------------------------------------- launchers
+#
+# ``elsa_fwd`` and ``elsa_fwd_varlen`` are the trusted launchers below the public ``elsa_attention`` /
+# ``elsa_attention_varlen`` (which validate every input): they check nothing. Each call looks its signature up
+# in ``_PROGRAMS`` (``launch.signature``: shapes, strides, dtypes, alignment, options); a ``_FwdProgram``,
+# built once per signature, allocates the outputs and launches the kernels directly (``launch.Launch``).
 
 
-def _check_qkv(fn: str, q, k, v, rank: int) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != rank:
-            raise ValueError(f"{fn}: `{name}` must have rank {rank}, got shape {list(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{fn}: `{name}` must be float16, bfloat16 or float32, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{fn}: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{fn}: q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    if not q.is_cuda and not _interpreting():
-        raise ValueError(f"{fn}: the Triton kernels need CUDA tensors, got device {q.device}")
-    D, Dv = q.shape[-1], v.shape[-1]
-    if k.shape[-1] != D:
-        raise ValueError(f"{fn}: head dim of k must equal q's ({D}), got k {list(k.shape)}")
-    if not (1 <= D <= 256 and 1 <= Dv <= 256):
-        raise ValueError(f"{fn}: head dims must be in [1, 256], got D={D}, Dv={Dv}")
+def empty_output(B: int, H: int, Nq: int, Dv: int, like: Tensor) -> Tensor:
+    """The ``[B, H, Nq, Dv]`` output, stored as ``[B, Nq, H, Dv]`` (as SDPA's flash / efficient kernels do):
+    the ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` that every attention layer follows with is a view."""
+    return torch.empty((B, Nq, H, Dv), device=like.device, dtype=like.dtype).transpose(1, 2)
 
 
-def _bias_view(attn_bias: Tensor, B: int, H: int, Nq: int, Nk: int) -> Tensor:
-    if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
-        raise TypeError("elsa_fwd: `attn_bias` must be a floating-point tensor")
-    if attn_bias.dim() > 4:
-        raise ValueError(f"elsa_fwd: `attn_bias` must have rank <= 4, got shape {list(attn_bias.shape)}")
-    if attn_bias.dtype == torch.float64:
-        attn_bias = attn_bias.to(torch.float32)  # copies only the given (un-broadcast) tensor
-    b = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
-    try:
-        return b.expand(B, H, Nq, Nk)  # stride 0 along broadcast dims: never materialised
-    except RuntimeError as err:
-        raise ValueError(
-            f"elsa_fwd: `attn_bias` of shape {list(attn_bias.shape)} is not broadcastable to "
-            f"[B, H, Nq, Nk] = [{B}, {H}, {Nq}, {Nk}]"
-        ) from err
+def _bias4(attn_bias: Tensor) -> Tensor:
+    """``attn_bias`` with leading dims of size 1 up to rank 4 (a view)."""
+    return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
 
 
-def _launch(q, k, v, bias, kpm, out, lse, p: FwdPlan, dims, strides_q, strides_k, strides_v, strides_o,
-            strides_l, scale, causal, cu_q=None, cu_k=None, grid_m=None):
-    B, H, Nq, Nk, D, Dv = dims
-    bh = B * H
-    has_bias, has_kpm, varlen = bias is not None, kpm is not None, cu_q is not None
-    sb = tuple(bias.stride()) if has_bias else (0, 0, 0, 0)
-    skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
-    key_tiles = max(1, _cdiv(Nk, p.block_n))
-    tps = _cdiv(key_tiles, p.partitions)
-    m_tiles = _cdiv(grid_m if grid_m is not None else Nq, p.block_m)
-    dummy = out
-    if p.partitions > 1:
-        ws_m = torch.empty((p.partitions, bh, Nq), device=q.device, dtype=torch.float32)
-        ws_s = torch.empty_like(ws_m)
-        ws_w = torch.empty((p.partitions, bh, Nq, p.block_dv), device=q.device, dtype=torch.float32)
-    else:
-        ws_m = ws_s = ws_w = lse
-    _fwd_kernel[(m_tiles * bh, p.partitions)](
-        q, k, v, bias if has_bias else dummy, kpm if has_kpm else dummy, out, lse, ws_m, ws_s, ws_w,
-        cu_q if varlen else dummy, cu_k if varlen else dummy,
-        *strides_q, *strides_k, *strides_v, *sb, *skp, *strides_o, *strides_l,
-        H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E,
-        D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
-        PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm, IS_VARLEN=varlen,
-        SPLIT=p.partitions > 1, num_warps=p.num_warps, num_stages=p.num_stages,
-    )
-    if p.partitions > 1:
-        splits = max(2, _next_pow2(p.partitions))
-        bm2 = max(2, min(64, 4096 // (splits * p.block_dv)))
-        m2 = _cdiv(Nq, bm2)
-        _merge_kernel[(m2 * bh,)](
-            ws_m, ws_s, ws_w, out, lse, *strides_o, *strides_l, H, Nq, bh, m2, p.partitions,
-            DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits, LEVELS=splits.bit_length() - 1,
-            num_warps=4,
-        )
+class _FwdProgram:
+    """Every launch of one forward signature: the plan, the grids and all non-tensor arguments, fixed.
+
+    ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for the packed layout
+    (``q [total_q, H, D]``; outputs ``[total_q, H, Dv]`` and ``lse [H, total_q]``).
+    """
+
+    def __init__(self, q, k, v, bias, kpm, causal, scale, precision, workspace_bytes=None, partitions=None,
+                 varlen=None):
+        self.device = q.device
+        self.dtype = q.dtype
+        self.device_index = q.device.index if q.is_cuda else None
+        self.bias_cast = bias is not None and bias.dtype == torch.float64
+        if varlen is None:
+            B, H, Nq, D = q.shape
+            Nk, Dv = k.shape[2], v.shape[3]
+            grid_m = Nq
+            self.out_size, self.out_stride = (B, H, Nq, Dv), (Nq * H * Dv, Dv, H * Dv, 1)
+            self.lse_size = (B, H, Nq)
+            lse_strides = (H * Nq, Nq, 1)
+            strides = (q.stride(), k.stride(), v.stride(), (Nq * H * Dv, Dv, H * Dv, 1))
+            self.empty = B * H * Nq == 0
+            self.zero = False
+        else:
+            total_q, H, D = q.shape
+            Dv = v.shape[2]
+            cu_q, _, max_q, max_k = varlen
+            B, Nq, Nk = cu_q.shape[0] - 1, max_q, max(max_k, 1)
+            grid_m = max_q
+            self.out_size, self.out_stride = (total_q, H, Dv), (H * Dv, Dv, 1)
+            self.lse_size = (H, total_q)
+            lse_strides = (0, total_q, 1)
+            strides = ((0, q.stride(1), q.stride(0), q.stride(2)), (0, k.stride(1), k.stride(0), k.stride(2)),
+                       (0, v.stride(1), v.stride(0), v.stride(2)), (0, Dv, H * Dv, 1))
+            self.empty = False
+            self.zero = total_q == 0 or max_q == 0
+            workspace_bytes = 0  # the level-two merge has no varlen layout
+        if self.empty or self.zero:
+            return
+        has_bias, has_kpm = bias is not None, kpm is not None
+        p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=_canonical_device(q.device),
+                         workspace_bytes=workspace_bytes, precision=precision, has_bias=has_bias)
+        if partitions is not None:
+            p = _force_plan(p, Nk, partitions)
+        self.plan = p
+        bh = B * H
+        sb = tuple(_bias4(bias).expand(B, H, Nq, Nk).stride()) if has_bias else (0, 0, 0, 0)
+        skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
+        m_tiles = _cdiv(grid_m, p.block_m)
+        tps = _cdiv(max(1, _cdiv(Nk, p.block_n)), p.partitions)
+        scalars = (*strides[0], *strides[1], *strides[2], *sb, *skp, *strides[3], *lse_strides,
+                   H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E)
+        self.main = Launch(
+            _fwd_kernel, (m_tiles * bh, p.partitions), scalars,
+            dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+                 PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm,
+                 IS_VARLEN=varlen is not None, SPLIT=p.partitions > 1),
+            p.num_warps, p.num_stages)
+        self.merge = None
+        if p.partitions > 1:
+            splits = max(2, _next_pow2(p.partitions))
+            bm2 = max(2, min(64, 4096 // (splits * p.block_dv)))
+            m2 = _cdiv(Nq, bm2)
+            self.ws_sizes = ((p.partitions, bh, Nq), (p.partitions, bh, Nq, p.block_dv))
+            self.merge = Launch(
+                _merge_kernel, (m2 * bh,), (*strides[3], *lse_strides, H, Nq, bh, m2, p.partitions),
+                dict(DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits, LEVELS=splits.bit_length() - 1),
+                4)
+
+    def __call__(self, q, k, v, bias=None, kpm=None, cu_q=None, cu_k=None):
+        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                return self(q, k, v, bias, kpm, cu_q, cu_k)
+        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
+        if self.empty:
+            return out, lse
+        if self.zero:
+            return out.zero_(), lse.fill_(-math.inf)
+        if bias is None:
+            bias = out
+        elif self.bias_cast:
+            bias = bias.to(torch.float32)  # copies only the given (un-broadcast) tensor
+        kpm = out if kpm is None else kpm.view(torch.uint8)
+        if cu_q is None:
+            cu_q = cu_k = out
+        if self.merge is None:
+            self.main(q, k, v, bias, kpm, out, lse, lse, lse, lse, cu_q, cu_k)
+        else:
+            ws_m = torch.empty(self.ws_sizes[0], dtype=torch.float32, device=self.device)
+            ws_s = torch.empty(self.ws_sizes[0], dtype=torch.float32, device=self.device)
+            ws_w = torch.empty(self.ws_sizes[1], dtype=torch.float32, device=self.device)
+            self.main(q, k, v, bias, kpm, out, lse, ws_m, ws_s, ws_w, cu_q, cu_k)
+            self.merge(ws_m, ws_s, ws_w, out, lse)
+        return out, lse
+
+
+_PROGRAMS = ProgramCache()
 
 
 def elsa_fwd(
@@ -648,77 +651,34 @@ def elsa_fwd(
 ) -> tuple[Tensor, Tensor]:
     """ELSA forward: ``softmax(q k^T * scale + bias) v`` with masks, as the two-level monoid scan.
 
+    A trusted launcher: the inputs are not checked (``elsa_attention`` checks them).
+
     Args:
-        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``; float16/bfloat16/float32, any
-            strides (views of a fused qkv projection are read in place).
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``; float16/bfloat16/float32 CUDA
+            tensors (CPU under ``TRITON_INTERPRET=1``), any strides (views of a fused qkv projection are read
+            in place); head dims up to 256.
         attn_bias: float tensor broadcastable to ``[B, H, Nq, Nk]`` (read through stride-0 dims).
         key_padding_mask: bool ``[B, Nk]`` (or ``[1, Nk]``), True = the key takes part.
         causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right aligned).
         scale: logit scale, default ``D ** -0.5``.
         precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"fp16x3"``,
-            ``"tf32"`` (see ``resolve_precision``).
+            ``"tf32"`` (see ``kernels.precision``).
         workspace_bytes: cap on the level-one workspace (None: speed-first plan).
         partitions: force this many key partitions (tests and benchmarks of the two-level path).
 
     Returns:
         ``out [B, H, Nq, Dv]`` in q's dtype (rows with no visible key: 0; stored as ``[B, Nq, H, Dv]``, see
         ``empty_output``) and ``lse [B, H, Nq]`` float32, the natural-log log-sum-exp of each row's logits
-        (``-inf`` where no key is visible).
+        (``-inf`` where no key is visible). A NaN among a row's visible logits makes that row NaN.
     """
-    _check_qkv("elsa_fwd", q, k, v, 4)
-    B, H, Nq, D = q.shape
-    Nk, Dv = k.shape[2], v.shape[3]
-    if tuple(k.shape[:2]) != (B, H) or tuple(v.shape[:3]) != (B, H, Nk):
-        raise ValueError(
-            f"elsa_fwd: shapes disagree: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"elsa_fwd: `causal` must be a bool, got {type(causal).__name__}")
-    scale = D ** -0.5 if scale is None else float(scale)
-    bias = None
-    if attn_bias is not None:
-        if attn_bias.device != q.device:
-            raise ValueError(f"elsa_fwd: `attn_bias` is on {attn_bias.device}, q on {q.device}")
-        bias = _bias_view(attn_bias, B, H, Nq, Nk)
-    kpm = None
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("elsa_fwd: `key_padding_mask` must be a torch.bool tensor [B, Nk]")
-        kshape = tuple(key_padding_mask.shape)
-        if len(kshape) != 2 or kshape[0] not in (1, B) or kshape[1] != Nk:
-            raise ValueError(
-                f"elsa_fwd: `key_padding_mask` must have shape [B, Nk] = [{B}, {Nk}], "
-                f"got {list(key_padding_mask.shape)}"
-            )
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"elsa_fwd: `key_padding_mask` is on {key_padding_mask.device}, q on {q.device}")
-        kpm = key_padding_mask.view(torch.uint8)
-    out = empty_output(B, H, Nq, Dv, q)
-    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    if B * H * Nq == 0:
-        return out, lse
-    p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=q.device, workspace_bytes=workspace_bytes,
-                     precision=precision, has_bias=bias is not None)
-    if partitions is not None:
-        p = _force_plan(p, Nk, partitions)
-    _launch(q, k, v, bias, kpm, out, lse, p, (B, H, Nq, Nk, D, Dv), q.stride(), k.stride(), v.stride(),
-            out.stride(), lse.stride(), scale, causal)
-    return out, lse
-
-
-def empty_output(B: int, H: int, Nq: int, Dv: int, like: Tensor) -> Tensor:
-    """The ``[B, H, Nq, Dv]`` output, stored as ``[B, Nq, H, Dv]`` (as SDPA's flash / efficient kernels do):
-    the ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` that every attention layer follows with is a view."""
-    return torch.empty((B, Nq, H, Dv), device=like.device, dtype=like.dtype).transpose(1, 2)
-
-
-def _check_cu(name: str, cu, device) -> Tensor:
-    if not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 \
-            or cu.numel() < 2:
-        raise TypeError(f"elsa_fwd_varlen: `{name}` must be a 1-D int32 tensor [batch + 1], got "
-                        f"{getattr(cu, 'dtype', type(cu).__name__)} {list(getattr(cu, 'shape', []))}")
-    if cu.device != device:
-        raise ValueError(f"elsa_fwd_varlen: `{name}` is on {cu.device}, q on {device}")
-    return cu.to(torch.int32).contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    key = signature((q, k, v, attn_bias, key_padding_mask),
+                    (causal, scale, precision, workspace_bytes, partitions))
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS.put(key, _FwdProgram(q, k, v, attn_bias, key_padding_mask, causal, scale,
+                                                 precision, workspace_bytes, partitions))
+    return program(q, k, v, attn_bias, key_padding_mask)
 
 
 def elsa_fwd_varlen(
@@ -734,52 +694,28 @@ def elsa_fwd_varlen(
     scale: float | None = None,
     precision: str = "auto",
 ) -> tuple[Tensor, Tensor]:
-    """Packed variable-length ELSA forward (FlashAttention's convention).
+    """Packed variable-length ELSA forward (FlashAttention's convention); a trusted launcher.
 
     Args:
         q: ``[total_q, H, D]``; k: ``[total_k, H, D]``; v: ``[total_k, H, Dv]`` (any strides).
-        cu_seqlens_q / cu_seqlens_k: int32 ``[batch + 1]`` cumulative lengths (``cu[0] = 0``); sequence
-            ``i`` owns rows ``cu[i]:cu[i+1]``.
-        max_seqlen_q / max_seqlen_k: the longest sequence lengths (set the grid).
+        cu_seqlens_q / cu_seqlens_k: contiguous int32 ``[batch + 1]`` cumulative lengths (``cu[0] = 0``);
+            sequence ``i`` owns rows ``cu[i]:cu[i+1]``.
+        max_seqlen_q / max_seqlen_k: the longest sequence lengths (set the grid; never read from the device).
         causal: bottom-right aligned within each sequence.
 
     Returns:
         ``out [total_q, H, Dv]`` in q's dtype and ``lse [H, total_q]`` float32 (natural log, ``-inf`` for
         rows with no visible key).
     """
-    _check_qkv("elsa_fwd_varlen", q, k, v, 3)
-    total_q, H, D = q.shape
-    total_k, Dv = k.shape[0], v.shape[2]
-    if k.shape[1] != H or tuple(v.shape[:2]) != (total_k, H):
-        raise ValueError(
-            f"elsa_fwd_varlen: shapes disagree: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
-    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
-    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"elsa_fwd_varlen: cu_seqlens_q and cu_seqlens_k must have the same length, got "
-                         f"{cu_q.numel()} and {cu_k.numel()}")
-    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-            raise TypeError(f"elsa_fwd_varlen: `{name}` must be a non-negative int, got {val!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"elsa_fwd_varlen: `causal` must be a bool, got {type(causal).__name__}")
-    batch = cu_q.numel() - 1
-    scale = D ** -0.5 if scale is None else float(scale)
-    out = torch.empty((total_q, H, Dv), device=q.device, dtype=q.dtype)
-    lse = torch.empty((H, total_q), device=q.device, dtype=torch.float32)
-    if total_q == 0 or max_seqlen_q == 0:
-        return out.zero_(), lse.fill_(-math.inf)
-    p = _plan_cached(batch, H, max_seqlen_q, max(max_seqlen_k, 1), D, Dv, q.dtype, causal, device=q.device,
-                     precision=precision, workspace_bytes=0)
-    sq = (0, q.stride(1), q.stride(0), q.stride(2))
-    sk = (0, k.stride(1), k.stride(0), k.stride(2))
-    sv = (0, v.stride(1), v.stride(0), v.stride(2))
-    so = (0, out.stride(1), out.stride(0), out.stride(2))
-    sl = (0, lse.stride(0), lse.stride(1))
-    dims = (batch, H, max_seqlen_q, max_seqlen_k, D, Dv)
-    _launch(q, k, v, None, None, out, lse, p, dims, sq, sk, sv, so, sl,
-            scale, causal, cu_q=cu_q, cu_k=cu_k)
-    return out, lse
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    key = signature((q, k, v, cu_seqlens_q, cu_seqlens_k),
+                    ("varlen", max_seqlen_q, max_seqlen_k, causal, scale, precision))
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS.put(key, _FwdProgram(
+            q, k, v, None, None, causal, scale, precision,
+            varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)))
+    return program(q, k, v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
 
 
 # --------------------------------------------------------------------------------------------- tuning

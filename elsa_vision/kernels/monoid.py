@@ -18,15 +18,41 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "safe_shift", "merge_states", "fold_tile", "matmul", "matmul_split", "split_tf32", "split_f16",
-    "matmul_f16x3", "pow2", "f16_pair",
+    "safe_shift", "merge_states", "fold_tile", "finalize_state", "clamp_bias", "matmul", "matmul_split",
+    "split_tf32", "split_f16", "matmul_f16x3", "pow2", "f16_pair",
 ]
+
+# |bias| is clamped to this before the base-2 conversion so that log2(e) * bias stays finite in fp32
+# (finfo(float32).min * log2(e) would overflow to -inf and turn a finite bias row into a masked row).
+_BIAS_CLAMP = tl.constexpr(2.0e38)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
 def safe_shift(m):
     """The shift used for a row whose maximum is ``m``: ``m``, or 0 where ``m == -inf``."""
     return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def clamp_bias(b):
+    """A float32 bias clamped to ``[-2e38, 2e38]`` so that ``log2(e) * b`` stays finite; ``-inf`` (a hidden
+    key) and NaN (which must reach the output, as in the reference) are kept."""
+    return tl.where(b < -_BIAS_CLAMP, tl.where(b == float("-inf"), b, -_BIAS_CLAMP),
+                    tl.where(b > _BIAS_CLAMP, _BIAS_CLAMP, b))
+
+
+@triton.jit
+def finalize_state(m, s, w):
+    """``(out, lse)`` of final row states (``m``, ``s`` ``[BLOCK_M]``, ``w`` ``[BLOCK_M, BLOCK_DV]``, base 2):
+    ``out = W / S`` and the natural-log ``lse = ln 2 * (m + log2 S)``; a row with no visible key (``S == 0``
+    exactly) gives ``out = 0`` and ``lse = -inf``. A NaN anywhere in a row's state (a NaN logit or value of a
+    visible key) stays NaN in its output, as in the reference: it never becomes a plausible 0."""
+    hidden = s == 0.0
+    denom = tl.where(hidden, 1.0, s)
+    out = tl.where(hidden[:, None], 0.0, w / denom[:, None])
+    lse = tl.where(hidden, float("-inf"), (m + tl.math.log2(denom)) * _LN2)
+    return out, lse
 
 
 @triton.jit

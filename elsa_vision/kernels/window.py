@@ -27,8 +27,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _cdiv, _device_info, _pow2, resolve_precision
-from .monoid import fold_tile, matmul
+from .fwd import _cdiv, _device_info, _pow2
+from .launch import Launch, ProgramCache, signature
+from .monoid import finalize_state, fold_tile, matmul
+from .precision import resolve_precision
 
 __all__ = ["window_fwd", "window_plan", "window_bwd", "window_bwd_plan",
            "BWD_MAX_TOKENS", "LOGIT_SCALE_MAX"]
@@ -50,14 +52,17 @@ def _window_fwd_kernel(
     stride_mw, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
-    Bw, H, N, nW, m_tiles, logit_max,
+    Bw, H, N, nW, m_tiles, logit_max, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOWS: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
 ):
     """Grid ``(cdiv(Bw, WINDOWS), m_tiles * H)``: axis 0 = a group of ``WINDOWS`` windows (the long axis:
     no 65535 limit; consecutive programs are consecutive windows of one head and query tile, so they read
     the same bias rows from L2), axis 1 = (head, query tile).
+
+    ``COSINE`` (Swin v2): the logits are ``cos(q, k) * exp(min(logit_scale, logit_max))``; otherwise (Swin v1)
+    ``q . k * qk_scale`` (``LogitScale`` unread).
 
     Writes ``Out [Bw, H, N, DV]`` (input dtype) and ``Lse [Bw, H, N]`` (float32, natural log).
     """
@@ -74,9 +79,12 @@ def _window_fwd_kernel(
     rows64 = tl.minimum(offs_m, N - 1).to(tl.int64)
     h64 = off_h.to(tl.int64)
 
-    # Per-head scale of the normalised logits, base 2: exp(min(logit_scale, log 100)) * log2(e).
-    ls = tl.load(LogitScale + h64 * stride_ls).to(tl.float32)
-    q_scale = tl.exp(tl.minimum(ls, logit_max)) * _LOG2E
+    if COSINE:
+        # Per-head scale of the normalised logits, base 2: exp(min(logit_scale, log 100)) * log2(e).
+        ls = tl.load(LogitScale + h64 * stride_ls).to(tl.float32)
+        q_scale = tl.exp(tl.minimum(ls, logit_max)) * _LOG2E
+    else:
+        q_scale = qk_scale * _LOG2E  # applied to the float32 products
     bias_rows = Bias + h64 * stride_bh + rows64[:, None] * stride_bm
 
     for w in range(WINDOWS):
@@ -87,9 +95,12 @@ def _window_fwd_kernel(
 
         q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm
                   + offs_d[None, :] * stride_qd)
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        q_norm = tl.maximum(tl.sqrt(tl.sum(q * q, 1)), _NORM_EPS)
-        qn = (q * (q_scale / q_norm)[:, None]).to(Q.dtype.element_ty)
+        if COSINE:
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+            q_norm = tl.maximum(tl.sqrt(tl.sum(q * q, 1)), _NORM_EPS)
+            qn = (q * (q_scale / q_norm)[:, None]).to(Q.dtype.element_ty)
+        else:
+            qn = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
 
         k_base = K + b64 * stride_kb + h64 * stride_kh
         v_base = V + b64 * stride_vb + h64 * stride_vh
@@ -104,12 +115,18 @@ def _window_fwd_kernel(
             col_ok = cols < N
             cols64 = cols.to(tl.int64)
             kt = tl.load(k_base + cols64[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                         mask=(offs_d[:, None] < D) & col_ok[None, :], other=0.0).to(tl.float32)
-            k_norm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 0)), _NORM_EPS)
-            kn = (kt / k_norm[None, :]).to(K.dtype.element_ty)
+                         mask=(offs_d[:, None] < D) & col_ok[None, :], other=0.0)
+            if COSINE:
+                kt = kt.to(tl.float32)
+                k_norm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 0)), _NORM_EPS)
+                kn = (kt / k_norm[None, :]).to(K.dtype.element_ty)
+            else:
+                kn = kt
             v = tl.load(v_base + cols64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                         mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             scores = matmul(qn, kn, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+            if not COSINE:
+                scores = scores * q_scale
             tile_ok = row_in[:, None] & col_ok[None, :]
             add = tl.load(bias_rows + cols64[None, :] * stride_bn, mask=tile_ok, other=0.0).to(tl.float32)
             if HAS_MASK:
@@ -119,9 +136,7 @@ def _window_fwd_kernel(
             scores = tl.where(col_ok[None, :], scores, float("-inf"))
             m_i, s_i, acc = fold_tile(m_i, s_i, acc, scores, v, PRECISION)
 
-        # Every row sees at least its own key (bias and mask are finite): s_i >= 1.
-        out = acc / s_i[:, None]
-        lse = (m_i + tl.math.log2(s_i)) * _LN2
+        out, lse = finalize_state(m_i, s_i, acc)
         o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + rows64[:, None] * stride_om
                   + offs_dv[None, :] * stride_od)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
@@ -141,9 +156,10 @@ def _window_bwd_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    Bw, H, N, nW, logit_max,
+    Bw, H, N, nW, logit_max, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     WINDOWS: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr, NEED_QKV: tl.constexpr,
+    COSINE: tl.constexpr,
 ):
     """Grid ``(cdiv(Bw, WINDOWS), H)``: one program owns one head of ``WINDOWS`` consecutive windows, each
     window whole in one ``BLOCK x BLOCK`` tile (``N <= BLOCK``).
@@ -153,6 +169,7 @@ def _window_bwd_kernel(
     ``dS = P (dP - rowsum(P dP))``; then ``dV = P^T dO`` and ``dq``, ``dk`` through the normalisation.
     Writes ``GradQ``, ``GradK``, ``GradV`` (when ``NEED_QKV``), and per program the bias gradient summed
     over its windows ``DBias [G, H, N, N]`` and ``DScale [G, H] = sum dS (L - rowmax L)`` (float32).
+    Without ``COSINE`` (Swin v1) the logits are ``L = q . k * qk_scale`` and ``DScale`` is 0.
     """
     pid_w = tl.program_id(0)
     off_h = tl.program_id(1)
@@ -166,7 +183,10 @@ def _window_bwd_kernel(
     d_ok = offs_d[None, :] < D
     dv_ok = offs_dv[None, :] < DV
 
-    scale = tl.exp(tl.minimum(tl.load(LogitScale + h64 * stride_ls).to(tl.float32), logit_max))
+    if COSINE:
+        scale = tl.exp(tl.minimum(tl.load(LogitScale + h64 * stride_ls).to(tl.float32), logit_max))
+    else:
+        scale = qk_scale
     bias = tl.load(Bias + h64 * stride_bh + tok64[:, None] * stride_bm + tok64[None, :] * stride_bn,
                    mask=tile_ok, other=0.0).to(tl.float32)
     dbias = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
@@ -184,13 +204,17 @@ def _window_bwd_kernel(
                     + offs_dv[None, :] * stride_vd, mask=row_ok[:, None] & dv_ok, other=0.0).to(tl.float32)
         do = tl.load(DO + b64 * stride_ob + h64 * stride_oh + tok64[:, None] * stride_om
                      + offs_dv[None, :] * stride_od, mask=row_ok[:, None] & dv_ok, other=0.0).to(tl.float32)
-        # F.normalize: x / max(|x|, eps)
-        q_raw = tl.sqrt(tl.sum(q * q, 1))
-        k_raw = tl.sqrt(tl.sum(k * k, 1))
-        q_norm = tl.maximum(q_raw, _NORM_EPS)
-        k_norm = tl.maximum(k_raw, _NORM_EPS)
-        qhat = q / q_norm[:, None]
-        khat = k / k_norm[:, None]
+        if COSINE:
+            # F.normalize: x / max(|x|, eps)
+            q_raw = tl.sqrt(tl.sum(q * q, 1))
+            k_raw = tl.sqrt(tl.sum(k * k, 1))
+            q_norm = tl.maximum(q_raw, _NORM_EPS)
+            k_norm = tl.maximum(k_raw, _NORM_EPS)
+            qhat = q / q_norm[:, None]
+            khat = k / k_norm[:, None]
+        else:
+            qhat = q
+            khat = k
         qn = qhat * scale
 
         logits = matmul(qn, tl.trans(khat), tl.zeros([BLOCK, BLOCK], dtype=tl.float32), PRECISION)
@@ -206,19 +230,25 @@ def _window_bwd_kernel(
         ds = p * (dp - tl.sum(p * dp, 1)[:, None])
         ds = tl.where(row_ok[:, None], ds, 0.0)
         dbias += ds
-        # sum_j dS_ij = 0: shifting each row's logits by their maximum removes a common offset of up to 100
-        lmax = tl.max(tl.where(tok[None, :], logits, float("-inf")), 1)
-        dscale += tl.sum(ds * tl.where(tok[None, :], logits - lmax[:, None], 0.0), 1)
+        if COSINE:
+            # sum_j dS_ij = 0: shifting each row's logits by their maximum removes a common offset of up to
+            # 100
+            lmax = tl.max(tl.where(tok[None, :], logits, float("-inf")), 1)
+            dscale += tl.sum(ds * tl.where(tok[None, :], logits - lmax[:, None], 0.0), 1)
 
         if NEED_QKV:
             dv = matmul(tl.trans(p), do, tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32), PRECISION)
             dqh = matmul(ds, khat, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), PRECISION) * scale
             dkh = matmul(tl.trans(ds), qn, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), PRECISION)
-            # through the normalisation: (dy - y (y . dy)) / |x|, or dy / eps where the norm is clamped
-            q_dot = tl.where(q_raw > _NORM_EPS, tl.sum(qhat * dqh, 1), 0.0)
-            k_dot = tl.where(k_raw > _NORM_EPS, tl.sum(khat * dkh, 1), 0.0)
-            dq = (dqh - qhat * q_dot[:, None]) / q_norm[:, None]
-            dk = (dkh - khat * k_dot[:, None]) / k_norm[:, None]
+            if COSINE:
+                # through the normalisation: (dy - y (y . dy)) / |x|, or dy / eps where the norm is clamped
+                q_dot = tl.where(q_raw > _NORM_EPS, tl.sum(qhat * dqh, 1), 0.0)
+                k_dot = tl.where(k_raw > _NORM_EPS, tl.sum(khat * dkh, 1), 0.0)
+                dq = (dqh - qhat * q_dot[:, None]) / q_norm[:, None]
+                dk = (dkh - khat * k_dot[:, None]) / k_norm[:, None]
+            else:
+                dq = dqh
+                dk = dkh
             qk_ok = row_ok[:, None] & d_ok
             tl.store(GradQ + b64 * stride_dqb + h64 * stride_dqh + tok64[:, None] * stride_dqm
                      + offs_d[None, :] * stride_dqd, dq.to(GradQ.dtype.element_ty), mask=qk_ok)
@@ -256,86 +286,86 @@ def window_plan(Bw: int, H: int, N: int, D: int, Dv: int, dtype: torch.dtype, de
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, WINDOWS=windows, num_warps=4, num_stages=2)
 
 
-def _check(q, k, v, logit_scale, bias, mask, fn: str = "window_fwd"):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{fn}: `{name}` must be a 4-D tensor [B*nW, H, N, D], got "
-                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{fn}: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.is_cuda and isinstance(_window_fwd_kernel, triton.runtime.JITFunction):
-        raise ValueError(f"{fn}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
-                         f"before triton is imported), got device {q.device}")
-    Bw, H, N, D = q.shape
-    if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
-        raise ValueError(f"{fn}: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
-    if k.shape != (Bw, H, N, D) or v.shape[:3] != (Bw, H, N):
-        raise ValueError(f"{fn}: k must be {(Bw, H, N, D)} and v [{Bw}, {H}, {N}, Dv], got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if logit_scale.shape != (H,):
-        raise ValueError(f"{fn}: `logit_scale` must be [{H}], got {tuple(logit_scale.shape)}")
-    if bias.shape != (H, N, N):
-        raise ValueError(f"{fn}: `bias` must be [{H}, {N}, {N}], got {tuple(bias.shape)}")
-    if mask is not None:
-        if mask.dim() != 3 or mask.shape[1:] != (N, N) or mask.shape[0] < 1 or Bw % mask.shape[0]:
-            raise ValueError(f"{fn}: `mask` must be [nW, {N}, {N}] with nW dividing {Bw}, got "
-                             f"{tuple(mask.shape)}")
-    for name, t in (("k", k), ("v", v), ("logit_scale", logit_scale), ("bias", bias), ("mask", mask)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{fn}: `{name}` is on {t.device}, q on {q.device}")
+class _WindowFwdProgram:
+    """The launch of one window-forward signature, planned once (see ``launch``)."""
+
+    def __init__(self, q, k, v, logit_scale, bias, mask, precision, scale):
+        Bw, H, N, D = q.shape
+        Dv = v.shape[-1]
+        self.device, self.dtype = q.device, q.dtype
+        self.device_index = q.device.index if q.is_cuda else None
+        self.out_size, self.out_stride = (Bw, H, N, Dv), (N * H * Dv, Dv, H * Dv, 1)
+        self.lse_size = (Bw, H, N)
+        self.empty = Bw == 0 or N == 0
+        if self.empty:
+            return
+        prec = resolve_precision(precision, q.dtype, q.device, "window")
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            prec = "upcast"  # the interpreter has no half dot
+        cfg = window_plan(Bw, H, N, D, Dv, q.dtype, q.device)
+        m_tiles = _cdiv(N, cfg["BLOCK_M"])
+        has_mask = mask is not None
+        cosine = logit_scale is not None
+        self.launch = Launch(
+            _window_fwd_kernel, (_cdiv(Bw, cfg["WINDOWS"]), m_tiles * H),
+            (*q.stride(), *k.stride(), *v.stride(), logit_scale.stride(0) if cosine else 0, *bias.stride(),
+             *(mask.stride() if has_mask else (0, 0, 0)), *self.out_stride, H * N, N, 1,
+             Bw, H, N, mask.shape[0] if has_mask else 1, m_tiles, LOGIT_SCALE_MAX, float(scale)),
+            dict(D=D, DV=Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_pow2(D),
+                 BLOCK_DV=_pow2(Dv), WINDOWS=cfg["WINDOWS"], PRECISION=prec, HAS_MASK=has_mask,
+                 COSINE=cosine),
+            cfg["num_warps"], cfg["num_stages"])
+
+    def __call__(self, q, k, v, logit_scale, bias, mask):
+        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                return self(q, k, v, logit_scale, bias, mask)
+        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
+        if not self.empty:
+            self.launch(q, k, v, bias if logit_scale is None else logit_scale, bias,
+                        bias if mask is None else mask, out, lse)
+        return out, lse
+
+
+_PROGRAMS = ProgramCache()
 
 
 def window_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    logit_scale: Tensor,
+    logit_scale: Tensor | None,
     bias: Tensor,
     mask: Tensor | None = None,
     precision: str = "auto",
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Swin-v2 window attention forward.
+    """Window attention forward (Swin v2 cosine attention, or Swin v1 with ``logit_scale=None``).
+
+    A trusted launcher: the inputs are not checked (``ops.window_attention`` checks them).
 
     Args:
         q, k: ``[B*nW, H, N, D]``; v: ``[B*nW, H, N, Dv]``; any strides (views of a fused qkv); float16,
-            bfloat16 or float32. Not normalised: the kernel L2-normalises q and k per row.
-        logit_scale: ``[H]``, the raw parameter; ``exp(min(logit_scale, log 100))`` multiplies the cosines.
+            bfloat16 or float32.
+        logit_scale: ``[H]``, Swin v2's raw parameter: q and k are L2-normalised per row and
+            ``exp(min(logit_scale, log 100))`` multiplies the cosines. None: plain ``q . k * scale`` logits.
         bias: ``[H, N, N]`` additive bias shared by all windows (any strides, e.g. a permuted view).
         mask: ``[nW, N, N]`` additive shift mask, window ``b`` uses ``mask[b % nW]``; or None.
         precision: float32 dot precision ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "fp16x3" | "tf32"``
             (ignored for half inputs; ``"fp16x3"`` runs as ``"tf32x3s"``).
+        scale: the logit scale without ``logit_scale`` (Swin v1: ``head_dim ** -0.5``).
 
     Returns:
         ``(out [B*nW, H, N, Dv]`` in q's dtype, ``lse [B*nW, H, N]`` float32 natural-log log-sum-exp).
         ``out`` is stored as ``[B*nW, N, H, Dv]`` (a transposed view), so that
         ``out.transpose(1, 2).reshape(B*nW, N, H*Dv)``, the input of the output projection, is free.
     """
-    _check(q, k, v, logit_scale, bias, mask)
-    Bw, H, N, D = q.shape
-    Dv = v.shape[-1]
-    prec = resolve_precision(precision, q.dtype, q.device)
-    if q.device.type == "cpu" and q.dtype != torch.float32:
-        prec = "upcast"  # the interpreter has no half dot
-    out = torch.empty((Bw, N, H, Dv), dtype=q.dtype, device=q.device).transpose(1, 2)
-    lse = torch.empty((Bw, H, N), dtype=torch.float32, device=q.device)
-    if Bw == 0 or N == 0:
-        return out, lse
-    cfg = window_plan(Bw, H, N, D, Dv, q.dtype, q.device)
-    m_tiles = _cdiv(N, cfg["BLOCK_M"])
-    has_mask = mask is not None
-    mask_arg = mask if has_mask else bias
-    m_strides = mask.stride() if has_mask else (0, 0, 0)
-    grid = (_cdiv(Bw, cfg["WINDOWS"]), m_tiles * H)
-    _window_fwd_kernel[grid](
-        q, k, v, logit_scale, bias, mask_arg, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), logit_scale.stride(0), *bias.stride(), *m_strides,
-        *out.stride(), *lse.stride(),
-        Bw, H, N, mask.shape[0] if has_mask else 1, m_tiles, LOGIT_SCALE_MAX,
-        D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), PRECISION=prec, HAS_MASK=has_mask, **cfg,
-    )
-    return out, lse
+    key = signature((q, k, v, logit_scale, bias, mask), ("fwd", precision, float(scale)))
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS.put(key, _WindowFwdProgram(q, k, v, logit_scale, bias, mask, precision, scale))
+    return program(q, k, v, logit_scale, bias, mask)
 
 
 BWD_MAX_TOKENS = 64  # windows the fused backward holds whole in one tile (Swin-v2 W8: 64 tokens)
@@ -353,18 +383,79 @@ def window_bwd_plan(Bw: int, H: int, N: int, D: int, Dv: int, device) -> dict:
     return dict(BLOCK=_pow2(N), WINDOWS=_windows_per_program(Bw, H, device), num_warps=4, num_stages=1)
 
 
+class _WindowBwdProgram:
+    """The launch of one window-backward signature, planned once (see ``launch``)."""
+
+    def __init__(self, dout, q, k, v, logit_scale, bias, mask, precision, need_qkv, scale):
+        Bw, H, N, D = q.shape
+        Dv = v.shape[-1]
+        dev = q.device
+        self.device, self.device_index = dev, dev.index if q.is_cuda else None
+        self.need_qkv = need_qkv
+        self.sizes = (Bw, H, N, D), (Bw, H, N, D), (Bw, H, N, Dv)
+        self.dtypes = q.dtype, k.dtype, v.dtype
+        self.HN = (H, N)
+        self.empty = Bw == 0 or N == 0
+        if self.empty:
+            return
+        prec = resolve_precision(precision, torch.float32, dev, "window")
+        cfg = window_bwd_plan(Bw, H, N, D, Dv, dev)
+        self.groups = groups = _cdiv(Bw, cfg["WINDOWS"])
+        has_mask = mask is not None
+        cosine = logit_scale is not None
+        no_grad = (0, 0, 0, 0)
+        grads = [(H * N * D, N * D, D, 1)] * 2 + [(H * N * Dv, N * Dv, Dv, 1)]  # contiguous dq, dk, dv
+        self.launch = Launch(
+            _window_bwd_kernel, (groups, H),
+            (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), logit_scale.stride(0) if cosine else 0,
+             *bias.stride(), *(mask.stride() if has_mask else (0, 0, 0)),
+             *(grads[0] if need_qkv else no_grad), *(grads[1] if need_qkv else no_grad),
+             *(grads[2] if need_qkv else no_grad),
+             Bw, H, N, mask.shape[0] if has_mask else 1, LOGIT_SCALE_MAX, float(scale)),
+            dict(D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), PRECISION=prec, HAS_MASK=has_mask,
+                 NEED_QKV=need_qkv, COSINE=cosine, BLOCK=cfg["BLOCK"], WINDOWS=cfg["WINDOWS"]),
+            cfg["num_warps"], cfg["num_stages"])
+
+    def __call__(self, dout, q, k, v, logit_scale, bias, mask):
+        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                return self(dout, q, k, v, logit_scale, bias, mask)
+        dev = self.device
+        H, N = self.HN
+        dq = dk = dv = None
+        if self.need_qkv:
+            dq, dk, dv = (torch.empty(size, dtype=dt, device=dev)
+                          for size, dt in zip(self.sizes, self.dtypes))
+        if self.empty:
+            zeros = torch.zeros((H, N, N), dtype=torch.float32, device=dev)
+            return dq, dk, dv, zeros, torch.zeros(H, dtype=torch.float32, device=dev)
+        dbias = torch.empty((self.groups, H, N, N), dtype=torch.float32, device=dev)
+        dscale = torch.empty((self.groups, H), dtype=torch.float32, device=dev)
+        self.launch(q, k, v, dout, bias if logit_scale is None else logit_scale, bias,
+                    bias if mask is None else mask, q if dq is None else dq, k if dk is None else dk,
+                    v if dv is None else dv, dbias, dscale)
+        if self.groups > 1:
+            dbias, dscale = dbias.sum(0), dscale.sum(0)
+        else:
+            dbias, dscale = dbias[0], dscale[0]
+        return dq, dk, dv, dbias, dscale
+
+
 def window_bwd(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    logit_scale: Tensor,
+    logit_scale: Tensor | None,
     bias: Tensor,
     mask: Tensor | None = None,
     precision: str = "auto",
     need_qkv: bool = True,
+    scale: float = 1.0,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor]:
     """Gradients of :func:`window_fwd` for windows of at most ``BWD_MAX_TOKENS`` tokens, in one launch.
+
+    A trusted launcher: the inputs are not checked (``ops.window_attention`` checks them).
 
     Each window's softmax is formed densely from its recomputed logits (row maximum and sum in float32,
     no saved log-sum-exp: Swin-v2 logits reach ``100 cos + 16``, where a float32 log-sum-exp carries a
@@ -379,43 +470,13 @@ def window_bwd(
         ``(dq, dk, dv, dbias, dscale)``: ``dq``, ``dk``, ``dv`` in the inputs' dtype (None unless
         ``need_qkv``); ``dbias [H, N, N]`` float32, summed over all windows; ``dscale [H]`` float32,
         ``sum dS * L`` with ``L`` the scaled cosine logits: the gradient of ``exp(logit_scale)`` times that
-        scale, i.e. of ``logit_scale`` before its clamp.
+        scale, i.e. of ``logit_scale`` before its clamp (0 without ``logit_scale``).
     """
-    _check(q, k, v, logit_scale, bias, mask, "window_bwd")
-    Bw, H, N, D = q.shape
-    Dv = v.shape[-1]
-    if N > BWD_MAX_TOKENS:
-        raise ValueError(f"window_bwd: windows of at most {BWD_MAX_TOKENS} tokens, got N={N}")
-    if dout.shape != (Bw, H, N, Dv) or dout.device != q.device:
-        raise ValueError(f"window_bwd: `dout` must be [{Bw}, {H}, {N}, {Dv}] on {q.device}, got "
-                         f"{tuple(dout.shape)} on {dout.device}")
-    prec = resolve_precision(precision, torch.float32, q.device)
-    dev = q.device
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if need_qkv else None
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if need_qkv else None
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if need_qkv else None
-    if Bw == 0 or N == 0:
-        zeros = torch.zeros((H, N, N), dtype=torch.float32, device=dev)
-        return dq, dk, dv, zeros, torch.zeros(H, dtype=torch.float32, device=dev)
-    cfg = window_bwd_plan(Bw, H, N, D, Dv, dev)
-    groups = _cdiv(Bw, cfg["WINDOWS"])
-    dbias = torch.empty((groups, H, N, N), dtype=torch.float32, device=dev)
-    dscale = torch.empty((groups, H), dtype=torch.float32, device=dev)
-    has_mask = mask is not None
-    mask_arg = mask if has_mask else bias
-    m_strides = mask.stride() if has_mask else (0, 0, 0)
-    no_grad = (0, 0, 0, 0)
-    _window_bwd_kernel[(groups, H)](
-        q, k, v, dout, logit_scale, bias, mask_arg, dq if need_qkv else q, dk if need_qkv else k,
-        dv if need_qkv else v, dbias, dscale,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), logit_scale.stride(0), *bias.stride(),
-        *m_strides,
-        *(dq.stride() if need_qkv else no_grad), *(dk.stride() if need_qkv else no_grad),
-        *(dv.stride() if need_qkv else no_grad),
-        Bw, H, N, mask.shape[0] if has_mask else 1, LOGIT_SCALE_MAX,
-        D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), PRECISION=prec, HAS_MASK=has_mask,
-        NEED_QKV=need_qkv, **cfg,
-    )
-    dbias = dbias[0] if groups == 1 else dbias.sum(0)
-    dscale = dscale[0] if groups == 1 else dscale.sum(0)
-    return dq, dk, dv, dbias, dscale
+    if q.shape[2] > BWD_MAX_TOKENS:
+        raise ValueError(f"window_bwd: windows of at most {BWD_MAX_TOKENS} tokens, got N={q.shape[2]}")
+    key = signature((dout, q, k, v, logit_scale, bias, mask), ("bwd", precision, need_qkv, float(scale)))
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS.put(key, _WindowBwdProgram(dout, q, k, v, logit_scale, bias, mask, precision,
+                                                       need_qkv, scale))
+    return program(dout, q, k, v, logit_scale, bias, mask)

@@ -1,7 +1,15 @@
-"""The public attention function: ``elsa_attention``.
+"""The public attention functions: ``elsa_attention`` and ``elsa_attention_varlen``.
 
 Layout and conventions follow ``torch.nn.functional.scaled_dot_product_attention`` (``[B, H, N, D]``) and
 FlashAttention (bottom-right aligned causal mask; rows that see no key return 0, never NaN).
+
+The Triton path has FlashAttention's three tiers: two torch operators without autograd of their own
+(``elsa_vision::attention_fwd`` and ``elsa_vision::attention_bwd``, declared with ``_library.define_op``: a
+kernel and a fake kernel each, so ``torch.compile(fullgraph=True)`` sees one opaque node per call), one
+``torch.autograd.Function`` that saves ``q, k, v, out, lse`` and calls the backward operator, and the public
+function, which checks its inputs once. Everything below it trusts them: the operators' bodies and the
+kernels' launchers (``kernels.fwd`` / ``bwd`` / ``decode``) only look their launch programs up by signature
+(``kernels.launch``).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..kernels.precision import PRECISIONS
 from ..kernels.reference import scan_attention
 from ._library import define_op
 
@@ -22,12 +31,13 @@ __all__ = [
     "check_options",
 ]
 
-PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
 BACKENDS = ("auto", "torch", "triton", "eca")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Rows per query chunk of the torch backend: bounds its memory at O(chunk * Nk) for long sequences.
 _TORCH_QUERY_CHUNK = 1024
+# The widest head dim the Triton kernels take; ``backend="auto"`` runs wider heads on the torch backend.
+TRITON_MAX_HEAD_DIM = 256
 
 
 def check_options(who: str, backend: str, precision: str, prefix: str = "") -> None:
@@ -125,14 +135,20 @@ def _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision
 
 
 def resolve_backend(backend: str, q: Tensor, dropout_p: float = 0.0) -> str:
-    """The backend ``"auto"`` stands for: ``"triton"`` where a kernel covers the call, else ``"torch"``."""
+    """The backend ``"auto"`` stands for: ``"triton"`` where a kernel covers the call (CUDA, float16 /
+    bfloat16 / float32, head dims up to ``TRITON_MAX_HEAD_DIM``, no attention dropout), else ``"torch"``."""
     if backend != "auto":
         return backend
-    from ..kernels import triton_available
-
-    if q.is_cuda and q.dtype != torch.float64 and dropout_p == 0.0 and triton_available():
+    if q.is_cuda and q.dtype != torch.float64 and dropout_p == 0.0 and q.shape[-1] <= TRITON_MAX_HEAD_DIM \
+            and _triton_available():
         return "triton"
     return "torch"
+
+
+def _triton_available() -> bool:
+    from ..kernels import triton_available
+
+    return triton_available()
 
 
 @contextlib.contextmanager
@@ -148,8 +164,7 @@ def _cuda_matmul_precision(tf32: bool):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The Triton path as two torch operators with autograd (``_library.define_op``): torch.compile(fullgraph=True)
-# sees two opaque ops (no graph break), the fake kernels give it shapes, the backward consumes the saved lse.
+# The Triton path: two operators without autograd of their own, one autograd.Function around them.
 
 
 @functools.cache
@@ -163,10 +178,12 @@ def _kernels():
 
 def _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
     fwd, _, decode = _kernels()
-    few_queries = decode.choose_forward(*q.shape[:3], k.shape[2], device=q.device) == "decode"
-    return (decode.elsa_decode if few_queries else fwd.elsa_fwd)(
-        q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal, scale=scale,
-        precision=precision)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    if Nq <= decode.DECODE_MAX_QUERIES and Nk >= decode.DECODE_MIN_KEYS \
+            and decode.choose_forward(B, H, Nq, Nk, device=q.device) == "decode":
+        return decode.elsa_decode(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
+    return fwd.elsa_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
 
 
 def _attention_fwd_fake(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
@@ -177,8 +194,7 @@ def _attention_fwd_fake(q, k, v, attn_bias, key_padding_mask, causal, scale, pre
 
 def _attention_bwd(dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad):
     dq, dk, dv, dbias = _kernels()[1].elsa_bwd(
-        dout, q, k, v, out, lse, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal,
-        scale=scale, precision=precision, bias_requires_grad=bias_grad)
+        dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad)
     return dq, dk, dv, (dbias if dbias is not None else q.new_empty(0))
 
 
@@ -186,25 +202,6 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, attn_bias, key_padding_mask, ca
                         bias_grad):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
-
-
-def _attention_setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, key_padding_mask, causal, scale, precision = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask)
-    ctx.options = (causal, scale, precision)
-    ctx.set_materialize_grads(False)  # lse is never differentiated: no zero-filled gradient for it
-
-
-def _attention_backward(ctx, dout, dlse):
-    if dout is None:
-        return None, None, None, None, None, None, None, None
-    q, k, v, out, lse, attn_bias, key_padding_mask = ctx.saved_tensors
-    causal, scale, precision = ctx.options
-    bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = _ATTENTION_BWD(
-        dout, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision, bias_grad)
-    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
 
 
 _ATTENTION_BWD = define_op(
@@ -218,12 +215,42 @@ _ATTENTION_FWD = define_op(
     "attention_fwd",
     "(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor? key_padding_mask, bool causal, float scale, "
     "str precision) -> (Tensor, Tensor)",
-    _attention_fwd, _attention_fwd_fake, _attention_backward, _attention_setup_context,
+    _attention_fwd, _attention_fwd_fake,
 )
+
+
+class _ElsaAttention(torch.autograd.Function):
+    """The Triton path with autograd: forward operator, saved ``(q, k, v, out, lse)``, backward operator."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
+        out, lse = _ATTENTION_FWD(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
+        ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask)
+        ctx.causal, ctx.scale, ctx.precision = causal, scale, precision
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, attn_bias, key_padding_mask = ctx.saved_tensors
+        bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = _ATTENTION_BWD(dout, q, k, v, out, lse, attn_bias, key_padding_mask, ctx.causal,
+                                           ctx.scale, ctx.precision, bias_grad)
+        return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
+
+
+def _triton_attention(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (attn_bias is not None and attn_bias.requires_grad)):
+        return _ElsaAttention.apply(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
+    return _ATTENTION_FWD(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)[0]
 
 
 def _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p):
     dtype = q.dtype
+    B, H, Nq, _ = q.shape
+    if B * H * Nq == 0 or k.shape[2] == 0:
+        # Nothing to compute, or rows that see no key (0): the empty products give exactly that, with a graph
+        return (q @ k.transpose(-2, -1)) @ v
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     qc, kc, vc = (t.to(compute) for t in (q, k, v))
     ctx = _cuda_matmul_precision(precision == "tf32") if q.is_cuda and dtype == torch.float32 else (
@@ -268,20 +295,33 @@ def elsa_attention(
             from three float16 tensor-core products per dot: each fp32 tile scaled by a power of two and
             split into two float16 parts; forward and backward, head dims up to 128, wider ones run it
             as ``"tf32x3"``; what ``"auto"`` picks on sm90), ``"tf32"`` (one TF32 pass, ~1e-3). Ignored
-            for float16/bfloat16 (float32 accumulation always) and float64.
-        backend: ``"auto"`` (Triton on CUDA where available, else torch), ``"torch"`` (the reference scan;
-            any device, full autograd), ``"triton"``, ``"eca"`` (causal self-attention on the Exact Causal
+            for float16/bfloat16 (float32 accumulation always) and float64. See ``kernels.precision``.
+        backend: ``"auto"`` (Triton on CUDA where a kernel covers the call: float16/bfloat16/float32, head
+            dims up to 256, no attention dropout; torch otherwise), ``"torch"`` (the reference scan; any
+            device, full autograd), ``"triton"``, ``"eca"`` (causal self-attention on the Exact Causal
             Attention products: fewer multiply-adds, needs ``causal=True`` and ``Nq == Nk``, materialises
             ``[B, H, N, N]``; for CPU/edge devices where FLOPs matter; never chosen by ``"auto"``).
         dropout_p: attention dropout probability (torch backend; 0 in eval).
 
     Returns:
-        ``[B, H, Nq, Dv]`` in the dtype of ``q``. Rows with no visible key are 0, never NaN. The Triton
-        backend stores it as ``[B, Nq, H, Dv]`` (as SDPA's flash and efficient backends do), so that
-        ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is a view, not a copy.
+        ``[B, H, Nq, Dv]`` in the dtype of ``q`` (empty when ``B``, ``H`` or ``Nq`` is 0). Rows with no
+        visible key are 0, never NaN; a NaN among the visible logits or values of a row makes that row NaN,
+        as in softmax. The Triton backend stores it as ``[B, Nq, H, Dv]`` (as SDPA's flash and efficient
+        backends do), so that ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is a view, not a copy.
     """
     _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
     chosen = resolve_backend(backend, q, dropout_p)
+    if chosen == "triton":
+        if dropout_p > 0.0:
+            raise ValueError("elsa_attention: backend='triton' has no attention dropout; use backend='torch'")
+        if q.dtype == torch.float64:
+            raise TypeError("elsa_attention: backend='triton' takes float16, bfloat16 or float32; "
+                            "float64 runs on backend='torch'")
+        if max(q.shape[-1], v.shape[-1]) > TRITON_MAX_HEAD_DIM:
+            raise ValueError(f"elsa_attention: backend='triton' takes head dims up to {TRITON_MAX_HEAD_DIM}, "
+                             f"got q {_shape(q)}, v {_shape(v)}; use backend='auto' or 'torch'")
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return _triton_attention(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
     if chosen == "eca":
         from ..kernels.eca import eca_attention
 
@@ -293,15 +333,6 @@ def elsa_attention(
         if dropout_p > 0.0:
             raise ValueError("elsa_attention: backend='eca' has no attention dropout; use backend='torch'")
         return eca_attention(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, scale=scale)
-    if chosen == "triton":
-        if dropout_p > 0.0:
-            raise ValueError("elsa_attention: backend='triton' has no attention dropout; use backend='torch'")
-        if q.dtype == torch.float64:
-            raise TypeError("elsa_attention: backend='triton' takes float16, bfloat16 or float32; "
-                            "float64 runs on backend='torch'")
-        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        out, _ = _ATTENTION_FWD(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
-        return out
     return _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p)
 
 
@@ -337,12 +368,14 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"{fn}: `{name}` must hold batch + 1 >= 2 offsets, got {cu.numel()}")
         if cu.device != q.device:
             raise ValueError(f"{fn}: `{name}` is on {cu.device}, q on {q.device}")
+        if isinstance(mx, bool) or not isinstance(mx, int) or mx < 0:
+            raise TypeError(f"{fn}: max seqlen for `{name}` must be a non-negative int, got {mx!r}")
+        if cu.is_cuda:
+            continue  # values stay on the device: reading them would synchronise (FlashAttention's choice)
         lens = cu[1:] - cu[:-1]
         if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lens < 0).any()):
             raise ValueError(f"{fn}: `{name}` must rise from 0 to the token count {total}, got "
                              f"{cu.tolist() if cu.numel() <= 16 else _shape(cu)}")
-        if isinstance(mx, bool) or not isinstance(mx, int):
-            raise TypeError(f"{fn}: max seqlen for `{name}` must be an int, got {mx!r}")
         if mx < int(lens.max()):
             raise ValueError(
                 f"{fn}: max seqlen {mx} for `{name}` is below its longest sequence {int(lens.max())}")
@@ -377,40 +410,69 @@ def elsa_attention_varlen(
         q: ``[total_q, H, D]``; k: ``[total_k, H, D]``; v: ``[total_k, H, Dv]``: the tokens of all sequences
             concatenated, no padding (e.g. images of different sizes, NaViT-style).
         cu_seqlens_q / cu_seqlens_k: int32 ``[batch + 1]`` cumulative lengths; sequence ``i`` owns query
-            rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``.
-        max_seqlen_q / max_seqlen_k: the longest lengths.
+            rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``. On CUDA
+            their values are trusted (checking them would synchronise with the device); on the CPU they are
+            checked.
+        max_seqlen_q / max_seqlen_k: the longest lengths (host integers: no call reads the offsets back).
         causal, scale, precision, backend: as in ``elsa_attention`` (causal is bottom-right aligned within
             each sequence).
 
     Returns:
-        ``[total_q, H, Dv]`` in q's dtype; a sequence attends only to its own keys.
+        ``[total_q, H, Dv]`` in q's dtype; a sequence attends only to its own keys. Inference on the Triton
+        backend runs one packed launch; with autograd (and on the torch backend) the sequences are laid out
+        padded to ``[batch, H, max_seqlen, D]`` on the device, keys past a sequence's end hidden, and run
+        through the differentiable ``elsa_attention``: no host synchronisation on either path.
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, precision,
                   backend)
-    if resolve_backend(backend, q) == "triton":
+    chosen = resolve_backend(backend, q)
+    if chosen == "triton" and q.dtype == torch.float64:
+        raise TypeError("elsa_attention_varlen: backend='triton' takes float16, bfloat16 or float32; "
+                        "float64 runs on backend='torch'")
+    if chosen == "triton" and not (torch.is_grad_enabled()
+                                   and (q.requires_grad or k.requires_grad or v.requires_grad)):
         from ..kernels.fwd import elsa_fwd_varlen
 
-        if q.dtype == torch.float64:
-            raise TypeError("elsa_attention_varlen: backend='triton' takes float16, bfloat16 or float32; "
-                            "float64 runs on backend='torch'")
-        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-            out, _ = elsa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     causal=causal, scale=scale, precision=precision)
-            return out
-        # Training: the packed kernel is forward-only, so each sequence goes through the differentiable op.
-        return _varlen_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, precision, "triton")
-    return _varlen_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, precision, "torch")
+        cu_q, cu_k = (cu if cu.is_contiguous() else cu.contiguous() for cu in (cu_seqlens_q, cu_seqlens_k))
+        out, _ = elsa_fwd_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
+                                 precision=precision)
+        return out
+    return _varlen_padded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                          precision, "torch" if chosen == "torch" else "triton")
 
 
-def _varlen_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, precision, backend):
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(cq) - 1):
-        if cq[i + 1] == cq[i]:
-            continue
-        qi = q[cq[i]:cq[i + 1]].transpose(0, 1).unsqueeze(0)
-        ki = k[ck[i]:ck[i + 1]].transpose(0, 1).unsqueeze(0)
-        vi = v[ck[i]:ck[i + 1]].transpose(0, 1).unsqueeze(0)
-        oi = elsa_attention(qi, ki, vi, causal=causal, scale=scale, precision=precision, backend=backend)
-        out[cq[i]:cq[i + 1]] = oi[0].transpose(0, 1)
-    return out
+def _varlen_padded(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, precision, backend):
+    """Packed sequences through ``elsa_attention`` on a padded ``[batch, H, max_len, D]`` layout, built and
+    read back with device-side index arithmetic (no ``.tolist()``)."""
+    batch = cu_q.numel() - 1
+    total_q, H, D = q.shape
+    dev = q.device
+    if total_q == 0 or max_q == 0:
+        return q.new_zeros(total_q, H, v.shape[2])
+
+    def layout(cu, total):
+        cu = cu.long()
+        tok = torch.arange(total, device=dev)
+        seq = torch.searchsorted(cu[1:], tok, right=True)  # the sequence each token belongs to
+        return seq, tok - cu[seq], cu[1:] - cu[:-1]
+
+    seq_q, pos_q, len_q = layout(cu_q, total_q)
+    seq_k, pos_k, len_k = layout(cu_k, k.shape[0])
+    Mk = max(max_k, 1)
+
+    def padded(t, seq, pos, m):
+        return t.new_zeros(batch, m, H, t.shape[2]).index_put((seq, pos), t).transpose(1, 2)
+
+    qp, kp, vp = padded(q, seq_q, pos_q, max_q), padded(k, seq_k, pos_k, Mk), padded(v, seq_k, pos_k, Mk)
+    kpm = torch.arange(Mk, device=dev)[None, :] < len_k[:, None]
+    bias, causal_flag = None, False
+    if causal:
+        if cu_q is cu_k and max_q == max_k:
+            causal_flag = True  # equal lengths: bottom-right on the padded grid is each sequence's diagonal
+        else:  # bottom-right per sequence: query i sees key j iff j <= i + len_k - len_q
+            rows = torch.arange(max_q, device=dev)[None, :, None] + (len_k - len_q)[:, None, None]
+            keep = torch.arange(Mk, device=dev)[None, None, :] <= rows
+            bias = torch.zeros(keep.shape, dtype=q.dtype, device=dev).masked_fill_(~keep, -math.inf)[:, None]
+    out = elsa_attention(qp, kp, vp, attn_bias=bias, key_padding_mask=kpm, causal=causal_flag, scale=scale,
+                         precision=precision, backend=backend)
+    return out.transpose(1, 2)[seq_q, pos_q]

@@ -1,5 +1,7 @@
-"""``window_attention``: Swin-v2 window attention (W-ELSA) as a torch operator with autograd.
+"""``window_attention``: Swin window attention (W-ELSA) as a torch operator with autograd.
 
+Swin v2 (scaled cosine attention, ``logit_scale`` given) and Swin v1 (``q . k * scale``,
+``logit_scale=None``).
 Forward: one Triton launch over all windows (:func:`elsa_vision.kernels.window.window_fwd`: q/k normalisation,
 per-head logit scale, shared ``[H, N, N]`` bias and ``[nW, N, N]`` shift mask read by stride).
 
@@ -14,36 +16,44 @@ route). Windows of up to 64 tokens (window 8, the common Swin-v2 case) run one f
 FP32-accurate three-pass TF32 for ``"auto"`` on sm80+); larger windows run the same math in PyTorch, in
 chunks of whole images that bound the memory, with IEEE float32 matmuls unless ``precision="tf32"``.
 Gradients reach ``q``, ``k``, ``v``, ``logit_scale`` and the bias (hence ``cpb_mlp``); the mask gets none.
+
+As for ``elsa_attention``: the operator has no autograd of its own, one ``torch.autograd.Function`` saves its
+inputs and runs the backward, and the public function checks the inputs once (the kernels trust them).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._library import define_op
-from .attention import PRECISIONS, _cuda_matmul_precision
+from .attention import PRECISIONS, _cuda_matmul_precision, _shape
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
 LOGIT_SCALE_MAX = 4.605170185988092  # log(100), timm's clamp
 
 
-def _window_fwd(q, k, v, logit_scale, bias, mask, precision):
+def _window_fwd(q, k, v, logit_scale, bias, mask, precision, scale):
     from ..kernels.window import window_fwd
 
-    return window_fwd(q, k, v, logit_scale, bias, mask, precision)
+    return window_fwd(q, k, v, logit_scale, bias, mask, precision, scale)
 
 
-def _window_fwd_fake(q, k, v, logit_scale, bias, mask, precision):
+def _window_fwd_fake(q, k, v, logit_scale, bias, mask, precision, scale):
     Bw, H, N, _ = q.shape
     out = q.new_empty(Bw, N, H, v.shape[-1]).transpose(1, 2)  # the kernel's layout (window_fwd)
     return out, q.new_empty(Bw, H, N, dtype=torch.float32)
 
 
-def _normalized(q: Tensor, k: Tensor, logit_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """The kernel's logit operands: ``normalize(q) * exp(min(logit_scale, log 100))``, ``normalize(k)``."""
+def _normalized(q: Tensor, k: Tensor, logit_scale: Tensor | None, qk_scale: float) -> tuple[Tensor, Tensor]:
+    """The kernel's logit operands: ``normalize(q) * exp(min(logit_scale, log 100))``, ``normalize(k)``
+    (Swin v2), or ``q * qk_scale``, ``k`` without ``logit_scale`` (Swin v1)."""
+    if logit_scale is None:
+        return (q.float() * qk_scale).to(q.dtype), k
     scale = torch.clamp(logit_scale.float(), max=LOGIT_SCALE_MAX).exp().view(1, -1, 1, 1)
     qn = F.normalize(q.float(), dim=-1) * scale
     return qn.to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype)
@@ -89,44 +99,56 @@ def _dense_window_grads(dout: Tensor, qn: Tensor, kn: Tensor, v: Tensor, full: T
     return dqn, dkn, dv, dfull, dscale
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, logit_scale, bias, mask, precision = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, logit_scale, bias, mask, out, lse)
-    ctx.precision = precision
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, logit_scale, bias, mask, out, lse = ctx.saved_tensors
-    need_q, need_k, need_v, need_ls, need_bias = ctx.needs_input_grad[:5]
+def _window_bwd(dout, q, k, v, logit_scale, bias, mask, precision, scale, need_q, need_k, need_v):
+    """Both backward routes (fused kernel up to ``BWD_MAX_TOKENS`` tokens, dense PyTorch above) as one
+    operator body: ``(dq, dk, dv, dbias [H, N, N], dscale [H])``, float32 bias/scale gradients, empty
+    tensors for the gradients not asked for."""
     need_qkv = need_q or need_k or need_v
     from ..kernels.window import BWD_MAX_TOKENS, window_bwd  # loaded already: the forward ran the kernel
 
     if q.shape[2] <= BWD_MAX_TOKENS:
-        dq, dk, dv, dfull, dscale = window_bwd(dout, q, k, v, logit_scale, bias, mask, ctx.precision,
-                                               need_qkv=need_qkv)
+        dq, dk, dv, dfull, dscale = window_bwd(dout, q, k, v, logit_scale, bias, mask, precision, need_qkv,
+                                               scale)
     else:
-        dq, dk, dv, dfull, dscale = _dense_backward(dout, q, k, v, logit_scale, bias, mask, ctx.precision,
+        dq, dk, dv, dfull, dscale = _dense_backward(dout, q, k, v, logit_scale, bias, mask, precision, scale,
                                                     need_q or need_k, need_qkv)
+    none = q.new_empty(0)
+    return (dq if need_q else none, dk if need_k else none, dv.to(v.dtype) if need_v else none, dfull,
+            dscale)
+
+
+def _window_bwd_fake(dout, q, k, v, logit_scale, bias, mask, precision, scale, need_q, need_k, need_v):
+    H, N = q.shape[1], q.shape[2]
+    none = q.new_empty(0)
+    return (q.new_empty(q.shape) if need_q else none, k.new_empty(k.shape) if need_k else none,
+            v.new_empty(v.shape) if need_v else none, q.new_empty(H, N, N, dtype=torch.float32),
+            q.new_empty(H, dtype=torch.float32))
+
+
+def _backward(ctx, dout):
+    q, k, v, logit_scale, bias, mask = ctx.saved_tensors
+    need_q, need_k, need_v, need_ls, need_bias = ctx.needs_input_grad[:5]
+    dq, dk, dv, dfull, dscale = _WINDOW_BWD(dout, q, k, v, logit_scale, bias, mask, ctx.precision, ctx.scale,
+                                            need_q, need_k, need_v)
     dls = dbias = None
     if need_bias:
         dbias = dfull.to(bias.dtype)
     if need_ls:
         # L = exp(min(logit_scale, log 100)) cos: dL / dlogit_scale = L where the clamp is inactive.
         dls = (dscale * (logit_scale.float() <= LOGIT_SCALE_MAX)).to(logit_scale.dtype)
-    return (dq if need_q else None, dk if need_k else None, dv.to(v.dtype) if need_v else None,
-            dls, dbias, None, None)
+    return (dq if need_q else None, dk if need_k else None, dv if need_v else None, dls, dbias, None, None,
+            None)
 
 
-def _dense_backward(dout, q, k, v, logit_scale, bias, mask, precision, need_qk, need_qkv):
+def _dense_backward(dout, q, k, v, logit_scale, bias, mask, precision, qk_scale, need_qk, need_qkv):
     """Windows larger than the fused kernel's tile: dense float32 softmax per chunk of images (PyTorch)."""
     nW = 1 if mask is None else mask.shape[0]
     full = bias.unsqueeze(0) if mask is None else bias.unsqueeze(0) + mask.to(bias.dtype).unsqueeze(1)
     full = full.to(q.dtype)  # [nW, H, N, N]: per window, never per image
     with torch.enable_grad():
-        qd, kd, lsd = (t.detach().requires_grad_(True) for t in (q, k, logit_scale))
-        qn, kn = _normalized(qd, kd, lsd)
+        qd, kd = (t.detach().requires_grad_(True) for t in (q, k))
+        lsd = None if logit_scale is None else logit_scale.detach().requires_grad_(True)
+        qn, kn = _normalized(qd, kd, lsd, qk_scale)
     with _cuda_matmul_precision(precision == "tf32"):
         dqn, dkn, dv, dfull, dscale = _dense_window_grads(
             dout, qn.detach(), kn.detach(), v, full, nW, need_qkv=need_qkv)
@@ -136,44 +158,116 @@ def _dense_backward(dout, q, k, v, logit_scale, bias, mask, precision, need_qk, 
     return dq, dk, dv, dfull.sum(0), dscale
 
 
+_WINDOW_BWD = define_op(
+    "window_attention_bwd",
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? logit_scale, Tensor bias, Tensor? mask, "
+    "str precision, float scale, bool need_q, bool need_k, bool need_v) -> (Tensor, Tensor, Tensor, Tensor, "
+    "Tensor)",
+    _window_bwd, _window_bwd_fake,
+)
 _WINDOW_FWD = define_op(
     "window_attention_fwd",
-    "(Tensor q, Tensor k, Tensor v, Tensor logit_scale, Tensor bias, Tensor? mask, str precision) "
-    "-> (Tensor, Tensor)",
-    _window_fwd, _window_fwd_fake, _backward, _setup_context,
+    "(Tensor q, Tensor k, Tensor v, Tensor? logit_scale, Tensor bias, Tensor? mask, str precision, "
+    "float scale) -> (Tensor, Tensor)",
+    _window_fwd, _window_fwd_fake,
 )
+
+
+class _WindowAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, logit_scale, bias, mask, precision, scale):
+        out, _ = _WINDOW_FWD(q, k, v, logit_scale, bias, mask, precision, scale)
+        ctx.save_for_backward(q, k, v, logit_scale, bias, mask)
+        ctx.precision, ctx.scale = precision, scale
+        return out
+
+    backward = staticmethod(_backward)
+
+
+def _check(q, k, v, logit_scale, bias, mask, precision, scale):
+    fn = "window_attention"
+    if precision not in PRECISIONS:
+        raise ValueError(f"{fn}: unknown `precision` {precision!r}; expected one of {PRECISIONS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{fn}: `{name}` must be a 4-D tensor [B*nW, H, N, D], got "
+                             f"{_shape(t) if isinstance(t, Tensor) else type(t).__name__}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{fn}: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.is_cuda and not _interpreting():
+        raise ValueError(f"{fn}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
+                         f"before triton is imported), got device {q.device}")
+    Bw, H, N, D = q.shape
+    if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
+        raise ValueError(f"{fn}: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
+    if k.shape != (Bw, H, N, D) or v.shape[:3] != (Bw, H, N):
+        raise ValueError(f"{fn}: k must be {[Bw, H, N, D]} and v [{Bw}, {H}, {N}, Dv], got "
+                         f"{_shape(k)} and {_shape(v)}")
+    if logit_scale is not None:
+        if not isinstance(logit_scale, Tensor):
+            raise TypeError(f"{fn}: `logit_scale` must be a tensor or None, got {type(logit_scale).__name__}")
+        if logit_scale.shape != (H,):
+            raise ValueError(f"{fn}: `logit_scale` must be [{H}] (or [{H}, 1, 1]), got {_shape(logit_scale)}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"{fn}: `scale` must be a finite float, got {scale!r}")
+    if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.shape != (H, N, N):
+        raise ValueError(f"{fn}: `bias` must be a float tensor [{H}, {N}, {N}], got "
+                         f"{_shape(bias) if isinstance(bias, Tensor) else type(bias).__name__}")
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dim() != 3 or mask.shape[1:] != (N, N) or mask.shape[0] < 1 \
+                or Bw % mask.shape[0]:
+            raise ValueError(f"{fn}: `mask` must be [nW, {N}, {N}] with nW dividing {Bw}, got "
+                             f"{_shape(mask) if isinstance(mask, Tensor) else type(mask).__name__}")
+    for name, t in (("k", k), ("v", v), ("logit_scale", logit_scale), ("bias", bias), ("mask", mask)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{fn}: `{name}` is on {t.device}, q on {q.device}")
+
+
+def _interpreting() -> bool:
+    from ..kernels.launch import interpreting
+    from ..kernels.window import _window_fwd_kernel
+
+    return interpreting(_window_fwd_kernel)
 
 
 def window_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    logit_scale: Tensor,
+    logit_scale: Tensor | None,
     bias: Tensor,
     mask: Tensor | None = None,
     *,
     precision: str = "auto",
+    scale: float | None = None,
 ) -> Tensor:
-    """Swin-v2 scaled-cosine window attention, fused (Triton; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+    """Swin window attention, fused (Triton; CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-    ``softmax(cos(q, k) * exp(min(logit_scale, log 100)) + bias + mask[b % nW]) @ v`` per window ``b``.
+    Swin v2: ``softmax(cos(q, k) * exp(min(logit_scale, log 100)) + bias + mask[b % nW]) @ v`` per window
+    ``b``; Swin v1 (``logit_scale=None``): ``softmax(q . k * scale + bias + mask[b % nW]) @ v``.
 
     Args:
         q, k: ``[B*nW, H, N, D]``; v: ``[B*nW, H, N, Dv]`` (any strides); float16, bfloat16 or float32.
-        logit_scale: ``[H]`` (or timm's ``[H, 1, 1]``) raw per-head parameter.
+        logit_scale: ``[H]`` (or timm's ``[H, 1, 1]``) raw per-head parameter of Swin v2, or None.
         bias: ``[H, N, N]`` relative-position bias shared by all windows.
         mask: ``[nW, N, N]`` shift mask (0 / -100), window ``b`` uses ``mask[b % nW]``; None for no shift.
         precision: float32 dot precision, one of ``PRECISIONS`` (``ops.attention``).
+        scale: the logit scale without ``logit_scale`` (default ``D ** -0.5``); unused with it.
 
     Returns:
         ``[B*nW, H, N, Dv]`` in q's dtype, stored as ``[B*nW, N, H, Dv]`` (``.transpose(1, 2)`` of it is
         contiguous). Differentiable in q, k, v, logit_scale and bias.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"window_attention: unknown `precision` {precision!r}; expected one of {PRECISIONS}")
-    if not isinstance(logit_scale, Tensor):
-        raise TypeError(f"window_attention: `logit_scale` must be a tensor, got {type(logit_scale).__name__}")
-    if q.dim() == 4 and logit_scale.numel() == q.shape[1]:
+    if isinstance(logit_scale, Tensor) and q.dim() == 4 and logit_scale.numel() == q.shape[1]:
         logit_scale = logit_scale.reshape(-1)
-    out, _ = _WINDOW_FWD(q, k, v, logit_scale, bias, mask, precision)
-    return out
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 4 else 1.0
+    _check(q, k, v, logit_scale, bias, mask, precision, scale)
+    scale = float(scale)
+    grads = q.requires_grad or k.requires_grad or v.requires_grad or bias.requires_grad or (
+        logit_scale is not None and logit_scale.requires_grad)
+    if grads and torch.is_grad_enabled():
+        return _WindowAttention.apply(q, k, v, logit_scale, bias, mask, precision, scale)
+    return _WINDOW_FWD(q, k, v, logit_scale, bias, mask, precision, scale)[0]
