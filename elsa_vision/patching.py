@@ -8,11 +8,11 @@ module                                           how
 ===============================================  ==========================================================
 ``timm.layers.Attention`` (ViT, DeiT, CLIP ...)  replaced by :class:`~elsa_vision.layers.ElsaAttention`
 ``timm.layers.AttentionPoolLatent`` (MAP head)   becomes :class:`~elsa_vision.layers.ElsaAttentionPoolLatent`
-timm Swin v1 ``WindowAttention``                 becomes :class:`ElsaSwinWindowAttention`: relative position
-                                                 bias (table[index]) and shift mask become ``attn_bias``
-timm Swin v2 ``WindowAttention``                 becomes :class:`ElsaSwinV2WindowAttention`: cosine attention
-                                                 (per-head ``logit_scale`` folded into q), ``16 sigmoid(cpb)``
-                                                 bias and shift mask as ``attn_bias``
+timm Swin v1 ``WindowAttention``                 becomes :class:`ElsaSwinWindowAttention`: the W-ELSA window
+                                                 op, relative position bias and shift mask read by stride
+timm Swin v2 ``WindowAttention``                 becomes :class:`ElsaSwinV2WindowAttention`: the W-ELSA
+                                                 window op (cosine attention, ``16 sigmoid(cpb)`` bias, shift
+                                                 mask)
 ``torch.nn.MultiheadAttention`` (open_clip,      becomes :class:`ElsaMultiheadAttention` (``batch_first`` or
 torch ``TransformerEncoderLayer``)               not, ``key_padding_mask``, ``attn_mask``; no
                                                  ``add_bias_kv`` / ``add_zero_attn``); torch's fused
@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from .layers.attention import ElsaAttention, mask_to_bias
 from .layers.attention_pool import ElsaAttentionPoolLatent
 from .layers.multihead_attention import ElsaMultiheadAttention
+from .layers.window_attention import ElsaSwinV2WindowAttention, ElsaSwinWindowAttention
 from .ops.attention import check_options, elsa_attention
 
 __all__ = [
@@ -55,12 +56,6 @@ __all__ = [
 ]
 
 KINDS = ("vit", "swin", "mha", "sdpa_routed")
-
-
-def _dropout_backend(module: nn.Module, p: float) -> tuple[float, str]:
-    """Attention dropout (training only) runs on the torch backend, the only one that has it."""
-    dropout_p = p if module.training else 0.0
-    return dropout_p, ("torch" if dropout_p > 0 else module.elsa_backend)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -156,141 +151,25 @@ def sdpa_override(*, backend: str = "auto", precision: str = "auto") -> Iterator
         F.scaled_dot_product_attention = previous
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Swin window attention
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _window_attention(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, mask: Tensor | None,
-                      scale: float) -> Tensor:
-    """ELSA over windows. ``q, k, v [B*nW, H, N, D]``, ``bias [1, H, N, N]``, ``mask [nW, N, N]`` (or None).
-
-    With a shift mask the windows of one image are folded into the head axis, so the bias stays
-    ``[1, nW*H, N, N]`` (no per-image copy). Returns ``[B*nW, N, H*D]``.
-    """
-    Bw, H, N, D = q.shape
-    if mask is not None:
-        nW = mask.shape[0]
-        if Bw % nW:
-            raise ValueError(f"window attention: {Bw} windows is not a multiple of the mask's {nW} windows")
-        q, k, v = (t.reshape(Bw // nW, nW * H, N, t.shape[-1]) for t in (q, k, v))
-        bias = (bias.view(1, 1, H, N, N) + mask.to(bias.dtype).view(1, nW, 1, N, N)).reshape(1, nW * H, N, N)
-    dropout_p, backend = _dropout_backend(module, module.attn_drop.p)
-    x = elsa_attention(q, k, v, attn_bias=bias.to(q.dtype), scale=scale, precision=module.elsa_precision,
-                       backend=backend, dropout_p=dropout_p)
-    # [B', nW*H, N, Dv] -> [Bw, N, H*Dv] in one copy at most, whichever layout the backend returned.
-    return x.unflatten(1, (-1, H)).permute(0, 1, 3, 2, 4).reshape(Bw, N, -1)
-
-
 class _ElsaConverted:
-    """Mixin of the class-swapped modules: where the ELSA options live and how a module is converted."""
+    """Mixin of the class-swapped SDPA-routed modules: where the ELSA options live and how a module is
+    converted."""
 
     elsa_backend: str = "auto"
     elsa_precision: str = "auto"
+    _timm_base: type = nn.Module
 
     @classmethod
     def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
         """Turn ``module`` (an instance of the timm/torch base class) into ``cls`` in place; weights kept."""
         check_options(cls.__name__, backend, precision)
-        base = cls.__mro__[2]
+        base = cls._timm_base
         if not isinstance(module, base):
             raise TypeError(f"{cls.__name__}.convert: expected {base.__name__}, got {type(module).__name__}")
         module.__class__ = cls
         module.elsa_backend = backend
         module.elsa_precision = precision
         return module
-
-
-def _same_key(a: tuple, b: tuple) -> bool:
-    """Equal ``(autocast, ((tensor, data_ptr, version), ...))`` keys: the same tensor objects, unchanged."""
-    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
-        t is u and p == q and v == w for (t, p, v), (u, q, w) in zip(a[1], b[1]))
-
-
-def _swin_classes():
-    from timm.models import swin_transformer as swin1
-    from timm.models import swin_transformer_v2 as swin2
-
-    class ElsaSwinWindowAttention(_ElsaConverted, swin1.WindowAttention):
-        """timm Swin v1 ``WindowAttention`` computed by ELSA.
-
-        ``forward(x [B*nW, N, C], mask [nW, N, N] (0 / -100 or -inf) | None) -> [B*nW, N, C]``; the relative
-        position bias ``table[index]`` is the ``attn_bias`` (plus the shift mask).
-        """
-
-        def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-            B_, N, C = x.shape
-            qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv.unbind(0)
-            x = _window_attention(self, q, k, v, self._get_rel_pos_bias(), mask, self.scale)
-            x = self.proj(x)
-            return self.proj_drop(x)
-
-    class ElsaSwinV2WindowAttention(_ElsaConverted, swin2.WindowAttention):
-        """timm Swin v2 ``WindowAttention`` (scaled cosine attention) computed by ELSA.
-
-        ``softmax(cos(q, k) * exp(min(logit_scale, log 100)) + 16 sigmoid(cpb_mlp(coords))[index] + mask) v``:
-        the per-head logit scale multiplies the normalised q, the rest is ``attn_bias``; ``scale=1``.
-        """
-
-        def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-            """q, k, v ``[B_, H, N, Dh]`` from the projection with timm's (q_bias, zero k_bias, v_bias)."""
-            B_, N, _ = x.shape
-            if self.q_bias is None:
-                qkv = self.qkv(x)
-            else:
-                qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-                if getattr(self, "qkv_bias_separate", False):
-                    qkv = self.qkv(x) + qkv_bias
-                else:
-                    qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
-            qkv = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-            return qkv.unbind(0)
-
-        def position_bias(self) -> Tensor:
-            """``16 sigmoid(cpb_mlp(relative_coords_table))[relative_position_index]`` as ``[H, N, N]``.
-
-            With autograd off (inference) the bias is computed once and reused until an input changes: a
-            ``cpb_mlp`` parameter or the table/index buffers updated in place (their version counters),
-            replaced or moved (``.to()``, ``load_state_dict``), or a different autocast state. Under
-            ``torch.compile`` it is always recomputed (the compiler folds it itself), and so it is for a model
-            whose weights are inference tensors (built under ``torch.inference_mode``: no version counters).
-            """
-            key = None
-            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                key = self._position_bias_key()  # None for inference tensors: no version counter
-                cached = self.__dict__.get("_elsa_position_bias")
-                if cached is not None and _same_key(cached[0], key):
-                    return cached[1]
-            N = self.relative_position_index.shape[0]
-            table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
-            bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
-            bias = 16 * torch.sigmoid(bias)
-            if key is not None:
-                self.__dict__["_elsa_position_bias"] = (key, bias)
-            return bias
-
-        def _position_bias_key(self) -> tuple | None:
-            dev = self.relative_coords_table.device.type
-            tensors = (*self.cpb_mlp.parameters(), self.relative_coords_table, self.relative_position_index)
-            if any(t.is_inference() for t in tensors):  # a model built under inference_mode: no caching
-                return None
-            autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
-            return autocast, tuple((t, t.data_ptr(), t._version) for t in tensors)
-
-        def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-            q, k, v = self._qkv(x)
-            logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
-            q = F.normalize(q, dim=-1) * logit_scale
-            k = F.normalize(k, dim=-1)
-            x = _window_attention(self, q, k, v, self.position_bias().unsqueeze(0), mask, 1.0)
-            x = self.proj(x)
-            return self.proj_drop(x)
-
-    return swin1.WindowAttention, ElsaSwinWindowAttention, swin2.WindowAttention, ElsaSwinV2WindowAttention
-
-
-_SwinV1, ElsaSwinWindowAttention, _SwinV2, ElsaSwinV2WindowAttention = _swin_classes()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -322,7 +201,7 @@ def _sdpa_routed_class(base: type) -> type:
 
         _ROUTED[base] = type(
             f"Elsa{base.__name__}", (_ElsaConverted, base),
-            {"forward": forward, "__module__": __name__,
+            {"forward": forward, "__module__": __name__, "_timm_base": base,
              "__doc__": f"timm ``{base.__name__}`` whose fused SDPA call runs ``elsa_attention``."},
         )
     return _ROUTED[base]
@@ -403,9 +282,9 @@ def patch_attention(
             setattr(parent, attr, ElsaAttention.from_timm(module, **opts))
         elif "vit" in kinds and t is AttentionPoolLatent:
             ElsaAttentionPoolLatent.convert(module, **opts)
-        elif "swin" in kinds and t is _SwinV1:
+        elif "swin" in kinds and t is ElsaSwinWindowAttention._timm_base:
             ElsaSwinWindowAttention.convert(module, **opts)
-        elif "swin" in kinds and t is _SwinV2:
+        elif "swin" in kinds and t is ElsaSwinV2WindowAttention._timm_base:
             ElsaSwinV2WindowAttention.convert(module, **opts)
         elif "mha" in kinds and t is nn.MultiheadAttention:
             reason = _mha_compatible(module)

@@ -16,6 +16,7 @@ from torch import nn
 import elsa_vision.layers.attention as elsa_attention_module
 import elsa_vision.layers.attention_pool as elsa_pool_module
 import elsa_vision.layers.multihead_attention as elsa_mha_module
+import elsa_vision.layers.window_attention as elsa_window_module
 import elsa_vision.patching as patching
 from elsa_vision import (
     ElsaAttention,
@@ -47,16 +48,19 @@ def randomize_(model: nn.Module) -> nn.Module:
 
 @pytest.fixture
 def elsa_calls(monkeypatch):
-    """Counts every elsa_attention call made by patched modules and by the SDPA override."""
+    """Counts every elsa_attention (and W-ELSA window op) call made by patched modules and by the SDPA
+    override."""
     calls = {"n": 0}
-    for mod in (patching, elsa_attention_module, elsa_pool_module, elsa_mha_module):
-        orig = mod.elsa_attention
+    for mod, fn in ((patching, "elsa_attention"), (elsa_attention_module, "elsa_attention"),
+                    (elsa_pool_module, "elsa_attention"), (elsa_mha_module, "elsa_attention"),
+                    (elsa_window_module, "elsa_attention"), (elsa_window_module, "window_attention")):
+        orig = getattr(mod, fn)
 
         def counted(*a, _orig=orig, **k):
             calls["n"] += 1
             return _orig(*a, **k)
 
-        monkeypatch.setattr(mod, "elsa_attention", counted)
+        monkeypatch.setattr(mod, fn, counted)
     return calls
 
 

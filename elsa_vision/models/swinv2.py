@@ -23,10 +23,9 @@ from typing import Any
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
-from torch import Tensor, nn
 
-from ..ops.attention import check_options, resolve_backend
-from ..patching import ElsaSwinV2WindowAttention
+from ..layers.window_attention import ElsaSwinV2WindowAttention
+from ..ops.attention import check_options
 from ._builder import LoadReport, timm_source
 
 __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
@@ -34,41 +33,7 @@ __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 _LOGIT_SCALE_MAX = math.log(1.0 / 0.01)
 
 
-class ElsaSwinV2Attention(ElsaSwinV2WindowAttention):
-    """timm Swin v2 ``WindowAttention`` (same parameters and buffers) computed by ELSA.
-
-    ``forward(x [B*nW, N, C], mask [nW, N, N] (0 / -100) | None) -> [B*nW, N, C]``. Backend ``"triton"``
-    (what ``"auto"`` resolves to on CUDA without attention dropout) runs the fused W-ELSA op: q/k
-    normalisation, per-head logit scale, ``16 sigmoid(cpb)`` bias ``[H, N, N]`` and the shift mask in one
-    launch. Other backends run :class:`~elsa_vision.patching.ElsaSwinV2WindowAttention`'s path.
-    """
-
-    @classmethod
-    def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
-        """Turn a timm Swin v2 ``WindowAttention`` (or an ELSA one) into ``cls`` in place; weights kept."""
-        check_options(cls.__name__, backend, precision, "attn_")
-        if not isinstance(module, _timm_swinv2.WindowAttention):
-            raise TypeError(f"{cls.__name__}.convert: expected a timm swin_transformer_v2.WindowAttention, "
-                            f"got {type(module).__name__}")
-        module.__class__ = cls
-        module.elsa_backend = backend
-        module.elsa_precision = precision
-        return module
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        dropout_p = self.attn_drop.p if self.training else 0.0
-        if resolve_backend(self.elsa_backend, x, dropout_p) != "triton" or dropout_p > 0:
-            return super().forward(x, mask)
-        from ..ops.window_attention import window_attention
-
-        B_, N, C = x.shape
-        q, k, v = self._qkv(x)
-        # Bias and mask keep their dtype (float32 under autocast): the kernel reads them as float32.
-        out = window_attention(q, k, v, self.logit_scale.view(-1), self.position_bias(), mask,
-                               precision=self.elsa_precision)
-        x = out.transpose(1, 2).reshape(B_, N, C)
-        x = self.proj(x)
-        return self.proj_drop(x)
+ElsaSwinV2Attention = ElsaSwinV2WindowAttention  # the name this module has always exported
 
 
 class ElsaSwinV2(SwinTransformerV2):

@@ -268,7 +268,7 @@ def test_triton_backend_matches_timm():
     float32 error where that is larger."""
     import copy
 
-    import elsa_vision.ops.window_attention as wa
+    import elsa_vision.layers.window_attention as wa  # where the Swin layers look the op up
 
     ref, model = _pair(64)  # stage maps 16, 8, 4, 2: windows 8 (shifted), 8, 4, 2
     ref, model = ref.to(DEVICE), model.to(DEVICE)
