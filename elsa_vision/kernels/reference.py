@@ -109,15 +109,18 @@ def merge_states(a: ElsaState, b: ElsaState) -> ElsaState:
 
 
 def finalize(state: ElsaState) -> Tensor:
-    """``W / S`` with 0 where ``S == 0`` (rows with no visible key): never NaN."""
-    visible = state.s > 0
-    denom = torch.where(visible, state.s, torch.ones_like(state.s))
-    return (state.w / denom.unsqueeze(-1)) * visible.unsqueeze(-1).to(state.w.dtype)
+    """``W / S`` with 0 where ``S == 0`` (rows with no visible key, never NaN there). A NaN in a row's state
+    (a NaN logit or value of a visible key) stays NaN, as in softmax."""
+    hidden = (state.s == 0).unsqueeze(-1)
+    denom = torch.where(hidden, torch.ones_like(state.w), state.s.unsqueeze(-1))
+    return torch.where(hidden, torch.zeros_like(state.w), state.w / denom)
 
 
 def log_sum_exp(state: ElsaState) -> Tensor:
     """Per-row ``log(sum_j exp(score_j)) = m + log(S)``; ``-inf`` for rows with no visible key."""
-    return torch.where(state.s > 0, state.m + torch.log(state.s), torch.full_like(state.s, -math.inf))
+    hidden = state.s == 0
+    return torch.where(hidden, torch.full_like(state.s, -math.inf),
+                       state.m + torch.log(torch.where(hidden, torch.ones_like(state.s), state.s)))
 
 
 def merge_depth(n: int, block: int) -> int:
@@ -230,7 +233,9 @@ def scan_attention(
     blocks whose entry at a row's diagonal block is merged with that block. Queries are processed in chunks
     of ``query_chunk`` rows (default: all), bounding the memory at ``O(query_chunk * Nk)``.
 
-    Arithmetic runs in the inputs' dtype (float32 or float64); callers upcast half precision first.
+    Arithmetic runs in the inputs' dtype (float32 or float64); callers upcast half precision first. Values of
+    keys the padding mask hides are taken as zeros (as the kernels load them): whatever they hold, NaN
+    included, never reaches the output.
     Returns the output ``[B, H, Nq, Dv]`` (and the per-row log-sum-exp ``[B, H, Nq]`` with ``return_lse``).
     """
     if block_size < 1:
@@ -241,6 +246,8 @@ def scan_attention(
     chunk = Nq if query_chunk is None else max(1, int(query_chunk))
     nb = max(1, -(-Nk // block_size))
     pad = nb * block_size - Nk
+    if key_padding_mask is not None:
+        v = v.masked_fill(~key_padding_mask[:, None, :, None], 0.0)
     # Values padded with zeros: a padded key has score -inf, so it contributes exp(-inf) * 0 = 0.
     v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad)).unflatten(-2, (nb, block_size)).movedim(-3, 0)
     if attn_bias is not None:
@@ -293,8 +300,9 @@ def state_from_output(out: Tensor, lse: Tensor) -> ElsaState:
     Partial attention results over disjoint key sets, each given as (output, log-sum-exp), merge exactly
     through :func:`merge_states` once written in this form (split-KV and ring attention do this).
     """
-    visible = torch.isfinite(lse)
-    return ElsaState(lse, visible.to(out.dtype), out * visible.unsqueeze(-1).to(out.dtype))
+    visible = lse != -math.inf  # NaN stays visible: it propagates
+    w = torch.where(visible.unsqueeze(-1), out, torch.zeros_like(out))
+    return ElsaState(lse, visible.to(out.dtype), w)
 
 
 def attention_backward(
@@ -335,8 +343,8 @@ def attention_backward(
 
 def _probs_and_score_grads(scores, do, v, out, lse, delta):
     """``P = exp(S - lse)`` (0 on rows with ``lse = -inf``) and ``dS = P * (dO V^T - Delta)``."""
-    p = torch.exp(scores - _finite_or_zero(lse).unsqueeze(-1))
-    p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
+    p = torch.exp(scores - torch.where(lse == -math.inf, torch.zeros_like(lse), lse).unsqueeze(-1))
+    p = torch.where((lse == -math.inf).unsqueeze(-1), torch.zeros_like(p), p)  # a NaN lse stays NaN
     if delta is None:
         delta = (out * do).sum(-1)
     return p, p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
@@ -407,6 +415,6 @@ def softmax_attention(
     Nq, Nk = q.shape[-2], k.shape[-2]
     scores = attention_scores(q, k, scale=scale, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
                               causal=causal, q_offset=Nk - Nq)
-    visible = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    visible = (scores != -math.inf).any(dim=-1, keepdim=True)  # a NaN logit is visible: the row is NaN
     p = torch.softmax(scores.masked_fill(~visible, 0.0), dim=-1) * visible
     return p.to(v.dtype) @ v

@@ -150,6 +150,67 @@ def test_varlen_trains_through_the_differentiable_op():
         start += n
 
 
+BACKENDS = ["torch", "triton"]
+
+
+def _nan_case(where: str):
+    q, k, v, bias = _inputs(1, 2, 13, 21, 16, 16, bias_shape=(1, 2, 13, 21))
+    kpm = None
+    if where == "q":
+        q[0, 0, 3, 5] = math.nan
+    elif where == "k":
+        k[0, 1, 7, 2] = math.nan
+    elif where == "v":
+        v[0, 0, 2, 1] = math.nan
+    elif where == "bias":
+        bias[0, 0, 4, 6] = math.nan
+    elif where == "hidden_k":  # a key the padding mask hides: must not leak
+        k[0, 1, 7, 2] = math.nan
+        v[0, 1, 7, :] = math.nan
+        kpm = torch.ones(1, 21, dtype=torch.bool, device=DEV)
+        kpm[0, 7] = False
+    elif where == "overflow":  # logits past float32 range: +inf scores, as in softmax
+        q = q * 1e20
+        k = k * 1e20
+    return q, k, v, bias, kpm
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "bias", "hidden_k", "overflow"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_propagates_as_in_softmax(where, backend):
+    """A NaN logit or value of a visible key (or an overflowing logit) makes exactly the rows / entries NaN
+    that float32 softmax attention (SDPA's math) makes NaN -- never a plausible 0 -- and a NaN behind the
+    padding mask stays hidden."""
+    q, k, v, bias, kpm = _nan_case(where)
+    out = elsa_attention(q, k, v, attn_bias=bias, key_padding_mask=kpm, backend=backend, precision="ieee")
+    mask = bias
+    if kpm is not None:  # the reference is the clean run: SDPA multiplies the hidden NaN values by 0
+        mask = bias.masked_fill(~kpm[:, None, None, :], -math.inf)
+        k, v = (t.masked_fill(~kpm[:, None, :, None], 0.0) for t in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=mask.cpu())
+    assert torch.equal(torch.isnan(out).cpu(), torch.isnan(want))
+    assert torch.isnan(want).any() == (where not in ("hidden_k",))
+    ok = ~torch.isnan(want)
+    assert torch.allclose(out.cpu()[ok], want[ok], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 2, 5, 7), (2, 0, 5, 7), (2, 2, 0, 7), (2, 2, 5, 0)],
+                         ids=["B0", "H0", "Nq0", "Nk0"])
+def test_empty_inputs_give_empty_or_zero_outputs(backend, shape):
+    """Empty in, empty out: an empty batch, head axis or query set gives an empty ``[B, H, Nq, Dv]`` result,
+    no keys give zeros; the backward runs and gives zero gradients of the inputs' shapes."""
+    B, H, Nq, Nk = shape
+    q, k, v, _ = _inputs(B, H, Nq, Nk, 16, 8)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = elsa_attention(*leaves, backend=backend)
+    assert out.shape == (B, H, Nq, 8) and out.dtype == q.dtype
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    for t in leaves:
+        assert t.grad.shape == t.shape and torch.equal(t.grad, torch.zeros_like(t))
+
+
 @pytest.mark.gpu
 def test_cuda_graph_capture_and_replay_is_bitwise_stable():
     q, k, v, _ = _inputs(2, 4, 197, 197, 64, 64)

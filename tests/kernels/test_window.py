@@ -332,3 +332,63 @@ def test_fused_backward_bad_inputs():
     with pytest.raises(ValueError, match="at most 64 tokens"):
         window_bwd(torch.zeros_like(v), q, k, v, ls, bias, mask)
 
+
+
+# ------------------------------------------------------------------------------ Swin v1 (plain logits)
+
+
+def reference_v1(q, k, v, scale, bias, mask):
+    """Swin-v1 window attention as timm's math path writes it (dense scores), in the inputs' dtype."""
+    attn = (q * scale) @ k.transpose(-2, -1) + bias.unsqueeze(0)
+    if mask is not None:
+        nW = mask.shape[0]
+        attn = (attn.view(-1, nW, *attn.shape[1:]) + mask.to(attn.dtype)[None, :, None]).view(attn.shape)
+    return attn.softmax(-1) @ v
+
+
+V1_CASES = [((7, 7), 3, 32, 2, True), ((8, 8), 2, 24, 1, False), ((12, 12), 2, 16, 1, True)]
+
+
+@pytest.mark.parametrize("case", V1_CASES, ids=_case_id)
+def test_swin_v1_logits_match_float64(case):
+    """``logit_scale=None``: plain ``q . k * scale`` logits (timm Swin v1), forward and gradients of q, k, v
+    and the bias against float64, through the fused backward (7x7, 8x8) and the dense one (12x12)."""
+    window, H, D, B, shift = case
+    q, k, v, _, bias, mask = make_inputs(*window, H, D, B, shift)
+    bias = bias - 8.0  # a relative-position table's range, centred
+    scale = D ** -0.5
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, bias)]
+    out = window_attention(leaves[0], leaves[1], leaves[2], None, leaves[3], mask, precision="ieee",
+                           scale=scale)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = reference_v1(ref_leaves[0], ref_leaves[1], ref_leaves[2], scale, ref_leaves[3],
+                       None if mask is None else mask.double())
+    assert relerr(out, ref) <= FWD_BOUND
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    want = torch.autograd.grad(ref, ref_leaves, dout.double())
+    for name, a, b in zip("qkvb", grads, want):
+        assert relerr(a, b) <= FUSED_GRAD_BOUND, name
+    # the default scale is D ** -0.5
+    assert torch.equal(window_attention(q, k, v, None, bias, mask, precision="ieee"),
+                       window_attention(q, k, v, None, bias, mask, precision="ieee", scale=scale))
+
+
+def test_swin_v1_layer_fused_equals_fallback():
+    """The converted timm Swin v1 module: the W-ELSA route (backend triton) and the elsa_attention fallback
+    (backend torch) give the same block output."""
+    from timm.models.swin_transformer import WindowAttention as V1
+
+    from elsa_vision.layers import ElsaSwinWindowAttention
+
+    attn = V1(32, num_heads=2, window_size=(7, 7)).to(DEVICE).eval()
+    with torch.no_grad():
+        attn.relative_position_bias_table.normal_()
+    ElsaSwinWindowAttention.convert(attn, backend="triton", precision="ieee")
+    x = torch.randn(2 * 4, 49, 32, device=DEVICE)
+    mask = shift_mask(7, 7, 2, 2).to(DEVICE)
+    with torch.no_grad():
+        fused = attn(x, mask)
+        attn.elsa_backend = "torch"
+        fallback = attn(x, mask)
+    assert relerr(fused, fallback.double()) <= FWD_BOUND
