@@ -66,6 +66,11 @@ def _mm(a, b, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif PREC == "none":
         acc = tl.dot(a, b, acc)
+    elif PREC == "ieee":
+        # FMA dots add every product straight into ``acc`` (a running sum over all tiles): form the tile's
+        # products in a fresh accumulator and add them with one fused multiply-add (a plain add would be
+        # folded back into the dot by the compiler).
+        acc = tl.fma(tl.dot(a, b, tl.zeros_like(acc), input_precision="ieee"), 1.0, acc)
     else:
         acc = tl.dot(a, b, acc, input_precision=PREC)
     return acc

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _FLOAT_DTYPES, LOG2E, _bias4, _cdiv, _device_info, _pow2
+from .fwd import _FLOAT_DTYPES, ACCUMULATION, LOG2E, _bias4, _cdiv, _device_info, _pow2
 from .launch import Launch, ProgramCache, signature
 from .monoid import clamp_bias, finalize_state, fold_tile, matmul, merge_states
 from .precision import resolve_precision
@@ -64,7 +64,7 @@ def _decode_kernel(
     H, Nq, Nk, tiles_per_head, total_tiles, tiles_per_program, max_partials, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """Level one. Grid ``(programs,)``; program ``p`` owns the flat tiles
     ``[p * tiles_per_program, min((p + 1) * tiles_per_program, total_tiles))``.
@@ -103,7 +103,9 @@ def _decode_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         for tile in range(t, run_end):
             start_n = (tile - bh * tiles_per_head) * BLOCK_N
             cols = start_n + offs_n
@@ -131,7 +133,11 @@ def _decode_kernel(
                 keep = tl.load(kpm_base + cols.to(tl.int64) * stride_kpn, mask=cols < Nk, other=0) != 0
                 scores = tl.where(keep[None, :], scores, float("-inf"))
                 v = tl.where(keep[:, None], v, 0.0)
-            m_i, s_i, acc = fold_tile(m_i, s_i, acc, scores, v, PRECISION)
+            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
+                                                  ACCUMULATE)
+        if ACCUMULATE == "kahan":
+            s_i = s_i - s_c
+            acc = acc - acc_c
 
         slot = pid - (bh * tiles_per_head) // tiles_per_program
         ws_rows = (bh.to(tl.int64) * max_partials + slot) * Nq + rows64
@@ -146,7 +152,7 @@ def _decode_merge_kernel(
     WsM, WsS, WsW, Out, Lse,
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
     H, Nq, tiles_per_head, tiles_per_program, max_partials,
-    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Level two. Grid ``(B * H,)``: merge the head's partials ``first(bh) .. last(bh)`` left to right and
     normalise into ``Out [B, H, Nq, DV]`` and ``Lse [B, H, Nq]`` (natural log)."""
@@ -174,7 +180,8 @@ def _decode_merge_kernel(
     o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + rows64[:, None] * stride_om \
         + offs_dv[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + rows64 * stride_lm, lse, mask=row_ok)
+    if STORE_LSE:
+        tl.store(Lse + off_b * stride_lb + off_h * stride_lh + rows64 * stride_lm, lse, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------- planning
@@ -334,23 +341,24 @@ class _DecodeProgram:
              H, Nq, Nk, p.tiles_per_head, p.total_tiles, p.tiles_per_program, p.max_partials, scale * LOG2E),
             dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
                  PRECISION=p.precision, CAUSAL=causal, HAS_BIAS=has_bias, HAS_KPM=has_kpm,
-                 EVEN_N=Nk % p.block_n == 0),
+                 EVEN_N=Nk % p.block_n == 0, ACCUMULATE=ACCUMULATION.get(p.precision, "plain")),
             p.num_warps, p.num_stages)
-        self.merge = Launch(
-            _decode_merge_kernel, (bh,),
-            (*self.out_stride, H * Nq, Nq, 1, H, Nq, p.tiles_per_head, p.tiles_per_program, p.max_partials),
-            dict(DV=Dv, BLOCK_M=p.block_m, BLOCK_DV=p.block_dv), 4)
+        merge_scalars = (*self.out_stride, H * Nq, Nq, 1, H, Nq, p.tiles_per_head, p.tiles_per_program,
+                         p.max_partials)
+        self.merge = [Launch(_decode_merge_kernel, (bh,), merge_scalars,
+                             dict(DV=Dv, BLOCK_M=p.block_m, BLOCK_DV=p.block_dv, STORE_LSE=store), 4)
+                      for store in (True, False)]  # [with lse, without]
 
-    def __call__(self, q, k, v, bias=None, kpm=None):
+    def __call__(self, q, k, v, bias=None, kpm=None, need_lse=True):
         if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
             with torch.cuda.device(self.device_index):
-                return self(q, k, v, bias, kpm)
+                return self(q, k, v, bias, kpm, need_lse)
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
+        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device) if need_lse else None
         if self.empty:
             return out, lse
         if self.zero:
-            return out.zero_(), lse.fill_(-math.inf)
+            return out.zero_(), (lse.fill_(-math.inf) if need_lse else None)
         ws_m = torch.empty(self.ws_sizes[0], device=self.device, dtype=torch.float32)
         ws_s = torch.empty(self.ws_sizes[0], device=self.device, dtype=torch.float32)
         ws_w = torch.empty(self.ws_sizes[1], device=self.device, dtype=torch.float32)
@@ -360,7 +368,7 @@ class _DecodeProgram:
             bias = bias.to(torch.float32)
         kpm = ws_m if kpm is None else kpm.view(torch.uint8)
         self.main(q, k, v, bias, kpm, ws_m, ws_s, ws_w)
-        self.merge(ws_m, ws_s, ws_w, out, lse)
+        self.merge[0 if need_lse else 1](ws_m, ws_s, ws_w, out, lse if need_lse else out)
         return out, lse
 
 
@@ -389,7 +397,8 @@ def elsa_decode(
     precision: str = "auto",
     block_n: int | None = None,
     programs: int | None = None,
-) -> tuple[Tensor, Tensor]:
+    need_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Few-query attention ``softmax(q k^T * scale + bias) v`` by the stream-K split; ``elsa_fwd``'s contract.
 
     A trusted launcher: the inputs are not checked (``elsa_attention`` checks them).
@@ -406,6 +415,7 @@ def elsa_decode(
             ``"tf32"`` (as ``elsa_fwd``; ``"tf32x3s"`` splits both operands at every product here and
             ``"fp16x3"`` runs as ``"tf32x3s"``).
         block_n, programs: force the lean tile size and the level-one program count (see ``decode_plan``).
+        need_lse: False: the log-sum-exp is neither stored nor returned (inference).
 
     Returns:
         ``out [B, H, Nq, Dv]`` in q's dtype (rows with no visible key: 0) and ``lse [B, H, Nq]`` float32
@@ -413,4 +423,4 @@ def elsa_decode(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return decode_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, block_n,
-                          programs)(q, k, v, attn_bias, key_padding_mask)
+                          programs)(q, k, v, attn_bias, key_padding_mask, need_lse)

@@ -57,15 +57,16 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _attend(
-    m_i, s_i, acc, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv,
+    m_i, s_i, s_c, acc, acc_c, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv,
     k_ptr, v_ptr, bias_ptr, kpm_ptr,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
     lo, hi, seqlen_k, causal_shift, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """Fold the key tiles ``[lo, hi)`` into the state. ``MASKED`` adds the bounds and causal masks.
+    """Fold the key tiles ``[lo, hi)`` into the state (``s_c``/``acc_c``: the Kahan compensations under
+    ``ACCUMULATE == "kahan"``, see ``monoid.fold_tile``). ``MASKED`` adds the bounds and causal masks.
 
     ``q`` is the query tile; under ``"tf32x3s"`` its ``split_tf32`` high part, with ``q_lo`` the low part,
     under ``"fp16x3"`` its ``split_f16`` parts with ``q_c`` their scale exponent (split once by the caller;
@@ -124,8 +125,8 @@ def _attend(
             scores = tl.where(valid, scores, float("-inf"))
         if HAS_KPM:
             scores = tl.where(keep[None, :], scores, float("-inf"))
-        m_i, s_i, acc = fold_tile(m_i, s_i, acc, scores, v, PRECISION)
-    return m_i, s_i, acc
+        m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
+    return m_i, s_i, s_c, acc, acc_c
 
 
 @triton.jit
@@ -142,6 +143,7 @@ def _fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
+    ACCUMULATE: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Level one. Grid ``(m_tiles * B * H, partitions)`` with ``m_tiles = cdiv(Nq, BLOCK_M)`` (query tiles of
     one head adjacent, so that they share its keys in L2; one flat axis: no 65535 limit on ``B * H``).
@@ -223,19 +225,24 @@ def _fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    m_i, s_i, acc = _attend(
-        m_i, s_i, acc, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+    acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i, s_i, s_c, acc, acc_c = _attend(
+        m_i, s_i, s_c, acc, acc_c, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
+        bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         lo, mid, seqlen_k, causal_shift, qk_scale,
-        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
+        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
     )
-    m_i, s_i, acc = _attend(
-        m_i, s_i, acc, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off, bias_ptr, kpm_ptr,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+    m_i, s_i, s_c, acc, acc_c = _attend(
+        m_i, s_i, s_c, acc, acc_c, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
+        bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         mid, hi, seqlen_k, causal_shift, qk_scale,
-        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM,
+        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
     )
+    if ACCUMULATE == "kahan":
+        s_i = s_i - s_c
+        acc = acc - acc_c
 
     if SPLIT:
         ws_rows = (pid_s.to(tl.int64) * BH + pid_bh) * Nq + rows64
@@ -246,7 +253,8 @@ def _fwd_kernel(
         out, lse = finalize_state(m_i, s_i, acc)
         o_ptrs = Out + o_off + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-        tl.store(Lse + l_off + rows64 * stride_lm, lse, mask=row_ok)
+        if STORE_LSE:
+            tl.store(Lse + l_off + rows64 * stride_lm, lse, mask=row_ok)
 
 
 @triton.jit
@@ -255,7 +263,7 @@ def _merge_kernel(
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
     H, Nq, BH, m_tiles, num_splits,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr,
-    LEVELS: tl.constexpr,
+    LEVELS: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Level two. Grid ``(cdiv(Nq, BLOCK_M) * B * H,)``: merge the ``num_splits`` partition states of each row
     with a pairwise tree of ``LEVELS = log2(SPLITS)`` levels of ``merge_states`` and normalise.
@@ -290,13 +298,20 @@ def _merge_kernel(
     o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
               + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows64 * stride_lm,
-             lse, mask=row_ok)
+    if STORE_LSE:
+        tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows64 * stride_lm,
+                 lse, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------- planner
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# How each precision's running sums over the key tiles accumulate (``monoid.fold_tile``'s ``ACCUMULATE``):
+# "kahan" (compensated), "fma" (one rounding per tile), "plain" (the default).
+ACCUMULATION = {"ieee": "fma"}
+# The FP32-accurate precisions, and the most keys one partition of theirs folds in sequence (``_plan``).
+_ACCURATE = ("ieee", "tf32x3", "tf32x3s", "fp16x3")
+ACCURATE_KEYS = 4096
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions: called from Python
@@ -362,7 +377,7 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[i
     # Winners of benchmarks/attention.py --tune on an H100 (see docs/kernel_notes.md).
     if dtype == torch.float32:
         if precision == "ieee":
-            cfg = (64, 128, 8, 1) if big <= 64 else (32, 32, 4, 2)
+            cfg = (64, 64, 4, 1) if big <= 64 else (32, 32, 4, 2)
         elif precision == "fp16x3":
             cfg = (128, 64, 4, 3) if big <= 64 else (128, 64, 8, 3)  # head dims <= 128 (tuning_key)
         elif big <= 64:
@@ -458,6 +473,11 @@ def _plan(
         # Less than half a wave of query tiles: the workspace (which costs more memory than the output)
         # pays for itself; with more programs the fused path is as fast and needs no workspace.
         parts = min(16, key_tiles, _cdiv(2 * sms, programs))
+    if prec in _ACCURATE and cc != (0, 0):
+        # FP32-accurate precisions: each partition folds at most ACCURATE_KEYS keys sequentially and the
+        # partitions merge in the log-depth tree of level two, so the float32 error of the running sums stops
+        # growing with Nk (measured: ieee 2.3e-6 -> 3.7e-7 at 16K; docs/kernel_notes.md).
+        parts = max(parts, min(16, key_tiles, _cdiv(Nk, ACCURATE_KEYS)))
     per_part = 4 * bh * max(Nq, 1) * (bdv + 2)
     if workspace_bytes is not None:
         parts = min(parts, workspace_bytes // per_part)
@@ -589,33 +609,36 @@ class _FwdProgram:
         tps = _cdiv(max(1, _cdiv(Nk, p.block_n)), p.partitions)
         scalars = (*strides[0], *strides[1], *strides[2], *sb, *skp, *strides[3], *lse_strides,
                    H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E)
-        self.main = Launch(
-            _fwd_kernel, (m_tiles * bh, p.partitions), scalars,
-            dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
-                 PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm,
-                 IS_VARLEN=varlen is not None, SPLIT=p.partitions > 1),
-            p.num_warps, p.num_stages)
+        main = dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+                    PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm,
+                    IS_VARLEN=varlen is not None, SPLIT=p.partitions > 1,
+                    ACCUMULATE=ACCUMULATION.get(p.precision, "plain"))
+        # [with lse, without]: inference calls need no log-sum-exp (one allocation and store fewer)
+        self.main = [Launch(_fwd_kernel, (m_tiles * bh, p.partitions), scalars, dict(main, STORE_LSE=store),
+                            p.num_warps, p.num_stages) for store in (True, False)]
         self.merge = None
         if p.partitions > 1:
             splits = max(2, _next_pow2(p.partitions))
             bm2 = max(2, min(64, 4096 // (splits * p.block_dv)))
             m2 = _cdiv(Nq, bm2)
             self.ws_sizes = ((p.partitions, bh, Nq), (p.partitions, bh, Nq, p.block_dv))
-            self.merge = Launch(
-                _merge_kernel, (m2 * bh,), (*strides[3], *lse_strides, H, Nq, bh, m2, p.partitions),
-                dict(DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits, LEVELS=splits.bit_length() - 1),
-                4)
+            merge = dict(DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits,
+                         LEVELS=splits.bit_length() - 1)
+            self.merge = [Launch(_merge_kernel, (m2 * bh,), (*strides[3], *lse_strides, H, Nq, bh, m2,
+                                                             p.partitions), dict(merge, STORE_LSE=store), 4)
+                          for store in (True, False)]
 
-    def __call__(self, q, k, v, bias=None, kpm=None, cu_q=None, cu_k=None):
+    def __call__(self, q, k, v, bias=None, kpm=None, cu_q=None, cu_k=None, need_lse=True):
+        """``(out, lse)``; ``lse`` is None unless ``need_lse``."""
         if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
             with torch.cuda.device(self.device_index):
-                return self(q, k, v, bias, kpm, cu_q, cu_k)
+                return self(q, k, v, bias, kpm, cu_q, cu_k, need_lse)
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
+        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device) if need_lse else None
         if self.empty:
             return out, lse
         if self.zero:
-            return out.zero_(), lse.fill_(-math.inf)
+            return out.zero_(), (lse.fill_(-math.inf) if need_lse else None)
         if bias is None:
             bias = out
         elif self.bias_cast:
@@ -623,14 +646,16 @@ class _FwdProgram:
         kpm = out if kpm is None else kpm.view(torch.uint8)
         if cu_q is None:
             cu_q = cu_k = out
+        which = 0 if need_lse else 1
+        lse_arg = lse if need_lse else out  # not written without need_lse
         if self.merge is None:
-            self.main(q, k, v, bias, kpm, out, lse, lse, lse, lse, cu_q, cu_k)
+            self.main[which](q, k, v, bias, kpm, out, lse_arg, out, out, out, cu_q, cu_k)
         else:
             ws_m = torch.empty(self.ws_sizes[0], dtype=torch.float32, device=self.device)
             ws_s = torch.empty(self.ws_sizes[0], dtype=torch.float32, device=self.device)
             ws_w = torch.empty(self.ws_sizes[1], dtype=torch.float32, device=self.device)
-            self.main(q, k, v, bias, kpm, out, lse, ws_m, ws_s, ws_w, cu_q, cu_k)
-            self.merge(ws_m, ws_s, ws_w, out, lse)
+            self.main[which](q, k, v, bias, kpm, out, lse_arg, ws_m, ws_s, ws_w, cu_q, cu_k)
+            self.merge[which](ws_m, ws_s, ws_w, out, lse_arg)
         return out, lse
 
 
@@ -648,7 +673,8 @@ def elsa_fwd(
     precision: str = "auto",
     workspace_bytes: int | None = None,
     partitions: int | None = None,
-) -> tuple[Tensor, Tensor]:
+    need_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """ELSA forward: ``softmax(q k^T * scale + bias) v`` with masks, as the two-level monoid scan.
 
     A trusted launcher: the inputs are not checked (``elsa_attention`` checks them).
@@ -665,20 +691,31 @@ def elsa_fwd(
             ``"tf32"`` (see ``kernels.precision``).
         workspace_bytes: cap on the level-one workspace (None: speed-first plan).
         partitions: force this many key partitions (tests and benchmarks of the two-level path).
+        need_lse: False: the log-sum-exp is neither stored nor returned (inference).
 
     Returns:
         ``out [B, H, Nq, Dv]`` in q's dtype (rows with no visible key: 0; stored as ``[B, Nq, H, Dv]``, see
         ``empty_output``) and ``lse [B, H, Nq]`` float32, the natural-log log-sum-exp of each row's logits
-        (``-inf`` where no key is visible). A NaN among a row's visible logits makes that row NaN.
+        (``-inf`` where no key is visible; None without ``need_lse``). A NaN among a row's visible logits
+        makes that row NaN.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    program = fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, workspace_bytes,
+                          partitions)
+    return program(q, k, v, attn_bias, key_padding_mask, need_lse=need_lse)
+
+
+def fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, workspace_bytes=None,
+                partitions=None) -> _FwdProgram:
+    """The cached launch program of this forward signature (``scale`` resolved): ``program(q, k, v, bias,
+    kpm, need_lse=...) -> (out, lse)`` for any tensors of the same signature."""
     key = signature((q, k, v, attn_bias, key_padding_mask),
                     (causal, scale, precision, workspace_bytes, partitions))
     program = _PROGRAMS.get(key)
     if program is None:
         program = _PROGRAMS.put(key, _FwdProgram(q, k, v, attn_bias, key_padding_mask, causal, scale,
                                                  precision, workspace_bytes, partitions))
-    return program(q, k, v, attn_bias, key_padding_mask)
+    return program
 
 
 def elsa_fwd_varlen(

@@ -90,12 +90,13 @@ class Launch:
         runtime = _knobs_runtime()
         if runtime is None or any(name not in self.options for name in constexprs):
             return  # not the layout this class serves: every call keeps going through Triton
+        try:
+            function, metadata, run = kernel.function, kernel.packed_metadata, kernel.run
+        except AttributeError:  # a Triton whose compiled kernels look otherwise: keep going through Triton
+            return
         self._tail = self.scalars + tuple(self.options[name] for name in constexprs)
-        self._function = kernel.function
-        self._metadata = kernel.packed_metadata
-        self._compiled = kernel
-        self._runtime = runtime
-        self._run = kernel.run
+        self._function, self._metadata, self._compiled, self._runtime = function, metadata, kernel, runtime
+        self._run = run
 
 
 def _inactive(hook) -> bool:

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "safe_shift", "merge_states", "fold_tile", "finalize_state", "clamp_bias", "matmul", "matmul_split",
-    "split_tf32", "split_f16", "matmul_f16x3", "pow2", "f16_pair",
+    "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias", "matmul",
+    "matmul_split", "split_tf32", "split_f16", "matmul_f16x3", "pow2", "f16_pair",
 ]
 
 # |bias| is clamped to this before the base-2 conversion so that log2(e) * bias stays finite in fp32
@@ -179,31 +179,58 @@ def merge_states(ma, sa, wa, mb, sb, wb):
 
 
 @triton.jit
-def fold_tile(m, s, w, scores, v, PRECISION: tl.constexpr):
+def kahan_add(total, comp, x):
+    """``total + x`` with Kahan's compensation: returns ``(t, c)`` where ``t - c`` carries the sum to about
+    one rounding, however many terms were added (``c`` starts at 0 and holds the running rounding error)."""
+    y = x - comp
+    t = total + y
+    return t, (t - total) - y
+
+
+@triton.jit
+def fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
     """Fold one score tile into the running state: ``(m, S, W) (+) state(scores, v)``.
 
     Args:
         m, s: ``[BLOCK_M]`` float32 running max (base 2) and normaliser.
+        s_c, w_c: under ``ACCUMULATE == "kahan"`` the compensations of ``s`` and ``w`` (start at 0; the state
+            is ``(m, s - s_c, w - w_c)``); returned unchanged otherwise.
         w: ``[BLOCK_M, BLOCK_DV]`` float32 running weighted value sum.
         scores: ``[BLOCK_M, BLOCK_N]`` float32 base-2 logits, ``-inf`` for invisible keys.
         v: ``[BLOCK_N, BLOCK_DV]`` values (rows of invisible keys already zeroed, never NaN).
+        ACCUMULATE: how the tile is added to the running sums. ``"plain"``: ``s * alpha + sum(p)``, and the
+            tile's products accumulate onto ``w * alpha`` (tensor-core precisions) or are formed apart and
+            added (``"ieee"``, ``"fp16x3"``). ``"fma"``: the tile's products formed apart, each sum updated by
+            one fused multiply-add (one rounding per tile and element; a plain add of a separately formed
+            FMA-dot product may be folded back into the dot by the compiler, which then adds every product
+            straight into the running sum). ``"kahan"``: compensated sums, exact to about one rounding over
+            any number of tiles (the error of plain float32 running sums grows with the tile count, and W's
+            terms cancel: random values give a relative error ~ sqrt(tiles) times one rounding).
     """
     m_new = tl.maximum(m, tl.max(scores, 1))
     shift = safe_shift(m_new)
     alpha = tl.math.exp2(m - shift)
     p = tl.math.exp2(scores - shift[:, None])
-    s = s * alpha + tl.sum(p, 1)
     if PRECISION == "fp16x3":
         # The weights are split scaled by 2^14 (exact; the largest becomes 2^14) so that their float16 parts
         # keep 22 bits down to small weights; the product is scaled back with V's own scale.
         p_hi, p_lo = f16_pair(p * 16384.0)
         v_hi, v_lo, cv = split_f16(v)
-        pv = matmul_f16x3(p_hi, p_lo, v_hi, v_lo, tl.zeros_like(w))
-        w = w * alpha[:, None] + pv * (1.0 / 16384.0) * pow2(-cv)
-    elif PRECISION == "ieee":
-        # FMA dots add each product straight into the accumulator: sum the tile first, then add it, so the
-        # running sum takes one rounding per tile instead of one per key.
-        w = w * alpha[:, None] + matmul(p, v, tl.zeros_like(w), PRECISION)
+        pv = matmul_f16x3(p_hi, p_lo, v_hi, v_lo, tl.zeros_like(w)) * (1.0 / 16384.0) * pow2(-cv)
+    elif ACCUMULATE != "plain" or PRECISION == "ieee":
+        pv = matmul(p, v, tl.zeros_like(w), PRECISION)
     else:
-        w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
-    return m_new, s, w
+        pv = tl.zeros_like(w)  # unused: the products accumulate onto w below
+    if ACCUMULATE == "kahan":
+        s, s_c = kahan_add(s * alpha, s_c * alpha, tl.sum(p, 1))
+        w, w_c = kahan_add(w * alpha[:, None], w_c * alpha[:, None], pv)
+    elif ACCUMULATE == "fma":
+        s = tl.fma(s, alpha, tl.sum(p, 1))
+        w = tl.fma(w, alpha[:, None], pv)
+    else:
+        s = s * alpha + tl.sum(p, 1)
+        if PRECISION == "fp16x3" or PRECISION == "ieee":
+            w = w * alpha[:, None] + pv
+        else:
+            w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
+    return m_new, s, s_c, w, w_c

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _cdiv, _device_info, _pow2
+from .fwd import ACCUMULATION, _cdiv, _device_info, _pow2
 from .launch import Launch, ProgramCache, signature
 from .monoid import finalize_state, fold_tile, matmul
 from .precision import resolve_precision
@@ -43,7 +43,7 @@ _NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps: x / max(|x|, eps)
 
 @triton.jit
 def _window_fwd_kernel(
-    Q, K, V, LogitScale, Bias, Mask, Out, Lse,
+    Q, K, V, LogitScale, Bias, Mask, Out,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -51,11 +51,10 @@ def _window_fwd_kernel(
     stride_bh, stride_bm, stride_bn,
     stride_mw, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    stride_lb, stride_lh, stride_lm,
     Bw, H, N, nW, m_tiles, logit_max, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOWS: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
+    HAS_MASK: tl.constexpr, COSINE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """Grid ``(cdiv(Bw, WINDOWS), m_tiles * H)``: axis 0 = a group of ``WINDOWS`` windows (the long axis:
     no 65535 limit; consecutive programs are consecutive windows of one head and query tile, so they read
@@ -64,7 +63,7 @@ def _window_fwd_kernel(
     ``COSINE`` (Swin v2): the logits are ``cos(q, k) * exp(min(logit_scale, logit_max))``; otherwise (Swin v1)
     ``q . k * qk_scale`` (``LogitScale`` unread).
 
-    Writes ``Out [Bw, H, N, DV]`` (input dtype) and ``Lse [Bw, H, N]`` (float32, natural log).
+    Writes ``Out [Bw, H, N, DV]`` (input dtype); the backward recomputes the softmax, no log-sum-exp is kept.
     """
     pid_w = tl.program_id(0)
     pid = tl.program_id(1)
@@ -109,7 +108,9 @@ def _window_fwd_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         for start_n in range(0, N, BLOCK_N):
             cols = start_n + offs_n
             col_ok = cols < N
@@ -134,13 +135,16 @@ def _window_fwd_kernel(
                                other=0.0).to(tl.float32)
             scores = scores + add * _LOG2E
             scores = tl.where(col_ok[None, :], scores, float("-inf"))
-            m_i, s_i, acc = fold_tile(m_i, s_i, acc, scores, v, PRECISION)
+            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
+                                                  ACCUMULATE)
+        if ACCUMULATE == "kahan":
+            s_i = s_i - s_c
+            acc = acc - acc_c
 
-        out, lse = finalize_state(m_i, s_i, acc)
+        out, _ = finalize_state(m_i, s_i, acc)
         o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + rows64[:, None] * stride_om
                   + offs_dv[None, :] * stride_od)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-        tl.store(Lse + b64 * stride_lb + h64 * stride_lh + rows64 * stride_lm, lse, mask=row_ok)
 
 
 @triton.jit
@@ -295,7 +299,6 @@ class _WindowFwdProgram:
         self.device, self.dtype = q.device, q.dtype
         self.device_index = q.device.index if q.is_cuda else None
         self.out_size, self.out_stride = (Bw, H, N, Dv), (N * H * Dv, Dv, H * Dv, 1)
-        self.lse_size = (Bw, H, N)
         self.empty = Bw == 0 or N == 0
         if self.empty:
             return
@@ -309,11 +312,11 @@ class _WindowFwdProgram:
         self.launch = Launch(
             _window_fwd_kernel, (_cdiv(Bw, cfg["WINDOWS"]), m_tiles * H),
             (*q.stride(), *k.stride(), *v.stride(), logit_scale.stride(0) if cosine else 0, *bias.stride(),
-             *(mask.stride() if has_mask else (0, 0, 0)), *self.out_stride, H * N, N, 1,
+             *(mask.stride() if has_mask else (0, 0, 0)), *self.out_stride,
              Bw, H, N, mask.shape[0] if has_mask else 1, m_tiles, LOGIT_SCALE_MAX, float(scale)),
             dict(D=D, DV=Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_pow2(D),
                  BLOCK_DV=_pow2(Dv), WINDOWS=cfg["WINDOWS"], PRECISION=prec, HAS_MASK=has_mask,
-                 COSINE=cosine),
+                 COSINE=cosine, ACCUMULATE=ACCUMULATION.get(prec, "plain")),
             cfg["num_warps"], cfg["num_stages"])
 
     def __call__(self, q, k, v, logit_scale, bias, mask):
@@ -321,11 +324,10 @@ class _WindowFwdProgram:
             with torch.cuda.device(self.device_index):
                 return self(q, k, v, logit_scale, bias, mask)
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
         if not self.empty:
             self.launch(q, k, v, bias if logit_scale is None else logit_scale, bias,
-                        bias if mask is None else mask, out, lse)
-        return out, lse
+                        bias if mask is None else mask, out)
+        return out
 
 
 _PROGRAMS = ProgramCache()
@@ -340,7 +342,7 @@ def window_fwd(
     mask: Tensor | None = None,
     precision: str = "auto",
     scale: float = 1.0,
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """Window attention forward (Swin v2 cosine attention, or Swin v1 with ``logit_scale=None``).
 
     A trusted launcher: the inputs are not checked (``ops.window_attention`` checks them).
@@ -357,8 +359,8 @@ def window_fwd(
         scale: the logit scale without ``logit_scale`` (Swin v1: ``head_dim ** -0.5``).
 
     Returns:
-        ``(out [B*nW, H, N, Dv]`` in q's dtype, ``lse [B*nW, H, N]`` float32 natural-log log-sum-exp).
-        ``out`` is stored as ``[B*nW, N, H, Dv]`` (a transposed view), so that
+        ``out [B*nW, H, N, Dv]`` in q's dtype (the backward recomputes each window's softmax: no
+        log-sum-exp is kept). It is stored as ``[B*nW, N, H, Dv]`` (a transposed view), so that
         ``out.transpose(1, 2).reshape(B*nW, N, H*Dv)``, the input of the output projection, is free.
     """
     key = signature((q, k, v, logit_scale, bias, mask), ("fwd", precision, float(scale)))

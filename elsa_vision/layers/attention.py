@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..ops.attention import check_options, elsa_attention
+from ..ops.attention import check_options, direct, elsa_attention, inference_call
 
 __all__ = ["ElsaAttention", "mask_to_bias"]
 
@@ -99,7 +99,10 @@ class ElsaAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         dropout_p = self.attn_drop.p if self.training else 0.0
         cp = self.context_parallel
-        if cp is not None:
+        inference = attn_mask is None and cp is None and dropout_p == 0.0 and not torch.is_grad_enabled()
+        if inference and direct(x):
+            x = self._inference(x, q, k, v, bool(is_causal))
+        elif cp is not None:
             if dropout_p > 0:
                 raise ValueError(
                     f"ElsaAttention: attention dropout (attn_drop={dropout_p}) is not available with context "
@@ -118,6 +121,26 @@ class ElsaAttention(nn.Module):
             x = x * gate
         x = self.proj(x)
         return self.proj_drop(x)
+
+    def _inference(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        """Inference without a mask: the attention call checked and planned once per input signature
+        (``ops.attention.inference_call``; q, k, v are views of the projection of ``x``, so ``x``'s shape,
+        dtype and device fix theirs), later calls go straight to the launch program."""
+        key = (x.shape, x.dtype, x.device, causal, self.backend, self.precision, self.scale)
+        calls = self.__dict__.setdefault("_elsa_calls", {})
+        call = calls.get(key, False)
+        if call is False:
+            call = calls[key] = inference_call(q, k, v, causal=causal, scale=self.scale,
+                                               precision=self.precision, backend=self.backend)
+        if call is None:  # not one Triton launch (the torch backend ...)
+            return elsa_attention(q, k, v, causal=causal, scale=self.scale, precision=self.precision,
+                                  backend=self.backend)
+        return call(q, k, v)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_elsa_calls", None)  # planned launch programs: rebuilt on first use after a copy
+        return state
 
     @classmethod
     def from_timm(cls, attn: nn.Module, *, backend: str = "auto", precision: str = "auto") -> ElsaAttention:

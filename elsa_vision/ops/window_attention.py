@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._library import define_op
-from .attention import PRECISIONS, _cuda_matmul_precision, _shape
+from .attention import PRECISIONS, _cuda_matmul_precision, _shape, direct
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
@@ -45,8 +45,7 @@ def _window_fwd(q, k, v, logit_scale, bias, mask, precision, scale):
 
 def _window_fwd_fake(q, k, v, logit_scale, bias, mask, precision, scale):
     Bw, H, N, _ = q.shape
-    out = q.new_empty(Bw, N, H, v.shape[-1]).transpose(1, 2)  # the kernel's layout (window_fwd)
-    return out, q.new_empty(Bw, H, N, dtype=torch.float32)
+    return q.new_empty(Bw, N, H, v.shape[-1]).transpose(1, 2)  # the kernel's layout (window_fwd)
 
 
 def _normalized(q: Tensor, k: Tensor, logit_scale: Tensor | None, qk_scale: float) -> tuple[Tensor, Tensor]:
@@ -128,8 +127,8 @@ def _window_bwd_fake(dout, q, k, v, logit_scale, bias, mask, precision, scale, n
 def _backward(ctx, dout):
     q, k, v, logit_scale, bias, mask = ctx.saved_tensors
     need_q, need_k, need_v, need_ls, need_bias = ctx.needs_input_grad[:5]
-    dq, dk, dv, dfull, dscale = _WINDOW_BWD(dout, q, k, v, logit_scale, bias, mask, ctx.precision, ctx.scale,
-                                            need_q, need_k, need_v)
+    args = (dout, q, k, v, logit_scale, bias, mask, ctx.precision, ctx.scale, need_q, need_k, need_v)
+    dq, dk, dv, dfull, dscale = _window_bwd(*args) if direct(dout) else _WINDOW_BWD(*args)
     dls = dbias = None
     if need_bias:
         dbias = dfull.to(bias.dtype)
@@ -168,7 +167,7 @@ _WINDOW_BWD = define_op(
 _WINDOW_FWD = define_op(
     "window_attention_fwd",
     "(Tensor q, Tensor k, Tensor v, Tensor? logit_scale, Tensor bias, Tensor? mask, str precision, "
-    "float scale) -> (Tensor, Tensor)",
+    "float scale) -> Tensor",
     _window_fwd, _window_fwd_fake,
 )
 
@@ -176,7 +175,8 @@ _WINDOW_FWD = define_op(
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, logit_scale, bias, mask, precision, scale):
-        out, _ = _WINDOW_FWD(q, k, v, logit_scale, bias, mask, precision, scale)
+        args = (q, k, v, logit_scale, bias, mask, precision, scale)
+        out = _window_fwd(*args) if direct(q) else _WINDOW_FWD(*args)
         ctx.save_for_backward(q, k, v, logit_scale, bias, mask)
         ctx.precision, ctx.scale = precision, scale
         return out
@@ -270,4 +270,5 @@ def window_attention(
         logit_scale is not None and logit_scale.requires_grad)
     if grads and torch.is_grad_enabled():
         return _WindowAttention.apply(q, k, v, logit_scale, bias, mask, precision, scale)
-    return _WINDOW_FWD(q, k, v, logit_scale, bias, mask, precision, scale)[0]
+    args = (q, k, v, logit_scale, bias, mask, precision, scale)
+    return _window_fwd(*args) if direct(q) else _WINDOW_FWD(*args)

@@ -425,7 +425,7 @@ aligned = {"Q", "K", "V", "Bias", "Kpm", "WsM", "WsS", "WsW", "stride_qb", "stri
 report = []
 for ptr, block_n, precision in (("*bf16", 128, "none"), ("*fp32", 64, "tf32x3")):
     consts = dict(D=128, DV=128, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=128, BLOCK_DV=128, PRECISION=precision,
-                  CAUSAL=True, HAS_BIAS=True, HAS_KPM=True, EVEN_N=False,
+                  CAUSAL=True, HAS_BIAS=True, HAS_KPM=True, EVEN_N=False, ACCUMULATE="plain",
                   stride_qd=1, stride_kd=1, stride_vd=1)
     sig = {n: "i32" for n in names}
     sig.update({"Q": ptr, "K": ptr, "V": ptr, "Bias": "*fp32", "Kpm": "*u8", "WsM": "*fp32", "WsS": "*fp32",
@@ -436,7 +436,7 @@ for ptr, block_n, precision in (("*bf16", 128, "none"), ("*fp32", 64, "tf32x3"))
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     report.append({"dtype": ptr, "shared": k.metadata.shared, "cp_async": "cp.async" in k.asm["ptx"]})
 merge_names = decode._decode_merge_kernel.arg_names
-consts = dict(DV=128, BLOCK_M=16, BLOCK_DV=128)
+consts = dict(DV=128, BLOCK_M=16, BLOCK_DV=128, STORE_LSE=True)
 sig = {n: "i32" for n in merge_names}
 sig.update({"WsM": "*fp32", "WsS": "*fp32", "WsW": "*fp32", "Out": "*bf16", "Lse": "*fp32"})
 sig.update({n: "constexpr" for n in consts})

@@ -586,7 +586,8 @@ from elsa_vision.kernels import fwd
 
 names = fwd._fwd_kernel.arg_names
 consts = dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRECISION="@PRECISION@",
-              CAUSAL=True, HAS_BIAS=True, HAS_KPM=True, IS_VARLEN=False, SPLIT=False,
+              CAUSAL=True, HAS_BIAS=True, HAS_KPM=True, IS_VARLEN=False, SPLIT=False, ACCUMULATE="plain",
+              STORE_LSE=True,
               stride_qd=1, stride_kd=1, stride_vd=1)
 sig = {n: "i32" for n in names}
 sig.update({n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "Lse", "WsM", "WsS", "WsW")})

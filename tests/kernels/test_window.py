@@ -135,10 +135,11 @@ def test_several_windows_per_program_with_tail(precision):
     assert q.shape[0] == 18
     cfg = window_plan(18, 4, 16, 16, 16, torch.float32, torch.device("cpu"))
     assert cfg["WINDOWS"] == 4
-    out, lse = window_fwd(q, k, v, ls, bias, mask, precision)
+    out = window_fwd(q, k, v, ls, bias, mask, precision)
     ref = reference(*(t.double() for t in (q, k, v, ls, bias)), mask.double())
     assert relerr(out, ref) <= FWD_BOUND
-    assert torch.isfinite(lse).all()
+    for b in range(18):  # every window written (the output starts uninitialised)
+        assert relerr(out[b], ref[b]) <= FWD_BOUND, b
     assert out.transpose(1, 2).is_contiguous()  # [B*nW, N, H, Dv]: the projection's input, no copy
 
 

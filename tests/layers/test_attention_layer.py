@@ -106,3 +106,37 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="attn_mask"):
         ElsaAttention(32, num_heads=2)(torch.randn(1, 4, 32),
                                        attn_mask=torch.ones(1, 1, 4, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_inference_path_is_planned_once_and_equals_the_general_path(qk_norm, monkeypatch):
+    """Inference without a mask: the call is checked and planned once per input signature
+    (``ops.attention.inference_call``), later calls go straight to the launch program; the output equals the
+    general ``elsa_attention`` path (grad on), a precision change re-plans, copies and pickles drop the plans."""
+    import copy
+    import io
+
+    import elsa_vision.layers.attention as layer_module
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    attn = ElsaAttention(64, num_heads=4, qkv_bias=True, qk_norm=qk_norm,
+                         norm_layer=torch.nn.LayerNorm if qk_norm else None, backend="triton").to(dev).eval()
+    x = torch.randn(2, 37, 64, device=dev)
+    planned = []
+    real = layer_module.inference_call
+    monkeypatch.setattr(layer_module, "inference_call", lambda *a, **k: planned.append(1) or real(*a, **k))
+    with torch.no_grad():
+        first, second = attn(x), attn(x)
+    assert len(planned) == 1 and torch.equal(first, second)
+    general = attn(x)  # grad enabled: the autograd path of elsa_attention
+    assert relerr(first, general.detach().double()) <= 1e-6
+    attn.precision = "ieee"
+    with torch.no_grad():
+        attn(x)
+    assert len(planned) == 2
+    clone = copy.deepcopy(attn)
+    assert "_elsa_calls" not in clone.__dict__
+    buf = io.BytesIO()
+    torch.save(attn, buf)  # the planned programs are not part of the module's state
+    with torch.no_grad():
+        assert torch.equal(clone(x), attn(x))
