@@ -2,7 +2,8 @@
 
 ``free_attention()`` answers every attention call of a model with ``v`` while it is active:
 ``torch.nn.functional.scaled_dot_product_attention`` (timm, open_clip's ``nn.MultiheadAttention`` path and
-the ``sdpa`` peers), ``elsa_attention`` as the ELSA layers call it, and the W-ELSA window op of Swin-v2.
+the ``sdpa`` peers), ``elsa_attention`` as the ELSA layers call it, and the W-ELSA window op of the Swin
+layers.
 Everything else of the model -- projections, MLPs, norms, the layout copies around the attention -- runs
 unchanged. A model timed under it gives the ceiling of a case: ``peer_ms / free_ms`` is the most any attention
 kernel can speed that model up, so a goal above it cannot be met by the attention alone.
@@ -22,9 +23,10 @@ _ELSA_CALLS = (
     ("elsa_vision.layers.attention", "elsa_attention"),
     ("elsa_vision.layers.multihead_attention", "elsa_attention"),
     ("elsa_vision.layers.attention_pool", "elsa_attention"),
-    ("elsa_vision.patching", "elsa_attention"),  # patched timm modules; Swin-v2 off CUDA
+    ("elsa_vision.patching", "elsa_attention"),  # SDPA-routed timm modules
+    ("elsa_vision.layers.window_attention", "elsa_attention"),  # Swin windows off the Triton path
 )
-_WINDOW_CALL = ("elsa_vision.ops.window_attention", "window_attention")
+_WINDOW_CALL = ("elsa_vision.layers.window_attention", "window_attention")  # where the Swin layers look it up
 
 
 def _answer_with_v(real):

@@ -7,7 +7,7 @@ from benchmarks.ceiling import free_attention
 from elsa_vision import elsa_attention
 from elsa_vision.layers import ElsaAttention
 from elsa_vision.layers import attention as attention_layer
-from elsa_vision.ops import window_attention as window_module
+from elsa_vision.layers import window_attention as window_module  # where the Swin layers look the op up
 
 
 def _qkv(nq=7, nk=7, d=8, seed=0):

@@ -19,7 +19,10 @@ def _load():
 
 def test_quick_cpu_run_writes_csv(tmp_path):
     bench = _load()
-    assert len(bench.CASES) == 12 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
+    assert len(bench.CASES) == 15 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
+    # the eager-speed issue's cases are declared: ViT-B bf16 at 224 px, timm Swin v1 patched in place
+    assert any(c.model == "vit_base_patch16_224" and c.img == 224 and c.dtype == "bf16" for c in bench.CASES)
+    assert {c.dtype for c in bench.CASES if c.model.startswith("swin_tiny")} == {"fp32", "bf16"}
     # the backward issue's training-step target is declared
     assert any(c.model == "vit_base_patch16_224" and c.img == 448 and c.train and c.goal == 1.2
                for c in bench.CASES)

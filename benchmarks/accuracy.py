@@ -1,0 +1,184 @@
+"""Accuracy against float64: every FP32 precision of ELSA and every FP32 peer, next to the ELSA paper's bound.
+
+For ``[B, H, N, 64]`` random normal q, k, v (and a random normal output gradient) the relative error
+``||x - ref64|| / ||ref64||`` of the forward output and of the gradients dq, dk, dv (one norm over the three)
+against float64, for
+
+* ELSA (``elsa_attention``, Triton) at ``precision`` = ``ieee``, ``fp16x3``, ``tf32x3``, ``tf32x3s``,
+  ``tf32``;
+* PyTorch SDPA in float32: ``sdpa_math`` (TF32 off) and ``sdpa_efficient``;
+
+at N = 1K ... 64K (B = 1, H = 8) and at ViT lengths (B = 8, H = 12, N = 197, 785, 3137). The float64
+reference is computed in query chunks (``O(chunk x N)`` memory); from 32K keys on the forward is compared on
+``--rows`` sampled query rows per head and the gradients are skipped. ``bound`` is Theorem 1 of the paper,
+``u (2 ceil(log2 N) + 3)`` with ``u = 2^-24``. Results: CSV and a plot under ``benchmarks/results/``.
+
+    python benchmarks/accuracy.py                # the full sweep (H100: a few minutes)
+    python benchmarks/accuracy.py --quick        # 1K and 197 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from elsa_vision import elsa_attention  # noqa: E402
+
+U = 2.0 ** -24
+PRECISIONS = ("ieee", "fp16x3", "tf32x3", "tf32x3s", "tf32")
+COLUMNS = ["device", "torch", "triton", "date", "B", "H", "N", "D", "peer", "fwd_relerr", "grad_relerr",
+           "bound"]
+
+
+def bound(n: int) -> float:
+    return U * (2 * math.ceil(math.log2(n)) + 3)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def reference(q, k, v, dout, rows=None, chunk=1024, grads=True):
+    """float64 output (of ``rows`` only, if given) and, with ``grads``, dq, dk, dv; in query chunks."""
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    scale = q.shape[-1] ** -0.5
+    qr = q64 if rows is None else q64[..., rows, :]
+    outs, lses = [], []
+    for r0 in range(0, qr.shape[-2], chunk):
+        s = (qr[..., r0:r0 + chunk, :] @ k64.transpose(-1, -2)) * scale
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        outs.append(torch.exp(s - lse) @ v64)
+        lses.append(lse)
+    out = torch.cat(outs, -2)
+    if not grads:
+        return out, None
+    lse = torch.cat(lses, -2)
+    do64 = dout.double()
+    delta = (out * do64).sum(-1, keepdim=True)
+    dq = torch.empty_like(q64)
+    dk = torch.zeros_like(k64)
+    dv = torch.zeros_like(v64)
+    for r0 in range(0, q.shape[-2], chunk):
+        sl = slice(r0, r0 + chunk)
+        p = torch.exp((q64[..., sl, :] @ k64.transpose(-1, -2)) * scale - lse[..., sl, :])
+        dv += p.transpose(-1, -2) @ do64[..., sl, :]
+        ds = p * (do64[..., sl, :] @ v64.transpose(-1, -2) - delta[..., sl, :])
+        dq[..., sl, :] = (ds @ k64) * scale
+        dk += (ds.transpose(-1, -2) @ q64[..., sl, :]) * scale
+    return out, (dq, dk, dv)
+
+
+def peers():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def call(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+        return call
+
+    def elsa(p):
+        return lambda q, k, v: elsa_attention(q, k, v, precision=p)
+
+    out = {f"elsa_{p}": elsa(p) for p in PRECISIONS}
+    out["sdpa_math"] = sdpa(SDPBackend.MATH)
+    out["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    return out
+
+
+def measure(B, H, N, D, rows_cap, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(B, H, N, D, device="cuda", generator=g) for _ in range(4))
+    grads = N <= 16384
+    rows = None
+    if N > 16384:
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+        rows = perm[:rows_cap].sort().values.cuda()
+    ref_out, ref_grads = reference(q, k, v, dout, rows, grads=grads)
+    results = []
+    for name, fn in peers().items():
+        leaves = [t.clone().requires_grad_(grads) for t in (q, k, v)]
+        try:
+            out = fn(*leaves)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
+            print(f"    {name}: skipped ({str(err).splitlines()[0][:70]})", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        fwd = _rel(out if rows is None else out[..., rows, :], ref_out)
+        grad = math.nan
+        if grads:
+            got = torch.autograd.grad(out, leaves, dout)
+            num = sum(((a.double() - b) ** 2).sum() for a, b in zip(got, ref_grads)).sqrt()
+            grad = (num / sum((b ** 2).sum() for b in ref_grads).sqrt()).item()
+        results.append((name, fwd, grad))
+        print(f"    {name:16s} fwd {fwd:.3e}  grad {grad:.3e}  (bound {bound(N):.2e})", flush=True)
+        del out, leaves
+        torch.cuda.empty_cache()
+    return results
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rows", type=int, default=2048, help="sampled query rows per head from 32K keys on")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("accuracy.py runs the Triton kernels: it needs a GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    import triton
+
+    shapes = [(1, 8, n, 64) for n in (1024, 4096, 16384, 32768, 65536)]
+    shapes += [(8, 12, n, 64) for n in (197, 785, 3137)]
+    if args.quick:
+        shapes = [(1, 8, 1024, 64), (8, 12, 197, 64)]
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=dt.date.today().isoformat())
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "accuracy.csv")
+    rows = []
+    for B, H, N, D in shapes:
+        print(f"{B}x{H}x{N}x{D}", flush=True)
+        for name, fwd, grad in measure(B, H, N, D, args.rows):
+            rows.append(dict(meta, B=B, H=H, N=N, D=D, peer=name, fwd_relerr=f"{fwd:.4g}",
+                             grad_relerr=f"{grad:.4g}", bound=f"{bound(N):.4g}"))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    _plot(rows, os.path.join(args.out, "accuracy.png"))
+    print(f"wrote {path}")
+    return path
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sweep = [r for r in rows if r["B"] == 1]
+    for peer in dict.fromkeys(r["peer"] for r in sweep):
+        pts = [(r["N"], float(r["fwd_relerr"])) for r in sweep if r["peer"] == peer]
+        ax.plot(*zip(*pts), marker="o", label=peer)
+    ns = sorted({r["N"] for r in sweep})
+    ax.plot(ns, [bound(n) for n in ns], "k--", label="Theorem 1: u(2 log2 N + 3)")
+    ax.set(xscale="log", yscale="log", xlabel="N (keys = queries), B=1, H=8, D=64",
+           ylabel="forward ||out - ref64|| / ||ref64||")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Host time per call: what one attention call costs the CPU that enqueues it, next to every peer, in one run.
+
+At a tiny shape the GPU work is negligible, so the time to enqueue ``--calls`` calls back to back (one
+``torch.cuda.synchronize`` after the loop, not inside it) divided by the call count is the host cost of one
+call -- what decides an eager model's speed at ViT sizes in half precision. Cases:
+
+* ``fwd`` / ``fwd_bwd``: ``[1, 1, 64, 64]`` attention, forward (no autograd) and forward + backward (inputs
+  requiring grad, ``out.backward(dout)``): SDPA's efficient, cuDNN and flash backends (where they take the
+  dtype) against ``elsa_attention``.
+* ``window``: one window-attention module call on ``[8, 49, 96]`` (Swin-T stage 1, 3 heads, window 7;
+  ``[8, 64, 96]`` for Swin v2, window 8): timm's ``WindowAttention`` (v1 and v2) against the same module
+  converted to ELSA (the W-ELSA op).
+* ``vit_block``: one timm ViT-B ``Block`` on ``[1, 16, 768]``: timm (SDPA) against the block with
+  ``ElsaAttention``.
+
+Every row also gives the GPU kernels one call launches (``torch.profiler``). ``--breakdown`` adds the host
+time of each stage of ELSA's forward path at the same shape, timed alone in the same way: input validation,
+backend choice, program lookup (signature + cache), output allocation, the direct Triton launch (and, for
+comparison, the same launch through Triton's ``JITFunction.run``), the operator dispatch and the autograd
+Function (each as the difference to the stage below it).
+
+    python benchmarks/host.py                  # every case, fp32 and bf16, CSV under benchmarks/results/
+    python benchmarks/host.py --breakdown      # plus the per-stage costs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import datetime as dt
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import elsa_vision  # noqa: E402
+from elsa_vision import elsa_attention, patch_attention  # noqa: E402
+
+COLUMNS = ["device", "torch", "triton", "date", "label", "case", "dtype", "peer", "host_us", "launches"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def host_us(fn, calls: int, repeats: int = 7) -> float:
+    """Median over ``repeats`` of (time to enqueue ``calls`` calls) / ``calls``, in µs; the GPU drains
+    between repeats."""
+    return host_us_interleaved({"fn": fn}, calls, repeats)["fn"]
+
+
+def host_us_interleaved(fns: dict, calls: int, repeats: int = 9) -> dict:
+    """``host_us`` of several functions measured in turns (A, B, C, A, B, C, ...), so that every peer of a
+    case meets the same machine state; median per function."""
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    torch.cuda.synchronize()
+    out = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out[name].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(ts) for name, ts in out.items()}
+
+
+def launches(fn, calls: int = 10) -> float:
+    """GPU kernels (and memsets) one ``fn()`` launches, from ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return n / calls
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def call(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return call
+
+
+def attention_peers(dtype):
+    from torch.nn.attention import SDPBackend
+
+    peers = {"sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
+             "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION)}
+    if dtype != torch.float32:
+        peers["sdpa_flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
+    peers["elsa"] = lambda q, k, v: elsa_attention(q, k, v)
+    return peers
+
+
+def attention_rows(dtype, calls):
+    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=dtype) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    fwds, fwd_bwds = {}, {}
+    for name, fn in attention_peers(dtype).items():
+        try:
+            fn(q, k, v)
+        except RuntimeError as err:  # a backend that does not take this dtype / shape on this device
+            print(f"  {name}: skipped ({str(err).splitlines()[0][:80]})")
+            continue
+
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn(q, k, v)
+
+        def fwd_bwd(fn=fn):
+            fn(qg, kg, vg).backward(dout)
+
+        fwds[name], fwd_bwds[name] = fwd, fwd_bwd
+    rows = []
+    for case, fns in (("fwd", fwds), ("fwd_bwd", fwd_bwds)):
+        for name, us in host_us_interleaved(fns, calls).items():
+            rows.append((case, name, us, launches(fns[name])))
+    return rows
+
+
+def module_rows(dtype, calls):
+    import timm
+    from timm.models import swin_transformer as swin1
+    from timm.models import swin_transformer_v2 as swin2
+
+    rows = []
+    mods = {
+        "window_v1": (swin1.WindowAttention(96, num_heads=3, window_size=(7, 7)), torch.randn(8, 49, 96),
+                      lambda n: torch.zeros(4, 49, 49)),
+        "window_v2": (swin2.WindowAttention(96, window_size=(8, 8), num_heads=3), torch.randn(8, 64, 96),
+                      lambda n: torch.zeros(4, 64, 64)),
+        "vit_block": (timm.create_model("vit_base_patch16_224", depth=1).blocks[0], torch.randn(1, 16, 768),
+                      None),
+    }
+    for case, (mod, x, mask) in mods.items():
+        x = x.to("cuda", dtype)
+        base = mod.to("cuda", dtype).eval()
+        patched = copy.deepcopy(base)
+        patch_attention(patched)
+        args = (x,) if mask is None else (x, mask(0).to("cuda", dtype))
+        fns = {}
+        for name, m in (("timm", base), ("elsa", patched)):
+            def call(m=m, args=args):
+                with torch.no_grad():
+                    m(*args)
+
+            fns[name] = call
+        for name, us in host_us_interleaved(fns, calls).items():
+            rows.append((case, name, us, launches(fns[name])))
+    return rows
+
+
+def breakdown_rows(dtype, calls):
+    """Host µs of each stage of ELSA's forward and backward paths at ``[1, 1, 64, 64]`` (new code only)."""
+    from elsa_vision.kernels import bwd as kbwd
+    from elsa_vision.kernels import fwd as kfwd
+    from elsa_vision.kernels.launch import signature
+    from elsa_vision.ops import attention as ops
+
+    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=dtype) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    scale = 64 ** -0.5
+    out, lse = kfwd.elsa_fwd(q, k, v, None, None, False, scale, "auto")
+    key = signature((q, k, v, None, None), (False, scale, "auto", None, None))
+    program = kfwd._PROGRAMS.get(key)
+    p = program.plan
+    main = program.main[0]
+
+    def jit_launch():
+        kfwd._fwd_kernel[main.grid](q, k, v, out, out, out, lse, lse, lse, lse, out, out, *main.scalars,
+                                    **main.options)
+
+    def nograd(fn):
+        def call():
+            with torch.no_grad():
+                fn()
+        return call
+
+    bwd_args = (dout, q, k, v, out, lse, None, None, False, scale, "auto", False)
+    stages = {
+        "validation": nograd(lambda: ops._check_inputs(q, k, v, None, None, False, None, "auto", "auto",
+                                                       0.0)),
+        "backend_choice": nograd(lambda: ops.resolve_backend("auto", q)),
+        "direct_check": nograd(lambda: ops.direct(q)),
+        "program_lookup": nograd(lambda: kfwd._PROGRAMS.get(signature((q, k, v, None, None),
+                                                                       (False, scale, "auto", None, None)))),
+        "allocation_out_lse": nograd(lambda: (torch.empty_strided(program.out_size, program.out_stride,
+                                                                  dtype=dtype, device=q.device),
+                                              torch.empty(program.lse_size, dtype=torch.float32,
+                                                          device=q.device))),
+        "triton_launch_direct": nograd(lambda: main(q, k, v, out, out, out, lse, lse, lse, lse, out, out)),
+        "triton_launch_jit": nograd(jit_launch),
+        "fwd_op_body": nograd(lambda: ops._attention_fwd(q, k, v, None, None, False, scale, "auto")),
+        "fwd_op_dispatch": nograd(lambda: ops._ATTENTION_FWD(q, k, v, None, None, False, scale, "auto")),
+        "fwd_autograd_function": lambda: ops._ElsaAttention.apply(qg, k, v, None, None, False, scale, "auto"),
+        "fwd_elsa_attention_inference": nograd(lambda: elsa_attention(q, k, v)),
+        "bwd_kernels": nograd(lambda: kbwd.elsa_bwd(dout, q, k, v, out, lse, None, None, False, scale)),
+        "bwd_op_body": nograd(lambda: ops._attention_bwd(*bwd_args)),
+        "bwd_op_dispatch": nograd(lambda: ops._ATTENTION_BWD(*bwd_args)),
+        "fwd_bwd_backward": lambda: elsa_attention(qg, kg, vg).backward(dout),
+        "fwd_bwd_autograd_grad": lambda: torch.autograd.grad(elsa_attention(qg, kg, vg), (qg, kg, vg), dout),
+    }
+    print(f"  plan: partitions {p.partitions}, tiles {p.block_m}x{p.block_n}, precision {p.precision}")
+    measured = host_us_interleaved(stages, calls)
+    return [("breakdown", name, us, math.nan) for name, us in measured.items()]
+
+
+def profile_elsa(dtype, calls):
+    """cProfile of ``calls`` ELSA forward + backward calls: where the host time goes, function by function."""
+    import cProfile
+    import pstats
+
+    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 1, 64, 64, device="cuda", dtype=dtype)
+
+    def step():
+        elsa_attention(q, k, v).backward(dout)
+
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--breakdown", action="store_true", help="per-stage host costs of ELSA's forward")
+    ap.add_argument("--label", default="", help="a tag for this tree (e.g. 'before' / 'after' in one run)")
+    ap.add_argument("--profile", action="store_true", help="cProfile of ELSA's forward + backward and exit")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("host.py measures CUDA launches: it needs a GPU")
+    import triton
+
+    if args.profile:
+        for dname in args.dtypes.split(","):
+            profile_elsa(DTYPES[dname], args.calls)
+        return ""
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=dt.date.today().isoformat(), label=args.label or elsa_vision.__file__)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"host{'_' + args.label if args.label else ''}.csv")
+    rows = []
+    for dname in args.dtypes.split(","):
+        dtype = DTYPES[dname]
+        print(f"{dname}:", flush=True)
+        got = attention_rows(dtype, args.calls) + module_rows(dtype, args.calls)
+        if args.breakdown:
+            got += breakdown_rows(dtype, args.calls)
+        for case, peer, us, n in got:
+            print(f"  {case:10s} {peer:24s} {us:9.1f} us  {n:5.1f} launches", flush=True)
+            rows.append(dict(meta, case=case, dtype=dname, peer=peer, host_us=f"{us:.2f}", launches=n))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    # ratios of ELSA to the best peer of each case
+    print("\nratios (elsa host µs / peer host µs)")
+    for dname in args.dtypes.split(","):
+        for case in ("fwd", "fwd_bwd", "window_v1", "window_v2", "vit_block"):
+            sel = {r["peer"]: float(r["host_us"]) for r in rows if r["case"] == case and r["dtype"] == dname}
+            if "elsa" not in sel:
+                continue
+            parts = [f"{p} {sel['elsa'] / us:.2f}x" for p, us in sel.items() if p != "elsa"]
+            print(f"  {dname} {case:10s} elsa {sel['elsa']:7.1f} us: " + ", ".join(parts))
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
