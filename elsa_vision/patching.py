@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from .layers.attention import ElsaAttention, mask_to_bias
@@ -211,6 +212,7 @@ def _swin_classes():
     from timm.models import swin_transformer as swin1
     from timm.models import swin_transformer_v2 as swin2
 
+    @register_notrace_module  # FX leaves (timm's registry), as ElsaAttention
     class ElsaSwinWindowAttention(_ElsaConverted, swin1.WindowAttention):
         """timm Swin v1 ``WindowAttention`` computed by ELSA.
 
@@ -226,6 +228,7 @@ def _swin_classes():
             x = self.proj(x)
             return self.proj_drop(x)
 
+    @register_notrace_module
     class ElsaSwinV2WindowAttention(_ElsaConverted, swin2.WindowAttention):
         """timm Swin v2 ``WindowAttention`` (scaled cosine attention) computed by ELSA.
 
@@ -320,11 +323,11 @@ def _sdpa_routed_class(base: type) -> type:
             with sdpa_override(backend=self.elsa_backend, precision=self.elsa_precision):
                 return base.forward(self, *args, **kwargs)
 
-        _ROUTED[base] = type(
+        _ROUTED[base] = register_notrace_module(type(
             f"Elsa{base.__name__}", (_ElsaConverted, base),
             {"forward": forward, "__module__": __name__,
              "__doc__": f"timm ``{base.__name__}`` whose fused SDPA call runs ``elsa_attention``."},
-        )
+        ))
     return _ROUTED[base]
 
 

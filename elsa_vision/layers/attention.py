@@ -11,6 +11,7 @@ import copy
 import math
 
 import torch
+from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops.attention import check_options, elsa_attention
@@ -28,6 +29,7 @@ def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return bias.masked_fill_(~attn_mask, -math.inf)
 
 
+@register_notrace_module  # an FX leaf (timm's registry): its forward branches on the mask and the backend
 class ElsaAttention(nn.Module):
     """Multi-head self-attention with a fused ``qkv`` projection, computed by ELSA.
 

@@ -7,6 +7,7 @@ A subclass of ``timm.layers.AttentionPoolLatent``: same parameters (``latent``, 
 from __future__ import annotations
 
 from timm.layers import AttentionPoolLatent
+from timm.models import register_notrace_module
 from torch import Tensor
 
 from ..ops.attention import check_options, elsa_attention
@@ -15,6 +16,7 @@ from .attention import mask_to_bias
 __all__ = ["ElsaAttentionPoolLatent"]
 
 
+@register_notrace_module  # an FX leaf, as ElsaAttention
 class ElsaAttentionPoolLatent(AttentionPoolLatent):
     """Attention pooling with learned latent queries; ``[B, N, C] -> [B, C_out]`` (or ``[B, L, C_out]``).
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops.attention import check_options, elsa_attention
@@ -19,6 +20,7 @@ from .attention import mask_to_bias
 __all__ = ["ElsaMultiheadAttention"]
 
 
+@register_notrace_module  # an FX leaf, as ElsaAttention
 class ElsaMultiheadAttention(nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` whose attention is ``elsa_attention``.
 

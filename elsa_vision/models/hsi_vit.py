@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from timm.layers.attention import Attention
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_function
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
@@ -69,6 +69,18 @@ class SpectralSpatialEmbed(nn.Module):
         g, s, n = self.band_group, self.spatial_patch, self.grid
         x = x.reshape(B, self.num_groups, g, n, s, n, s).permute(0, 1, 3, 5, 2, 4, 6)
         return x.reshape(B, self.num_groups * self.num_spatial, g * s * s)
+
+
+@register_notrace_function  # an FX leaf, called on the real input (FX skips names with a leading "_")
+def check_hsi_patch(x: Tensor, in_chans: int, img_size: int) -> Tensor:
+    """``x``, which must be a ``(B, in_chans, img_size, img_size)`` batch of hyperspectral patches (returned,
+    so that the check is a node the traced graph depends on)."""
+    if x.dim() != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"ElsaHSIViT: input must be (B, {in_chans}, P, P), got {tuple(x.shape)}")
+    if x.shape[-2:] != (img_size, img_size):
+        raise ValueError(
+            f"ElsaHSIViT: input patch must be {img_size}x{img_size}, got {x.shape[-2]}x{x.shape[-1]}")
+    return x
 
 
 def _key_mask(visible: Tensor | None) -> Tensor | None:
@@ -225,13 +237,7 @@ class ElsaHSIViT(nn.Module):
     # -- forward -------------------------------------------------------------------------------------------
     def embed(self, x: Tensor) -> Tensor:
         """``(B, bands, P, P)`` -> tokens with position embeddings ``(B, G, S, D)``."""
-        if x.dim() != 4 or x.shape[1] != self.patch_embed.in_chans:
-            raise ValueError(
-                f"ElsaHSIViT: input must be (B, {self.patch_embed.in_chans}, P, P), got {tuple(x.shape)}"
-            )
-        p = self.config["img_size"]
-        if x.shape[-2:] != (p, p):
-            raise ValueError(f"ElsaHSIViT: input patch must be {p}x{p}, got {x.shape[-2]}x{x.shape[-1]}")
+        x = check_hsi_patch(x, self.patch_embed.in_chans, self.config["img_size"])
         return self.patch_embed(x) + self.spatial_pos + self.spectral_pos
 
     def forward_tokens(self, t: Tensor, visible: Tensor | None = None) -> Tensor:

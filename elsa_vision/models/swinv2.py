@@ -20,7 +20,7 @@ import math
 import os
 from typing import Any
 
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_module
 from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
 from torch import Tensor, nn
@@ -34,6 +34,7 @@ __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 _LOGIT_SCALE_MAX = math.log(1.0 / 0.01)
 
 
+@register_notrace_module  # an FX leaf: the backend is resolved inside its forward
 class ElsaSwinV2Attention(ElsaSwinV2WindowAttention):
     """timm Swin v2 ``WindowAttention`` (same parameters and buffers) computed by ELSA.
 

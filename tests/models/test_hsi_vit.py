@@ -134,6 +134,20 @@ def test_constructor_and_input_errors():
         m(torch.randn(1, 8, 7, 7))
 
 
+def test_fx_trace_keeps_the_input_checks():
+    """The input checks are an FX leaf: the traced model still refuses a wrong patch with the same error."""
+    from timm.models import get_notrace_functions, get_notrace_modules
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    m = ElsaHSIViT(8, 3, img_size=9, **TINY).eval()
+    fx = create_feature_extractor(m, ["head"], tracer_kwargs=dict(
+        leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions()))
+    x = torch.randn(2, 8, 9, 9)
+    assert torch.equal(fx(x)["head"], m(x))
+    with pytest.raises(ValueError, match="input patch must be 9x9, got 7x7"):
+        fx(torch.randn(1, 8, 7, 7))
+
+
 def test_registered_presets():
     names = timm.list_models("elsa_hsi_vit_*")
     assert names == ["elsa_hsi_vit_base", "elsa_hsi_vit_small", "elsa_hsi_vit_tiny"]

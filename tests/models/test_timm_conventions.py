@@ -1,0 +1,126 @@
+"""Every registered ``elsa_*`` model keeps timm's conventions, checked as timm's own ``tests/test_models.py``
+checks timm's models: forward and backward, FX tracing (torchvision's feature extraction with timm's leaf
+registries: forward equal to eager, backward reaching every parameter), timm's FX feature wrapper.
+
+CPU budget: every model is built shallow (a depth override through ``timm.create_model``) for a small input,
+once per process (``_model``); tests that change a model work on a copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import timm
+import torch
+from timm.models import get_notrace_functions, get_notrace_modules
+from torchvision.models.feature_extraction import (
+    NodePathTracer,
+    create_feature_extractor,
+    get_graph_node_names,
+)
+
+import elsa_vision  # noqa: F401  (registers the elsa_* names)
+
+NAMES = timm.list_models("elsa_*")
+NUM_CLASSES = 42  # timm's backward test: a head other than the default
+
+
+def _small(name: str) -> tuple[dict, tuple[int, ...]]:
+    """``timm.create_model`` overrides and the input size ``(C, H, W)`` of a cheap CPU build of ``name``."""
+    if name.startswith("elsa_vit_"):
+        side = 2 * (14 if "patch14" in name else 16)  # 2 x 2 patches plus the prefix tokens
+        return dict(img_size=side, depth=2), (3, side, side)
+    if name.startswith("elsa_swinv2_"):
+        # 64 px: stage grids 16, 8, 4, 2; two blocks in stage 0 so that a shifted-window block runs.
+        return dict(img_size=64, depths=(2, 1, 1, 1)), (3, 64, 64)
+    if name.startswith("elsa_hsi_vit_"):
+        return dict(branch_depth=1, fusion_depth=1), tuple(timm.get_pretrained_cfg_value(name, "input_size"))
+    raise AssertionError(f"{name}: no small build here; add one for the new model family")
+
+
+@functools.cache
+def _model(name: str) -> torch.nn.Module:
+    """The shared eval-mode build of ``name`` (``NUM_CLASSES`` classes). Callers that change it copy it."""
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=NUM_CLASSES, **_small(name)[0]).eval()
+
+
+def _input(name: str, batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, *_small(name)[1], generator=torch.Generator().manual_seed(1))
+
+
+def _assert_all_params_have_grads(model: torch.nn.Module) -> None:
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, f"no gradient for {missing}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_backward(name):
+    """timm's test_model_forward / test_model_backward: finite outputs, a gradient for every parameter."""
+    model = copy.deepcopy(_model(name))
+    out = model(_input(name, 1))
+    assert out.shape == (1, NUM_CLASSES) and torch.isfinite(out).all()
+    model.train()
+    out = model(_input(name, 2))
+    out.mean().backward()
+    assert out.shape == (2, NUM_CLASSES) and torch.isfinite(out).all()
+    _assert_all_params_have_grads(model)
+
+
+# ---------------------------------------------------------------------------------------------------- FX
+def _tracer_kwargs() -> dict:
+    return dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(),
+                param_shapes_constant=True)
+
+
+def _fx_model(model: torch.nn.Module, train: bool = False) -> torch.fx.GraphModule:
+    """timm's ``_create_fx_model``: the traced model returning the nodes that feed the graph's output."""
+    kw = _tracer_kwargs()
+    train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=kw)
+    train_return, eval_return = [train_nodes[-1]], [eval_nodes[-1]]
+    if train:
+        graph_nodes = list(reversed(NodePathTracer(**kw).trace(model).nodes))
+        names = [n.name for n in graph_nodes]
+        train_return = [train_nodes[-names.index(n.name)] for n in graph_nodes[0]._input_nodes]
+    return create_feature_extractor(model, train_return_nodes=train_return, eval_return_nodes=eval_return,
+                                    tracer_kwargs=kw)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fx_forward_equals_eager(name):
+    model = copy.deepcopy(_model(name))
+    x = _input(name, 1)
+    with torch.inference_mode():
+        expected = model(x)
+        actual = torch.cat(tuple(_fx_model(model)(x).values()))
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fx_backward(name):
+    model = copy.deepcopy(_model(name)).train()
+    fx = _fx_model(model, train=True)
+    out = torch.cat(tuple(fx(_input(name, 2)).values()))
+    out.mean().backward()
+    assert out.shape == (2, NUM_CLASSES) and torch.isfinite(out).all()
+    _assert_all_params_have_grads(fx)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not n.startswith("elsa_hsi_vit_")])
+def test_fx_feature_wrapper_equals_hook_wrapper(name):
+    """``features_only=True, feature_cls="fx"`` (timm's FeatureGraphNet) returns the hook wrapper's maps."""
+    kw = dict(_small(name)[0], features_only=True)
+    if name.startswith("elsa_vit_"):
+        kw["out_indices"] = kw["depth"]  # the last blocks (the default, 3, exceeds the shallow build)
+    nets = []
+    for feature_cls in ("fx", "hook"):
+        torch.manual_seed(0)  # the same weights in both
+        nets.append(timm.create_model(name, feature_cls=feature_cls, **kw).eval())
+    x = _input(name, 1)
+    with torch.inference_mode():
+        fx_maps, hook_maps = nets[0](x), nets[1](x)
+    assert len(fx_maps) == len(hook_maps) >= 2
+    for a, b in zip(fx_maps, hook_maps, strict=True):
+        assert torch.equal(a, b)
