@@ -124,3 +124,75 @@ def test_fx_feature_wrapper_equals_hook_wrapper(name):
     assert len(fx_maps) == len(hook_maps) >= 2
     for a, b in zip(fx_maps, hook_maps, strict=True):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------ model API
+def _pool_levels(model: torch.nn.Module) -> int:
+    """How many intermediates ``forward_intermediates`` returns by default (one per block / stage)."""
+    if hasattr(model, "feature_info"):
+        return len(model.feature_info)
+    return (1 if len(model.spatial_blocks) else 0) + len(model.fusion_blocks)  # ElsaHSIViT
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_classifier_api(name):
+    """timm's test_model_default_cfgs(_non_std): features, pre-logits, get/reset_classifier, no pooling."""
+    model = copy.deepcopy(_model(name))
+    x = _input(name, 2)
+    assert model.num_classes == NUM_CLASSES and model.num_features > 0 and model.head_hidden_size > 0
+    assert model.get_classifier() is model.get_submodule(model.pretrained_cfg["classifier"])
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        pre = model.forward_head(feats, pre_logits=True)
+        logits = model.forward_head(feats)
+        assert feats.shape[-1] == model.num_features  # token / NHWC layouts: features last
+        assert pre.shape == (2, model.head_hidden_size) and logits.shape == (2, NUM_CLASSES)
+        assert torch.equal(model(x), logits)
+        model.reset_classifier(0)
+        assert model.num_classes == 0 and isinstance(model.get_classifier(), torch.nn.Identity)
+        assert torch.equal(model(x), pre)
+        model.reset_classifier(7)
+        assert model.num_classes == 7 and model(x).shape == (2, 7)
+        model.reset_classifier(0, global_pool="")  # timm: no classifier, no pooling -> the features
+        assert torch.equal(model(x), feats)
+    unpooled = timm.create_model(name, num_classes=0, global_pool="", **_small(name)[0]).eval()
+    with torch.no_grad():
+        assert unpooled(x).shape == feats.shape
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_intermediates(name):
+    """timm's test_model_forward_intermediates: the final output is forward_features', one intermediate per
+    block (or stage), ``indices`` / ``intermediates_only`` select them."""
+    model = _model(name)
+    x = _input(name, 1)
+    fmt = "NLC" if name.startswith("elsa_hsi_vit_") else "NCHW"
+    with torch.no_grad():
+        final, intermediates = model.forward_intermediates(x, output_fmt=fmt)
+        assert torch.allclose(final, model.forward_features(x))
+        assert len(intermediates) == _pool_levels(model)
+        assert all(t.shape[0] == 1 and torch.isfinite(t).all() for t in intermediates)
+        last = model.forward_intermediates(x, indices=1, output_fmt=fmt, intermediates_only=True)
+        assert len(last) == 1 and torch.equal(last[0], intermediates[-1])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pretrained_cfg(name):
+    """The cfg keys timm's tests read, naming modules the model has."""
+    model = _model(name)
+    cfg = model.pretrained_cfg
+    assert model.default_cfg == cfg
+    for key in ("input_size", "num_classes", "first_conv", "classifier"):
+        assert key in cfg, key
+    assert len(cfg["input_size"]) == 3
+    params = dict(model.named_parameters())
+    assert cfg["first_conv"] + ".weight" in params and cfg["classifier"] + ".weight" in params
+    assert cfg["input_size"][0] == params[cfg["first_conv"] + ".weight"].shape[1] or name.startswith(
+        "elsa_hsi_vit_")  # Conv3d over one channel: the bands are its depth
+
+
+def test_features_only_refused_for_hsi_vit():
+    """A model without spatial feature maps refuses ``features_only`` in one line naming it."""
+    for name in timm.list_models("elsa_hsi_vit_*"):
+        with pytest.raises(ValueError, match=f"{name}: features_only=True is not supported"):
+            timm.create_model(name, features_only=True)
