@@ -104,33 +104,28 @@ class RotaryPositionEmbedding2D(nn.Module):
         self.base_frequency = float(frequency)
         self.scaling_factor = float(scaling_factor)
 
-    def _cos_sin(self, dim: int, max_pos: int, device, dtype) -> tuple[Tensor, Tensor]:
-        inv_freq = 1.0 / self.base_frequency ** (
-            torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
-        )
-        ang = torch.arange(max_pos, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        ang = torch.cat([ang, ang], dim=-1)
-        return ang.cos().to(dtype), ang.sin().to(dtype)
-
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def _apply_1d(self, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        c = F.embedding(pos, cos)[:, None]  # [B, 1, N, d]
-        s = F.embedding(pos, sin)[:, None]
-        return x * c + self._rotate_half(x) * s
+    def _apply_1d(self, x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
+        # The angles of the given positions only: no table sized by the largest position (a data-dependent
+        # size that torch.export cannot trace). Same float32 products as a table lookup.
+        ang = pos[:, None, :, None].to(torch.float32) * inv_freq  # [B, 1, N, d/2]
+        ang = torch.cat([ang, ang], dim=-1)
+        return x * ang.cos().to(x.dtype) + self._rotate_half(x) * ang.sin().to(x.dtype)
 
     def forward(self, x: Tensor, pos: Tensor) -> Tensor:
         if x.shape[-1] % 4:
             raise ValueError(f"RoPE2D needs a head dim divisible by 4, got {x.shape[-1]}")
         half = x.shape[-1] // 2
-        cos, sin = self._cos_sin(half, int(pos.max()) + 1, x.device, x.dtype)
-        xv, xh = x.chunk(2, dim=-1)
-        return torch.cat(
-            [self._apply_1d(xv, pos[..., 0], cos, sin), self._apply_1d(xh, pos[..., 1], cos, sin)], -1
+        inv_freq = 1.0 / self.base_frequency ** (
+            torch.arange(0, half, 2, device=x.device, dtype=torch.float32) / half
         )
+        xv, xh = x.chunk(2, dim=-1)
+        rows, cols = self._apply_1d(xv, pos[..., 0], inv_freq), self._apply_1d(xh, pos[..., 1], inv_freq)
+        return torch.cat([rows, cols], dim=-1)
 
 
 class Attention(nn.Module):

@@ -1,6 +1,8 @@
 """Every registered ``elsa_*`` model keeps timm's conventions, checked as timm's own ``tests/test_models.py``
 checks timm's models: forward and backward, FX tracing (torchvision's feature extraction with timm's leaf
-registries: forward equal to eager, backward reaching every parameter), timm's FX feature wrapper.
+registries: forward equal to eager, backward reaching every parameter), timm's FX feature wrapper, the
+classifier API, ``forward_intermediates`` and the pretrained cfg; ``torch.export`` of every model (and of the
+CLIP image tower and the VGGT encoder) with the exported program equal to eager.
 
 CPU budget: every model is built shallow (a depth override through ``timm.create_model``) for a small input,
 once per process (``_model``); tests that change a model work on a copy.
@@ -22,6 +24,8 @@ from torchvision.models.feature_extraction import (
 )
 
 import elsa_vision  # noqa: F401  (registers the elsa_* names)
+from elsa_vision.models import ElsaCLIPVision, ElsaVGGT
+from elsa_vision.ops.attention import resolve_backend
 
 NAMES = timm.list_models("elsa_*")
 NUM_CLASSES = 42  # timm's backward test: a head other than the default
@@ -196,3 +200,86 @@ def test_features_only_refused_for_hsi_vit():
     for name in timm.list_models("elsa_hsi_vit_*"):
         with pytest.raises(ValueError, match=f"{name}: features_only=True is not supported"):
             timm.create_model(name, features_only=True)
+
+
+# ------------------------------------------------------------------------------------------- torch.export
+# The Triton path runs compiled on CUDA, else in the Triton interpreter (tests/conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _elsa_ops(program: torch.export.ExportedProgram) -> set[str]:
+    """The elsa_vision operators (``elsa_vision::attention_fwd``, ``window_attention_fwd``) in the graph."""
+    return {str(n.target) for n in program.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("elsa_vision.")}
+
+
+def _export_equals_eager(model: torch.nn.Module, x: torch.Tensor) -> set[str]:
+    """Export ``model`` for ``x``, check the program's outputs against eager's; returns its ELSA ops."""
+    program = torch.export.export(model, (x,))
+    with torch.no_grad():
+        expected = model(x)
+        actual = program.module()(x)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+    return _elsa_ops(program)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_equals_eager(name):
+    """``torch.export.export(model, (x,))`` with the default backend: the program computes what eager does.
+    Where ``"auto"`` picks the Triton path the ELSA operator is a node of the graph; on the torch path the
+    reference scan is traced into aten operators."""
+    model = _model(name)
+    x = _input(name, 2)
+    ops = _export_equals_eager(model, x)
+    assert bool(ops) == (resolve_backend("auto", x) == "triton"), ops
+
+
+def _clip_tower(backend: str) -> ElsaCLIPVision:
+    return ElsaCLIPVision(image_size=32, patch_size=8, width=64, layers=2, heads=4, output_dim=32,
+                          attn_backend=backend)
+
+
+def _vggt(backend: str) -> ElsaVGGT:
+    return ElsaVGGT.from_config("elsa_vggt_small", attn_backend=backend)
+
+
+TOWERS = {  # builder, input [B, ...]
+    "clip_vision": (_clip_tower, (2, 3, 32, 32)),
+    "vggt": (_vggt, (1, 2, 3, 28, 42)),  # 2 frames of 2 x 3 patches
+}
+
+
+@pytest.mark.parametrize("tower", sorted(TOWERS))
+def test_export_clip_vision_and_vggt(tower):
+    build, shape = TOWERS[tower]
+    torch.manual_seed(0)
+    model = build("auto").eval()
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(2))
+    ops = _export_equals_eager(model, x)
+    assert bool(ops) == (resolve_backend("auto", x) == "triton"), ops
+
+
+TRITON_CASES = {  # name -> (model builder, input shape, the operator its attention runs)
+    "vit": (lambda: timm.create_model("elsa_vit_tiny_patch16_224", img_size=32, depth=1, num_classes=5,
+                                      attn_backend="triton"), (2, 3, 32, 32), "elsa_vision.attention_fwd"),
+    "swinv2": (lambda: timm.create_model("elsa_swinv2_tiny_window8_256", img_size=32, embed_dim=24,
+                                         depths=(2, 1, 1, 1), num_heads=(2, 2, 2, 2), num_classes=5,
+                                         attn_backend="triton"), (2, 3, 32, 32),
+               "elsa_vision.window_attention_fwd"),
+    "hsi_vit": (lambda: timm.create_model("elsa_hsi_vit_tiny", in_chans=16, num_classes=5,
+                                          attn_backend="triton"), (2, 16, 9, 9), "elsa_vision.attention_fwd"),
+    "clip_vision": (lambda: _clip_tower("triton"), (2, 3, 32, 32), "elsa_vision.attention_fwd"),
+    "vggt": (lambda: _vggt("triton"), (1, 2, 3, 28, 28), "elsa_vision.attention_fwd"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRITON_CASES))
+def test_export_keeps_the_triton_operator(case):
+    """The Triton path (what ``"auto"`` picks on CUDA) exports as the ELSA operator node, and the program runs
+    the kernels to eager's result."""
+    build, shape, op = TRITON_CASES[case]
+    torch.manual_seed(0)
+    model = build().eval().to(DEVICE)
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ops = _export_equals_eager(model, x)
+    assert op + ".default" in ops, ops
