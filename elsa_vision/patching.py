@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from timm.models import register_notrace_module
 from torch import Tensor, nn
 
-from .layers.attention import ElsaAttention, mask_to_bias
+from .layers.attention import ElsaAttention, mask_to_bias, refuse_torchscript
 from .layers.attention_pool import ElsaAttentionPoolLatent
 from .layers.multihead_attention import ElsaMultiheadAttention
 from .ops.attention import check_options, elsa_attention
@@ -188,6 +188,7 @@ class _ElsaConverted:
 
     elsa_backend: str = "auto"
     elsa_precision: str = "auto"
+    __prepare_scriptable__ = refuse_torchscript
 
     @classmethod
     def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:

@@ -153,9 +153,11 @@ _NARROW_SWIN = dict(embed_dim=32, depths=(2, 1, 1, 1), num_heads=(2, 2, 4, 4))
     ("eva02_tiny_patch14_224", dict(depth=1, img_size=28), 28),
     ("vit_small_patch16_224", dict(depth=1, img_size=32, global_pool="map"), 32),
 ])
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_patched_models_trace_with_fx(name, kw, side):
     """Patched timm models stay FX-traceable as timm's originals are: the converted attention modules are
-    leaves of timm's registry (torchvision's feature extraction with timm's tracer arguments)."""
+    leaves of timm's registry (torchvision's feature extraction with timm's tracer arguments). TorchScript is
+    refused in one error."""
     from timm.models import get_notrace_functions, get_notrace_modules
     from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
@@ -167,6 +169,8 @@ def test_patched_models_trace_with_fx(name, kw, side):
     x = torch.randn(1, 3, side, side)
     with torch.no_grad():
         assert torch.equal(fx(x)[last], model(x))
+    with pytest.raises(RuntimeError, match="is not scriptable: elsa_vision does not support TorchScript"):
+        torch.jit.script(model)
 
 
 def test_patch_torch_encoder_fast_path_off(elsa_calls):

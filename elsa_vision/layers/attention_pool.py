@@ -11,7 +11,7 @@ from timm.models import register_notrace_module
 from torch import Tensor
 
 from ..ops.attention import check_options, elsa_attention
-from .attention import mask_to_bias
+from .attention import mask_to_bias, refuse_torchscript
 
 __all__ = ["ElsaAttentionPoolLatent"]
 
@@ -23,6 +23,8 @@ class ElsaAttentionPoolLatent(AttentionPoolLatent):
     Args are those of ``timm.layers.AttentionPoolLatent``; ``backend`` and ``precision`` go to
     :func:`elsa_vision.elsa_attention`.
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(self, *args, backend: str = "auto", precision: str = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)

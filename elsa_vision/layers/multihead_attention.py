@@ -15,7 +15,7 @@ from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops.attention import check_options, elsa_attention
-from .attention import mask_to_bias
+from .attention import mask_to_bias, refuse_torchscript
 
 __all__ = ["ElsaMultiheadAttention"]
 
@@ -39,6 +39,7 @@ class ElsaMultiheadAttention(nn.MultiheadAttention):
 
     elsa_backend: str = "auto"
     elsa_precision: str = "auto"
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(
         self,

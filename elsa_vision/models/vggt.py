@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..layers.attention import refuse_torchscript
 from ..ops.attention import check_options, elsa_attention
 
 __all__ = [
@@ -134,6 +135,8 @@ class Attention(nn.Module):
     ``forward(x [B, N, C], pos [B, N, 2] | None) -> [B, N, C]``. Parameters: ``qkv``, ``q_norm``, ``k_norm``,
     ``proj`` (VGGT's / DINOv2's names).
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(
         self,

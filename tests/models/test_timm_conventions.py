@@ -283,3 +283,15 @@ def test_export_keeps_the_triton_operator(case):
     x = torch.rand(shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     ops = _export_equals_eager(model, x)
     assert op + ".default" in ops, ops
+
+
+# ------------------------------------------------------------------------------------------- TorchScript
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.parametrize("name", NAMES + sorted(TOWERS))
+def test_torchscript_is_refused_in_one_line(name):
+    """TorchScript is not a goal: ``torch.jit.script`` stops at the first ELSA module with one clear error
+    pointing to torch.export / torch.compile."""
+    model = TOWERS[name][0]("auto") if name in TOWERS else _model(name)
+    with pytest.raises(RuntimeError, match=r"is not scriptable: elsa_vision does not support TorchScript .*"
+                                           r"torch\.export\.export"):
+        torch.jit.script(model)
