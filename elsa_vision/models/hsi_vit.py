@@ -31,6 +31,7 @@ from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
+from ._builder import check_attention_options
 
 __all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "ATTN_IMPLS", "GLOBAL_POOLS"]
 
@@ -160,6 +161,8 @@ class ElsaHSIViT(nn.Module):
         _check_pool(global_pool)
         if attn_impl not in ATTN_IMPLS:
             raise ValueError(f"ElsaHSIViT: attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+        if attn_impl == "elsa":
+            check_attention_options("ElsaHSIViT", attn_backend, attn_precision)
         if branch_depth + fusion_depth == 0:
             raise ValueError("ElsaHSIViT: branch_depth + fusion_depth must be >= 1")
         self.config = dict(
@@ -226,9 +229,7 @@ class ElsaHSIViT(nn.Module):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every ``ElsaAttention`` (validated here)."""
-        from ..ops.attention import check_options
-
-        check_options("ElsaHSIViT", backend or "auto", precision or "auto", "attn_")
+        check_attention_options("ElsaHSIViT.set_attention", backend or "auto", precision or "auto")
         for m in self.modules():
             if isinstance(m, ElsaAttention):
                 if backend is not None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..ops.attention import check_options, resolve_backend
 from ..patching import ElsaSwinV2WindowAttention
-from ._builder import LoadReport, timm_source
+from ._builder import LoadReport, check_attention_options, timm_source
 
 __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 
@@ -95,7 +95,7 @@ class ElsaSwinV2(SwinTransformerV2):
     load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
 
     def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto", **kwargs):
-        check_options("ElsaSwinV2", attn_backend, attn_precision, "attn_")
+        check_attention_options("ElsaSwinV2", attn_backend, attn_precision)
         super().__init__(*args, **kwargs)
         self._elsa_convert(attn_backend, attn_precision)
 
@@ -110,7 +110,7 @@ class ElsaSwinV2(SwinTransformerV2):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every window attention."""
-        check_options("ElsaSwinV2.set_attention", backend or "auto", precision or "auto", "attn_")
+        check_attention_options("ElsaSwinV2.set_attention", backend or "auto", precision or "auto")
         for m in self.modules():
             if isinstance(m, ElsaSwinV2Attention):
                 if backend is not None:
@@ -146,7 +146,7 @@ class ElsaSwinV2(SwinTransformerV2):
         Returns:
             The ``ElsaSwinV2`` in the train/eval mode of the source (eval for a name).
         """
-        check_options("ElsaSwinV2.from_timm", attn_backend, attn_precision, "attn_")
+        check_attention_options("ElsaSwinV2.from_timm", attn_backend, attn_precision)
         model, report = timm_source("ElsaSwinV2.from_timm", src, SwinTransformerV2, cls, checkpoint_path,
                                     checkpoint_filter_fn, strict, kwargs)
         model.__class__ = cls

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ..layers.attention import refuse_torchscript
 from ..ops.attention import check_options, elsa_attention
+from ._builder import check_attention_options
 
 __all__ = [
     "ElsaVGGT",
@@ -808,6 +809,7 @@ class ElsaVGGT(nn.Module):
         attn_precision: str = "auto",
     ) -> None:
         super().__init__()
+        check_attention_options("ElsaVGGT", attn_backend, attn_precision)
         for i in intermediate_layer_idx:
             if not 0 <= int(i) < depth:
                 raise ValueError(
@@ -876,7 +878,7 @@ class ElsaVGGT(nn.Module):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ``elsa_attention`` backend / precision of every attention layer."""
-        check_options("set_attention", backend or "auto", precision or "auto")
+        check_attention_options("ElsaVGGT.set_attention", backend or "auto", precision or "auto", "")
         for m in self.modules():
             if isinstance(m, Attention):
                 m.backend = backend or m.backend
