@@ -58,3 +58,47 @@ def test_config_with_triton_backend_refused_in_one_line(cpu_machine, tmp_path):
     with pytest.raises(InstantiationException, match="attn_backend='triton' needs a CUDA GPU"):
         hydra.utils.instantiate(cfg.model, _convert_="partial")
 
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
+GPU_ONLY = [  # the README's GPU commands
+    ["trainer=gpu"],
+    ["trainer=ddp", "trainer.devices=4"],
+    ["trainer=fsdp", "model=elsa_vit_l"],
+    ["trainer=cp", "trainer.devices=2"],
+    ["experiment=imagenet_vit_b", "data.root=/data/imagenet"],
+    ["experiment=finetune_imagefolder", "data.root=/data/flowers"],
+]
+ONE_LINE = (r"^trainer\.accelerator=gpu needs a GPU and this machine has none: run on a GPU machine or pass "
+            r"trainer\.accelerator=cpu$")
+
+
+@pytest.mark.parametrize("overrides", GPU_ONLY, ids=lambda o: o[0])
+def test_gpu_trainer_refused_in_one_line(overrides, no_gpu, tmp_path):
+    """Instead of Lightning's ``No supported gpu backend found!``, before data or model are built."""
+    from elsa_vision.train import train
+
+    with pytest.raises(ValueError, match=ONE_LINE):
+        train(compose_cfg("train", overrides, tmp_path / "run"))
+
+
+def test_gpu_evaluation_refused_in_one_line(no_gpu, tmp_path):
+    from elsa_vision.evaluate import evaluate
+
+    overrides = ["trainer=gpu", "model.pretrained_file=/weights/vit.safetensors"]
+    cfg = compose_cfg("eval", overrides, tmp_path / "run")
+    with pytest.raises(ValueError, match=ONE_LINE):
+        evaluate(cfg)
+
+
+def test_cpu_and_auto_accelerators_pass(no_gpu):
+    from elsa_vision.utils.accelerator import check_accelerator
+
+    for accelerator in ("cpu", "auto"):
+        check_accelerator({"accelerator": accelerator})
+    with pytest.raises(ValueError, match="trainer.accelerator=cuda needs a CUDA GPU"):
+        check_accelerator({"accelerator": "cuda"})
