@@ -42,6 +42,8 @@ __all__ = [
     "DPTHead",
     "VGGT_CONFIGS",
     "elsa_vggt",
+    "find_vggt_config",
+    "vggt_config_mismatch",
     "elsa_vggt_small",
     "load_vggt_state_dict",
     "vggt_checkpoint_filter_fn",
@@ -903,15 +905,19 @@ class ElsaVGGT(nn.Module):
         return cls(**{**VGGT_CONFIGS[name], **overrides})
 
     @classmethod
-    def from_vggt_checkpoint(cls, path: str | Path, config: str = "elsa_vggt", **overrides) -> ElsaVGGT:
-        """Load a facebookresearch/vggt checkpoint (``model.safetensors`` or ``model.pt``) with strict keys.
+    def from_vggt_checkpoint(cls, path: str | Path, config: str | None = None, **overrides) -> ElsaVGGT:
+        """Load a facebookresearch/vggt checkpoint (``model.safetensors`` or ``model.pt``) or an ElsaVGGT
+        state_dict with strict keys.
 
-        The point head is built when the checkpoint has ``point_head.*`` keys. VGGT's tracking head
-        (``track_head.*``) has no counterpart here: its keys are dropped and listed in the log and in
-        ``model.dropped_checkpoint_keys``.
+        ``config``: a :data:`VGGT_CONFIGS` name; None reads it from the weights (:func:`find_vggt_config`;
+        VGGT-1B's release is ``"elsa_vggt"``). The point head is built when the checkpoint has
+        ``point_head.*`` keys. VGGT's tracking head (``track_head.*``) has no counterpart here: its keys are
+        dropped and listed in the log and in ``model.dropped_checkpoint_keys``.
         """
         sd = load_vggt_state_dict(path)
         overrides.setdefault("enable_point", any(k.startswith("point_head.") for k in sd))
+        if config is None:
+            config = find_vggt_config(sd, str(path), **overrides)
         model = cls.from_config(config, **overrides)
         sd, dropped = vggt_checkpoint_filter_fn(sd, model)
         model.load_state_dict(sd, strict=True)
@@ -953,6 +959,38 @@ def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
     if sd and all(k.startswith("net.") for k in sd):  # a MultiViewReconstructionModule state_dict
         sd = {k[4:]: v for k, v in sd.items()}
     return sd
+
+
+def vggt_config_mismatch(state_dict: dict[str, Tensor], config: str, **overrides) -> str | None:
+    """None when ``state_dict`` loads into ``ElsaVGGT.from_config(config, **overrides)`` (as
+    :meth:`ElsaVGGT.from_vggt_checkpoint` loads it: heads absent here dropped, the DINOv2 ``pos_embed``
+    resampled), else the first difference in a few words. The model is built on the meta device."""
+    overrides.setdefault("enable_point", any(k.startswith("point_head.") for k in state_dict))
+    with torch.device("meta"):
+        own = ElsaVGGT.from_config(config, **overrides).state_dict()
+    heads = {k.split(".")[0] for k in own}
+    keys = {k for k in state_dict if k.split(".")[0] in heads}
+    for what, diff in (("missing", sorted(own.keys() - keys)), ("unexpected", sorted(keys - own.keys()))):
+        if diff:
+            return f"{len(diff)} {what} keys, e.g. {diff[0]}"
+    for k in sorted(keys):
+        if tuple(state_dict[k].shape) != tuple(own[k].shape) and not k.endswith("patch_embed.pos_embed"):
+            return f"{k} is {list(state_dict[k].shape)}, the config's is {list(own[k].shape)}"
+    return None
+
+
+def find_vggt_config(state_dict: dict[str, Tensor], source: str = "state_dict", **overrides) -> str:
+    """The :data:`VGGT_CONFIGS` name whose architecture ``state_dict`` has (with ``overrides`` applied).
+
+    Raises:
+        ValueError: in one line naming every config and why it does not fit.
+    """
+    why = {name: vggt_config_mismatch(state_dict, name, **overrides) for name in VGGT_CONFIGS}
+    fits = [name for name, reason in why.items() if reason is None]
+    if len(fits) != 1:
+        reasons = "; ".join(f"{name}: {reason or 'fits'}" for name, reason in why.items())
+        raise ValueError(f"{source} fits {'no' if not fits else 'more than one'} ElsaVGGT config ({reasons})")
+    return fits[0]
 
 
 def vggt_checkpoint_filter_fn(
