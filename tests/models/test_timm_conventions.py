@@ -2,7 +2,8 @@
 checks timm's models: forward and backward, FX tracing (torchvision's feature extraction with timm's leaf
 registries: forward equal to eager, backward reaching every parameter), timm's FX feature wrapper, the
 classifier API, ``forward_intermediates`` and the pretrained cfg; ``torch.export`` of every model (and of the
-CLIP image tower and the VGGT encoder) with the exported program equal to eager.
+CLIP image tower and the VGGT encoder) with the exported program equal to eager; ``torch.jit.script`` refused
+in one error (TorchScript is not a goal).
 
 CPU budget: every model is built shallow (a depth override through ``timm.create_model``) for a small input,
 once per process (``_model``); tests that change a model work on a copy.
@@ -26,6 +27,9 @@ from torchvision.models.feature_extraction import (
 import elsa_vision  # noqa: F401  (registers the elsa_* names)
 from elsa_vision.models import ElsaCLIPVision, ElsaVGGT
 from elsa_vision.ops.attention import resolve_backend
+
+# torchvision notes that train- and eval-mode graphs differ (dropout, drop-path); timm's FX tests get it too.
+pytestmark = pytest.mark.filterwarnings("ignore:NOTE. The nodes obtained by tracing the model in eval mode")
 
 NAMES = timm.list_models("elsa_*")
 NUM_CLASSES = 42  # timm's backward test: a head other than the default
