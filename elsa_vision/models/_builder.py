@@ -32,9 +32,9 @@ def _triton_runs_here() -> bool:
         return True
     import triton
 
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
+    interpret = getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "interpret", None)  # >= 3.4
+    if interpret is not None:
+        return bool(interpret)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
