@@ -11,6 +11,10 @@ Usage (on a CUDA machine, from the repository root)::
     PYTHONPATH=$PWD python benchmarks/attention.py --quick --backward  # also forward+backward rows
     python benchmarks/attention.py --plot-only benchmarks/results/attention_h100_20261122.csv
 
+The CSV and the plot go to ``logs/benchmarks/`` (ignored by git) unless ``--out`` / ``--png`` say otherwise;
+the published ones were written with ``--out benchmarks/results/attention_<gpu>_<date>.csv --png
+docs/img/attention_<gpu>.png``.
+
 Each (shape, dtype) is run by every peer on the same inputs: ``sdpa_math``, ``sdpa_efficient``,
 ``sdpa_flash``, ``sdpa_cudnn`` (``torch.nn.attention.sdpa_kernel``), ``flex``
 (``torch.compile(flex_attention)``), ``elsa`` (default precision), ``elsa_ieee``, ``elsa_tf32x3s`` (the
@@ -74,6 +78,8 @@ SHAPES = [
 ]
 QUICK = [Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# default output directory: the repository's logs/benchmarks (ignored by git)
+LOGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs", "benchmarks")
 PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_ieee",
          "elsa_tf32x3s", "elsa_fp16x3", "elsa_tf32"]
 # Peers that name a float32 precision: not run for half dtypes (where the precision does not apply).
@@ -416,6 +422,7 @@ def plot(csv_path, png_path):
         ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
+    os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
     fig.savefig(png_path, dpi=110)
     print(f"wrote {png_path}")
 
@@ -492,9 +499,9 @@ def main(argv=None):
                     help="time CUDA-graph replays of every peer's call (GPU time without host launch work; "
                          "the rows' note says 'cuda graph')")
     ap.add_argument(
-        "--out", default=None, help="CSV path (default benchmarks/results/attention_<gpu>_<date>.csv)"
+        "--out", default=None, help="CSV path (default logs/benchmarks/attention_<gpu>_<date>.csv)"
     )
-    ap.add_argument("--png", default=None, help="plot path (default docs/img/attention_<gpu>.png)")
+    ap.add_argument("--png", default=None, help="plot path (default logs/benchmarks/attention_<gpu>.png)")
     ap.add_argument("--tune", action="store_true", help="time the candidate kernel configs instead")
     ap.add_argument("--tune-precisions", nargs="+", default=["tf32x3", "ieee", "tf32"],
                     help="float32 precisions to tune (any of auto, ieee, tf32x3, tf32x3s, fp16x3, tf32)")
@@ -508,7 +515,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.plot_only:
         gpu = os.path.basename(args.plot_only).split("_")[1]
-        plot(args.plot_only, args.png or f"docs/img/attention_{gpu}.png")
+        plot(args.plot_only, args.png or os.path.join(LOGS, f"attention_{gpu}.png"))
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
@@ -523,13 +530,13 @@ def main(argv=None):
         return
     gpu = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().split()[0]
     day = datetime.date.today().strftime("%Y%m%d")
-    out_csv = args.out or f"benchmarks/results/attention_{gpu}_{day}.csv"
+    out_csv = args.out or os.path.join(LOGS, f"attention_{gpu}_{day}.csv")
     autotune = [(a.split(":")[0], int(a.split(":")[1]), a.split(":")[2]) for a in args.autotune]
     rows = run_sweep(cases, args.dtype, args.peers, out_csv, args.flex_shapes, autotune, args.backward)
     print(f"wrote {out_csv}")
     ratio_table(rows)
     with contextlib.suppress(ImportError):
-        plot(out_csv, args.png or f"docs/img/attention_{gpu}.png")
+        plot(out_csv, args.png or os.path.join(LOGS, f"attention_{gpu}.png"))
 
 
 if __name__ == "__main__":

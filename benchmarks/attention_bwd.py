@@ -1,6 +1,7 @@
 """Backward benchmark: ELSA's Triton backward next to the peers' forward+backward, in one run on one GPU.
 
-Rows (CSV ``benchmarks/results/attention_bwd_<gpu>_<yyyymmdd>.csv``)::
+Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>_<yyyymmdd>.csv``, ignored by git; ``--out benchmarks/results``
+for the published ones)::
 
     device,torch,triton,date,B,H,N,D,dtype,peer,pass,ms,tflops,extra_mb,relerr
 
@@ -244,7 +245,9 @@ def main(argv=None):
     ap.add_argument("--save-best", default=None, help="with --tiles: JSON file for the fastest config")
     ap.add_argument("--config-json", default=None, help="per-dtype BwdConfig JSON for the elsa rows")
     ap.add_argument("--append", action="store_true", help="append to today's CSV instead of replacing it")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", help="output directory (default logs/benchmarks)",
+                    default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs",
+                                         "benchmarks"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attention_bwd.py needs a CUDA GPU")

@@ -4,8 +4,8 @@ The sweep is declared in ``SWEEPS``; each case builds open_clip's tower at its r
 converts it with ``from_open_clip`` (identical weights) and times ``forward`` of both in ``torch.no_grad``.
 A third row times the ELSA tower with free attention (``benchmarks/ceiling.py``: every attention returns
 ``v``): its speedup is the ceiling of the case, the most any attention kernel can give this encoder.
-Rows go to ``benchmarks/results/clip_<device>.csv`` with images/s, the speedup over open_clip and the relative
-difference of the two outputs.
+Rows go to ``logs/benchmarks/clip_<device>.csv`` (``--out`` another directory) with images/s, the speedup
+over open_clip and the relative difference of the two outputs.
 
     python benchmarks/clip.py                       # CUDA: ViT-L/14, fp32, 336 px and 672 px, batch 8
     python benchmarks/clip.py --device cpu --quick  # smoke run with a tiny tower
@@ -165,7 +165,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument(
         "--tf32", action="store_true", help="allow TF32 matmuls in both models (default: IEEE fp32)"
     )
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "logs" / "benchmarks"))
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():

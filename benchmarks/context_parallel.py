@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--precision", default="auto", help="ELSA float32 precision (auto, ieee, tf32x3, tf32)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (median; one warm-up)")
     ap.add_argument(
-        "--out", default=None, help="CSV path (default benchmarks/results/context_parallel_*.csv)"
+        "--out", default=None, help="CSV path (default logs/benchmarks/context_parallel_*.csv)"
     )
     args = ap.parse_args(argv)
     kinds = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else f"{torch.cuda.get_device_name(device).replace(' ', '_').lower()}_x{world}_{stamp}"
     )
     out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results", f"context_parallel_{tag}.csv"
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs", "benchmarks",
+        f"context_parallel_{tag}.csv",
     )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w", newline="") as f:

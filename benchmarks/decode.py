@@ -15,8 +15,8 @@ peer runs without a causal mask (SDPA's ``is_causal`` is top-left aligned and wo
 Times: GPU, the median of ``triton.testing.do_bench``; CPU, the median of ``--reps`` wall-clock runs (the
 Triton kernels run in the interpreter there: the CPU numbers check that the script works, not speed).
 ``relerr`` is ``||out - ref|| / ||ref||`` against float64 attention. Writes
-``benchmarks/results/decode_<device>_<yyyymmdd>.csv`` and prints ``elsa_decode``'s speed-up over the best
-SDPA backend and over ``elsa_fwd``.
+``logs/benchmarks/decode_<device>_<yyyymmdd>.csv`` (or ``--out``) and prints ``elsa_decode``'s speed-up
+over the best SDPA backend and over ``elsa_fwd``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _parse():
     ap.add_argument("--nq", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3, help="CPU timing repetitions")
     ap.add_argument("--out", default=None,
-                    help="CSV path (default: benchmarks/results/decode_<device>_<date>.csv)")
+                    help="CSV path (default: logs/benchmarks/decode_<device>_<date>.csv)")
     return ap.parse_args()
 
 
@@ -80,7 +80,9 @@ def main() -> int:
         dev_name = "cpu"
     slug = re.sub(r"[^a-z0-9]+", "_", dev_name.lower()).strip("_")
     date = datetime.date.today().strftime("%Y%m%d")
-    out_csv = args.out or os.path.join("benchmarks", "results", f"decode_{slug}_{date}.csv")
+    out_csv = args.out or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs", "benchmarks",
+        f"decode_{slug}_{date}.csv")
     os.makedirs(os.path.dirname(out_csv) or ".", exist_ok=True)
 
     def sdpa(backend_name):

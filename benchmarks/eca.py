@@ -3,7 +3,8 @@
 Times ``eca_masked_matmul(a, b)`` against ``torch.matmul(a, b^T).tril_()`` (Stage I) and
 ``eca_tril_matmul(p, v)`` against ``torch.matmul(p, v)`` with a lower-triangular ``p`` (Stage II), float32, on
 the CPU and, when one is present, on the GPU; prints the time ratios next to the multiply-add ratios and
-appends to ``benchmarks/results/eca_<device>_<yyyymmdd>.csv`` (one file per device and day; the
+appends to ``logs/benchmarks/eca_<device>_<yyyymmdd>.csv`` (``--out`` another directory; one file per device
+and day; the
 ``threads`` column tells runs apart).
 
     OMP_NUM_THREADS=1 python benchmarks/eca.py                    # the sweep on CPU (+ CUDA when available)
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--lengths", nargs="+", type=int, default=None, help="restrict the sweep to these L")
     parser.add_argument("--dims", nargs="+", type=int, default=None, help="restrict the sweep to these d")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median reported)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, help="output directory (default logs/benchmarks)",
+                        default=Path(__file__).resolve().parents[1] / "logs" / "benchmarks")
     args = parser.parse_args(argv)
 
     written = []

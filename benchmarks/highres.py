@@ -6,7 +6,7 @@ global attention in every block. Both models hold the same (random, seeded) weig
 on CUDA. TF32 is disabled (FP32 end to end). Reported per case: median seconds of one forward, peak allocated
 memory, the speed ratio (stock / ELSA), and the deviation of the final tokens.
 
-    python benchmarks/highres.py               # CUDA: the sweep below, CSV in benchmarks/results/
+    python benchmarks/highres.py               # CUDA: the sweep below, CSV in logs/benchmarks/ (or --out)
     python benchmarks/highres.py --quick       # CPU-sized smoke run (tiny ViT, small images)
 
 Goal (H100): 4096^2 ViT-B/16 FP32 with peak memory < 16 GB and >= 2x faster than the stock model.
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attn-backend", default="auto", choices=("auto", "torch", "triton"))
     p.add_argument(
-        "--out", default=None, help="CSV path (default benchmarks/results/highres[_quick]_<device>.csv)"
+        "--out", default=None, help="CSV path (default logs/benchmarks/highres[_quick]_<device>.csv)"
     )
     args = p.parse_args(argv)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.backends.cudnn.allow_tf32 = False
     cases = QUICK if args.quick else FULL
     out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)),
-        "results",
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "logs",
+        "benchmarks",
         f"highres{'_quick' if args.quick else ''}_{dev.type}.csv",
     )
     os.makedirs(os.path.dirname(out), exist_ok=True)

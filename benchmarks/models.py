@@ -19,8 +19,8 @@ absolute deviation of the logits from ``timm_sdpa``, and (CUDA) ``gpu_ms``: the 
 kernels of one call (``torch.profiler``, mean of three), i.e. the GPU work alone. Where the host enqueues
 kernels slower than the GPU runs them (small batches, Swin's many small ops), the wall time measures the
 host's Python and launch speed, and ``gpu ratio`` (timm's ``gpu_ms`` over ELSA's) says what the kernels
-changed. Rows go to ``benchmarks/results/models_<gpu>_<date>.csv``; ratios vs timm (and the targets of the
-cases) are printed.
+changed. Rows go to ``logs/benchmarks/models_<gpu>_<date>.csv`` (or ``--out``); ratios vs timm (and the
+targets of the cases) are printed.
 CUDA float32 matmuls run in IEEE FP32 (TF32 off) so that every peer computes the same thing.
 
     python benchmarks/models.py                         # the declared GPU cases
@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--precision", default="auto", help="ElsaViT attn_precision for float32")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", help="output directory (default logs/benchmarks)",
+                   default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs",
+                                        "benchmarks"))
     args = p.parse_args(argv)
 
     device = torch.device(args.device)

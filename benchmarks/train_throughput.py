@@ -10,7 +10,7 @@ temporary folder, or an existing `root/{train,val}/<class>/*` tree given with `-
 Per peer: the median time of one training step (forward, backward, optimiser; device-synchronised, after
 `--warmup` steps) as `compute` images/s, and images over wall time from the first timed step to the last as
 `end_to_end` images/s (includes waiting for the data loader). Rows go to
-`benchmarks/results/train_throughput_<device>_<date>.csv`; the ratio elsa / timm is printed.
+`logs/benchmarks/train_throughput_<device>_<date>.csv` (or `--out`); the ratio elsa / timm is printed.
 
     python benchmarks/train_throughput.py                       # CUDA: ViT-B/16, 224 px, batch 64
     python benchmarks/train_throughput.py --quick --device cpu  # smoke run: ViT-Ti, 64 px, a few steps
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per peer")
     p.add_argument("--workers", type=int, default=None, help="data loader workers")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(ROOT / "logs" / "benchmarks"))
     a = p.parse_args(argv)
     device = torch.device(a.device)
     spec = dict(QUICK if a.quick else FULL)

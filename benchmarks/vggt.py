@@ -18,7 +18,7 @@ TF32 matmuls are disabled for the whole run (FP32 means IEEE-accurate FP32 here)
     python benchmarks/vggt.py --full          # also VGGT-1B at 100 frames
     python benchmarks/vggt.py --quick         # CPU smoke run: tiny shapes, torch backend
 
-Rows go to ``benchmarks/results/vggt_<device>.csv``; the last stdout line is a JSON summary.
+Rows go to ``logs/benchmarks/vggt_<device>.csv`` (or ``--out``); the last stdout line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -219,6 +219,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--full", action="store_true", help="also VGGT-1B at 100 frames")
     ap.add_argument("--device", default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "logs" / "benchmarks",
+                    help="output directory")
     args = ap.parse_args(argv)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     reps = args.reps or (3 if args.quick else 10)
@@ -238,8 +240,8 @@ def main(argv=None) -> dict:
         r = bench_model(c, device, max(1, reps // 3))
         rows.append(r)
         print(r, flush=True)
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"vggt_{device}{'_quick' if args.quick else ''}.csv"
     fields = sorted({k for r in rows for k in r})
     stamp = {

@@ -2,7 +2,7 @@
 
 from . import models  # noqa: F401  (registers the elsa_* names with timm)
 from .layers import ElsaAttention
-from .models import ElsaViT
+from .models import ElsaCLIPVision, ElsaHSIViT, ElsaSwinV2, ElsaVGGT, ElsaViT
 from .ops import elsa_attention, elsa_attention_varlen
 from .patching import PatchReport, patch_attention, patch_swin_attention, patch_vit_attention, sdpa_override
 
@@ -13,6 +13,10 @@ __all__ = [
     "elsa_attention_varlen",
     "ElsaAttention",
     "ElsaViT",
+    "ElsaSwinV2",
+    "ElsaHSIViT",
+    "ElsaCLIPVision",
+    "ElsaVGGT",
     "PatchReport",
     "patch_attention",
     "patch_vit_attention",

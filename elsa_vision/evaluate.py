@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from timm.models import load_state_dict
 
 from .train import instantiate_data
+from .utils.accelerator import check_accelerator
 from .utils.run import extras, instantiate_loggers, save_resolved_config
 
 __all__ = ["evaluate", "evaluate_zeroshot", "load_weights", "plot_confusion_matrix", "format_table", "TASKS"]
@@ -115,6 +116,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             "evaluate.py needs weights: set ckpt_path=/path/to/run.ckpt (or a backbone .safetensors/.pth) "
             "or model.pretrained_file=/path/to/timm_weights.safetensors"
         )
+    check_accelerator(cfg.trainer)
     extras(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from timm.models import register_notrace_module
 from torch import Tensor, nn
 
-from .layers.attention import ElsaAttention, mask_to_bias
+from .layers.attention import ElsaAttention, mask_to_bias, refuse_torchscript
 from .layers.attention_pool import ElsaAttentionPoolLatent
 from .layers.multihead_attention import ElsaMultiheadAttention
 from .layers.window_attention import ElsaSwinV2WindowAttention, ElsaSwinWindowAttention
@@ -158,6 +159,7 @@ class _ElsaConverted:
     elsa_backend: str = "auto"
     elsa_precision: str = "auto"
     _timm_base: type = nn.Module
+    __prepare_scriptable__ = refuse_torchscript
 
     @classmethod
     def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
@@ -199,11 +201,11 @@ def _sdpa_routed_class(base: type) -> type:
             with sdpa_override(backend=self.elsa_backend, precision=self.elsa_precision):
                 return base.forward(self, *args, **kwargs)
 
-        _ROUTED[base] = type(
+        _ROUTED[base] = register_notrace_module(type(
             f"Elsa{base.__name__}", (_ElsaConverted, base),
             {"forward": forward, "__module__": __name__, "_timm_base": base,
              "__doc__": f"timm ``{base.__name__}`` whose fused SDPA call runs ``elsa_attention``."},
-        )
+        ))
     return _ROUTED[base]
 
 

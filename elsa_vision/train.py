@@ -18,6 +18,7 @@ from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, open_dict
 
+from .utils.accelerator import check_accelerator
 from .utils.run import (
     extras,
     find_last_checkpoint,
@@ -66,6 +67,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         ``callbacks``, ``loggers``, ``run_dir``, ``best_checkpoint``, ``last_checkpoint``.
     """
     start = time.perf_counter()
+    check_accelerator(cfg.trainer)
     extras(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)

@@ -207,6 +207,33 @@ def test_inference_cli_writes_outputs(tmp_path, capsys):
     assert np.abs(ref - d).max() / np.abs(ref).max() <= 1e-6
 
 
+def _run_cli(tmp_path, frames, weights, *extra):
+    return infer_main(["--frames", str(frames), "--weights", str(weights), "--out", str(tmp_path / "out"),
+                       "--device", "cpu", "--max-frames", "2", *extra])
+
+
+def test_inference_cli_infers_the_config_from_the_weights(tmp_path, capsys):
+    """The README's command has no --config: the weights of `elsa_vggt_small` (what experiment=vggt_synthetic
+    trains) select that architecture."""
+    frames, _ = _frames_and_weights(tmp_path)
+    assert _run_cli(tmp_path, frames, tmp_path / "w.safetensors")["config"] == "elsa_vggt_small"
+
+
+def test_inference_cli_names_the_configs_that_fit(tmp_path):
+    frames, _ = _frames_and_weights(tmp_path)
+    with pytest.raises(ValueError, match=r"^--weights .*w\.safetensors does not fit --config elsa_vggt "
+                                         r"\(.*\); configs that fit: elsa_vggt_small$"):
+        _run_cli(tmp_path, frames, tmp_path / "w.safetensors", "--config", "elsa_vggt")
+    from safetensors.torch import save_file
+
+    other = ElsaVGGT.from_config("elsa_vggt_small", depth=3, intermediate_layer_idx=(0, 1, 2, 2))
+    save_file(other.state_dict(), str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match=r"^--weights .*other\.safetensors fits no ElsaVGGT config "
+                                         r"\(elsa_vggt: .*; elsa_vggt_small: .*\)$") as err:
+        _run_cli(tmp_path, frames, tmp_path / "other.safetensors")
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400
+
+
 def test_inference_cli_subprocess(tmp_path):
     frames, _ = _frames_and_weights(tmp_path)
     cmd = [
@@ -256,6 +283,16 @@ def test_inference_cli_subprocess(tmp_path):
         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )
     assert bad.returncode != 0 and "not a directory" in bad.stderr
+    mismatch = subprocess.run(
+        cmd[:8] + ["elsa_vggt"] + cmd[9:],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert mismatch.returncode == 2 and mismatch.stdout == ""
+    assert mismatch.stderr.count("\n") == 1 and "configs that fit: elsa_vggt_small" in mismatch.stderr
 
 
 @pytest.mark.gpu

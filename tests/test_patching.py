@@ -148,6 +148,35 @@ def test_patch_eva(elsa_calls):
     model, _ = _patched_equals(model, torch.randn(2, 3, 112, 112), {"EvaAttention": 2}, elsa_calls)
 
 
+_NARROW_SWIN = dict(embed_dim=32, depths=(2, 1, 1, 1), num_heads=(2, 2, 4, 4))
+
+
+@pytest.mark.parametrize("name,kw,side", [
+    ("swin_tiny_patch4_window7_224", _NARROW_SWIN, 224),
+    ("swinv2_tiny_window8_256", dict(_NARROW_SWIN, img_size=64), 64),
+    ("eva02_tiny_patch14_224", dict(depth=1, img_size=28), 28),
+    ("vit_small_patch16_224", dict(depth=1, img_size=32, global_pool="map"), 32),
+])
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_patched_models_trace_with_fx(name, kw, side):
+    """Patched timm models stay FX-traceable as timm's originals are: the converted attention modules are
+    leaves of timm's registry (torchvision's feature extraction with timm's tracer arguments). TorchScript is
+    refused in one error."""
+    from timm.models import get_notrace_functions, get_notrace_modules
+    from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
+
+    model = timm.create_model(name, num_classes=5, **kw).eval()
+    assert patch_attention(model).total >= 1
+    tracer_kwargs = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions())
+    last = get_graph_node_names(model, tracer_kwargs=tracer_kwargs)[1][-1]
+    fx = create_feature_extractor(model, [last], tracer_kwargs=tracer_kwargs)
+    x = torch.randn(1, 3, side, side)
+    with torch.no_grad():
+        assert torch.equal(fx(x)[last], model(x))
+    with pytest.raises(RuntimeError, match="is not scriptable: elsa_vision does not support TorchScript"):
+        torch.jit.script(model)
+
+
 def test_patch_torch_encoder_fast_path_off(elsa_calls):
     layer = nn.TransformerEncoderLayer(48, 4, dim_feedforward=96, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)

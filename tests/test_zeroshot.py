@@ -1,6 +1,7 @@
 """Zero-shot classification, embedding export and the CLI on a tiny generated image folder (random init)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,6 +246,24 @@ def test_cli_zeroshot_and_embed(tiny_name, image_folder, tmp_path, capsys):
     assert res["image_size"] == 48 and res["num_samples"] == 12 and res["dim"] == 32
     z = np.load(out / "embeddings.npz")
     assert z["embeddings"].shape == (12, 32) and np.isfinite(z["embeddings"]).all()
+
+
+def test_cli_without_out_writes_a_fresh_run_directory(tiny_name, image_folder, tmp_path, monkeypatch, capsys):
+    """No --out: the outputs go to logs/zeroshot/runs/<time>/ (ignored by git, beside the training runs), a
+    new directory per run, never an ``embeddings/`` folder in the working tree; the library call names it."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", tiny_name, "--data", str(image_folder), "--workers", "0", "--device", "cpu",
+            "--task", "embed"]
+    first, second = main(args), main(args)
+    capsys.readouterr()
+    runs = tmp_path / "logs" / "zeroshot" / "runs"
+    for res in (first, second):
+        assert Path(res["out"]).resolve().parent == runs.resolve()
+        assert Path(res["path"]).resolve() == (Path(res["out"]) / "embeddings.safetensors").resolve()
+        assert (Path(res["out"]) / "embed_metrics.json").is_file()
+    assert first["out"] != second["out"] and sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+    with pytest.raises(ValueError, match="task='embed' writes files: pass out=DIR"):
+        run(model=tiny_name, data=str(image_folder), task="embed", num_workers=0, device="cpu")
 
 
 def test_evaluate_task_zeroshot_and_embed(tiny_name, image_folder, tmp_path):

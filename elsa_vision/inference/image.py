@@ -306,8 +306,20 @@ def _timed_stock(stock, x: torch.Tensor, amp) -> tuple[torch.Tensor, torch.Tenso
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     sec = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
+    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None  # not measured
     return tokens[0].float(), None if logits is None else logits.float(), sec, peak
+
+
+def _json_ready(obj: Any) -> Any:
+    """``obj`` with every non-finite float as None: the JSON files and the summary line are standard JSON
+    (``null``), not Python's ``NaN`` / ``Infinity`` extension."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_ready(v) for v in obj]
+    return obj
 
 
 def _write_outputs(
@@ -348,7 +360,7 @@ def _write_outputs(
         pred["top5"] = []
         pred["note"] = "the weights have no classification head (num_classes=0); see features.safetensors"
     with open(os.path.join(out_dir, "prediction.json"), "w") as f:
-        json.dump(pred, f, indent=1)
+        json.dump(_json_ready(pred), f, indent=1, allow_nan=False)
     heat = (res.cls_attention if res.cls_attention is not None else feats.norm(dim=0)).cpu().numpy()
     Image.fromarray(heatmap_overlay(img.float().cpu().numpy(), heat, args.overlay_max_side)).save(
         os.path.join(out_dir, "overlay.png")
@@ -378,7 +390,7 @@ def _write_outputs(
         **extra,
     }
     with open(os.path.join(out_dir, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump(_json_ready(report), f, indent=1, allow_nan=False)
     return report
 
 
@@ -635,7 +647,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
     if not is_writer:
         return {"rank": torch.distributed.get_rank(), "written": False}
     summary = summaries[0] if len(summaries) == 1 else {"images": len(summaries), "results": summaries}
-    print(json.dumps(summary))
+    print(json.dumps(_json_ready(summary), allow_nan=False))
     return summary
 
 

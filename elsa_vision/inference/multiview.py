@@ -4,7 +4,9 @@
         --out OUT [--width 518] [--conf-percentile 50] [--device cpu|cuda] [--dtype float32]
 
 ``--weights``: a VGGT checkpoint (``model.safetensors``/``model.pt``) or an ElsaVGGT/Lightning state_dict
-(``.safetensors``/``.pt``/``.ckpt`` read with ``weights_only=True``). Frames: every ``.png``/``.jpg``/
+(``.safetensors``/``.pt``/``.ckpt`` read with ``weights_only=True``); the architecture (``--config``) is read
+from the weights unless given, and weights that fit no config are refused in one line naming the configs
+and why. Frames: every ``.png``/``.jpg``/
 ``.jpeg`` in ``DIR`` (sorted; the first is the reference frame), centre-cropped to a common aspect and resized
 to ``width`` (height a multiple of the patch size, at most ``width``).
 
@@ -27,7 +29,14 @@ import torch
 
 from ..data.multiview import _load_image, resize_frame
 from ..geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
-from ..models.vggt import VGGT_CONFIGS, ElsaVGGT, load_vggt_state_dict, vggt_checkpoint_filter_fn
+from ..models.vggt import (
+    VGGT_CONFIGS,
+    ElsaVGGT,
+    find_vggt_config,
+    load_vggt_state_dict,
+    vggt_checkpoint_filter_fn,
+    vggt_config_mismatch,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXTS = (".png", ".jpg", ".jpeg")
@@ -56,13 +65,25 @@ def load_frames(
     return [p.stem for p in paths], torch.stack(imgs)
 
 
-def build_model(weights: Path, config: str, merge_ratio: float = 0.0) -> tuple[ElsaVGGT, list[str]]:
+def build_model(
+    weights: Path, config: str | None = None, merge_ratio: float = 0.0
+) -> tuple[ElsaVGGT, list[str], str]:
+    """The model of ``weights`` in eval mode, the dropped checkpoint keys and the config name (read from the
+    weights when ``config`` is None). Weights that do not fit raise one ``ValueError`` line."""
     sd = load_vggt_state_dict(weights)
+    if config is None:
+        config = find_vggt_config(sd, f"--weights {weights}")
+    else:
+        mismatch = vggt_config_mismatch(sd, config)
+        if mismatch is not None:
+            fits = [name for name in VGGT_CONFIGS if vggt_config_mismatch(sd, name) is None]
+            raise ValueError(f"--weights {weights} does not fit --config {config} ({mismatch}); configs that "
+                             f"fit: {', '.join(fits) or 'none'}")
     has_point = any(k.startswith("point_head.") for k in sd)
     model = ElsaVGGT.from_config(config, enable_point=has_point, merge_ratio=merge_ratio)
     sd, dropped = vggt_checkpoint_filter_fn(sd, model)
     model.load_state_dict(sd, strict=True)
-    return model.eval(), dropped
+    return model.eval(), dropped, config
 
 
 @torch.no_grad()
@@ -92,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--weights", required=True, type=Path, help="VGGT or ElsaVGGT weights (.safetensors/.pt/.ckpt)"
     )
-    ap.add_argument("--config", default="elsa_vggt", choices=sorted(VGGT_CONFIGS))
+    ap.add_argument("--config", default=None, choices=sorted(VGGT_CONFIGS),
+                    help="architecture of --weights (default: read from the weights)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument(
         "--width", type=int, default=None, help="model input width (default: the config's img_size)"
@@ -113,10 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0.0 <= args.conf_percentile < 100.0:
         ap.error(f"--conf-percentile must be in [0, 100), got {args.conf_percentile}")
     t0 = time.perf_counter()
-    cfg = VGGT_CONFIGS[args.config]
     if not 0.0 <= args.merge_ratio < 1.0:
         ap.error(f"--merge-ratio must be in [0, 1), got {args.merge_ratio}")
-    model, dropped = build_model(args.weights, args.config, args.merge_ratio)
+    model, dropped, config = build_model(args.weights, args.config, args.merge_ratio)
+    cfg = VGGT_CONFIGS[config]
     model = model.to(device=args.device, dtype=_DTYPES[args.dtype])
     names, images = load_frames(
         args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames
@@ -159,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {
         "frames": len(names),
         "image_size_hw": list(images.shape[-2:]),
-        "config": args.config,
+        "config": config,
         "dtype": args.dtype,
         "exact_attention": args.merge_ratio == 0.0,
         "device": args.device,
@@ -173,5 +195,14 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def cli() -> None:
+    """``python -m elsa_vision.inference.multiview``: errors in the inputs end the run with one line."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -11,11 +11,21 @@ import copy
 import math
 
 import torch
+from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops.attention import check_options, direct, elsa_attention, inference_call
 
-__all__ = ["ElsaAttention", "mask_to_bias"]
+__all__ = ["ElsaAttention", "mask_to_bias", "refuse_torchscript"]
+
+
+def refuse_torchscript(module: nn.Module):
+    """``__prepare_scriptable__`` of every ELSA module: ``torch.jit.script`` calls it first and stops with one
+    clear error (TorchScript is not a goal of elsa_vision) instead of failing deep in the compiler."""
+    raise RuntimeError(
+        f"torch.jit.script: {type(module).__name__} is not scriptable: elsa_vision does not support "
+        f"TorchScript (deprecated since torch 2.14); use torch.export.export(model, (x,)) or "
+        f"torch.compile(model)")
 
 
 def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -28,6 +38,7 @@ def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return bias.masked_fill_(~attn_mask, -math.inf)
 
 
+@register_notrace_module  # an FX leaf (timm's registry): its forward branches on the mask and the backend
 class ElsaAttention(nn.Module):
     """Multi-head self-attention with a fused ``qkv`` projection, computed by ELSA.
 
@@ -41,6 +52,8 @@ class ElsaAttention(nn.Module):
     rank's query rows of the full mask (``[B|1, H|1, n_local, seq_len]``). Attention dropout is not available
     in that mode.
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(
         self,

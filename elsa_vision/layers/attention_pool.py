@@ -7,20 +7,24 @@ A subclass of ``timm.layers.AttentionPoolLatent``: same parameters (``latent``, 
 from __future__ import annotations
 
 from timm.layers import AttentionPoolLatent
+from timm.models import register_notrace_module
 from torch import Tensor
 
 from ..ops.attention import check_options, elsa_attention
-from .attention import mask_to_bias
+from .attention import mask_to_bias, refuse_torchscript
 
 __all__ = ["ElsaAttentionPoolLatent"]
 
 
+@register_notrace_module  # an FX leaf, as ElsaAttention
 class ElsaAttentionPoolLatent(AttentionPoolLatent):
     """Attention pooling with learned latent queries; ``[B, N, C] -> [B, C_out]`` (or ``[B, L, C_out]``).
 
     Args are those of ``timm.layers.AttentionPoolLatent``; ``backend`` and ``precision`` go to
     :func:`elsa_vision.elsa_attention`.
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(self, *args, backend: str = "auto", precision: str = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops.attention import check_options, elsa_attention
-from .attention import mask_to_bias
+from .attention import mask_to_bias, refuse_torchscript
 
 __all__ = ["ElsaMultiheadAttention"]
 
 
+@register_notrace_module  # an FX leaf, as ElsaAttention
 class ElsaMultiheadAttention(nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` whose attention is ``elsa_attention``.
 
@@ -37,6 +39,7 @@ class ElsaMultiheadAttention(nn.MultiheadAttention):
 
     elsa_backend: str = "auto"
     elsa_precision: str = "auto"
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(
         self,

@@ -19,12 +19,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+from timm.models import register_notrace_module
 from timm.models import swin_transformer as _swin1
 from timm.models import swin_transformer_v2 as _swin2
 from torch import Tensor, nn
 
 from ..ops.attention import check_options, elsa_attention, resolve_backend
 from ..ops.window_attention import window_attention
+from .attention import refuse_torchscript
 
 __all__ = ["ElsaSwinWindowAttention", "ElsaSwinV2WindowAttention", "window_attention_fallback"]
 
@@ -53,6 +55,7 @@ class _ElsaWindowAttention:
     _timm_base: type = nn.Module
     elsa_backend: str = "auto"
     elsa_precision: str = "auto"
+    __prepare_scriptable__ = refuse_torchscript
 
     @classmethod
     def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
@@ -77,6 +80,7 @@ class _ElsaWindowAttention:
         return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B_, N, -1)))
 
 
+@register_notrace_module  # FX leaves (timm's registry), as ElsaAttention
 class ElsaSwinWindowAttention(_ElsaWindowAttention, _swin1.WindowAttention):
     """timm Swin v1 ``WindowAttention`` computed by ELSA.
 
@@ -106,6 +110,7 @@ def _same_key(a: tuple, b: tuple) -> bool:
         t is u and p == q and v == w for (t, p, v), (u, q, w) in zip(a[1], b[1]))
 
 
+@register_notrace_module
 class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
     """timm Swin v2 ``WindowAttention`` (scaled cosine attention) computed by ELSA.
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers.multihead_attention import ElsaMultiheadAttention
-from ..ops.attention import check_options
+from ._builder import check_attention_options
 
 __all__ = [
     "ElsaCLIPVision",
@@ -313,6 +313,7 @@ class ElsaCLIPVision(nn.Module):
         attn_precision: str = "auto",
     ) -> None:
         super().__init__()
+        check_attention_options("ElsaCLIPVision", attn_backend, attn_precision)
         if pool_type not in ("tok", "avg", "none"):
             raise ValueError(f"ElsaCLIPVision: pool_type must be 'tok', 'avg' or 'none', got {pool_type!r}")
         if pos_embed_type not in ("learnable", "sin_cos_2d"):
@@ -402,7 +403,7 @@ class ElsaCLIPVision(nn.Module):
     # -- attention settings ----------------------------------------------------------------------------
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend / precision of every attention (blocks and poolers)."""
-        check_options("set_attention", backend or "auto", precision or "auto")
+        check_attention_options("ElsaCLIPVision.set_attention", backend or "auto", precision or "auto", "")
         for m in self.modules():
             if isinstance(m, ElsaMultiheadAttention):
                 m.elsa_backend = backend if backend is not None else m.elsa_backend

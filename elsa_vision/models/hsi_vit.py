@@ -25,15 +25,18 @@ import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from timm.layers.attention import Attention
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_function
+from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
+from ._builder import check_attention_options
 
-__all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "ATTN_IMPLS"]
+__all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "ATTN_IMPLS", "GLOBAL_POOLS"]
 
 ATTN_IMPLS = ("elsa", "sdpa")
+GLOBAL_POOLS = ("avg", "center", "")
 
 
 class SpectralSpatialEmbed(nn.Module):
@@ -71,6 +74,18 @@ class SpectralSpatialEmbed(nn.Module):
         return x.reshape(B, self.num_groups * self.num_spatial, g * s * s)
 
 
+@register_notrace_function  # an FX leaf, called on the real input (FX skips names with a leading "_")
+def check_hsi_patch(x: Tensor, in_chans: int, img_size: int) -> Tensor:
+    """``x``, which must be a ``(B, in_chans, img_size, img_size)`` batch of hyperspectral patches (returned,
+    so that the check is a node the traced graph depends on)."""
+    if x.dim() != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"ElsaHSIViT: input must be (B, {in_chans}, P, P), got {tuple(x.shape)}")
+    if x.shape[-2:] != (img_size, img_size):
+        raise ValueError(
+            f"ElsaHSIViT: input patch must be {img_size}x{img_size}, got {x.shape[-2]}x{x.shape[-1]}")
+    return x
+
+
 def _key_mask(visible: Tensor | None) -> Tensor | None:
     """``(B', N)`` bool, True = visible -> SDPA/ELSA bool ``attn_mask`` ``(B', 1, 1, N)``."""
     return None if visible is None else visible[:, None, None, :]
@@ -88,12 +103,17 @@ class ElsaHSIViT(nn.Module):
         embed_dim, num_heads, mlp_ratio, qkv_bias: transformer width.
         branch_depth: blocks in each of the spatial and the spectral branch.
         fusion_depth: blocks over all spectral-spatial tokens.
-        global_pool: ``"avg"`` (mean over tokens) or ``"center"`` (mean over the centre position's tokens).
+        global_pool: ``"avg"`` (mean over tokens), ``"center"`` (mean over the centre position's tokens) or
+            ``""`` (no pooling: the head sees every token, as timm's ``global_pool=""``).
         drop_rate, drop_path_rate: head dropout and stochastic depth.
         attn_impl: ``"elsa"`` (ElsaAttention) or ``"sdpa"`` (timm ``Attention``, same weights).
         attn_backend, attn_precision: ELSA backend / float32 precision (``attn_impl="elsa"``).
 
-    Shapes: ``forward(x)``: ``x (B, in_chans, P, P)`` -> logits ``(B, num_classes)``.
+    Shapes: ``forward(x)``: ``x (B, in_chans, P, P)`` -> logits ``(B, num_classes)``;
+    ``forward_features(x) -> (B, G*S, D)`` tokens; ``forward_head(tokens, pre_logits=True) -> (B, D)``.
+    The model API is timm's (``num_features`` = ``head_hidden_size`` = ``D``, ``get_classifier``,
+    ``reset_classifier(num_classes, global_pool=None)``, ``forward_intermediates``); ``features_only`` is
+    refused (a hyperspectral patch classifier has no spatial feature maps).
     """
 
     def __init__(
@@ -138,10 +158,11 @@ class ElsaHSIViT(nn.Module):
             raise ValueError(
                 f"ElsaHSIViT: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
             )
-        if global_pool not in ("avg", "center"):
-            raise ValueError(f"ElsaHSIViT: global_pool must be 'avg' or 'center', got {global_pool!r}")
+        _check_pool(global_pool)
         if attn_impl not in ATTN_IMPLS:
             raise ValueError(f"ElsaHSIViT: attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+        if attn_impl == "elsa":
+            check_attention_options("ElsaHSIViT", attn_backend, attn_precision)
         if branch_depth + fusion_depth == 0:
             raise ValueError("ElsaHSIViT: branch_depth + fusion_depth must be >= 1")
         self.config = dict(
@@ -164,7 +185,7 @@ class ElsaHSIViT(nn.Module):
             attn_precision=attn_precision,
         )
         self.num_classes = num_classes
-        self.num_features = self.embed_dim = embed_dim
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.global_pool = global_pool
         self.attn_impl = attn_impl
 
@@ -208,9 +229,7 @@ class ElsaHSIViT(nn.Module):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every ``ElsaAttention`` (validated here)."""
-        from ..ops.attention import check_options
-
-        check_options("ElsaHSIViT", backend or "auto", precision or "auto", "attn_")
+        check_attention_options("ElsaHSIViT.set_attention", backend or "auto", precision or "auto")
         for m in self.modules():
             if isinstance(m, ElsaAttention):
                 if backend is not None:
@@ -225,13 +244,7 @@ class ElsaHSIViT(nn.Module):
     # -- forward -------------------------------------------------------------------------------------------
     def embed(self, x: Tensor) -> Tensor:
         """``(B, bands, P, P)`` -> tokens with position embeddings ``(B, G, S, D)``."""
-        if x.dim() != 4 or x.shape[1] != self.patch_embed.in_chans:
-            raise ValueError(
-                f"ElsaHSIViT: input must be (B, {self.patch_embed.in_chans}, P, P), got {tuple(x.shape)}"
-            )
-        p = self.config["img_size"]
-        if x.shape[-2:] != (p, p):
-            raise ValueError(f"ElsaHSIViT: input patch must be {p}x{p}, got {x.shape[-2]}x{x.shape[-1]}")
+        x = check_hsi_patch(x, self.patch_embed.in_chans, self.config["img_size"])
         return self.patch_embed(x) + self.spatial_pos + self.spectral_pos
 
     def forward_tokens(self, t: Tensor, visible: Tensor | None = None) -> Tensor:
@@ -239,6 +252,14 @@ class ElsaHSIViT(nn.Module):
 
         Returns normalised tokens ``(B, G*S, D)``.
         """
+        x = self._branches(t, visible)
+        mf = _key_mask(None if visible is None else visible.reshape(x.shape[0], -1))
+        for blk in self.fusion_blocks:
+            x = blk(x, attn_mask=mf)
+        return self.norm(x)
+
+    def _branches(self, t: Tensor, visible: Tensor | None = None) -> Tensor:
+        """The parallel spatial and spectral branches, fused: ``(B, G, S, D)`` -> ``(B, G*S, D)``."""
         B, G, S, D = t.shape
         if self.spatial_blocks:
             xs = t.reshape(B * G, S, D)
@@ -251,20 +272,50 @@ class ElsaHSIViT(nn.Module):
                 xe = blk(xe, attn_mask=me)
             xe = xe.reshape(B, S, G, D).transpose(1, 2)
             t = self.fuse(torch.cat([xs.reshape(B, G, S, D), xe], dim=-1))
-        x = t.reshape(B, G * S, D)
-        mf = _key_mask(None if visible is None else visible.reshape(B, G * S))
-        for blk in self.fusion_blocks:
-            x = blk(x, attn_mask=mf)
-        return self.norm(x)
+        return t.reshape(B, G * S, D)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(B, bands, P, P)`` -> tokens ``(B, G*S, D)``."""
         return self.forward_tokens(self.embed(x))
 
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NLC",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """Tokens ``(B, G*S, D)`` after each stage: the fused branches (when ``branch_depth > 0``), then every
+        fusion block. Arguments as timm's ViT: ``indices`` (None: all, int n: the last n, list: those),
+        ``norm`` (the final norm on each), ``stop_early``, ``intermediates_only``; ``output_fmt`` is
+        ``"NLC"`` only (the tokens have a spectral axis besides the spatial grid).
+
+        Returns ``(forward_features(x), intermediates)``, or the intermediates alone.
+        """
+        if output_fmt != "NLC":
+            raise ValueError(f"ElsaHSIViT.forward_intermediates: output_fmt must be 'NLC' (tokens "
+                             f"(B, G*S, D)), got {output_fmt!r}")
+        first = 1 if self.spatial_blocks else 0  # stage 0 is the fused branches when there are branches
+        take, max_index = feature_take_indices(first + len(self.fusion_blocks), indices)
+        x = self._branches(self.embed(x))
+        intermediates = [x] if first and 0 in take else []
+        last = max_index + 1 - first if stop_early else len(self.fusion_blocks)
+        for i, blk in enumerate(self.fusion_blocks[:last]):
+            x = blk(x)
+            if first + i in take:
+                intermediates.append(x)
+        if norm:
+            intermediates = [self.norm(t) for t in intermediates]
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         if self.global_pool == "avg":
             x = x.mean(1)
-        else:
+        elif self.global_pool == "center":
             B = x.shape[0]
             x = x.reshape(B, self.num_groups, self.num_spatial, -1)[:, :, self.num_spatial // 2].mean(1)
         x = self.head_drop(x)
@@ -273,12 +324,25 @@ class ElsaHSIViT(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new head for ``num_classes`` (0: none, ``forward`` returns pooled features); ``global_pool``
+        (one of ``GLOBAL_POOLS``) replaces the pooling unless None."""
+        if global_pool is not None:
+            _check_pool(global_pool)
+            self.global_pool = self.config["global_pool"] = global_pool
         self.num_classes = num_classes
         self.config["num_classes"] = num_classes
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         if num_classes > 0:
             _init_weights(self.head)
+
+
+def _check_pool(global_pool: str) -> None:
+    if global_pool not in GLOBAL_POOLS:
+        raise ValueError(f"ElsaHSIViT: global_pool must be one of {GLOBAL_POOLS}, got {global_pool!r}")
 
 
 def _init_weights(m: nn.Module) -> None:
@@ -383,6 +447,10 @@ default_cfgs = generate_default_cfgs(
 
 
 def _create_elsa_hsi_vit(variant: str, pretrained: bool = False, **kwargs) -> ElsaHSIViT:
+    if kwargs.get("features_only"):
+        raise ValueError(
+            f"{variant}: features_only=True is not supported: ElsaHSIViT classifies hyperspectral patches "
+            f"and has no spatial feature maps; model.forward_intermediates(x) gives every stage's tokens")
     return build_model_with_cfg(ElsaHSIViT, variant, pretrained, feature_cfg=None, **kwargs)
 
 

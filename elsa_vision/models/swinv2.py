@@ -25,8 +25,7 @@ from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
 
 from ..layers.window_attention import ElsaSwinV2WindowAttention
-from ..ops.attention import check_options
-from ._builder import LoadReport, timm_source
+from ._builder import LoadReport, check_attention_options, timm_source
 
 __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 
@@ -59,7 +58,7 @@ class ElsaSwinV2(SwinTransformerV2):
     load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
 
     def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto", **kwargs):
-        check_options("ElsaSwinV2", attn_backend, attn_precision, "attn_")
+        check_attention_options("ElsaSwinV2", attn_backend, attn_precision)
         super().__init__(*args, **kwargs)
         self._elsa_convert(attn_backend, attn_precision)
 
@@ -74,7 +73,7 @@ class ElsaSwinV2(SwinTransformerV2):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every window attention."""
-        check_options("ElsaSwinV2.set_attention", backend or "auto", precision or "auto", "attn_")
+        check_attention_options("ElsaSwinV2.set_attention", backend or "auto", precision or "auto")
         for m in self.modules():
             if isinstance(m, ElsaSwinV2Attention):
                 if backend is not None:
@@ -110,7 +109,7 @@ class ElsaSwinV2(SwinTransformerV2):
         Returns:
             The ``ElsaSwinV2`` in the train/eval mode of the source (eval for a name).
         """
-        check_options("ElsaSwinV2.from_timm", attn_backend, attn_precision, "attn_")
+        check_attention_options("ElsaSwinV2.from_timm", attn_backend, attn_precision)
         model, report = timm_source("ElsaSwinV2.from_timm", src, SwinTransformerV2, cls, checkpoint_path,
                                     checkpoint_filter_fn, strict, kwargs)
         model.__class__ = cls

@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..layers.attention import refuse_torchscript
 from ..ops.attention import check_options, elsa_attention
+from ._builder import check_attention_options
 
 __all__ = [
     "ElsaVGGT",
@@ -40,6 +42,8 @@ __all__ = [
     "DPTHead",
     "VGGT_CONFIGS",
     "elsa_vggt",
+    "find_vggt_config",
+    "vggt_config_mismatch",
     "elsa_vggt_small",
     "load_vggt_state_dict",
     "vggt_checkpoint_filter_fn",
@@ -104,33 +108,28 @@ class RotaryPositionEmbedding2D(nn.Module):
         self.base_frequency = float(frequency)
         self.scaling_factor = float(scaling_factor)
 
-    def _cos_sin(self, dim: int, max_pos: int, device, dtype) -> tuple[Tensor, Tensor]:
-        inv_freq = 1.0 / self.base_frequency ** (
-            torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
-        )
-        ang = torch.arange(max_pos, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        ang = torch.cat([ang, ang], dim=-1)
-        return ang.cos().to(dtype), ang.sin().to(dtype)
-
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def _apply_1d(self, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        c = F.embedding(pos, cos)[:, None]  # [B, 1, N, d]
-        s = F.embedding(pos, sin)[:, None]
-        return x * c + self._rotate_half(x) * s
+    def _apply_1d(self, x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
+        # The angles of the given positions only: no table sized by the largest position (a data-dependent
+        # size that torch.export cannot trace). Same float32 products as a table lookup.
+        ang = pos[:, None, :, None].to(torch.float32) * inv_freq  # [B, 1, N, d/2]
+        ang = torch.cat([ang, ang], dim=-1)
+        return x * ang.cos().to(x.dtype) + self._rotate_half(x) * ang.sin().to(x.dtype)
 
     def forward(self, x: Tensor, pos: Tensor) -> Tensor:
         if x.shape[-1] % 4:
             raise ValueError(f"RoPE2D needs a head dim divisible by 4, got {x.shape[-1]}")
         half = x.shape[-1] // 2
-        cos, sin = self._cos_sin(half, int(pos.max()) + 1, x.device, x.dtype)
-        xv, xh = x.chunk(2, dim=-1)
-        return torch.cat(
-            [self._apply_1d(xv, pos[..., 0], cos, sin), self._apply_1d(xh, pos[..., 1], cos, sin)], -1
+        inv_freq = 1.0 / self.base_frequency ** (
+            torch.arange(0, half, 2, device=x.device, dtype=torch.float32) / half
         )
+        xv, xh = x.chunk(2, dim=-1)
+        rows, cols = self._apply_1d(xv, pos[..., 0], inv_freq), self._apply_1d(xh, pos[..., 1], inv_freq)
+        return torch.cat([rows, cols], dim=-1)
 
 
 class Attention(nn.Module):
@@ -139,6 +138,8 @@ class Attention(nn.Module):
     ``forward(x [B, N, C], pos [B, N, 2] | None) -> [B, N, C]``. Parameters: ``qkv``, ``q_norm``, ``k_norm``,
     ``proj`` (VGGT's / DINOv2's names).
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(
         self,
@@ -810,6 +811,7 @@ class ElsaVGGT(nn.Module):
         attn_precision: str = "auto",
     ) -> None:
         super().__init__()
+        check_attention_options("ElsaVGGT", attn_backend, attn_precision)
         for i in intermediate_layer_idx:
             if not 0 <= int(i) < depth:
                 raise ValueError(
@@ -878,7 +880,7 @@ class ElsaVGGT(nn.Module):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ``elsa_attention`` backend / precision of every attention layer."""
-        check_options("set_attention", backend or "auto", precision or "auto")
+        check_attention_options("ElsaVGGT.set_attention", backend or "auto", precision or "auto", "")
         for m in self.modules():
             if isinstance(m, Attention):
                 m.backend = backend or m.backend
@@ -903,15 +905,19 @@ class ElsaVGGT(nn.Module):
         return cls(**{**VGGT_CONFIGS[name], **overrides})
 
     @classmethod
-    def from_vggt_checkpoint(cls, path: str | Path, config: str = "elsa_vggt", **overrides) -> ElsaVGGT:
-        """Load a facebookresearch/vggt checkpoint (``model.safetensors`` or ``model.pt``) with strict keys.
+    def from_vggt_checkpoint(cls, path: str | Path, config: str | None = None, **overrides) -> ElsaVGGT:
+        """Load a facebookresearch/vggt checkpoint (``model.safetensors`` or ``model.pt``) or an ElsaVGGT
+        state_dict with strict keys.
 
-        The point head is built when the checkpoint has ``point_head.*`` keys. VGGT's tracking head
-        (``track_head.*``) has no counterpart here: its keys are dropped and listed in the log and in
-        ``model.dropped_checkpoint_keys``.
+        ``config``: a :data:`VGGT_CONFIGS` name; None reads it from the weights (:func:`find_vggt_config`;
+        VGGT-1B's release is ``"elsa_vggt"``). The point head is built when the checkpoint has
+        ``point_head.*`` keys. VGGT's tracking head (``track_head.*``) has no counterpart here: its keys are
+        dropped and listed in the log and in ``model.dropped_checkpoint_keys``.
         """
         sd = load_vggt_state_dict(path)
         overrides.setdefault("enable_point", any(k.startswith("point_head.") for k in sd))
+        if config is None:
+            config = find_vggt_config(sd, str(path), **overrides)
         model = cls.from_config(config, **overrides)
         sd, dropped = vggt_checkpoint_filter_fn(sd, model)
         model.load_state_dict(sd, strict=True)
@@ -953,6 +959,38 @@ def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
     if sd and all(k.startswith("net.") for k in sd):  # a MultiViewReconstructionModule state_dict
         sd = {k[4:]: v for k, v in sd.items()}
     return sd
+
+
+def vggt_config_mismatch(state_dict: dict[str, Tensor], config: str, **overrides) -> str | None:
+    """None when ``state_dict`` loads into ``ElsaVGGT.from_config(config, **overrides)`` (as
+    :meth:`ElsaVGGT.from_vggt_checkpoint` loads it: heads absent here dropped, the DINOv2 ``pos_embed``
+    resampled), else the first difference in a few words. The model is built on the meta device."""
+    overrides.setdefault("enable_point", any(k.startswith("point_head.") for k in state_dict))
+    with torch.device("meta"):
+        own = ElsaVGGT.from_config(config, **overrides).state_dict()
+    heads = {k.split(".")[0] for k in own}
+    keys = {k for k in state_dict if k.split(".")[0] in heads}
+    for what, diff in (("missing", sorted(own.keys() - keys)), ("unexpected", sorted(keys - own.keys()))):
+        if diff:
+            return f"{len(diff)} {what} keys, e.g. {diff[0]}"
+    for k in sorted(keys):
+        if tuple(state_dict[k].shape) != tuple(own[k].shape) and not k.endswith("patch_embed.pos_embed"):
+            return f"{k} is {list(state_dict[k].shape)}, the config's is {list(own[k].shape)}"
+    return None
+
+
+def find_vggt_config(state_dict: dict[str, Tensor], source: str = "state_dict", **overrides) -> str:
+    """The :data:`VGGT_CONFIGS` name whose architecture ``state_dict`` has (with ``overrides`` applied).
+
+    Raises:
+        ValueError: in one line naming every config and why it does not fit.
+    """
+    why = {name: vggt_config_mismatch(state_dict, name, **overrides) for name in VGGT_CONFIGS}
+    fits = [name for name, reason in why.items() if reason is None]
+    if len(fits) != 1:
+        reasons = "; ".join(f"{name}: {reason or 'fits'}" for name, reason in why.items())
+        raise ValueError(f"{source} fits {'no' if not fits else 'more than one'} ElsaVGGT config ({reasons})")
+    return fits[0]
 
 
 def vggt_checkpoint_filter_fn(

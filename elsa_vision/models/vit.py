@@ -22,8 +22,7 @@ from torch import Tensor
 from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
-from ..ops.attention import check_options
-from ._builder import LoadReport, timm_source
+from ._builder import LoadReport, check_attention_options, timm_source
 
 __all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
 
@@ -70,7 +69,7 @@ class ElsaViT(VisionTransformer):
         context_parallel_layout: str = "contiguous",
         **kwargs,
     ):
-        check_options("ElsaViT", attn_backend, attn_precision, "attn_")
+        check_attention_options("ElsaViT", attn_backend, attn_precision)
         for k in _OWN_KWARGS:
             if k in kwargs and kwargs[k] is not ElsaAttention:
                 raise ValueError(f"ElsaViT: `{k}` is fixed to ElsaAttention, got {kwargs[k]!r}")
@@ -189,7 +188,7 @@ class ElsaViT(VisionTransformer):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every attention layer (MAP head included)."""
-        check_options("ElsaViT", backend or "auto", precision or "auto", "attn_")
+        check_attention_options("ElsaViT.set_attention", backend or "auto", precision or "auto")
         for m in self.modules():
             if isinstance(m, (ElsaAttention, ElsaAttentionPoolLatent)):
                 if backend is not None:
@@ -224,7 +223,7 @@ class ElsaViT(VisionTransformer):
         Returns:
             The ``ElsaViT`` in the train/eval mode of the source (eval for a name).
         """
-        check_options("ElsaViT", attn_backend, attn_precision, "attn_")
+        check_attention_options("ElsaViT.from_timm", attn_backend, attn_precision)
         model, report = timm_source("ElsaViT.from_timm", src, VisionTransformer, cls, checkpoint_path,
                                     elsa_checkpoint_filter_fn, strict, kwargs)
         model.__class__ = cls

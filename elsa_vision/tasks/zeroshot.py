@@ -16,6 +16,9 @@ Command line::
 
     python -m elsa_vision.tasks.zeroshot --model ViT-B-16 --pretrained /path/ckpt.pt --data /path/folder \\
         [--classnames f.yaml] [--templates f.json] [--task zeroshot|embed] [--out DIR]
+
+Without ``--out`` the metrics JSON and the embeddings go to a fresh ``logs/zeroshot/runs/<date>_<time>/``
+under the working directory (where ``train.py`` / ``evaluate.py`` keep their runs; ignored by git).
 """
 
 from __future__ import annotations
@@ -415,7 +418,8 @@ def run(
         classnames: file / list / "imagenet";
             None uses ImageNet names for a 1000-class folder, else the folder names ("_" -> " ").
         templates: file / list / "openai" / "simple" (None: the 80 OpenAI templates).
-        out: directory for ``metrics.json`` / ``embeddings.<fmt>`` (None: embeddings go to ``./embeddings``).
+        out: directory for ``<task>_metrics.json`` and ``embeddings.<fmt>``; required for ``task="embed"``
+            (None with ``"zeroshot"``: nothing is written).
         image_size: run the image tower at this size (ElsaCLIPVision with resampled positional embedding).
         elsa: False keeps open_clip's stock attention (reference runs).
     Returns the metrics / export summary plus timing.
@@ -426,6 +430,9 @@ def run(
         raise ValueError(f"embed_format must be 'safetensors' or 'npz', got {embed_format!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if task == "embed" and out is None:
+        raise ValueError("run: task='embed' writes files: pass out=DIR (the CLI defaults to a fresh run "
+                         "directory under logs/zeroshot/runs)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     net, tokenizer, transform, report = _build_model(
         model, pretrained, dev, image_size, elsa, attn_backend, attn_precision
@@ -459,13 +466,27 @@ def run(
         classifier = build_zeroshot_classifier(net, tokenizer, names, load_templates(templates), device=dev)
         result.update(zeroshot_evaluate(net, classifier, loader, device=dev))
     else:
-        out_file = Path(out or "embeddings") / f"embeddings.{embed_format}"
+        out_file = Path(out) / f"embeddings.{embed_format}"
         result.update(export_embeddings(net, loader, out_file, device=dev))
     result["seconds"] = round(time.perf_counter() - t0, 3)
     if out is not None:
+        result["out"] = str(out)
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{task}_metrics.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def fresh_run_dir(root: str | os.PathLike = "logs/zeroshot/runs") -> Path:
+    """A new ``root/<date>_<time>`` directory (``_2``, ``_3`` ... appended within the same second)."""
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for n in range(1, 1000):
+        path = Path(root) / (stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"fresh_run_dir: no free name for {stamp} under {root}")
 
 
 def _table(result: Mapping[str, Any]) -> str:
@@ -486,7 +507,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--classnames", default=None, help="YAML/JSON/TXT file or 'imagenet'")
     p.add_argument("--templates", default=None, help="YAML/JSON/TXT file, 'openai' or 'simple'")
     p.add_argument("--task", default="zeroshot", choices=TASKS)
-    p.add_argument("--out", default=None, help="output directory (metrics JSON, embeddings)")
+    p.add_argument("--out", default=None, help="output directory (metrics JSON, embeddings); default: a "
+                   "fresh logs/zeroshot/runs/<date>_<time>/")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--device", default=None)
@@ -503,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         task=a.task,
         classnames=a.classnames,
         templates=a.templates,
-        out=a.out,
+        out=a.out or str(fresh_run_dir()),
         batch_size=a.batch_size,
         num_workers=a.workers,
         device=a.device,

@@ -111,8 +111,9 @@ def test_bad_arguments():
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_inference_path_is_planned_once_and_equals_the_general_path(qk_norm, monkeypatch):
     """Inference without a mask: the call is checked and planned once per input signature
-    (``ops.attention.inference_call``), later calls go straight to the launch program; the output equals the
-    general ``elsa_attention`` path (grad on), a precision change re-plans, copies and pickles drop the plans."""
+    (``ops.attention.inference_call``), later calls go straight to the launch program; the output equals
+    the general ``elsa_attention`` path (grad on), a precision change re-plans, copies and pickles drop the
+    plans."""
     import copy
     import io
 

@@ -118,6 +118,23 @@ def test_center_pool_and_head_reset():
     assert m(x).shape == (2, 7) and m.config["num_classes"] == 7
 
 
+def test_forward_intermediates_stages():
+    """Stage 0 is the fused branches, then one stage per fusion block; the last normed one is the output."""
+    m = ElsaHSIViT(8, 4, img_size=9, **dict(TINY, fusion_depth=2)).eval()
+    x = torch.randn(2, 8, 9, 9)
+    with torch.no_grad():
+        final, stages = m.forward_intermediates(x)
+        assert len(stages) == 3 and all(t.shape == (2, 9, 32) for t in stages)
+        assert torch.equal(stages[0], m._branches(m.embed(x)))
+        assert torch.equal(m.norm(stages[-1]), final) and torch.equal(final, m.forward_features(x))
+        early = m.forward_intermediates(x, indices=[1], stop_early=True, norm=True, intermediates_only=True)
+        assert len(early) == 1 and torch.equal(early[0], m.norm(stages[1]))
+        no_branch = ElsaHSIViT(8, 4, img_size=9, **dict(TINY, branch_depth=0)).eval()
+        assert len(no_branch.forward_intermediates(x, intermediates_only=True)) == 1
+    with pytest.raises(ValueError, match="output_fmt must be 'NLC'"):
+        m.forward_intermediates(x, output_fmt="NCHW")
+
+
 def test_constructor_and_input_errors():
     with pytest.raises(ValueError, match="img_size \\(9\\) must be a multiple of spatial_patch \\(2\\)"):
         ElsaHSIViT(8, 3, img_size=9, spatial_patch=2)
@@ -132,6 +149,20 @@ def test_constructor_and_input_errors():
         m(torch.randn(1, 9, 9, 9))
     with pytest.raises(ValueError, match="input patch must be 9x9, got 7x7"):
         m(torch.randn(1, 8, 7, 7))
+
+
+def test_fx_trace_keeps_the_input_checks():
+    """The input checks are an FX leaf: the traced model still refuses a wrong patch with the same error."""
+    from timm.models import get_notrace_functions, get_notrace_modules
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    m = ElsaHSIViT(8, 3, img_size=9, **TINY).eval()
+    fx = create_feature_extractor(m, ["head"], tracer_kwargs=dict(
+        leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions()))
+    x = torch.randn(2, 8, 9, 9)
+    assert torch.equal(fx(x)["head"], m(x))
+    with pytest.raises(ValueError, match="input patch must be 9x9, got 7x7"):
+        fx(torch.randn(1, 8, 7, 7))
 
 
 def test_registered_presets():

@@ -366,6 +366,25 @@ def test_checkpoint_pos_embed_resampled_for_other_resolution(tmp_path):
     )
 
 
+def test_from_vggt_checkpoint_reads_the_config_from_the_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    from elsa_vision.models.vggt import find_vggt_config
+
+    src = ElsaVGGT.from_config("elsa_vggt_small")
+    save_file(src.state_dict(), str(tmp_path / "net.safetensors"))
+    model = ElsaVGGT.from_vggt_checkpoint(tmp_path / "net.safetensors")
+    assert model.config == src.config
+    assert all(torch.equal(v, src.state_dict()[k]) for k, v in model.state_dict().items())
+    with torch.device("meta"):
+        assert find_vggt_config(ElsaVGGT.from_config("elsa_vggt").state_dict()) == "elsa_vggt"
+    narrow = ElsaVGGT.from_config("elsa_vggt_small", embed_dim=32).state_dict()  # same keys, other shapes
+    with pytest.raises(ValueError, match=r"^x fits no ElsaVGGT config \(elsa_vggt: \d+ missing keys, e\.g\. "
+                                         r".*; elsa_vggt_small: aggregator\.camera_token is \[1, 2, 1, 32\], "
+                                         r"the config's is \[1, 2, 1, 48\]\)$"):
+        find_vggt_config(narrow, "x")
+
+
 def test_load_rejects_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         load_vggt_state_dict(tmp_path / "nope.pt")

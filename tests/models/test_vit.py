@@ -353,6 +353,18 @@ def test_package_exports():
         assert name in elsa_vision.__all__ and hasattr(elsa_vision, name)
 
 
+def test_models_the_readme_names_import_from_the_package():
+    """``from elsa_vision import ElsaSwinV2`` works for every model class the README names."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    named = set(re.findall(r"\bElsa[A-Za-z0-9]+", readme)) & set(elsa_vision.models.__all__)
+    assert {"ElsaViT", "ElsaSwinV2"} <= named
+    missing = sorted(n for n in named if n not in elsa_vision.__all__ or not hasattr(elsa_vision, n))
+    assert not missing, f"named in the README but not importable from elsa_vision: {missing}"
+
+
 def test_attention_dropout_in_training_only():
     model = ElsaViT(**dict(_BASE, attn_drop_rate=0.5))
     x = torch.randn(2, 3, 64, 64)
