@@ -11,7 +11,8 @@ against float64, for
 at N = 1K ... 64K (B = 1, H = 8) and at ViT lengths (B = 8, H = 12, N = 197, 785, 3137). The float64
 reference is computed in query chunks (``O(chunk x N)`` memory); from 32K keys on the forward is compared on
 ``--rows`` sampled query rows per head and the gradients are skipped. ``bound`` is Theorem 1 of the paper,
-``u (2 ceil(log2 N) + 3)`` with ``u = 2^-24``. Results: CSV and a plot under ``benchmarks/results/``.
+``u (2 ceil(log2 N) + 3)`` with ``u = 2^-24``. Results: CSV and a plot under ``logs/benchmarks/`` (or
+``--out``).
 
     python benchmarks/accuracy.py                # the full sweep (H100: a few minutes)
     python benchmarks/accuracy.py --quick        # 1K and 197 only
@@ -130,7 +131,8 @@ def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", type=int, default=2048, help="sampled query rows per head from 32K keys on")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  "logs", "benchmarks"), help="output directory (ignored by git)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("accuracy.py runs the Triton kernels: it needs a GPU")

@@ -19,7 +19,7 @@ backend choice, program lookup (signature + cache), output allocation, the direc
 comparison, the same launch through Triton's ``JITFunction.run``), the operator dispatch and the autograd
 Function (each as the difference to the stage below it).
 
-    python benchmarks/host.py                  # every case, fp32 and bf16, CSV under benchmarks/results/
+    python benchmarks/host.py                  # every case, fp32 and bf16, CSV under logs/benchmarks/
     python benchmarks/host.py --breakdown      # plus the per-stage costs
 """
 
@@ -251,7 +251,8 @@ def main(argv=None) -> str:
     ap.add_argument("--breakdown", action="store_true", help="per-stage host costs of ELSA's forward")
     ap.add_argument("--label", default="", help="a tag for this tree (e.g. 'before' / 'after' in one run)")
     ap.add_argument("--profile", action="store_true", help="cProfile of ELSA's forward + backward and exit")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  "logs", "benchmarks"), help="output directory (ignored by git)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("host.py measures CUDA launches: it needs a GPU")
