@@ -131,8 +131,9 @@ def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", type=int, default=2048, help="sampled query rows per head from 32K keys on")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                  "logs", "benchmarks"), help="output directory (ignored by git)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--out", default=os.path.join(root, "logs", "benchmarks"),
+                    help="output directory (default logs/benchmarks, ignored by git)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("accuracy.py runs the Triton kernels: it needs a GPU")

@@ -251,8 +251,9 @@ def main(argv=None) -> str:
     ap.add_argument("--breakdown", action="store_true", help="per-stage host costs of ELSA's forward")
     ap.add_argument("--label", default="", help="a tag for this tree (e.g. 'before' / 'after' in one run)")
     ap.add_argument("--profile", action="store_true", help="cProfile of ELSA's forward + backward and exit")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                  "logs", "benchmarks"), help="output directory (ignored by git)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--out", default=os.path.join(root, "logs", "benchmarks"),
+                    help="output directory (default logs/benchmarks, ignored by git)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("host.py measures CUDA launches: it needs a GPU")
