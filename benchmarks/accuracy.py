@@ -130,6 +130,7 @@ def measure(B, H, N, D, rows_cap, seed=0):
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sizes", default=None, help="comma-separated N of the 1 x 8 x N x 64 sweep only")
     ap.add_argument("--rows", type=int, default=2048, help="sampled query rows per head from 32K keys on")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--out", default=os.path.join(root, "logs", "benchmarks"),
@@ -144,6 +145,8 @@ def main(argv=None) -> str:
     shapes += [(8, 12, n, 64) for n in (197, 785, 3137)]
     if args.quick:
         shapes = [(1, 8, 1024, 64), (8, 12, 197, 64)]
+    if args.sizes:
+        shapes = [(1, 8, int(n), 64) for n in args.sizes.split(",")]
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=dt.date.today().isoformat())
     os.makedirs(args.out, exist_ok=True)

@@ -307,11 +307,10 @@ def _merge_kernel(
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # How each precision's running sums over the key tiles accumulate (``monoid.fold_tile``'s ``ACCUMULATE``):
-# "kahan" (compensated), "fma" (one rounding per tile), "plain" (the default).
-ACCUMULATION = {"ieee": "fma"}
-# The FP32-accurate precisions, and the most keys one partition of theirs folds in sequence (``_plan``).
-_ACCURATE = ("ieee", "tf32x3", "tf32x3s", "fp16x3")
-ACCURATE_KEYS = 4096
+# "kahan" (compensated), "fma" (one rounding per tile), "plain" (the default). "ieee", the strictest path,
+# is compensated: its error stays flat in the key count (3.4e-7 at 1x8x16384x64 on the H100, against 2.3e-6
+# before; docs/kernel_notes.md, "Exact FP32").
+ACCUMULATION = {"ieee": "kahan"}
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions: called from Python
@@ -473,11 +472,6 @@ def _plan(
         # Less than half a wave of query tiles: the workspace (which costs more memory than the output)
         # pays for itself; with more programs the fused path is as fast and needs no workspace.
         parts = min(16, key_tiles, _cdiv(2 * sms, programs))
-    if prec in _ACCURATE and cc != (0, 0):
-        # FP32-accurate precisions: each partition folds at most ACCURATE_KEYS keys sequentially and the
-        # partitions merge in the log-depth tree of level two, so the float32 error of the running sums stops
-        # growing with Nk (measured: ieee 2.3e-6 -> 3.7e-7 at 16K; docs/kernel_notes.md).
-        parts = max(parts, min(16, key_tiles, _cdiv(Nk, ACCURATE_KEYS)))
     per_part = 4 * bh * max(Nq, 1) * (bdv + 2)
     if workspace_bytes is not None:
         parts = min(parts, workspace_bytes // per_part)

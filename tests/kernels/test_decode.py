@@ -287,13 +287,13 @@ def test_matches_regular_forward():
 
 def test_op_routes_to_decode_and_gradients(monkeypatch):
     calls = []
-    real = decode.elsa_decode
+    real = decode.decode_program  # where the operator's forward takes the few-query path
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "elsa_decode", spy)
+    monkeypatch.setattr(decode, "decode_program", spy)
     monkeypatch.setattr(decode, "DECODE_MIN_KEYS", 256)
     B, H, Nk, D = 1, 2, 300, 16
     assert choose_forward(B, H, 1, Nk, device=DEVICE) == "decode"
