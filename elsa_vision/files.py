@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_MAX_ARRAY_BYTES",
     "FileTooLargeError",
     "NotACheckpointError",
+    "UnsafeCheckpointError",
     "atomic_torch_save",
     "check_array_bytes",
     "check_image_pixels",
@@ -59,6 +60,10 @@ DEFAULT_MAX_ARRAY_BYTES = 4 * 2**30
 
 class NotACheckpointError(ValueError):
     """The file is not a checkpoint in any format the package reads."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """The checkpoint holds Python objects that a weights-only load does not rebuild."""
 
 
 class FileTooLargeError(ValueError):
@@ -108,6 +113,8 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path!r} does not exist or is not a file")
+    if path.endswith(".safetensors"):
+        return "safetensors"  # the safetensors reader validates the header itself
     with open(path, "rb") as f:
         head = f.read(16)
     if head.startswith(b"PK"):
@@ -137,10 +144,13 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-    if refused:
-        return f"it names {refused.group(1)}"
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def _refused_global(e: BaseException) -> str:
+    """What torch's weights-only unpickler refused, without its advice to load the file unsafely."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(e))
+    return f"it names {found.group(1)}" if found else "an object that is not a tensor or a plain value"
 
 
 def read_checkpoint(
@@ -181,9 +191,9 @@ def read_checkpoint(
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(
+        raise UnsafeCheckpointError(
             f"{path!r} holds Python objects that a weights-only load does not rebuild "
-            f"({_first_line(e)}); checkpoints must hold only tensors, containers and plain values"
+            f"({_refused_global(e)}); checkpoints must hold only tensors, containers and plain values"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path!r} is a truncated or damaged checkpoint: {_first_line(e)}") from e

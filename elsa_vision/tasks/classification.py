@@ -50,14 +50,22 @@ def create_backbone(
         raise ValueError(
             f"create_backbone: unknown model_name {model_name!r}; registered ELSA models: {valid}"
         )
+    from ..files import checkpoint_kind
+    from ..models import load_checkpoint
+
     for arg, path in (("pretrained_file", pretrained_file), ("checkpoint_path", checkpoint_path)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"create_backbone: {arg}={str(path)!r} is not a file")
+        if path is not None:
+            try:
+                checkpoint_kind(path)  # a JPEG or a text file is named as such before timm reads it
+            except ValueError as e:
+                raise ValueError(f"create_backbone: {arg}: {e}") from None
     if pretrained_file is not None:
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(file=str(pretrained_file)))
     net = timm.create_model(model_name, num_classes=num_classes, **kwargs)
     if checkpoint_path is not None:
-        timm.models.load_checkpoint(net, checkpoint_path, strict=True)
+        load_checkpoint(net, checkpoint_path, strict=True)
     return net
 
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCohenKappa
 
+from ..files import read_checkpoint
 from ..models.hsi_vit import ElsaHSIViT, HSIMAEDecoder
 
 __all__ = ["HSIClassificationModule", "MaskedAutoencoderModule", "load_hsi_checkpoint", "format_report"]
@@ -348,7 +349,7 @@ class HSIClassificationModule(_HSIBase):
         cls, path: str | os.PathLike, map_location: str | torch.device = "cpu"
     ) -> HSIClassificationModule:
         """Rebuild the module and its network from a checkpoint (``weights_only`` load, no unpickling)."""
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = read_checkpoint(path, map_location=map_location)
         payload = _payload(ckpt, path)
         net = ElsaHSIViT(**payload["net_config"])
         hp = dict(ckpt.get("hyper_parameters", {}))
@@ -497,7 +498,7 @@ def _encoder_state(source: Any) -> tuple[dict[str, Tensor], dict]:
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"load_encoder_from: checkpoint not found: {path}")
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = read_checkpoint(path)
         payload = _payload(ckpt, path)
         prefix = payload.get("net_attr", "encoder") + "."
         state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
@@ -524,8 +525,8 @@ def load_hsi_checkpoint(
     if not p.is_file():
         raise ValueError(f"checkpoint: file not found: {p}")
     try:
-        ckpt = torch.load(p, map_location=map_location, weights_only=True)
-    except Exception as e:  # pickle / zip errors on corrupt or foreign files
+        ckpt = read_checkpoint(p, map_location=map_location)
+    except ValueError as e:
         raise ValueError(f"checkpoint: cannot load {p}: {e}") from e
     payload = _payload(ckpt, p)
     if payload.get("net_attr", "net") != "net" or payload.get("meta") is None:
