@@ -117,15 +117,23 @@ def test_lightning_fit_validate_test_logs_metrics(tmp_path):
         assert k in keys, k
     res = trainer.test(module, dm, verbose=False)[0]
     assert 0.0 <= res["test/auc30"] <= 1.0 and res["test/abs_rel"] >= 0.0 and 0.0 <= res["test/delta1"] <= 1.0
-    # a Lightning checkpoint is refused by the weights_only loader with a pointer to export_net
+    # the Lightning checkpoint holds only tensors and plain values (the optimizer and scheduler factories
+    # stay out of its hyper-parameters): it reloads weights-only, with the tensors export_net writes
     from elsa_vision.models.vggt import load_vggt_state_dict
 
     trainer.save_checkpoint(tmp_path / "last.ckpt")
-    with pytest.raises(ValueError, match="export_net"):
-        load_vggt_state_dict(tmp_path / "last.ckpt")
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True, map_location="cpu")
+    assert "optimizer" not in ckpt["hyper_parameters"] and "scheduler" not in ckpt["hyper_parameters"]
     sd = load_vggt_state_dict(module.export_net(tmp_path / "net.safetensors"))
     assert sd.keys() == net.state_dict().keys()
     assert all(torch.equal(sd[k], v) for k, v in net.state_dict().items())
+    from_ckpt = load_vggt_state_dict(tmp_path / "last.ckpt")
+    assert from_ckpt.keys() == sd.keys() and all(torch.equal(from_ckpt[k], v) for k, v in sd.items())
+    # a checkpoint of an older run, with the optimizer factory pickled in: refused, pointing to export_net
+    ckpt["hyper_parameters"]["optimizer"] = functools.partial(torch.optim.AdamW, lr=1e-3)
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    with pytest.raises(ValueError, match=r"old\.ckpt.*functools\.partial.*export_net"):
+        load_vggt_state_dict(tmp_path / "old.ckpt")
 
 
 def test_hydra_configs_instantiate():

@@ -159,17 +159,18 @@ class ClassificationModule(LightningModule):
         self.test_confmat = MulticlassConfusionMatrix(num_classes)
         self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
         self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
     # ------------------------------------------------------------------------------------------- training
     def on_train_start(self) -> None:
-        # Sanity-check batches must not count towards the best validation accuracy.
+        # Sanity-check batches must not count towards the validation metrics (val_acc_best is never updated
+        # during the sanity check, and keeps the value a resumed checkpoint restored).
         self.val_loss.reset()
         self.val_acc.reset()
         self.val_acc5.reset()
-        self.val_acc_best.reset()
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -200,6 +201,8 @@ class ClassificationModule(LightningModule):
         self.log("val/acc5", self.val_acc5, on_step=False, on_epoch=True)
 
     def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
         self.val_acc_best(self.val_acc.compute())
         self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
 
