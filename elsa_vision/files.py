@@ -154,7 +154,7 @@ def _refused_global(e: BaseException) -> str:
 
 
 def read_checkpoint(
-    path: str | os.PathLike, *, map_location: Any = "cpu", torchscript: bool = False
+    path: str | os.PathLike, *, map_location: Any = "cpu", torchscript: bool = False, mmap: bool = False
 ) -> Any:
     """Read a weights or checkpoint file without executing anything from it.
 
@@ -164,6 +164,8 @@ def read_checkpoint(
             (-> its ``state_dict``, see :func:`read_torchscript_state_dict`).
         map_location: as for ``torch.load``.
         torchscript: accept TorchScript archives; otherwise they are refused.
+        mmap: memory-map a ``torch.save`` zip's tensors instead of reading them (to look at a few entries
+            of a large checkpoint).
 
     Raises:
         FileNotFoundError: ``path`` is not a file.
@@ -189,7 +191,7 @@ def read_checkpoint(
             )
         return read_torchscript_state_dict(path)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and kind == "torch")
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"{path!r} holds Python objects that a weights-only load does not rebuild "

@@ -1,13 +1,17 @@
 """Run plumbing for train.py / evaluate.py: callbacks, strategies, instantiation and run-directory helpers."""
 
-from .callbacks import EpochSeed, progress_bar
+from .callbacks import EpochSeed, RunCheckpoint, progress_bar
 from .run import (
+    RunCSVLogger,
+    SafeCheckpointIO,
     extras,
     find_last_checkpoint,
     instantiate_callbacks,
     instantiate_loggers,
     plot_curves,
     print_json_line,
+    register_resolvers,
+    run_dir_for,
     save_resolved_config,
 )
 from .strategies import (
@@ -20,6 +24,9 @@ from .strategies import (
 __all__ = [
     "ContextParallelStrategy",
     "EpochSeed",
+    "RunCSVLogger",
+    "RunCheckpoint",
+    "SafeCheckpointIO",
     "attach_context_parallel",
     "build_context_parallel_mesh",
     "extras",
@@ -30,5 +37,7 @@ __all__ = [
     "plot_curves",
     "print_json_line",
     "progress_bar",
+    "register_resolvers",
+    "run_dir_for",
     "save_resolved_config",
 ]
