@@ -26,6 +26,7 @@ import pickle
 import re
 import secrets
 import sys
+import warnings
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
     "check_image_pixels",
     "checkpoint_kind",
     "link_atomically",
+    "npy_header",
     "open_image",
     "prepare_output_dir",
     "read_checkpoint",
@@ -417,6 +419,14 @@ def _collect(obj: _ScriptObject, prefix: str, decls: Mapping, out: dict, path: s
 # -------------------------------------------------------------------------------------- size limits
 
 
+def _too_many_pixels(path: str | os.PathLike, pixels: str, limit: int) -> FileTooLargeError:
+    return FileTooLargeError(
+        f"image {os.fspath(path)!r} declares {pixels} pixels, more than the limit of {int(limit):,} (a "
+        "decompression bomb?); raise PIL.Image.MAX_IMAGE_PIXELS (training: extras.max_image_pixels=N, "
+        "inference: --max-image-pixels N) to read it"
+    )
+
+
 def check_image_pixels(
     path: str | os.PathLike, width: int, height: int, max_pixels: int | None = None
 ) -> None:
@@ -426,26 +436,24 @@ def check_image_pixels(
 
     limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     if limit is not None and width * height > limit:
-        raise FileTooLargeError(
-            f"image {os.fspath(path)!r} declares {width}x{height} = {width * height:,} pixels, more than the "
-            f"limit of {int(limit):,} (a decompression bomb?); raise PIL.Image.MAX_IMAGE_PIXELS "
-            "(training: extras.max_image_pixels=N) to read it"
-        )
+        raise _too_many_pixels(path, f"{width}x{height} = {width * height:,}", limit)
 
 
 def open_image(path: str | os.PathLike, max_pixels: int | None = None):
     """``PIL.Image.open(path)`` with the declared size checked before any decoding (see
-    :func:`check_image_pixels`). Pillow's own ``DecompressionBombError`` becomes a ``FileTooLargeError``
-    naming the file."""
+    :func:`check_image_pixels`). Pillow's own ``DecompressionBombError`` (above twice its limit) becomes the
+    same ``FileTooLargeError`` naming the file."""
     from PIL import Image
 
     try:
-        im = Image.open(path)
+        with warnings.catch_warnings():
+            # Pillow warns between 1x and 2x its limit and refuses above; the limit is enforced below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(path)
     except Image.DecompressionBombError as e:
-        raise FileTooLargeError(
-            f"image {os.fspath(path)!r}: {e} Raise PIL.Image.MAX_IMAGE_PIXELS (training: "
-            "extras.max_image_pixels=N) to read it"
-        ) from None
+        found = re.search(r"\((\d+) pixels\)", str(e))
+        pixels = f"{int(found.group(1)):,}" if found else "too many"
+        raise _too_many_pixels(path, pixels, Image.MAX_IMAGE_PIXELS or 0) from None
     try:
         check_image_pixels(path, im.width, im.height, max_pixels)
     except FileTooLargeError:
@@ -470,9 +478,28 @@ def check_array_bytes(
     if nbytes > limit:
         raise FileTooLargeError(
             f"{os.fspath(path)!r}: {what} of shape {shape} {dtype} would take {nbytes / 2**30:.1f} GiB when "
-            f"decoded, more than the limit of {limit / 2**30:.1f} GiB; raise the limit (max_bytes) to read it"
+            f"decoded, more than the limit of {limit / 2**30:.1f} GiB (a decompression bomb or a forged "
+            "header?); raise the input size limit (--max-input-gib, data.max_input_gib) to read it"
         )
     return nbytes
+
+
+def npy_header(f, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, dtype)`` from the header of the ``.npy`` stream ``f`` (positioned at its start), read with
+    NumPy's own ``read_magic`` / ``read_array_header_*``; object arrays are refused."""
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version in ((2, 0), (3, 0)):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{name} is not a readable .npy array: {e}") from e
+    if dtype.hasobject:
+        raise ValueError(f"{name} holds Python objects (dtype {dtype}); only numeric arrays are read")
+    return tuple(shape), dtype
 
 
 def read_npy(path: str | os.PathLike, max_bytes: int | None = None) -> np.ndarray:
@@ -482,18 +509,10 @@ def read_npy(path: str | os.PathLike, max_bytes: int | None = None) -> np.ndarra
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version in ((2, 0), (3, 0)):
-                shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-            else:
-                raise ValueError(f"unsupported .npy format version {version}")
+            shape, dtype = npy_header(f, repr(path))
             offset = f.tell()
-    except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"{path!r} is not a readable .npy file: {e}") from e
-    if dtype.hasobject:
-        raise ValueError(f"{path!r} holds Python objects (dtype {dtype}); only numeric arrays are read")
+    except OSError as e:
+        raise ValueError(f"{path!r} cannot be read: {e}") from e
     nbytes = check_array_bytes(path, shape, dtype, max_bytes, "the .npy array")
     size = os.path.getsize(path) - offset
     if size < nbytes:
@@ -510,26 +529,34 @@ def read_npy(path: str | os.PathLike, max_bytes: int | None = None) -> np.ndarra
 def prepare_output_dir(
     out: str | os.PathLike, outputs: Iterable[str], overwrite: bool = False, flag: str = "--out"
 ) -> Path:
-    """Create ``out`` and check, before any work is done, that the run's ``outputs`` can be written there.
+    """Check, before any work is done, that a run can write its ``outputs`` into the directory ``out``.
 
-    Raises ``ValueError`` (one line, naming the directory) when ``out`` cannot be created or written, or
-    when one of ``outputs`` (names relative to ``out``; a trailing ``*`` matches a prefix) already exists and
-    ``overwrite`` is False.
+    ``out`` (or, if it does not exist yet, its nearest existing parent, where it will be created) must be a
+    directory this process can write to: a file is created and removed there to find out. None of
+    ``outputs`` (names relative to ``out``; a trailing ``*`` matches a prefix) may exist unless
+    ``overwrite``. Nothing is created: a run that fails later leaves no empty directory. Raises
+    ``ValueError`` (one line, naming the directory); returns ``Path(out)``.
     """
     out = Path(out)
+    probe_dir = out
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise ValueError(f"{flag} {str(out)!r} cannot be created: {str(probe_dir)!r} is not a directory")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}-{secrets.token_hex(4)}"
+        probe = probe_dir / f".write-test-{os.getpid()}-{secrets.token_hex(4)}"
         probe.touch(exist_ok=False)
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"{flag} {str(out)!r} is not a writable directory: {e.strerror or e}") from e
+        reason = e.strerror or str(e)
+        raise ValueError(f"{flag} {str(out)!r} is not writable ({str(probe_dir)!r}: {reason})") from e
     existing = []
-    for name in outputs:
-        if name.endswith("*"):
-            existing += sorted(p.name for p in out.glob(name))
-        elif (out / name).exists():
-            existing.append(name)
+    if out.is_dir():
+        for name in outputs:
+            if name.endswith("*"):
+                existing += sorted(p.name for p in out.glob(name))
+            elif (out / name).exists():
+                existing.append(name)
     if existing and not overwrite:
         shown = ", ".join(existing[:5]) + (" ..." if len(existing) > 5 else "")
         raise ValueError(

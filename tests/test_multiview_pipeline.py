@@ -246,7 +246,7 @@ def test_inference_cli_subprocess(tmp_path):
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["frames"] == 2 and (tmp_path / "o" / "points.ply").is_file()
     merged = subprocess.run(
-        cmd + ["--merge-ratio", "0.5"],
+        cmd + ["--merge-ratio", "0.5", "--overwrite"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -256,7 +256,7 @@ def test_inference_cli_subprocess(tmp_path):
     assert merged.returncode == 0, merged.stderr
     assert json.loads(merged.stdout.strip().splitlines()[-1])["exact_attention"] is False
     bad = subprocess.run(
-        cmd[:4] + [str(tmp_path / "missing")] + cmd[5:],
+        cmd[:4] + [str(tmp_path / "missing")] + cmd[5:] + ["--overwrite"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -278,3 +278,24 @@ def test_gpu_model_matches_torch_backend():
         out = net(x)
     for k in ("pose_enc", "depth", "depth_conf"):
         assert (out[k] - ref[k]).norm() / ref[k].norm() <= 1e-5, k
+
+
+def test_inference_cli_checks_out_first(tmp_path, capsys, monkeypatch):
+    """An unwritable --out, or the outputs of an earlier run, end the CLI before the weights are read."""
+    import elsa_vision.inference.multiview as mv
+
+    frames, _ = _frames_and_weights(tmp_path)
+    args = ["--frames", str(frames), "--weights", str(tmp_path / "w.safetensors")]
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "cameras.json").write_text("{}")
+
+    def no_work(*a, **k):
+        raise AssertionError("the weights were read before --out was checked")
+
+    monkeypatch.setattr(mv, "build_model", no_work)
+    for out, why in ((tmp_path / "afile" / "o", "cannot be created"), (tmp_path / "done", "already holds")):
+        with pytest.raises(SystemExit) as e:
+            infer_main(args + ["--out", str(out)])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    assert (tmp_path / "done" / "cameras.json").read_text() == "{}"

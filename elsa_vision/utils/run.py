@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 
 
 def extras(cfg: DictConfig) -> None:
-    """Optional run-wide settings from ``cfg.extras``: warning filters, float32 matmul precision and the
-    number of CPU threads torch uses for this process."""
+    """Optional run-wide settings from ``cfg.extras``: warning filters, float32 matmul precision, the
+    number of CPU threads torch uses for this process and the largest image (``PIL.Image.MAX_IMAGE_PIXELS``)
+    read before decoding is refused."""
     import torch
 
     ex = cfg.get("extras") or {}
@@ -65,6 +66,13 @@ def extras(cfg: DictConfig) -> None:
         if int(threads) < 1:
             raise ValueError(f"extras.num_threads must be >= 1 or null, got {threads}")
         torch.set_num_threads(int(threads))
+    max_pixels = ex.get("max_image_pixels")
+    if max_pixels is not None:
+        from PIL import Image
+
+        if int(max_pixels) < 1:
+            raise ValueError(f"extras.max_image_pixels must be >= 1 or null, got {max_pixels}")
+        Image.MAX_IMAGE_PIXELS = int(max_pixels)  # data loader workers started afterwards inherit it
 
 
 def _instantiate_group(group: DictConfig | None, kind: str, base: type) -> list:
