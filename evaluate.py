@@ -9,7 +9,7 @@ import os
 import hydra
 from omegaconf import DictConfig
 
-from elsa_vision.utils.run import register_resolvers
+from elsa_vision.runs import register_resolvers
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 register_resolvers()  # hydra.run.dir: a new directory per run

@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from elsa_vision.files import NotACheckpointError
-from elsa_vision.utils.run import register_resolvers
+from elsa_vision.runs import register_resolvers
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 register_resolvers()  # hydra.run.dir: a new directory per run, or the resumed run's own
@@ -24,7 +24,7 @@ def main(cfg: DictConfig) -> float | None:
 
     try:
         metrics, objects = train(cfg)
-    except (CheckpointPathError, NotACheckpointError) as e:  # a wrong ckpt_path: one line, no traceback
+    except (CheckpointPathError, NotACheckpointError, FileNotFoundError) as e:  # a wrong path: one line
         sys.exit(f"error: {e}")
     if objects["trainer"].is_global_zero:
         print_json_line(

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
+import sys
 import time
 from typing import Any
 
@@ -23,13 +25,13 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, open_dict
 
 from .files import checkpoint_kind, read_checkpoint
+from .runs import run_of_checkpoint
 from .utils.run import (
     extras,
     find_last_checkpoint,
     instantiate_callbacks,
     instantiate_loggers,
     plot_curves,
-    run_of_checkpoint,
     save_resolved_config,
     trim_metrics_csv,
 )
@@ -115,6 +117,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         L.seed_everything(cfg.seed, workers=True)
     ckpt_path = resolve_ckpt_path(cfg)
     run_dir = _continue_run(cfg, ckpt_path) if ckpt_path is not None else str(cfg.paths.output_dir)
+    log.info("Run directory %s; command: %s", run_dir, shlex.join(sys.argv))
     if ckpt_path is not None:
         log.info("Resuming from %s", ckpt_path)
 

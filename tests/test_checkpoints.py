@@ -19,9 +19,9 @@ from lightning import Callback
 from PIL import Image
 
 import elsa_vision.train as train_mod
+from elsa_vision import runs as run_mod
 from elsa_vision.files import NotACheckpointError, read_checkpoint
 from elsa_vision.train import CheckpointPathError, train
-from elsa_vision.utils import run as run_mod
 from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg
 
 QUIET_CSV = [q for q in QUIET if q != "logger=none"] + ["logger=csv"]
@@ -297,6 +297,8 @@ def test_cli_runs_get_their_own_directories_without_warnings(tmp_path):
     for d in (tmp_path / "train" / "runs").iterdir():
         assert (d / "checkpoints" / "last.ckpt").is_file() and (d / "metrics.csv").is_file()
         assert (d / ".hydra" / "config.yaml").is_file()
+        log = (d / "train.log").read_text()  # Lightning's records reach the run's log, with the command line
+        assert "Seed set to 12345" in log and "command: train.py" in log
 
 
 # ---------------------------------------------------------------------------------------- bad ckpt_path

@@ -10,8 +10,6 @@ from .run import (
     instantiate_loggers,
     plot_curves,
     print_json_line,
-    register_resolvers,
-    run_dir_for,
     save_resolved_config,
 )
 from .strategies import (
@@ -37,7 +35,5 @@ __all__ = [
     "plot_curves",
     "print_json_line",
     "progress_bar",
-    "register_resolvers",
-    "run_dir_for",
     "save_resolved_config",
 ]

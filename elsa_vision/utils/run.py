@@ -1,21 +1,17 @@
 """Helpers shared by ``train.py`` and ``evaluate.py``: instantiation, checkpoints, run-directory artefacts.
 
-A run lives in one directory from its start to its end, resumes included: :func:`run_dir_for` (Hydra's
-``hydra.run.dir`` resolves through it) gives every fresh run a directory of its own and a resumed run the
-directory of the run it continues; :class:`RunCSVLogger` appends to that run's ``metrics.csv``;
-:class:`SafeCheckpointIO` writes checkpoints atomically and reads them weights-only.
+A run lives in one directory from its start to its end, resumes included (:mod:`elsa_vision.runs` picks
+it); :class:`RunCSVLogger` appends to that run's ``metrics.csv``; :class:`SafeCheckpointIO` writes checkpoints
+atomically and reads them weights-only.
 """
 
 from __future__ import annotations
 
 import csv
-import glob
-import itertools
 import json
 import logging
 import math
 import os
-import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +26,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
 from ..files import atomic_torch_save, checkpoint_kind, read_checkpoint
+from ..runs import newest_last_checkpoint
 
 __all__ = [
     "RunCSVLogger",
@@ -40,9 +37,6 @@ __all__ = [
     "instantiate_loggers",
     "plot_curves",
     "print_json_line",
-    "register_resolvers",
-    "run_dir_for",
-    "run_of_checkpoint",
     "save_resolved_config",
     "trim_metrics_csv",
 ]
@@ -121,74 +115,13 @@ def find_last_checkpoint(output_dir: str | os.PathLike, search_glob: str) -> str
     own = Path(output_dir) / "checkpoints" / "last.ckpt"
     if own.is_file():
         return str(own)
-    found = _newest_last_checkpoint(search_glob)
+    found = newest_last_checkpoint(search_glob)
     if found is None:
         raise FileNotFoundError(
             f"ckpt_path=last: no last.ckpt in {str(own.parent)!r} nor any matching {search_glob!r}; "
             "pass ckpt_path=/path/to/last.ckpt"
         )
     return found
-
-
-def _newest_last_checkpoint(search_glob: str) -> str | None:
-    found = [p for p in glob.glob(search_glob) if os.path.isfile(p)]
-    return max(found, key=os.path.getmtime) if found else None
-
-
-def run_of_checkpoint(ckpt_path: str | os.PathLike, runs_root: str | os.PathLike) -> str | None:
-    """The run directory a resume from ``ckpt_path`` continues, or None for a new one.
-
-    Only a run's own ``<runs_root>/<run>/checkpoints/last.ckpt`` continues that run; any other checkpoint
-    (a best ``epoch_NNN.ckpt``, a file from elsewhere, a checkpoint evaluated by another task) starts a new
-    run directory, so no run's later history is overwritten.
-    """
-    p = Path(os.path.abspath(ckpt_path))
-    if p.name != "last.ckpt" or p.parent.name != "checkpoints":
-        return None
-    run = p.parent.parent
-    return str(run) if run.parent == Path(os.path.abspath(runs_root)) else None
-
-
-_RUN_DIRS: dict[tuple[str, str | None], str] = {}
-
-
-def run_dir_for(runs_root: str, ckpt_path: str | None = None) -> str:
-    """The directory of a run under ``runs_root`` (the ``run_dir`` resolver of ``configs/hydra``).
-
-    ``ckpt_path=last`` (the newest ``<runs_root>/*/checkpoints/last.ckpt``) or a run's own ``last.ckpt``
-    continues that run's directory (:func:`run_of_checkpoint`). Anything else gets a new directory named
-    by the start time, ``YYYY-MM-DD_HH-MM-SS``; it is created here with an exclusive ``mkdir``, so two jobs
-    started in the same second get two directories (the later one with a suffix ``_1``, ``_2``, ...). The
-    answer is fixed for the process: resolving it again returns the same directory.
-    """
-    key = (os.path.abspath(runs_root), None if ckpt_path in (None, "") else str(ckpt_path))
-    if key in _RUN_DIRS:
-        return _RUN_DIRS[key]
-    root, ckpt = key
-    resumed = None
-    if ckpt == "last":
-        last = _newest_last_checkpoint(os.path.join(root, "*", "checkpoints", "last.ckpt"))
-        resumed = run_of_checkpoint(last, root) if last else None
-    elif ckpt is not None:
-        resumed = run_of_checkpoint(ckpt, root)
-    if resumed is None:
-        os.makedirs(root, exist_ok=True)
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        for n in itertools.count():
-            candidate = os.path.join(root, stamp if n == 0 else f"{stamp}_{n}")
-            try:
-                os.mkdir(candidate)
-            except FileExistsError:
-                continue
-            resumed = candidate
-            break
-    _RUN_DIRS[key] = resumed
-    return resumed
-
-
-def register_resolvers() -> None:
-    """Register the OmegaConf resolvers the configs use (``run_dir``); call before Hydra composes."""
-    OmegaConf.register_new_resolver("run_dir", run_dir_for, use_cache=True, replace=True)
 
 
 def trim_metrics_csv(metrics_csv: str | os.PathLike, before_step: int) -> int:
