@@ -76,7 +76,7 @@ def test_best_and_last_of_the_same_epoch_are_one_file(tmp_path):
     last, best = run / "checkpoints" / "last.ckpt", run / "checkpoints" / "epoch_000.ckpt"
     assert os.path.samefile(last, best) and os.stat(last).st_nlink == 2  # one file, two names
     ckpt = torch.load(last, weights_only=True, map_location="cpu")
-    state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("RunCheckpoint"))
+    state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint"))
     assert state["last_model_path"] == str(last) and state["best_model_path"] == str(best)
     best.unlink()  # the best file going away (top-k rotation) leaves last.ckpt whole
     assert _epoch(last) == 0
@@ -365,3 +365,23 @@ def test_every_task_fits_tests_and_resumes_from_weights_only_checkpoints(tmp_pat
     assert obj["run_dir"] == str(run) and obj["trainer"].current_epoch == 2
     assert any(k.startswith("test/") for k in second), second
     assert _epoch(run / "checkpoints" / "last.ckpt") == 1
+
+
+def test_checkpoint_of_an_older_run_resumes_with_its_best_record(tmp_path):
+    """A checkpoint from before val_acc_best was kept in the state_dict, written under ModelCheckpoint's state
+    key (which RunCheckpoint keeps), still resumes strictly in its run with its best record (lr=0: epoch 0
+    stays the best, so a lost record would make epoch 1 the best)."""
+    logs = tmp_path / "logs"
+    run = logs / "train" / "runs" / "old"
+    base = TINY_NET + QUIET + SMALL + ["test=false", "model.optimizer.lr=0.0"]
+    train(compose_cfg("train", base + ["trainer.max_epochs=1"], run, logs))
+    last = run / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=True, map_location="cpu")
+    assert [k for k in ckpt["callbacks"] if k.startswith("ModelCheckpoint{")]
+    del ckpt["state_dict"]["val_acc_best.max_value"]
+    last.unlink()
+    torch.save(ckpt, last)
+    _, obj = train(compose_cfg("train", base + ["trainer.max_epochs=2", "ckpt_path=last"], run, logs))
+    cb = obj["trainer"].checkpoint_callback
+    assert obj["trainer"].current_epoch == 2
+    assert cb.best_model_path == str(run / "checkpoints" / "epoch_000.ckpt")

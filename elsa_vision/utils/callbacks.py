@@ -38,6 +38,11 @@ class RunCheckpoint(ModelCheckpoint):
         super().__init__(*args, **kwargs)
         self._last_written_step = -1
 
+    @property
+    def state_key(self) -> str:
+        # ModelCheckpoint's key: runs checkpointed by a plain ModelCheckpoint resume with their best record
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         local = self.dirpath is not None and _is_local_file_protocol(self.dirpath)
