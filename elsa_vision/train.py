@@ -22,6 +22,7 @@ import hydra
 import lightning as L
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
 from .files import checkpoint_kind, read_checkpoint
@@ -93,7 +94,10 @@ def _continue_run(cfg: DictConfig, ckpt_path: str) -> str:
         run_dir = resumed
     if resumed is not None:
         step = int(read_checkpoint(ckpt_path, mmap=True).get("global_step", 0))
-        dropped = trim_metrics_csv(os.path.join(run_dir, "metrics.csv"), step)
+        # the CSV logger writes on rank 0 only; other processes (DDP re-launches this script) leave it alone
+        dropped = 0
+        if rank_zero_only.rank == 0:
+            dropped = trim_metrics_csv(os.path.join(run_dir, "metrics.csv"), step)
         if dropped:
             log.info("metrics.csv: dropped %d rows logged after the checkpoint (step %d)", dropped, step)
         for conf in (cfg.get("logger") or {}).values():
