@@ -9,7 +9,10 @@ import os
 import hydra
 from omegaconf import DictConfig
 
+from elsa_vision.runs import register_resolvers
+
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
+register_resolvers()  # hydra.run.dir: a new directory per run
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")

@@ -5,19 +5,27 @@ line of stdout is one JSON object: the final metrics, the run directory and the 
 """
 
 import os
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
+from elsa_vision.files import NotACheckpointError
+from elsa_vision.runs import register_resolvers
+
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
+register_resolvers()  # hydra.run.dir: a new directory per run, or the resumed run's own
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from elsa_vision.train import train
+    from elsa_vision.train import CheckpointPathError, train
     from elsa_vision.utils.run import print_json_line
 
-    metrics, objects = train(cfg)
+    try:
+        metrics, objects = train(cfg)
+    except (CheckpointPathError, NotACheckpointError, FileNotFoundError) as e:  # a wrong path: one line
+        sys.exit(f"error: {e}")
     if objects["trainer"].is_global_zero:
         print_json_line(
             {

@@ -3,12 +3,18 @@
 The repository's ``train.py`` is a thin ``@hydra.main`` around this function (lightning-hydra-template's
 layout). Everything a run produces lands in ``cfg.paths.output_dir``: ``checkpoints/{last,epoch_NNN}.ckpt``,
 ``metrics.csv``, ``tensorboard/``, ``curves.png``, ``config_resolved.yaml`` (and Hydra's ``.hydra/``).
+
+A resume from a run's own ``last.ckpt`` (``ckpt_path=last``) continues that run: same directory, the
+checkpoint callback's best record, one ``metrics.csv`` (rows logged after the checkpoint are dropped, the
+resumed epochs append), and the same final test as an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shlex
+import sys
 import time
 from typing import Any
 
@@ -16,8 +22,11 @@ import hydra
 import lightning as L
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
+from .files import checkpoint_kind, read_checkpoint
+from .runs import run_of_checkpoint
 from .utils.accelerator import check_accelerator
 from .utils.run import (
     extras,
@@ -26,11 +35,16 @@ from .utils.run import (
     instantiate_loggers,
     plot_curves,
     save_resolved_config,
+    trim_metrics_csv,
 )
 
-__all__ = ["instantiate_data", "resolve_ckpt_path", "train"]
+__all__ = ["CheckpointPathError", "instantiate_data", "resolve_ckpt_path", "train"]
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointPathError(ValueError):
+    """``ckpt_path`` names a file that is not a training checkpoint."""
 
 
 def instantiate_data(cfg: DictConfig) -> LightningDataModule:
@@ -45,17 +59,53 @@ def instantiate_data(cfg: DictConfig) -> LightningDataModule:
     return datamodule
 
 
+def _runs_root(cfg: DictConfig) -> str:
+    return os.path.join(cfg.paths.log_dir, cfg.task_name, "runs")
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """``cfg.ckpt_path`` as a file path: ``last`` is looked up, other paths must exist."""
+    """``cfg.ckpt_path`` as a file path: ``last`` is looked up, other paths must exist and be a
+    ``torch.save`` checkpoint (not an image, a text file or a ``.safetensors`` file of weights)."""
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None or ckpt_path == "":
         return None
     if ckpt_path == "last":
-        pattern = os.path.join(cfg.paths.log_dir, cfg.task_name, "runs", "*", "checkpoints", "last.ckpt")
-        return find_last_checkpoint(cfg.paths.output_dir, pattern)
-    if not os.path.isfile(ckpt_path):
+        pattern = os.path.join(_runs_root(cfg), "*", "checkpoints", "last.ckpt")
+        ckpt_path = find_last_checkpoint(cfg.paths.output_dir, pattern)
+    elif not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r} is not a file")
+    kind = checkpoint_kind(ckpt_path)
+    if kind not in ("torch", "torch-legacy"):
+        raise CheckpointPathError(
+            f"ckpt_path={str(ckpt_path)!r} is a {kind} file of weights, not a training checkpoint; to start "
+            "from weights use model.pretrained_file=... (timm weights) or evaluate.py"
+        )
     return str(ckpt_path)
+
+
+def _continue_run(cfg: DictConfig, ckpt_path: str) -> str:
+    """Point ``cfg.paths.output_dir`` at the run ``ckpt_path`` continues (if any); make its ``metrics.csv``
+    end where the checkpoint does; return the run directory."""
+    run_dir = str(cfg.paths.output_dir)
+    resumed = run_of_checkpoint(ckpt_path, _runs_root(cfg))
+    if resumed is not None and os.path.abspath(resumed) != os.path.abspath(run_dir):
+        log.info("Continuing run %s (resumed from its last.ckpt)", resumed)
+        with open_dict(cfg):
+            cfg.paths.output_dir = resumed
+        run_dir = resumed
+    if resumed is not None:
+        step = int(read_checkpoint(ckpt_path, mmap=True).get("global_step", 0))
+        # the CSV logger writes on rank 0 only; other processes (DDP re-launches this script) leave it alone
+        dropped = 0
+        if rank_zero_only.rank == 0:
+            dropped = trim_metrics_csv(os.path.join(run_dir, "metrics.csv"), step)
+        if dropped:
+            log.info("metrics.csv: dropped %d rows logged after the checkpoint (step %d)", dropped, step)
+        for conf in (cfg.get("logger") or {}).values():
+            if isinstance(conf, DictConfig) and str(conf.get("_target_", "")).endswith("TensorBoardLogger"):
+                with open_dict(conf):
+                    conf.purge_step = step  # TensorBoard hides the events logged after the checkpoint
+    return run_dir
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -71,7 +121,11 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     extras(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
-    run_dir = str(cfg.paths.output_dir)
+    ckpt_path = resolve_ckpt_path(cfg)
+    run_dir = _continue_run(cfg, ckpt_path) if ckpt_path is not None else str(cfg.paths.output_dir)
+    log.info("Run directory %s; command: %s", run_dir, shlex.join(sys.argv))
+    if ckpt_path is not None:
+        log.info("Resuming from %s", ckpt_path)
 
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     datamodule = instantiate_data(cfg)
@@ -85,14 +139,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     log.info("Instantiating trainer <%s>", cfg.trainer._target_)
     trainer: Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
 
-    ckpt_path = resolve_ckpt_path(cfg)
-    if ckpt_path is not None:
-        log.info("Resuming from %s", ckpt_path)
-
     metrics: dict[str, Any] = {}
     fitted = bool(cfg.get("train", True))
     if fitted:
-        trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     ckpt_cb = trainer.checkpoint_callback
@@ -113,7 +163,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             test_model = hydra.utils.instantiate(cfg.model, _convert_="partial")
         elif fitted:
             test_model = None  # no checkpoint (fast_dev_run): the trainer's current weights
-        trainer.test(model=test_model, datamodule=datamodule, ckpt_path=test_ckpt)
+        trainer.test(model=test_model, datamodule=datamodule, ckpt_path=test_ckpt, weights_only=True)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
 
     if trainer.is_global_zero and fitted:

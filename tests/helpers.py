@@ -66,3 +66,40 @@ def compile_for_sm90(script: str):
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def bomb_png(path, width: int = 100_000, height: int = 100_000):
+    """A PNG of a few dozen bytes whose header declares ``width x height`` pixels (no pixel data follows)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b""))
+    return path
+
+
+def forged_tiff(path, width: int = 100_000, height: int = 100_000):
+    """A TIFF of a few hundred bytes (one zlib strip of a 64 x 64 image) whose tags declare ``width x height``
+    8-bit pixels: decoding it would allocate the declared size."""
+    import numpy as np
+    import tifffile
+
+    tifffile.imwrite(path, np.zeros((64, 64), np.uint8), compression="zlib", rowsperstrip=64)
+    with tifffile.TiffFile(path, mode="r+b") as tf:
+        tags = tf.pages[0].tags
+        tags["ImageWidth"].overwrite(width)
+        tags["ImageLength"].overwrite(height)
+        tags["RowsPerStrip"].overwrite(height)
+    return path
+
+
+def forged_npy(path, shape=(500_000, 500_000), dtype="<f4"):
+    """A ``.npy`` header declaring ``shape`` (931 GiB by default) followed by no data."""
+    import numpy as np
+
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_2_0(f, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return path

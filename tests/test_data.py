@@ -205,3 +205,22 @@ def test_imagenet_transforms_follow_the_pretrained_cfg(tmp_path):
         ImageNetDataModule(root=str(root), model_name="no_such_model")
     with pytest.raises(ValueError, match="in_chans"):
         ImageNetDataModule(root=str(root), in_chans=1)
+
+
+def test_decompression_bomb_is_skipped_and_named(tmp_path, caplog):
+    """A 69-byte PNG declaring 100000 x 100000 pixels in a class folder: refused before decoding, named in the
+    log and skipped like an undecodable image (also by verify=True); nothing crashes in the loader."""
+    from elsa_vision.files import FileTooLargeError
+    from tests.helpers import bomb_png
+
+    root = make_image_tree(tmp_path / "ds", classes=("a", "b"), n_train=3, n_val=1)
+    bomb = bomb_png(root / "train" / "a" / "bomb.png")
+    with pytest.raises(FileTooLargeError, match=r"bomb\.png' declares 10,000,000,000 pixels"):
+        load_rgb(bomb)
+    ds = RobustImageFolder(root / "train")
+    with caplog.at_level(logging.WARNING):
+        items = [ds[i] for i in range(len(ds))]
+    assert len(items) == len(ds) == 7 and str(bomb) in ds.skipped
+    assert "bomb.png" in caplog.text and "declares 10,000,000,000 pixels" in caplog.text
+    verified = RobustImageFolder(root / "train", verify=True)
+    assert str(bomb) not in [p for p, _ in verified.samples] and len(verified) == 6

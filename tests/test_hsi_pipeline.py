@@ -410,3 +410,32 @@ def test_hydra_configs_instantiate_and_train(trained):
     exp_cfg = OmegaConf.create(exp)
     assert list(exp_cfg.defaults) == [{"override /data": "hsi"}, {"override /model": "elsa_hsi"}]
     assert exp_cfg.data.pca.n_components == 32 and len(exp_cfg.data.class_names) == 9
+
+
+def test_inference_checks_out_before_reading(trained, tmp_path, monkeypatch):
+    """--out is checked before the checkpoint or the cube is read; earlier outputs need --overwrite."""
+    import elsa_vision.tasks.hsi as hsi_tasks
+
+    root = trained["root"]
+    args = ["--checkpoint", str(trained["ckpt"]), "--input", str(root / "scene.mat"), "--no-progress"]
+    (tmp_path / "afile").write_text("")
+
+    def no_work(*a, **k):
+        raise AssertionError("the checkpoint was read before --out was checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(hsi_tasks, "load_hsi_checkpoint", no_work)
+        with pytest.raises(ValueError, match=r"--out '.*afile/o' cannot be created"):
+            main(args + ["--out", str(tmp_path / "afile" / "o")])
+    main(args + ["--out", str(tmp_path / "o")])
+    before = (tmp_path / "o" / "labels.npy").read_bytes()
+    with monkeypatch.context() as m:
+        m.setattr(hsi_tasks, "load_hsi_checkpoint", no_work)
+        refused = r"already holds outputs of an earlier run \(labels\.npy, probs\.npy"
+        with pytest.raises(ValueError, match=refused):
+            main(args + ["--out", str(tmp_path / "o")])
+    assert (tmp_path / "o" / "labels.npy").read_bytes() == before
+    main(args + ["--out", str(tmp_path / "o"), "--overwrite"])
+    # the cube's declared size is checked before it is read
+    with pytest.raises(ValueError, match=r"scene\.mat'.*MATLAB variables.*--max-input-gib"):
+        main(args + ["--out", str(tmp_path / "p"), "--max-input-gib", "1e-6"])

@@ -117,15 +117,23 @@ def test_lightning_fit_validate_test_logs_metrics(tmp_path):
         assert k in keys, k
     res = trainer.test(module, dm, verbose=False)[0]
     assert 0.0 <= res["test/auc30"] <= 1.0 and res["test/abs_rel"] >= 0.0 and 0.0 <= res["test/delta1"] <= 1.0
-    # a Lightning checkpoint is refused by the weights_only loader with a pointer to export_net
+    # the Lightning checkpoint holds only tensors and plain values (the optimizer and scheduler factories
+    # stay out of its hyper-parameters): it reloads weights-only, with the tensors export_net writes
     from elsa_vision.models.vggt import load_vggt_state_dict
 
     trainer.save_checkpoint(tmp_path / "last.ckpt")
-    with pytest.raises(ValueError, match="export_net"):
-        load_vggt_state_dict(tmp_path / "last.ckpt")
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True, map_location="cpu")
+    assert "optimizer" not in ckpt["hyper_parameters"] and "scheduler" not in ckpt["hyper_parameters"]
     sd = load_vggt_state_dict(module.export_net(tmp_path / "net.safetensors"))
     assert sd.keys() == net.state_dict().keys()
     assert all(torch.equal(sd[k], v) for k, v in net.state_dict().items())
+    from_ckpt = load_vggt_state_dict(tmp_path / "last.ckpt")
+    assert from_ckpt.keys() == sd.keys() and all(torch.equal(from_ckpt[k], v) for k, v in sd.items())
+    # a checkpoint of an older run, with the optimizer factory pickled in: refused, pointing to export_net
+    ckpt["hyper_parameters"]["optimizer"] = functools.partial(torch.optim.AdamW, lr=1e-3)
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    with pytest.raises(ValueError, match=r"old\.ckpt.*functools\.partial.*export_net"):
+        load_vggt_state_dict(tmp_path / "old.ckpt")
 
 
 def test_hydra_configs_instantiate():
@@ -265,7 +273,7 @@ def test_inference_cli_subprocess(tmp_path):
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["frames"] == 2 and (tmp_path / "o" / "points.ply").is_file()
     merged = subprocess.run(
-        cmd + ["--merge-ratio", "0.5"],
+        cmd + ["--merge-ratio", "0.5", "--overwrite"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -275,7 +283,7 @@ def test_inference_cli_subprocess(tmp_path):
     assert merged.returncode == 0, merged.stderr
     assert json.loads(merged.stdout.strip().splitlines()[-1])["exact_attention"] is False
     bad = subprocess.run(
-        cmd[:4] + [str(tmp_path / "missing")] + cmd[5:],
+        cmd[:4] + [str(tmp_path / "missing")] + cmd[5:] + ["--overwrite"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -307,3 +315,24 @@ def test_gpu_model_matches_torch_backend():
         out = net(x)
     for k in ("pose_enc", "depth", "depth_conf"):
         assert (out[k] - ref[k]).norm() / ref[k].norm() <= 1e-5, k
+
+
+def test_inference_cli_checks_out_first(tmp_path, capsys, monkeypatch):
+    """An unwritable --out, or the outputs of an earlier run, end the CLI before the weights are read."""
+    import elsa_vision.inference.multiview as mv
+
+    frames, _ = _frames_and_weights(tmp_path)
+    args = ["--frames", str(frames), "--weights", str(tmp_path / "w.safetensors")]
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "cameras.json").write_text("{}")
+
+    def no_work(*a, **k):
+        raise AssertionError("the weights were read before --out was checked")
+
+    monkeypatch.setattr(mv, "build_model", no_work)
+    for out, why in ((tmp_path / "afile" / "o", "cannot be created"), (tmp_path / "done", "already holds")):
+        with pytest.raises(SystemExit) as e:
+            infer_main(args + ["--out", str(out)])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    assert (tmp_path / "done" / "cameras.json").read_text() == "{}"

@@ -301,3 +301,18 @@ def test_experiment_configs_compose(tmp_path, experiment):
         assert cfg.model.net.model_name == "elsa_vit_base_patch16_224" and cfg.data.num_classes == 1000
         assert cfg.model.mixup.cutmix_alpha == 1.0 and cfg.trainer.strategy._target_.endswith("DDPStrategy")
         assert dm.data_config["crop_pct"] == 0.9  # from the model's pretrained cfg
+
+
+def test_extras_max_image_pixels(tmp_path):
+    from PIL import Image
+
+    from elsa_vision.utils import extras
+
+    before = Image.MAX_IMAGE_PIXELS
+    try:
+        extras(compose_cfg("train", ["extras.max_image_pixels=1000"], tmp_path / "r"))
+        assert Image.MAX_IMAGE_PIXELS == 1000
+        with pytest.raises(ValueError, match="max_image_pixels"):
+            extras(compose_cfg("train", ["extras.max_image_pixels=0"], tmp_path / "r"))
+    finally:
+        Image.MAX_IMAGE_PIXELS = before

@@ -289,3 +289,25 @@ def test_evaluate_task_zeroshot_and_embed(tiny_name, image_folder, tmp_path):
         evaluate_zeroshot(compose_cfg("eval", ["task=zeroshot"], tmp_path / "bad"))
     with pytest.raises(ValueError, match="task"):
         evaluate_zeroshot(compose_cfg("eval", [], tmp_path / "cls"))
+
+
+def test_openai_torchscript_archive_is_read_without_running_it(tiny_name, image_folder, tmp_path):
+    """An OpenAI-style TorchScript archive as --pretrained: its tensors are read without torch.jit.load and
+    give the accuracy of the same weights saved as a state_dict; a file that is no checkpoint is named."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = open_clip.create_model(tiny_name).eval()
+    torch.save(model.state_dict(), tmp_path / "tiny.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        image = torch.randn(1, 3, 32, 32)
+        traced = torch.jit.trace_module(model, {"encode_image": (image,)}, check_trace=False)
+    traced.save(str(tmp_path / "tiny_jit.pt"))
+    common = dict(model=tiny_name, data=str(image_folder), num_workers=0, batch_size=5, device="cpu")
+    ref = run(pretrained=str(tmp_path / "tiny.pt"), **common)
+    res = run(pretrained=str(tmp_path / "tiny_jit.pt"), **common)
+    assert res["top1"] == ref["top1"] and res["top5"] == ref["top5"]
+    (tmp_path / "photo.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(60))
+    with pytest.raises(ValueError, match=r"photo\.jpg' is not a checkpoint: it is a JPEG image"):
+        run(pretrained=str(tmp_path / "photo.jpg"), **common)

@@ -12,24 +12,30 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 from PIL import Image
 
+from elsa_vision.runs import register_resolvers
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+register_resolvers()  # as train.py / evaluate.py do (hydra.run.dir)
 
 # A 1-block, 32-wide ElsaViT: every CPU test run stays in seconds.
 TINY_NET = ["model.net.embed_dim=32", "model.net.depth=1", "model.net.num_heads=2", "model.net.mlp_ratio=2.0"]
 QUIET = ["logger=none", "callbacks.model_summary=null", "callbacks.progress_bar.refresh_rate=0"]
 
 
-def compose_cfg(config_name: str, overrides: list[str], out_dir: Path) -> DictConfig:
-    """Compose ``configs/<config_name>.yaml`` with ``overrides``; the run directory is ``out_dir``."""
+def compose_cfg(
+    config_name: str, overrides: list[str], out_dir: Path, log_dir: Path | None = None
+) -> DictConfig:
+    """Compose ``configs/<config_name>.yaml`` with ``overrides``; the run directory is ``out_dir`` and the
+    log directory ``log_dir`` (default: ``out_dir``'s parent)."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR):
         cfg = compose(config_name=config_name, return_hydra_config=True, overrides=overrides)
     HydraConfig().set_config(cfg)
     with open_dict(cfg):
         cfg.paths.output_dir = str(out_dir)
-        cfg.paths.log_dir = str(out_dir.parent)
+        cfg.paths.log_dir = str(out_dir.parent if log_dir is None else log_dir)
         cfg.paths.work_dir = str(ROOT)
         if cfg.get("extras") is not None and "num_threads=" not in " ".join(overrides):
             cfg.extras.num_threads = None  # leave this test process's thread count alone

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from ..files import FileTooLargeError, check_array_bytes, npy_header, read_npy
+
 __all__ = [
     "HSIScene",
     "HSIDataModule",
@@ -49,10 +51,15 @@ __all__ = [
     "chance_accuracy",
     "synthetic_scene",
     "NAN_POLICIES",
+    "MAX_LABEL",
+    "MAX_CLASSES",
     "SPLIT_PROTOCOLS",
 ]
 
 NAN_POLICIES = ("raise", "fill")
+# Ground-truth maps: labels 0..MAX_LABEL (the uint16 range of MATLAB label maps), at most MAX_CLASSES classes.
+MAX_LABEL = 65535
+MAX_CLASSES = 1024
 SPLIT_PROTOCOLS = ("ratio", "per_class")
 _MAT_SUFFIXES = (".mat",)
 _ENVI_SUFFIXES = (".hdr", ".img", ".raw", ".dat", ".bsq", ".bil", ".bip")
@@ -65,9 +72,23 @@ _NPY_SUFFIXES = (".npy", ".npz")
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _read_mat_v5(path: Path) -> dict[str, np.ndarray]:
+# bytes per element of a MATLAB class, for the declared-size check (8 for anything else)
+_MAT_ITEMSIZE = {"int8": 1, "uint8": 1, "logical": 1, "int16": 2, "uint16": 2, "char": 2, "int32": 4,
+                 "uint32": 4, "single": 4}
+
+
+def _read_mat_v5(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     import scipy.io
 
+    try:
+        # variable headers only: compressed variables can declare far more than the file holds
+        declared = scipy.io.whosmat(str(path))
+    except NotImplementedError as e:  # a v7.3 header on a file that is not valid HDF5
+        raise ValueError(f"{path}: MATLAB v7.3 header but not a readable HDF5 file ({e})") from e
+    except Exception as e:  # scipy raises ValueError/TypeError/OSError on corrupt files
+        raise ValueError(f"{path}: cannot read MATLAB file: {e}") from e
+    total = sum(int(np.prod(shape, dtype=object)) * _MAT_ITEMSIZE.get(cls, 8) for _, shape, cls in declared)
+    check_array_bytes(path, (total,), np.uint8, max_bytes, f"the MATLAB variables ({len(declared)})")
     try:
         raw = scipy.io.loadmat(str(path))
     except NotImplementedError as e:  # a v7.3 header on a file that is not valid HDF5
@@ -77,7 +98,7 @@ def _read_mat_v5(path: Path) -> dict[str, np.ndarray]:
     return {k: v for k, v in raw.items() if not k.startswith("__") and isinstance(v, np.ndarray)}
 
 
-def _read_mat_v73(path: Path) -> dict[str, np.ndarray]:
+def _read_mat_v73(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     import h5py
 
     out: dict[str, np.ndarray] = {}
@@ -90,6 +111,8 @@ def _read_mat_v73(path: Path) -> dict[str, np.ndarray]:
                 cls = obj.attrs.get("MATLAB_class", b"")
                 if (cls.decode() if isinstance(cls, bytes) else str(cls)) == "char":  # uint16 text codes
                     return
+                # declared shape first: a chunked, compressed dataset can declare gigabytes in a few bytes
+                check_array_bytes(path, obj.shape, obj.dtype, max_bytes, f"HDF5 dataset {name!r}")
                 # MATLAB writes column-major: an (H, W, B) array is stored as (B, W, H).
                 out[name] = np.asarray(obj[()]).T
 
@@ -99,10 +122,10 @@ def _read_mat_v73(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _read_mat(path: Path) -> dict[str, np.ndarray]:
+def _read_mat(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     import h5py
 
-    return _read_mat_v73(path) if h5py.is_hdf5(str(path)) else _read_mat_v5(path)
+    return _read_mat_v73(path, max_bytes) if h5py.is_hdf5(str(path)) else _read_mat_v5(path, max_bytes)
 
 
 def _envi_header(path: Path) -> Path:
@@ -114,27 +137,35 @@ def _envi_header(path: Path) -> Path:
     raise ValueError(f"{path}: ENVI data file without a header; expected {path.with_suffix('.hdr')}")
 
 
-def _read_envi(path: Path) -> dict[str, np.ndarray]:
+def _read_envi(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     import spectral.io.envi as envi
 
     hdr = _envi_header(path)
     data = None if path.suffix.lower() == ".hdr" else str(path)
     try:
         img = envi.open(str(hdr), data)
-        arr = np.array(img.load())  # (rows, cols, bands) whatever the interleave
     except Exception as e:  # spectral raises its own exception types for bad headers / missing data files
+        raise ValueError(f"{hdr}: cannot read ENVI image: {e}") from e
+    check_array_bytes(hdr, img.shape, img.dtype, max_bytes, "the ENVI image")
+    try:
+        arr = np.array(img.load())  # (rows, cols, bands) whatever the interleave
+    except Exception as e:  # truncated data files
         raise ValueError(f"{hdr}: cannot read ENVI image: {e}") from e
     return {"image": arr}
 
 
-def _read_tiff(path: Path) -> dict[str, np.ndarray]:
+def _read_tiff(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     import tifffile
 
     try:
         with tifffile.TiffFile(str(path)) as tf:
             series = tf.series[0]
+            # the pages' declared shape, before decoding: a few KB of compressed strips can declare GBs
+            check_array_bytes(path, series.shape, series.dtype, max_bytes, "the TIFF image series")
             arr = series.asarray()
             axes = series.axes
+    except FileTooLargeError:
+        raise
     except Exception as e:  # tifffile raises TiffFileError/ValueError on corrupt input
         raise ValueError(f"{path}: cannot read TIFF: {e}") from e
     if arr.ndim == 3 and axes.endswith("YX"):  # planar (bands, H, W) -> (H, W, bands)
@@ -142,18 +173,31 @@ def _read_tiff(path: Path) -> dict[str, np.ndarray]:
     return {"image": arr}
 
 
-def _read_numpy(path: Path) -> dict[str, np.ndarray]:
+def _read_numpy(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
+    if path.suffix.lower() == ".npy":
+        return {"array": read_npy(path, max_bytes)}  # header checked: declared size, data present
     try:
-        if path.suffix.lower() == ".npz":
-            with np.load(str(path), allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}
-        return {"array": np.load(str(path), allow_pickle=False)}
-    except (ValueError, OSError) as e:
+        with np.load(str(path), allow_pickle=False) as z:
+            total = 0
+            for k in z.files:  # each member's header, before anything is decompressed
+                with z.zip.open(f"{k}.npy") as f:
+                    shape, dtype = npy_header(f, f"{path}[{k!r}]")
+                total += check_array_bytes(path, shape, dtype, max_bytes, f"array {k!r}")
+            check_array_bytes(path, (total,), np.uint8, max_bytes, f"the {len(z.files)} arrays")
+            return {k: z[k] for k in z.files}
+    except FileTooLargeError:
+        raise
+    except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"{path}: cannot read NumPy file: {e}") from e
 
 
-def list_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All numeric arrays of a hyperspectral file, as ``{name: array}`` in ``(H, W[, bands])`` order."""
+def list_arrays(path: str | os.PathLike, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """All numeric arrays of a hyperspectral file, as ``{name: array}`` in ``(H, W[, bands])`` order.
+
+    The declared size of what a file holds (MATLAB variable headers, HDF5 dataset shapes, the ENVI header,
+    TIFF page shapes, ``.npy`` headers) is checked against ``max_bytes`` (default
+    :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`) before it is read: ``FileTooLargeError`` otherwise.
+    """
     p = Path(path)
     if not p.exists():
         raise ValueError(f"path: file not found: {p}")
@@ -161,13 +205,13 @@ def list_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise ValueError(f"path: expected a file, got a directory: {p}")
     suffix = p.suffix.lower()
     if suffix in _MAT_SUFFIXES:
-        arrays = _read_mat(p)
+        arrays = _read_mat(p, max_bytes)
     elif suffix in _ENVI_SUFFIXES:
-        arrays = _read_envi(p)
+        arrays = _read_envi(p, max_bytes)
     elif suffix in _TIFF_SUFFIXES:
-        arrays = _read_tiff(p)
+        arrays = _read_tiff(p, max_bytes)
     elif suffix in _NPY_SUFFIXES:
-        arrays = _read_numpy(p)
+        arrays = _read_numpy(p, max_bytes)
     else:
         known = _MAT_SUFFIXES + _ENVI_SUFFIXES + _TIFF_SUFFIXES + _NPY_SUFFIXES
         raise ValueError(f"path: unsupported file type {suffix!r} for {p}; expected one of {known}")
@@ -208,7 +252,9 @@ def _select(
     )
 
 
-def load_cube(path: str | os.PathLike, key: str | None = None, nan_policy: str = "raise") -> np.ndarray:
+def load_cube(
+    path: str | os.PathLike, key: str | None = None, nan_policy: str = "raise", max_bytes: int | None = None
+) -> np.ndarray:
     """Read a hyperspectral cube as float32 ``(H, W, bands)``.
 
     Args:
@@ -217,11 +263,12 @@ def load_cube(path: str | os.PathLike, key: str | None = None, nan_policy: str =
         nan_policy: ``"raise"`` (non-finite values -> ``ValueError`` naming the bands) or ``"fill"``
             (each non-finite value is replaced by the mean of the finite values of its band; a band with no
             finite value becomes 0).
+        max_bytes: see :func:`list_arrays`.
     """
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
     p = Path(path)
-    arrays = list_arrays(p)
+    arrays = list_arrays(p, max_bytes)
     if key is None and len(arrays) == 1:  # a single-array file: its rank is checked below
         name, cube = next(iter(arrays.items()))
     else:
@@ -248,10 +295,12 @@ def load_cube(path: str | os.PathLike, key: str | None = None, nan_policy: str =
     return cube
 
 
-def load_gt(path: str | os.PathLike, key: str | None = None) -> np.ndarray:
-    """Read a ground-truth map as int64 ``(H, W)`` (0 = unlabelled, negative values rejected)."""
+def load_gt(path: str | os.PathLike, key: str | None = None, max_bytes: int | None = None) -> np.ndarray:
+    """Read a ground-truth map as int64 ``(H, W)``: 0 = unlabelled; labels are integers in ``0..MAX_LABEL``
+    with at most ``MAX_CLASSES`` distinct classes, anything else is a ``ValueError`` naming the file, the
+    value and where it is."""
     p = Path(path)
-    arrays = list_arrays(p)
+    arrays = list_arrays(p, max_bytes)
     if key is None and len(arrays) == 1:
         name, gt = next(iter(arrays.items()))
     else:
@@ -262,10 +311,23 @@ def load_gt(path: str | os.PathLike, key: str | None = None) -> np.ndarray:
         raise ValueError(
             f"ground truth {name!r} in {p} must hold integer labels, got non-integer {gt.dtype} values"
         )
+    if gt.size and gt.max() > MAX_LABEL:
+        worst = int(np.argmax(gt))
+        r, c = np.unravel_index(worst, gt.shape)
+        raise ValueError(
+            f"ground truth {name!r} in {p} has label {int(gt.flat[worst])} at row {r}, column {c}: "
+            f"class labels are integers 0..{MAX_LABEL} (0 = unlabelled)"
+        )
     gt = gt.astype(np.int64)
     if (gt < 0).any():
         raise ValueError(
             f"ground truth {name!r} in {p} has negative labels (min {gt.min()}); expected 0 = unlabelled"
+        )
+    classes = np.unique(gt[gt > 0]).size
+    if classes > MAX_CLASSES:
+        raise ValueError(
+            f"ground truth {name!r} in {p} has {classes} distinct labels, more than {MAX_CLASSES} classes: "
+            "is it a label map (and not an image band)?"
         )
     return gt
 
@@ -286,15 +348,17 @@ def load_scene(
     key: str | None = None,
     gt_key: str | None = None,
     nan_policy: str = "raise",
+    max_bytes: int | None = None,
 ) -> HSIScene:
     """Read a cube and (optionally) its ground truth and check that they agree in size.
 
     When ``gt_path`` is None but ``gt_key`` is given, the ground truth is read from the cube's own file.
+    ``max_bytes``: see :func:`list_arrays`.
     """
-    cube = load_cube(path, key=key, nan_policy=nan_policy)
+    cube = load_cube(path, key=key, nan_policy=nan_policy, max_bytes=max_bytes)
     gt = None
     if gt_path is not None or gt_key is not None:
-        gt = load_gt(gt_path if gt_path is not None else path, key=gt_key)
+        gt = load_gt(gt_path if gt_path is not None else path, key=gt_key, max_bytes=max_bytes)
         if gt.shape != cube.shape[:2]:
             raise ValueError(
                 f"gt/image size mismatch: ground truth {gt_path or path} is {gt.shape[0]}x{gt.shape[1]}, "
@@ -313,9 +377,10 @@ def encode_labels(gt: np.ndarray, class_values: Sequence[int] | None = None) -> 
     values = np.unique(gt[gt > 0]) if class_values is None else np.asarray(class_values, dtype=np.int64)
     if values.size == 0:
         raise ValueError("ground truth has no labelled pixel (all labels are 0)")
-    lut = np.full(int(max(values.max(), gt.max())) + 1, -1, dtype=np.int64)
-    lut[values] = np.arange(values.size)
-    enc = lut[gt]
+    # a sorted lookup: memory follows the number of pixels, not the largest label value
+    order = np.argsort(values, kind="stable")
+    pos = np.clip(np.searchsorted(values[order], gt), 0, values.size - 1)
+    enc = np.where((values[order][pos] == gt) & (gt > 0), order[pos], -1).astype(np.int64)
     unknown = (gt > 0) & (enc < 0)
     if unknown.any():
         raise ValueError(
@@ -635,6 +700,8 @@ class HSIDataModule(L.LightningDataModule):
             pretraining; validation stays the labelled validation split. ``max_pretrain_samples`` caps it
             (random subset, fixed by ``seed``).
         class_names: optional names of the classes in increasing label order.
+        max_input_gib: files declaring more data than this many GiB are refused before they are read
+            (default: :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`, 4 GiB).
 
     After ``setup()``: ``num_bands`` (bands after the transform), ``num_classes``, ``class_values``,
     ``hsi_meta`` (what inference needs, stored in checkpoints by the task modules).
@@ -659,6 +726,7 @@ class HSIDataModule(L.LightningDataModule):
         max_pretrain_samples: int | None = None,
         class_names: Sequence[str] | None = None,
         pin_memory: bool = False,
+        max_input_gib: float | None = None,
     ):
         super().__init__()
         if int(batch_size) < 1:
@@ -692,6 +760,9 @@ class HSIDataModule(L.LightningDataModule):
         self.max_pretrain_samples = max_pretrain_samples
         self.class_names = None if class_names is None else [str(c) for c in class_names]
         self.pin_memory = pin_memory
+        if max_input_gib is not None and not max_input_gib > 0:
+            raise ValueError(f"max_input_gib must be > 0 or None, got {max_input_gib}")
+        self.max_bytes = None if max_input_gib is None else int(max_input_gib * 2**30)
         self.transform: SpectralTransform | None = None
         self._ready = False
 
@@ -701,7 +772,12 @@ class HSIDataModule(L.LightningDataModule):
             return
         # Without a separate ground-truth file, the cube's own file must hold the ground truth.
         scene = load_scene(
-            self.path, self.gt_path or self.path, key=self.key, gt_key=self.gt_key, nan_policy=self.nan_policy
+            self.path,
+            self.gt_path or self.path,
+            key=self.key,
+            gt_key=self.gt_key,
+            nan_policy=self.nan_policy,
+            max_bytes=self.max_bytes,
         )
         h, w, _ = scene.cube.shape
         _check_patch_size(self.patch_size, h, w)

@@ -4,7 +4,9 @@ Every image is decoded with Pillow and converted to RGB, so grayscale (``L``, ``
 CMYK files all load. Zero-byte files are dropped when the tree is scanned; an image that fails to decode
 (truncated, corrupt) is skipped when it is read: the path is logged, a per-process counter is incremented, and
 the next readable image of the split takes its place, so a batch is always full and ``collate`` never sees a
-broken sample. ``verify=True`` decodes every image once in ``setup`` and drops the broken ones up front.
+broken sample. ``verify=True`` decodes every image once in ``setup`` and drops the broken ones up front. An
+image whose header declares more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (a decompression bomb) is treated
+the same way, before anything is decoded (training: ``extras.max_image_pixels`` changes the limit).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from PIL import Image
 from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset
 
+from ..files import open_image
 from .samplers import EpochShuffleSampler
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolderDataModule", "RobustImageFolder", "load_rgb", "scan_class_folders"]
@@ -39,7 +42,9 @@ def load_rgb(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
 
 
 def _load(path: str | os.PathLike) -> Image.Image:
-    with Image.open(path) as im:
+    # the declared size is checked against PIL.Image.MAX_IMAGE_PIXELS before decoding (FileTooLargeError, a
+    # ValueError: the image is skipped like an undecodable one, and named)
+    with open_image(path) as im:
         im.load()  # decode now: truncated data raises here, not later inside a transform
         if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
             rgba = im.convert("RGBA")

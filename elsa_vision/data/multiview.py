@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from ..files import FileTooLargeError, open_image, read_npy
 from ..geometry import quat_to_mat
 
 __all__ = [
@@ -295,9 +296,7 @@ class FrameRecord:
 
 
 def _image_size(path: Path) -> tuple[int, int]:
-    from PIL import Image
-
-    with Image.open(path) as im:
+    with open_image(path) as im:
         return im.height, im.width
 
 
@@ -505,11 +504,11 @@ def resize_frame(
 
 
 def _load_image(path: Path) -> Tensor:
-    from PIL import Image
-
     try:
-        with Image.open(path) as im:
+        with open_image(path) as im:  # the declared size is checked before decoding
             arr = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
+    except FileTooLargeError:
+        raise
     except Exception as exc:  # PIL raises several types for corrupt files
         raise ValueError(f"cannot read image {path}: {exc}") from exc
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
@@ -518,13 +517,11 @@ def _load_image(path: Path) -> Tensor:
 def _load_depth(rec: FrameRecord) -> Tensor:
     p = rec.depth
     if p.suffix == ".npy":
-        arr = np.load(p).astype(np.float32)
+        arr = read_npy(p).astype(np.float32)  # header checked: declared size, data present
     elif p.name.endswith(".bin"):
         arr = read_colmap_depth(p).astype(np.float32)
     else:
-        from PIL import Image
-
-        with Image.open(p) as im:
+        with open_image(p) as im:
             arr = np.asarray(im, dtype=np.float32) * rec.depth_scale
     if arr.shape != rec.size_hw:
         raise ValueError(f"depth map {p} has shape {arr.shape}, image is {rec.size_hw}")

@@ -85,18 +85,15 @@ def stock_model_name(name: str) -> str:
 
 def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     """A state_dict from ``.safetensors`` or a torch checkpoint (``weights_only=True``; wrappers unpacked)."""
+    from ..files import read_checkpoint
+
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"weights file {path!r} does not exist")
     try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            sd = load_file(path, device="cpu")
-        else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # safetensors / pickle raise many types for corrupt files
-        raise ValueError(f"weights file {path!r} cannot be read: {e}") from e
+        sd = read_checkpoint(path)
+    except ValueError as e:
+        raise ValueError(f"weights file cannot be read: {e}") from e
     for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]

@@ -10,7 +10,9 @@ pixels go through the network in batches. Writes into ``--out``:
 * ``probs.npy``: ``(H, W, K)`` float32 softmax probabilities (0 where not predicted).
 
 With ``--gt`` it prints OA / AA / kappa over the labelled pixels. The last stdout line is a JSON summary
-(time, peak memory, metrics). Matmuls and convolutions run in strict FP32 (TF32 off).
+(time, peak memory, metrics). Matmuls and convolutions run in strict FP32 (TF32 off). ``--out`` is checked
+before anything is read or computed (writable; earlier outputs replaced only with ``--overwrite``); a cube
+declaring more than ``--max-input-gib`` of data is refused before it is read.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ from ..data.hyperspectral import (
     load_gt,
     pad_cube,
 )
+from ..files import DEFAULT_MAX_ARRAY_BYTES, prepare_output_dir
 
 __all__ = ["predict_scene", "confusion_metrics", "save_class_map", "run", "main"]
+
+OUTPUTS = ("labels.npy", "probs.npy", "class_map.png")
 
 
 @contextlib.contextmanager
@@ -198,10 +203,18 @@ def run(
     labelled_only: bool = False,
     progress: bool = True,
     nan_policy: str | None = None,
+    overwrite: bool = False,
+    max_bytes: int | None = None,
 ) -> dict:
-    """Classify a full scene with a ``HSIClassificationModule`` checkpoint; returns the JSON summary dict."""
+    """Classify a full scene with a ``HSIClassificationModule`` checkpoint; returns the JSON summary dict.
+
+    ``out`` must be writable and must not hold the outputs of an earlier run unless ``overwrite``; this is
+    checked first. ``max_bytes`` limits the declared size of the cube and ground-truth arrays
+    (default :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`).
+    """
     from ..tasks.hsi import load_hsi_checkpoint
 
+    out_dir = prepare_output_dir(out, OUTPUTS, overwrite=overwrite)
     t0 = time.perf_counter()
     dev = torch.device(device if device else ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
@@ -214,6 +227,7 @@ def run(
         input,
         key=key,
         nan_policy=nan_policy or meta.get("nan_policy", "raise"),
+        max_bytes=max_bytes,
     )
     if cube.shape[-1] != transform.num_bands_in:
         raise ValueError(
@@ -223,7 +237,7 @@ def run(
     names = meta.get("class_names") or [f"class {v}" for v in class_values.tolist()]
     gt_enc = None
     if gt is not None:
-        gt_raw = load_gt(gt, key=gt_key)
+        gt_raw = load_gt(gt, key=gt_key, max_bytes=max_bytes)
         if gt_raw.shape != cube.shape[:2]:
             raise ValueError(
                 f"gt/image size mismatch: gt {gt} is {gt_raw.shape}, cube {input} is {cube.shape[:2]}"
@@ -243,7 +257,6 @@ def run(
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t2 = time.perf_counter()
-    out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     np.save(out_dir / "labels.npy", labels)
     np.save(out_dir / "probs.npy", probs)
@@ -288,6 +301,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--gt", default=None, help="ground-truth file: prints OA/AA/kappa over labelled pixels")
     ap.add_argument("--gt-key", default=None, help="ground-truth array name (auto-detected)")
     ap.add_argument("--out", default="hsi_inference", help="output directory")
+    ap.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    ap.add_argument(
+        "--max-input-gib",
+        type=float,
+        default=DEFAULT_MAX_ARRAY_BYTES / 2**30,
+        help="refuse cube / ground-truth files declaring more GiB of data, before reading "
+        "(default %(default)g)",
+    )
     ap.add_argument("--batch-size", type=int, default=1024, help="patches per forward pass")
     ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     ap.add_argument("--labelled-only", action="store_true", help="classify only pixels labelled in --gt")
@@ -308,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         labelled_only=a.labelled_only,
         progress=not a.no_progress,
         nan_policy=a.nan_policy,
+        overwrite=a.overwrite,
+        max_bytes=int(a.max_input_gib * 2**30),
     )
     print(
         f"classified {summary['predicted_pixels']} pixels ({summary['height']}x{summary['width']}) in "

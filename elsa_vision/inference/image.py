@@ -14,8 +14,11 @@ Usage::
         [--num-classes 1000] [--in-chans 1]
 
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
-sub-folder ``slice_<index>`` per image when several slices/frames are selected). The last stdout line is a
-JSON summary.
+sub-folder ``slice_<index>`` per image when several slices/frames are selected). ``--out`` is checked before
+anything is computed: it must be writable, and outputs of an earlier run there are replaced only with
+``--overwrite``. Inputs declaring more than ``--max-input-gib`` of decoded data (TIFF, DICOM, NIfTI) or more
+than ``--max-image-pixels`` pixels (PNG/JPEG) are refused before decoding. The last stdout line is a JSON
+summary.
 
 With ``--context-parallel`` (under ``torchrun``, one process per GPU; gloo processes on CPU) every rank reads
 the same image and holds ``1/world`` of its tokens; attention is global (ring attention over the ranks) and
@@ -36,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..files import DEFAULT_MAX_ARRAY_BYTES, prepare_output_dir
 from .highres import (
     MODEL_ALIASES,
     Plan,
@@ -53,6 +57,9 @@ from .highres import (
 from .readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
 
 __all__ = ["main", "cli", "build_parser", "heatmap_overlay", "save_random_weights"]
+
+# what a run writes into --out (a trailing * matches the per-slice sub-folders)
+OUTPUTS = ("prediction.json", "features.safetensors", "overlay.png", "report.json", "slice_*")
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # (position, RGB) anchors of a dark-to-bright perceptual colour map (black - purple - orange - yellow).
@@ -112,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--input", help="image file: .dcm .nii .nii.gz .tif .ome.tif .png .jpg")
     p.add_argument("--out", help="output directory")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the outputs of an earlier run in --out (or the file of --save-random-weights)",
+    )
     p.add_argument(
         "--img-size",
         type=int,
@@ -186,6 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="DICOM-style window: 'file' or 'CENTER,WIDTH' (rescaled units, e.g. HU) -> [0, 1]",
     )
     rd.add_argument("--no-invert-monochrome1", action="store_true", help="keep MONOCHROME1 values as stored")
+    rd.add_argument(
+        "--max-input-gib",
+        type=float,
+        default=DEFAULT_MAX_ARRAY_BYTES / 2**30,
+        help="refuse a TIFF/DICOM/NIfTI input whose declared decoded size (or one image of it in float32) "
+        "exceeds this many GiB, before decoding (default %(default)g)",
+    )
+    rd.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=None,
+        help="refuse a PNG/JPEG input whose header declares more pixels, before decoding (default: "
+        "Pillow's PIL.Image.MAX_IMAGE_PIXELS, 89,478,485)",
+    )
     rd.add_argument(
         "--nan-policy",
         choices=NAN_POLICIES,
@@ -397,6 +423,10 @@ def _write_outputs(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.save_random_weights:
+        if os.path.exists(args.save_random_weights) and not args.overwrite:
+            raise ValueError(
+                f"--save-random-weights {args.save_random_weights!r} exists; pass --overwrite to replace it"
+            )
         info = save_random_weights(
             args.save_random_weights, args.model, num_classes=args.num_classes, in_chans=args.in_chans
         )
@@ -405,6 +435,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for flag in ("input", "out"):
         if getattr(args, flag) is None:
             raise SystemExit(f"error: --{flag} is required")
+    if args.max_input_gib <= 0:
+        raise ValueError(f"--max-input-gib must be > 0, got {args.max_input_gib}")
+    if args.max_image_pixels is not None and args.max_image_pixels < 1:
+        raise ValueError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
+    # before any reading or computing: an unwritable --out, or earlier outputs, fail now
+    prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cp_group, owns_group = None, False
     if args.context_parallel:
@@ -416,9 +452,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.overlay == "cls-attn":
             raise ValueError(
                 "--overlay cls-attn does not combine with --context-parallel (use --overlay norm)")
+    from PIL import Image
+
+    pixel_limit = Image.MAX_IMAGE_PIXELS
+    if args.max_image_pixels is not None:
+        Image.MAX_IMAGE_PIXELS = args.max_image_pixels  # for this run (Pillow's limit is process-wide)
     try:
         return _run(args, device, cp_group)
     finally:
+        Image.MAX_IMAGE_PIXELS = pixel_limit
         if owns_group:
             torch.distributed.destroy_process_group()
 
@@ -453,6 +495,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
             frame=0 if args.frame is None and detect_format(args.input) == "dicom" else args.frame,
             series=args.series,
             level=args.level,
+            max_bytes=int(args.max_input_gib * 2**30),
         )
     )
     sd = load_weights(args.weights) if args.weights else None

@@ -14,6 +14,8 @@ Writes ``OUT/depth/<frame>.npy`` (float32 depth), ``OUT/depth/<frame>.png`` (16-
 depth_png_scale`` from ``cameras.json``), ``OUT/cameras.json`` (camera-from-world extrinsics, intrinsics,
 confidence statistics) and ``OUT/points.ply`` (binary, world points of the pixels whose depth confidence is
 above the given percentile, coloured by the frames). The last stdout line is a JSON summary. FP32 by default.
+``--out`` is checked before the model is built: it must be writable, and the outputs of an earlier run there
+are replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from ..data.multiview import _load_image, resize_frame
+from ..files import prepare_output_dir
 from ..geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
 from ..models.vggt import (
     VGGT_CONFIGS,
@@ -39,6 +42,7 @@ from ..models.vggt import (
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OUTPUTS = ("depth", "cameras.json", "points.ply")
 _EXTS = (".png", ".jpg", ".jpeg")
 
 
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--config", default=None, choices=sorted(VGGT_CONFIGS),
                     help="architecture of --weights (default: read from the weights)")
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
     ap.add_argument(
         "--width", type=int, default=None, help="model input width (default: the config's img_size)"
     )
@@ -137,6 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     if not 0.0 <= args.merge_ratio < 1.0:
         ap.error(f"--merge-ratio must be in [0, 1), got {args.merge_ratio}")
+    try:  # before anything is read or computed
+        prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
+    except ValueError as e:
+        ap.error(str(e))
     model, dropped, config = build_model(args.weights, args.config, args.merge_ratio)
     cfg = VGGT_CONFIGS[config]
     model = model.to(device=args.device, dtype=_DTYPES[args.dtype])

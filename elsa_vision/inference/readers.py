@@ -11,7 +11,8 @@ Value pipeline of :func:`load_image` (each step optional):
 4. non-finite policy (error / zero / mean) -> 5. normalisation -> 6. channel mapping to ``in_chans``.
 
 Bad input raises ``ValueError`` (unreadable or corrupt file, wrong index, image too small, NaN without a
-policy) or ``TypeError`` (unsupported dtype: complex, bool, structured), always naming the file.
+policy, more pixels or bytes declared than the limits allow: ``FileTooLargeError``, before decoding) or
+``TypeError`` (unsupported dtype: complex, bool, structured), always naming the file.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+
+from ..files import check_array_bytes
 
 __all__ = [
     "MedicalImage",
@@ -148,7 +151,7 @@ def _pick(index: int | None, count: int, what: str, path: str) -> list[int]:
 # ----------------------------------------------------------------------------------------------- DICOM
 
 
-def _dicom_images(path: str, frame: int | None) -> Iterator[MedicalImage]:
+def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterator[MedicalImage]:
     import pydicom
     from pydicom.errors import InvalidDicomError
 
@@ -158,6 +161,12 @@ def _dicom_images(path: str, frame: int | None) -> Iterator[MedicalImage]:
         raise ValueError(f"input file {path!r} is not a readable DICOM file: {e}") from e
     if "PixelData" not in ds and "FloatPixelData" not in ds and "DoubleFloatPixelData" not in ds:
         raise ValueError(f"input file {path!r}: DICOM dataset has no pixel data")
+    declared = [int(getattr(ds, k, 1) or 1) for k in ("NumberOfFrames", "Rows", "Columns", "SamplesPerPixel")]
+    nbytes = -(-int(getattr(ds, "BitsAllocated", 8) or 8) // 8)
+    # the decoded pixels (compressed pixel data can declare far more than the file holds), then one frame
+    # in float32, are checked before pydicom decodes anything
+    check_array_bytes(path, declared + [nbytes], np.uint8, max_bytes, "DICOM pixel data")
+    check_array_bytes(path, declared[1:], np.float32, max_bytes, "one DICOM frame in float32")
     try:
         pixels = ds.pixel_array
     except Exception as e:  # pixel decoding raises many types (missing codec, truncated data, bad tags)
@@ -199,7 +208,7 @@ def _dicom_images(path: str, frame: int | None) -> Iterator[MedicalImage]:
 
 
 def _nifti_images(
-    path: str, slice_index: int | None, slice_axis: int, frame: int | None
+    path: str, slice_index: int | None, slice_axis: int, frame: int | None, max_bytes: int | None
 ) -> Iterator[MedicalImage]:
     import nibabel as nib
     from nibabel.filebasedimages import ImageFileError
@@ -237,6 +246,8 @@ def _nifti_images(
             slices = list(range(count))
         else:
             slices = _pick(count // 2 if slice_index is None else slice_index, count, "slice_index", path)
+    plane = [n for i, n in enumerate(shape[:3]) if len(shape) == 2 or i != slice_axis]
+    check_array_bytes(path, plane, np.float64, max_bytes, "one NIfTI slice")  # scaled reads are float64
     for t in frames:
         for s in slices:
             idx: list[Any] = [slice(None)] * len(shape)
@@ -264,7 +275,9 @@ def _finite_or_none(v) -> float | None:
 # ------------------------------------------------------------------------------------------------ TIFF
 
 
-def _tiff_images(path: str, series: int, level: int, slice_index: int | None) -> Iterator[MedicalImage]:
+def _tiff_images(
+    path: str, series: int, level: int, slice_index: int | None, max_bytes: int | None
+) -> Iterator[MedicalImage]:
     import tifffile
 
     try:
@@ -290,6 +303,9 @@ def _tiff_images(path: str, series: int, level: int, slice_index: int | None) ->
             except (ValueError, OSError):
                 arr = None
         if arr is None:
+            # decoding allocates the whole series: check what the pages declare first (a few KB of
+            # compressed data can declare gigabytes)
+            check_array_bytes(path, shape, dtype, max_bytes, "TIFF image series")
             try:
                 arr = page_series.asarray()
             except (ValueError, OSError, EOFError, RuntimeError, KeyError, _struct_error()) as e:
@@ -303,6 +319,7 @@ def _tiff_images(path: str, series: int, level: int, slice_index: int | None) ->
     arr = np.moveaxis(arr, [axes.index(a) for a in order], list(range(len(order))))
     stack = [a for a in axes if a not in "YXCS"]
     n_stack = int(np.prod([shape[axes.index(a)] for a in stack])) if stack else 1
+    check_array_bytes(path, (arr.size // max(1, n_stack),), np.float32, max_bytes, "one TIFF image (float32)")
     arr = arr.reshape((n_stack, -1) + arr.shape[-2:]) if chan else arr.reshape((n_stack, 1) + arr.shape[-2:])
     meta = {
         "source_dtype": str(dtype),
@@ -336,7 +353,9 @@ def _png_colour_depth(path: str) -> tuple[int, int] | None:
 
 
 def _pillow_images(path: str, fmt: str) -> Iterator[MedicalImage]:
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import ImageOps, UnidentifiedImageError
+
+    from ..files import FileTooLargeError, open_image
 
     if fmt == "png":
         depth = _png_colour_depth(path)
@@ -346,7 +365,7 @@ def _pillow_images(path: str, fmt: str) -> Iterator[MedicalImage]:
                 "Pillow; save it as 16-bit TIFF instead"
             )
     try:
-        with Image.open(path) as im:
+        with open_image(path) as im:  # the declared size is checked before decoding
             im.load()
             im = ImageOps.exif_transpose(im) if fmt == "jpeg" else im
             mode = im.mode
@@ -358,6 +377,8 @@ def _pillow_images(path: str, fmt: str) -> Iterator[MedicalImage]:
                 im = im.convert("RGB")
             arr = np.asarray(im)
             mode = im.mode
+    except FileTooLargeError:
+        raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise ValueError(f"input file {path!r} is not a readable {fmt.upper()} image: {e}") from e
     meta = {"source_dtype": str(arr.dtype), "mode": mode}
@@ -382,6 +403,7 @@ def iter_images(
     frame: int | str | None = None,
     series: int = 0,
     level: int = 0,
+    max_bytes: int | None = None,
 ) -> Iterator[MedicalImage]:
     """Every 2-D image selected from ``path``, as raw float32 ``[C, H, W]`` (after rescale).
 
@@ -392,6 +414,9 @@ def iter_images(
         frame: DICOM multi-frame index (default: all frames) or NIfTI 4th-axis index (default 0);
             ``"all"`` for every one.
         series, level: TIFF series and pyramid level (0 = full resolution).
+        max_bytes: the largest decoded size (the pixels a file declares, and one image in float32) read
+            (default :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`); more raises ``FileTooLargeError``
+            before decoding. PNG/JPEG are limited by pixel count (``PIL.Image.MAX_IMAGE_PIXELS``).
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -401,13 +426,13 @@ def iter_images(
     fmt = detect_format(path)
     frame_i = None if frame == "all" else frame
     if fmt == "dicom":
-        yield from _dicom_images(path, frame_i)
+        yield from _dicom_images(path, frame_i, max_bytes)
     elif fmt == "nifti":
         if slice_index == "all" and frame == "all":
             raise ValueError("slice_index='all' and frame='all' cannot be combined; pick one of them")
-        yield from _nifti_images(path, slice_index, slice_axis, None if frame == "all" else frame)
+        yield from _nifti_images(path, slice_index, slice_axis, None if frame == "all" else frame, max_bytes)
     elif fmt == "tiff":
-        yield from _tiff_images(path, series, level, 0 if slice_index is None else slice_index)
+        yield from _tiff_images(path, series, level, 0 if slice_index is None else slice_index, max_bytes)
     else:
         yield from _pillow_images(path, fmt)
 

@@ -1,8 +1,9 @@
 """Building the model zoo: attention options checked at build time, local checkpoint files, timm filter
 functions, clear key reports.
 
-Checkpoints are read without unpickling arbitrary objects: ``.safetensors`` through ``safetensors``, every
-other file (``.pth``, ``.pt``, ``.bin``, ``.ckpt``) through ``torch.load(weights_only=True)``.
+Checkpoints are read without unpickling arbitrary objects (:func:`elsa_vision.files.read_checkpoint`):
+``.safetensors`` through ``safetensors``, every other file (``.pth``, ``.pt``, ``.bin``, ``.ckpt``) through
+``torch.load(weights_only=True)``, TorchScript archives without running their code.
 """
 
 from __future__ import annotations
@@ -91,33 +92,26 @@ def read_state_dict(path: str | os.PathLike, model_keys: set[str] | None = None)
     """Read a flat ``{name: tensor}`` dict from a local checkpoint file.
 
     Args:
-        path: ``.safetensors`` file, or a torch checkpoint (``.pth``/``.pt``/``.bin``/``.ckpt``) loaded with
-            ``weights_only=True``. Nested dicts (``state_dict``, ``model``, ...) and wrapper prefixes
-            (``module.``, ``_orig_mod.``) are unwrapped.
+        path: ``.safetensors`` file, a torch checkpoint (``.pth``/``.pt``/``.bin``/``.ckpt``) loaded with
+            ``weights_only=True``, or a TorchScript archive (its tensors; its code is never run). Nested
+            dicts (``state_dict``, ``model``, ...) and wrapper prefixes (``module.``, ``_orig_mod.``) are
+            unwrapped.
         model_keys: the target model's keys, used to decide whether stripping a prefix helps.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: the file is not a readable checkpoint or holds no tensors.
     """
+    from ..files import read_checkpoint
+
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint_path {path!r} does not exist or is not a file")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        try:
-            obj = load_file(path, device="cpu")
-        except Exception as e:  # safetensors raises its own SafetensorError on corrupt headers
-            raise ValueError(f"checkpoint_path {path!r} is not a valid .safetensors file: {e}") from e
-    else:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # UnpicklingError, RuntimeError (bad zip), EOFError ...
-            raise ValueError(
-                f"checkpoint_path {path!r} could not be read by torch.load(weights_only=True): "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            ) from e
+    try:
+        obj = read_checkpoint(path, torchscript=True)
+    except ValueError as e:
+        what = "is not a valid .safetensors file" if path.endswith(".safetensors") else "could not be read"
+        raise ValueError(f"checkpoint_path {what}: {e}") from e
     while isinstance(obj, Mapping):
         nested = next((k for k in _NESTED_KEYS if isinstance(obj.get(k), Mapping)), None)
         if nested is None or any(isinstance(v, Tensor) for v in obj.values()):

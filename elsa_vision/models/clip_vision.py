@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -536,41 +535,25 @@ def vision_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return vis
 
 
-def _is_torchscript(path: str) -> bool:
-    if not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as zf:
-        return any(n.split("/", 1)[-1].startswith("code/") for n in zf.namelist())
-
-
 def load_clip_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """Read a CLIP checkpoint file into a flat float state_dict (all towers).
+    """Read a CLIP checkpoint file into a flat float state_dict (all towers), without executing anything.
 
     Accepts ``.safetensors``, plain ``torch.save`` state dicts (read with ``weights_only=True``; a nested
     ``"state_dict"`` entry and a ``module.`` prefix are unwrapped) and OpenAI's TorchScript archives (their
-    tensors are read with ``torch.jit.load``; the non-tensor entries ``input_resolution``, ``context_length``
-    and ``vocab_size`` are dropped).
+    tensors are read by :func:`elsa_vision.files.read_torchscript_state_dict`; the archive's code is never
+    run; the non-tensor entries ``input_resolution``, ``context_length`` and ``vocab_size`` are dropped).
     """
+    from ..files import read_checkpoint
+
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint path {path!r} is not a file")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        sd = load_file(path, device="cpu")
-    elif _is_torchscript(path):
-        sd = dict(torch.jit.load(path, map_location="cpu").state_dict())
-    else:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # unpickling errors are of several types; report the file and the cause
-            raise ValueError(f"could not read checkpoint {path!r} as a weights-only state_dict: {e}") from e
-        if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
-            sd = sd["state_dict"]
-        if not isinstance(sd, Mapping):
-            raise ValueError(
-                f"checkpoint {path!r} holds a {type(sd).__name__}, expected a state_dict mapping"
-            )
+    sd = read_checkpoint(path, torchscript=True)
+    if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
+        sd = sd["state_dict"]
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"checkpoint {path!r} holds a {type(sd).__name__}, expected a state_dict mapping")
+    sd = dict(sd)
     for key in ("input_resolution", "context_length", "vocab_size"):
         sd.pop(key, None)
     return {k[7:] if k.startswith("module.") else k: v for k, v in sd.items() if isinstance(v, Tensor)}

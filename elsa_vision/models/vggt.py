@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -935,24 +934,21 @@ class ElsaVGGT(nn.Module):
 def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
     """Read a state_dict from ``.safetensors`` or a torch file (``weights_only=True``; unwraps ``model``/
     ``state_dict``, a ``module.`` prefix and the ``net.`` prefix of a Lightning module's state_dict)."""
+    from ..files import UnsafeCheckpointError, read_checkpoint
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        sd = load_file(str(path), device="cpu")
-    else:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise ValueError(
-                f"{path}: not loadable with weights_only=True (a Lightning .ckpt keeps its hyper-parameters "
-                f"as Python objects); export the network with MultiViewReconstructionModule.export_net(path)"
-            ) from exc
-        for key in ("model", "state_dict"):
-            if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
-                sd = sd[key]
+    try:
+        sd = read_checkpoint(path)
+    except UnsafeCheckpointError as exc:
+        raise ValueError(
+            f"{exc} (as a Lightning .ckpt of an older multiview run does: its hyper-parameters hold the "
+            "optimizer factory); export the network with MultiViewReconstructionModule.export_net(path)"
+        ) from exc
+    for key in ("model", "state_dict"):
+        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
+            sd = sd[key]
     if not isinstance(sd, dict):
         raise TypeError(f"{path}: expected a state_dict (dict of tensors), got {type(sd).__name__}")
     sd = {(k[7:] if k.startswith("module.") else k): v for k, v in sd.items()}

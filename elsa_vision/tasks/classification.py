@@ -50,14 +50,22 @@ def create_backbone(
         raise ValueError(
             f"create_backbone: unknown model_name {model_name!r}; registered ELSA models: {valid}"
         )
+    from ..files import checkpoint_kind
+    from ..models import load_checkpoint
+
     for arg, path in (("pretrained_file", pretrained_file), ("checkpoint_path", checkpoint_path)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"create_backbone: {arg}={str(path)!r} is not a file")
+        if path is not None:
+            try:
+                checkpoint_kind(path)  # a JPEG or a text file is named as such before timm reads it
+            except ValueError as e:
+                raise ValueError(f"create_backbone: {arg}: {e}") from None
     if pretrained_file is not None:
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(file=str(pretrained_file)))
     net = timm.create_model(model_name, num_classes=num_classes, **kwargs)
     if checkpoint_path is not None:
-        timm.models.load_checkpoint(net, checkpoint_path, strict=True)
+        load_checkpoint(net, checkpoint_path, strict=True)
     return net
 
 
@@ -151,17 +159,18 @@ class ClassificationModule(LightningModule):
         self.test_confmat = MulticlassConfusionMatrix(num_classes)
         self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
         self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
     # ------------------------------------------------------------------------------------------- training
     def on_train_start(self) -> None:
-        # Sanity-check batches must not count towards the best validation accuracy.
+        # Sanity-check batches must not count towards the validation metrics (val_acc_best is never updated
+        # during the sanity check, and keeps the value a resumed checkpoint restored).
         self.val_loss.reset()
         self.val_acc.reset()
         self.val_acc5.reset()
-        self.val_acc_best.reset()
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -192,6 +201,8 @@ class ClassificationModule(LightningModule):
         self.log("val/acc5", self.val_acc5, on_step=False, on_epoch=True)
 
     def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
         self.val_acc_best(self.val_acc.compute())
         self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
 

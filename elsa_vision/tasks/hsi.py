@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCohenKappa
 
+from ..files import read_checkpoint
 from ..models.hsi_vit import ElsaHSIViT, HSIMAEDecoder
 
 __all__ = ["HSIClassificationModule", "MaskedAutoencoderModule", "load_hsi_checkpoint", "format_report"]
@@ -217,6 +218,7 @@ class HSIClassificationModule(_HSIBase):
         self.test_per_class = MulticlassAccuracy(k, average=None)
         self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
         self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
         self._metrics_ready = True
 
     def setup(self, stage: str) -> None:
@@ -264,9 +266,9 @@ class HSIClassificationModule(_HSIBase):
         return loss
 
     def on_train_start(self) -> None:
+        # the sanity check's batches do not count (val_acc_best is not updated during it)
         self.val_loss.reset()
         self.val_metrics.reset()
-        self.val_acc_best.reset()
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, pred, y = self._step(batch)
@@ -280,8 +282,9 @@ class HSIClassificationModule(_HSIBase):
         self.val_loss.reset()
         for k, v in m.items():
             self.log(f"val/{k}", v, prog_bar=k == "acc")
-        self.val_acc_best(m["acc"])
-        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
+        if not self.trainer.sanity_checking:
+            self.val_acc_best(m["acc"])
+            self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
         loss, pred, y = self._step(batch)
@@ -348,7 +351,7 @@ class HSIClassificationModule(_HSIBase):
         cls, path: str | os.PathLike, map_location: str | torch.device = "cpu"
     ) -> HSIClassificationModule:
         """Rebuild the module and its network from a checkpoint (``weights_only`` load, no unpickling)."""
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = read_checkpoint(path, map_location=map_location)
         payload = _payload(ckpt, path)
         net = ElsaHSIViT(**payload["net_config"])
         hp = dict(ckpt.get("hyper_parameters", {}))
@@ -407,7 +410,7 @@ class MaskedAutoencoderModule(_HSIBase):
         self.norm_pix_loss = norm_pix_loss
         self._decoder_args = dict(decoder_dim=decoder_dim, depth=decoder_depth, num_heads=decoder_heads)
         self.decoder: HSIMAEDecoder | None = None
-        self.train_loss, self.val_loss = MeanMetric(), MeanMetric()
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
         if self.encoder is not None:
             self._prepare_encoder()
 
@@ -466,14 +469,20 @@ class MaskedAutoencoderModule(_HSIBase):
         self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
-    def validation_step(self, batch, batch_idx: int) -> None:
-        # A fixed masking per batch index keeps validation losses comparable across epochs.
-        x = batch[0]
+    def _fixed_mask_loss(self, x: Tensor, batch_idx: int) -> Tensor:
+        # A fixed masking per batch index keeps evaluation losses comparable across epochs.
         g = torch.Generator(device="cpu").manual_seed(batch_idx)
         T = self.encoder.num_groups * self.encoder.num_spatial
         visible = self.random_visible(x.shape[0], T, generator=g).to(x.device)
-        self.val_loss(self.reconstruction_loss(x, visible)[0])
+        return self.reconstruction_loss(x, visible)[0]
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.val_loss(self._fixed_mask_loss(batch[0], batch_idx))
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self.test_loss(self._fixed_mask_loss(batch[0], batch_idx))
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
 
 
 def _payload(ckpt: Mapping, path) -> dict:
@@ -497,7 +506,7 @@ def _encoder_state(source: Any) -> tuple[dict[str, Tensor], dict]:
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"load_encoder_from: checkpoint not found: {path}")
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = read_checkpoint(path)
         payload = _payload(ckpt, path)
         prefix = payload.get("net_attr", "encoder") + "."
         state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
@@ -524,8 +533,8 @@ def load_hsi_checkpoint(
     if not p.is_file():
         raise ValueError(f"checkpoint: file not found: {p}")
     try:
-        ckpt = torch.load(p, map_location=map_location, weights_only=True)
-    except Exception as e:  # pickle / zip errors on corrupt or foreign files
+        ckpt = read_checkpoint(p, map_location=map_location)
+    except ValueError as e:
         raise ValueError(f"checkpoint: cannot load {p}: {e}") from e
     payload = _payload(ckpt, p)
     if payload.get("net_attr", "net") != "net" or payload.get("meta") is None:

@@ -159,8 +159,12 @@ class MultiViewReconstructionModule(L.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(logger=False, ignore=["net"])
+        # Only plain values go to the checkpoint (it must load with torch.load(weights_only=True)); the
+        # optimizer/scheduler factories (Hydra partials) live in the run's resolved config.
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
         self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
         self._pose_errs: dict[str, list[tuple[Tensor, Tensor]]] = {"val": [], "test": []}
         self._depth_stats: dict[str, list[tuple[float, float, int]]] = {"val": [], "test": []}
 
@@ -271,10 +275,10 @@ class MultiViewReconstructionModule(L.LightningModule):
             self.net = torch.compile(self.net)
 
     def configure_optimizers(self):
-        optimizer = self.hparams.optimizer(params=[p for p in self.parameters() if p.requires_grad])
-        if self.hparams.scheduler is None:
+        optimizer = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
             return {"optimizer": optimizer}
-        scheduler = self.hparams.scheduler(optimizer=optimizer)
+        scheduler = self.scheduler_factory(optimizer=optimizer)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {

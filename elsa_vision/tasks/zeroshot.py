@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..files import checkpoint_kind
+
 __all__ = [
     "build_zeroshot_classifier",
     "zeroshot_evaluate",
@@ -345,6 +347,31 @@ class ImageFolderWithPaths:
 # ------------------------------------------------------------------------------------------------- pipeline
 
 
+def _from_torchscript(open_clip, model_name: str, archive: str):
+    """An open_clip model with the weights of an OpenAI TorchScript archive, read without running the archive
+    (:func:`elsa_vision.files.read_torchscript_state_dict`; open_clip's weights-only loader refuses such
+    archives). The tensors go through open_clip's own loader (``load_checkpoint``) from a temporary
+    ``.safetensors`` file; buffers the model does not keep in its state_dict (``attn_mask``) are left out."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from ..models.clip_vision import load_clip_state_dict
+
+    model = open_clip.create_model(model_name, device="cpu")
+    transient = {n for n, _ in model.named_buffers()} - set(model.state_dict())
+    sd = {
+        k: v.detach().clone().contiguous()
+        for k, v in load_clip_state_dict(archive).items()
+        if k not in transient
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "weights.safetensors")
+        save_file(sd, path)
+        open_clip.load_checkpoint(model, path)
+    return model
+
+
 def _build_model(
     model_name: str,
     pretrained: str | None,
@@ -366,7 +393,10 @@ def _build_model(
         )
     if open_clip.get_model_config(model_name) is None:
         raise ValueError(f"unknown open_clip model {model_name!r}; see open_clip.list_models()")
-    model = open_clip.create_model(model_name, pretrained=pretrained, device="cpu")
+    if pretrained is not None and checkpoint_kind(pretrained) == "torchscript":
+        model = _from_torchscript(open_clip, model_name, pretrained)
+    else:
+        model = open_clip.create_model(model_name, pretrained=pretrained, device="cpu")
     model.eval()
     pp = dict(open_clip.get_model_preprocess_cfg(model))
     report = {"elsa": False}

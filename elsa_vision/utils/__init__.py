@@ -1,7 +1,9 @@
 """Run plumbing for train.py / evaluate.py: callbacks, strategies, instantiation and run-directory helpers."""
 
-from .callbacks import EpochSeed, progress_bar
+from .callbacks import EpochSeed, RunCheckpoint, progress_bar
 from .run import (
+    RunCSVLogger,
+    SafeCheckpointIO,
     extras,
     find_last_checkpoint,
     instantiate_callbacks,
@@ -20,6 +22,9 @@ from .strategies import (
 __all__ = [
     "ContextParallelStrategy",
     "EpochSeed",
+    "RunCSVLogger",
+    "RunCheckpoint",
+    "SafeCheckpointIO",
     "attach_context_parallel",
     "build_context_parallel_mesh",
     "extras",

@@ -2,13 +2,107 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
 
-__all__ = ["EpochSeed", "progress_bar"]
+from ..files import link_atomically, remove_stale_temp_files
+
+__all__ = ["EpochSeed", "RunCheckpoint", "progress_bar"]
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` whose ``last.ckpt`` is always the latest epoch, stored once.
+
+    * ``save_last=True`` in Lightning writes ``last.ckpt`` only in steps where a top-k checkpoint was
+      written, so with a monitored metric that stops improving ``last.ckpt`` falls behind. Here ``last.ckpt``
+      is written at the end of every epoch (every validation, or every training epoch without one), whether
+      or not the monitored metric improved.
+    * When the newest epoch is also a top-k checkpoint, ``last.ckpt`` becomes a hard link to that file (one
+      copy on disk, two names; deleting either name keeps the other) instead of a second write of the same
+      state. Where hard links are unavailable (remote filesystems, sharded checkpoint directories) it is
+      written as a file, as Lightning does.
+    * Temporary files left by a process killed in the middle of a save (see
+      :func:`elsa_vision.files.atomic_torch_save`) are removed when fitting starts.
+
+    Every other argument and behaviour is ``ModelCheckpoint``'s; ``ckpt_path="last"`` resumes as usual.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_written_step = -1
+
+    @property
+    def state_key(self) -> str:
+        # ModelCheckpoint's key: runs checkpointed by a plain ModelCheckpoint resume with their best record
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        local = self.dirpath is not None and _is_local_file_protocol(self.dirpath)
+        if trainer.is_global_zero and stage == "fit" and local:
+            remove_stale_temp_files(self.dirpath)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._keep_last_current(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._keep_last_current(trainer)
+
+    def _keep_last_current(self, trainer: Trainer) -> None:
+        if (
+            not self.save_last
+            or trainer.fast_dev_run
+            or trainer.state.fn != TrainerFn.FITTING
+            or trainer.sanity_checking
+            or self._last_written_step == trainer.global_step
+            or trainer.global_step == 0
+        ):
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_topk_checkpoint(self, trainer: Trainer, monitor_candidates: dict) -> None:
+        if self.save_last and not self.last_model_path:
+            # the name last.ckpt will get, so that a top-k file and last.ckpt hold the same callback state
+            self.last_model_path = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_written_step = trainer.global_step
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        source = self._last_checkpoint_saved
+        same_state = (
+            filepath == self.last_model_path
+            and source
+            and os.path.abspath(source) != os.path.abspath(filepath)
+            and self._last_global_step_saved == trainer.global_step
+            and _is_local_file_protocol(filepath)
+        )
+        if same_state:
+            linked = False
+            if trainer.is_global_zero and os.path.isfile(source):
+                linked = link_atomically(source, filepath)
+            linked = trainer.strategy.broadcast(linked)
+            if linked:
+                self._last_checkpoint_saved = filepath
+                if trainer.is_global_zero:
+                    for logger in trainer.loggers:
+                        logger.after_save_checkpoint(self)
+                trainer.strategy.barrier()
+                return
+        super()._save_checkpoint(trainer, filepath)
 
 
 class EpochSeed(Callback):

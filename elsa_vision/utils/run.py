@@ -1,9 +1,13 @@
-"""Helpers shared by ``train.py`` and ``evaluate.py``: instantiation, checkpoints, run-directory artefacts."""
+"""Helpers shared by ``train.py`` and ``evaluate.py``: instantiation, checkpoints, run-directory artefacts.
+
+A run lives in one directory from its start to its end, resumes included (:mod:`elsa_vision.runs` picks
+it); :class:`RunCSVLogger` appends to that run's ``metrics.csv``; :class:`SafeCheckpointIO` writes checkpoints
+atomically and reads them weights-only.
+"""
 
 from __future__ import annotations
 
 import csv
-import glob
 import json
 import logging
 import math
@@ -14,11 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch import Callback
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
+from ..files import atomic_torch_save, checkpoint_kind, read_checkpoint
+from ..runs import newest_last_checkpoint
+
 __all__ = [
+    "RunCSVLogger",
+    "SafeCheckpointIO",
     "extras",
     "find_last_checkpoint",
     "instantiate_callbacks",
@@ -26,14 +38,16 @@ __all__ = [
     "plot_curves",
     "print_json_line",
     "save_resolved_config",
+    "trim_metrics_csv",
 ]
 
 log = logging.getLogger(__name__)
 
 
 def extras(cfg: DictConfig) -> None:
-    """Optional run-wide settings from ``cfg.extras``: warning filters, float32 matmul precision and the
-    number of CPU threads torch uses for this process."""
+    """Optional run-wide settings from ``cfg.extras``: warning filters, float32 matmul precision, the
+    number of CPU threads torch uses for this process and the largest image (``PIL.Image.MAX_IMAGE_PIXELS``)
+    read before decoding is refused."""
     import torch
 
     ex = cfg.get("extras") or {}
@@ -46,6 +60,13 @@ def extras(cfg: DictConfig) -> None:
         if int(threads) < 1:
             raise ValueError(f"extras.num_threads must be >= 1 or null, got {threads}")
         torch.set_num_threads(int(threads))
+    max_pixels = ex.get("max_image_pixels")
+    if max_pixels is not None:
+        from PIL import Image
+
+        if int(max_pixels) < 1:
+            raise ValueError(f"extras.max_image_pixels must be >= 1 or null, got {max_pixels}")
+        Image.MAX_IMAGE_PIXELS = int(max_pixels)  # data loader workers started afterwards inherit it
 
 
 def _instantiate_group(group: DictConfig | None, kind: str, base: type) -> list:
@@ -94,13 +115,92 @@ def find_last_checkpoint(output_dir: str | os.PathLike, search_glob: str) -> str
     own = Path(output_dir) / "checkpoints" / "last.ckpt"
     if own.is_file():
         return str(own)
-    found = [p for p in glob.glob(search_glob) if os.path.isfile(p)]
-    if not found:
+    found = newest_last_checkpoint(search_glob)
+    if found is None:
         raise FileNotFoundError(
             f"ckpt_path=last: no last.ckpt in {str(own.parent)!r} nor any matching {search_glob!r}; "
             "pass ckpt_path=/path/to/last.ckpt"
         )
-    return max(found, key=os.path.getmtime)
+    return found
+
+
+def trim_metrics_csv(metrics_csv: str | os.PathLike, before_step: int) -> int:
+    """Drop the rows of a ``metrics.csv`` logged at ``step >= before_step`` (what a run logged after the
+    checkpoint it now resumes from); the file is replaced atomically. Returns the number of rows dropped."""
+    path = Path(metrics_csv)
+    if not path.is_file():
+        return 0
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        fields = list(reader.fieldnames or [])
+        rows = list(reader)
+    keep = [r for r in rows if not r.get("step") or int(float(r["step"])) < before_step]
+    if len(keep) == len(rows):
+        return 0
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(keep)
+    os.replace(tmp, path)
+    return len(rows) - len(keep)
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` (a resumed run's) is continued: its
+    header is adopted and new rows are appended. Lightning's writer deletes it (with a warning, also about
+    the run's other files)."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                self.metrics_keys = list(next(csv.reader(f), []))
+
+
+class RunCSVLogger(CSVLogger):
+    """``CSVLogger`` writing ``metrics.csv`` into the run directory and continuing it when a run resumes.
+
+    Same arguments as ``CSVLogger``; the run directory holds other files (Hydra's, checkpoints), which is
+    expected and not warned about.
+    """
+
+    @property
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is not None:
+            return self._experiment
+        self._fs.makedirs(self.root_dir, exist_ok=True)
+        self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint I/O, made safe for the files it reads and writes.
+
+    * save: :func:`elsa_vision.files.atomic_torch_save` (a temporary file next to the target, fsync, rename):
+      a crash, a kill or a full disk leaves the previous checkpoint intact, whatever filesystem ``$TMPDIR``
+      is on (Lightning writes through fsspec, which stages in ``$TMPDIR`` and copies across filesystems);
+    * load: :func:`elsa_vision.files.read_checkpoint`, always weights-only, with errors that name the file
+      (not a checkpoint, holds Python objects, truncated).
+
+    Remote paths (``s3://`` ...) keep Lightning's behaviour.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(
+        self, path, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if not _is_local_file_protocol(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        kind = checkpoint_kind(path)  # names a file that is not a checkpoint at all
+        if kind not in ("torch", "torch-legacy"):
+            raise ValueError(f"{os.fspath(path)!r} is a {kind} file of weights, not a training checkpoint")
+        return read_checkpoint(path, map_location=map_location or "cpu")
 
 
 def _read_epoch_metrics(metrics_csv: str | os.PathLike) -> dict[str, dict[int, float]]:

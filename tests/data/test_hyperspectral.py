@@ -406,3 +406,38 @@ def test_datamodule(tmp_path, scene):
         HSIDataModule("c.npy", split={"protocl": "ratio"})
     with pytest.raises(ValueError, match="patch_size must be odd"):
         HSIDataModule("c.npy", patch_size=4)
+
+
+def test_labels_out_of_range_are_named_and_cost_no_memory(tmp_path):
+    """One pixel labelled 2**40: a clear error naming the label and where it is (the label lookup used to be
+    sized by the largest label: 8 TiB); encode_labels itself needs memory for the pixels only."""
+    import tracemalloc
+
+    from elsa_vision.data.hyperspectral import MAX_CLASSES, MAX_LABEL
+
+    gt = np.zeros((6, 5), np.int64)
+    gt[1, 1], gt[2, 2], gt[4, 3] = 1, 3, 2**40
+    np.save(tmp_path / "gt.npy", gt)
+    refused = rf"gt\.npy has label 1099511627776 at row 4, column 3: .* 0\.\.{MAX_LABEL} "
+    with pytest.raises(ValueError, match=refused):
+        load_gt(tmp_path / "gt.npy")
+    np.save(tmp_path / "gt_float.npy", gt.astype(np.float64))
+    with pytest.raises(ValueError, match="at row 4, column 3"):
+        load_gt(tmp_path / "gt_float.npy")
+    tracemalloc.start()
+    try:
+        enc, values = encode_labels(gt)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20 and values.tolist() == [1, 3, 2**40]
+    assert enc[1, 1] == 0 and enc[2, 2] == 1 and enc[4, 3] == 2 and (enc[gt == 0] == -1).all()
+    enc2, _ = encode_labels(gt, class_values=[3, 1, 2**40])  # any order of the known classes
+    assert enc2[1, 1] == 1 and enc2[2, 2] == 0 and enc2[4, 3] == 2
+    with pytest.raises(ValueError, match=r"labels \[1099511627776\] outside the known classes"):
+        encode_labels(gt, class_values=[1, 3])
+    many = np.arange(1, 31 * 40 + 1).reshape(31, 40) % (MAX_CLASSES + 5) + 1
+    np.save(tmp_path / "band.npy", many)
+    refused = rf"band\.npy has {MAX_CLASSES + 5} distinct labels, more than {MAX_CLASSES}"
+    with pytest.raises(ValueError, match=refused):
+        load_gt(tmp_path / "band.npy")

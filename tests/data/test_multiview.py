@@ -296,3 +296,21 @@ def test_datamodule_synthetic_and_nerf(tmp_path):
         MultiViewDataModule(source="scannet")
     with pytest.raises(ValueError, match="root"):
         MultiViewDataModule(source="colmap")
+
+
+def test_forged_depth_and_frame_bombs_are_refused(tmp_path):
+    """A depth .npy whose header declares 931 GiB and a frame PNG declaring 10^10 pixels: errors naming the
+    file before anything is allocated or decoded."""
+    from elsa_vision.data.multiview import _load_depth, _load_image
+    from elsa_vision.files import FileTooLargeError
+    from tests.helpers import bomb_png, forged_npy
+
+    _, names = _write_capture(tmp_path)
+    depth = forged_npy(tmp_path / "depths" / "frame_000.npy")
+    from elsa_vision.data.multiview import FrameRecord
+
+    record = FrameRecord(tmp_path / "images" / names[0], np.eye(4)[:3], np.eye(3), (42, 56), depth)
+    with pytest.raises(FileTooLargeError, match=r"frame_000\.npy'.*931\.3 GiB"):
+        _load_depth(record)
+    with pytest.raises(FileTooLargeError, match=r"bomb\.png' declares 10,000,000,000 pixels"):
+        _load_image(bomb_png(tmp_path / "bomb.png"))

@@ -80,7 +80,7 @@ def test_ring_attention_equals_single_process():
         mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), CASES, tmp), nprocs=world, join=True)
         checked = 0
         for r in range(world):
-            results = torch.load(os.path.join(tmp, f"rank{r}.pt"))
+            results = torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True)
             for i, case in enumerate(CASES):
                 if r >= case["world"]:
                     continue

@@ -367,7 +367,8 @@ def test_cli_random_weights_warns(tmp_path, capsys):
 
 
 def test_cli_bad_inputs(weights, tmp_path):
-    base = ["--model", TINY, "--weights", weights["gray"], "--out", str(tmp_path / "o")]
+    # one --out for every call (one of them succeeds and writes there): --overwrite
+    base = ["--model", TINY, "--weights", weights["gray"], "--out", str(tmp_path / "o"), "--overwrite"]
     nan = np.ones((64, 64), np.float32)
     nan[10, 10] = np.nan
     tifffile.imwrite(tmp_path / "nan.tif", nan)
@@ -480,3 +481,63 @@ def test_cli_subprocess_bad_input_exit_code(tmp_path):
     assert r.returncode == 2
     assert "corrupt.tif" in json.loads(r.stdout.strip().splitlines()[-1])["error"]
     assert "error:" in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_cli_refuses_bombs_before_decoding(weights, tmp_path):
+    from elsa_vision.files import FileTooLargeError
+    from tests.helpers import bomb_png, forged_tiff
+
+    base = ["--model", TINY, "--weights", weights["gray"], "--img-size", "32"]
+    bomb = bomb_png(tmp_path / "bomb.png")
+    refused = r"bomb\.png' declares 10,000,000,000 pixels.*--max-image-pixels"
+    with pytest.raises(FileTooLargeError, match=refused):
+        main(base + ["--input", str(bomb), "--out", str(tmp_path / "a")])
+    forged = forged_tiff(tmp_path / "forged.tif", 3000, 3000)  # 8.6 MiB declared by a 282-byte file
+    with pytest.raises(FileTooLargeError, match=r"forged\.tif'.*TIFF image series.*--max-input-gib"):
+        main(base + ["--input", str(forged), "--out", str(tmp_path / "b"), "--max-input-gib", "0.005"])
+    Image.fromarray(np.zeros((40, 48), np.uint8)).save(tmp_path / "small.png")
+    small = ["--input", str(tmp_path / "small.png"), "--out", str(tmp_path / "c"), "--max-image-pixels"]
+    with pytest.raises(FileTooLargeError, match=r"small\.png' declares 48x40 = 1,920 pixels.*limit of 1,000"):
+        main(base + small + ["1000"])
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_cli_checks_out_before_computing(weights, tmp_path, monkeypatch):
+    """--out is checked first: an unwritable one fails in one line before the image is read or the model
+    built; earlier outputs are refused unless --overwrite."""
+    import elsa_vision.inference.image as image_cli
+
+    base = ["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--img-size", "32"]
+    (tmp_path / "afile").write_text("")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the input was read before --out was checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(image_cli, "iter_images", no_work)
+        m.setattr(image_cli, "build_model", no_work)
+        refused = r"--out '.*afile/out' cannot be created: '.*afile' is not a dir"
+        with pytest.raises(ValueError, match=refused):
+            main(base + ["--out", str(tmp_path / "afile" / "out")])
+    out = tmp_path / "out"
+    main(base + ["--out", str(out)])
+    before = (out / "report.json").read_bytes()
+    with monkeypatch.context() as m:
+        m.setattr(image_cli, "iter_images", no_work)
+        with pytest.raises(ValueError, match=r"already holds outputs of an earlier run \(prediction\.json"):
+            main(base + ["--out", str(out), "--precision", "tf32"])
+    assert (out / "report.json").read_bytes() == before
+    s = main(base + ["--out", str(out), "--precision", "tf32", "--overwrite"])
+    assert s["precision"] == "tf32" and json.loads((out / "report.json").read_text())["precision"] == "tf32"
+    w = tmp_path / "w.safetensors"
+    w.write_bytes(b"keep")
+    with pytest.raises(ValueError, match=r"w\.safetensors' exists; pass --overwrite"):
+        main(["--save-random-weights", str(w), "--model", TINY])
+    assert w.read_bytes() == b"keep"
+    r = subprocess.run(
+        [sys.executable, "-m", "elsa_vision.inference.image", *base, "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --out") and "--overwrite" in r.stderr

@@ -405,6 +405,119 @@ def test_openai_format_checkpoints(tmp_path):
         assert big.positional_embedding.shape == (37, 128)
 
 
+class _Payload(torch.nn.Module):
+    """A module whose TorchScript ``__setstate__`` overwrites the first bytes of a file (``torch.from_file``
+    maps it shared): what ``torch.jit.load`` runs while reading an archive."""
+
+    def __init__(self, victim: str):
+        super().__init__()
+        self.victim = victim
+
+    def forward(self, x):
+        return x
+
+    @torch.jit.export
+    def __getstate__(self) -> tuple[str, bool]:
+        return (self.victim, self.training)
+
+    @torch.jit.export
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.victim = state[0]
+        written = torch.from_file(state[0], shared=True, size=4, dtype=torch.uint8).fill_(88)
+        self.training = bool(written[0] == 88) and state[1]
+
+
+class _CLIPLayout(torch.nn.Module):
+    """OpenAI's layout (``visual.*``, ``logit_scale``) for TorchScript archives; optionally with a payload."""
+
+    def __init__(self, victim: str | None = None):
+        super().__init__()
+        self.visual = _tower(quick_gelu=True, width=128, head_width=64)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(4.6))
+        self.register_buffer("input_resolution", torch.tensor(32))
+        self.payload = _Payload(victim) if victim else torch.nn.Identity()
+
+    def forward(self, x):
+        return self.payload(self.visual(x))
+
+
+def test_torchscript_archive_code_is_never_run(tmp_path):
+    """A "CLIP weights" TorchScript archive whose __setstate__ writes to disk: torch.jit.load runs it (shown
+    here on a scratch file), the CLIP loaders refuse the archive and nothing is written."""
+    import warnings
+
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"abcdefgh")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script / save are deprecated
+        torch.jit.save(torch.jit.script(_CLIPLayout(str(victim))), str(tmp_path / "evil.pt"))
+        torch.jit.load(str(tmp_path / "evil.pt"))
+    assert victim.read_bytes() == b"XXXXefgh"  # the archive's code ran inside torch.jit.load
+    victim.write_bytes(b"abcdefgh")
+    for load in (load_clip_state_dict, from_open_clip):
+        with pytest.raises(ValueError, match=r"evil\.pt.*__getstate__/__setstate__ code, which is never run"):
+            load(tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="never run"):
+        create_elsa_clip_vision("elsa_clip_b16", pretrained=tmp_path / "evil.pt")
+    assert victim.read_bytes() == b"abcdefgh"
+    victim.unlink()  # a payload aimed at a missing file would create it
+    with pytest.raises(ValueError, match="never run"):
+        load_clip_state_dict(tmp_path / "evil.pt")
+    assert not victim.exists()
+
+
+@pytest.mark.parametrize("export", ["script", "trace"])
+def test_torchscript_archive_reads_the_same_tensors(tmp_path, export):
+    """A genuine TorchScript archive of a CLIP-layout module: the tensors torch.jit.load gives, bit for bit,
+    with dtypes kept (a float16 parameter) and buffers included."""
+    import warnings
+
+    model = _CLIPLayout().eval()
+    model.half_param = torch.nn.Parameter(torch.randn(3).half())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if export == "script":
+            archive = torch.jit.script(model)
+        else:
+            archive = torch.jit.trace(model, torch.randn(1, 3, 32, 32), check_trace=False)
+        torch.jit.save(archive, str(tmp_path / "clip.pt"))
+        ref = torch.jit.load(str(tmp_path / "clip.pt")).state_dict()
+    from elsa_vision.files import read_torchscript_state_dict
+
+    sd = read_torchscript_state_dict(tmp_path / "clip.pt")
+    assert list(sd) == list(ref) and "input_resolution" in sd and "half_param" in sd
+    for k, v in ref.items():
+        assert sd[k].dtype == v.dtype and sd[k].shape == v.shape and torch.equal(sd[k], v), k
+    loaded = load_clip_state_dict(tmp_path / "clip.pt")
+    assert "input_resolution" not in loaded and loaded.keys() == ref.keys() - {"input_resolution"}
+    tower = from_open_clip(tmp_path / "clip.pt").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        _assert_close(tower(x), _ref64(model.visual, x))
+
+
+def test_torchscript_archive_with_foreign_globals_is_refused(tmp_path):
+    """A zip shaped like a TorchScript archive whose data.pkl calls os.system: refused by name, not run."""
+    import pickle
+    import zipfile
+
+    marker = tmp_path / "ran"
+
+    class Call:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    with zipfile.ZipFile(tmp_path / "forged.pt", "w") as zf:
+        zf.writestr("forged/data.pkl", pickle.dumps(Call(), protocol=2))
+        zf.writestr("forged/code/__torch__.py", "class CLIP(Module):\n  __parameters__ = []\n")
+        zf.writestr("forged/constants.pkl", pickle.dumps((), protocol=2))
+    with pytest.raises(ValueError, match=r"forged\.pt.*(posix|os)\.system"):
+        load_clip_state_dict(tmp_path / "forged.pt")
+    assert not marker.exists()
+
+
 def test_bad_inputs(tmp_path, tiny_config):
     with pytest.raises(ValueError, match="unknown open_clip config"):
         from_open_clip("ViT-Nonexistent-99")

@@ -146,7 +146,7 @@ def test_pretrained_window_resizing(tmp_path):
     torch.save(src.state_dict(), path)
     kw = dict(SMALL, window_size=16, pretrained_window_sizes=(8, 8, 8, 8))
     ref = timm.create_model("swinv2_tiny_window16_256", **kw)
-    ref.load_state_dict(torch.load(path), strict=True)
+    ref.load_state_dict(torch.load(path, weights_only=True), strict=True)
     ref.eval()
     model = ElsaSwinV2.from_timm("swinv2_tiny_window16_256", checkpoint_path=path, **kw)
     attn = model.layers[0].blocks[0].attn

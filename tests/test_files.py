@@ -1,0 +1,198 @@
+"""elsa_vision.files: checkpoints read without executing anything, declared sizes checked before decoding,
+atomic writes, output directories checked before work starts."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from elsa_vision.files import (
+    FileTooLargeError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    atomic_torch_save,
+    checkpoint_kind,
+    link_atomically,
+    open_image,
+    prepare_output_dir,
+    read_checkpoint,
+    read_npy,
+    remove_stale_temp_files,
+)
+from tests.helpers import bomb_png, forged_npy, forged_tiff
+
+
+class _Touch:
+    """Pickles to a call of os.system (what an attacker's "checkpoint" does on a plain pickle load)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_files_that_are_not_checkpoints_are_named(tmp_path):
+    Image.new("RGB", (4, 4)).save(tmp_path / "photo.jpg")
+    (tmp_path / "notes.ckpt").write_text("epoch=3\n")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    for name, what in (("photo.jpg", "a JPEG image"), ("notes.ckpt", "a text file"), ("empty.pt", "empty")):
+        with pytest.raises(NotACheckpointError, match=rf"{name}' is not a checkpoint: it is {what}"):
+            read_checkpoint(tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        read_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_pickled_code_is_refused_not_run(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"state_dict": {}, "hook": _Touch(marker)}, tmp_path / "evil.ckpt")
+    refused = r"evil\.ckpt' holds Python objects.*names (posix|os)\.system"
+    with pytest.raises(UnsafeCheckpointError, match=refused) as e:
+        read_checkpoint(tmp_path / "evil.ckpt")
+    assert "weights_only=False" not in str(e.value)
+    assert not marker.exists()
+    with open(tmp_path / "legacy.pt", "wb") as f:  # the pre-zip torch.save format, same refusal
+        torch.save({"hook": _Touch(marker)}, f, _use_new_zipfile_serialization=False)
+    assert checkpoint_kind(tmp_path / "legacy.pt") == "torch-legacy"
+    with pytest.raises(UnsafeCheckpointError):
+        read_checkpoint(tmp_path / "legacy.pt")
+    assert not marker.exists()
+    (tmp_path / "plain.pkl").write_bytes(pickle.dumps(_Touch(marker)))
+    with pytest.raises(NotACheckpointError):
+        read_checkpoint(tmp_path / "plain.pkl")
+    assert not marker.exists()
+
+
+def test_truncated_checkpoint_and_torchscript_are_reported(tmp_path):
+    torch.save({"w": torch.randn(64, 64)}, tmp_path / "full.pt")
+    data = (tmp_path / "full.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut\.pt"):
+        read_checkpoint(tmp_path / "cut.pt")
+    assert torch.equal(read_checkpoint(tmp_path / "full.pt")["w"], torch.load(tmp_path / "full.pt")["w"])
+    scripted = torch.jit.script(torch.nn.Linear(2, 3))
+    torch.jit.save(scripted, str(tmp_path / "lin.pt"))
+    with pytest.raises(ValueError, match="TorchScript archive, not a checkpoint"):
+        read_checkpoint(tmp_path / "lin.pt")
+    sd = read_checkpoint(tmp_path / "lin.pt", torchscript=True)
+    assert sd.keys() == {"weight", "bias"} and torch.equal(sd["weight"], scripted.weight.detach())
+
+
+# --------------------------------------------------------------------------------------- declared sizes
+
+
+def test_png_bomb_is_refused_before_decoding_naming_the_file(tmp_path):
+    bomb = bomb_png(tmp_path / "bomb.png")
+    assert bomb.stat().st_size < 100
+    refused = r"bomb\.png' declares 10,000,000,000 pixels, more than the limit of 89,478,485"
+    with pytest.raises(FileTooLargeError, match=refused):
+        open_image(bomb)
+    small = tmp_path / "small.png"
+    Image.new("L", (20, 24)).save(small)
+    with pytest.raises(FileTooLargeError, match="20x24 = 480 pixels, more than the limit of 100 "):
+        open_image(small, max_pixels=100)  # the limit applies at 1x (Pillow only refuses above 2x)
+    open_image(small, max_pixels=480).close()
+
+
+def test_png_bomb_limit_follows_pillows_setting(tmp_path, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10**10 + 1)
+    with open_image(bomb_png(tmp_path / "bomb.png")) as im:  # allowed now: only the header was read
+        assert im.size == (100_000, 100_000)
+
+
+def test_forged_tiff_and_npy_are_refused_before_allocation(tmp_path):
+    import tracemalloc
+
+    from elsa_vision.data.hyperspectral import load_cube
+    from elsa_vision.inference.readers import iter_images
+
+    tif, npy = forged_tiff(tmp_path / "forged.tif"), forged_npy(tmp_path / "forged.npy")
+    assert tif.stat().st_size < 1000 and npy.stat().st_size < 200
+    tracemalloc.start()
+    try:
+        too_large = r"forged\.tif'.*9\.3 GiB when decoded.*limit of 4\.0 GiB"
+        with pytest.raises(FileTooLargeError, match=too_large):
+            next(iter_images(tif))
+        with pytest.raises(FileTooLargeError, match=r"forged\.tif'.*9\.3 GiB"):
+            load_cube(tif)
+        with pytest.raises(FileTooLargeError, match=r"forged\.npy'.*\(500000, 500000\).*931\.3 GiB"):
+            read_npy(npy)
+        with pytest.raises(FileTooLargeError, match=r"forged\.npy'.*931\.3 GiB"):
+            load_cube(npy)
+        # a larger limit: the header is still checked against the data the file holds
+        short = r"forged\.npy'.*holds 0 bytes of data \(truncated or forged header\)"
+        with pytest.raises(ValueError, match=short):
+            read_npy(npy, max_bytes=2**50)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20, peak  # nothing near the declared sizes was allocated
+    np.save(tmp_path / "ok.npy", np.arange(12.0).reshape(3, 4))
+    assert np.array_equal(read_npy(tmp_path / "ok.npy"), np.arange(12.0).reshape(3, 4))
+    with pytest.raises(FileTooLargeError, match="limit of 0.0 GiB"):
+        read_npy(tmp_path / "ok.npy", max_bytes=64)
+
+
+def test_forged_hdf5_and_npz_are_refused_before_reading(tmp_path):
+    import h5py
+
+    from elsa_vision.data.hyperspectral import load_cube
+
+    with h5py.File(tmp_path / "cube.mat", "w") as f:  # MATLAB v7.3: chunked, nothing written, 4 KB on disk
+        f.create_dataset("cube", (200, 100_000, 100), "f4", chunks=(1, 1000, 100), compression="gzip")
+    with pytest.raises(FileTooLargeError, match=r"cube\.mat'.*HDF5 dataset 'cube'.*7\.5 GiB"):
+        load_cube(tmp_path / "cube.mat")
+    cube = np.zeros((8, 8, 4), np.float32)
+    np.savez_compressed(tmp_path / "scene.npz", cube=cube)
+    assert load_cube(tmp_path / "scene.npz").shape == (8, 8, 4)
+    with pytest.raises(FileTooLargeError, match=r"scene\.npz'.*array 'cube'"):
+        load_cube(tmp_path / "scene.npz", max_bytes=100)
+
+
+# ------------------------------------------------------------------------------------- output directories
+
+
+def test_prepare_output_dir(tmp_path):
+    out = tmp_path / "a" / "b"
+    assert prepare_output_dir(out, ["x.json"]) == out and not out.exists()  # checked, nothing created
+    (tmp_path / "file").write_text("")
+    refused = r"--out '.*file/sub' cannot be created: '.*file' is not a directory"
+    with pytest.raises(ValueError, match=refused):
+        prepare_output_dir(tmp_path / "file" / "sub", ["x.json"])
+    out.mkdir(parents=True)
+    (out / "x.json").write_text("{}")
+    (out / "slice_0001").mkdir()
+    with pytest.raises(ValueError, match=r"already holds outputs of an earlier run \(x\.json, slice_0001\)"):
+        prepare_output_dir(out, ["x.json", "y.png", "slice_*"])
+    prepare_output_dir(out, ["x.json", "slice_*"], overwrite=True)
+    prepare_output_dir(out, ["y.png"])  # other files in the directory are not outputs of this kind of run
+    assert sorted(p.name for p in out.iterdir()) == ["slice_0001", "x.json"]  # the write probe is gone
+
+
+# ------------------------------------------------------------------------------------------ atomic writes
+
+
+def test_atomic_save_keeps_the_previous_file_on_failure(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    atomic_torch_save({"epoch": 1}, target)
+    real_save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_torch_save({"epoch": 2}, target)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert read_checkpoint(target) == {"epoch": 1} and os.listdir(tmp_path) == ["last.ckpt"]
+    stale = tmp_path / ".last.ckpt.123.0123abcd.tmp"
+    stale.write_bytes(b"partial")
+    assert remove_stale_temp_files(tmp_path) == [stale.name] and not stale.exists()
+    assert link_atomically(target, tmp_path / "other.ckpt")
+    assert os.path.samefile(target, tmp_path / "other.ckpt")
