@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .fwd import _cdiv, _next_pow2, _pow2
-from .launch import Launch, ProgramCache, signature
+from .launch import Launch, Program, ProgramCache, signature
 from .monoid import f16_pair, matmul_f16x3, pow2, split_f16
 from .precision import device_info
 from .precision import resolve_precision as _resolve_precision
@@ -717,7 +717,7 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
 # -------------------------------------------------------------------------------------------- launcher
 
 
-class _BwdProgram:
+class _BwdProgram(Program):
     """Every launch of one backward signature, planned once (see ``launch``).
 
     Launch order: the dQ kernel (which also forms and writes ``Delta`` unless it was given), then the dK/dV
@@ -809,10 +809,7 @@ class _BwdProgram:
                      BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV),
                 cfg.warps3, 1)  # unpipelined: see bwd_config
 
-    def __call__(self, do, q, k, v, out, lse, bias, kpm, delta):
-        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
-            with torch.cuda.device(self.device_index):
-                return self(do, q, k, v, out, lse, bias, kpm, delta)
+    def run(self, do, q, k, v, out, lse, bias, kpm, delta):
         dev, dtype = self.device, self.dtype
         dq = torch.empty(self.q_size, dtype=dtype, device=dev) if self.compute_dq else None
         dk = torch.empty(self.k_size, dtype=dtype, device=dev) if self.compute_dkdv else None

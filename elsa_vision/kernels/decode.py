@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .fwd import _FLOAT_DTYPES, ACCUMULATION, LOG2E, _bias4, _cdiv, _device_info, _pow2
-from .launch import Launch, ProgramCache, signature
+from .launch import Launch, Program, ProgramCache, signature
 from .monoid import clamp_bias, finalize_state, fold_tile, matmul, merge_states
 from .precision import resolve_precision
 
@@ -312,7 +312,7 @@ def choose_forward(B: int, H: int, Nq: int, Nk: int, device=None, sm_count: int 
 # --------------------------------------------------------------------------------------------- launcher
 
 
-class _DecodeProgram:
+class _DecodeProgram(Program):
     """Both launches of one few-query signature, planned once (see ``launch``)."""
 
     def __init__(self, q, k, v, bias, kpm, causal, scale, precision, block_n=None, programs=None):
@@ -349,10 +349,7 @@ class _DecodeProgram:
                              dict(DV=Dv, BLOCK_M=p.block_m, BLOCK_DV=p.block_dv, STORE_LSE=store), 4)
                       for store in (True, False)]  # [with lse, without]
 
-    def __call__(self, q, k, v, bias=None, kpm=None, need_lse=True):
-        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
-            with torch.cuda.device(self.device_index):
-                return self(q, k, v, bias, kpm, need_lse)
+    def run(self, q, k, v, bias=None, kpm=None, need_lse=True):
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device) if need_lse else None
         if self.empty:

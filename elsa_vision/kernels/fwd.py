@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launch, ProgramCache, interpreting, signature
+from .launch import Launch, Program, ProgramCache, interpreting, signature
 from .monoid import (
     clamp_bias,
     finalize_state,
@@ -551,7 +551,7 @@ def _bias4(attn_bias: Tensor) -> Tensor:
     return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
 
 
-class _FwdProgram:
+class _FwdProgram(Program):
     """Every launch of one forward signature: the plan, the grids and all non-tensor arguments, fixed.
 
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for the packed layout
@@ -622,11 +622,8 @@ class _FwdProgram:
                                                              p.partitions), dict(merge, STORE_LSE=store), 4)
                           for store in (True, False)]
 
-    def __call__(self, q, k, v, bias=None, kpm=None, cu_q=None, cu_k=None, need_lse=True):
+    def run(self, q, k, v, bias=None, kpm=None, cu_q=None, cu_k=None, need_lse=True):
         """``(out, lse)``; ``lse`` is None unless ``need_lse``."""
-        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
-            with torch.cuda.device(self.device_index):
-                return self(q, k, v, bias, kpm, cu_q, cu_k, need_lse)
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device) if need_lse else None
         if self.empty:

@@ -30,7 +30,7 @@ from collections import OrderedDict
 import torch
 import triton
 
-__all__ = ["Launch", "ProgramCache", "signature", "interpreting"]
+__all__ = ["Launch", "Program", "ProgramCache", "signature", "interpreting"]
 
 _JIT = triton.runtime.JITFunction
 
@@ -102,6 +102,21 @@ class Launch:
 def _inactive(hook) -> bool:
     """No launch hook: None (Triton 3.6) or an empty hook chain (later releases)."""
     return hook is None or getattr(hook, "calls", None) == []
+
+
+class Program:
+    """Base of the launch programs: ``program(...)`` runs ``self.run(...)`` with the program's CUDA device
+    current (a launch goes to the current device's stream). Subclasses set ``device_index`` (None on the
+    CPU interpreter) and implement ``run``."""
+
+    device_index: int | None = None
+
+    def __call__(self, *args, **kwargs):
+        index = self.device_index
+        if index is not None and torch._C._cuda_getDevice() != index:
+            with torch.cuda.device(index):
+                return self.run(*args, **kwargs)
+        return self.run(*args, **kwargs)
 
 
 def signature(tensors: tuple, options: tuple) -> tuple:

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .fwd import ACCUMULATION, _cdiv, _device_info, _pow2
-from .launch import Launch, ProgramCache, signature
+from .launch import Launch, Program, ProgramCache, signature
 from .monoid import finalize_state, fold_tile, matmul
 from .precision import resolve_precision
 
@@ -290,7 +290,7 @@ def window_plan(Bw: int, H: int, N: int, D: int, Dv: int, dtype: torch.dtype, de
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, WINDOWS=windows, num_warps=4, num_stages=2)
 
 
-class _WindowFwdProgram:
+class _WindowFwdProgram(Program):
     """The launch of one window-forward signature, planned once (see ``launch``)."""
 
     def __init__(self, q, k, v, logit_scale, bias, mask, precision, scale):
@@ -319,10 +319,7 @@ class _WindowFwdProgram:
                  COSINE=cosine, ACCUMULATE=ACCUMULATION.get(prec, "plain")),
             cfg["num_warps"], cfg["num_stages"])
 
-    def __call__(self, q, k, v, logit_scale, bias, mask):
-        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
-            with torch.cuda.device(self.device_index):
-                return self(q, k, v, logit_scale, bias, mask)
+    def run(self, q, k, v, logit_scale, bias, mask):
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
         if not self.empty:
             self.launch(q, k, v, bias if logit_scale is None else logit_scale, bias,
@@ -385,7 +382,7 @@ def window_bwd_plan(Bw: int, H: int, N: int, D: int, Dv: int, device) -> dict:
     return dict(BLOCK=_pow2(N), WINDOWS=_windows_per_program(Bw, H, device), num_warps=4, num_stages=1)
 
 
-class _WindowBwdProgram:
+class _WindowBwdProgram(Program):
     """The launch of one window-backward signature, planned once (see ``launch``)."""
 
     def __init__(self, dout, q, k, v, logit_scale, bias, mask, precision, need_qkv, scale):
@@ -418,10 +415,7 @@ class _WindowBwdProgram:
                  NEED_QKV=need_qkv, COSINE=cosine, BLOCK=cfg["BLOCK"], WINDOWS=cfg["WINDOWS"]),
             cfg["num_warps"], cfg["num_stages"])
 
-    def __call__(self, dout, q, k, v, logit_scale, bias, mask):
-        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
-            with torch.cuda.device(self.device_index):
-                return self(dout, q, k, v, logit_scale, bias, mask)
+    def run(self, dout, q, k, v, logit_scale, bias, mask):
         dev = self.device
         H, N = self.HN
         dq = dk = dv = None
