@@ -9,8 +9,7 @@ for the published ones)::
   ``sdpa_cudnn`` through ``torch.nn.attention.sdpa_kernel``; ``flex`` = ``torch.compile(flex_attention)``).
 * ``pass=bwd``: backward only. For a peer: its forward+backward minus its forward (both medians). For
   ``elsa*``: ``elsa_bwd`` given the saved ``(out, lse)`` (preprocess + dK/dV + dQ kernels), precision
-  ``auto`` (``elsa``: ``fp16x3`` on sm90, else ``tf32x3``), ``tf32x3``, ``ieee``, ``tf32``; ``elsa_atomic``
-  is the nondeterministic single-pass mode.
+  ``auto`` (``elsa``: ``fp16x3`` on sm90, else ``tf32x3``), ``tf32x3``, ``ieee``, ``tf32``.
 
 Timing: ``triton.testing.do_bench`` median. TFLOP/s counts ``4 B H N^2 D`` per forward and 2.5x that per
 backward (five N^2 D products), i.e. ``14 B H N^2 D`` for fwd+bwd. ``extra_mb``: peak allocation above the
@@ -44,11 +43,10 @@ from elsa_vision.kernels.reference import scan_attention, softmax_attention  # n
 SHAPES = [(1, 8, 4096, 64), (1, 8, 16384, 64), (8, 12, 785, 64)]
 DTYPES = ["float32", "bfloat16"]
 PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_tf32x3",
-         "elsa_ieee", "elsa_tf32", "elsa_atomic"]
+         "elsa_ieee", "elsa_tf32"]
 SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
         "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-ELSA = {"elsa": ("auto", True), "elsa_tf32x3": ("tf32x3", True), "elsa_ieee": ("ieee", True),
-        "elsa_tf32": ("tf32", True), "elsa_atomic": ("auto", False)}
+ELSA = {"elsa": "auto", "elsa_tf32x3": "tf32x3", "elsa_ieee": "ieee", "elsa_tf32": "tf32"}
 TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), per dtype
     "float32": [
         (64, 128, 8, 2, 128, 64, 8, 2),
@@ -192,12 +190,11 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
     for peer in peers:
         if peer not in ELSA or (peer in ("elsa_tf32x3", "elsa_ieee", "elsa_tf32") and dtype != torch.float32):
             continue
-        precision, det = ELSA[peer]
-
+        precision = ELSA[peer]
         cfg = (configs or {}).get(dtype_name)
 
-        def bwd(precision=precision, det=det, cfg=cfg):
-            return elsa_bwd(do, q, k, v, out, lse, precision=precision, deterministic=det, config=cfg)
+        def bwd(precision=precision, cfg=cfg):
+            return elsa_bwd(do, q, k, v, out, lse, precision=precision, config=cfg)
 
         try:
             grads = bwd()
@@ -225,12 +222,6 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
                     best = (ms, cfg)
             except Exception as exc:
                 print(f"  tiles {t}: failed ({type(exc).__name__}: {str(exc)[:100]})", flush=True)
-        if best is not None:
-            try:
-                fn = lambda: elsa_bwd(do, q, k, v, out, lse, config=best[1], deterministic=False)  # noqa: E731
-                print(f"  best tiles, deterministic=False: {_bench(fn):8.3f} ms", flush=True)
-            except Exception as exc:
-                print(f"  best tiles, deterministic=False: failed ({type(exc).__name__})", flush=True)
         print(f"  best {best}", flush=True)
     return best
 

@@ -27,8 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .kernels.reference import attention_backward, finalize, merge_states, scan_attention, state_from_output
-from .ops.attention import check_options, resolve_backend
+from .kernels.reference import finalize, merge_states, state_from_output
+from .ops.attention import (
+    accumulation_dtype,
+    check_options,
+    partial_attention,
+    partial_attention_grads,
+    resolve_backend,
+)
 
 __all__ = [
     "ContextParallel",
@@ -282,38 +288,6 @@ def _bias_rows_travel(bias: Tensor, group) -> bool:
     return bool(flag.item())
 
 
-def _fold_forward(q, k, v, kpm, bias, causal, scale, precision, backend):
-    """(out, lse) of q against one key shard, through the chosen backend."""
-    if backend == "triton":
-        from .kernels import elsa_fwd
-
-        out, lse = elsa_fwd(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=causal, scale=scale,
-                            precision=precision)
-        return out.to(_acc(q)), lse.to(_acc(q))
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out, lse = scan_attention(q.to(compute), k.to(compute), v.to(compute), attn_bias=bias,
-                              key_padding_mask=kpm, causal=causal, scale=scale, query_chunk=1024,
-                              return_lse=True)
-    return out, lse
-
-
-def _fold_backward(do, q, k, v, lse, delta, kpm, bias, causal, scale, precision, backend, want_dq):
-    """One block's contribution to dQ (``want_dq``) or to (dK, dV), in the accumulation dtype of ``delta``,
-    from the global lse and ``Delta = rowsum(O dO)`` of the block's query rows."""
-    acc = delta.dtype
-    if backend == "triton":
-        from .kernels import elsa_bwd
-
-        dq, dk, dv, _ = elsa_bwd(do.to(q.dtype), q, k, v, None, lse.float(), attn_bias=bias,
-                                 key_padding_mask=kpm, causal=causal, scale=scale, precision=precision,
-                                 delta=delta.float(), compute_dq=want_dq, compute_dkdv=not want_dq)
-    else:
-        dq, dk, dv, _ = attention_backward(do.to(acc), q.to(acc), k.to(acc), v.to(acc), None, lse,
-                                           attn_bias=bias, key_padding_mask=kpm, causal=causal, scale=scale,
-                                           delta=delta)
-    return (dq.to(acc),) if want_dq else (dk.to(acc), dv.to(acc))
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kpm, bias, group, n, causal, scale, precision, backend, layout):
@@ -336,7 +310,7 @@ class _RingAttention(torch.autograd.Function):
             reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
             k_ranges = ranges[src]
             for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
-                out_b, lse_b = _fold_forward(q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
+                out_b, lse_b = partial_attention(q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
                                              mb[:, ks] if masked else None,
                                              _bias_block(bias, qs, None, k_ranges, ks),
                                              blk_causal, scale, precision, backend)
@@ -350,8 +324,8 @@ class _RingAttention(torch.autograd.Function):
         for (a, b), st in zip(ranges[rank], state):
             if st is None:  # nothing visible for this chunk (cannot happen for self-attention; kept exact)
                 shape = q.shape[:-2] + (b - a,)
-                outs.append(q.new_zeros(shape + (v.shape[-1],), dtype=_acc(q)))
-                lses.append(torch.full(shape, float("-inf"), dtype=_acc(q), device=q.device))
+                outs.append(q.new_zeros(shape + (v.shape[-1],), dtype=accumulation_dtype(q)))
+                lses.append(torch.full(shape, float("-inf"), dtype=accumulation_dtype(q), device=q.device))
                 continue
             outs.append(finalize(st))
             lses.append(torch.where(st.s > 0, st.m + torch.log(st.s), torch.full_like(st.m, float("-inf"))))
@@ -379,10 +353,11 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % world
             reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
             for qs, ks, blk_causal in _pairs(ranges[rank], ranges[src], causal):
-                (gq,) = _fold_backward(do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
-                                       lse[..., qs], delta[..., qs], mb[:, ks] if masked else None,
-                                       _bias_block(bias, qs, None, ranges[src], ks), blk_causal, scale,
-                                       precision, backend, want_dq=True)
+                (gq,) = partial_attention_grads(
+                    do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :], lse[..., qs],
+                    delta[..., qs], mb[:, ks] if masked else None,
+                    _bias_block(bias, qs, None, ranges[src], ks), blk_causal, scale, precision, backend,
+                    want_dq=True)
                 dq[..., qs, :] += gq
                 del gq
             if reqs:
@@ -405,9 +380,10 @@ class _RingAttention(torch.autograd.Function):
             for qs, ks, blk_causal in _pairs(ranges[src], ranges[rank], causal):
                 bias_blk = (_bias_block(side[4], qs, None, ranges[rank], ks) if travel_bias else
                             _bias_block(bias, None, qs.stop - qs.start, ranges[rank], ks))
-                gk, gv = _fold_backward(dob[..., qs, :], qb[..., qs, :], k[..., ks, :], v[..., ks, :],
-                                        lseb[..., qs], deltab[..., qs], None if kpm is None else kpm[:, ks],
-                                        bias_blk, blk_causal, scale, precision, backend, want_dq=False)
+                gk, gv = partial_attention_grads(
+                    dob[..., qs, :], qb[..., qs, :], k[..., ks, :], v[..., ks, :], lseb[..., qs],
+                    deltab[..., qs], None if kpm is None else kpm[:, ks], bias_blk, blk_causal, scale,
+                    precision, backend, want_dq=False)
                 dk[..., ks, :] += gk
                 dv[..., ks, :] += gv
                 del gk, gv
@@ -416,10 +392,6 @@ class _RingAttention(torch.autograd.Function):
                 side = recv
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 None, None, None, None, None, None, None, None, None)
-
-
-def _acc(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _chunk_index(q_ranges, qs: slice) -> int:

@@ -5,13 +5,13 @@ log, ``-inf`` for a row that sees no key). The backward recomputes the probabili
 ``P = exp(S - lse)`` with ``S = scale * Q K^T + bias`` (masked entries ``-inf``), so nothing of size
 ``Nq * Nk`` is stored:
 
-* ``Delta = rowsum(O * dO)`` (preprocess kernel, ``[B, H, Nq]`` float32);
+* ``dQ = scale * dS K`` -- one program per query tile, looping over the key tiles (``_bwd_dq_kernel``,
+  launched first); it also forms ``Delta = rowsum(O * dO)`` of its rows (``[B, H, Nq]`` float32) for the
+  next kernel.
+  A separate dQ pass keeps every gradient element owned by exactly one program: no atomics, bitwise
+  reproducible;
 * ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - Delta)``, ``dK = scale * dS^T Q`` -- one program per key
   tile, looping over the query tiles (``_bwd_dkdv_kernel``);
-* ``dQ = scale * dS K`` -- one program per query tile, looping over the key tiles (``_bwd_dq_kernel``). A
-  separate dQ pass keeps every gradient element owned by exactly one program: no atomics, bitwise
-  reproducible. ``deterministic=False`` instead accumulates dQ with float32 atomics inside the dK/dV kernel
-  (one pass over the scores instead of two; summation order then varies run to run);
 * ``dBias = dS`` reduced over the bias's broadcast dims (``_bwd_dbias_kernel``): one program per output tile
   of the *reduced* bias loops, in a fixed order, over the ``(b, h)`` pairs (and query/key tiles) that share
   it, so a ``(1, H, N, N)`` relative-position bias, an ``(nW, 1, N, N)`` window mask on ``B = batch * nW``
@@ -135,11 +135,11 @@ def _load_rows(ptrs, rows_ok, cols_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.co
 @triton.jit
 def _dkdv_loop(
     dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-    q_base, do_base, lse_base, delta_base, bias_base, dq_base,
-    stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_dqm, stride_dqd,
+    q_base, do_base, lse_base, delta_base, bias_base,
+    stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
     lo, hi, Nq, diag, sm_scale, qk_scale,
     D: tl.constexpr, Dv: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MASKED: tl.constexpr,
+    PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Accumulate ``dK, dV`` of one key tile over the query tiles ``[lo, hi)``.
@@ -205,22 +205,12 @@ def _dkdv_loop(
             dpt = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
             dst = (pt * (dpt - delta[None, :])).to(q.dtype)
             dk = _mm(dst, q, dk, PREC, DOT_UPCAST)
-        if ATOMIC_DQ:
-            if PREC == "fp16x3":
-                dq_part = _mm_f16x3(tl.trans(ds_hi), tl.trans(ds_lo), ds_c, k_hi, k_lo, k_c,
-                                    [BLOCK_M, BLOCK_D]) * sm_scale
-            else:
-                dq_part = _mm(tl.trans(dst), k,
-                              tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, DOT_UPCAST) * sm_scale
-            tl.atomic_add(dq_base + m64 * stride_dqm + offs_ml[:, None] * stride_dqm
-                          + offs_d[None, :] * stride_dqd, dq_part, mask=m_in[:, None] & d_in[None, :],
-                          sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV, DQ_ACC,
+    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -230,19 +220,17 @@ def _bwd_dkdv_kernel(
     stride_kpmb, stride_kpmn,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, Nq, Nk, BIAS_B, BIAS_H,
     sm_scale, qk_scale,
     D: tl.constexpr, Dv: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (b * H + h, key tile): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
 
     Works on the transposed scores ``S^T [BLOCK_N, BLOCK_M]`` so that ``dV += P^T dO`` and
-    ``dK += dS^T Q`` are plain products. With ``ATOMIC_DQ`` it also adds ``scale * dS K`` into the float32
-    buffer ``DQ_ACC`` with atomics (the nondeterministic single-pass mode). The query tiles run in three
+    ``dK += dS^T Q`` are plain products. The query tiles run in three
     stretches: those crossing the causal diagonal (masked), the full visible ones (no masks: the bulk of
     the work), and the partial last tile (masked); a partial key tile or a padding mask masks them all.
     """
@@ -301,30 +289,29 @@ def _bwd_dkdv_kernel(
         # transposed bias tile [BLOCK_N, BLOCK_M]; the bias's batch index is b % BIAS_B (window tiling)
         bias_base = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
                      + offs_n.to(tl.int64)[:, None] * stride_bn)
-    dq_base = DQ_ACC + b * stride_dqb + h * stride_dqh
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dk, dv = _dkdv_loop(
         dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-        q_base, do_base, lse_base, delta_base, bias_base, dq_base,
-        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_dqm, stride_dqd,
+        q_base, do_base, lse_base, delta_base, bias_base,
+        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
         m_start, m_full, Nq, diag, sm_scale, qk_scale,
-        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, ATOMIC_DQ, PREC, DOT_UPCAST, True,
+        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, True,
         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     dk, dv = _dkdv_loop(
         dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-        q_base, do_base, lse_base, delta_base, bias_base, dq_base,
-        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_dqm, stride_dqd,
+        q_base, do_base, lse_base, delta_base, bias_base,
+        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
         m_full, m_mid, Nq, diag, sm_scale, qk_scale,
-        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, ATOMIC_DQ, PREC, DOT_UPCAST, False,
+        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, False,
         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     dk, dv = _dkdv_loop(
         dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-        q_base, do_base, lse_base, delta_base, bias_base, dq_base,
-        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_dqm, stride_dqd,
+        q_base, do_base, lse_base, delta_base, bias_base,
+        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
         m_mid, Nq, Nq, diag, sm_scale, qk_scale,
-        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, ATOMIC_DQ, PREC, DOT_UPCAST, True,
+        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, True,
         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     dk = dk * sm_scale
@@ -668,7 +655,7 @@ def _cfg(dkdv: tuple[int, int, int, int], dq: tuple[int, int, int, int],
 
 
 def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precision: str = "tf32x3",
-               deterministic: bool = True, n_k: int | None = None) -> BwdConfig:
+               n_k: int | None = None) -> BwdConfig:
     """Default tiles for the backward from the dtype, head dims, key length and device (no environment
     variables).
 
@@ -680,10 +667,9 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision) pipelines 3 stages at head dim <= 64
     and uses 64-key dK/dV tiles on 4 warps up to ``n_k = 1024`` keys (more programs for short sequences);
     at head dim 128 it takes the 32 x 128 / 128 x 32 split on 8 warps. Wider heads shrink the resident
-    tiles to keep operands and accumulators in registers. The nondeterministic float32 mode
-    (``deterministic=False``: one more product and the dQ atomics in the dK/dV kernel) uses the smaller
-    float32 tiles: at 64 x 128 it needs 289 KiB of shared memory. So does ``precision="ieee"``: plain FMA
-    products ran 3.2x slower on the large tiles (65.9 vs 20.8 ms at 1,8,4096,64 on the H100).
+    tiles to keep operands and accumulators in registers. ``precision="ieee"`` uses the smaller float32
+    tiles: plain FMA products ran 3.2x slower on the large tiles (65.9 vs 20.8 ms at 1,8,4096,64 on the
+    H100).
     The dBias kernel always runs unpipelined (``num_stages=1``, so the config has no stage count for it):
     with Triton 3.6 on the H100, its nested member / tile loops pipelined at ``num_stages=2`` returned wrong
     values at head dim 16 (``docs/kernel_notes.md``, "dBias kernel and software pipelining").
@@ -697,12 +683,12 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
         cfg = _cfg((32, 128, 4, 3), (64, 64, 4, 3) if short else (128, 64, 8, 3), (64, 64, 4))
     elif dtype in (torch.float16, torch.bfloat16):
         cfg = _cfg((32, 128, 4, 3), (128, 32, 4, 3), (64, 64, 4))
-    elif precision == "fp16x3" and deterministic and wide <= 64:
+    elif precision == "fp16x3" and wide <= 64:
         short = n_k is not None and n_k <= 1024
         cfg = _cfg((64, 64, 4, 2), (128, 64, 8, 2)) if short else _cfg((64, 128, 8, 3), (128, 64, 8, 3))
-    elif precision == "fp16x3" and deterministic and wide <= 128:
+    elif precision == "fp16x3" and wide <= 128:
         cfg = _cfg((32, 128, 8, 2), (128, 32, 8, 2))
-    elif wide <= 64 and deterministic and precision != "ieee":
+    elif wide <= 64 and precision != "ieee":
         cfg = _cfg((64, 128, 8, 2), (128, 64, 8, 2))
     else:
         cfg = _cfg((32, 64, 4, 2), (64, 32, 4, 2))
@@ -722,10 +708,10 @@ class _BwdProgram(Program):
 
     Launch order: the dQ kernel (which also forms and writes ``Delta`` unless it was given), then the dK/dV
     kernel, then the dBias kernel. The separate ``Delta`` kernel runs only where no dQ pass precedes the
-    dK/dV one (``compute_dq=False`` or atomic dQ)."""
+    dK/dV one (``compute_dq=False``)."""
 
     def __init__(self, do, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
-                 bias_requires_grad, deterministic, config, given_delta, compute_dq, compute_dkdv):
+                 bias_requires_grad, config, given_delta, compute_dq, compute_dkdv):
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
         device = q.device
@@ -740,9 +726,7 @@ class _BwdProgram(Program):
         prec = resolve_precision(q.dtype, precision, device, max(D, Dv))
         sm_scale = float(scale)
         qk_scale = sm_scale * LOG2E
-        # The single-pass atomic dQ needs the dK/dV pass; one side alone runs deterministically.
-        self.atomic_dq = atomic_dq = not deterministic and compute_dq and compute_dkdv
-        cfg = config or bwd_config(q.dtype, D, Dv, device, prec, not atomic_dq, Nk)
+        cfg = config or bwd_config(q.dtype, D, Dv, device, prec, Nk)
         BLOCK_D, BLOCK_DV = _pow2(D), _pow2(Dv)
         dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
         has_bias, has_kpm = attn_bias is not None, key_padding_mask is not None
@@ -759,7 +743,7 @@ class _BwdProgram(Program):
                         key_padding_mask.stride(1)) if has_kpm else (0, 0))
         q_s, k_s, v_s, do_s, lse_s = q.stride(), k.stride(), v.stride(), do.stride(), lse.stride()
         o_s = out.stride() if out is not None else (0, 0, 0, 0)
-        self.write_delta = compute_dq and not atomic_dq and not given_delta
+        self.write_delta = compute_dq and not given_delta
         self.pre = None
         if not given_delta and not self.write_delta:
             self.pre = Launch(_bwd_preprocess_kernel, (B * H, _cdiv(Nq, 64)), (*o_s, *do_s, H, Nq, Dv),
@@ -767,7 +751,7 @@ class _BwdProgram(Program):
         common = dict(D=D, Dv=Dv, HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, PREC=prec,
                       DOT_UPCAST=dot_upcast)
         self.dq = None
-        if compute_dq and not atomic_dq:
+        if compute_dq:
             self.dq = Launch(
                 _bwd_dq_kernel, (B * H, _cdiv(Nq, cfg.block_m2)),
                 (*q_s, *k_s, *v_s, *do_s, *o_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.q_size),
@@ -780,9 +764,9 @@ class _BwdProgram(Program):
             self.dkdv = Launch(
                 _bwd_dkdv_kernel, (B * H, _cdiv(Nk, cfg.block_n1)),
                 (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.k_size),
-                 *_contiguous(self.v_size), *(_contiguous(self.q_size) if atomic_dq else (0, 0, 0, 0)),
+                 *_contiguous(self.v_size),
                  H, Nq, Nk, Bb, Hb, sm_scale, qk_scale),
-                dict(common, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D,
+                dict(common, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D,
                      BLOCK_DV=BLOCK_DV),
                 cfg.warps1, cfg.stages1)
         self.dbias = None
@@ -831,10 +815,7 @@ class _BwdProgram(Program):
         if self.dq is not None:
             self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq)
         if self.dkdv is not None:
-            dq_acc = torch.zeros(self.q_size, dtype=torch.float32, device=dev) if self.atomic_dq else delta
-            self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv, dq_acc)
-            if self.atomic_dq:
-                dq.copy_(dq_acc)
+            self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv)
         dbias = None
         if self.dbias is not None:
             ws = torch.empty(self.ws_size, dtype=torch.float32, device=dev)
@@ -871,7 +852,6 @@ def elsa_bwd(
     scale: float | None = None,
     precision: str = "auto",
     bias_requires_grad: bool = False,
-    deterministic: bool = True,
     config: BwdConfig | None = None,
     delta: Tensor | None = None,
     compute_dq: bool = True,
@@ -898,8 +878,6 @@ def elsa_bwd(
         bias_requires_grad: also return ``dbias`` in ``attn_bias``'s shape and dtype (reduced over its
             size-1 / window-tiled dims; a stride-0 *expanded* dim of full size gets its full gradient, as
             autograd requires for that shape).
-        deterministic: True (default): separate dQ pass, bitwise reproducible. False: dQ accumulated with
-            float32 atomics in the dK/dV pass (one fewer pass over the scores; not bitwise reproducible).
         config: tile override (``bwd_config`` picks the default).
         delta: float32 ``[B, H, Nq]`` ``rowsum(out * dO)`` computed by the caller (``out`` is then not
             read): context parallelism sends it along with the query rows.
@@ -913,7 +891,7 @@ def elsa_bwd(
     if out is None and delta is None:
         raise ValueError("elsa_bwd: pass `out` (the forward output), or `delta` = rowsum(out * do)")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    options = (causal, scale, precision, bool(bias_requires_grad), deterministic, config, delta is not None,
+    options = (causal, scale, precision, bool(bias_requires_grad), config, delta is not None,
                compute_dq, compute_dkdv)
     key = signature((do, q, k, v, out, lse, attn_bias, key_padding_mask), options)
     program = _PROGRAMS.get(key)

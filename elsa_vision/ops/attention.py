@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.precision import PRECISIONS
-from ..kernels.reference import scan_attention
+from ..kernels.reference import attention_backward, scan_attention
 from ._library import define_op
 
 __all__ = [
@@ -302,6 +302,47 @@ def _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precisio
             query_chunk=_TORCH_QUERY_CHUNK, dropout_p=dropout_p,
         )
     return out.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Partial attention: the building blocks of context parallelism (``elsa_vision.distributed``), whose ring
+# folds the results of one query shard against every key shard with the monoid.
+
+
+def accumulation_dtype(t: Tensor) -> torch.dtype:
+    """The dtype partial results are kept and merged in: float64 for float64 inputs, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def partial_attention(q, k, v, key_padding_mask, attn_bias, causal, scale, precision, backend):
+    """``(out, lse)`` of ``q`` against one key shard, in ``accumulation_dtype(q)``, through ``backend``
+    (``"triton"``: the forward kernels; else the reference scan). Inputs are trusted (checked by the caller's
+    public entry)."""
+    acc = accumulation_dtype(q)
+    if backend == "triton":
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        out, lse = _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
+        return out.to(acc), lse.to(acc)
+    return scan_attention(q.to(acc), k.to(acc), v.to(acc), attn_bias=attn_bias,
+                          key_padding_mask=key_padding_mask, causal=causal, scale=scale,
+                          query_chunk=_TORCH_QUERY_CHUNK, return_lse=True)
+
+
+def partial_attention_grads(do, q, k, v, lse, delta, key_padding_mask, attn_bias, causal, scale, precision,
+                            backend, want_dq):
+    """One (query shard, key shard) pair's contribution to dQ (``want_dq``) or to (dK, dV), in the dtype of
+    ``delta``, from the global ``lse`` and ``Delta = rowsum(O dO)`` of the shard's query rows."""
+    acc = delta.dtype
+    if backend == "triton":
+        dq, dk, dv, _ = _kernels()[1].elsa_bwd(
+            do.to(q.dtype), q, k, v, None, lse.float(), attn_bias=attn_bias,
+            key_padding_mask=key_padding_mask, causal=causal, scale=scale, precision=precision,
+            delta=delta.float(), compute_dq=want_dq, compute_dkdv=not want_dq)
+    else:
+        dq, dk, dv, _ = attention_backward(do.to(acc), q.to(acc), k.to(acc), v.to(acc), None, lse,
+                                           attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+                                           causal=causal, scale=scale, delta=delta)
+    return (dq.to(acc),) if want_dq else (dk.to(acc), dv.to(acc))
 
 
 def elsa_attention(
