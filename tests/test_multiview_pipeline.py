@@ -292,7 +292,7 @@ def test_inference_cli_subprocess(tmp_path):
     )
     assert bad.returncode != 0 and "not a directory" in bad.stderr
     mismatch = subprocess.run(
-        cmd[:8] + ["elsa_vggt"] + cmd[9:],
+        cmd[:8] + ["elsa_vggt"] + cmd[9:] + ["--overwrite"],
         capture_output=True,
         text=True,
         cwd=ROOT,
