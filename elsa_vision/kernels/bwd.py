@@ -26,8 +26,7 @@ Precision as the forward: float16/bfloat16 operands with float32 accumulation; f
 (plain FP32 FMA), ``"tf32x3"`` (FP32-accurate on TF32 tensor cores), ``"fp16x3"`` (FP32-accurate from three
 float16 tensor-core products of power-of-two-scaled two-part splits, ``monoid.split_f16``; head dims up to
 128), ``"tf32"`` (one TF32 pass) and ``"auto"`` (the fastest FP32-accurate choice for the device:
-``fp16x3`` on sm90, ``tf32x3`` on other tensor-core GPUs, else ``ieee``); the forward's ``"tf32x3s"`` (its
-own split of the same three TF32 products) runs here as ``"tf32x3"``.
+``fp16x3`` on sm90, ``tf32x3`` on other tensor-core GPUs, else ``ieee``).
 """
 
 from __future__ import annotations
@@ -873,8 +872,8 @@ def elsa_bwd(
         key_padding_mask: bool ``[B or 1, Nk]``, True = key takes part.
         causal: bottom-right aligned (query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``).
         scale: logit scale, default ``D ** -0.5``.
-        precision: ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "fp16x3" | "tf32"`` for float32 inputs
-            (ignored for half; ``"tf32x3s"`` runs as ``"tf32x3"``).
+        precision: ``"auto" | "ieee" | "tf32x3" | "fp16x3" | "tf32"`` for float32 inputs (ignored for
+            half).
         bias_requires_grad: also return ``dbias`` in ``attn_bias``'s shape and dtype (reduced over its
             size-1 / window-tiled dims; a stride-0 *expanded* dim of full size gets its full gradient, as
             autograd requires for that shape).

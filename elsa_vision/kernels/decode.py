@@ -408,9 +408,8 @@ def elsa_decode(
         causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right: one decode query sees
             the whole cache).
         scale: logit scale, default ``D ** -0.5``.
-        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"fp16x3"``,
-            ``"tf32"`` (as ``elsa_fwd``; ``"tf32x3s"`` splits both operands at every product here and
-            ``"fp16x3"`` runs as ``"tf32x3s"``).
+        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"fp16x3"``, ``"tf32"`` (as
+            ``elsa_fwd``; ``"fp16x3"`` runs as ``"tf32x3"``).
         block_n, programs: force the lean tile size and the level-one program count (see ``decode_plan``).
         need_lse: False: the log-sum-exp is neither stored nor returned (inference).
 

@@ -33,11 +33,9 @@ from .monoid import (
     fold_tile,
     matmul,
     matmul_f16x3,
-    matmul_split,
     merge_states,
     pow2,
     split_f16,
-    split_tf32,
 )
 from .precision import device_info, resolve_precision
 from .reference import merge_depth
@@ -68,8 +66,8 @@ def _attend(
     """Fold the key tiles ``[lo, hi)`` into the state (``s_c``/``acc_c``: the Kahan compensations under
     ``ACCUMULATE == "kahan"``, see ``monoid.fold_tile``). ``MASKED`` adds the bounds and causal masks.
 
-    ``q`` is the query tile; under ``"tf32x3s"`` its ``split_tf32`` high part, with ``q_lo`` the low part,
-    under ``"fp16x3"`` its ``split_f16`` parts with ``q_c`` their scale exponent (split once by the caller;
+    ``q`` is the query tile; under ``"fp16x3"`` its ``split_f16`` high part, with ``q_lo`` the low part and
+    ``q_c`` their scale exponent (split once by the caller;
     ``q_lo``/``q_c`` unused otherwise). ``k_ptr``/``v_ptr`` point at key/value row 0 of this
     (batch, head); ``bias_ptr`` at the tile's ``[BLOCK_M, 1]`` bias rows (column 0); ``kpm_ptr`` at this
     batch's mask entry 0.
@@ -96,11 +94,7 @@ def _attend(
             v = tl.where(keep[:, None], v, 0.0)
             if PRECISION == "fp16x3":
                 kt = tl.where(keep[None, :], kt, 0.0)  # a hidden key must not set the tile's scale
-        if PRECISION == "tf32x3s":
-            kt_hi, kt_lo = split_tf32(kt)
-            qk = matmul_split(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
-            scores = qk * qk_scale
-        elif PRECISION == "fp16x3":
+        if PRECISION == "fp16x3":
             kt_hi, kt_lo, k_c = split_f16(kt)
             qk = matmul_f16x3(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
             # q carries qk_scale (see the caller). Clamping the exponent only touches scores below ~1e-27
@@ -190,9 +184,7 @@ def _fwd_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q_lo = q
     q_c = 0
-    if PRECISION == "tf32x3s":
-        q, q_lo = split_tf32(q)  # the tile is loop-invariant: split once, not at every key tile
-    elif PRECISION == "fp16x3":
+    if PRECISION == "fp16x3":
         # qk_scale (not a power of two) goes into the query tile before its split, so that the scores are
         # the products times a power of two (one float32 rounding per query element, as the scaling of
         # the products on the other paths).
@@ -436,7 +428,6 @@ def _plan(
     causal: bool = False,
     device=None,
     sm_count: int | None = None,
-    workspace_bytes: int | None = None,
     precision: str = "auto",
     has_bias: bool = False,
 ) -> FwdPlan:
@@ -445,16 +436,14 @@ def _plan(
     The fused path (``partitions == 1``) is taken unless the query tiles (``cdiv(Nq, BLOCK_M) * B * H``
     programs) fill less than half of the ``sm_count`` multiprocessors; then the keys are cut into partitions
     (at most 16, at least one key tile each) until the grid holds about two programs per multiprocessor.
-    ``workspace_bytes`` caps the level-one workspace (``partitions * B * H * Nq * (BLOCK_DV + 2) * 4``
-    bytes) by reducing partitions, down to the fused path which needs none.
+    The plan's ``workspace_bytes`` is the level-one workspace that costs
+    (``partitions * B * H * Nq * (BLOCK_DV + 2) * 4`` bytes; 0 on the fused path).
     """
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"plan: `dtype` must be one of {_FLOAT_DTYPES}, got {dtype}")
     for name, val in (("B", B), ("H", H), ("Nq", Nq), ("Nk", Nk), ("D", D), ("Dv", Dv)):
         if int(val) < (1 if name in ("D", "Dv") else 0):
             raise ValueError(f"plan: `{name}` must be >= {1 if name in ('D', 'Dv') else 0}, got {val}")
-    if workspace_bytes is not None and workspace_bytes < 0:
-        raise ValueError(f"plan: `workspace_bytes` must be >= 0 or None, got {workspace_bytes}")
     sms, cc, smem = _device_info(device)
     if sm_count is not None:
         sms = int(sm_count)
@@ -473,8 +462,6 @@ def _plan(
         # pays for itself; with more programs the fused path is as fast and needs no workspace.
         parts = min(16, key_tiles, _cdiv(2 * sms, programs))
     per_part = 4 * bh * max(Nq, 1) * (bdv + 2)
-    if workspace_bytes is not None:
-        parts = min(parts, workspace_bytes // per_part)
     parts = max(1, parts)
     if parts > 1:
         # Equalise: every partition gets the same number of key tiles, none empty.
@@ -558,8 +545,7 @@ class _FwdProgram(Program):
     (``q [total_q, H, D]``; outputs ``[total_q, H, Dv]`` and ``lse [H, total_q]``).
     """
 
-    def __init__(self, q, k, v, bias, kpm, causal, scale, precision, workspace_bytes=None, partitions=None,
-                 varlen=None):
+    def __init__(self, q, k, v, bias, kpm, causal, scale, precision, partitions=None, varlen=None):
         self.device = q.device
         self.dtype = q.dtype
         self.device_index = q.device.index if q.is_cuda else None
@@ -587,12 +573,12 @@ class _FwdProgram(Program):
                        (0, v.stride(1), v.stride(0), v.stride(2)), (0, Dv, H * Dv, 1))
             self.empty = False
             self.zero = total_q == 0 or max_q == 0
-            workspace_bytes = 0  # the level-two merge has no varlen layout
+            partitions = 1  # the level-two merge has no varlen layout
         if self.empty or self.zero:
             return
         has_bias, has_kpm = bias is not None, kpm is not None
         p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=_canonical_device(q.device),
-                         workspace_bytes=workspace_bytes, precision=precision, has_bias=has_bias)
+                         precision=precision, has_bias=has_bias)
         if partitions is not None:
             p = _force_plan(p, Nk, partitions)
         self.plan = p
@@ -662,7 +648,6 @@ def elsa_fwd(
     causal: bool = False,
     scale: float | None = None,
     precision: str = "auto",
-    workspace_bytes: int | None = None,
     partitions: int | None = None,
     need_lse: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
@@ -678,10 +663,11 @@ def elsa_fwd(
         key_padding_mask: bool ``[B, Nk]`` (or ``[1, Nk]``), True = the key takes part.
         causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right aligned).
         scale: logit scale, default ``D ** -0.5``.
-        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"``, ``"fp16x3"``,
+        precision: float32 only: ``"auto"``, ``"ieee"``, ``"tf32x3"``, ``"fp16x3"``,
             ``"tf32"`` (see ``kernels.precision``).
-        workspace_bytes: cap on the level-one workspace (None: speed-first plan).
-        partitions: force this many key partitions (tests and benchmarks of the two-level path).
+        partitions: force this many key partitions (None: the plan's choice). The split path is otherwise
+            taken only for grids under half a wave; the tests pin its merge tree (2 to 16 partitions) at
+            small shapes with it, as ``elsa_decode``'s ``programs`` does for decode.
         need_lse: False: the log-sum-exp is neither stored nor returned (inference).
 
     Returns:
@@ -691,21 +677,20 @@ def elsa_fwd(
         makes that row NaN.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    program = fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, workspace_bytes,
-                          partitions)
+    program = fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, partitions)
     return program(q, k, v, attn_bias, key_padding_mask, need_lse=need_lse)
 
 
-def fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, workspace_bytes=None,
-                partitions=None) -> _FwdProgram:
+def fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, partitions=None,
+                ) -> _FwdProgram:
     """The cached launch program of this forward signature (``scale`` resolved): ``program(q, k, v, bias,
     kpm, need_lse=...) -> (out, lse)`` for any tensors of the same signature."""
     key = signature((q, k, v, attn_bias, key_padding_mask),
-                    (causal, scale, precision, workspace_bytes, partitions))
+                    (causal, scale, precision, partitions))
     program = _PROGRAMS.get(key)
     if program is None:
         program = _PROGRAMS.put(key, _FwdProgram(q, k, v, attn_bias, key_padding_mask, causal, scale,
-                                                 precision, workspace_bytes, partitions))
+                                                 precision, partitions))
     return program
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 __all__ = [
     "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias", "matmul",
-    "matmul_split", "split_tf32", "split_f16", "matmul_f16x3", "pow2", "f16_pair",
+    "split_f16", "matmul_f16x3", "pow2", "f16_pair",
 ]
 
 # |bias| is clamped to this before the base-2 conversion so that log2(e) * bias stays finite in fp32
@@ -53,44 +53,6 @@ def finalize_state(m, s, w):
     out = tl.where(hidden[:, None], 0.0, w / denom[:, None])
     lse = tl.where(hidden, float("-inf"), (m + tl.math.log2(denom)) * _LN2)
     return out, lse
-
-
-@triton.jit
-def split_tf32(x):
-    """``(hi, lo)`` with ``hi`` = float32 ``x`` rounded to the nearest TF32 value (10 explicit mantissa
-    bits, ties away from zero like ``cvt.rna.tf32.f32``) and ``lo = x - hi``.
-
-    The rounding is integer arithmetic on the bit pattern (add half a TF32 ulp, clear the low 13 bits), so
-    it runs the same compiled and interpreted. ``hi + lo == x`` exactly (``lo`` is the rounding error of
-    ``hi``, representable in float32) and ``|lo| <= ulp_tf32(x) / 2``; zeros and infinities keep their
-    value in ``hi`` (``lo`` is then 0, resp. NaN: a non-finite operand gives a non-finite product anyway).
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    hi = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return hi, x - hi
-
-
-@triton.jit
-def matmul_split(a_hi, a_lo, b_hi, b_lo, acc):
-    """``acc + a @ b`` for float32 ``a = a_hi + a_lo``, ``b = b_hi + b_lo`` (``split_tf32`` parts) from three
-    TF32 tensor-core products: ``a_hi @ b_lo + a_lo @ b_hi + a_hi @ b_hi``, the small terms first, all three
-    accumulated on ``acc`` inside the MMA chain. Pass zeros (as Triton's tf32x3 does) and add a long-running
-    sum outside in float32, as ``matmul`` does: the tensor core's accumulation is not IEEE-rounded (an
-    earlier split that accumulated into the running sum lost accuracy on an H100, docs/kernel_notes.md).
-
-    A TF32 MMA reads only the top 10 mantissa bits of each float32 operand (the low 13 are ignored). The
-    ``hi`` parts have those bits zero, so ``a_hi @ b_hi`` is exact products with fp32 accumulation, and the
-    cross terms restore the next 11 bits; what is left out (the ``a_lo @ b_lo`` term, and the TF32 reading
-    of ``lo``) is ~2^-21..2^-22 of ``|a| |b|``: FP32-accurate, the error budget of Triton's ``tf32x3``.
-    Differences to ``input_precision="tf32x3"``: the caller splits, so an operand reused across calls (the
-    query tile across the key loop) is split once by construction, not by the compiler's loop-invariant code
-    motion; and the cross terms are not screened for NaN (Triton zeroes NaN there so that an infinite
-    operand keeps an infinite product): equal results for finite operands, one compare-select less per
-    output element.
-    """
-    acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-    acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
-    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
 
 
 @triton.jit
@@ -133,8 +95,9 @@ def split_f16(x):
 def matmul_f16x3(a_hi, a_lo, b_hi, b_lo, acc):
     """``acc + a @ b`` from the ``split_f16`` parts of ``a`` and ``b`` (both scaled: the caller undoes the
     scales): ``a_hi @ b_lo + a_lo @ b_hi + a_hi @ b_hi`` on half-precision tensor cores with float32
-    accumulation, the small terms first. Pass zeros and add a long-running sum outside in float32, as for
-    ``matmul_split``. The ``a_lo @ b_lo`` term left out is ``~2^-22`` of ``|a| |b|``: FP32-accurate."""
+    accumulation, the small terms first. Pass zeros and add a long-running sum outside in float32: the tensor
+    core's accumulation is not IEEE-rounded (docs/kernel_notes.md). The ``a_lo @ b_lo`` term left out is
+    ``~2^-22`` of ``|a| |b|``: FP32-accurate."""
     acc = tl.dot(a_hi, b_lo, acc)
     acc = tl.dot(a_lo, b_hi, acc)
     return tl.dot(a_hi, b_hi, acc)
@@ -144,11 +107,9 @@ def matmul_f16x3(a_hi, a_lo, b_hi, b_lo, acc):
 def matmul(a, b, acc, PRECISION: tl.constexpr):
     """``acc + a @ b`` with fp32 accumulation.
 
-    ``PRECISION`` is ``"ieee"``, ``"tf32x3"``, ``"tf32x3s"`` or ``"tf32"`` for float32 operands and
-    ``"none"`` for float16/bfloat16 operands (tensor cores, fp32 accumulate). ``"tf32x3s"`` splits both
-    operands here and calls ``matmul_split`` on a fresh accumulator, then adds ``acc`` in float32: the same
-    three TF32 products as ``"tf32x3"`` (callers that reuse an operand split it once themselves and call
-    ``matmul_split``; ``"fp16x3"`` callers use ``split_f16`` and ``matmul_f16x3``). ``"upcast"``
+    ``PRECISION`` is ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for float32 operands and ``"none"`` for
+    float16/bfloat16 operands (tensor cores, fp32 accumulate); ``"fp16x3"`` callers use ``split_f16`` and
+    ``matmul_f16x3``. ``"upcast"``
     multiplies half operands as float32 (exact products, fp32 accumulate: the tensor-core result) where no
     half dot is available (the CPU interpreter has none for bfloat16).
     """
@@ -156,10 +117,6 @@ def matmul(a, b, acc, PRECISION: tl.constexpr):
         return tl.dot(a, b, acc)
     elif PRECISION == "upcast":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif PRECISION == "tf32x3s":
-        a_hi, a_lo = split_tf32(a)
-        b_hi, b_lo = split_tf32(b)
-        return acc + matmul_split(a_hi, a_lo, b_hi, b_lo, tl.zeros_like(acc))
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 

@@ -8,8 +8,6 @@ tensor cores with float32 accumulation):
   ``"ieee"`` elsewhere (older GPUs, the CPU interpreter);
 * ``"ieee"``: plain FP32 FMA, no tensor cores;
 * ``"tf32x3"``: three TF32 tensor-core products per dot (Triton's split): FP32-accurate;
-* ``"tf32x3s"``: the same three TF32 products with the split done by the kernel (``monoid.split_tf32``;
-  the dense forward splits its query tile once per program);
 * ``"fp16x3"``: three float16 tensor-core products of power-of-two-scaled two-part splits
   (``monoid.split_f16``): FP32-accurate at twice the TF32 rate; the dense forward and backward have it for
   padded head dims up to 128;
@@ -27,7 +25,7 @@ import torch
 
 __all__ = ["PRECISIONS", "KERNELS", "resolve_precision", "device_info"]
 
-PRECISIONS = ("auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32")
+PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
 # The kernels a precision is resolved for, and the widest padded head dim each runs "fp16x3" at (0: never).
 KERNELS = {"fwd": 128, "bwd": 128, "decode": 0, "window": 0}
 
@@ -61,9 +59,8 @@ def resolve_precision(precision: str, dtype: torch.dtype, device, kernel: str, h
 
     ``"none"`` for float16/bfloat16 inputs. For float32: ``"auto"`` becomes ``"fp16x3"`` on sm90 where the
     kernel has it for ``head_dim`` (padded to a power of two), ``"tf32x3"`` on other sm80+ GPUs, ``"ieee"``
-    elsewhere. An explicit ``"fp16x3"`` the kernel does not have at this head dim runs as ``"tf32x3"`` in the
-    dense kernels and as ``"tf32x3s"`` (the same products, split in the kernel) in the others; the backward
-    runs ``"tf32x3s"`` as ``"tf32x3"`` (its operands are split at every product either way).
+    elsewhere. An explicit ``"fp16x3"`` the kernel does not have (at this head dim, or at all: the window and
+    decode kernels) runs as ``"tf32x3"``, the other FP32-accurate tensor-core path.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
@@ -77,7 +74,5 @@ def resolve_precision(precision: str, dtype: torch.dtype, device, kernel: str, h
             return "ieee"
         precision = "fp16x3" if f16_ok and cc[0] == 9 else "tf32x3"
     if precision == "fp16x3" and not f16_ok:
-        precision = "tf32x3s" if widest == 0 else "tf32x3"
-    if precision == "tf32x3s" and kernel == "bwd":
         precision = "tf32x3"
     return precision

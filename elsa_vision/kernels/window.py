@@ -351,8 +351,8 @@ def window_fwd(
             ``exp(min(logit_scale, log 100))`` multiplies the cosines. None: plain ``q . k * scale`` logits.
         bias: ``[H, N, N]`` additive bias shared by all windows (any strides, e.g. a permuted view).
         mask: ``[nW, N, N]`` additive shift mask, window ``b`` uses ``mask[b % nW]``; or None.
-        precision: float32 dot precision ``"auto" | "ieee" | "tf32x3" | "tf32x3s" | "fp16x3" | "tf32"``
-            (ignored for half inputs; ``"fp16x3"`` runs as ``"tf32x3s"``).
+        precision: float32 dot precision ``"auto" | "ieee" | "tf32x3" | "fp16x3" | "tf32"`` (ignored for
+            half inputs; ``"fp16x3"`` runs as ``"tf32x3"``).
         scale: the logit scale without ``logit_scale`` (Swin v1: ``head_dim ** -0.5``).
 
     Returns:

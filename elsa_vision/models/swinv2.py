@@ -48,7 +48,7 @@ class ElsaSwinV2(SwinTransformerV2):
     Args:
         attn_backend: ``"auto"`` (W-ELSA Triton op on CUDA, torch otherwise), ``"torch"``, ``"triton"``.
         attn_precision: float32 precision, one of ``ops.attention.PRECISIONS`` (``"fp16x3"`` runs as
-            ``"tf32x3s"`` in the window kernel).
+            ``"tf32x3"`` in the window kernel).
         **kwargs: ``timm.models.swin_transformer_v2.SwinTransformerV2`` arguments.
 
     Shapes: ``forward(x: [B, in_chans, H, W]) -> [B, num_classes]``; ``forward_features -> [B, H/32, W/32,

@@ -372,8 +372,7 @@ def elsa_attention(
         scale: logit scale, default ``D ** -0.5``.
         precision: for float32 inputs: ``"auto"`` (FP32-accurate, relative error <= 1e-6 vs float64),
             ``"ieee"`` (plain FP32 arithmetic, no tensor cores), ``"tf32x3"`` (FP32-accurate on tensor
-            cores), ``"tf32x3s"`` (the same three TF32 products with the split done by the forward kernel,
-            the query tile split once; the backward runs it as ``"tf32x3"``), ``"fp16x3"`` (FP32-accurate
+            cores), ``"fp16x3"`` (FP32-accurate
             from three float16 tensor-core products per dot: each fp32 tile scaled by a power of two and
             split into two float16 parts; forward and backward, head dims up to 128, wider ones run it
             as ``"tf32x3"``; what ``"auto"`` picks on sm90), ``"tf32"`` (one TF32 pass, ~1e-3). Ignored

@@ -135,8 +135,8 @@ def test_grads_fp32(B, H, Nq, Nk, D, Dv, causal, precision):
 
 
 @pytest.mark.parametrize("precision,bound", [("ieee", FP32_ACCURATE), ("tf32x3", FP32_ACCURATE),
-                                             ("fp16x3", FP32_ACCURATE), ("tf32x3s", FP32_ACCURATE),
-                                             ("auto", FP32_ACCURATE), ("tf32", TF32_BOUND)])
+                                             ("fp16x3", FP32_ACCURATE), ("auto", FP32_ACCURATE),
+                                             ("tf32", TF32_BOUND)])
 def test_precisions(precision, bound):
     q, k, v, do, bias, _ = _problem(1, 2, 113, 203, 64, 64, bias_shape=(1, 2, 113, 203), seed=11)
     refs, o, lse = _reference(q, k, v, do, bias=bias, causal=True)
@@ -336,7 +336,8 @@ def test_resolve_precision():
     assert resolve_precision(f32, "fp16x3", cpu, 128) == "fp16x3"
     assert resolve_precision(f32, "fp16x3", cpu, 129) == "tf32x3"  # pads to 256: measured up to 128 only
     assert resolve_precision(f32, "fp16x3", cpu) == "tf32x3"
-    assert resolve_precision(f32, "tf32x3s", cpu, 64) == "tf32x3"
+    with pytest.raises(ValueError, match="unknown precision 'tf32x3s'"):
+        resolve_precision(f32, "tf32x3s", cpu, 64)  # removed: the same products as tf32x3, 1-5% faster
     assert resolve_precision(torch.bfloat16, "fp16x3", cpu, 64) == "none"  # half: operands as they are
 
 

@@ -4,7 +4,7 @@ Without CUDA the kernels run in the Triton interpreter (``tests/conftest.py`` se
 before Triton is imported) at small, odd shapes; there every float32 dot is exact float32 arithmetic.
 ``@pytest.mark.gpu`` tests run the large shapes, races and tensor-core precisions on a GPU.
 
-Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, tf32x3s, fp16x3,
+Thresholds (``relerr = ||out - ref64|| / ||ref64||``): FP32-accurate paths (ieee, tf32x3, fp16x3,
 auto) <= 1e-6, tf32 <= 5e-3; float16/bfloat16 the FlashAttention way:
 ``max|out - ref64| <= 2 max|out_lp - ref64| + atol`` where ``out_lp`` is the same attention computed by
 PyTorch in the low precision.
@@ -26,7 +26,7 @@ import triton.language as tl  # noqa: E402
 
 from elsa_vision import elsa_attention, elsa_attention_varlen  # noqa: E402
 from elsa_vision.kernels import elsa_fwd, elsa_fwd_varlen, plan  # noqa: E402
-from elsa_vision.kernels.monoid import matmul_split, merge_states, split_tf32  # noqa: E402
+from elsa_vision.kernels.monoid import merge_states  # noqa: E402
 from elsa_vision.kernels.reference import merge_depth, scan_attention, softmax_attention  # noqa: E402
 from tests.helpers import (  # noqa: E402
     DEVICE,
@@ -119,81 +119,6 @@ def test_monoid_merge_identity_and_associativity():
 
 # ---------------------------------------------------------------------------------------- the matrix
 
-@triton.jit
-def _split_probe(X, HI, LO, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    hi, lo = split_tf32(tl.load(X + offs))
-    tl.store(HI + offs, hi)
-    tl.store(LO + offs, lo)
-
-
-@triton.jit
-def _matmul_split_probe(A, B, C, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
-    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
-    a_hi, a_lo = split_tf32(tl.load(A + rm[:, None] * K + rk[None, :]))
-    b_hi, b_lo = split_tf32(tl.load(B + rk[:, None] * N + rn[None, :]))
-    c = matmul_split(a_hi, a_lo, b_hi, b_lo, tl.zeros([M, N], dtype=tl.float32))
-    tl.store(C + rm[:, None] * N + rn[None, :], c)
-
-
-def _tf32_truncate(x: torch.Tensor) -> torch.Tensor:
-    """What a TF32 MMA reads of a float32 operand: the low 13 mantissa bits cleared."""
-    return (x.view(torch.int32) & ~0x1FFF).view(torch.float32)
-
-
-@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")  # lo = inf - inf, as documented
-def test_split_tf32_bits():
-    """``split_tf32`` against the bit rule in torch: ``hi`` is the TF32 round-to-nearest (ties away) of x,
-    ``hi + lo == x`` exactly, ``|lo| <= ulp_tf32(x) / 2``, signed zeros and infinities kept in ``hi``."""
-    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, 1.0, -1.0, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11,
-                            2.0 - 2.0**-23, -(2.0 - 2.0**-12), 1e-40, -3e-39, 3.0e38, -1.17e-38])
-    rand = torch.randn(1024 - special.numel(), generator=gen(3), dtype=torch.float64)
-    rand = (rand * torch.exp2(torch.randint(-60, 60, rand.shape, generator=gen(4)).double())).float()
-    x = torch.cat([special, rand]).to(DEVICE)
-    hi, lo = torch.empty_like(x), torch.empty_like(x)
-    _split_probe[(1,)](x, hi, lo, N=x.numel())
-    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    expect = ((((bits + 0x1000) & 0xFFFFE000) ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
-    assert torch.equal(hi.view(torch.int32), expect.view(torch.int32))
-    assert bool(((hi.view(torch.int32) & 0x1FFF) == 0).all())
-    fin = torch.isfinite(x)
-    assert torch.equal(hi[~fin], x[~fin]) and torch.equal(torch.signbit(hi[:2]), torch.signbit(x[:2]))
-    assert torch.equal(hi[fin] + lo[fin], x[fin])  # float32 sum: exact
-    assert torch.equal(hi[fin].double() + lo[fin].double(), x[fin].double())
-    normal = fin & (x.abs() >= torch.finfo(torch.float32).tiny)
-    ulp = torch.exp2(torch.floor(torch.log2(x[normal].abs().double())) - 10)
-    assert bool((lo[normal].double().abs() <= ulp / 2).all())
-    ties_away = torch.tensor([1.0, -1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-9], device=DEVICE)
-    assert torch.equal(hi[4:8], ties_away)
-
-
-def test_matmul_split_accuracy():
-    """Three TF32 products from ``split_tf32`` parts are FP32-accurate.
-
-    In the interpreter ``tl.dot(..., input_precision="tf32")`` multiplies in full float32, so the kernel
-    checks the algebra (``acc + a_hi b_lo + a_lo b_hi + a_hi b_hi``) and the plumbing, not TF32 rounding;
-    the error bound of the tensor-core product is checked on an emulation (operands truncated as a TF32
-    MMA reads them, float64 products and sums) against one TF32 pass.
-    """
-    M, K, N = 32, 64, 16
-    a = randn(M, K, seed=12)
-    b = randn(K, N, seed=13)
-    c = torch.empty(M, N, device=DEVICE)
-    _matmul_split_probe[(1,)](a, b, c, M=M, K=K, N=N)
-    ref = a.double() @ b.double()
-    assert relerr(c, ref) <= FP32_ACCURATE
-
-    a, b = a.cpu(), b.cpu()
-    t, d = _tf32_truncate, torch.float64
-    a_hi = (a.view(torch.int32) + 0x1000 & ~0x1FFF).view(torch.float32)
-    b_hi = (b.view(torch.int32) + 0x1000 & ~0x1FFF).view(torch.float32)
-    a_lo, b_lo = a - a_hi, b - b_hi
-    assert torch.equal(t(a_hi), a_hi) and torch.equal(t(b_hi), b_hi)
-    emulated = (t(a_hi).to(d) @ t(b_lo).to(d) + t(a_lo).to(d) @ t(b_hi).to(d) + a_hi.to(d) @ b_hi.to(d))
-    one_pass = t(a).to(d) @ t(b).to(d)
-    assert relerr(emulated, ref.cpu()) <= FP32_ACCURATE < relerr(one_pass, ref.cpu())
-
-
 SHAPES = [
     # B, H, Nq, Nk, D, Dv, causal
     (1, 3, 17, 17, 40, 40, False),
@@ -206,7 +131,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("c" if s[6] else ""))
 def test_fp32_matches_float64(shape, precision):
     B, H, Nq, Nk, D, Dv, causal = shape
@@ -219,7 +144,7 @@ def test_fp32_matches_float64(shape, precision):
         assert bool((out[:, :, : Nq - Nk] == 0).all()) and bool((lse[:, :, : Nq - Nk] == -math.inf).all())
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3", "tf32x3s", "fp16x3", "tf32"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3", "fp16x3", "tf32"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp32_precisions(precision, causal):
     q, k, v = qkv(2, 3, 77, 131, 40, seed=11)
@@ -233,12 +158,12 @@ def test_fp32_precisions(precision, causal):
 RANGES = [(1e-20, 1e20, 1e-30), (1e20, 1e-20, 1e30), (1e-3, 1e-3, 1e-38), (1.0, 1.0, 1e37)]
 
 
-@pytest.mark.parametrize("precision", ["ieee", "fp16x3", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3", "tf32x3"])
 @pytest.mark.parametrize("mags", RANGES, ids=lambda m: "q{:g}-k{:g}-v{:g}".format(*m))
 def test_fp32_input_ranges(mags, precision):
-    if precision == "tf32x3s" and DEVICE == "cuda" and min(mags) < torch.finfo(torch.float32).tiny:
+    if precision == "tf32x3" and DEVICE == "cuda" and min(mags) < torch.finfo(torch.float32).tiny:
         # Measured on an H100: relerr 3.6e-4 with values of 1e-38 (the CPU interpreter multiplies exactly).
-        pytest.skip("TF32 tensor cores flush subnormal operands to zero: tf32x3/tf32x3s do not resolve "
+        pytest.skip("TF32 tensor cores flush subnormal operands to zero: tf32x3 does not resolve "
                     "inputs below float32's normal range (fp16x3 and ieee do)")
     q, k, v = qkv(1, 2, 97, 97, 64, seed=12)
     q, k, v = q * mags[0], k * mags[1], v * mags[2]
@@ -246,7 +171,7 @@ def test_fp32_input_ranges(mags, precision):
     assert relerr(out, ref64(q, k, v)) <= FP32_ACCURATE
 
 
-@pytest.mark.parametrize("precision", ["ieee", "fp16x3", "tf32x3s"])
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3", "tf32x3"])
 def test_fp32_mixed_magnitudes_in_one_tile(precision):
     # Rows of q and k spread over 1e-6..1e3 and values over 1e-8..1e8 inside every tile: one power-of-two
     # scale per tile must still leave each element 22 significant bits (or an error far below the tile's
@@ -272,7 +197,7 @@ def test_half_precision(dtype, shape):
 # ------------------------------------------------------------------------------------ bias and masks
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("bshape", [(1, 3, 37, 70), (2, 1, 1, 70), (37, 70), (2, 3, 37, 1)])
 def test_bias_broadcast(bshape, precision):
     q, k, v = qkv(2, 3, 37, 70, 32, seed=21)
@@ -292,7 +217,7 @@ def test_bias_stride0_view_equals_contiguous():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
 def test_neg_inf_bias_bands_and_fully_masked_rows(precision):
     B, H, Nq, Nk, D = 1, 2, 41, 90, 32
     q, k, v = qkv(B, H, Nq, Nk, D, seed=31)
@@ -308,7 +233,7 @@ def test_neg_inf_bias_bands_and_fully_masked_rows(precision):
     assert_lse(lse, lse64(q, k, v, attn_bias=bias))
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
 def test_finfo_min_and_extreme_bias(precision):
     q, k, v = qkv(1, 2, 33, 70, 32, seed=32)
     bias = randn(1, 2, 33, 70, seed=6) * 1e4
@@ -324,7 +249,7 @@ def test_finfo_min_and_extreme_bias(precision):
     torch.testing.assert_close(out[:, :, 3].double(), v.double().mean(-2), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
 def test_key_padding_mask_and_fully_masked_batch(precision):
     B, H, Nq, Nk, D = 3, 2, 29, 83, 40
     q, k, v = qkv(B, H, Nq, Nk, D, seed=41)
@@ -337,7 +262,7 @@ def test_key_padding_mask_and_fully_masked_batch(precision):
     assert_lse(lse, lse64(q, k, v, key_padding_mask=kpm))
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions", [1, 3])
 def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions, precision):
@@ -391,7 +316,7 @@ def test_fused_qkv_views_bitwise_equal_contiguous(dtype):
     assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("D", [40, 72, 111])
 def test_odd_head_dims_deterministic(D, precision):
     q, k, v = qkv(1, 2, 45, 61, D, seed=D)
@@ -410,12 +335,12 @@ def test_empty_keys_and_length_one():
     q, k, v = qkv(2, 1, 1, 1, 16, seed=4)
     out, _ = elsa_fwd(q, k, v, precision="ieee")
     assert torch.equal(out, v)
-    for precision in ("auto", "tf32x3s", "fp16x3"):
+    for precision in ("auto", "tf32x3", "fp16x3"):
         out, _ = elsa_fwd(q, k, v, precision=precision)
         assert relerr(out, v) <= FP32_ACCURATE
 
 
-# ------------------------------------------------------------------------ two levels, plan, workspace
+# ----------------------------------------------------------------------------- two levels, plan
 
 
 def test_plan_structure():
@@ -426,17 +351,11 @@ def test_plan_structure():
     assert p.partitions > 1 and p.tree_depth == math.ceil(math.log2(p.partitions))
     per_part = p.workspace_bytes // p.partitions
     assert per_part == 4 * 2 * 256 * (p.block_dv + 2)
-    capped = plan(1, 2, 256, 16384, 64, 64, torch.float32, sm_count=132, workspace_bytes=3 * per_part)
-    assert 1 < capped.partitions <= 3 and capped.workspace_bytes <= 3 * per_part
-    none = plan(1, 2, 256, 16384, 64, 64, torch.float32, sm_count=132, workspace_bytes=0)
-    assert none.partitions == 1 and none.workspace_bytes == 0
     with pytest.raises(TypeError, match="dtype"):
         plan(1, 1, 8, 8, 8, 8, torch.float64)
-    with pytest.raises(ValueError, match="workspace_bytes"):
-        plan(1, 1, 8, 8, 8, 8, torch.float32, workspace_bytes=-1)
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions", [2, 5])
 def test_multi_partition_equals_fused(causal, partitions, precision):
@@ -472,17 +391,10 @@ def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
     assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32).precision == "tf32x3"
 
 
-def test_workspace_cap_runs_fused():
-    q, k, v = qkv(1, 1, 20, 300, 32, seed=82)
-    a, _ = elsa_fwd(q, k, v, workspace_bytes=0)
-    b, _ = elsa_fwd(q, k, v, partitions=1)
-    assert torch.equal(a, b)
-
-
 # ------------------------------------------------------------------------------------------ varlen
 
 
-@pytest.mark.parametrize("precision", ["auto", "tf32x3s", "fp16x3"])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_matches_per_sequence(causal, precision):
     H, D, Dv = 3, 40, 24
@@ -601,14 +513,6 @@ print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx
 """
 
 
-def test_tf32x3s_compiles_for_sm90_without_a_gpu():
-    # The interpreter runs the kernel as Python: the real compiler (down to a cubin for an H100, with the
-    # plan's float32 default 128 x 64 tiles, 8 warps, 3 stages and all masks) must take "tf32x3s" too, on
-    # tensor cores (wgmma) and with the kernel's own split (no cvt.rna.tf32 of Triton's tf32x3).
-    report = compile_for_sm90(_SM90_COMPILE.replace("@PRECISION@", "tf32x3s"))
-    assert 0 < report["shared"] <= 232448 and report["wgmma"] and not report["cvt_tf32"], report
-
-
 def test_fp16x3_compiles_for_sm90_without_a_gpu():
     # "fp16x3" must reach the half-precision tensor cores: wgmma on float16 operands, no TF32 rounding.
     report = compile_for_sm90(_SM90_COMPILE.replace("@PRECISION@", "fp16x3"))
@@ -632,7 +536,7 @@ def _rows_ref(q, k, v, rows, causal=False, attn_bias=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "tf32x3s", "fp16x3", "tf32"])
+@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "fp16x3", "tf32"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_fp32_precision_thresholds(precision, D):
     q, k, v = qkv(2, 4, 1023, 1025, D, seed=101)
