@@ -14,97 +14,55 @@ reference is computed in query chunks (``O(chunk x N)`` memory); from 32K keys o
 ``u (2 ceil(log2 N) + 3)`` with ``u = 2^-24``. Results: CSV and a plot under ``logs/benchmarks/`` (or
 ``--out``).
 
-    python benchmarks/accuracy.py                # the full sweep (H100: a few minutes)
-    python benchmarks/accuracy.py --quick        # 1K and 197 only
+    python -m benchmarks.accuracy                # the full sweep (H100: a few minutes)
+    python -m benchmarks.accuracy --quick        # 1K and 197 only
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime as dt
 import math
-import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from elsa_vision import elsa_attention  # noqa: E402
+from benchmarks.common import Results, add_out_dir, columns, device_tag, reference, relerr, run_info, sdpa
 
 U = 2.0 ** -24
 PRECISIONS = ("ieee", "fp16x3", "tf32x3", "tf32x3s", "tf32")
-COLUMNS = ["device", "torch", "triton", "date", "B", "H", "N", "D", "peer", "fwd_relerr", "grad_relerr",
-           "bound"]
+COLUMNS = columns("B", "H", "N", "D", "peer", "fwd_relerr", "grad_relerr", "bound")
+SWEEP = [(1, 8, n, 64) for n in (1024, 4096, 16384, 32768, 65536)]  # N = 1K ... 64K
+SWEEP += [(8, 12, n, 64) for n in (197, 785, 3137)]  # ViT-B at 224 / 448 / 896 px
+QUICK = [(1, 8, 1024, 64), (8, 12, 197, 64)]
+GRAD_LIMIT = 16384  # the float64 reference's gradients stop here; beyond, the forward on sampled rows only
 
 
 def bound(n: int) -> float:
+    """Theorem 1 of the ELSA paper: ``u (2 ceil(log2 n) + 3)``, ``u = 2^-24``."""
     return U * (2 * math.ceil(math.log2(n)) + 3)
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref).norm() / ref.norm()).item()
-
-
-def reference(q, k, v, dout, rows=None, chunk=1024, grads=True):
-    """float64 output (of ``rows`` only, if given) and, with ``grads``, dq, dk, dv; in query chunks."""
-    q64, k64, v64 = q.double(), k.double(), v.double()
-    scale = q.shape[-1] ** -0.5
-    qr = q64 if rows is None else q64[..., rows, :]
-    outs, lses = [], []
-    for r0 in range(0, qr.shape[-2], chunk):
-        s = (qr[..., r0:r0 + chunk, :] @ k64.transpose(-1, -2)) * scale
-        lse = torch.logsumexp(s, -1, keepdim=True)
-        outs.append(torch.exp(s - lse) @ v64)
-        lses.append(lse)
-    out = torch.cat(outs, -2)
-    if not grads:
-        return out, None
-    lse = torch.cat(lses, -2)
-    do64 = dout.double()
-    delta = (out * do64).sum(-1, keepdim=True)
-    dq = torch.empty_like(q64)
-    dk = torch.zeros_like(k64)
-    dv = torch.zeros_like(v64)
-    for r0 in range(0, q.shape[-2], chunk):
-        sl = slice(r0, r0 + chunk)
-        p = torch.exp((q64[..., sl, :] @ k64.transpose(-1, -2)) * scale - lse[..., sl, :])
-        dv += p.transpose(-1, -2) @ do64[..., sl, :]
-        ds = p * (do64[..., sl, :] @ v64.transpose(-1, -2) - delta[..., sl, :])
-        dq[..., sl, :] = (ds @ k64) * scale
-        dk += (ds.transpose(-1, -2) @ q64[..., sl, :]) * scale
-    return out, (dq, dk, dv)
-
-
 def peers():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def sdpa(backend):
-        def call(q, k, v):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v)
-        return call
+    from elsa_vision import elsa_attention
 
     def elsa(p):
         return lambda q, k, v: elsa_attention(q, k, v, precision=p)
 
     out = {f"elsa_{p}": elsa(p) for p in PRECISIONS}
-    out["sdpa_math"] = sdpa(SDPBackend.MATH)
-    out["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    out["sdpa_math"] = sdpa("sdpa_math")
+    out["sdpa_efficient"] = sdpa("sdpa_efficient")
     return out
 
 
 def measure(B, H, N, D, rows_cap, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, dout = (torch.randn(B, H, N, D, device="cuda", generator=g) for _ in range(4))
-    grads = N <= 16384
+    grads = N <= GRAD_LIMIT
     rows = None
-    if N > 16384:
+    if not grads:
         perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
         rows = perm[:rows_cap].sort().values.cuda()
-    ref_out, ref_grads = reference(q, k, v, dout, rows, grads=grads)
+    ref_out, ref_grads = reference(q, k, v, rows=rows, dout=dout if grads else None)
     results = []
     for name, fn in peers().items():
         leaves = [t.clone().requires_grad_(grads) for t in (q, k, v)]
@@ -114,7 +72,7 @@ def measure(B, H, N, D, rows_cap, seed=0):
             print(f"    {name}: skipped ({str(err).splitlines()[0][:70]})", flush=True)
             torch.cuda.empty_cache()
             continue
-        fwd = _rel(out if rows is None else out[..., rows, :], ref_out)
+        fwd = relerr(out if rows is None else out[..., rows, :], ref_out)
         grad = math.nan
         if grads:
             got = torch.autograd.grad(out, leaves, dout)
@@ -128,42 +86,29 @@ def measure(B, H, N, D, rows_cap, seed=0):
 
 
 def main(argv=None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sizes", default=None, help="comma-separated N of the 1 x 8 x N x 64 sweep only")
     ap.add_argument("--rows", type=int, default=2048, help="sampled query rows per head from 32K keys on")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ap.add_argument("--out", default=os.path.join(root, "logs", "benchmarks"),
-                    help="output directory (default logs/benchmarks, ignored by git)")
+    add_out_dir(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("accuracy.py runs the Triton kernels: it needs a GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    import triton
-
-    shapes = [(1, 8, n, 64) for n in (1024, 4096, 16384, 32768, 65536)]
-    shapes += [(8, 12, n, 64) for n in (197, 785, 3137)]
-    if args.quick:
-        shapes = [(1, 8, 1024, 64), (8, 12, 197, 64)]
+    shapes = QUICK if args.quick else SWEEP
     if args.sizes:
         shapes = [(1, 8, int(n), 64) for n in args.sizes.split(",")]
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=dt.date.today().isoformat())
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "accuracy.csv")
-    rows = []
-    for B, H, N, D in shapes:
-        print(f"{B}x{H}x{N}x{D}", flush=True)
-        for name, fwd, grad in measure(B, H, N, D, args.rows):
-            rows.append(dict(meta, B=B, H=H, N=N, D=D, peer=name, fwd_relerr=f"{fwd:.4g}",
-                             grad_relerr=f"{grad:.4g}", bound=f"{bound(N):.4g}"))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    _plot(rows, os.path.join(args.out, "accuracy.png"))
-    print(f"wrote {path}")
-    return path
+    meta = run_info("cuda", __file__, argv)
+    with Results(args.out / f"accuracy_{device_tag('cuda')}.csv", COLUMNS, meta) as out:
+        for B, H, N, D in shapes:
+            print(f"{B}x{H}x{N}x{D}", flush=True)
+            for name, fwd, grad in measure(B, H, N, D, args.rows):
+                out.write(B=B, H=H, N=N, D=D, peer=name, fwd_relerr=f"{fwd:.4g}", grad_relerr=f"{grad:.4g}",
+                          bound=f"{bound(N):.4g}")
+    _plot(out.rows, out.path.with_suffix(".png"))
+    print(f"wrote {out.path}")
+    return str(out.path)
 
 
 def _plot(rows, path):

@@ -2,39 +2,39 @@
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=$PWD python benchmarks/attention.py                 # the full sweep, writes CSV and plot
-    PYTHONPATH=$PWD python benchmarks/attention.py --quick         # headline shapes only
-    PYTHONPATH=$PWD python benchmarks/attention.py --dtype float32 --shapes 1,8,4096,64 1,8,16384,64
-    PYTHONPATH=$PWD python benchmarks/attention.py --tune          # time the kernel's candidate configs
-    PYTHONPATH=$PWD python benchmarks/attention.py --dtype float32 --peers elsa_tf32x3 elsa_tf32x3s \
+    python -m benchmarks.attention                 # the full sweep, writes CSV and plot
+    python -m benchmarks.attention --quick         # headline shapes only
+    python -m benchmarks.attention --dtype float32 --shapes 1,8,4096,64 1,8,16384,64
+    python -m benchmarks.attention --tune          # time the kernel's candidate configs
+    python -m benchmarks.attention --dtype float32 --peers elsa_tf32x3 elsa_tf32x3s \
         --shapes 1,8,4096,64                                       # tf32x3 against tf32x3s
-    PYTHONPATH=$PWD python benchmarks/attention.py --quick --backward  # also forward+backward rows
-    python benchmarks/attention.py --plot-only benchmarks/results/attention_h100_20261122.csv
+    python -m benchmarks.attention --quick --backward  # also forward+backward rows
+    python -m benchmarks.attention --plot-only benchmarks/results/attention_h100.csv
 
-The CSV and the plot go to ``logs/benchmarks/`` (ignored by git) unless ``--out`` / ``--png`` say otherwise;
-the published ones were written with ``--out benchmarks/results/attention_<gpu>_<date>.csv --png
-docs/img/attention_<gpu>.png``.
+The CSV and the plot go to ``logs/benchmarks/attention_<gpu>.{csv,png}`` (ignored by git) unless ``--out`` /
+``--png`` say otherwise; ``benchmarks/results/attention_<gpu>.csv`` and ``docs/img/attention_<gpu>.png`` are
+the current published ones (``docs/benchmarks/attention.md``).
 
 Each (shape, dtype) is run by every peer on the same inputs: ``sdpa_math``, ``sdpa_efficient``,
 ``sdpa_flash``, ``sdpa_cudnn`` (``torch.nn.attention.sdpa_kernel``), ``flex``
 (``torch.compile(flex_attention)``), ``elsa`` (default precision), ``elsa_ieee``, ``elsa_tf32x3s`` (the
 kernel's own TF32 split, the query tile split once), ``elsa_fp16x3`` (three float16 products of scaled
-two-part splits) and ``elsa_tf32`` (float32 only); ``elsa_tf32x3``
-(Triton's tf32x3 by name, whatever ``auto`` resolves to) runs when named in ``--peers``. A peer that cannot
-run a case (flash/cudnn in float32, out of memory) is skipped with a note. Times are the median of
-``triton.testing.do_bench``; TFLOP/s counts ``4 B H N^2 D`` (halved for causal); ``extra_mb`` is the peak
-allocation of one call above what was allocated before it (output included); ``relerr`` is
-``||out - ref|| / ||ref||`` against a float64 reference computed on the GPU in query chunks.
+two-part splits) and ``elsa_tf32`` (float32 only); ``elsa_tf32x3`` (Triton's tf32x3 by name, whatever ``auto``
+resolves to) runs when named in ``--peers``. A peer that cannot run a case (flash/cudnn in float32, out of
+memory) is skipped with a note. Times are the median of ``triton.testing.do_bench``
+(``benchmarks.common.bench_ms``); TFLOP/s counts ``4 B H N^2 D`` (halved for causal); ``extra_mb`` is the peak
+allocation of one call above what was allocated before it (output included); ``relerr`` is ``||out - ref|| /
+||ref||`` against a float64 reference computed on the GPU in query chunks.
 
 ``--backward`` adds a ``pass=fwdbwd`` row per peer and case (same ``peer`` names): forward plus
 ``backward()`` of a fixed output gradient, the ELSA peers through the autograd op ``elsa_attention``
 (``backend="triton"``, the peer's precision for both passes). TFLOP/s then counts ``14 B H N^2 D`` (4 for
 the forward, 10 for the backward's five products), ``extra_mb`` includes the gradients, and ``relerr`` is
-the largest of dq, dk, dv's relative errors on batch 0, head 0 against float64 autograd.
+the largest of dq, dk, dv's relative errors on batch 0, head 0 against the float64 reference.
 
-``--cuda-graph`` times the replay of a CUDA graph of each peer's call (forward, or forward + ``backward()``)
-instead of the eager call: the GPU's time without the host's launch work, for cases where the host, not the
-GPU, sets the eager time (rows noted ``cuda graph``).
+``--cuda-graph`` times CUDA-graph replays of each peer's call (forward, or forward + ``backward()``;
+``benchmarks.common.graph_ms``) instead of the eager call: the GPU's time without the host's launch work, for
+cases where the host, not the GPU, sets the eager time (rows noted ``cuda graph``).
 """
 
 from __future__ import annotations
@@ -42,13 +42,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import datetime
 import math
-import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from benchmarks.common import (
+    LOGS,
+    Results,
+    bench_ms,
+    columns,
+    device_tag,
+    flex,
+    graph_ms,
+    max_grad_relerr,
+    peak_mb,
+    reference,
+    relerr,
+    run_info,
+    sdpa,
+)
 
 # ----------------------------------------------------------------------------------------- the sweep
 
@@ -78,45 +93,19 @@ SHAPES = [
 ]
 QUICK = [Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# default output directory: the repository's logs/benchmarks (ignored by git)
-LOGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs", "benchmarks")
 PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_ieee",
          "elsa_tf32x3s", "elsa_fp16x3", "elsa_tf32"]
 # Peers that name a float32 precision: not run for half dtypes (where the precision does not apply).
 FP32_PEERS = ("elsa_ieee", "elsa_tf32x3", "elsa_tf32x3s", "elsa_fp16x3", "elsa_tf32")
 # Largest problem (B*H*N^2) for which the float64 reference is computed; beyond, relerr stays empty.
 REF_LIMIT = 2 * 16 * 16385**2
-COLUMNS = [
-    "device",
-    "torch",
-    "triton",
-    "date",
-    "B",
-    "H",
-    "N",
-    "D",
-    "dtype",
-    "peer",
-    "ms",
-    "tflops",
-    "extra_mb",
-    "relerr",
-    "pass",
-    "causal",
-    "note",
-]
+COLUMNS = columns("B", "H", "N", "D", "dtype", "peer", "ms", "tflops", "extra_mb", "relerr", "pass", "causal",
+                  "note")
 
 
-def _sdpa(backend_name):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, backend_name)
-
-    def run(q, k, v, causal):
-        with sdpa_kernel([backend]):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return run
+def _sdpa(peer):
+    call = sdpa(peer)
+    return lambda q, k, v, causal: call(q, k, v, is_causal=causal)
 
 
 _FLEX = None
@@ -124,32 +113,25 @@ _FLEX = None
 
 def _flex(q, k, v, causal):
     global _FLEX
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     if _FLEX is None:
-        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    if causal:
-        n = q.shape[-2]
-        mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n, device=q.device)
-        return _FLEX(q, k, v, block_mask=mask)
-    return _FLEX(q, k, v)
+        _FLEX = flex()
+    return _FLEX(q, k, v, is_causal=causal)
 
 
 def _elsa(precision):
-    from elsa_vision.kernels import elsa_fwd
-
     def run(q, k, v, causal):
+        from elsa_vision.kernels import elsa_fwd
+
         return elsa_fwd(q, k, v, causal=causal, precision=precision)[0]
 
     return run
 
 
 RUNNERS = {
-    "sdpa_math": _sdpa("MATH"),
-    "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"),
-    "sdpa_flash": _sdpa("FLASH_ATTENTION"),
-    "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
+    "sdpa_math": _sdpa("sdpa_math"),
+    "sdpa_efficient": _sdpa("sdpa_efficient"),
+    "sdpa_flash": _sdpa("sdpa_flash"),
+    "sdpa_cudnn": _sdpa("sdpa_cudnn"),
     "flex": _flex,
     "elsa": _elsa("auto"),
     "elsa_ieee": _elsa("ieee"),
@@ -159,68 +141,27 @@ RUNNERS = {
     "elsa_tf32": _elsa("tf32"),
 }
 
-
-def reference(q, k, v, causal, chunk=1024):
-    """float64 attention on the GPU, ``chunk`` query rows at a time (O(chunk * N) memory)."""
-    q64, k64, v64 = q.double(), k.double(), v.double()
-    scale = q.shape[-1] ** -0.5
-    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64, device=q.device)
-    n = k.shape[-2]
-    for r0 in range(0, q.shape[-2], chunk):
-        r1 = min(q.shape[-2], r0 + chunk)
-        s = (q64[..., r0:r1, :] @ k64.transpose(-1, -2)) * scale
-        if causal:
-            rows = torch.arange(r0, r1, device=q.device)[:, None] + (n - q.shape[-2])
-            s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > rows, -math.inf)
-        out[..., r0:r1, :] = torch.softmax(s, -1) @ v64
-    return out
-
-
 # --cuda-graph: time CUDA-graph replays of each call instead of eager calls (the GPU's time without the host's
 # launch work; every peer is captured the same way).
 CUDA_GRAPH = False
 
 
-def _timed(step):
-    """``step`` itself, or under ``CUDA_GRAPH`` the replay of a CUDA graph of it (captured after a warm-up
-    on a side stream, as torch.cuda.graphs requires)."""
-    if not CUDA_GRAPH:
-        return step
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+def _time(step, warmup, rep):
+    return graph_ms(step, rep=rep) if CUDA_GRAPH else bench_ms(step, warmup=warmup, rep=rep)
 
 
 def measure(fn, q, k, v, causal, ref):
-    import triton
-
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn(q, k, v, causal)
-    torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - base) / 2**20
-    err = ""
-    if ref is not None:
-        err = f"{((out.double() - ref).norm() / ref.norm()).item():.3e}"
+    """(ms, extra MB, relerr) of one forward."""
+    extra, out = peak_mb(lambda: fn(q, k, v, causal), "cuda", extra=True)
+    err = "" if ref is None else f"{relerr(out, ref):.3e}"
     del out
-    ms = triton.testing.do_bench(_timed(lambda: fn(q, k, v, causal)), warmup=25, rep=100,
-                                 return_mode="median")
-    return ms, extra, err
+    return _time(lambda: fn(q, k, v, causal), warmup=25, rep=100), extra, err
 
 
 def _elsa_autograd(precision):
-    from elsa_vision.ops import elsa_attention
-
     def run(q, k, v, causal):
+        from elsa_vision.ops import elsa_attention
+
         return elsa_attention(q, k, v, causal=causal, precision=precision, backend="triton")
 
     return run
@@ -235,55 +176,29 @@ def train_runner(peer):
 
 
 def reference_grads(q, k, v, do, causal):
-    """float64 autograd (dq, dk, dv) of batch 0, head 0 (one ``[N, N]`` float64 score matrix)."""
-    from elsa_vision.kernels.reference import softmax_attention
-
-    leaves = [t[:1, :1].detach().double().requires_grad_() for t in (q, k, v)]
-    softmax_attention(*leaves, causal=causal).backward(do[:1, :1].double())
-    return [t.grad for t in leaves]
+    """float64 (dq, dk, dv) of batch 0, head 0."""
+    return reference(*(t[:1, :1] for t in (q, k, v)), causal=causal, dout=do[:1, :1])[1]
 
 
 def measure_fwdbwd(fn, q, k, v, causal, do, ref_grads):
     """(ms, extra MB, relerr) of forward + ``backward(do)``; relerr over dq, dk, dv of batch 0, head 0."""
-    import triton
-
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def step():
         qg.grad = kg.grad = vg.grad = None
         fn(qg, kg, vg, causal).backward(do)
 
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - base) / 2**20
-    err = ""
-    if ref_grads is not None:
-        errs = [((g[:1, :1].double() - r).norm() / r.norm()).item()
-                for g, r in zip((qg.grad, kg.grad, vg.grad), ref_grads)]
-        err = f"{max(errs):.3e}"
-    ms = triton.testing.do_bench(_timed(step), warmup=10, rep=60, return_mode="median")
-    return ms, extra, err
+    extra, _ = peak_mb(step, "cuda", extra=True)
+    err = "" if ref_grads is None else f"{max_grad_relerr((qg.grad, kg.grad, vg.grad), ref_grads):.3e}"
+    return _time(step, warmup=10, rep=60), extra, err
 
 
-def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=(), backward=False):
-    import triton
-
+def run_sweep(cases, dtypes, peers, out: Results, flex_cases=None, autotune=(), backward=False):
+    """Every peer on every (case, dtype), rows written to ``out`` as they are measured."""
     from elsa_vision.kernels import fwd
-
-    os.makedirs(os.path.dirname(out_csv) or ".", exist_ok=True)
-    f = open(out_csv, "w", newline="")  # rows are flushed as they come: a cut-off run keeps what it measured
-    writer = csv.DictWriter(f, fieldnames=COLUMNS)
-    writer.writeheader()
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    dev = torch.cuda.get_device_name()
-    date = datetime.date.today().strftime("%Y-%m-%d")
-    rows = []
     for c in cases:
         for dname in dtypes:
             dtype = DTYPES[dname]
@@ -291,7 +206,7 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=(), backw
             q, k, v = (
                 torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype, generator=g) for _ in range(3)
             )
-            ref = reference(q, k, v, c.causal) if c.B * c.H * c.N**2 <= REF_LIMIT else None
+            ref = reference(q, k, v, causal=c.causal)[0] if c.B * c.H * c.N**2 <= REF_LIMIT else None
             do = ref_grads = None
             if backward:
                 do = torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype, generator=g)
@@ -322,36 +237,18 @@ def run_sweep(cases, dtypes, peers, out_csv, flex_cases=None, autotune=(), backw
                 except Exception as exc:  # noqa: BLE001 - an unsupported peer/case is recorded and skipped
                     note = f"unsupported: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
                 torch.cuda.empty_cache()
-                row = dict(
-                    device=dev,
-                    torch=torch.__version__,
-                    triton=triton.__version__,
-                    date=date,
-                    B=c.B,
-                    H=c.H,
-                    N=c.N,
-                    D=c.D,
-                    dtype=dname,
-                    peer=peer,
-                    ms=f"{ms:.4f}" if ms is not None else "",
-                    tflops=f"{flops / ms / 1e9:.1f}" if ms is not None else "",
-                    extra_mb=f"{extra:.1f}" if extra is not None else "",
-                    relerr=err,
-                    causal=int(c.causal),
-                    note=note,
-                )
-                row["pass"] = pas
-                rows.append(row)
-                writer.writerow(row)
-                f.flush()
+                row = out.write({"pass": pas}, B=c.B, H=c.H, N=c.N, D=c.D, dtype=dname, peer=peer,
+                                ms=f"{ms:.4f}" if ms is not None else "",
+                                tflops=f"{flops / ms / 1e9:.1f}" if ms is not None else "",
+                                extra_mb=f"{extra:.1f}" if extra is not None else "",
+                                relerr=err, causal=int(c.causal), note=note)
                 print(
                     f"{dname:9s} {c.B},{c.H},{c.N},{c.D}{'c' if c.causal else ''} {peer:15s} {pas:6s} "
                     f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s {row['extra_mb']:>9s} MB {err:>10s} {note}",
                     flush=True,
                 )
             del q, k, v, ref, do, ref_grads
-    f.close()
-    return rows
+    return out.rows
 
 
 def ratio_table(rows):
@@ -421,16 +318,13 @@ def plot(csv_path, png_path):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
-    os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=110)
     print(f"wrote {png_path}")
 
 
 def tune(cases, dtypes, precisions, configs=None):
     """Time every pruned candidate config of the fused kernel on each case; print the ranking."""
-    import triton
-
     from elsa_vision.kernels import fwd
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -446,14 +340,8 @@ def tune(cases, dtypes, precisions, configs=None):
                 for cfg in configs or fwd._candidates(dtype, p.precision, p.block_d, p.block_dv, smem):
                     fwd.set_config(key, cfg)
                     try:
-                        ms = triton.testing.do_bench(
-                            lambda q=q, k=k, v=v, c=c, prec=prec: fwd.elsa_fwd(
-                                q, k, v, causal=c.causal, precision=prec, partitions=1
-                            ),
-                            warmup=10,
-                            rep=30,
-                            return_mode="median",
-                        )
+                        ms = bench_ms(lambda q=q, k=k, v=v, c=c, prec=prec: fwd.elsa_fwd(
+                            q, k, v, causal=c.causal, precision=prec, partitions=1), warmup=10, rep=30)
                     except Exception as exc:  # noqa: BLE001 - configs the compiler rejects are listed
                         results.append((math.inf, cfg, type(exc).__name__))
                         continue
@@ -477,6 +365,7 @@ def parse_case(s: str) -> Case:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="headline shapes only")
     ap.add_argument(
@@ -499,7 +388,7 @@ def main(argv=None):
                     help="time CUDA-graph replays of every peer's call (GPU time without host launch work; "
                          "the rows' note says 'cuda graph')")
     ap.add_argument(
-        "--out", default=None, help="CSV path (default logs/benchmarks/attention_<gpu>_<date>.csv)"
+        "--out", default=None, help="CSV path (default logs/benchmarks/attention_<gpu>.csv)"
     )
     ap.add_argument("--png", default=None, help="plot path (default logs/benchmarks/attention_<gpu>.png)")
     ap.add_argument("--tune", action="store_true", help="time the candidate kernel configs instead")
@@ -514,11 +403,11 @@ def main(argv=None):
     ap.add_argument("--plot-only", default=None, help="only draw the plot of an existing CSV")
     args = ap.parse_args(argv)
     if args.plot_only:
-        gpu = os.path.basename(args.plot_only).split("_")[1]
-        plot(args.plot_only, args.png or os.path.join(LOGS, f"attention_{gpu}.png"))
+        gpu = Path(args.plot_only).stem.split("_")[-1]
+        plot(args.plot_only, args.png or LOGS / f"attention_{gpu}.png")
         return
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/attention.py needs a CUDA GPU")
+        sys.exit("benchmarks.attention needs a CUDA GPU")
     global CUDA_GRAPH
     CUDA_GRAPH = args.cuda_graph
     cases = args.shapes or (QUICK if args.quick else SHAPES)
@@ -528,15 +417,15 @@ def main(argv=None):
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else None
         tune(cases, args.dtype, args.tune_precisions, configs)
         return
-    gpu = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().split()[0]
-    day = datetime.date.today().strftime("%Y%m%d")
-    out_csv = args.out or os.path.join(LOGS, f"attention_{gpu}_{day}.csv")
+    gpu = device_tag("cuda")
     autotune = [(a.split(":")[0], int(a.split(":")[1]), a.split(":")[2]) for a in args.autotune]
-    rows = run_sweep(cases, args.dtype, args.peers, out_csv, args.flex_shapes, autotune, args.backward)
-    print(f"wrote {out_csv}")
+    meta = run_info("cuda", __file__, argv)
+    with Results(args.out or LOGS / f"attention_{gpu}.csv", COLUMNS, meta) as out:
+        rows = run_sweep(cases, args.dtype, args.peers, out, args.flex_shapes, autotune, args.backward)
+    print(f"wrote {out.path}")
     ratio_table(rows)
     with contextlib.suppress(ImportError):
-        plot(out_csv, args.png or os.path.join(LOGS, f"attention_{gpu}.png"))
+        plot(out.path, args.png or LOGS / f"attention_{gpu}.png")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Backward benchmark: ELSA's Triton backward next to the peers' forward+backward, in one run on one GPU.
 
-Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>_<yyyymmdd>.csv``, ignored by git; ``--out benchmarks/results``
-for the published ones)::
+Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>.csv``, ignored by git; ``--out DIR`` another directory)::
 
-    device,torch,triton,date,B,H,N,D,dtype,peer,pass,ms,tflops,extra_mb,relerr
+    device,torch,triton,date,B,H,N,D,dtype,peer,pass,ms,tflops,extra_mb,relerr,command
+
+    python -m benchmarks.attention_bwd                                  # the declared sweep
+    python -m benchmarks.attention_bwd --dtypes float32 --peers sdpa_efficient elsa --tiles
 
 * ``pass=fwdbwd``: a peer's forward + ``backward`` (``sdpa_math``, ``sdpa_efficient``, ``sdpa_flash``,
   ``sdpa_cudnn`` through ``torch.nn.attention.sdpa_kernel``; ``flex`` = ``torch.compile(flex_attention)``).
@@ -14,7 +16,7 @@ for the published ones)::
 Timing: ``triton.testing.do_bench`` median. TFLOP/s counts ``4 B H N^2 D`` per forward and 2.5x that per
 backward (five N^2 D products), i.e. ``14 B H N^2 D`` for fwd+bwd. ``extra_mb``: peak allocation above the
 inputs during the pass (outputs and workspace included). ``relerr``: max over dq, dk, dv of
-``||g - g64|| / ||g64||`` on the first head of the first batch, g64 from float64 autograd. float32 matmul
+``||g - g64|| / ||g64||`` on the first head of the first batch, g64 the float64 reference. float32 matmul
 TF32 is disabled for the peers, as in the forward benchmark.
 
 Sweep declared below (``SHAPES``, ``DTYPES``, ``PEERS``); ``--tiles`` also times a list of tile configs of
@@ -24,28 +26,30 @@ the ELSA backward per case (printed, not written to the CSV) to choose ``bwd_con
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime as dt
 import json
-import os
 import sys
 from dataclasses import asdict, replace
 
 import torch
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from elsa_vision.kernels.bwd import BwdConfig, bwd_config, elsa_bwd  # noqa: E402
-from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
+from benchmarks.common import (
+    Results,
+    add_out_dir,
+    bench_ms,
+    columns,
+    device_tag,
+    flex,
+    max_grad_relerr,
+    peak_mb,
+    reference,
+    run_info,
+    sdpa,
+)
 
 SHAPES = [(1, 8, 4096, 64), (1, 8, 16384, 64), (8, 12, 785, 64)]
 DTYPES = ["float32", "bfloat16"]
 PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_tf32x3",
          "elsa_ieee", "elsa_tf32"]
-SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 ELSA = {"elsa": "auto", "elsa_tf32x3": "tf32x3", "elsa_ieee": "ieee", "elsa_tf32": "tf32"}
 TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), per dtype
     "float32": [
@@ -76,54 +80,15 @@ TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), p
         (64, 64, 4, 3, 128, 32, 4, 3),
     ],
 }
-COLUMNS = ["device", "torch", "triton", "date", "B", "H", "N", "D", "dtype", "peer", "pass", "ms", "tflops",
-           "extra_mb", "relerr"]
+COLUMNS = columns("B", "H", "N", "D", "dtype", "peer", "pass", "ms", "tflops", "extra_mb", "relerr")
 
 
 def _bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _peak_extra(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    res = fn()
-    torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - base) / 2**20
-    del res
-    return extra
-
-
-def _ref_grads(q, k, v, do):
-    """float64 autograd grads for batch 0, head 0."""
-    leaves = [t[:1, :1].detach().double().requires_grad_() for t in (q, k, v)]
-    out = softmax_attention(*leaves)
-    out.backward(do[:1, :1].double())
-    grads = [t.grad for t in leaves]
-    del out, leaves
-    return grads
-
-
-def _relerr(grads, refs) -> float:
-    return max(((g[:1, :1].double() - r).norm() / r.norm()).item() for g, r in zip(grads, refs))
+    return bench_ms(fn, warmup=25, rep=100)
 
 
 def _peer_fn(peer):
-    if peer in SDPA:
-        backend = SDPA[peer]
-
-        def f(q, k, v):
-            with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-
-        return f
-    if peer == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
-
-        compiled = torch.compile(flex_attention, dynamic=False)
-        return lambda q, k, v: compiled(q, k, v)
-    raise ValueError(f"unknown peer {peer!r}")
+    return flex() if peer == "flex" else sdpa(peer)
 
 
 def _time_peer(f, q, k, v, do, refs):
@@ -140,28 +105,30 @@ def _time_peer(f, q, k, v, do, refs):
         return out
 
     fwdbwd()
-    err = _relerr([qg.grad, kg.grad, vg.grad], refs)
+    err = max_grad_relerr([qg.grad, kg.grad, vg.grad], refs)
     ms_fb = _bench(fwdbwd)
     qg.grad = kg.grad = vg.grad = None
-    extra = _peak_extra(fwdbwd)
+    extra = peak_mb(fwdbwd, "cuda", extra=True)[0]
     ms_f = _bench(fwd)  # the forward half of a training step (autograd records)
     return ms_fb, ms_f, extra, err
 
 
-def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
+def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=None):
+    from elsa_vision.kernels.bwd import bwd_config, elsa_bwd
+    from elsa_vision.kernels.reference import scan_attention
+
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
     fl_fwd = 4.0 * B * H * N * N * D
     fl_bwd = 2.5 * fl_fwd
-    refs = _ref_grads(q, k, v, do)
+    refs = reference(q[:1, :1], k[:1, :1], v[:1, :1], dout=do[:1, :1])[1]  # float64, batch 0, head 0
     torch.cuda.empty_cache()
 
     def add(peer, pas, ms, flops, extra, err):
-        rows.append(dict(meta, B=B, H=H, N=N, D=D, dtype=dtype_name, peer=peer, **{"pass": pas},
-                         ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.2f}",
-                         extra_mb="" if extra is None else f"{extra:.1f}",
-                         relerr="" if err is None else f"{err:.3e}"))
+        results.write({"pass": pas}, B=B, H=H, N=N, D=D, dtype=dtype_name, peer=peer, ms=f"{ms:.4f}",
+                  tflops=f"{flops / ms / 1e9:.2f}", extra_mb="" if extra is None else f"{extra:.1f}",
+                  relerr="" if err is None else f"{err:.3e}")
         nan = float("nan")
         print(f"{B},{H},{N},{D} {dtype_name:9s} {peer:15s} {pas:7s} {ms:9.3f} ms "
               f"{flops / ms / 1e9:7.1f} TFLOP/s extra {nan if extra is None else extra:8.1f} MB "
@@ -198,10 +165,10 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
 
         try:
             grads = bwd()
-            err = _relerr(grads[:3], refs)
+            err = max_grad_relerr(grads[:3], refs)
             del grads
             ms = _bench(bwd)
-            add(peer, "bwd", ms, fl_bwd, _peak_extra(bwd), err)
+            add(peer, "bwd", ms, fl_bwd, peak_mb(bwd, "cuda", extra=True)[0], err)
         except Exception as exc:  # reported, so that one failing variant does not lose the run
             print(f"{B},{H},{N},{D} {dtype_name} {peer}: FAILED ({type(exc).__name__}: {str(exc)[:160]})",
                   flush=True)
@@ -215,7 +182,7 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
                           block_n2=t[5], warps2=t[6], stages2=t[7])
             try:
                 fn = lambda cfg=cfg: elsa_bwd(do, q, k, v, out, lse, config=cfg)  # noqa: E731
-                err = _relerr(fn()[:3], refs)
+                err = max_grad_relerr(fn()[:3], refs)
                 ms = _bench(fn)
                 print(f"  tiles {t}: {ms:8.3f} ms relerr {err:.2e}", flush=True)
                 if best is None or ms < best[0]:
@@ -227,6 +194,7 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, rows, meta, configs=None):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES],
                     help="B,H,N,D ...")
@@ -235,49 +203,37 @@ def main(argv=None):
     ap.add_argument("--tiles", action="store_true", help="also time the candidate tile configs")
     ap.add_argument("--save-best", default=None, help="with --tiles: JSON file for the fastest config")
     ap.add_argument("--config-json", default=None, help="per-dtype BwdConfig JSON for the elsa rows")
-    ap.add_argument("--append", action="store_true", help="append to today's CSV instead of replacing it")
-    ap.add_argument("--out", help="output directory (default logs/benchmarks)",
-                    default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs",
-                                         "benchmarks"))
+    ap.add_argument("--append", action="store_true", help="append to the CSV instead of replacing it")
+    add_out_dir(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attention_bwd.py needs a CUDA GPU")
+    from elsa_vision.kernels.bwd import BwdConfig
+
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    name = torch.cuda.get_device_name()
-    gpu = next((g for g in ("h100", "h200", "a100", "l40s", "l4") if g in name.lower()),
-               name.split()[-1].lower())
-    today = dt.datetime.now(dt.timezone.utc)
-    meta = dict(device=name, torch=torch.__version__, triton=triton.__version__,
-                date=today.strftime("%Y-%m-%d"))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"attention_bwd_{gpu}_{today.strftime('%Y%m%d')}.csv")
     configs = {}
     if args.config_json:
         with open(args.config_json) as fh:
             configs = {k: BwdConfig(**v) for k, v in json.load(fh).items()}
         print(f"tile configs: {configs}")
-    rows, chosen = [], {}
-    fresh = not (args.append and os.path.exists(path))
-    with open(path, "w" if fresh else "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS)
-        if fresh:
-            w.writeheader()
+    chosen = {}
+    meta = run_info("cuda", __file__, argv)
+    path = args.out / f"attention_bwd_{device_tag('cuda')}.csv"
+    with Results(path, COLUMNS, meta, append=args.append) as out:
         for dtype_name in args.dtypes:
             for s in args.shapes:
                 B, H, N, D = (int(x) for x in s.split(","))
-                n0 = len(rows)
                 best = run_case(B, H, N, D, dtype_name, args.peers, TILES[dtype_name] if args.tiles else [],
-                                rows, meta, configs)
-                w.writerows(rows[n0:])
-                fh.flush()
+                                out, configs)
                 if best is not None and dtype_name not in chosen:
                     chosen[dtype_name] = asdict(best[1])
     if args.tiles and args.save_best:
         with open(args.save_best, "w") as fh:
             json.dump(chosen, fh, indent=1)
         print(f"best tiles -> {args.save_best}: {chosen}")
-    print(f"wrote {path} ({len(rows)} rows)")
+    print(f"wrote {out.path} ({len(out.rows)} rows)")
+    return str(out.path)
 
 
 if __name__ == "__main__":

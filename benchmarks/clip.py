@@ -4,31 +4,25 @@ The sweep is declared in ``SWEEPS``; each case builds open_clip's tower at its r
 converts it with ``from_open_clip`` (identical weights) and times ``forward`` of both in ``torch.no_grad``.
 A third row times the ELSA tower with free attention (``benchmarks/ceiling.py``: every attention returns
 ``v``): its speedup is the ceiling of the case, the most any attention kernel can give this encoder.
-Rows go to ``logs/benchmarks/clip_<device>.csv`` (``--out`` another directory) with images/s, the speedup
-over open_clip and the relative difference of the two outputs.
+Rows are appended to ``logs/benchmarks/clip_<device>.csv`` (``--out`` another directory) with the median
+wall time of a synchronised forward, images/s, the speedup over open_clip and the relative difference of the
+two outputs.
 
-    python benchmarks/clip.py                       # CUDA: ViT-L/14, fp32, 336 px and 672 px, batch 8
-    python benchmarks/clip.py --device cpu --quick  # smoke run with a tiny tower
+    python -m benchmarks.clip                       # CUDA: ViT-L/14, fp32, 336 px and 672 px, batch 8
+    python -m benchmarks.clip --device cpu --quick  # smoke run with a tiny tower
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
-import statistics
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.ceiling import free_attention  # noqa: E402
-from elsa_vision.models.clip_vision import from_open_clip  # noqa: E402
+from benchmarks.ceiling import free_attention
+from benchmarks.common import Results, add_out_dir, columns, device_tag, relerr, run_info, wall_ms
 
 
 @dataclass(frozen=True)
@@ -50,50 +44,16 @@ SWEEPS = {
     "quick": [Case("tiny", _TINY, 32, 32, 2), Case("tiny", _TINY, 32, 64, 2)],
 }
 
-FIELDS = [
-    "date",
-    "device",
-    "torch",
-    "arch",
-    "image_size",
-    "tokens",
-    "batch",
-    "dtype",
-    "tf32",
-    "impl",
-    "ms",
-    "images_per_s",
-    "speedup_vs_open_clip",
-    "relerr_vs_open_clip",
-]
-
-
-def _time_ms(fn, device: torch.device, warmup: int, reps: int) -> float:
-    """Median wall time of ``fn()`` in ms (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+COLUMNS = columns("arch", "image_size", "tokens", "batch", "dtype", "tf32", "impl", "ms", "images_per_s",
+                  "speedup_vs_open_clip", "relerr_vs_open_clip")
 
 
 def run_case(
     case: Case, device: torch.device, warmup: int, reps: int, backend: str, precision: str
 ) -> list[dict]:
     from open_clip.model import CLIPVisionCfg, _build_vision_tower
+
+    from elsa_vision.models.clip_vision import from_open_clip
 
     dtype = getattr(torch, case.dtype)
     torch.manual_seed(0)
@@ -108,17 +68,14 @@ def run_case(
     )
     x = torch.randn(case.batch, 3, case.image_size, case.image_size, device=device, dtype=dtype)
     with torch.no_grad():
-        ref = stock(x).double()
-        err = ((elsa(x).double() - ref).norm() / ref.norm()).item()
-        ms_stock = _time_ms(lambda: stock(x), device, warmup, reps)
-        ms_elsa = _time_ms(lambda: elsa(x), device, warmup, reps)
+        ref = stock(x)
+        err = relerr(elsa(x), ref)
+        ms_stock = wall_ms(lambda: stock(x), device, warmup=warmup, reps=reps)
+        ms_elsa = wall_ms(lambda: elsa(x), device, warmup=warmup, reps=reps)
         with free_attention():
-            ms_free = _time_ms(lambda: elsa(x), device, warmup, reps)
+            ms_free = wall_ms(lambda: elsa(x), device, warmup=warmup, reps=reps)
     patch = dict(case.vision_cfg)["patch_size"]
     common = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        torch=torch.__version__,
         arch=case.name,
         image_size=case.image_size,
         tokens=(case.image_size // patch) ** 2 + 1,
@@ -155,6 +112,7 @@ def run_case(
 
 
 def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny tower smoke run (any device)")
@@ -165,7 +123,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument(
         "--tf32", action="store_true", help="allow TF32 matmuls in both models (default: IEEE fp32)"
     )
-    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "logs" / "benchmarks"))
+    add_out_dir(p)
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -175,18 +133,12 @@ def main(argv=None) -> list[dict]:
     cases = SWEEPS["quick" if a.quick else "full"]
     warmup = a.warmup if a.warmup is not None else (1 if a.quick else 5)
     reps = a.reps if a.reps is not None else (3 if a.quick else 20)
-    rows = []
-    for case in cases:
-        rows += run_case(case, device, warmup, reps, a.backend, a.precision)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"clip_{device.type}{'_quick' if a.quick else ''}.csv"
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    meta = run_info(device, __file__, argv)
+    path = a.out / f"clip_{device_tag(device)}{'_quick' if a.quick else ''}.csv"
+    with Results(path, COLUMNS, meta, append=True) as out:  # appended: runs with and without --tf32
+        for case in cases:
+            out.write_all(run_case(case, device, warmup, reps, a.backend, a.precision))
+    rows = out.rows
     width = max(len(r["impl"]) for r in rows)
     print(
         f"{'arch':<9} {'px':>4} {'tok':>5} {'B':>2}  {'impl':<{width}} {'ms':>9} {'img/s':>9} "

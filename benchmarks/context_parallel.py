@@ -7,9 +7,9 @@ seconds (forward, and forward + backward for attention), the speed-up (one devic
 allocated memory of every rank and of the baseline, and the relative error of the context-parallel output
 against the one-device output (gathered on rank 0).
 
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py                    # GPUs: both cases
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --cases attention  # one case per call
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --device cpu --quick  # gloo smoke run
+    torchrun --nproc-per-node 2 -m benchmarks.context_parallel                    # GPUs: both cases
+    torchrun --nproc-per-node 2 -m benchmarks.context_parallel --cases attention  # one case per call
+    torchrun --nproc-per-node 2 -m benchmarks.context_parallel --device cpu --quick  # gloo smoke run
 
 Goals (2x H200): 256K-token FP32 attention (B=1, H=16, D=64) with per-GPU peak memory about half of one GPU's
 and a speed-up >= 1.7x; ViT-B/16 forward on an 8192 x 8192 image (262,145 tokens) split over 2 GPUs.
@@ -18,23 +18,27 @@ and a speed-up >= 1.7x; ViT-B/16 forward on an 8192 x 8192 image (262,145 tokens
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import datetime
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from elsa_vision import elsa_attention  # noqa: E402
-from elsa_vision.distributed import (  # noqa: E402
+from benchmarks.common import (
+    LOGS,
+    Results,
+    columns,
+    device_tag,
+    peak_since_reset_mb,
+    reset_peak,
+    run_info,
+    wall_ms,
+)
+from elsa_vision import elsa_attention
+from elsa_vision.distributed import (
     context_parallel_attention,
     gather_sequence,
     shard_sequence,
@@ -82,58 +86,20 @@ QUICK = {
     "vit": [ViTCase("elsa_vit_tiny_patch16_224", 112)],
 }
 GOAL = {"attention_tokens": 262144, "peak_fraction": 0.5, "speed_up": 1.7, "vit_img_size": 8192}
-FIELDS = [
-    "case",
-    "world",
-    "device",
-    "precision",
-    "tokens",
-    "fwd_s_1dev",
-    "fwd_s_cp",
-    "fwd_speed_up",
-    "fwdbwd_s_1dev",
-    "fwdbwd_s_cp",
-    "fwdbwd_speed_up",
-    "peak_mb_1dev",
-    "peak_mb_cp_per_rank",
-    "peak_fraction",
-    "relerr_vs_1dev",
-    "date",
-    "torch",
-    "host",
-]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+COLUMNS = columns("case", "world", "precision", "tokens", "fwd_s_1dev", "fwd_s_cp", "fwd_speed_up",
+                  "fwdbwd_s_1dev", "fwdbwd_s_cp", "fwdbwd_speed_up", "peak_mb_1dev", "peak_mb_cp_per_rank",
+                  "peak_fraction", "relerr_vs_1dev", "host")
 
 
 def _peak_mb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return peak_since_reset_mb(device) if device.type == "cuda" else None
 
 
 def _time(fn, device: torch.device, repeats: int, group=None) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after one warm-up (kernel compilation)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if group is not None:
-            dist.barrier(group=group)
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if group is not None:
-            dist.barrier(group=group)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after one warm-up (kernel compilation); with a
+    ``group``, every timed run starts and ends at a barrier of the group."""
+    barrier = None if group is None else (lambda: dist.barrier(group=group))
+    return wall_ms(fn, device, warmup=1, reps=repeats, barrier=barrier) / 1e3
 
 
 def _all_peaks(value: float | None, device: torch.device) -> list[float | None]:
@@ -158,7 +124,7 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
     out_1 = None
     if rank == 0:
         q, k, v, do = (full(i) for i in range(4))
-        _reset_peak(device)
+        reset_peak(device)
 
         def fwd1():
             return elsa_attention(q, k, v, causal=case.causal, precision=precision)
@@ -183,7 +149,7 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
         gen.manual_seed(i)
         local.append(shard_sequence(torch.randn(shape, generator=gen), None, layout=case.layout).to(device))
     q, k, v, do = local
-    _reset_peak(device)
+    reset_peak(device)
 
     def fwd():
         return context_parallel_attention(
@@ -234,7 +200,7 @@ def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -
     row: dict = {"case": case.name, "tokens": (case.img_size // p) ** 2 + model.num_prefix_tokens}
     feats_1 = None
     if rank == 0:
-        _reset_peak(device)
+        reset_peak(device)
         plan = Plan("whole", 0.0, None)
         res = None
 
@@ -247,7 +213,7 @@ def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -
         feats_1 = res.features.cpu()  # on the host, as for attention
         del res
     dist.barrier()
-    _reset_peak(device)
+    reset_peak(device)
     res_cp = None
 
     def cp():
@@ -262,6 +228,7 @@ def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="small CPU-sized cases (smoke run)")
@@ -269,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--precision", default="auto", help="ELSA float32 precision (auto, ieee, tf32x3, tf32)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (median; one warm-up)")
     ap.add_argument(
-        "--out", default=None, help="CSV path (default logs/benchmarks/context_parallel_*.csv)"
+        "--out", default=None, help="CSV path (default logs/benchmarks/context_parallel_<world>x<gpu>.csv)"
     )
     args = ap.parse_args(argv)
     kinds = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -284,7 +251,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if owns:
         if "RANK" not in os.environ:
             raise SystemExit(
-                "launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/context_parallel.py"
+                "launch with torchrun, e.g. torchrun --nproc-per-node 2 -m benchmarks.context_parallel"
             )
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -302,11 +269,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 fn = run_attention if kind == "attention" else run_vit
                 row = fn(case, device, args.precision, args.repeats)
                 if rank == 0:
-                    row.update(
-                        world=world,
-                        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (gloo)",
-                        precision=args.precision,
-                    )
+                    row.update(world=world, precision=args.precision)
                     for what in ("fwd", "fwdbwd"):
                         one, cp = row.get(f"{what}_s_1dev"), row.get(f"{what}_s_cp")
                         if one is not None and cp:
@@ -322,24 +285,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             dist.destroy_process_group()
     if rank != 0:
         return rows
-    stamp = datetime.date.today().isoformat()
-    for r in rows:
-        r.update(date=stamp, torch=torch.__version__, host=platform.node())
-    tag = (
-        "cpu_quick"
-        if args.device == "cpu"
-        else f"{torch.cuda.get_device_name(device).replace(' ', '_').lower()}_x{world}_{stamp}"
-    )
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs", "benchmarks",
-        f"context_parallel_{tag}.csv",
-    )
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
+    meta = run_info(device, __file__, argv)
+    meta.update(command=meta["command"].replace("python -m", f"torchrun --nproc-per-node {world} -m", 1),
+                host=platform.node())
+    quick = "_quick" if args.quick else ""
+    path = args.out or LOGS / f"context_parallel_{device_tag(device, world)}{quick}.csv"
+    with Results(path, COLUMNS, meta) as out:
         for r in rows:
-            w.writerow({k: (json.dumps(r[k]) if isinstance(r.get(k), list) else r.get(k)) for k in FIELDS})
+            r.update(meta)
+            out.write({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()})
     goal = [r for r in rows if r["case"].startswith("attention") and r["tokens"] == GOAL["attention_tokens"]]
     if goal:
         g = goal[0]
@@ -358,7 +312,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 }
             )
         )
-    print(f"wrote {out}")
+    print(f"wrote {out.path}")
     return rows
 
 

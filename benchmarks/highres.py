@@ -6,8 +6,8 @@ global attention in every block. Both models hold the same (random, seeded) weig
 on CUDA. TF32 is disabled (FP32 end to end). Reported per case: median seconds of one forward, peak allocated
 memory, the speed ratio (stock / ELSA), and the deviation of the final tokens.
 
-    python benchmarks/highres.py               # CUDA: the sweep below, CSV in logs/benchmarks/ (or --out)
-    python benchmarks/highres.py --quick       # CPU-sized smoke run (tiny ViT, small images)
+    python -m benchmarks.highres               # CUDA: the sweep below, CSV in logs/benchmarks/ (or --out)
+    python -m benchmarks.highres --quick       # CPU-sized smoke run (tiny ViT, small images)
 
 Goal (H100): 4096^2 ViT-B/16 FP32 with peak memory < 16 GB and >= 2x faster than the stock model.
 """
@@ -15,21 +15,21 @@ Goal (H100): 4096^2 ViT-B/16 FP32 with peak memory < 16 GB and >= 2x faster than
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import dataclasses
-import datetime
-import os
-import platform
-import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from elsa_vision.inference.highres import build_model, forward_tokens, plan_execution  # noqa: E402
+from benchmarks.common import (
+    LOGS,
+    Results,
+    columns,
+    device_tag,
+    relerr,
+    run_info,
+    sdpa_context,
+    wall_ms_peak,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,63 +51,16 @@ QUICK = [
     Case("elsa_vit_tiny_patch16_224", 256),
 ]
 GOAL = {"img_size": 4096, "peak_mb": 16 * 1024, "speed_ratio": 2.0}
-FIELDS = [
-    "model",
-    "img_size",
-    "in_chans",
-    "tokens",
-    "device",
-    "precision",
-    "elsa_backend",
-    "elsa_mode",
-    "sdpa_kernel",
-    "elsa_s",
-    "sdpa_s",
-    "speed_ratio",
-    "elsa_peak_mb",
-    "sdpa_peak_mb",
-    "max_abs_dev",
-    "relerr",
-    "repeats",
-    "torch",
-    "date",
-]
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _measure(fn, dev: torch.device, repeats: int) -> tuple[float, float, torch.Tensor]:
-    """Median seconds, peak MiB (CUDA allocated; CPU: nan) and the last output of ``fn()``."""
-    out = fn()  # warm-up at full size (allocator, kernel compilation, autotuning)
-    del out
-    times = []
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-    for _ in range(repeats):
-        _sync(dev)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
-    return statistics.median(times), peak, out
-
-
-def _sdpa_context(dev: torch.device):
-    """A fresh context for one stock call (``sdpa_kernel`` is a one-shot generator context manager)."""
-    if dev.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+COLUMNS = columns("model", "img_size", "in_chans", "tokens", "precision", "elsa_backend", "elsa_mode",
+                  "sdpa_kernel", "elsa_s", "sdpa_s", "speed_ratio", "elsa_peak_mb", "sdpa_peak_mb",
+                  "max_abs_dev", "relerr", "repeats")
 
 
 def run_case(case: Case, dev: torch.device, repeats: int, attn_backend: str) -> dict:
     import timm
+
+    from elsa_vision.inference.highres import build_model, forward_tokens, plan_execution
+    from elsa_vision.ops.attention import resolve_backend
 
     torch.manual_seed(0)
     sd = timm.create_model(case.model, num_classes=case.num_classes, in_chans=case.in_chans).state_dict()
@@ -122,7 +75,7 @@ def run_case(case: Case, dev: torch.device, repeats: int, attn_backend: str) -> 
         with torch.no_grad():
             return forward_tokens(elsa, x, query_chunk=plan.query_chunk)
 
-    elsa_s, elsa_peak, out = _measure(run_elsa, dev, repeats)
+    elsa_ms, elsa_peak, out = wall_ms_peak(run_elsa, dev, repeats)
     out = out.float().cpu()
     elsa.cpu()  # frees the device for the stock model
     if dev.type == "cuda":
@@ -131,37 +84,33 @@ def run_case(case: Case, dev: torch.device, repeats: int, attn_backend: str) -> 
     kernel = "efficient" if dev.type == "cuda" else "default"
 
     def run_stock():
-        with torch.no_grad(), _sdpa_context(dev):
+        with torch.no_grad(), sdpa_context("sdpa_efficient", dev):
             return stock.forward_features(x)
 
-    sdpa_s, sdpa_peak, ref = _measure(run_stock, dev, repeats)
+    sdpa_ms, sdpa_peak, ref = wall_ms_peak(run_stock, dev, repeats)
     ref = ref.float().cpu()
-    from elsa_vision.ops.attention import resolve_backend
-
     return {
         "model": case.model,
         "img_size": case.img_size,
         "in_chans": case.in_chans,
         "tokens": out.shape[1],
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "precision": "fp32",
         "elsa_backend": resolve_backend(attn_backend, x),
         "elsa_mode": plan.mode,
         "sdpa_kernel": kernel,
-        "elsa_s": round(elsa_s, 5),
-        "sdpa_s": round(sdpa_s, 5),
-        "speed_ratio": round(sdpa_s / elsa_s, 3),
+        "elsa_s": round(elsa_ms / 1e3, 5),
+        "sdpa_s": round(sdpa_ms / 1e3, 5),
+        "speed_ratio": round(sdpa_ms / elsa_ms, 3),
         "elsa_peak_mb": round(elsa_peak, 1),
         "sdpa_peak_mb": round(sdpa_peak, 1),
         "max_abs_dev": float((out - ref).abs().max()),
-        "relerr": float((out - ref).double().norm() / ref.double().norm()),
+        "relerr": relerr(out, ref),
         "repeats": repeats,
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
     }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny ViT at 128/256 px (runs on CPU)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -175,34 +124,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cases = QUICK if args.quick else FULL
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        "logs",
-        "benchmarks",
-        f"highres{'_quick' if args.quick else ''}_{dev.type}.csv",
-    )
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    rows = []
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
+    path = args.out or LOGS / f"highres{'_quick' if args.quick else ''}_{device_tag(dev)}.csv"
+    meta = run_info(dev, __file__, argv)
+    with Results(path, COLUMNS, meta) as out:
         for case in cases:
-            row = run_case(case, dev, args.repeats, args.attn_backend)
-            rows.append(row)
-            w.writerow(row)
-            f.flush()
+            row = out.write(run_case(case, dev, args.repeats, args.attn_backend))
             print(
                 f"{row['model']} {row['img_size']}px {row['tokens']} tokens: ELSA {row['elsa_s']:.4f}s "
                 f"({row['elsa_peak_mb']} MiB, {row['elsa_backend']}/{row['elsa_mode']}) vs SDPA "
                 f"{row['sdpa_s']:.4f}s ({row['sdpa_peak_mb']} MiB) -> {row['speed_ratio']}x, "
                 f"max|dev| {row['max_abs_dev']:.2e}, relerr {row['relerr']:.2e}"
             )
-    for row in rows:
+    for row in out.rows:
         if row["img_size"] == GOAL["img_size"] and dev.type == "cuda":
             ok = row["elsa_peak_mb"] < GOAL["peak_mb"] and row["speed_ratio"] >= GOAL["speed_ratio"]
             print(f"goal (peak < 16 GB, >= 2x stock): {'MET' if ok else 'NOT MET'}")
-    print(f"wrote {out}")
-    return rows
+    print(f"wrote {out.path}")
+    return out.rows
 
 
 if __name__ == "__main__":

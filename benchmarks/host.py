@@ -19,95 +19,52 @@ backend choice, program lookup (signature + cache), output allocation, the direc
 comparison, the same launch through Triton's ``JITFunction.run``), the operator dispatch and the autograd
 Function (each as the difference to the stage below it).
 
-    python benchmarks/host.py                  # every case, fp32 and bf16, CSV under logs/benchmarks/
-    python benchmarks/host.py --breakdown      # plus the per-stage costs
+    python -m benchmarks.host                  # every case, fp32 and bf16, CSV under logs/benchmarks/
+    python -m benchmarks.host --breakdown      # plus the per-stage costs
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import datetime as dt
 import math
-import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import Results, add_out_dir, columns, device_tag, host_us, launches, run_info, sdpa
 
-import elsa_vision  # noqa: E402
-from elsa_vision import elsa_attention, patch_attention  # noqa: E402
-
-COLUMNS = ["device", "torch", "triton", "date", "label", "case", "dtype", "peer", "host_us", "launches"]
+COLUMNS = columns("label", "case", "dtype", "peer", "host_us", "launches")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHAPE = (1, 1, 64, 64)  # the attention cases: GPU work negligible, the host's cost per call is what is left
+SDPA_PEERS = ("sdpa_efficient", "sdpa_cudnn", "sdpa_flash")  # flash is skipped for float32 (no kernel)
+CASES = ("fwd", "fwd_bwd", "window_v1", "window_v2", "vit_block")
 
 
-def host_us(fn, calls: int, repeats: int = 7) -> float:
-    """Median over ``repeats`` of (time to enqueue ``calls`` calls) / ``calls``, in µs; the GPU drains
-    between repeats."""
-    return host_us_interleaved({"fn": fn}, calls, repeats)["fn"]
+def attention_peers(dtype) -> dict:
+    from elsa_vision import elsa_attention
 
-
-def host_us_interleaved(fns: dict, calls: int, repeats: int = 9) -> dict:
-    """``host_us`` of several functions measured in turns (A, B, C, A, B, C, ...), so that every peer of a
-    case meets the same machine state; median per function."""
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    torch.cuda.synchronize()
-    out = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            out[name].append((time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
-    return {name: statistics.median(ts) for name, ts in out.items()}
-
-
-def launches(fn, calls: int = 10) -> float:
-    """GPU kernels (and memsets) one ``fn()`` launches, from ``torch.profiler``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return n / calls
-
-
-def _sdpa(backend):
-    from torch.nn.attention import sdpa_kernel
-
-    def call(q, k, v):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v)
-
-    return call
-
-
-def attention_peers(dtype):
-    from torch.nn.attention import SDPBackend
-
-    peers = {"sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
-             "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION)}
-    if dtype != torch.float32:
-        peers["sdpa_flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
+    peers = {name: sdpa(name) for name in SDPA_PEERS if not (name == "sdpa_flash" and dtype == torch.float32)}
     peers["elsa"] = lambda q, k, v: elsa_attention(q, k, v)
     return peers
 
 
+def modules() -> dict:
+    """The module cases: (module, input shape, window mask shape or None). timm's Swin-T stage-1 window
+    attention (v1: window 7, 3 heads, 96 channels; v2: window 8) and one ViT-B block."""
+    import timm
+    from timm.models import swin_transformer as swin1
+    from timm.models import swin_transformer_v2 as swin2
+
+    return {
+        "window_v1": (swin1.WindowAttention(96, num_heads=3, window_size=(7, 7)), (8, 49, 96), (4, 49, 49)),
+        "window_v2": (swin2.WindowAttention(96, window_size=(8, 8), num_heads=3), (8, 64, 96), (4, 64, 64)),
+        "vit_block": (timm.create_model("vit_base_patch16_224", depth=1).blocks[0], (1, 16, 768), None),
+    }
+
+
 def attention_rows(dtype, calls):
-    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=dtype) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
     fwds, fwd_bwds = {}, {}
@@ -128,31 +85,21 @@ def attention_rows(dtype, calls):
         fwds[name], fwd_bwds[name] = fwd, fwd_bwd
     rows = []
     for case, fns in (("fwd", fwds), ("fwd_bwd", fwd_bwds)):
-        for name, us in host_us_interleaved(fns, calls).items():
+        for name, us in host_us(fns, calls).items():
             rows.append((case, name, us, launches(fns[name])))
     return rows
 
 
 def module_rows(dtype, calls):
-    import timm
-    from timm.models import swin_transformer as swin1
-    from timm.models import swin_transformer_v2 as swin2
+    from elsa_vision import patch_attention
 
     rows = []
-    mods = {
-        "window_v1": (swin1.WindowAttention(96, num_heads=3, window_size=(7, 7)), torch.randn(8, 49, 96),
-                      lambda n: torch.zeros(4, 49, 49)),
-        "window_v2": (swin2.WindowAttention(96, window_size=(8, 8), num_heads=3), torch.randn(8, 64, 96),
-                      lambda n: torch.zeros(4, 64, 64)),
-        "vit_block": (timm.create_model("vit_base_patch16_224", depth=1).blocks[0], torch.randn(1, 16, 768),
-                      None),
-    }
-    for case, (mod, x, mask) in mods.items():
-        x = x.to("cuda", dtype)
+    for case, (mod, shape, mask) in modules().items():
+        x = torch.randn(shape, device="cuda", dtype=dtype)
         base = mod.to("cuda", dtype).eval()
         patched = copy.deepcopy(base)
         patch_attention(patched)
-        args = (x,) if mask is None else (x, mask(0).to("cuda", dtype))
+        args = (x,) if mask is None else (x, torch.zeros(mask, device="cuda", dtype=dtype))
         fns = {}
         for name, m in (("timm", base), ("elsa", patched)):
             def call(m=m, args=args):
@@ -160,22 +107,23 @@ def module_rows(dtype, calls):
                     m(*args)
 
             fns[name] = call
-        for name, us in host_us_interleaved(fns, calls).items():
+        for name, us in host_us(fns, calls).items():
             rows.append((case, name, us, launches(fns[name])))
     return rows
 
 
 def breakdown_rows(dtype, calls):
     """Host µs of each stage of ELSA's forward and backward paths at ``[1, 1, 64, 64]`` (new code only)."""
+    from elsa_vision import elsa_attention
     from elsa_vision.kernels import bwd as kbwd
     from elsa_vision.kernels import fwd as kfwd
     from elsa_vision.kernels.launch import signature
     from elsa_vision.ops import attention as ops
 
-    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=dtype) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
-    scale = 64 ** -0.5
+    scale = SHAPE[-1] ** -0.5
     out, lse = kfwd.elsa_fwd(q, k, v, None, None, False, scale, "auto")
     key = signature((q, k, v, None, None), (False, scale, "auto", None, None))
     program = kfwd._PROGRAMS.get(key)
@@ -217,7 +165,7 @@ def breakdown_rows(dtype, calls):
         "fwd_bwd_autograd_grad": lambda: torch.autograd.grad(elsa_attention(qg, kg, vg), (qg, kg, vg), dout),
     }
     print(f"  plan: partitions {p.partitions}, tiles {p.block_m}x{p.block_n}, precision {p.precision}")
-    measured = host_us_interleaved(stages, calls)
+    measured = host_us(stages, calls)
     return [("breakdown", name, us, math.nan) for name, us in measured.items()]
 
 
@@ -226,8 +174,10 @@ def profile_elsa(dtype, calls):
     import cProfile
     import pstats
 
-    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    dout = torch.randn(1, 1, 64, 64, device="cuda", dtype=dtype)
+    from elsa_vision import elsa_attention
+
+    q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(*SHAPE, device="cuda", dtype=dtype)
 
     def step():
         elsa_attention(q, k, v).backward(dout)
@@ -245,53 +195,47 @@ def profile_elsa(dtype, calls):
 
 
 def main(argv=None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--breakdown", action="store_true", help="per-stage host costs of ELSA's forward")
     ap.add_argument("--label", default="", help="a tag for this tree (e.g. 'before' / 'after' in one run)")
     ap.add_argument("--profile", action="store_true", help="cProfile of ELSA's forward + backward and exit")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ap.add_argument("--out", default=os.path.join(root, "logs", "benchmarks"),
-                    help="output directory (default logs/benchmarks, ignored by git)")
+    add_out_dir(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("host.py measures CUDA launches: it needs a GPU")
-    import triton
-
     if args.profile:
         for dname in args.dtypes.split(","):
             profile_elsa(DTYPES[dname], args.calls)
         return ""
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=dt.date.today().isoformat(), label=args.label or elsa_vision.__file__)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"host{'_' + args.label if args.label else ''}.csv")
-    rows = []
-    for dname in args.dtypes.split(","):
-        dtype = DTYPES[dname]
-        print(f"{dname}:", flush=True)
-        got = attention_rows(dtype, args.calls) + module_rows(dtype, args.calls)
-        if args.breakdown:
-            got += breakdown_rows(dtype, args.calls)
-        for case, peer, us, n in got:
-            print(f"  {case:10s} {peer:24s} {us:9.1f} us  {n:5.1f} launches", flush=True)
-            rows.append(dict(meta, case=case, dtype=dname, peer=peer, host_us=f"{us:.2f}", launches=n))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    # ratios of ELSA to the best peer of each case
+    import elsa_vision
+
+    label = args.label or elsa_vision.__file__
+    meta = dict(run_info("cuda", __file__, argv), label=label)
+    tag = device_tag("cuda") + (f"_{args.label}" if args.label else "")
+    with Results(args.out / f"host_{tag}.csv", COLUMNS, meta) as out:
+        for dname in args.dtypes.split(","):
+            dtype = DTYPES[dname]
+            print(f"{dname}:", flush=True)
+            got = attention_rows(dtype, args.calls) + module_rows(dtype, args.calls)
+            if args.breakdown:
+                got += breakdown_rows(dtype, args.calls)
+            for case, peer, us, n in got:
+                print(f"  {case:10s} {peer:24s} {us:9.1f} us  {n:5.1f} launches", flush=True)
+                out.write(case=case, dtype=dname, peer=peer, host_us=f"{us:.2f}", launches=n)
     print("\nratios (elsa host µs / peer host µs)")
     for dname in args.dtypes.split(","):
-        for case in ("fwd", "fwd_bwd", "window_v1", "window_v2", "vit_block"):
-            sel = {r["peer"]: float(r["host_us"]) for r in rows if r["case"] == case and r["dtype"] == dname}
+        for case in CASES:
+            sel = {r["peer"]: float(r["host_us"]) for r in out.rows
+                   if r["case"] == case and r["dtype"] == dname}
             if "elsa" not in sel:
                 continue
             parts = [f"{p} {sel['elsa'] / us:.2f}x" for p, us in sel.items() if p != "elsa"]
             print(f"  {dname} {case:10s} elsa {sel['elsa']:7.1f} us: " + ", ".join(parts))
-    print(f"wrote {path}")
-    return path
+    print(f"wrote {out.path}")
+    return str(out.path)
 
 
 if __name__ == "__main__":

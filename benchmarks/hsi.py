@@ -12,11 +12,13 @@ Two declared sweeps:
   ``elsa_vision.inference.hsi.predict_scene`` -- the code path of ``python -m elsa_vision.inference.hsi`` --
   timing the batched patch classification of the whole scene and its peak memory.
 
-``--quick`` swaps in small CPU-sized declarations (a smoke run that exercises every path).
+``--quick`` swaps in small CPU-sized declarations (a smoke run that exercises every path). Both sweeps go to
+one JSON file, ``logs/benchmarks/hsi_<device>.json`` (``--json PATH`` or ``--out DIR`` elsewhere), with the
+run's device, versions, date and command.
 
-    python benchmarks/hsi.py                   # GPU: full sweeps
-    python benchmarks/hsi.py --part scenes --scene-reps 1   # GPU: the whole-scene timings alone
-    python benchmarks/hsi.py --quick --device cpu
+    python -m benchmarks.hsi                   # GPU: full sweeps
+    python -m benchmarks.hsi --part scenes --scene-reps 1   # GPU: the whole-scene timings alone
+    python -m benchmarks.hsi --quick --device cpu
 """
 
 from __future__ import annotations
@@ -25,20 +27,27 @@ import argparse
 import contextlib
 import json
 import resource
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.ceiling import free_attention  # noqa: E402
-from elsa_vision.data.hyperspectral import SpectralTransform, synthetic_scene  # noqa: E402
-from elsa_vision.inference.hsi import predict_scene, strict_fp32  # noqa: E402
-from elsa_vision.models.hsi_vit import HSI_PRESETS, ElsaHSIViT  # noqa: E402
+from benchmarks.ceiling import free_attention
+from benchmarks.common import (
+    add_out_dir,
+    bench_ms,
+    device_tag,
+    peak_since_reset_mb,
+    relerr,
+    reset_peak,
+    run_info,
+    sdpa_context,
+    wall_ms_peak,
+)
+from elsa_vision.data.hyperspectral import SpectralTransform, synthetic_scene
+from elsa_vision.inference.hsi import predict_scene, strict_fp32
+from elsa_vision.models.hsi_vit import HSI_PRESETS, ElsaHSIViT
 
 
 @dataclass(frozen=True)
@@ -96,40 +105,16 @@ def _net_kwargs(preset: str) -> dict:
     return dict(CONFIG_NET) if preset == "config" else dict(HSI_PRESETS[preset])
 
 
-def _sdpa_context(device: torch.device):
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
-
-
 def _time(fn, device: torch.device, warmup: int, reps: int) -> float:
-    """Median seconds per call."""
-    if device.type == "cuda":
-        try:
-            from triton.testing import do_bench
-
-            return do_bench(fn, warmup=25 * warmup, rep=100 * reps, return_mode="median") / 1e3
-        except ImportError:
-            pass
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds per call: ``do_bench`` on CUDA (budgets of ``25 * warmup`` and ``100 * reps`` ms),
+    wall time of ``reps`` calls elsewhere."""
+    return bench_ms(fn, device, warmup=25 * warmup, rep=100 * reps, cpu_reps=reps) / 1e3
 
 
 def _peak_mb(device: torch.device) -> float:
+    """Peak allocated CUDA memory since the last ``reset_peak``; on CPU the process's peak resident size."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return peak_since_reset_mb(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -150,7 +135,7 @@ def bench_throughput(case: ThroughputCase, device: torch.device, mode: str, warm
     row = {**asdict(case), "tokens": f"{g}x{s}={g * s}", "mode": mode, "device": str(device)}
     outs = {}
     for name, net in (("elsa", elsa), ("sdpa", sdpa)):
-        ctx = _sdpa_context(device) if name == "sdpa" else contextlib.nullcontext()
+        ctx = sdpa_context("sdpa_efficient", device) if name == "sdpa" else contextlib.nullcontext()
         if mode == "fwd":
             net.eval()
 
@@ -165,8 +150,7 @@ def bench_throughput(case: ThroughputCase, device: torch.device, mode: str, warm
                 opt.zero_grad(set_to_none=True)
                 torch.nn.functional.cross_entropy(net(x), y).backward()
 
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak(device)
         with strict_fp32(), ctx:
             sec = _time(fn, device, warmup, reps)
             if mode == "fwd":
@@ -185,7 +169,7 @@ def bench_throughput(case: ThroughputCase, device: torch.device, mode: str, warm
     row["ceiling"] = round(row["sdpa_ms"] / row["free_attention_ms"], 3)
     if outs:
         ref = outs["sdpa"]
-        row["relerr_elsa_vs_sdpa"] = f"{float((outs['elsa'] - ref).norm() / ref.norm()):.1e}"
+        row["relerr_elsa_vs_sdpa"] = f"{relerr(outs['elsa'], ref):.1e}"
     return row
 
 
@@ -204,25 +188,17 @@ def bench_scene(case: SceneCase, device: torch.device, reps: int) -> dict:
         **_net_kwargs(case.preset),
     ).to(device)
     predict_scene(net, x[: min(32, case.height)], case.patch, case.batch, device)  # warm-up (kernel compile)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        labels, _ = predict_scene(net, x, case.patch, case.batch, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+    ms, peak, labels = wall_ms_peak(lambda: predict_scene(net, x, case.patch, case.batch, device)[0], device,
+                                    reps, warmup=False)
+    sec = ms / 1e3
     assert labels.shape == (case.height, case.width) and (labels >= 0).all()
-    sec = statistics.median(times)
     return {
         **asdict(case),
         "device": str(device),
         "params_m": round(sum(p.numel() for p in net.parameters()) / 1e6, 2),
         "scene_seconds": round(sec, 3),
         "pixels_per_s": round(case.height * case.width / sec, 1),
-        "peak_mb": round(_peak_mb(device), 1),
+        "peak_mb": round(peak if device.type == "cuda" else _peak_mb(device), 1),
     }
 
 
@@ -233,16 +209,19 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small CPU-sized cases (smoke run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--mode", choices=("fwd", "train"), default="fwd", help="forward or train step")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10, quick 3)")
-    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--json", default=None,
+                    help="results file (default: logs/benchmarks/hsi_<device>[_quick].json under --out)")
     ap.add_argument("--part", choices=("all", "throughput", "scenes"), default="all",
                     help="run both sweeps or one of them")
     ap.add_argument("--scene-reps", type=int, default=None,
                     help="timed whole-scene runs per case (default: reps // 3, at least 1)")
+    add_out_dir(ap)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     reps = a.reps or (3 if a.quick else 10)
@@ -260,11 +239,12 @@ def main(argv=None) -> dict:
         print(f"\n## Whole-scene FP32 inference (batched patches), {device}")
         print(_table(sc, ["name", "preset", "height", "width", "bands", "pca", "patch", "params_m", "batch",
                           "scene_seconds", "pixels_per_s", "peak_mb"]))  # fmt: skip
-    result = {"torch": torch.__version__, "device": str(device), "throughput": tp, "scenes": sc}
-    if device.type == "cuda":
-        result["gpu"] = torch.cuda.get_device_name(device)
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1, default=str))
+    # Two sweeps with different fields: one JSON file with the run's environment and command.
+    result = {**run_info(device, __file__, argv), "throughput": tp, "scenes": sc}
+    path = Path(a.json) if a.json else a.out / f"hsi_{device_tag(device)}{'_quick' if a.quick else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {path}")
     return result
 
 

@@ -19,42 +19,41 @@ absolute deviation of the logits from ``timm_sdpa``, and (CUDA) ``gpu_ms``: the 
 kernels of one call (``torch.profiler``, mean of three), i.e. the GPU work alone. Where the host enqueues
 kernels slower than the GPU runs them (small batches, Swin's many small ops), the wall time measures the
 host's Python and launch speed, and ``gpu ratio`` (timm's ``gpu_ms`` over ELSA's) says what the kernels
-changed. Rows go to ``logs/benchmarks/models_<gpu>_<date>.csv`` (or ``--out``); ratios vs timm (and the
-targets of the cases) are printed.
+changed; ``graph_ms`` is the median of CUDA-graph replays (GPU time without the host's launch work). Wall
+times are the median of synchronised calls. Rows go to ``logs/benchmarks/models_<gpu>.csv`` (or ``--out``);
+ratios vs timm (and the targets of the cases) are printed.
 CUDA float32 matmuls run in IEEE FP32 (TF32 off) so that every peer computes the same thing.
 
-    python benchmarks/models.py                         # the declared GPU cases
-    python benchmarks/models.py --device cpu --quick    # tiny smoke run
+    python -m benchmarks.models                         # the declared GPU cases
+    python -m benchmarks.models --device cpu --quick    # tiny smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import datetime as dt
 import math
-import os
 import re
-import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.ceiling import free_attention
+from benchmarks.common import (
+    Results,
+    add_out_dir,
+    columns,
+    device_tag,
+    graph_ms,
+    kernel_ms,
+    peak_mb,
+    run_info,
+    wall_ms,
+)
 
-import timm  # noqa: E402
-from timm.models.swin_transformer import SwinTransformer  # noqa: E402
-from timm.models.swin_transformer_v2 import SwinTransformerV2  # noqa: E402
-
-from benchmarks.ceiling import free_attention  # noqa: E402
-from elsa_vision import ElsaViT, patch_attention  # noqa: E402
-from elsa_vision.models import ElsaSwinV2  # noqa: E402
-
-COLUMNS = ["device", "torch", "triton", "date", "model", "img", "batch", "dtype", "peer", "img_per_s", "ms",
-           "peak_mb", "max_dev", "mode", "gpu_ms", "graph_ms"]
+COLUMNS = columns("model", "img", "batch", "dtype", "peer", "img_per_s", "ms", "peak_mb", "max_dev", "mode",
+                  "gpu_ms", "graph_ms")
 PEERS = ("timm_sdpa", "timm_math", "timm_noattn", "elsa")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -110,61 +109,6 @@ def _mode(case: Case) -> str:
     return "train" if case.train else "fwd"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_forward(fn, device: torch.device, warmup: int, reps: int) -> float:
-    """Median wall time of ``fn()`` in ms (each call synchronised)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def peak_forward_mb(fn, device: torch.device) -> float:
-    """Peak allocated memory (MB) during one ``fn()`` on CUDA; NaN elsewhere."""
-    if device.type != "cuda":
-        return math.nan
-    _sync(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    _sync(device)
-    return torch.cuda.max_memory_allocated(device) / 2**20
-
-
-def gpu_kernel_ms(fn, device: torch.device, calls: int = 3) -> float:
-    """Summed duration (ms) of the GPU kernels that one ``fn()`` launches, mean of ``calls``; NaN off CUDA."""
-    if device.type != "cuda":
-        return math.nan
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        _sync(device)
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
-
-
-def graph_ms(fn, device: torch.device, case: Case) -> float:
-    """Median ms of a CUDA-graph replay of ``fn()`` (the GPU's time without the host's launch work); NaN off
-    CUDA and for training steps (the optimizer's state is not captured)."""
-    if device.type != "cuda" or case.train:
-        return math.nan
-    import triton
-
-    return triton.testing.do_bench_cudagraph(fn, rep=200)
-
-
 class NoAttention(torch.nn.Module):
     """``model`` with every attention answered by ``v`` while it runs (``timm_noattn``)."""
 
@@ -179,6 +123,13 @@ class NoAttention(torch.nn.Module):
 
 def build_peers(case: Case, precision: str) -> dict[str, torch.nn.Module]:
     """The peers on the CPU, sharing one set of random weights (Swin-v2 has no fused timm path: two peers)."""
+    import timm
+    from timm.models.swin_transformer import SwinTransformer
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    from elsa_vision import ElsaViT, patch_attention
+    from elsa_vision.models import ElsaSwinV2
+
     torch.manual_seed(0)
     timm_model = timm.create_model(case.model, img_size=case.img, **case.kwargs).eval()
     if isinstance(timm_model, SwinTransformer):  # v1: timm's own model, window attentions patched
@@ -231,9 +182,9 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
         try:
             torch.manual_seed(0)  # the same drop-path draws for every peer's compared (first) output
             out = fwd()
-            ms = time_forward(fwd, device, warmup, reps)
-            peak = peak_forward_mb(fwd, device)
-            gpu_ms = gpu_kernel_ms(fwd, device)
+            ms = wall_ms(fwd, device, warmup=warmup, reps=reps)
+            peak = peak_mb(fwd, device)[0]
+            gpu_ms = kernel_ms(fwd, device)
         except torch.cuda.OutOfMemoryError:
             print(f"  {name}: out of memory", flush=True)
             rows.append(dict(peer=name, img_per_s=math.nan, ms=math.nan, peak_mb=math.nan, max_dev=math.nan,
@@ -260,7 +211,7 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
                 continue
             model = peers[row["peer"]].to(device=device, dtype=DTYPES[case.dtype]).eval()
             try:
-                row["graph_ms"] = graph_ms(_step(case, model, x), device, case)
+                row["graph_ms"] = graph_ms(_step(case, model, x), rep=200)
             finally:
                 peers[row["peer"]] = model.to("cpu")
                 torch.cuda.empty_cache()
@@ -268,13 +219,8 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
     return rows
 
 
-def device_label(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
-
-
 def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny smoke cases (CPU-friendly)")
@@ -283,9 +229,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--precision", default="auto", help="ElsaViT attn_precision for float32")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--out", help="output directory (default logs/benchmarks)",
-                   default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs",
-                                        "benchmarks"))
+    add_out_dir(p)
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -302,34 +246,19 @@ def main(argv: list[str] | None = None) -> str:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
     reps = args.reps if args.reps is not None else (3 if args.quick else 30)
 
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    label = device_label(device)
-    date = dt.date.today().isoformat()
-    tag = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_").lower() or "device"
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"models_{tag}_{date}.csv")
-
-    meta = dict(device=label, torch=torch.__version__, triton=triton_version, date=date)
+    meta = run_info(device, __file__, argv)
     results = []
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
+    with Results(args.out / f"models_{device_tag(device)}.csv", COLUMNS, meta) as out:
         for case in cases:
             print(f"{case.model} img {case.img} batch {case.batch} {case.dtype} {_mode(case)}", flush=True)
             rows = run_case(case, device, warmup, reps, args.precision)
             for r in rows:
                 values = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}
-                writer.writerow(dict(meta, model=case.model, img=case.img, batch=case.batch, dtype=case.dtype,
-                                     mode=_mode(case), **values))
-            f.flush()
+                out.write(values, model=case.model, img=case.img, batch=case.batch, dtype=case.dtype,
+                          mode=_mode(case))
             results.append((case, {r["peer"]: r for r in rows}))
 
-    print(f"\nratios (elsa vs timm), {label}, torch {torch.__version__}, triton {triton_version}")
+    print(f"\nratios (elsa vs timm), {meta['device']}, torch {meta['torch']}, triton {meta['triton']}")
     print(f"{'case':46s} {'vs timm':>8s} {'goal':>6s} {'vs math':>8s} {'mem/timm':>9s} {'ceiling':>8s}"
           f" {'gpu ratio':>9s} {'graph':>7s} {'eager/graph':>11s}  status")
     nan_row = dict(img_per_s=math.nan)
@@ -345,8 +274,8 @@ def main(argv: list[str] | None = None) -> str:
         print(f"{name:46s} {speed:8.3f} {case.goal:6.2f} {e['img_per_s'] / m['img_per_s']:8.3f} {mem:9.4f} "
               f"{ceiling:8.3f} {s['gpu_ms'] / e['gpu_ms']:9.3f} {graph:7.3f} {speed / graph:11.3f}  "
               f"{'below goal (' + ', '.join(misses) + ')' if misses else 'meets goal'}")
-    print(f"\nwrote {path}")
-    return path
+    print(f"\nwrote {out.path}")
+    return str(out.path)
 
 
 if __name__ == "__main__":

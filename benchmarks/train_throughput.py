@@ -10,10 +10,10 @@ temporary folder, or an existing `root/{train,val}/<class>/*` tree given with `-
 Per peer: the median time of one training step (forward, backward, optimiser; device-synchronised, after
 `--warmup` steps) as `compute` images/s, and images over wall time from the first timed step to the last as
 `end_to_end` images/s (includes waiting for the data loader). Rows go to
-`logs/benchmarks/train_throughput_<device>_<date>.csv` (or `--out`); the ratio elsa / timm is printed.
+`logs/benchmarks/train_throughput_<device>.csv` (or `--out`); the ratio elsa / timm is printed.
 
-    python benchmarks/train_throughput.py                       # CUDA: ViT-B/16, 224 px, batch 64
-    python benchmarks/train_throughput.py --quick --device cpu  # smoke run: ViT-Ti, 64 px, a few steps
+    python -m benchmarks.train_throughput                       # CUDA: ViT-B/16, 224 px, batch 64
+    python -m benchmarks.train_throughput --quick --device cpu  # smoke run: ViT-Ti, 64 px, a few steps
 
 Goal (H100): ElsaViT-B fp32 training images/s >= 1.1x timm's stock ViT-B with the same recipe.
 """
@@ -21,8 +21,6 @@ Goal (H100): ElsaViT-B fp32 training images/s >= 1.1x timm's stock ViT-B with th
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import statistics
 import sys
@@ -32,22 +30,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, Results, add_out_dir, columns, device_tag, run_info, sync
 
-COLUMNS = [
-    "device",
-    "torch",
-    "date",
-    "peer",
-    "backbone",
-    "img_size",
-    "batch",
-    "steps",
-    "step_ms",
-    "img_per_s_compute",
-    "img_per_s_end_to_end",
-]
+COLUMNS = columns("peer", "backbone", "img_size", "batch", "steps", "step_ms", "img_per_s_compute",
+                  "img_per_s_end_to_end")
 # The recipe (model config, backbones, data geometry) and the step counts of the full and the smoke run.
 FULL = dict(model="elsa_vit_b", elsa="elsa_vit_base_patch16_224", timm="vit_base_patch16_224",
             img_size=224, batch=64, classes=10, per_class=160, steps=30, warmup=5, workers=8)  # fmt: skip
@@ -71,11 +57,6 @@ def make_imagefolder(root: Path, classes: int, per_class: int, size=(500, 375), 
     return root
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _step_timer(warmup: int):
     import lightning as L
 
@@ -87,13 +68,13 @@ def _step_timer(warmup: int):
             self.first = self.last = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            _sync(pl_module.device)
+            sync(pl_module.device)
             self.t0 = time.perf_counter()
             if batch_idx == warmup:
                 self.first = self.t0
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            _sync(pl_module.device)
+            sync(pl_module.device)
             if batch_idx >= warmup:
                 self.last = time.perf_counter()
                 self.steps.append(self.last - self.t0)
@@ -167,6 +148,7 @@ def run_peer(peer: str, spec: dict, root: Path, device: torch.device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="ViT-Ti at 64 px, a few steps (any device)")
@@ -176,7 +158,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per peer")
     p.add_argument("--workers", type=int, default=None, help="data loader workers")
-    p.add_argument("--out", default=str(ROOT / "logs" / "benchmarks"))
+    add_out_dir(p)
     a = p.parse_args(argv)
     device = torch.device(a.device)
     spec = dict(QUICK if a.quick else FULL)
@@ -198,20 +180,10 @@ def main(argv: list[str] | None = None) -> str:
             if not (root / "train").is_dir():
                 raise SystemExit(f"--root {root}: expected a train/ folder of class folders")
         rows = [run_peer(peer, spec, root, device) for peer in ("timm", "elsa")]
-    meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-    }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    label = "cpu" if device.type == "cpu" else meta["device"].lower().replace(" ", "_")
-    path = out / f"train_throughput_{label}_{meta['date']}{'_quick' if a.quick else ''}.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({**meta, **r})
+    meta = run_info(device, __file__, argv)
+    path = a.out / f"train_throughput_{device_tag(device)}{'_quick' if a.quick else ''}.csv"
+    with Results(path, COLUMNS, meta) as out:
+        out.write_all(rows)
     for r in rows:
         print(
             f"{r['peer']:5s} {r['backbone']:28s} {r['img_per_s_compute']:9.2f} img/s compute "

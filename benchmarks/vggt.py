@@ -14,9 +14,9 @@ Two declared sweeps (``SWEEPS``):
 
 TF32 matmuls are disabled for the whole run (FP32 means IEEE-accurate FP32 here).
 
-    python benchmarks/vggt.py                 # CUDA: the targets above
-    python benchmarks/vggt.py --full          # also VGGT-1B at 100 frames
-    python benchmarks/vggt.py --quick         # CPU smoke run: tiny shapes, torch backend
+    python -m benchmarks.vggt                 # CUDA: the targets above
+    python -m benchmarks.vggt --full          # also VGGT-1B at 100 frames
+    python -m benchmarks.vggt --quick         # CPU smoke run: tiny shapes, torch backend
 
 Rows go to ``logs/benchmarks/vggt_<device>.csv`` (or ``--out``); the last stdout line is a JSON summary.
 """
@@ -24,25 +24,32 @@ Rows go to ``logs/benchmarks/vggt_<device>.csv`` (or ``--out``); the last stdout
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import json
-import math
-import statistics
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elsa_vision.models.vggt import ElsaVGGT  # noqa: E402
-from elsa_vision.ops.attention import elsa_attention  # noqa: E402
+from benchmarks.common import (
+    Results,
+    add_out_dir,
+    bench_ms,
+    columns,
+    device_tag,
+    peak_mb,
+    reference,
+    relerr,
+    run_info,
+    sdpa,
+)
+from elsa_vision.models.vggt import ElsaVGGT
+from elsa_vision.ops.attention import elsa_attention
 
 TOKENS_PER_FRAME = 1041  # 1 camera + 4 register + 37·28 patches (518×392)
+COLUMNS = columns("kind", "frames", "tokens", "heads", "head_dim", "provider", "ms", "tflops", "relerr",
+                  "extra_mb", "speedup_vs_sdpa_efficient", "config", "hw", "backend", "params_m", "peak_gb",
+                  "finite", "error")
 
 
 @dataclass(frozen=True)
@@ -83,36 +90,19 @@ SWEEPS = {
 
 
 def _time(fn, device: str, reps: int) -> float:
-    """Median milliseconds (``triton.testing.do_bench`` on CUDA)."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=max(100, reps * 10), return_mode="median"))
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds (``triton.testing.do_bench`` on CUDA, wall time of ``reps`` calls elsewhere)."""
+    return bench_ms(fn, device, warmup=25, rep=max(100, reps * 10), cpu_reps=reps)
 
 
 def _attention_fn(provider: str, q, k, v, device: str):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backend = "triton" if device == "cuda" else "torch"
     if provider == "elsa":
         return lambda: elsa_attention(q, k, v, backend=backend, precision="auto")
     if provider == "elsa_tf32x3":
         return lambda: elsa_attention(q, k, v, backend=backend, precision="tf32x3")
     if provider in ("sdpa_efficient", "sdpa_math"):
-        kind = SDPBackend.EFFICIENT_ATTENTION if provider == "sdpa_efficient" else SDPBackend.MATH
-
-        def run():
-            with sdpa_kernel(kind):
-                return F.scaled_dot_product_attention(q, k, v)
-
-        return run
+        call = sdpa(provider)
+        return lambda: call(q, k, v)
     if provider == "sdpa_default":
         return lambda: F.scaled_dot_product_attention(q, k, v)
     raise ValueError(f"unknown provider {provider!r}")
@@ -123,10 +113,7 @@ def bench_attention(case: AttnCase, device: str, reps: int) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, case.heads, n, case.head_dim, device=device, generator=g) for _ in range(3))
     rows_ref = min(256, n)
-    ref = torch.softmax(
-        q[:, :, :rows_ref].double() @ k.double().transpose(-1, -2) / math.sqrt(case.head_dim), -1
-    )
-    ref = ref @ v.double()
+    ref = reference(q, k, v, rows=torch.arange(rows_ref))[0]  # float64, the first 256 query rows
     flops = 4 * case.heads * n * n * case.head_dim
     rows = []
     for prov in case.providers:
@@ -134,15 +121,8 @@ def bench_attention(case: AttnCase, device: str, reps: int) -> list[dict]:
             continue
         fn = _attention_fn(prov, q, k, v, device)
         try:
-            out = fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                fn()
-                extra_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-            else:
-                extra_mb = float("nan")
+            fn()  # warm-up: compilation, then the memory of a steady call
+            extra_mb, out = peak_mb(fn, device, extra=True)
             ms = _time(fn, device, reps)
         except (RuntimeError, ImportError, ValueError) as exc:  # a provider that does not cover the case
             rows.append(
@@ -155,7 +135,7 @@ def bench_attention(case: AttnCase, device: str, reps: int) -> list[dict]:
                 }
             )
             continue
-        err = float((out[:, :, :rows_ref].double() - ref).norm() / ref.norm())
+        err = relerr(out[:, :, :rows_ref], ref)
         rows.append(
             {
                 "kind": "attention",
@@ -196,13 +176,9 @@ def bench_model(case: ModelCase, device: str, reps: int) -> dict:
     }
     try:
         with torch.no_grad():
+            peak, out = peak_mb(lambda: model(x), device)
             if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            out = model(x)
-            if device == "cuda":
-                torch.cuda.synchronize()
-                row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                row["peak_gb"] = round(peak / 2**10, 3)
             row["ms"] = round(_time(lambda: model(x), device, reps), 2)
             row["finite"] = bool(torch.isfinite(out["depth"]).all() and torch.isfinite(out["pose_enc"]).all())
     except (RuntimeError, ImportError, ValueError) as exc:
@@ -214,13 +190,13 @@ def bench_model(case: ModelCase, device: str, reps: int) -> dict:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run with tiny shapes")
     ap.add_argument("--full", action="store_true", help="also VGGT-1B at 100 frames")
     ap.add_argument("--device", default=None)
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "logs" / "benchmarks",
-                    help="output directory")
+    add_out_dir(ap)
     args = ap.parse_args(argv)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     reps = args.reps or (3 if args.quick else 10)
@@ -240,26 +216,16 @@ def main(argv=None) -> dict:
         r = bench_model(c, device, max(1, reps // 3))
         rows.append(r)
         print(r, flush=True)
-    out_dir = args.out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"vggt_{device}{'_quick' if args.quick else ''}.csv"
-    fields = sorted({k for r in rows for k in r})
-    stamp = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-    }
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(stamp) + fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({**stamp, **r})
+    meta = run_info(device, __file__, argv)
+    path = args.out / f"vggt_{device_tag(device)}{'_quick' if args.quick else ''}.csv"
+    with Results(path, COLUMNS, meta) as out:
+        out.write_all(rows)
     top = max((r["frames"] for r in rows if r["kind"] == "attention" and "ms" in r), default=None)
     speed = [
         r for r in rows if r["kind"] == "attention" and r.get("frames") == top and r.get("provider") == "elsa"
     ]
     summary = {
-        **stamp,
+        **meta,
         "csv": str(path),
         "max_frames": top,
         "elsa_speedup_vs_sdpa_efficient": speed[0].get("speedup_vs_sdpa_efficient") if speed else None,

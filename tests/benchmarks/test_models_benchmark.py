@@ -1,24 +1,13 @@
 """benchmarks/models.py: the CPU smoke mode runs and writes the declared CSV columns."""
 
 import csv
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "models.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_models", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks import models as bench
 
 
 def test_quick_cpu_run_writes_csv(tmp_path):
-    bench = _load()
     assert len(bench.CASES) == 15 and {c.dtype for c in bench.CASES} == {"fp32", "bf16"}
     # the eager-speed issue's cases are declared: ViT-B bf16 at 224 px, timm Swin v1 patched in place
     assert any(c.model == "vit_base_patch16_224" and c.img == 224 and c.dtype == "bf16" for c in bench.CASES)
@@ -29,8 +18,9 @@ def test_quick_cpu_run_writes_csv(tmp_path):
     path = bench.main(["--device", "cpu", "--quick", "--cases", "vit_tiny.*fp32", "--out", str(tmp_path),
                        "--warmup", "0", "--reps", "1"])
     rows = list(csv.DictReader(open(path)))
-    assert Path(path).name.startswith("models_cpu_")
+    assert Path(path).name == "models_cpu.csv"
     assert list(rows[0]) == bench.COLUMNS
+    assert rows[0]["command"].startswith("python -m benchmarks.models --device cpu --quick")
     assert [r["peer"] for r in rows] == ["timm_sdpa", "timm_math", "timm_noattn", "elsa"]
     for r in rows:
         assert float(r["img_per_s"]) > 0 and math.isnan(float(r["peak_mb"]))
@@ -43,7 +33,6 @@ def test_quick_cpu_run_writes_csv(tmp_path):
 
 
 def test_quick_cpu_swinv2_rows(tmp_path):
-    bench = _load()
     swin = [c for c in bench.CASES if c.model.startswith("swinv2")]
     assert {c.model for c in swin} == {"swinv2_tiny_window8_256", "swinv2_small_window16_256"}
     assert any(c.train for c in swin)

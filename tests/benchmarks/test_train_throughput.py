@@ -2,30 +2,17 @@
 the declared CSV columns."""
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_train_throughput", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks import train_throughput as bench
 
 
 def test_synthetic_imagefolder_layout(tmp_path):
-    bench = _load()
     root = bench.make_imagefolder(tmp_path / "f", classes=3, per_class=4, size=(40, 30))
     assert sorted(p.name for p in (root / "train").iterdir()) == ["class_0", "class_1", "class_2"]
     assert len(list((root / "train").rglob("*.jpg"))) == 12 and len(list((root / "val").rglob("*.jpg"))) == 6
 
 
 def test_quick_cpu_run_writes_csv(tmp_path):
-    bench = _load()
     path = bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
     rows = list(csv.DictReader(open(path)))
     assert list(rows[0]) == bench.COLUMNS

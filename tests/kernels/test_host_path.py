@@ -9,22 +9,11 @@ import contextlib
 import pytest
 import torch
 
+from benchmarks.common import launches
 from elsa_vision import elsa_attention, elsa_attention_varlen
 from elsa_vision.ops.window_attention import window_attention
 
 pytestmark = pytest.mark.gpu
-
-
-def _kernels(fn, calls: int = 3) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / calls
 
 
 def _workloads():
@@ -82,12 +71,12 @@ def test_kernel_launches_per_call():
         out = elsa_attention(q, k, v)
         torch.autograd.grad(out, (q, k, v), out)
 
-    assert _kernels(fwd) == 1
-    assert _kernels(fwd_bwd) == 3
+    assert launches(fwd, calls=3) == 1
+    assert launches(fwd_bwd, calls=3) == 3
     wq, wk, wv = (torch.randn(32, 3, 49, 32, device="cuda") for _ in range(3))
     wb = torch.randn(3, 49, 49, device="cuda")
     with torch.no_grad():
-        assert _kernels(lambda: window_attention(wq, wk, wv, None, wb, None)) == 1
+        assert launches(lambda: window_attention(wq, wk, wv, None, wb, None), calls=3) == 1
 
 
 def test_steady_state_does_not_enter_the_jit_binder(monkeypatch):
