@@ -195,7 +195,7 @@ def measure_fwdbwd(fn, q, k, v, causal, do, ref_grads):
 
 def run_sweep(cases, dtypes, peers, out: Results, flex_cases=None, autotune=(), backward=False):
     """Every peer on every (case, dtype), rows written to ``out`` as they are measured."""
-    from elsa_vision.kernels import fwd
+    from benchmarks.autotune import autotune_fwd
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -213,7 +213,7 @@ def run_sweep(cases, dtypes, peers, out: Results, flex_cases=None, autotune=(), 
                 ref_grads = reference_grads(q, k, v, do, c.causal) if c.N <= 16384 else None
             for dt_name, dim, prec in autotune:
                 if dt_name == dname and dim == c.D:  # tuned once per key, on the first case that has it
-                    cfg = fwd.autotune_fwd(q, k, v, causal=c.causal, precision=prec)
+                    cfg = autotune_fwd(q, k, v, causal=c.causal, precision=prec)
                     print(f"autotune {dname} D={c.D} {prec}: {cfg}", flush=True)
             passes = [(peer, pas) for pas in (("fwd", "fwdbwd") if backward else ("fwd",)) for peer in peers]
             for peer, pas in passes:
@@ -325,6 +325,7 @@ def plot(csv_path, png_path):
 
 def tune(cases, dtypes, precisions, configs=None):
     """Time every pruned candidate config of the fused kernel on each case; print the ranking."""
+    from benchmarks.autotune import candidates
     from elsa_vision.kernels import fwd
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -337,7 +338,7 @@ def tune(cases, dtypes, precisions, configs=None):
                 _, cc, smem = fwd._device_info(q.device)
                 key = fwd.tuning_key(dtype, c.D, c.D, c.causal, False, q.device, prec)
                 results = []
-                for cfg in configs or fwd._candidates(dtype, p.precision, p.block_d, p.block_dv, smem):
+                for cfg in configs or candidates(dtype, p.precision, p.block_d, p.block_dv, smem):
                     fwd.set_config(key, cfg)
                     try:
                         ms = bench_ms(lambda q=q, k=k, v=v, c=c, prec=prec: fwd.elsa_fwd(

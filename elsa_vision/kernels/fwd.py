@@ -11,8 +11,9 @@ in its epilogue (the fused path: no workspace round trip). Otherwise the keys ar
 that ``query tiles x partitions`` fills the machine; the workspace holds ``partitions x B x H x Nq`` states.
 
 Everything about a launch (partitions, tiles, warps, stages) comes from ``plan``; nothing reads the
-environment. ``autotune_fwd`` may time candidate configurations for one problem and caches the winner
-under (dtype, head dims, causal, bias, arch, precision), which ``plan`` then uses.
+environment. Tiles come from fixed tables of measured winners (``_default_config``); ``set_config`` installs
+another config under a ``tuning_key`` (dtype, head dims, causal, bias, arch, precision), which ``plan`` then
+uses (the benchmarks' autotuner, ``benchmarks/autotune.py``, does so).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launch, Program, ProgramCache, interpreting, signature
+from .launch import Launch, Program, ProgramCache, signature
 from .monoid import (
     clamp_bias,
     finalize_state,
@@ -41,8 +42,7 @@ from .precision import device_info, resolve_precision
 from .reference import merge_depth
 
 __all__ = [
-    "FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen", "autotune_fwd", "resolve_precision", "set_config",
-    "tuning_key",
+    "FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen", "resolve_precision", "set_config", "tuning_key",
 ]
 
 LOG2E = 1.4426950408889634
@@ -300,24 +300,18 @@ def _merge_kernel(
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # How each precision's running sums over the key tiles accumulate (``monoid.fold_tile``'s ``ACCUMULATE``):
 # "kahan" (compensated), "fma" (one rounding per tile), "plain" (the default). "ieee", the strictest path,
-# is compensated: its error stays flat in the key count (3.4e-7 at 1x8x16384x64 on the H100, against 2.3e-6
-# before; docs/kernel_notes.md, "Exact FP32").
+# is compensated: its error stays flat in the key count (docs/kernel_notes.md, "Exact FP32").
 ACCUMULATION = {"ieee": "kahan"}
 
 
-# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions: called from Python
-# they cost ~2 µs each (2.08 / 2.05 µs vs 0.09 / 0.14 µs for these, CPU machine, triton 3.8), several times
-# per launch.
+# Host-side integer helpers: triton.cdiv / triton.next_power_of_2 are slow when called from Python
+# (docs/kernel_notes.md, "Compiler and hardware behaviour").
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _interpreting() -> bool:
-    return interpreting(_fwd_kernel)
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -351,12 +345,19 @@ class FwdPlan:
     workspace_bytes: int
 
 
-# Winners of ``autotune_fwd``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> (bm, bn, w, s).
+# Configs installed by ``set_config``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> tiles.
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
 def _smem_bytes(bm: int, bn: int, bd: int, bdv: int, stages: int, elem: int) -> int:
     return elem * (bm * bd + max(1, stages - 1) * bn * (bd + bdv) + bm * bn)
+
+
+def _fp16x3_safe(bn: int, bdv: int) -> bool:
+    """Whether ``"fp16x3"`` may use these tiles: value tiles of 64 columns and more, or key tiles of at most
+    32 (Triton 3.6 miscompiles the others on sm90: docs/kernel_notes.md, "Compiler and hardware
+    behaviour")."""
+    return bdv >= 64 or bn <= 32
 
 
 def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[int, int, int, int]:
@@ -365,7 +366,7 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[i
         bm = min(64, _pow2(nq))
         return bm, 32 if max(bd, bdv) > 128 else 64, 4, 1
     big = max(bd, bdv)
-    # Winners of benchmarks/attention.py --tune on an H100 (see docs/kernel_notes.md).
+    # Measured winners (python -m benchmarks.attention --tune; docs/kernel_notes.md, "Tiles").
     if dtype == torch.float32:
         if precision == "ieee":
             cfg = (64, 64, 4, 1) if big <= 64 else (32, 32, 4, 2)
@@ -379,16 +380,16 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[i
             cfg = (64, 32, 8, 1)
     else:
         if 256 < nq <= 1024 and big <= 128:
-            cfg = (64, 64, 4, 3)  # 8,12,785 (ViT-B at 448 px): 7% faster at D=64, 23% at D=128
+            cfg = (64, 64, 4, 3)  # 257-1024 query rows (ViT-B at 448 px): more programs
         elif big <= 64:
-            cfg = (128, 64, 4, 4)  # 1,8,4096 / 1,8,16384 bf16: 7% / 3% faster than (128, 64, 8, 3)
+            cfg = (128, 64, 4, 4)
         elif big <= 128:
             cfg = (128, 128, 8, 3)
         else:
             cfg = (64, 64, 8, 2)
     bm, bn, w, st = cfg
     # Short sequences (windows of 49 or 64 tokens): tiles no taller or wider than the sequence (a 128-row
-    # tile over 49 rows does 2.6x the work). Key tiles stay >= 32 (the fp16x3 tiles measured on sm90).
+    # tile over 49 rows does 2.6x the work). Key tiles stay >= 32 (see _fp16x3_safe).
     bm = min(bm, _pow2(nq))
     if nk is not None:
         bn = min(bn, _pow2(nk, 32))
@@ -730,81 +731,3 @@ def elsa_fwd_varlen(
             varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)))
     return program(q, k, v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
 
-
-# --------------------------------------------------------------------------------------------- tuning
-
-
-# Candidate (BLOCK_M, BLOCK_N, warps, stages) per family: the neighbourhood of the defaults that tuning on
-# an H100 explored; pruned per call by shared memory and register footprint.
-_CANDIDATES = {
-    "tc32": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2),
-             (64, 64, 4, 3)],
-    "ieee": [(64, 64, 4, 1), (64, 64, 4, 2), (128, 32, 4, 1), (128, 64, 8, 1), (64, 128, 8, 1),
-             (64, 32, 4, 2)],
-    "fp16x3": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
-               (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)],
-    "half": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
-             (128, 64, 4, 4)],
-}
-
-
-def _fp16x3_safe(bn: int, bdv: int) -> bool:
-    """Whether Triton 3.6 compiles ``"fp16x3"`` correctly for these tiles on sm90. Measured on an H100:
-    value tiles narrower than 64 (``BLOCK_DV = 32``) with key tiles of 64 or 128 gave NaN, wrong values or
-    illegal memory accesses (every warp/stage count tried); key tiles of 32 were right for every head dim
-    tried (docs/kernel_notes.md)."""
-    return bdv >= 64 or bn <= 32
-
-
-def _candidates(dtype, prec, bd, bdv, smem) -> list[tuple[int, int, int, int]]:
-    elem = 4 if dtype == torch.float32 else 2
-    family = "half" if dtype != torch.float32 else ("ieee" if prec == "ieee" else
-                                                    "fp16x3" if prec == "fp16x3" else "tc32")
-    out = []
-    for bm, bn, w, st in _CANDIDATES[family]:
-        if _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
-            continue  # prune: does not fit in shared memory
-        if bm * max(bd, bdv) > 128 * 128 or bm * bn > 128 * 128:
-            continue  # prune: register tiles too large to keep the accumulator resident
-        if prec == "fp16x3" and not _fp16x3_safe(bn, bdv):
-            continue
-        out.append((bm, bn, w, st))
-    return out
-
-
-def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, scale=None, precision="auto",
-                 max_configs: int | None = None) -> tuple[int, int, int, int]:
-    """Time the pruned candidate configs of the fused path on these inputs; cache and return the winner.
-
-    The cache key is (dtype, padded head dims, causal, bias, arch, precision): later ``plan`` calls with
-    the same key use the winner. Under the CPU interpreter nothing is timed and the default is returned.
-    """
-    B, H, Nq, D = q.shape
-    Dv = v.shape[3]
-    key = tuning_key(q.dtype, D, Dv, causal, attn_bias is not None, q.device, precision)
-    _, cc, smem = _device_info(q.device)
-    prec, bd, bdv = key[-1], key[1], key[2]
-    if key in _TUNED:
-        return _TUNED[key]
-    default = _default_config(q.dtype, prec, bd, bdv, Nq, cc, smem)
-    if _interpreting() or q.device.type != "cuda":
-        return default
-    cands = _candidates(q.dtype, prec, bd, bdv, smem)
-    if default not in cands:
-        cands.insert(0, default)
-    if max_configs is not None:
-        cands = [default] + [c for c in cands if c != default][: max(0, max_configs - 1)]
-    best, best_ms = default, math.inf
-    for cfg in cands:
-        set_config(key, cfg)
-        try:
-            ms = triton.testing.do_bench(
-                lambda: elsa_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision,
-                                 partitions=1),
-                warmup=5, rep=20)
-        except Exception:  # noqa: BLE001 - a config the compiler rejects (out of resources) is skipped
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    set_config(key, best)
-    return best

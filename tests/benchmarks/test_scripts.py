@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
-                 if p.stem not in ("__init__", "common", "ceiling"))
+                 if p.stem not in ("__init__", "common", "ceiling", "autotune"))
 # Flags that docs/benchmarks/*.md and the other docs show, per script.
 FLAGS = {
     "accuracy": ["--quick", "--sizes", "--rows", "--out"],
