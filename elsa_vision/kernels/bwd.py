@@ -658,20 +658,19 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     """Default tiles for the backward from the dtype, head dims, key length and device (no environment
     variables).
 
-    Chosen from tile sweeps on an H100 (``benchmarks/attention_bwd.py --tiles``, recorded in
-    ``docs/kernel_notes.md``): half precision takes dK/dV tiles of 32 queries x 128 keys (4 warps, 3
-    stages) and, at head dims <= 64, dQ tiles of 128 queries x 64 keys on 8 warps (64 x 64 on 4 warps up to
+    Chosen from tile sweeps (``python -m benchmarks.attention_bwd --tiles``; measurements in
+    ``docs/kernel_notes.md``, "Backward"): half precision takes dK/dV tiles of 32 queries x 128 keys (4 warps,
+    3 stages) and, at head dims <= 64, dQ tiles of 128 queries x 64 keys on 8 warps (64 x 64 on 4 warps up to
     ``n_k = 1024`` keys; 128 x 32 on 4 warps for wider heads); float32 runs best with larger tiles on 8 warps
     (dK/dV 64 x 128, dQ 128 x 64), which pays for the three products per tile of ``tf32x3`` and ``fp16x3``.
-    ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision) pipelines 3 stages at head dim <= 64
-    and uses 64-key dK/dV tiles on 4 warps up to ``n_k = 1024`` keys (more programs for short sequences);
-    at head dim 128 it takes the 32 x 128 / 128 x 32 split on 8 warps. Wider heads shrink the resident
-    tiles to keep operands and accumulators in registers. ``precision="ieee"`` uses the smaller float32
-    tiles: plain FMA products ran 3.2x slower on the large tiles (65.9 vs 20.8 ms at 1,8,4096,64 on the
-    H100).
-    The dBias kernel always runs unpipelined (``num_stages=1``, so the config has no stage count for it):
-    with Triton 3.6 on the H100, its nested member / tile loops pipelined at ``num_stages=2`` returned wrong
-    values at head dim 16 (``docs/kernel_notes.md``, "dBias kernel and software pipelining").
+    ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision) pipelines 3 stages at head dim <= 64 and
+    uses 64-key dK/dV tiles on 4 warps up to ``n_k = 1024`` keys (more programs for short sequences); at head
+    dim 128 it takes the 32 x 128 / 128 x 32 split on 8 warps. Wider heads shrink the resident tiles to keep
+    operands and accumulators in registers. ``precision="ieee"`` uses the smaller float32 tiles (its FMA
+    products are slower on the large ones).
+    The dBias kernel always runs unpipelined (``num_stages=1``, so the config has no stage count for it): its
+    nested member / tile loops are mis-pipelined otherwise (``docs/kernel_notes.md``, "Compiler and hardware
+    behaviour").
     """
     wide = max(_next_pow2(d), _next_pow2(dv))
     if device.type != "cuda":

@@ -3,8 +3,8 @@
 A call of an ELSA op is fully planned by the shapes, strides, dtypes and 16-byte alignment of its tensors and
 by its options: the tiles, the grid, every integer and float argument and every constexpr of every kernel it
 launches. Triton's ``JITFunction.run`` re-derives all of that at every call (binding ~50 arguments,
-specialising each integer and pointer, hashing the key: ~50 µs of host time per launch on the H100 machine).
-Here it is derived once:
+specialising each integer and pointer, hashing the key: most of a launch's host time, measured in
+``docs/kernel_notes.md``, "Host path"). Here it is derived once:
 
 * :class:`Launch` is one kernel launch with a fixed grid, fixed non-tensor arguments and fixed launch
   options. Its first call goes through Triton (which compiles the kernel, or finds it in its cache, for

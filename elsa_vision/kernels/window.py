@@ -376,8 +376,8 @@ def window_bwd_plan(Bw: int, H: int, N: int, D: int, Dv: int, device) -> dict:
 
     ``WINDOWS`` is the largest power of two <= 8 that still leaves at least four programs per SM; each
     program writes one ``[N, N]`` partial bias gradient, so fewer programs also means a smaller workspace.
-    Four warps: on the H100 machine they beat eight in 13 of 16 (shape, ``WINDOWS``) pairs of Swin-v2-T/W8's
-    four stages (``docs/kernel_notes.md``, "W-ELSA backward").
+    Four warps: measured against eight on Swin-v2-T/W8's four stages (``docs/kernel_notes.md``, "Window
+    attention (W-ELSA)").
     """
     return dict(BLOCK=_pow2(N), WINDOWS=_windows_per_program(Bw, H, device), num_warps=4, num_stages=1)
 

@@ -6,8 +6,8 @@ shape propagation (``register_fake``) and, where it has one, its backward (``reg
 what ``torch.library.custom_op`` builds too, with the same guarantees: ``torch.compile(fullgraph=True)`` sees
 one opaque node per call, ``torch.library.opcheck`` passes, autograd runs the registered backward.
 What ``custom_op`` adds are Python wrappers around every call (argument defaults, a dynamo guard, output
-aliasing checks); inside a ViT forward on the H100 machine they cost about 0.3 ms of host time per attention
-call, which made half-precision models host-bound (``docs/kernel_notes.md``, "Host time per call").
+aliasing checks), host time at every attention call that made half-precision models host-bound (measured in
+``docs/kernel_notes.md``, "Host path").
 """
 
 from __future__ import annotations

@@ -228,8 +228,8 @@ _ATTENTION_FWD = define_op(
 def direct(t: Tensor) -> bool:
     """Whether an operator call on ``t`` may run the operator's body directly: ``t`` is a plain tensor and
     nothing could intercept the call (no compilation or export tracing, no dispatch or torch-function mode, no
-    functorch transform). Eager calls then skip the dispatcher (~10 µs of host time per call on the H100
-    machine); everything that traces or transforms sees the operator."""
+    functorch transform). Eager calls then skip the dispatcher's host time (``docs/kernel_notes.md``, "Host
+    path"); everything that traces or transforms sees the operator."""
     return (type(t) is Tensor and not torch.compiler.is_compiling()
             and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
             and not torch._C._are_functorch_transforms_active())
