@@ -6,8 +6,8 @@ Usage (on a CUDA machine, from the repository root)::
     python -m benchmarks.attention --quick         # headline shapes only
     python -m benchmarks.attention --dtype float32 --shapes 1,8,4096,64 1,8,16384,64
     python -m benchmarks.attention --tune          # time the kernel's candidate configs
-    python -m benchmarks.attention --dtype float32 --peers elsa_tf32x3 elsa_tf32x3s \
-        --shapes 1,8,4096,64                                       # tf32x3 against tf32x3s
+    python -m benchmarks.attention --dtype float32 --peers sdpa_efficient elsa elsa_tf32x3 \
+        --shapes 1,8,4096,64                                       # fp16x3 (auto on sm90) against tf32x3
     python -m benchmarks.attention --quick --backward  # also forward+backward rows
     python -m benchmarks.attention --plot-only benchmarks/results/attention_h100.csv
 
@@ -17,14 +17,13 @@ the current published ones (``docs/benchmarks/attention.md``).
 
 Each (shape, dtype) is run by every peer on the same inputs: ``sdpa_math``, ``sdpa_efficient``,
 ``sdpa_flash``, ``sdpa_cudnn`` (``torch.nn.attention.sdpa_kernel``), ``flex``
-(``torch.compile(flex_attention)``), ``elsa`` (default precision), ``elsa_ieee``, ``elsa_tf32x3s`` (the
-kernel's own TF32 split, the query tile split once), ``elsa_fp16x3`` (three float16 products of scaled
-two-part splits) and ``elsa_tf32`` (float32 only); ``elsa_tf32x3`` (Triton's tf32x3 by name, whatever ``auto``
-resolves to) runs when named in ``--peers``. A peer that cannot run a case (flash/cudnn in float32, out of
-memory) is skipped with a note. Times are the median of ``triton.testing.do_bench``
-(``benchmarks.common.bench_ms``); TFLOP/s counts ``4 B H N^2 D`` (halved for causal); ``extra_mb`` is the peak
-allocation of one call above what was allocated before it (output included); ``relerr`` is ``||out - ref|| /
-||ref||`` against a float64 reference computed on the GPU in query chunks.
+(``torch.compile(flex_attention)``), ``elsa`` (default precision), ``elsa_ieee``, ``elsa_fp16x3`` (three
+float16 products of scaled two-part splits) and ``elsa_tf32`` (float32 only); ``elsa_tf32x3`` (Triton's tf32x3
+by name, whatever ``auto`` resolves to) runs when named in ``--peers``. A peer that cannot run a case
+(flash/cudnn in float32, out of memory) is skipped with a note. Times: below; TFLOP/s counts ``4 B H N^2 D``
+(halved for causal); ``extra_mb`` is the peak allocation of one call above what was allocated before it
+(output included); ``relerr`` is ``||out - ref|| / ||ref||`` against a float64 reference computed on the GPU
+in query chunks.
 
 ``--backward`` adds a ``pass=fwdbwd`` row per peer and case (same ``peer`` names): forward plus
 ``backward()`` of a fixed output gradient, the ELSA peers through the autograd op ``elsa_attention``
@@ -32,9 +31,10 @@ allocation of one call above what was allocated before it (output included); ``r
 the forward, 10 for the backward's five products), ``extra_mb`` includes the gradients, and ``relerr`` is
 the largest of dq, dk, dv's relative errors on batch 0, head 0 against the float64 reference.
 
-``--cuda-graph`` times CUDA-graph replays of each peer's call (forward, or forward + ``backward()``;
-``benchmarks.common.graph_ms``) instead of the eager call: the GPU's time without the host's launch work, for
-cases where the host, not the GPU, sets the eager time (rows noted ``cuda graph``).
+Every call is timed twice, side by side (``benchmarks.common.timings``): ``ms``, the eager call
+(``do_bench`` median, the host's launch work included), and ``graph_ms``, CUDA-graph replays of the same call
+(forward, or forward + ``backward()``): the GPU's time alone. Where the two differ the host sets the eager
+time. ``--no-graph`` skips the replays.
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ from benchmarks.common import (
     columns,
     device_tag,
     flex,
-    graph_ms,
     max_grad_relerr,
     peak_mb,
     reference,
     relerr,
     run_info,
     sdpa,
+    timings,
 )
 
 # ----------------------------------------------------------------------------------------- the sweep
@@ -94,13 +94,13 @@ SHAPES = [
 QUICK = [Case(1, 8, 4096, 64), Case(1, 8, 16384, 64), Case(8, 12, 197, 64), Case(8, 12, 785, 64)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_ieee",
-         "elsa_tf32x3s", "elsa_fp16x3", "elsa_tf32"]
+         "elsa_fp16x3", "elsa_tf32"]
 # Peers that name a float32 precision: not run for half dtypes (where the precision does not apply).
-FP32_PEERS = ("elsa_ieee", "elsa_tf32x3", "elsa_tf32x3s", "elsa_fp16x3", "elsa_tf32")
+FP32_PEERS = ("elsa_ieee", "elsa_tf32x3", "elsa_fp16x3", "elsa_tf32")
 # Largest problem (B*H*N^2) for which the float64 reference is computed; beyond, relerr stays empty.
 REF_LIMIT = 2 * 16 * 16385**2
 COLUMNS = columns("B", "H", "N", "D", "dtype", "peer", "ms", "tflops", "extra_mb", "relerr", "pass", "causal",
-                  "note")
+                  "note", "graph_ms")
 
 
 def _sdpa(peer):
@@ -136,26 +136,20 @@ RUNNERS = {
     "elsa": _elsa("auto"),
     "elsa_ieee": _elsa("ieee"),
     "elsa_tf32x3": _elsa("tf32x3"),
-    "elsa_tf32x3s": _elsa("tf32x3s"),
     "elsa_fp16x3": _elsa("fp16x3"),
     "elsa_tf32": _elsa("tf32"),
 }
 
-# --cuda-graph: time CUDA-graph replays of each call instead of eager calls (the GPU's time without the host's
-# launch work; every peer is captured the same way).
-CUDA_GRAPH = False
-
-
-def _time(step, warmup, rep):
-    return graph_ms(step, rep=rep) if CUDA_GRAPH else bench_ms(step, warmup=warmup, rep=rep)
+# --no-graph: eager times only (no CUDA-graph replays).
+GRAPH = True
 
 
 def measure(fn, q, k, v, causal, ref):
-    """(ms, extra MB, relerr) of one forward."""
+    """(timings, extra MB, relerr) of one forward; timings: ``{"ms", "graph_ms"}``."""
     extra, out = peak_mb(lambda: fn(q, k, v, causal), "cuda", extra=True)
     err = "" if ref is None else f"{relerr(out, ref):.3e}"
     del out
-    return _time(lambda: fn(q, k, v, causal), warmup=25, rep=100), extra, err
+    return timings(lambda: fn(q, k, v, causal), warmup=25, rep=100, graph=GRAPH), extra, err
 
 
 def _elsa_autograd(precision):
@@ -181,7 +175,8 @@ def reference_grads(q, k, v, do, causal):
 
 
 def measure_fwdbwd(fn, q, k, v, causal, do, ref_grads):
-    """(ms, extra MB, relerr) of forward + ``backward(do)``; relerr over dq, dk, dv of batch 0, head 0."""
+    """(timings, extra MB, relerr) of forward + ``backward(do)``; relerr over dq, dk, dv of batch 0,
+    head 0."""
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def step():
@@ -190,7 +185,7 @@ def measure_fwdbwd(fn, q, k, v, causal, do, ref_grads):
 
     extra, _ = peak_mb(step, "cuda", extra=True)
     err = "" if ref_grads is None else f"{max_grad_relerr((qg.grad, kg.grad, vg.grad), ref_grads):.3e}"
-    return _time(step, warmup=10, rep=60), extra, err
+    return timings(step, warmup=10, rep=60, graph=GRAPH), extra, err
 
 
 def run_sweep(cases, dtypes, peers, out: Results, flex_cases=None, autotune=(), backward=False):
@@ -224,14 +219,16 @@ def run_sweep(cases, dtypes, peers, out: Results, flex_cases=None, autotune=(), 
                 if pas == "fwdbwd" and peer == "sdpa_math" and c.N > 8192:
                     continue  # its backward keeps several [B, H, N, N] float tensors
                 flops = (4 if pas == "fwd" else 14) * c.B * c.H * c.N**2 * c.D * (0.5 if c.causal else 1.0)
-                note = "cuda graph" if CUDA_GRAPH else ""
+                note = ""
                 ms = extra = None
+                graph = math.nan
                 err = ""
                 try:
                     if pas == "fwd":
-                        ms, extra, err = measure(RUNNERS[peer], q, k, v, c.causal, ref)
+                        t, extra, err = measure(RUNNERS[peer], q, k, v, c.causal, ref)
                     else:
-                        ms, extra, err = measure_fwdbwd(train_runner(peer), q, k, v, c.causal, do, ref_grads)
+                        t, extra, err = measure_fwdbwd(train_runner(peer), q, k, v, c.causal, do, ref_grads)
+                    ms, graph = t["ms"], t["graph_ms"]
                 except torch.cuda.OutOfMemoryError:
                     note = "out of memory"
                 except Exception as exc:  # noqa: BLE001 - an unsupported peer/case is recorded and skipped
@@ -241,10 +238,12 @@ def run_sweep(cases, dtypes, peers, out: Results, flex_cases=None, autotune=(), 
                                 ms=f"{ms:.4f}" if ms is not None else "",
                                 tflops=f"{flops / ms / 1e9:.1f}" if ms is not None else "",
                                 extra_mb=f"{extra:.1f}" if extra is not None else "",
-                                relerr=err, causal=int(c.causal), note=note)
+                                relerr=err, causal=int(c.causal), note=note,
+                                graph_ms=f"{graph:.4f}" if graph == graph else "")
                 print(
                     f"{dname:9s} {c.B},{c.H},{c.N},{c.D}{'c' if c.causal else ''} {peer:15s} {pas:6s} "
-                    f"{row['ms']:>9s} ms {row['tflops']:>7s} TF/s {row['extra_mb']:>9s} MB {err:>10s} {note}",
+                    f"{row['ms']:>9s} ms (graph {row['graph_ms']:>9s}) {row['tflops']:>7s} TF/s "
+                    f"{row['extra_mb']:>9s} MB {err:>10s} {note}",
                     flush=True,
                 )
             del q, k, v, ref, do, ref_grads
@@ -260,19 +259,20 @@ def ratio_table(rows):
             by[(r["pass"], r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"], r["peer"])] = r
     keys = sorted({k[:7] for k in by}, key=lambda k: (k[0], k[1]) + tuple(int(x) for x in k[2:]))
     print(
-        "\n| pass | dtype | B,H,N,D | elsa ms | relerr | x sdpa_efficient | x cudnn | x flex | ieee x eff "
-        "| tf32 x eff "
-        "| mem / eff |"
+        "\n| pass | dtype | B,H,N,D | elsa ms | elsa graph ms | relerr | x sdpa_efficient | x cudnn | x flex "
+        "| x sdpa_efficient, graph | x cudnn, graph | ieee x eff | tf32 x eff | mem / eff |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for k in keys:
         e = by.get(k + ("elsa",))
         if e is None:
             continue
 
-        def ratio(peer, num=e, key=k):
+        def ratio(peer, num=e, key=k, col="ms"):
             p = by.get(key + (peer,))
-            return f"{float(p['ms']) / float(num['ms']):.2f}" if p else "-"
+            if not p or not p.get(col) or not num.get(col):
+                return "-"
+            return f"{float(p[col]) / float(num[col]):.2f}"
 
         ie, tf = by.get(k + ("elsa_ieee",)), by.get(k + ("elsa_tf32",))
         eff = by.get(k + ("sdpa_efficient",))
@@ -283,7 +283,9 @@ def ratio_table(rows):
         )
         print(
             f"| {k[0]} | {k[1]} | {k[2]},{k[3]},{k[4]},{k[5]}{'c' if int(k[6]) else ''} | {e['ms']} | "
-            f"{e['relerr']} | {ratio('sdpa_efficient')} | {ratio('sdpa_cudnn')} | {ratio('flex')} | "
+            f"{e.get('graph_ms') or '-'} | {e['relerr']} | {ratio('sdpa_efficient')} | "
+            f"{ratio('sdpa_cudnn')} | {ratio('flex')} | {ratio('sdpa_efficient', col='graph_ms')} | "
+            f"{ratio('sdpa_cudnn', col='graph_ms')} | "
             f"{ratio('sdpa_efficient', ie) if ie else '-'} | "
             f"{ratio('sdpa_efficient', tf) if tf else '-'} | {mem} |"
         )
@@ -385,16 +387,15 @@ def main(argv=None):
                     help="dtype:D:precision keys to autotune (on their first case) before timing elsa")
     ap.add_argument("--causal", action="store_true", help="also run every shape causal")
     ap.add_argument("--backward", action="store_true", help="also time forward+backward (pass=fwdbwd rows)")
-    ap.add_argument("--cuda-graph", action="store_true",
-                    help="time CUDA-graph replays of every peer's call (GPU time without host launch work; "
-                         "the rows' note says 'cuda graph')")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="eager times only: skip the CUDA-graph replays (graph_ms column)")
     ap.add_argument(
         "--out", default=None, help="CSV path (default logs/benchmarks/attention_<gpu>.csv)"
     )
     ap.add_argument("--png", default=None, help="plot path (default logs/benchmarks/attention_<gpu>.png)")
     ap.add_argument("--tune", action="store_true", help="time the candidate kernel configs instead")
     ap.add_argument("--tune-precisions", nargs="+", default=["tf32x3", "ieee", "tf32"],
-                    help="float32 precisions to tune (any of auto, ieee, tf32x3, tf32x3s, fp16x3, tf32)")
+                    help="float32 precisions to tune (any of auto, ieee, tf32x3, fp16x3, tf32)")
     ap.add_argument(
         "--configs",
         nargs="+",
@@ -409,8 +410,8 @@ def main(argv=None):
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks.attention needs a CUDA GPU")
-    global CUDA_GRAPH
-    CUDA_GRAPH = args.cuda_graph
+    global GRAPH
+    GRAPH = not args.no_graph
     cases = args.shapes or (QUICK if args.quick else SHAPES)
     if args.causal:
         cases = cases + [Case(c.B, c.H, c.N, c.D, True) for c in cases]

@@ -2,7 +2,7 @@
 
 Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>.csv``, ignored by git; ``--out DIR`` another directory)::
 
-    device,torch,triton,date,B,H,N,D,dtype,peer,pass,ms,tflops,extra_mb,relerr,command
+    device,torch,triton,date,B,H,N,D,dtype,peer,pass,ms,tflops,extra_mb,relerr,graph_ms,command
 
     python -m benchmarks.attention_bwd                                  # the declared sweep
     python -m benchmarks.attention_bwd --dtypes float32 --peers sdpa_efficient elsa --tiles
@@ -10,14 +10,15 @@ Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>.csv``, ignored by git; ``--out D
 * ``pass=fwdbwd``: a peer's forward + ``backward`` (``sdpa_math``, ``sdpa_efficient``, ``sdpa_flash``,
   ``sdpa_cudnn`` through ``torch.nn.attention.sdpa_kernel``; ``flex`` = ``torch.compile(flex_attention)``).
 * ``pass=bwd``: backward only. For a peer: its forward+backward minus its forward (both medians). For
-  ``elsa*``: ``elsa_bwd`` given the saved ``(out, lse)`` (preprocess + dK/dV + dQ kernels), precision
-  ``auto`` (``elsa``: ``fp16x3`` on sm90, else ``tf32x3``), ``tf32x3``, ``ieee``, ``tf32``.
+  ``elsa*``: ``elsa_bwd`` given the saved ``(out, lse)`` (the dQ kernel, which forms ``Delta``, then dK/dV),
+  precision ``auto`` (``elsa``: ``fp16x3`` on sm90, else ``tf32x3``), ``tf32x3``, ``ieee``, ``tf32``.
 
-Timing: ``triton.testing.do_bench`` median. TFLOP/s counts ``4 B H N^2 D`` per forward and 2.5x that per
-backward (five N^2 D products), i.e. ``14 B H N^2 D`` for fwd+bwd. ``extra_mb``: peak allocation above the
-inputs during the pass (outputs and workspace included). ``relerr``: max over dq, dk, dv of
-``||g - g64|| / ||g64||`` on the first head of the first batch, g64 the float64 reference. float32 matmul
-TF32 is disabled for the peers, as in the forward benchmark.
+Timing (``benchmarks.common.timings``): ``ms``, the eager call (``triton.testing.do_bench`` median), and
+``graph_ms``, CUDA-graph replays of the same call (the GPU's time alone), side by side. TFLOP/s counts ``4 B H
+N^2 D`` per forward and 2.5x that per backward (five N^2 D products), i.e. ``14 B H N^2 D`` for fwd+bwd.
+``extra_mb``: peak allocation above the inputs during the pass (outputs and workspace included). ``relerr``:
+max over dq, dk, dv of ``||g - g64|| / ||g64||`` on the first head of the first batch, g64 the float64
+reference. float32 matmul TF32 is disabled for the peers, as in the forward benchmark.
 
 Sweep declared below (``SHAPES``, ``DTYPES``, ``PEERS``); ``--tiles`` also times a list of tile configs of
 the ELSA backward per case (printed, not written to the CSV) to choose ``bwd_config``'s defaults.
@@ -44,6 +45,7 @@ from benchmarks.common import (
     reference,
     run_info,
     sdpa,
+    timings,
 )
 
 SHAPES = [(1, 8, 4096, 64), (1, 8, 16384, 64), (8, 12, 785, 64)]
@@ -80,11 +82,8 @@ TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), p
         (64, 64, 4, 3, 128, 32, 4, 3),
     ],
 }
-COLUMNS = columns("B", "H", "N", "D", "dtype", "peer", "pass", "ms", "tflops", "extra_mb", "relerr")
-
-
-def _bench(fn) -> float:
-    return bench_ms(fn, warmup=25, rep=100)
+COLUMNS = columns("B", "H", "N", "D", "dtype", "peer", "pass", "ms", "tflops", "extra_mb", "relerr",
+                  "graph_ms")
 
 
 def _peer_fn(peer):
@@ -92,7 +91,8 @@ def _peer_fn(peer):
 
 
 def _time_peer(f, q, k, v, do, refs):
-    """(fwd+bwd ms, fwd ms with autograd recording, fwd+bwd extra MB, relerr) of one peer."""
+    """(fwd+bwd timings, fwd timings with autograd recording, fwd+bwd extra MB, relerr) of one peer;
+    timings: ``{"ms", "graph_ms"}`` (``benchmarks.common.timings``)."""
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def fwd():
@@ -106,11 +106,11 @@ def _time_peer(f, q, k, v, do, refs):
 
     fwdbwd()
     err = max_grad_relerr([qg.grad, kg.grad, vg.grad], refs)
-    ms_fb = _bench(fwdbwd)
+    t_fb = timings(fwdbwd)
     qg.grad = kg.grad = vg.grad = None
     extra = peak_mb(fwdbwd, "cuda", extra=True)[0]
-    ms_f = _bench(fwd)  # the forward half of a training step (autograd records)
-    return ms_fb, ms_f, extra, err
+    t_f = timings(fwd)  # the forward half of a training step (autograd records)
+    return t_fb, t_f, extra, err
 
 
 def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=None):
@@ -125,12 +125,14 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
     refs = reference(q[:1, :1], k[:1, :1], v[:1, :1], dout=do[:1, :1])[1]  # float64, batch 0, head 0
     torch.cuda.empty_cache()
 
-    def add(peer, pas, ms, flops, extra, err):
+    def add(peer, pas, t, flops, extra, err):
+        ms, graph = t["ms"], t["graph_ms"]
         results.write({"pass": pas}, B=B, H=H, N=N, D=D, dtype=dtype_name, peer=peer, ms=f"{ms:.4f}",
-                  tflops=f"{flops / ms / 1e9:.2f}", extra_mb="" if extra is None else f"{extra:.1f}",
-                  relerr="" if err is None else f"{err:.3e}")
+                      tflops=f"{flops / ms / 1e9:.2f}", extra_mb="" if extra is None else f"{extra:.1f}",
+                      relerr="" if err is None else f"{err:.3e}",
+                      graph_ms="" if graph != graph else f"{graph:.4f}")
         nan = float("nan")
-        print(f"{B},{H},{N},{D} {dtype_name:9s} {peer:15s} {pas:7s} {ms:9.3f} ms "
+        print(f"{B},{H},{N},{D} {dtype_name:9s} {peer:15s} {pas:7s} {ms:9.3f} ms (graph {graph:9.3f}) "
               f"{flops / ms / 1e9:7.1f} TFLOP/s extra {nan if extra is None else extra:8.1f} MB "
               f"relerr {nan if err is None else err:.2e}", flush=True)
 
@@ -142,9 +144,9 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
         if peer == "sdpa_math" and N > 8192:
             continue  # materialises several [B, H, N, N] float tensors
         try:
-            ms_fb, ms_f, extra_fb, err = _time_peer(_peer_fn(peer), q, k, v, do, refs)
-            add(peer, "fwdbwd", ms_fb, fl_fwd + fl_bwd, extra_fb, err)
-            add(peer, "bwd", ms_fb - ms_f, fl_bwd, None, err)
+            t_fb, t_f, extra_fb, err = _time_peer(_peer_fn(peer), q, k, v, do, refs)
+            add(peer, "fwdbwd", t_fb, fl_fwd + fl_bwd, extra_fb, err)
+            add(peer, "bwd", {key: t_fb[key] - t_f[key] for key in t_fb}, fl_bwd, None, err)
         except Exception as exc:  # a backend that refuses the case is reported, not fatal
             print(f"{B},{H},{N},{D} {dtype_name} {peer}: skipped ({type(exc).__name__}: {str(exc)[:120]})",
                   flush=True)
@@ -167,8 +169,8 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
             grads = bwd()
             err = max_grad_relerr(grads[:3], refs)
             del grads
-            ms = _bench(bwd)
-            add(peer, "bwd", ms, fl_bwd, peak_mb(bwd, "cuda", extra=True)[0], err)
+            t = timings(bwd)
+            add(peer, "bwd", t, fl_bwd, peak_mb(bwd, "cuda", extra=True)[0], err)
         except Exception as exc:  # reported, so that one failing variant does not lose the run
             print(f"{B},{H},{N},{D} {dtype_name} {peer}: FAILED ({type(exc).__name__}: {str(exc)[:160]})",
                   flush=True)
@@ -183,7 +185,7 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
             try:
                 fn = lambda cfg=cfg: elsa_bwd(do, q, k, v, out, lse, config=cfg)  # noqa: E731
                 err = max_grad_relerr(fn()[:3], refs)
-                ms = _bench(fn)
+                ms = bench_ms(fn)
                 print(f"  tiles {t}: {ms:8.3f} ms relerr {err:.2e}", flush=True)
                 if best is None or ms < best[0]:
                     best = (ms, cfg)

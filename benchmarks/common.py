@@ -11,8 +11,11 @@ results file means is defined once, here:
   Off CUDA it falls back to :func:`wall_ms`.
 * :func:`graph_ms` -- median of CUDA-graph replays of the call (``triton.testing.do_bench_cudagraph``):
   the GPU's time without the host's launch work.
+* :func:`timings` -- the two side by side, ``{"ms": eager, "graph_ms": replay}``: what a script reports for
+  a call unless it needs a wall clock (whole models, collectives) or a profile.
 * :func:`host_us` -- host microseconds per call: many calls enqueued back to back, one synchronisation
   after them, several functions measured in turns so that every peer meets the same machine state.
+* :func:`step_timer` -- a Lightning callback timing each training step of a ``Trainer.fit``.
 * :func:`launches` and :func:`kernel_ms` -- GPU kernels one call launches, and their summed duration,
   from ``torch.profiler``.
 * :func:`peak_mb` -- peak allocated CUDA memory of one call (whole, or above what was allocated before).
@@ -102,6 +105,21 @@ def graph_ms(fn: Callable, *, rep: int = 100) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
+def timings(fn: Callable, device: torch.device | str = "cuda", *, warmup: int = 25, rep: int = 100,
+            graph: bool = True, cpu_reps: int = 3) -> dict[str, float]:
+    """The eager time and the CUDA-graph replay time of ``fn()``, side by side: ``{"ms": bench_ms(...),
+    "graph_ms": graph_ms(...)}``. Their ratio says how much of the eager time is the host's. ``graph_ms`` is
+    NaN off CUDA, with ``graph=False``, and where ``fn`` cannot be captured (a host synchronisation, a
+    backend that refuses capture)."""
+    out = {"ms": bench_ms(fn, device, warmup=warmup, rep=rep, cpu_reps=cpu_reps), "graph_ms": math.nan}
+    if graph and torch.device(device).type == "cuda":
+        try:
+            out["graph_ms"] = graph_ms(fn, rep=rep)
+        except Exception:  # noqa: BLE001 - not capturable: the eager time stands alone
+            torch.cuda.synchronize()
+    return out
+
+
 def host_us(fns: dict[str, Callable], calls: int, repeats: int = 9, warmup: int = 20) -> dict[str, float]:
     """Host microseconds per call of each function: the time to enqueue ``calls`` calls back to back (one
     ``torch.cuda.synchronize`` after them, not inside), divided by ``calls``. The functions are measured in
@@ -120,6 +138,33 @@ def host_us(fns: dict[str, Callable], calls: int, repeats: int = 9, warmup: int 
             out[name].append((time.perf_counter() - t0) / calls * 1e6)
             sync()
     return {name: statistics.median(ts) for name, ts in out.items()}
+
+
+def step_timer(warmup: int):
+    """A Lightning callback timing every training step (device-synchronised, ``time.perf_counter``) after
+    ``warmup`` steps: ``steps`` (seconds per step) and ``first`` / ``last`` (the timed span's ends)."""
+    import lightning as L
+
+    class StepTimer(L.Callback):
+        """Device-synchronised time of every training step after ``warmup`` steps, and their wall span."""
+
+        def __init__(self) -> None:
+            self.steps: list[float] = []
+            self.first = self.last = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            sync(pl_module.device)
+            self.t0 = time.perf_counter()
+            if batch_idx == warmup:
+                self.first = self.t0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            sync(pl_module.device)
+            if batch_idx >= warmup:
+                self.last = time.perf_counter()
+                self.steps.append(self.last - self.t0)
+
+    return StepTimer()
 
 
 def _cuda_profile(fn: Callable, calls: int):

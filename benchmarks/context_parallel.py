@@ -95,11 +95,10 @@ def _peak_mb(device: torch.device) -> float | None:
     return peak_since_reset_mb(device) if device.type == "cuda" else None
 
 
-def _time(fn, device: torch.device, repeats: int, group=None) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after one warm-up (kernel compilation); with a
-    ``group``, every timed run starts and ends at a barrier of the group."""
-    barrier = None if group is None else (lambda: dist.barrier(group=group))
-    return wall_ms(fn, device, warmup=1, reps=repeats, barrier=barrier) / 1e3
+def _world_barrier() -> None:
+    """Every context-parallel timed run starts and ends at a barrier of all ranks (``wall_ms``'s
+    ``barrier``)."""
+    dist.barrier(group=dist.group.WORLD)
 
 
 def _all_peaks(value: float | None, device: torch.device) -> list[float | None]:
@@ -129,14 +128,14 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
         def fwd1():
             return elsa_attention(q, k, v, causal=case.causal, precision=precision)
 
-        row["fwd_s_1dev"] = _time(fwd1, device, repeats)
+        row["fwd_s_1dev"] = wall_ms(fwd1, device, reps=repeats) / 1e3
         if case.backward:
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
             def fb1():
                 elsa_attention(*leaves, causal=case.causal, precision=precision).backward(do)
 
-            row["fwdbwd_s_1dev"] = _time(fb1, device, repeats)
+            row["fwdbwd_s_1dev"] = wall_ms(fb1, device, reps=repeats) / 1e3
             del leaves
         out_1 = fwd1().cpu()  # on the host: rank 0's context-parallel peak must not carry it
         row["peak_mb_1dev"] = _peak_mb(device)
@@ -156,7 +155,7 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
             q, k, v, seq_len=case.N, causal=case.causal, precision=precision, layout=case.layout
         )
 
-    row["fwd_s_cp"] = _time(fwd, device, repeats, group=dist.group.WORLD)
+    row["fwd_s_cp"] = wall_ms(fwd, device, reps=repeats, barrier=_world_barrier) / 1e3
     if case.backward:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
@@ -165,7 +164,7 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
                 *leaves, seq_len=case.N, causal=case.causal, precision=precision, layout=case.layout
             ).backward(do)
 
-        row["fwdbwd_s_cp"] = _time(fb, device, repeats, group=dist.group.WORLD)
+        row["fwdbwd_s_cp"] = wall_ms(fb, device, reps=repeats, barrier=_world_barrier) / 1e3
         del leaves
     out = fwd()
     row["peak_mb_cp_per_rank"] = _all_peaks(_peak_mb(device), device)
@@ -208,7 +207,7 @@ def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -
             nonlocal res
             res = run_plan(model, img, plan)
 
-        row["fwd_s_1dev"] = _time(one, device, repeats)
+        row["fwd_s_1dev"] = wall_ms(one, device, reps=repeats) / 1e3
         row["peak_mb_1dev"] = _peak_mb(device)
         feats_1 = res.features.cpu()  # on the host, as for attention
         del res
@@ -220,7 +219,7 @@ def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -
         nonlocal res_cp
         res_cp = run_context_parallel(model, img, dist.group.WORLD)
 
-    row["fwd_s_cp"] = _time(cp, device, repeats, group=dist.group.WORLD)
+    row["fwd_s_cp"] = wall_ms(cp, device, reps=repeats, barrier=_world_barrier) / 1e3
     row["peak_mb_cp_per_rank"] = _all_peaks(_peak_mb(device), device)
     if rank == 0:
         row["relerr_vs_1dev"] = float((res_cp.features.cpu() - feats_1).norm() / feats_1.norm())

@@ -105,12 +105,6 @@ def _net_kwargs(preset: str) -> dict:
     return dict(CONFIG_NET) if preset == "config" else dict(HSI_PRESETS[preset])
 
 
-def _time(fn, device: torch.device, warmup: int, reps: int) -> float:
-    """Median seconds per call: ``do_bench`` on CUDA (budgets of ``25 * warmup`` and ``100 * reps`` ms),
-    wall time of ``reps`` calls elsewhere."""
-    return bench_ms(fn, device, warmup=25 * warmup, rep=100 * reps, cpu_reps=reps) / 1e3
-
-
 def _peak_mb(device: torch.device) -> float:
     """Peak allocated CUDA memory since the last ``reset_peak``; on CPU the process's peak resident size."""
     if device.type == "cuda":
@@ -152,7 +146,7 @@ def bench_throughput(case: ThroughputCase, device: torch.device, mode: str, warm
 
         reset_peak(device)
         with strict_fp32(), ctx:
-            sec = _time(fn, device, warmup, reps)
+            sec = bench_ms(fn, device, warmup=25 * warmup, rep=100 * reps, cpu_reps=reps) / 1e3
             if mode == "fwd":
                 with torch.no_grad():
                     outs[name] = net.eval()(x).double()
@@ -163,7 +157,7 @@ def bench_throughput(case: ThroughputCase, device: torch.device, mode: str, warm
         row[f"{name}_peak_mb"] = round(_peak_mb(device), 1)
     # The ceiling: the ELSA model with free attention (benchmarks/ceiling.py), the most any kernel can give.
     with strict_fp32(), free_attention():
-        sec = _time(fn_elsa, device, warmup, reps)
+        sec = bench_ms(fn_elsa, device, warmup=25 * warmup, rep=100 * reps, cpu_reps=reps) / 1e3
     row["free_attention_ms"] = round(sec * 1e3, 3)
     row["speedup_elsa_over_sdpa"] = round(row["sdpa_ms"] / row["elsa_ms"], 3)
     row["ceiling"] = round(row["sdpa_ms"] / row["free_attention_ms"], 3)

@@ -25,12 +25,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import ROOT, Results, add_out_dir, columns, device_tag, run_info, sync
+from benchmarks.common import ROOT, Results, add_out_dir, columns, device_tag, run_info, step_timer
 
 COLUMNS = columns("peer", "backbone", "img_size", "batch", "steps", "step_ms", "img_per_s_compute",
                   "img_per_s_end_to_end")
@@ -55,31 +54,6 @@ def make_imagefolder(root: Path, classes: int, per_class: int, size=(500, 375), 
                 pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
                 Image.fromarray(pixels).save(folder / f"{i}.jpg", quality=90)
     return root
-
-
-def _step_timer(warmup: int):
-    import lightning as L
-
-    class StepTimer(L.Callback):
-        """Device-synchronised time of every training step after ``warmup`` steps, and their wall span."""
-
-        def __init__(self) -> None:
-            self.steps: list[float] = []
-            self.first = self.last = None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            sync(pl_module.device)
-            self.t0 = time.perf_counter()
-            if batch_idx == warmup:
-                self.first = self.t0
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            sync(pl_module.device)
-            if batch_idx >= warmup:
-                self.last = time.perf_counter()
-                self.steps.append(self.last - self.t0)
-
-    return StepTimer()
 
 
 def run_peer(peer: str, spec: dict, root: Path, device: torch.device) -> dict:
@@ -113,7 +87,7 @@ def run_peer(peer: str, spec: dict, root: Path, device: torch.device) -> dict:
     L.seed_everything(0, workers=True)
     datamodule = instantiate_data(cfg)
     model = hydra.utils.instantiate(cfg.model, _convert_="partial")
-    timer = _step_timer(spec["warmup"])
+    timer = step_timer(spec["warmup"])
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=1,

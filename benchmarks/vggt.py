@@ -89,11 +89,6 @@ SWEEPS = {
 }
 
 
-def _time(fn, device: str, reps: int) -> float:
-    """Median milliseconds (``triton.testing.do_bench`` on CUDA, wall time of ``reps`` calls elsewhere)."""
-    return bench_ms(fn, device, warmup=25, rep=max(100, reps * 10), cpu_reps=reps)
-
-
 def _attention_fn(provider: str, q, k, v, device: str):
     backend = "triton" if device == "cuda" else "torch"
     if provider == "elsa":
@@ -123,7 +118,7 @@ def bench_attention(case: AttnCase, device: str, reps: int) -> list[dict]:
         try:
             fn()  # warm-up: compilation, then the memory of a steady call
             extra_mb, out = peak_mb(fn, device, extra=True)
-            ms = _time(fn, device, reps)
+            ms = bench_ms(fn, device, rep=max(100, reps * 10), cpu_reps=reps)
         except (RuntimeError, ImportError, ValueError) as exc:  # a provider that does not cover the case
             rows.append(
                 {
@@ -179,7 +174,7 @@ def bench_model(case: ModelCase, device: str, reps: int) -> dict:
             peak, out = peak_mb(lambda: model(x), device)
             if device == "cuda":
                 row["peak_gb"] = round(peak / 2**10, 3)
-            row["ms"] = round(_time(lambda: model(x), device, reps), 2)
+            row["ms"] = round(bench_ms(lambda: model(x), device, rep=max(100, reps * 10), cpu_reps=reps), 2)
             row["finite"] = bool(torch.isfinite(out["depth"]).all() and torch.isfinite(out["pose_enc"]).all())
     except (RuntimeError, ImportError, ValueError) as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"

@@ -69,6 +69,41 @@ def test_bench_ms_off_cuda_is_wall_time(clock):
     assert common.bench_ms(fn, "cpu", cpu_reps=2) == pytest.approx(4.0)
 
 
+def test_timings_give_the_eager_time_and_no_graph_time_off_cuda(clock):
+    def fn():
+        clock.advance(4e-3)
+
+    t = common.timings(fn, "cpu", cpu_reps=2)
+    assert set(t) == {"ms", "graph_ms"}
+    assert t["ms"] == pytest.approx(4.0) and math.isnan(t["graph_ms"])
+
+
+def test_timings_put_the_graph_replay_beside_the_eager_time(monkeypatch):
+    monkeypatch.setattr(common, "bench_ms", lambda fn, device, **kw: 3.0)
+    monkeypatch.setattr(common, "graph_ms", lambda fn, **kw: 1.0)
+    assert common.timings(lambda: None, "cuda") == {"ms": 3.0, "graph_ms": 1.0}
+    assert math.isnan(common.timings(lambda: None, "cuda", graph=False)["graph_ms"])
+
+    def refuses(fn, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(common, "graph_ms", refuses)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda *a: None)
+    t = common.timings(lambda: None, "cuda")
+    assert t["ms"] == 3.0 and math.isnan(t["graph_ms"])
+
+
+def test_step_timer_times_the_steps_after_warm_up(clock):
+    pytest.importorskip("lightning")
+    timer = common.step_timer(warmup=1)
+    module = type("M", (), {"device": torch.device("cpu")})()
+    for i, cost in enumerate((5.0, 2.0, 3.0)):
+        timer.on_train_batch_start(None, module, None, i)
+        clock.advance(cost)
+        timer.on_train_batch_end(None, module, None, None, i)
+    assert timer.steps == [2.0, 3.0] and timer.last - timer.first == pytest.approx(5.0)
+
+
 def test_host_us_measures_in_turns_per_call(clock):
     order = []
 

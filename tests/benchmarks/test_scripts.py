@@ -15,7 +15,7 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
 FLAGS = {
     "accuracy": ["--quick", "--sizes", "--rows", "--out"],
     "attention": ["--quick", "--shapes", "--dtype", "--peers", "--flex-shapes", "--autotune", "--causal",
-                  "--backward", "--cuda-graph", "--out", "--png", "--tune", "--tune-precisions", "--configs",
+                  "--backward", "--no-graph", "--out", "--png", "--tune", "--tune-precisions", "--configs",
                   "--plot-only"],
     "attention_bwd": ["--shapes", "--dtypes", "--peers", "--tiles", "--save-best", "--config-json",
                       "--append", "--out"],
