@@ -4,8 +4,7 @@ For ``[B, H, N, 64]`` random normal q, k, v (and a random normal output gradient
 ``||x - ref64|| / ||ref64||`` of the forward output and of the gradients dq, dk, dv (one norm over the three)
 against float64, for
 
-* ELSA (``elsa_attention``, Triton) at ``precision`` = ``ieee``, ``fp16x3``, ``tf32x3``, ``tf32x3s``,
-  ``tf32``;
+* ELSA (``elsa_attention``, Triton) at ``precision`` = ``ieee``, ``fp16x3``, ``tf32x3``, ``tf32``;
 * PyTorch SDPA in float32: ``sdpa_math`` (TF32 off) and ``sdpa_efficient``;
 
 at N = 1K ... 64K (B = 1, H = 8) and at ViT lengths (B = 8, H = 12, N = 197, 785, 3137). The float64
@@ -29,7 +28,7 @@ import torch
 from benchmarks.common import Results, add_out_dir, columns, device_tag, reference, relerr, run_info, sdpa
 
 U = 2.0 ** -24
-PRECISIONS = ("ieee", "fp16x3", "tf32x3", "tf32x3s", "tf32")
+PRECISIONS = ("ieee", "fp16x3", "tf32x3", "tf32")
 COLUMNS = columns("B", "H", "N", "D", "peer", "fwd_relerr", "grad_relerr", "bound")
 SWEEP = [(1, 8, n, 64) for n in (1024, 4096, 16384, 32768, 65536)]  # N = 1K ... 64K
 SWEEP += [(8, 12, n, 64) for n in (197, 785, 3137)]  # ViT-B at 224 / 448 / 896 px
