@@ -125,8 +125,12 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
     refs = reference(q[:1, :1], k[:1, :1], v[:1, :1], dout=do[:1, :1])[1]  # float64, batch 0, head 0
     torch.cuda.empty_cache()
 
+    bwd_times = {}  # peer -> backward timings, for the closing ratios
+
     def add(peer, pas, t, flops, extra, err):
         ms, graph = t["ms"], t["graph_ms"]
+        if pas == "bwd":
+            bwd_times[peer] = t
         results.write({"pass": pas}, B=B, H=H, N=N, D=D, dtype=dtype_name, peer=peer, ms=f"{ms:.4f}",
                       tflops=f"{flops / ms / 1e9:.2f}", extra_mb="" if extra is None else f"{extra:.1f}",
                       relerr="" if err is None else f"{err:.3e}",
@@ -174,6 +178,13 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
         except Exception as exc:  # reported, so that one failing variant does not lose the run
             print(f"{B},{H},{N},{D} {dtype_name} {peer}: FAILED ({type(exc).__name__}: {str(exc)[:160]})",
                   flush=True)
+
+    for elsa in (p for p in ELSA if p in bwd_times):
+        e = bwd_times[elsa]
+        parts = [f"{p} {t['ms'] / e['ms']:.2f}x (graph {t['graph_ms'] / e['graph_ms']:.2f}x)"
+                 for p, t in bwd_times.items() if p not in ELSA]
+        if parts:
+            print(f"  backward, peer / {elsa}: " + ", ".join(parts), flush=True)
 
     best = None
     if tiles:

@@ -7,13 +7,16 @@ One query row (a decode step) against a long key/value cache, ``B * H = 8`` head
     OMP_NUM_THREADS=1 python -m benchmarks.decode --device cpu --quick  # smoke run
 
 Peers on the same inputs: ``sdpa_math``, ``sdpa_efficient``, ``sdpa_flash``, ``sdpa_cudnn``
-(``torch.nn.attention.sdpa_kernel``), ``elsa_fwd`` (the regular two-level forward) and ``elsa_decode`` (the
-stream-K path that ``backend="auto"`` takes for these shapes). A peer that cannot run a case (flash/cudnn in
-float32, a backend missing on the device) is recorded with a note. One query sees the whole cache, so every
-peer runs without a causal mask (SDPA's ``is_causal`` is top-left aligned and would hide all but key 0).
+(``torch.nn.attention.sdpa_kernel``), ``flex`` (``torch.compile(flex_attention)``, CUDA only), ``elsa_fwd``
+(the regular two-level forward) and ``elsa_decode`` (the stream-K path that ``backend="auto"`` takes for these
+shapes). A peer that cannot run a case (flash/cudnn in float32, a backend missing on the device) is recorded
+with a note. One query sees the whole cache, so every peer runs without a causal mask (SDPA's ``is_causal`` is
+top-left aligned and would hide all but key 0).
 
-Times: GPU, the median of ``triton.testing.do_bench``; CPU, the median of ``--reps`` wall-clock runs (the
-Triton kernels run in the interpreter there: the CPU numbers check that the script works, not speed).
+Times (``benchmarks.common.timings``): ``ms``, on the GPU the median of ``triton.testing.do_bench`` (eager),
+on the CPU the median of ``--reps`` wall-clock runs (the Triton kernels run in the interpreter there: the CPU
+numbers check that the script works, not speed); ``graph_ms`` beside it on the GPU, the median of CUDA-graph
+replays (the GPU's time alone, which for a single decode step can be well below the eager time).
 ``relerr`` is ``||out - ref|| / ||ref||`` against float64 attention. Writes
 ``logs/benchmarks/decode_<device>.csv`` (or ``--out``) and prints ``elsa_decode``'s speed-up
 over the best SDPA backend and over ``elsa_fwd``.
@@ -30,19 +33,21 @@ from benchmarks.common import (
     LOGS,
     SDPA_BACKENDS,
     Results,
-    bench_ms,
     columns,
     device_tag,
+    flex,
     reference,
     relerr,
     run_info,
     sdpa,
+    timings,
 )
 
 DTYPES = ("float32", "bfloat16")
 SDPA_PEERS = tuple(SDPA_BACKENDS)
-PEERS = (*SDPA_PEERS, "elsa_fwd", "elsa_decode")
-COLUMNS = columns("B", "H", "Nq", "Nk", "D", "dtype", "peer", "ms", "relerr", "decode_speedup", "note")
+PEERS = (*SDPA_PEERS, "flex", "elsa_fwd", "elsa_decode")
+COLUMNS = columns("B", "H", "Nq", "Nk", "D", "dtype", "peer", "ms", "relerr", "decode_speedup", "note",
+                  "graph_ms")
 
 
 def _parse(argv):
@@ -82,6 +87,8 @@ def main(argv=None) -> str:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     runners = {peer: sdpa(peer) for peer in SDPA_PEERS}
+    if device.type == "cuda":  # on the CPU a fresh compilation per shape would be most of a smoke run
+        runners["flex"] = flex()
     runners["elsa_fwd"] = lambda q, k, v: elsa_fwd(q, k, v)[0]
     runners["elsa_decode"] = lambda q, k, v: elsa_decode(q, k, v)[0]
 
@@ -96,19 +103,22 @@ def main(argv=None) -> str:
                 v = torch.randn(1, args.heads, nk, args.dim, device=device, dtype=dtype, generator=g)
                 ref = reference(q, k, v)[0]
                 route = choose_forward(1, args.heads, args.nq, nk, device=device)
-                case, rows = {}, []
-                for peer in PEERS:
+                case, graph, rows = {}, {}, []
+                for peer in (p for p in PEERS if p in runners):
                     row = {"B": 1, "H": args.heads, "Nq": args.nq, "Nk": nk, "D": args.dim, "dtype": dname,
-                           "peer": peer, "ms": "", "relerr": "", "decode_speedup": "",
+                           "peer": peer, "ms": "", "relerr": "", "decode_speedup": "", "graph_ms": "",
                            "note": f"auto routes to {route}" if peer == "elsa_decode" else ""}
                     try:
                         call = partial(runners[peer], q, k, v)
                         row["relerr"] = f"{relerr(call(), ref):.3e}"
-                        ms = bench_ms(call, device, cpu_reps=args.reps)
-                        row["ms"] = f"{ms:.4f}"
-                        case[peer] = ms
-                    except RuntimeError as err:  # a backend without a kernel for this device or dtype
-                        row["note"] = str(err).splitlines()[0][:160]
+                        t = timings(call, device, cpu_reps=args.reps)
+                        row["ms"] = f"{t['ms']:.4f}"
+                        if t["graph_ms"] == t["graph_ms"]:
+                            row["graph_ms"] = f"{t['graph_ms']:.4f}"
+                            graph[peer] = t["graph_ms"]
+                        case[peer] = t["ms"]
+                    except Exception as err:  # noqa: BLE001 - a backend without a kernel for this device/dtype
+                        row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:140]}"
                     rows.append(row)
                 for row in rows:
                     if "elsa_decode" in case and row["peer"] in case:
@@ -121,9 +131,13 @@ def main(argv=None) -> str:
                 if "elsa_decode" in case and sdpa_ms:
                     best = min(sdpa_ms, key=sdpa_ms.get)
                     speedup = sdpa_ms[best] / case["elsa_decode"]
-                    print(f"    elsa_decode vs best SDPA ({best}): {speedup:.3g}x;"
-                          f" vs elsa_fwd: {case.get('elsa_fwd', float('nan')) / case['elsa_decode']:.3g}x",
-                          flush=True)
+                    others = "".join(f"; vs {p}: {case[p] / case['elsa_decode']:.3g}x"
+                                     for p in ("flex", "elsa_fwd") if p in case)
+                    print(f"    elsa_decode vs best SDPA ({best}): {speedup:.3g}x{others}", flush=True)
+                if "elsa_decode" in graph:
+                    ratios = "  ".join(f"{p} {graph[p] / graph['elsa_decode']:.3g}x"
+                                       for p in PEERS if p in graph)
+                    print(f"    CUDA-graph replays, peer / elsa_decode: {ratios}", flush=True)
     print(f"wrote {out.path}")
     return str(out.path)
 

@@ -4,10 +4,10 @@ Two declared sweeps (``SWEEPS``):
 
 * ``attention``: the aggregator's global attention, ``B = 1``, ``H = 16``, ``D = 64``, ``N = frames × 1041``
   tokens (1041 = camera + 4 registers + 37×28 patches of a 518×392 frame); providers ``elsa``
-  (``elsa_attention``, FP32-accurate), ``elsa_tf32x3`` and ``sdpa_efficient`` (PyTorch's memory-efficient
-  kernel) -- plus ``sdpa_math`` where its ``N²`` matrix fits. Median time, TFLOP/s (``4·B·H·N²·D``), and
-  ``relerr`` = ‖out − ref‖/‖ref‖ on 256 query rows against a float64 reference. Target at 100
-  frames: ELSA >= 2.0× faster than ``sdpa_efficient``.
+  (``elsa_attention``, FP32-accurate), ``elsa_tf32x3``, ``sdpa_efficient`` (PyTorch's memory-efficient kernel)
+  and ``flex`` (``torch.compile(flex_attention)``) -- plus ``sdpa_math`` where its ``N²`` matrix fits. Median
+  time, TFLOP/s (``4·B·H·N²·D``), and ``relerr`` = ‖out − ref‖/‖ref‖ on 256 query rows against a float64
+  reference. Target at 100 frames: ELSA >= 2.0× faster than ``sdpa_efficient``.
 * ``model``: peak memory and latency of the full ElsaVGGT multi-frame forward (``torch.no_grad``, FP32) at
   100 frames of 518×392 -- the small config with ``img_size = 518`` (target < 40 GB) and, with ``--full``,
   VGGT-1B (``elsa_vggt``, random weights).
@@ -37,6 +37,7 @@ from benchmarks.common import (
     bench_ms,
     columns,
     device_tag,
+    flex,
     peak_mb,
     reference,
     relerr,
@@ -58,7 +59,7 @@ class AttnCase:
     tokens_per_frame: int = TOKENS_PER_FRAME
     heads: int = 16
     head_dim: int = 64
-    providers: tuple[str, ...] = ("elsa", "elsa_tf32x3", "sdpa_efficient")
+    providers: tuple[str, ...] = ("elsa", "elsa_tf32x3", "sdpa_efficient", "flex")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ def _attention_fn(provider: str, q, k, v, device: str):
     if provider in ("sdpa_efficient", "sdpa_math"):
         call = sdpa(provider)
         return lambda: call(q, k, v)
+    if provider == "flex":
+        if device != "cuda":
+            raise ValueError("flex is timed on CUDA only")
+        call = flex()
+        return lambda: call(q, k, v)
     if provider == "sdpa_default":
         return lambda: F.scaled_dot_product_attention(q, k, v)
     raise ValueError(f"unknown provider {provider!r}")
@@ -114,8 +120,8 @@ def bench_attention(case: AttnCase, device: str, reps: int) -> list[dict]:
     for prov in case.providers:
         if prov == "sdpa_math" and case.heads * n * n * 4 > 20e9:
             continue
-        fn = _attention_fn(prov, q, k, v, device)
         try:
+            fn = _attention_fn(prov, q, k, v, device)
             fn()  # warm-up: compilation, then the memory of a steady call
             extra_mb, out = peak_mb(fn, device, extra=True)
             ms = bench_ms(fn, device, rep=max(100, reps * 10), cpu_reps=reps)
@@ -147,7 +153,7 @@ def bench_attention(case: AttnCase, device: str, reps: int) -> list[dict]:
         )
     base = {r["frames"]: r["ms"] for r in rows if r.get("provider") == "sdpa_efficient" and "ms" in r}
     for r in rows:
-        if r.get("provider", "").startswith("elsa") and "ms" in r and r["frames"] in base:
+        if r.get("provider") != "sdpa_efficient" and "ms" in r and r["frames"] in base:
             r["speedup_vs_sdpa_efficient"] = round(base[r["frames"]] / r["ms"], 3)
     return rows
 
