@@ -44,6 +44,7 @@ import contextlib
 import csv
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,7 +300,11 @@ def plot(csv_path, png_path):
 
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r["ms"] and r["B"] == "1" and r["H"] == "8"
-                and r.get("pass", "fwd") == "fwd"]
+                and r.get("pass", "fwd") == "fwd" and r.get("note") != "cuda graph"]
+    # A results file may hold several runs (the date column): per dtype, plot the run with the most points.
+    runs = Counter((r["dtype"], r["date"]) for r in rows)
+    sweep = {d: max((n, date) for (dt, date), n in runs.items() if dt == d)[1] for d, _ in runs}
+    rows = [r for r in rows if r["date"] == sweep[r["dtype"]]]
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in rows)]
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dname in zip(axes[0], dtypes):
