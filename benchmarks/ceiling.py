@@ -23,7 +23,7 @@ _ELSA_CALLS = (
     ("elsa_vision.layers.attention", "elsa_attention"),
     ("elsa_vision.layers.multihead_attention", "elsa_attention"),
     ("elsa_vision.layers.attention_pool", "elsa_attention"),
-    ("elsa_vision.patching", "elsa_attention"),  # SDPA-routed timm modules
+    ("elsa_vision.layers.sdpa", "elsa_attention"),  # SDPA-routed timm modules, sdpa_override
     ("elsa_vision.layers.window_attention", "elsa_attention"),  # Swin windows off the Triton path
 )
 _WINDOW_CALL = ("elsa_vision.layers.window_attention", "window_attention")  # where the Swin layers look it up

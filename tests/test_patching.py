@@ -16,8 +16,8 @@ from torch import nn
 import elsa_vision.layers.attention as elsa_attention_module
 import elsa_vision.layers.attention_pool as elsa_pool_module
 import elsa_vision.layers.multihead_attention as elsa_mha_module
+import elsa_vision.layers.sdpa as elsa_sdpa_module
 import elsa_vision.layers.window_attention as elsa_window_module
-import elsa_vision.patching as patching
 from elsa_vision import (
     ElsaAttention,
     PatchReport,
@@ -51,7 +51,7 @@ def elsa_calls(monkeypatch):
     """Counts every elsa_attention (and W-ELSA window op) call made by patched modules and by the SDPA
     override."""
     calls = {"n": 0}
-    for mod, fn in ((patching, "elsa_attention"), (elsa_attention_module, "elsa_attention"),
+    for mod, fn in ((elsa_sdpa_module, "elsa_attention"), (elsa_attention_module, "elsa_attention"),
                     (elsa_pool_module, "elsa_attention"), (elsa_mha_module, "elsa_attention"),
                     (elsa_window_module, "elsa_attention"), (elsa_window_module, "window_attention")):
         orig = getattr(mod, fn)
@@ -256,6 +256,18 @@ def test_patch_errors():
     assert patch_vit_attention(vit).total == 1
     with pytest.raises(ValueError, match="no attention module"):  # already patched: nothing left to do
         patch_vit_attention(vit)
+
+
+def test_patch_sets_the_options_of_the_swapped_layers_only():
+    """The options go to the layers ``patch_attention`` swapped (through ``layers.set_attention``); ELSA
+    layers the model already had keep theirs."""
+    model = nn.Sequential(ElsaAttention(16, num_heads=2, precision="ieee"), nn.MultiheadAttention(16, 2),
+                          timm.layers.Attention(16, num_heads=2))
+    report = patch_attention(model, backend="torch", precision="tf32x3")
+    assert report.total == 2 and isinstance(model[1], ElsaMultiheadAttention)
+    assert (model[0].backend, model[0].precision) == ("auto", "ieee")
+    assert all((m.backend, m.precision) == ("torch", "tf32x3") for m in (model[1], model[2]))
+    assert isinstance(model[2], ElsaAttention)
 
 
 # sdpa_override

@@ -15,17 +15,9 @@ from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops.attention import check_options, direct, elsa_attention, inference_call
+from .elsa_module import ElsaModule, refuse_torchscript
 
 __all__ = ["ElsaAttention", "mask_to_bias", "refuse_torchscript"]
-
-
-def refuse_torchscript(module: nn.Module):
-    """``__prepare_scriptable__`` of every ELSA module: ``torch.jit.script`` calls it first and stops with one
-    clear error (TorchScript is not a goal of elsa_vision) instead of failing deep in the compiler."""
-    raise RuntimeError(
-        f"torch.jit.script: {type(module).__name__} is not scriptable: elsa_vision does not support "
-        f"TorchScript (deprecated since torch 2.14); use torch.export.export(model, (x,)) or "
-        f"torch.compile(model)")
 
 
 def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -39,7 +31,7 @@ def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 @register_notrace_module  # an FX leaf (timm's registry): its forward branches on the mask and the backend
-class ElsaAttention(nn.Module):
+class ElsaAttention(ElsaModule, nn.Module):
     """Multi-head self-attention with a fused ``qkv`` projection, computed by ELSA.
 
     Args are those of ``timm.layers.Attention``; in addition ``backend`` and ``precision`` are passed to

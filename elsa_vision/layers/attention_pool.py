@@ -11,43 +11,28 @@ from timm.models import register_notrace_module
 from torch import Tensor
 
 from ..ops.attention import check_options, elsa_attention
-from .attention import mask_to_bias, refuse_torchscript
+from .attention import mask_to_bias
+from .elsa_module import ElsaModule
 
 __all__ = ["ElsaAttentionPoolLatent"]
 
 
 @register_notrace_module  # an FX leaf, as ElsaAttention
-class ElsaAttentionPoolLatent(AttentionPoolLatent):
+class ElsaAttentionPoolLatent(ElsaModule, AttentionPoolLatent):
     """Attention pooling with learned latent queries; ``[B, N, C] -> [B, C_out]`` (or ``[B, L, C_out]``).
 
     Args are those of ``timm.layers.AttentionPoolLatent``; ``backend`` and ``precision`` go to
-    :func:`elsa_vision.elsa_attention`.
+    :func:`elsa_vision.elsa_attention`. ``ElsaAttentionPoolLatent.convert(pool)`` turns a timm
+    ``AttentionPoolLatent`` into one in place (:meth:`ElsaModule.convert`).
     """
 
-    __prepare_scriptable__ = refuse_torchscript
+    _converts = AttentionPoolLatent
 
     def __init__(self, *args, backend: str = "auto", precision: str = "auto", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._set_elsa(backend, precision)
-
-    def _set_elsa(self, backend: str, precision: str) -> None:
         check_options("ElsaAttentionPoolLatent", backend, precision)
+        super().__init__(*args, **kwargs)
         self.backend = backend
         self.precision = precision
-
-    @classmethod
-    def convert(cls, pool: AttentionPoolLatent, *, backend: str = "auto", precision: str = "auto"):
-        """Turn ``pool`` (a timm ``AttentionPoolLatent``) into an ``ElsaAttentionPoolLatent`` in place.
-
-        The module keeps its parameters and buffers (the same tensors); only its class changes.
-        """
-        if type(pool) is not AttentionPoolLatent and not isinstance(pool, cls):
-            raise TypeError(
-                f"ElsaAttentionPoolLatent.convert: expected timm AttentionPoolLatent, "
-                f"got {type(pool).__name__}")
-        pool.__class__ = cls
-        pool._set_elsa(backend, precision)
-        return pool
 
     def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         B, N, C = x.shape

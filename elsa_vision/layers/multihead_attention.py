@@ -15,13 +15,14 @@ from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops.attention import check_options, elsa_attention
-from .attention import mask_to_bias, refuse_torchscript
+from .attention import mask_to_bias
+from .elsa_module import ElsaModule
 
 __all__ = ["ElsaMultiheadAttention"]
 
 
 @register_notrace_module  # an FX leaf, as ElsaAttention
-class ElsaMultiheadAttention(nn.MultiheadAttention):
+class ElsaMultiheadAttention(ElsaModule, nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` whose attention is ``elsa_attention``.
 
     ``forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None, ...)`` with torch's
@@ -34,12 +35,13 @@ class ElsaMultiheadAttention(nn.MultiheadAttention):
     Args:
         embed_dim, num_heads, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             ``nn.MultiheadAttention`` (``add_bias_kv`` / ``add_zero_attn`` are not supported).
-        backend, precision: ``elsa_attention`` settings (attributes ``elsa_backend`` / ``elsa_precision``).
+        backend, precision: ``elsa_attention`` settings (attributes of the same names).
+
+    ``ElsaMultiheadAttention.convert(mha)`` turns an ``nn.MultiheadAttention`` into one in place
+    (:meth:`ElsaModule.convert`).
     """
 
-    elsa_backend: str = "auto"
-    elsa_precision: str = "auto"
-    __prepare_scriptable__ = refuse_torchscript
+    _converts = nn.MultiheadAttention
 
     def __init__(
         self,
@@ -59,23 +61,16 @@ class ElsaMultiheadAttention(nn.MultiheadAttention):
         check_options("ElsaMultiheadAttention", backend, precision)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
                          batch_first=batch_first, device=device, dtype=dtype)
-        self.elsa_backend = backend
-        self.elsa_precision = precision
+        self.backend = backend
+        self.precision = precision
 
     @classmethod
-    def convert(cls, module: nn.MultiheadAttention, *, backend: str = "auto",
-                precision: str = "auto") -> ElsaMultiheadAttention:
-        """Make ``module`` an ``ElsaMultiheadAttention`` in place (same object, parameters, hooks, name)."""
-        check_options("ElsaMultiheadAttention", backend, precision)
-        if not isinstance(module, nn.MultiheadAttention):
-            raise TypeError(f"ElsaMultiheadAttention.convert: expected nn.MultiheadAttention, "
-                            f"got {type(module).__name__}")
-        if module.bias_k is not None or module.bias_v is not None or module.add_zero_attn:
-            raise ValueError("ElsaMultiheadAttention.convert: add_bias_kv / add_zero_attn are not supported")
-        module.__class__ = cls
-        module.elsa_backend = backend
-        module.elsa_precision = precision
-        return module
+    def unsupported(cls, module: nn.MultiheadAttention) -> str | None:
+        if module.bias_k is not None or module.bias_v is not None:
+            return "add_bias_kv"
+        if module.add_zero_attn:
+            return "add_zero_attn"
+        return None  # kdim/vdim != embed_dim use q/k/v_proj_weight, which forward reads
 
     def forward(
         self,
@@ -149,8 +144,8 @@ class ElsaMultiheadAttention(nn.MultiheadAttention):
                 kp = key_padding_mask.to(q.dtype).view(B, 1, 1, S)
                 bias = kp if bias is None else bias + kp
         dropout_p = self.dropout if self.training else 0.0
-        x = elsa_attention(q, k, v, attn_bias=bias, key_padding_mask=keep, precision=self.elsa_precision,
-                           backend="torch" if dropout_p > 0 else self.elsa_backend, dropout_p=dropout_p)
+        x = elsa_attention(q, k, v, attn_bias=bias, key_padding_mask=keep, precision=self.precision,
+                           backend="torch" if dropout_p > 0 else self.backend, dropout_p=dropout_p)
         x = x.permute(2, 0, 1, 3).reshape(L, B, E)
         x = self.out_proj(x)
         if unbatched:
@@ -161,5 +156,5 @@ class ElsaMultiheadAttention(nn.MultiheadAttention):
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, kdim={self.kdim}, "
-                f"vdim={self.vdim}, batch_first={self.batch_first}, backend={self.elsa_backend}, "
-                f"precision={self.elsa_precision}")
+                f"vdim={self.vdim}, batch_first={self.batch_first}, backend={self.backend}, "
+                f"precision={self.precision}")

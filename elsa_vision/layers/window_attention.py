@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from timm.models import register_notrace_module
 from timm.models import swin_transformer as _swin1
 from timm.models import swin_transformer_v2 as _swin2
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..ops.attention import check_options, elsa_attention, resolve_backend
+from ..ops.attention import elsa_attention, resolve_backend
 from ..ops.window_attention import window_attention
-from .attention import refuse_torchscript
+from .elsa_module import ElsaModule
 
 __all__ = ["ElsaSwinWindowAttention", "ElsaSwinV2WindowAttention", "window_attention_fallback"]
 
@@ -49,31 +49,14 @@ def window_attention_fallback(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, mas
     return x.unflatten(1, (-1, H)).permute(0, 1, 3, 2, 4).reshape(Bw, N, -1)
 
 
-class _ElsaWindowAttention:
-    """What the two Swin classes share: their ELSA options, the in-place conversion, the route choice."""
-
-    _timm_base: type = nn.Module
-    elsa_backend: str = "auto"
-    elsa_precision: str = "auto"
-    __prepare_scriptable__ = refuse_torchscript
-
-    @classmethod
-    def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
-        """Turn ``module`` (timm's window attention of this Swin version, or an ELSA one) into ``cls`` in
-        place: same object, parameters, buffers and hooks."""
-        check_options(cls.__name__, backend, precision)
-        if not isinstance(module, cls._timm_base):
-            raise TypeError(f"{cls.__name__}.convert: expected {cls._timm_base.__module__}."
-                            f"{cls._timm_base.__name__}, got {type(module).__name__}")
-        module.__class__ = cls
-        module.elsa_backend = backend
-        module.elsa_precision = precision
-        return module
+class _ElsaWindowAttention(ElsaModule):
+    """What the two Swin classes share: the route choice and the output projection. ``convert`` (in place,
+    from timm's window attention of the same Swin version) is :meth:`ElsaModule.convert`."""
 
     def _route(self, q: Tensor) -> tuple[bool, float, str]:
         """``(fused, dropout_p, backend)``: whether the W-ELSA op runs, and the fallback's options."""
         dropout_p = self.attn_drop.p if self.training else 0.0
-        backend = "torch" if dropout_p > 0 else self.elsa_backend
+        backend = "torch" if dropout_p > 0 else self.backend
         return resolve_backend(backend, q, dropout_p) == "triton", dropout_p, backend
 
     def _out(self, x: Tensor, B_: int, N: int) -> Tensor:
@@ -88,7 +71,7 @@ class ElsaSwinWindowAttention(_ElsaWindowAttention, _swin1.WindowAttention):
     position bias ``table[index]`` and the shift mask are the window op's bias and mask.
     """
 
-    _timm_base = _swin1.WindowAttention
+    _converts = _swin1.WindowAttention
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         B_, N, C = x.shape
@@ -97,10 +80,10 @@ class ElsaSwinWindowAttention(_ElsaWindowAttention, _swin1.WindowAttention):
         fused, dropout_p, backend = self._route(q)
         if fused:
             out = window_attention(q, k, v, None, self._get_rel_pos_bias()[0], mask,
-                                   precision=self.elsa_precision, scale=self.scale)
+                                   precision=self.precision, scale=self.scale)
             return self._out(out, B_, N)
         x = window_attention_fallback(q, k, v, self._get_rel_pos_bias(), mask, self.scale,
-                                      self.elsa_precision, backend, dropout_p)
+                                      self.precision, backend, dropout_p)
         return self.proj_drop(self.proj(x))
 
 
@@ -119,7 +102,7 @@ class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
     launch; the fallback folds the logit scale into q and passes the rest as ``attn_bias`` (``scale=1``).
     """
 
-    _timm_base = _swin2.WindowAttention
+    _converts = _swin2.WindowAttention
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v ``[B_, H, N, Dh]`` from the projection with timm's (q_bias, zero k_bias, v_bias)."""
@@ -173,11 +156,11 @@ class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
         if fused:
             # Bias and mask keep their dtype (float32 under autocast): the kernel reads them as float32.
             out = window_attention(q, k, v, self.logit_scale.view(-1), self.position_bias(), mask,
-                                   precision=self.elsa_precision)
+                                   precision=self.precision)
             return self._out(out, B_, N)
         logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
         q = F.normalize(q, dim=-1) * logit_scale
         k = F.normalize(k, dim=-1)
         x = window_attention_fallback(q, k, v, self.position_bias().unsqueeze(0), mask, 1.0,
-                                      self.elsa_precision, backend, dropout_p)
+                                      self.precision, backend, dropout_p)
         return self.proj_drop(self.proj(x))

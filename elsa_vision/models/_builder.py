@@ -1,5 +1,5 @@
-"""Building the model zoo: attention options checked at build time, local checkpoint files, timm filter
-functions, clear key reports.
+"""Building the model zoo: local checkpoint files, timm filter functions, clear key reports (and
+``check_attention_options``, the build-time check of the attention options, from :mod:`elsa_vision.layers`).
 
 Checkpoints are read without unpickling arbitrary objects (:func:`elsa_vision.files.read_checkpoint`):
 ``.safetensors`` through ``safetensors``, every other file (``.pth``, ``.pt``, ``.bin``, ``.ckpt``) through
@@ -13,41 +13,13 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
-from ..ops.attention import check_options
+from ..layers.elsa_module import check_attention_options
 
 __all__ = ["LoadReport", "check_attention_options", "read_state_dict", "check_shapes", "load_checkpoint",
            "timm_source"]
 
-
-def _triton_runs_here() -> bool:
-    """Triton kernels can run: Triton imports and there is a CUDA GPU, or Triton's CPU interpreter is on
-    (``TRITON_INTERPRET=1``, Triton's own switch, which the test suite sets on CPU machines)."""
-    from ..kernels import triton_available
-
-    if not triton_available():
-        return False
-    if torch.cuda.is_available():
-        return True
-    import triton
-
-    interpret = getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "interpret", None)  # >= 3.4
-    if interpret is not None:
-        return bool(interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def check_attention_options(who: str, backend: str, precision: str, prefix: str = "attn_") -> None:
-    """What every model checks when it is built (or its attention is changed): ``backend`` / ``precision``
-    are names ``elsa_attention`` knows (``check_options``), and ``backend="triton"`` can run on this machine.
-    Raises one ``ValueError`` naming ``who``."""
-    check_options(who, backend, precision, prefix)
-    if backend == "triton" and not _triton_runs_here():
-        raise ValueError(
-            f"{who}: {prefix}backend='triton' needs a CUDA GPU (with Triton installed) and this machine has "
-            f"none; use {prefix}backend='auto' (Triton on CUDA, the torch scan elsewhere) or 'torch'")
 
 # Keys under which training scripts nest the weights (Lightning, timm train.py, DeiT, MAE ...), in order.
 _NESTED_KEYS = ("state_dict", "model", "module", "teacher", "model_state")

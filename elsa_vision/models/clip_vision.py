@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..layers.elsa_module import check_attention_options, set_attention
 from ..layers.multihead_attention import ElsaMultiheadAttention
-from ._builder import check_attention_options
 
 __all__ = [
     "ElsaCLIPVision",
@@ -402,11 +402,7 @@ class ElsaCLIPVision(nn.Module):
     # -- attention settings ----------------------------------------------------------------------------
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend / precision of every attention (blocks and poolers)."""
-        check_attention_options("ElsaCLIPVision.set_attention", backend or "auto", precision or "auto", "")
-        for m in self.modules():
-            if isinstance(m, ElsaMultiheadAttention):
-                m.elsa_backend = backend if backend is not None else m.elsa_backend
-                m.elsa_precision = precision if precision is not None else m.elsa_precision
+        set_attention(self, backend, precision)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.transformer.grad_checkpointing = enable

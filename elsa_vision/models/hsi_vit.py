@@ -31,7 +31,7 @@ from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
-from ._builder import check_attention_options
+from ..layers.elsa_module import check_attention_options, set_attention
 
 __all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "ATTN_IMPLS", "GLOBAL_POOLS"]
 
@@ -218,7 +218,7 @@ class ElsaHSIViT(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         if attn_impl == "elsa":
-            self.set_attention(backend=attn_backend, precision=attn_precision)
+            set_attention(self, attn_backend, attn_precision)
         self.init_weights()
 
     # -- init ----------------------------------------------------------------------------------------------
@@ -229,13 +229,7 @@ class ElsaHSIViT(nn.Module):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every ``ElsaAttention`` (validated here)."""
-        check_attention_options("ElsaHSIViT.set_attention", backend or "auto", precision or "auto")
-        for m in self.modules():
-            if isinstance(m, ElsaAttention):
-                if backend is not None:
-                    m.backend = backend
-                if precision is not None:
-                    m.precision = precision
+        set_attention(self, backend, precision)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

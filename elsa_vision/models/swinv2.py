@@ -16,7 +16,6 @@ all windows, the bias and shift mask read by stride) when the backend resolves t
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -24,13 +23,11 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
 
+from ..layers.elsa_module import check_attention_options, set_attention
 from ..layers.window_attention import ElsaSwinV2WindowAttention
-from ._builder import LoadReport, check_attention_options, timm_source
+from ._builder import LoadReport, timm_source
 
 __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
-
-_LOGIT_SCALE_MAX = math.log(1.0 / 0.01)
-
 
 ElsaSwinV2Attention = ElsaSwinV2WindowAttention  # the name this module has always exported
 
@@ -73,13 +70,7 @@ class ElsaSwinV2(SwinTransformerV2):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every window attention."""
-        check_attention_options("ElsaSwinV2.set_attention", backend or "auto", precision or "auto")
-        for m in self.modules():
-            if isinstance(m, ElsaSwinV2Attention):
-                if backend is not None:
-                    m.elsa_backend = backend
-                if precision is not None:
-                    m.elsa_precision = precision
+        set_attention(self, backend, precision)
 
     @classmethod
     def from_timm(

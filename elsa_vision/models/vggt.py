@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers.attention import refuse_torchscript
+from ..layers.elsa_module import check_attention_options
 from ..ops.attention import check_options, elsa_attention
-from ._builder import check_attention_options
 
 __all__ = [
     "ElsaVGGT",

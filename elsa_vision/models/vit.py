@@ -22,7 +22,8 @@ from torch import Tensor
 from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
-from ._builder import LoadReport, check_attention_options, timm_source
+from ..layers.elsa_module import check_attention_options, set_attention
+from ._builder import LoadReport, timm_source
 
 __all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
 
@@ -188,13 +189,7 @@ class ElsaViT(VisionTransformer):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA backend/precision of every attention layer (MAP head included)."""
-        check_attention_options("ElsaViT.set_attention", backend or "auto", precision or "auto")
-        for m in self.modules():
-            if isinstance(m, (ElsaAttention, ElsaAttentionPoolLatent)):
-                if backend is not None:
-                    m.backend = backend
-                if precision is not None:
-                    m.precision = precision
+        set_attention(self, backend, precision)
 
     @classmethod
     def from_timm(

@@ -45,7 +45,7 @@ def test_uses_elsa_attention_in_timm_blocks():
     assert len(blocks) == 3 and all(isinstance(b.attn, ElsaAttention) for b in blocks)
     m.set_attention(backend="torch", precision="ieee")
     assert all(b.attn.backend == "torch" and b.attn.precision == "ieee" for b in blocks)
-    with pytest.raises(ValueError, match="attn_backend"):
+    with pytest.raises(ValueError, match="ElsaHSIViT.set_attention: unknown backend 'cuda'"):
         m.set_attention(backend="cuda")
 
 
