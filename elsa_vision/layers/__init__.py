@@ -8,9 +8,11 @@ from .attention import ElsaAttention, mask_to_bias
 from .attention_pool import ElsaAttentionPoolLatent
 from .elsa_module import ElsaModule, check_attention_options, set_attention
 from .multihead_attention import ElsaMultiheadAttention
+from .rope import RotaryPositionEmbedding2D
 from .sdpa import ElsaAttentionRope, ElsaEvaAttention, sdpa_override
 from .window_attention import ElsaSwinV2WindowAttention, ElsaSwinWindowAttention
 
 __all__ = ["ElsaAttention", "ElsaAttentionPoolLatent", "ElsaAttentionRope", "ElsaEvaAttention", "ElsaModule",
            "ElsaMultiheadAttention", "ElsaSwinWindowAttention", "ElsaSwinV2WindowAttention",
-           "check_attention_options", "mask_to_bias", "sdpa_override", "set_attention"]
+           "RotaryPositionEmbedding2D", "check_attention_options", "mask_to_bias", "sdpa_override",
+           "set_attention"]

@@ -2,7 +2,9 @@
 
 Parameter names (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``gate``, ``proj``) and constructor arguments are
 timm's, so a timm ``VisionTransformer`` state_dict loads unchanged. The backend and precision are fixed when
-the module is built (timm's convention), not chosen per call.
+the module is built (timm's convention), not chosen per call. Two options timm's ``Attention`` does not have:
+``rope`` (a rotary embedding of q and k by per-token positions, VGGT's RoPE2D) and ``query_chunk`` (queries
+attend ``query_chunk`` rows at a time, for high-resolution inference).
 """
 
 from __future__ import annotations
@@ -34,8 +36,20 @@ def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 class ElsaAttention(ElsaModule, nn.Module):
     """Multi-head self-attention with a fused ``qkv`` projection, computed by ELSA.
 
-    Args are those of ``timm.layers.Attention``; in addition ``backend`` and ``precision`` are passed to
-    :func:`elsa_vision.elsa_attention`.
+    Args are those of ``timm.layers.Attention``; in addition (keyword only):
+        backend, precision: passed to :func:`elsa_vision.elsa_attention`.
+        rope: a module ``rope(t [B, H, N, D], pos) -> [B, H, N, D]`` (e.g.
+            :class:`elsa_vision.layers.RotaryPositionEmbedding2D`) applied to q and k after the q/k norms
+            whenever ``forward`` is given ``pos``. It holds no weights of this layer.
+        query_chunk: None, or attend ``query_chunk`` query rows at a time: q-side work (attention, ``norm``,
+            gate, ``proj``) runs per chunk against the keys and values of the whole sequence, the same
+            result as one call (each query row is independent) with the attention workspace of one chunk.
+            Not with ``is_causal`` or context parallelism. An attribute, so it can be changed on a built
+            model.
+
+    ``forward(x [B, N, C], attn_mask=None, is_causal=False, pos=None) -> [B, N, dim_out]``: ``attn_mask`` is
+    SDPA's (bool, True = attend, or additive float; broadcastable to ``[B, H, N, N]``), ``pos`` the
+    positions ``rope`` reads (RoPE2D: ``[B, N, 2]`` int64).
 
     Context parallelism: with ``context_parallel`` set to an :class:`elsa_vision.distributed.ContextParallel`
     (``ElsaViT.set_context_parallel`` does this for every block), ``x`` is this rank's shard
@@ -66,6 +80,8 @@ class ElsaAttention(ElsaModule, nn.Module):
         *,
         backend: str = "auto",
         precision: str = "auto",
+        rope: nn.Module | None = None,
+        query_chunk: int | None = None,
     ) -> None:
         super().__init__()
         check_options("ElsaAttention", backend, precision)
@@ -84,6 +100,7 @@ class ElsaAttention(ElsaModule, nn.Module):
         self.scale = head_dim**-0.5
         self.backend = backend
         self.precision = precision
+        self.query_chunk = _check_chunk(query_chunk)
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
@@ -93,45 +110,70 @@ class ElsaAttention(ElsaModule, nn.Module):
         self.gate = nn.Linear(dim, self.attn_dim, bias=qkv_bias, **dd) if gated else None
         self.proj = nn.Linear(self.attn_dim, dim_out, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.rope = rope
         self.context_parallel = None  # an elsa_vision.distributed.ContextParallel, or None
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
+                pos: Tensor | None = None) -> Tensor:
         B, N, _ = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
         # q, k, v stay strided views of the fused projection: the kernels read them without copies.
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
+        rotated = self.rope is not None and pos is not None
+        if rotated:
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        chunk = self.query_chunk
+        if chunk is None or N <= chunk:
+            return self._project(self._attend(x, q, k, v, attn_mask, bool(is_causal), rotated), x)
+        if is_causal or self.context_parallel is not None:
+            raise ValueError("ElsaAttention: query_chunk is not available with is_causal=True or context "
+                             "parallelism; set query_chunk=None")
+        out = None
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            rows = attn_mask if attn_mask is None or attn_mask.shape[-2] == 1 else attn_mask[..., s:e, :]
+            y = self._project(self._attend(x, q[:, :, s:e], k, v, rows, False, None), x[:, s:e])
+            if out is None:
+                out = y.new_empty(B, N, y.shape[-1])
+            out[:, s:e] = y
+        return out
+
+    def _attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+                rotated: bool | None) -> Tensor:
+        """``[B, H, Nq, Dv]``. ``rotated``: whether RoPE made q, k (part of the planned call's signature);
+        None: q is not the whole of the projection (a query chunk), so the call is not planned."""
         dropout_p = self.attn_drop.p if self.training else 0.0
         cp = self.context_parallel
         inference = attn_mask is None and cp is None and dropout_p == 0.0 and not torch.is_grad_enabled()
-        if inference and direct(x):
-            x = self._inference(x, q, k, v, bool(is_causal))
-        elif cp is not None:
+        if inference and rotated is not None and direct(x):
+            return self._inference(x, q, k, v, causal, rotated)
+        if cp is not None:
             if dropout_p > 0:
                 raise ValueError(
                     f"ElsaAttention: attention dropout (attn_drop={dropout_p}) is not available with context "
                     f"parallelism; set attn_drop_rate=0 or call .eval()")
-            x = cp.attention(q, k, v, attn_bias=mask_to_bias(attn_mask, q.dtype), causal=bool(is_causal),
-                             scale=self.scale, precision=self.precision, backend=self.backend)
-        else:
-            x = elsa_attention(
-                q, k, v, attn_bias=mask_to_bias(attn_mask, q.dtype), causal=bool(is_causal), scale=self.scale,
-                precision=self.precision, backend="torch" if dropout_p > 0 else self.backend,
-                dropout_p=dropout_p,
-            )
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        x = self.proj(x)
-        return self.proj_drop(x)
+            return cp.attention(q, k, v, attn_bias=mask_to_bias(attn_mask, q.dtype), causal=causal,
+                                scale=self.scale, precision=self.precision, backend=self.backend)
+        return elsa_attention(
+            q, k, v, attn_bias=mask_to_bias(attn_mask, q.dtype), causal=causal, scale=self.scale,
+            precision=self.precision, backend="torch" if dropout_p > 0 else self.backend, dropout_p=dropout_p,
+        )
 
-    def _inference(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    def _project(self, o: Tensor, x: Tensor) -> Tensor:
+        """Attention output ``o [B, H, n, Dv]`` of the tokens ``x [B, n, C]`` -> ``[B, n, dim_out]``."""
+        B, _, n, _ = o.shape
+        o = self.norm(o.transpose(1, 2).reshape(B, n, self.attn_dim))
+        if self.gate is not None:
+            o = o * self.gate(x).sigmoid()
+        return self.proj_drop(self.proj(o))
+
+    def _inference(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, rotated: bool) -> Tensor:
         """Inference without a mask: the attention call checked and planned once per input signature
-        (``ops.attention.inference_call``; q, k, v are views of the projection of ``x``, so ``x``'s shape,
-        dtype and device fix theirs), later calls go straight to the launch program."""
-        key = (x.shape, x.dtype, x.device, causal, self.backend, self.precision, self.scale)
+        (``ops.attention.inference_call``; q, k, v are views of the projection of ``x``, or RoPE's outputs
+        of them, so ``x``'s shape, dtype and device fix theirs), later calls go straight to the launch
+        program."""
+        key = (x.shape, x.dtype, x.device, causal, rotated, self.backend, self.precision, self.scale)
         calls = self.__dict__.setdefault("_elsa_calls", {})
         call = calls.get(key, False)
         if call is False:
@@ -189,5 +231,13 @@ class ElsaAttention(ElsaModule, nn.Module):
         return new.train(attn.training)
 
     def extra_repr(self) -> str:
+        chunk = f", query_chunk={self.query_chunk}" if self.query_chunk is not None else ""
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend}, "
-                f"precision={self.precision}")
+                f"precision={self.precision}{chunk}")
+
+
+def _check_chunk(query_chunk: int | None) -> int | None:
+    if query_chunk is not None and (isinstance(query_chunk, bool) or not isinstance(query_chunk, int)
+                                    or query_chunk < 1):
+        raise ValueError(f"ElsaAttention: query_chunk must be None or an int >= 1, got {query_chunk!r}")
+    return query_chunk

@@ -141,3 +141,49 @@ def test_inference_path_is_planned_once_and_equals_the_general_path(qk_norm, mon
     torch.save(attn, buf)  # the planned programs are not part of the module's state
     with torch.no_grad():
         assert torch.equal(clone(x), attn(x))
+
+
+@pytest.mark.parametrize("cfg", [dict(qkv_bias=True), dict(qk_norm=True, scale_norm=True,
+                                                           norm_layer=torch.nn.LayerNorm, gated=True)],
+                         ids=["plain", "norms-gate"])
+def test_query_chunk_is_the_same_attention(cfg, monkeypatch):
+    """``query_chunk``: query rows attend a chunk at a time against all keys (each row is independent), so
+    outputs and gradients equal the unchunked layer's in float64 (<= 1e-12), with and without a mask whose
+    rows are sliced per chunk; the attention calls see ``query_chunk`` rows and every key."""
+    import elsa_vision.layers.attention as layer_module
+
+    torch.manual_seed(0)
+    whole = ElsaAttention(32, num_heads=4, backend="torch", **cfg).double()
+    chunked = ElsaAttention(32, num_heads=4, backend="torch", query_chunk=7, **cfg).double()
+    chunked.load_state_dict(whole.state_dict())
+    x = torch.randn(2, 30, 32, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 1, 30, 30) > 0.3
+    mask[..., 0] = True
+    shapes = []
+    real = layer_module.elsa_attention
+
+    def spy(q, k, v, **kw):
+        shapes.append((q.shape[-2], k.shape[-2]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(layer_module, "elsa_attention", spy)
+    for m in (None, mask, mask[:, :, :1]):
+        y = chunked(x, attn_mask=m)
+        y_ref = whole(x, attn_mask=m)
+        assert relerr(y, y_ref) <= 1e-12
+        g, g_ref = (torch.autograd.grad(t.square().sum(), [x, *mod.parameters()])
+                    for t, mod in ((y, chunked), (y_ref, whole)))
+        assert all((a - b).norm() <= 1e-11 * max(r.norm() for r in g_ref) for a, b in zip(g, g_ref))
+    assert shapes[:5] == [(7, 30), (7, 30), (7, 30), (7, 30), (2, 30)]
+    with torch.no_grad():
+        assert relerr(chunked(x), whole(x)) <= 1e-12  # inference: chunks are never planned launches
+    assert "query_chunk=7" in repr(chunked)
+
+
+def test_query_chunk_errors():
+    with pytest.raises(ValueError, match="query_chunk must be None or an int >= 1"):
+        ElsaAttention(32, num_heads=2, query_chunk=0)
+    layer = ElsaAttention(32, num_heads=2, query_chunk=4)
+    with pytest.raises(ValueError, match="query_chunk is not available with is_causal=True"):
+        layer(torch.randn(1, 9, 32), is_causal=True)
+    assert layer(torch.randn(1, 4, 32), is_causal=True).shape == (1, 4, 32)  # one chunk: no chunking
