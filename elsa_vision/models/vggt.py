@@ -7,9 +7,10 @@ Input ``images [B, S, 3, H, W]`` in [0, 1] (normalised inside). The aggregator e
 DINOv2-style ViT (or a single conv), prepends a camera token and register tokens (index 0 of each learned
 pair for the reference frame 0, index 1 for all others), then alternates *frame* attention over
 ``(B·S, P, C)`` and *global* attention over ``(B, S·P, C)`` -- the long-sequence case (100 frames of 1041
-tokens = 104K tokens) that ELSA's exact scan serves. 2D RoPE (frequency 100) is applied to q and k, q and k
-are LayerNorm-ed per head, residual branches carry LayerScale. Attention is :func:`elsa_vision.elsa_attention`
-(exact softmax attention, no approximation).
+tokens = 104K tokens) that ELSA's exact scan serves. Every attention is
+:class:`elsa_vision.layers.ElsaAttention` (exact softmax attention, no approximation) with q and k
+LayerNorm-ed per head and, in the aggregator, 2D RoPE (frequency 100, the layer's ``rope`` option); residual
+branches carry timm's ``LayerScale``.
 
 Heads: the camera head refines a pose encoding ``[B, S, 9]`` (translation 3, quaternion xyzw 4, FoV h/w 2;
 camera-from-world, principal point at the centre) over 4 iterations with an adaLN-modulated trunk; the
@@ -28,11 +29,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timm.layers import LayerScale, Mlp
 from torch import Tensor, nn
 
-from ..layers.attention import refuse_torchscript
-from ..layers.elsa_module import check_attention_options
-from ..ops.attention import check_options, elsa_attention
+from ..layers.attention import ElsaAttention
+from ..layers.elsa_module import check_attention_options, set_attention
+from ..layers.rope import RotaryPositionEmbedding2D
 
 __all__ = [
     "ElsaVGGT",
@@ -44,6 +46,7 @@ __all__ = [
     "find_vggt_config",
     "vggt_config_mismatch",
     "elsa_vggt_small",
+    "RotaryPositionEmbedding2D",
     "load_vggt_state_dict",
     "vggt_checkpoint_filter_fn",
 ]
@@ -59,32 +62,6 @@ _RESNET_STD = (0.229, 0.224, 0.225)
 # --------------------------------------------------------------------------------------------------------
 
 
-class LayerScale(nn.Module):
-    """``x * gamma`` with a learned per-channel ``gamma`` initialised to ``init_values``."""
-
-    def __init__(self, dim: int, init_values: float = 1e-5) -> None:
-        super().__init__()
-        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.gamma
-
-
-class Mlp(nn.Module):
-    """``fc2(GELU(fc1(x)))``."""
-
-    def __init__(
-        self, in_features: int, hidden_features: int, out_features: int | None = None, bias: bool = True
-    ):
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden_features, out_features or in_features, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class PositionGetter(nn.Module):
     """Integer patch coordinates ``(row, col)`` of an ``h × w`` grid, row-major: ``[B, h·w, 2]`` (int64)."""
 
@@ -92,89 +69,6 @@ class PositionGetter(nn.Module):
         rows = torch.arange(h, device=device).repeat_interleave(w)
         cols = torch.arange(w, device=device).repeat(h)
         return torch.stack([rows, cols], dim=-1)[None].expand(batch, h * w, 2)
-
-
-class RotaryPositionEmbedding2D(nn.Module):
-    """2D rotary embedding: the first half of each head's channels rotates with the row index, the second
-    half with the column index; within a half, channel pairs ``(i, i + d/2)`` rotate at angle
-    ``pos / frequency^(2i/d)``.
-
-    ``forward(x [B, H, N, D], pos [B, N, 2] int64) -> [B, H, N, D]``; ``D`` must be divisible by 4.
-    """
-
-    def __init__(self, frequency: float = 100.0, scaling_factor: float = 1.0) -> None:
-        super().__init__()
-        self.base_frequency = float(frequency)
-        self.scaling_factor = float(scaling_factor)
-
-    @staticmethod
-    def _rotate_half(x: Tensor) -> Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([-x2, x1], dim=-1)
-
-    def _apply_1d(self, x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
-        # The angles of the given positions only: no table sized by the largest position (a data-dependent
-        # size that torch.export cannot trace). Same float32 products as a table lookup.
-        ang = pos[:, None, :, None].to(torch.float32) * inv_freq  # [B, 1, N, d/2]
-        ang = torch.cat([ang, ang], dim=-1)
-        return x * ang.cos().to(x.dtype) + self._rotate_half(x) * ang.sin().to(x.dtype)
-
-    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
-        if x.shape[-1] % 4:
-            raise ValueError(f"RoPE2D needs a head dim divisible by 4, got {x.shape[-1]}")
-        half = x.shape[-1] // 2
-        inv_freq = 1.0 / self.base_frequency ** (
-            torch.arange(0, half, 2, device=x.device, dtype=torch.float32) / half
-        )
-        xv, xh = x.chunk(2, dim=-1)
-        rows, cols = self._apply_1d(xv, pos[..., 0], inv_freq), self._apply_1d(xh, pos[..., 1], inv_freq)
-        return torch.cat([rows, cols], dim=-1)
-
-
-class Attention(nn.Module):
-    """Self-attention with optional per-head qk LayerNorm and 2D RoPE, computed by ``elsa_attention``.
-
-    ``forward(x [B, N, C], pos [B, N, 2] | None) -> [B, N, C]``. Parameters: ``qkv``, ``q_norm``, ``k_norm``,
-    ``proj`` (VGGT's / DINOv2's names).
-    """
-
-    __prepare_scriptable__ = refuse_torchscript
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = True,
-        proj_bias: bool = True,
-        qk_norm: bool = False,
-        norm_eps: float = 1e-5,
-        rope: RotaryPositionEmbedding2D | None = None,
-        backend: str = "auto",
-        precision: str = "auto",
-    ) -> None:
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"Attention: dim ({dim}) must be divisible by num_heads ({num_heads})")
-        check_options("Attention", backend, precision)
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim**-0.5
-        self.backend = backend
-        self.precision = precision
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.q_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
-        self.proj = nn.Linear(dim, dim, bias=proj_bias)
-        self.rope = rope
-
-    def forward(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
-        B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None and pos is not None:
-            q, k = self.rope(q, pos), self.rope(k, pos)
-        x = elsa_attention(q, k, v, scale=self.scale, precision=self.precision, backend=self.backend)
-        return self.proj(x.transpose(1, 2).reshape(B, N, C))
 
 
 class TokenMerge:
@@ -232,7 +126,10 @@ class TokenMerge:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block ``x + ls1(attn(norm1(x))); x + ls2(mlp(norm2(x)))``."""
+    """Pre-norm transformer block ``x + ls1(attn(norm1(x))); x + ls2(mlp(norm2(x)))`` (VGGT's / DINOv2's
+    names): :class:`~elsa_vision.layers.ElsaAttention` with per-head q/k LayerNorm and the ``rope`` option,
+    timm's ``LayerScale`` and ``Mlp``. ``forward(x, pos=None, merge=None)``: ``pos`` for RoPE, ``merge`` a
+    :class:`TokenMerge` (global blocks)."""
 
     def __init__(
         self,
@@ -251,7 +148,8 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
-        self.attn = Attention(dim, num_heads, qkv_bias, proj_bias, qk_norm, 1e-5, rope, backend, precision)
+        self.attn = ElsaAttention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, proj_bias=proj_bias,
+                                  norm_layer=nn.LayerNorm, backend=backend, precision=precision, rope=rope)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), bias=ffn_bias)
@@ -260,10 +158,10 @@ class Block(nn.Module):
     def forward(self, x: Tensor, pos: Tensor | None = None, merge: TokenMerge | None = None) -> Tensor:
         h = self.norm1(x)
         if merge is None:
-            h = self.attn(h, pos)
+            h = self.attn(h, pos=pos)
         else:
             hm, pm, assign = merge.merge(h, pos)
-            h = merge.unmerge(self.attn(hm, pm), assign, x.shape[1])
+            h = merge.unmerge(self.attn(hm, pos=pm), assign, x.shape[1])
         x = x + self.ls1(h)
         return x + self.ls2(self.mlp(self.norm2(x)))
 
@@ -879,11 +777,7 @@ class ElsaVGGT(nn.Module):
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ``elsa_attention`` backend / precision of every attention layer."""
-        check_attention_options("ElsaVGGT.set_attention", backend or "auto", precision or "auto", "")
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.backend = backend or m.backend
-                m.precision = precision or m.precision
+        set_attention(self, backend, precision)
 
     def forward(self, images: Tensor, num_iterations: int = 4) -> dict[str, Tensor | list[Tensor]]:
         if images.dim() == 4:

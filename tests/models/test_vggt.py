@@ -1,16 +1,15 @@
-"""ElsaVGGT: VGGT state_dict layout, checkpoint loading, RoPE2D and attention vs float64 references, frame
-structure (frame 0 distinct, other frames permutation-equivariant), frame-count agnosticism, token merging."""
+"""ElsaVGGT: VGGT state_dict layout, checkpoint loading, frame structure (frame 0 distinct, other frames
+permutation-equivariant), frame-count agnosticism, token merging. Its attention (ElsaAttention
+with RoPE2D) is tested in tests/layers/test_rope.py."""
 
-import math
 
 import pytest
 import torch
 
+from elsa_vision.layers import ElsaAttention
 from elsa_vision.models import ElsaVGGT
 from elsa_vision.models.vggt import (
     VGGT_CONFIGS,
-    Attention,
-    RotaryPositionEmbedding2D,
     TokenMerge,
     load_vggt_state_dict,
 )
@@ -390,59 +389,6 @@ def test_load_rejects_missing_file(tmp_path):
         load_vggt_state_dict(tmp_path / "nope.pt")
 
 
-def _rope_ref(x: torch.Tensor, pos: torch.Tensor, freq: float) -> torch.Tensor:
-    """Float64 RoPE2D: half 0 rotates pairs (i, i + d/2) of the first D/2 channels by row·freq^(-2i/(D/2)),
-    half 1 the same with the column."""
-    x = x.double()
-    D = x.shape[-1]
-    d = D // 2
-    out = torch.empty_like(x)
-    for half in range(2):
-        xs = x[..., half * d : (half + 1) * d]
-        p = pos[..., half].double()[:, None, :, None]  # [B,1,N,1]
-        i = torch.arange(d // 2, dtype=torch.float64)
-        theta = p * freq ** (-2 * i / d)
-        a, b = xs[..., : d // 2], xs[..., d // 2 :]
-        out[..., half * d : half * d + d // 2] = a * theta.cos() - b * theta.sin()
-        out[..., half * d + d // 2 : (half + 1) * d] = b * theta.cos() + a * theta.sin()
-    return out
-
-
-def test_rope2d_matches_float64_rotation():
-    rope = RotaryPositionEmbedding2D(100.0)
-    x = torch.randn(2, 3, 29, 24)
-    pos = torch.randint(0, 37, (2, 29, 2))
-    out = rope(x, pos)
-    ref = _rope_ref(x, pos, 100.0)
-    assert (out.double() - ref).norm() / ref.norm() <= 1e-6
-    # a rotation: norms of each rotated pair are preserved
-    assert torch.allclose(out.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
-    with pytest.raises(ValueError, match="divisible by 4"):
-        rope(torch.randn(1, 1, 3, 6), torch.zeros(1, 3, 2, dtype=torch.long))
-
-
-def test_attention_with_rope_qknorm_matches_float64_reference():
-    torch.manual_seed(1)
-    attn = Attention(
-        40, num_heads=5, qk_norm=True, rope=RotaryPositionEmbedding2D(100.0), backend="torch"
-    ).eval()
-    for p in attn.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(3, 37, 40)
-    pos = torch.randint(0, 9, (3, 37, 2))
-    out = attn(x, pos)
-    # float64 reference from the same weights
-    a64 = Attention(40, num_heads=5, qk_norm=True, rope=None, backend="torch").double()
-    a64.load_state_dict(attn.state_dict())
-    xd = x.double()
-    q, k, v = a64.qkv(xd).reshape(3, 37, 3, 5, 8).permute(2, 0, 3, 1, 4)
-    q, k = a64.q_norm(q), a64.k_norm(k)
-    q, k = _rope_ref(q, pos, 100.0), _rope_ref(k, pos, 100.0)
-    w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), dim=-1)
-    ref = a64.proj((w @ v).transpose(1, 2).reshape(3, 37, 40))
-    assert (out.double() - ref).norm() / ref.norm() <= 1e-5
-
-
 def test_forward_shapes_frame_agnostic_and_rectangular():
     model = _small()
     for S in (1, 2, 5):
@@ -541,8 +487,7 @@ def test_configs_and_bad_arguments():
         _small()(torch.rand(1, 2, 4, 28, 28))
     model = _small()
     model.set_attention(backend="torch", precision="ieee")
-    assert all(
-        m.backend == "torch" and m.precision == "ieee" for m in model.modules() if isinstance(m, Attention)
-    )
+    attns = [m for m in model.modules() if isinstance(m, ElsaAttention)]
+    assert attns and all(m.backend == "torch" and m.precision == "ieee" for m in attns)
     with pytest.raises(ValueError, match="unknown backend"):
         model.set_attention(backend="cuda")

@@ -1,0 +1,103 @@
+"""What every ELSA layer shares (``layers/elsa_module.py``): the two options under one pair of names, the one
+in-place swap (``ElsaModule.convert``), and ``set_attention``, which every model's method calls."""
+
+import inspect
+
+import pytest
+import timm
+import torch
+from timm.layers import AttentionPoolLatent
+from torch import nn
+
+import elsa_vision.layers as layers
+from elsa_vision.layers import (
+    ElsaAttention,
+    ElsaAttentionPoolLatent,
+    ElsaModule,
+    ElsaMultiheadAttention,
+    ElsaSwinV2WindowAttention,
+    set_attention,
+)
+from elsa_vision.models import ElsaCLIPVision, ElsaHSIViT, ElsaSwinV2, ElsaVGGT, ElsaViT
+
+
+def _elsa_layer_classes():
+    return [obj for obj in vars(layers).values()
+            if inspect.isclass(obj) and issubclass(obj, nn.Module) and obj.__name__.startswith("Elsa")]
+
+
+def test_every_layer_is_an_elsa_module():
+    classes = _elsa_layer_classes()
+    assert len(classes) == 7, classes
+    assert all(issubclass(c, ElsaModule) for c in classes)
+    # one way in: the swap is ElsaModule.convert (the SDPA-routed layers add one attribute after it)
+    swapped = [c for c in classes if c._converts is not None]
+    assert {c.__name__ for c in classes} - {c.__name__ for c in swapped} == {"ElsaAttention"}
+    assert all(c.convert.__func__ is ElsaModule.convert.__func__ for c in swapped
+               if c.__name__ not in ("ElsaEvaAttention", "ElsaAttentionRope"))
+
+
+def test_convert_keeps_the_object_and_sets_the_options():
+    pool = AttentionPoolLatent(32, num_heads=2)
+    params = dict(pool.named_parameters())
+    hook = pool.register_forward_hook(lambda *a: None)
+    out = ElsaAttentionPoolLatent.convert(pool, backend="torch", precision="ieee")
+    assert out is pool and type(pool) is ElsaAttentionPoolLatent
+    assert dict(pool.named_parameters()) == params and hook.id in pool._forward_hooks
+    assert (pool.backend, pool.precision) == ("torch", "ieee")
+    # the names converted layers had before stay as aliases of the two options
+    assert (pool.elsa_backend, pool.elsa_precision) == ("torch", "ieee")
+    pool.elsa_precision = "tf32x3"
+    assert pool.precision == "tf32x3"
+    with pytest.raises(TypeError, match=r"expected timm\.layers\..*AttentionPoolLatent, got Linear"):
+        ElsaAttentionPoolLatent.convert(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        ElsaAttentionPoolLatent.convert(AttentionPoolLatent(32, num_heads=2), precision="fp8")
+    with pytest.raises(ValueError, match="add_bias_kv is not supported"):
+        ElsaMultiheadAttention.convert(nn.MultiheadAttention(8, 2, add_bias_kv=True))
+    with pytest.raises(TypeError, match="built from its constructor"):
+        ElsaAttention.convert(nn.Linear(2, 2))
+
+
+BUILDS = {
+    "ElsaViT": lambda: timm.create_model("elsa_vit_tiny_patch16_224", img_size=32, depth=1,
+                                         global_pool="map"),
+    "ElsaSwinV2": lambda: timm.create_model("elsa_swinv2_tiny_window8_256", img_size=64, depths=(1, 1, 1, 1)),
+    "ElsaHSIViT": lambda: ElsaHSIViT(8, 3, embed_dim=32, num_heads=2, branch_depth=1, fusion_depth=1),
+    "ElsaCLIPVision": lambda: ElsaCLIPVision(image_size=32, patch_size=16, width=32, layers=1, heads=2,
+                                             output_dim=16, attentional_pool=True, attn_pooler_queries=4),
+    "ElsaVGGT": lambda: ElsaVGGT.from_config("elsa_vggt_small"),
+}
+
+
+@pytest.mark.parametrize("who", sorted(BUILDS))
+def test_every_model_sets_its_attention_through_set_attention(who, monkeypatch):
+    """The models' ``set_attention`` methods are ``layers.set_attention``: each reaches every ELSA layer."""
+    model = BUILDS[who]()
+    assert isinstance(model, (ElsaViT, ElsaSwinV2, ElsaHSIViT, ElsaCLIPVision, ElsaVGGT))
+    seen = []
+    monkeypatch.setattr(f"{type(model).__module__}.set_attention",
+                        lambda *a, **k: seen.append(1) or set_attention(*a, **k))
+    model.set_attention(backend="torch", precision="ieee")
+    assert seen == [1]
+    elsa = [m for m in model.modules() if isinstance(m, ElsaModule)]
+    assert elsa and all((m.backend, m.precision) == ("torch", "ieee") for m in elsa)
+    model.set_attention(precision="tf32x3")
+    assert all((m.backend, m.precision) == ("torch", "tf32x3") for m in elsa)
+    with pytest.raises(ValueError, match=rf"^{who}\.set_attention: unknown backend 'cuda'"):
+        model.set_attention(backend="cuda")
+
+
+def test_set_attention_on_any_module():
+    model = nn.Sequential(ElsaAttention(16, num_heads=2), nn.Linear(16, 16),
+                          ElsaSwinV2WindowAttention(16, (4, 4), 2))
+    assert set_attention(model, backend="torch") == 2
+    assert [m.backend for m in model if isinstance(m, ElsaModule)] == ["torch", "torch"]
+    with pytest.raises(ValueError, match=r"^Sequential\.set_attention: unknown backend 'cuda'"):
+        set_attention(model, backend="cuda")
+    with pytest.raises(ValueError, match=r"^mine: unknown precision 'fp8'"):
+        set_attention(model, precision="fp8", who="mine")
+    assert set_attention(nn.Linear(2, 2), precision="ieee") == 0
+    x = torch.randn(2, 16, 16)
+    with torch.no_grad():
+        assert model(x).shape == x.shape
