@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.layers import LayerScale, QuickGELU
 from torch import Tensor, nn
 
 from ..layers.elsa_module import check_attention_options, set_attention
@@ -71,24 +72,6 @@ class LayerNorm(nn.LayerNorm):
         if self.fp32:
             x = x.float()
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps).to(dtype)
-
-
-class QuickGELU(nn.Module):
-    """``x * sigmoid(1.702 x)``, the activation the OpenAI CLIP weights were trained with."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * torch.sigmoid(1.702 * x)
-
-
-class LayerScale(nn.Module):
-    """Per-channel scale ``x * gamma`` (parameter name ``gamma`` as open_clip)."""
-
-    def __init__(self, dim: int, init_values: float = 1e-5) -> None:
-        super().__init__()
-        self.gamma = nn.Parameter(init_values * torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.gamma
 
 
 class PatchDropout(nn.Module):
