@@ -2,10 +2,10 @@
 
 Three execution modes, all on ``ElsaViT`` models built with ``timm.create_model``:
 
-* ``"whole"``: global attention over all ``(H/p)(W/p) + prefix`` tokens, block by block.
-* ``"query_chunked"``: the same global attention (bit-for-bit the same maths: each query row is independent),
-  but every block runs its queries, projection and MLP ``query_chunk`` rows at a time; only ``x``, ``qkv`` and
-  the block output are held for all tokens.
+* ``"whole"``: global attention over all ``(H/p)(W/p) + prefix`` tokens, block by block (timm's ``Block``).
+* ``"query_chunked"``: the same blocks and the same global attention (the same maths: each query row is
+  independent), with every ``ElsaAttention`` attending ``query_chunk`` query rows at a time against the keys
+  and values of all tokens (its ``query_chunk`` option): the attention workspace is one chunk's.
 * ``"tiled"``: sliding windows with overlap; each tile sees the position embeddings of its place in the full
   grid, and tile features are blended with a separable ramp weight. Only used when the memory budget rules
   out both global modes; attention is then no longer global, and the report says so.
@@ -13,16 +13,19 @@ Three execution modes, all on ``ElsaViT`` models built with ``timm.create_model`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ..layers.attention import ElsaAttention
 
 __all__ = [
     "MODEL_ALIASES",
@@ -35,6 +38,7 @@ __all__ = [
     "plan_execution",
     "estimate_memory_mb",
     "forward_tokens",
+    "query_chunked",
     "cls_attention",
     "run_plan",
     "run_context_parallel",
@@ -213,7 +217,6 @@ def _param_bytes(model: nn.Module) -> int:
 
 
 def _resolved_backend(model: nn.Module, device: torch.device) -> str:
-    from ..layers.attention import ElsaAttention
     from ..ops.attention import resolve_backend
 
     for m in model.modules():
@@ -234,12 +237,12 @@ def estimate_memory_mb(
 ) -> float:
     """Peak memory estimate (MiB) of one forward over ``tokens`` tokens (batch 1, no autograd).
 
-    Counted: weights; the input image; per block, the live activations (whole: residual, norm, qkv,
-    attention output, MLP hidden before and after the activation, about ``(6 + 2 r) N C``; query_chunked:
-    residual, qkv and output for all tokens, ``5 N C``, plus the whole-mode terms for one chunk); and the
-    attention workspace: the torch backend holds about five ``H x rows x N`` float32 tensors per call
-    (logits, padded logits, their exponentials, block value states) with ``rows <= 1024``; the Triton
-    backend only ``O(rows (D + 2) H)``; SDPA's efficient kernel likewise.
+    Counted: weights; the input image; per block, the live activations (residual, norm, qkv, attention
+    output, MLP hidden before and after the activation, about ``(6 + 2 r) N C``, in both modes: timm's
+    ``Block`` runs over all tokens); and the attention workspace of ``rows`` query rows at a time (``N``
+    whole, ``query_chunk`` query_chunked): the torch backend holds about five ``H x rows x N`` float32
+    tensors per call (logits, padded logits, their exponentials, block value states) with ``rows <= 1024``;
+    the Triton backend only ``O(rows (D + 2) H)``; SDPA's efficient kernel likewise.
     """
     if mode not in ("whole", "query_chunked"):
         raise ValueError(f"mode must be 'whole' or 'query_chunked', got {mode!r}")
@@ -250,13 +253,12 @@ def estimate_memory_mb(
     ratio = hidden / C
     N = tokens
     rows = N if mode == "whole" else min(N, query_chunk)
-    per_rows = (6 + 2 * ratio) * rows * C
-    base = 5 * N * C if mode == "query_chunked" else 0
+    activations = (6 + 2 * ratio) * N * C
     if backend == "torch":
         workspace = 5 * heads * min(rows, _TORCH_BACKEND_ROWS) * N
     else:
         workspace = 2 * heads * rows * (C // heads + 2)
-    total = _param_bytes(model) + 2 * image_elems * 4 + (base + per_rows + workspace) * act_bytes
+    total = _param_bytes(model) + 2 * image_elems * 4 + (activations + workspace) * act_bytes
     return total / 2**20
 
 
@@ -396,43 +398,32 @@ def _embed(model: nn.Module, x: Tensor, offset: tuple[int, int] = (0, 0)) -> Ten
     return model.norm_pre(model.pos_drop(t))
 
 
-def _block_query_chunked(blk: nn.Module, x: Tensor, chunk: int) -> Tensor:
-    """timm ``Block`` forward with ``ElsaAttention``, ``chunk`` query rows at a time (exact)."""
-    from ..ops.attention import elsa_attention
-
-    attn = blk.attn
-    B, N, C = x.shape
-    Hh, D = attn.num_heads, attn.head_dim
-    qkv = x.new_empty(B, N, 3 * attn.attn_dim)
-    for s in range(0, N, chunk):
-        qkv[:, s : s + chunk] = attn.qkv(blk.norm1(x[:, s : s + chunk]))
-    q, k, v = qkv.view(B, N, 3, Hh, D).permute(2, 0, 3, 1, 4).unbind(0)
-    k = attn.k_norm(k)
-    out = torch.empty_like(x)
-    for s in range(0, N, chunk):
-        e = min(N, s + chunk)
-        o = elsa_attention(
-            attn.q_norm(q[:, :, s:e]), k, v, scale=attn.scale, precision=attn.precision, backend=attn.backend
-        )
-        o = attn.norm(o.transpose(1, 2).reshape(B, e - s, attn.attn_dim))
-        if attn.gate is not None:
-            o = o * attn.gate(blk.norm1(x[:, s:e])).sigmoid()
-        y = x[:, s:e] + blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(o))))
-        out[:, s:e] = y + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(y))))
-    return out
-
-
 def _check_chunkable(model: nn.Module) -> None:
-    from timm.models.vision_transformer import Block
-
-    from ..layers.attention import ElsaAttention
-
     for i, blk in enumerate(model.blocks):
-        if type(blk) is not Block or not isinstance(blk.attn, ElsaAttention):
+        if not isinstance(getattr(blk, "attn", None), ElsaAttention):
             raise ValueError(
-                f"query-chunked execution needs timm Blocks with ElsaAttention; block {i} is "
-                f"{type(blk).__name__} with {type(blk.attn).__name__}"
+                f"query-chunked execution needs blocks with ElsaAttention; block {i} has "
+                f"{type(getattr(blk, 'attn', None)).__name__}"
             )
+
+
+@contextlib.contextmanager
+def query_chunked(model: nn.Module, query_chunk: int | None) -> Iterator[None]:
+    """Inside the block every block's ``ElsaAttention`` attends ``query_chunk`` query rows at a time (its
+    ``query_chunk`` option; None: the model as it is); the previous settings are restored on exit."""
+    if query_chunk is None:
+        yield
+        return
+    _check_chunkable(model)
+    attns = [blk.attn for blk in model.blocks]
+    previous = [a.query_chunk for a in attns]
+    try:
+        for a in attns:
+            a.query_chunk = query_chunk
+        yield
+    finally:
+        for a, q in zip(attns, previous):
+            a.query_chunk = q
 
 
 def cls_attention(model: nn.Module, blk: nn.Module, t: Tensor) -> Tensor:
@@ -467,19 +458,18 @@ def forward_tokens(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Final-norm tokens ``[B, prefix + h*w, C]`` of image ``x [B, in_chans, H, W]``.
 
-    ``query_chunk=None`` runs each block whole (timm's forward); otherwise query-chunked (same result).
-    ``with_cls_attention`` also returns the last block's class-token attention ``[B, h*w]``
-    (:func:`cls_attention`).
+    Every block is timm's own forward; with ``query_chunk`` its attention attends that many query rows at a
+    time (:func:`query_chunked`, the same result). ``with_cls_attention`` also returns the last block's
+    class-token attention ``[B, h*w]`` (:func:`cls_attention`).
     """
     t = _embed(model, x, offset)
-    if query_chunk is not None:
-        _check_chunkable(model)
     last = len(model.blocks) - 1
     cls_attn = None
-    for i, blk in enumerate(model.blocks):
-        if with_cls_attention and i == last:
-            cls_attn = cls_attention(model, blk, t)
-        t = blk(t) if query_chunk is None else _block_query_chunked(blk, t, query_chunk)
+    with query_chunked(model, query_chunk):
+        for i, blk in enumerate(model.blocks):
+            if with_cls_attention and i == last:
+                cls_attn = cls_attention(model, blk, t)
+            t = blk(t)
     t = model.norm(t)
     return (t, cls_attn) if with_cls_attention else t
 
