@@ -19,12 +19,15 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.models import get_deprecated_models
 from torch import Tensor, nn
 
+from .. import models  # noqa: F401  (registers the elsa_* names and their short aliases with timm)
 from ..layers.attention import ElsaAttention
 
 __all__ = [
@@ -46,16 +49,9 @@ __all__ = [
     "tile_starts",
 ]
 
-# Short names (as in the docs / issue) -> registered names.
-MODEL_ALIASES = {
-    "elsa_vit_t_patch16": "elsa_vit_tiny_patch16_224",
-    "elsa_vit_s_patch16": "elsa_vit_small_patch16_224",
-    "elsa_vit_b_patch16": "elsa_vit_base_patch16_224",
-    "elsa_vit_l_patch16": "elsa_vit_large_patch16_224",
-    "elsa_vit_b_patch16_384": "elsa_vit_base_patch16_384",
-    "elsa_vit_l_patch14_clip": "elsa_vit_large_patch14_clip_224",
-    "elsa_vit_b_patch14_dinov2": "elsa_vit_base_patch14_reg4_dinov2",
-}
+# Short names -> registered names: the elsa_* aliases in timm's registry (elsa_vision.models.vit).
+MODEL_ALIASES = MappingProxyType(
+    {k: v for k, v in get_deprecated_models().items() if k.startswith("elsa_") and v is not None})
 MODES = ("whole", "query_chunked", "tiled", "context_parallel")
 _QUERY_CHUNKS = (16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
 # rows per call inside the torch attention backend (elsa_vision.ops.attention._TORCH_QUERY_CHUNK)
@@ -65,8 +61,6 @@ _TORCH_BACKEND_ROWS = 1024
 def resolve_model_name(name: str) -> str:
     """A registered ``elsa_*`` model name from a registered name or a short alias."""
     import timm
-
-    from .. import models  # noqa: F401  (registers the elsa_* names)
 
     full = MODEL_ALIASES.get(name, name)
     if not full.startswith("elsa_") or full not in timm.list_models("elsa_*"):

@@ -27,11 +27,14 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.data import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from timm.layers import LayerScale, QuickGELU
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
 
 from ..layers.elsa_module import check_attention_options, set_attention
@@ -41,6 +44,7 @@ __all__ = [
     "ElsaCLIPVision",
     "ElsaMultiheadAttention",
     "CLIP_VISION_ARCHITECTURES",
+    "clip_checkpoint_filter_fn",
     "create_elsa_clip_vision",
     "from_open_clip",
     "load_clip_state_dict",
@@ -489,14 +493,6 @@ class ElsaCLIPVision(nn.Module):
 
 # ------------------------------------------------------------------------------------- configs, builders
 
-# Image towers of the released CLIP ViTs (open_clip configs ViT-B-16, ViT-L-14, ViT-L-14-336).
-CLIP_VISION_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "elsa_clip_b16": dict(image_size=224, patch_size=16, width=768, layers=12, heads=12, output_dim=512),
-    "elsa_clip_l14": dict(image_size=224, patch_size=14, width=1024, layers=24, heads=16, output_dim=768),
-    "elsa_clip_l14_336": dict(image_size=336, patch_size=14, width=1024, layers=24, heads=16, output_dim=768),
-}
-
-
 def vision_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The image-tower entries of a full CLIP state_dict (``visual.*`` prefix stripped, ``module.`` removed).
 
@@ -605,18 +601,21 @@ def _load_tower(model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str) -
 def create_elsa_clip_vision(
     name: str, pretrained: str | os.PathLike | None = None, **kwargs
 ) -> ElsaCLIPVision:
-    """Build a registered architecture (:data:`CLIP_VISION_ARCHITECTURES`), optionally loading a local file.
+    """``timm.create_model(name, **kwargs)`` of a registered tower (:data:`CLIP_VISION_ARCHITECTURES`),
+    optionally loading a local file.
 
     ``pretrained``: a CLIP checkpoint (full model or image tower, open_clip or OpenAI format); a positional
     embedding for another grid is resampled. ``kwargs`` override the architecture (e.g. ``image_size=448``,
     ``act_layer="quick_gelu"`` for OpenAI weights, ``attn_backend``).
     """
+    import timm
+
     if name not in CLIP_VISION_ARCHITECTURES:
         raise ValueError(
             f"create_elsa_clip_vision: unknown name {name!r}; expected one of "
             f"{sorted(CLIP_VISION_ARCHITECTURES)}"
         )
-    model = ElsaCLIPVision(**{**CLIP_VISION_ARCHITECTURES[name], **kwargs})
+    model = timm.create_model(name, **kwargs)
     if pretrained is not None:
         _load_tower(model, vision_state_dict(load_clip_state_dict(pretrained)), repr(os.fspath(pretrained)))
     return model
@@ -809,3 +808,76 @@ def from_open_clip(
     if image_size is not None:
         model.set_image_size(image_size)
     return model
+
+
+# ------------------------------------------------------------------------------------------------ registry
+
+# The image towers of the released CLIP ViTs (open_clip configs ViT-B-16, ViT-L-14, ViT-L-14-336).
+_model_cfgs: dict[str, dict[str, Any]] = {
+    "elsa_clip_b16": dict(image_size=224, patch_size=16, width=768, layers=12, heads=12, output_dim=512),
+    "elsa_clip_l14": dict(image_size=224, patch_size=14, width=1024, layers=24, heads=16, output_dim=768),
+    "elsa_clip_l14_336": dict(image_size=336, patch_size=14, width=1024, layers=24, heads=16, output_dim=768),
+}
+# Read-only view of the registered towers' architectures: name -> ElsaCLIPVision arguments.
+CLIP_VISION_ARCHITECTURES = MappingProxyType({k: MappingProxyType(v) for k, v in _model_cfgs.items()})
+
+
+def clip_checkpoint_filter_fn(state_dict: Mapping[str, Tensor], model: ElsaCLIPVision) -> dict[str, Tensor]:
+    """The image tower of a CLIP state_dict (:func:`vision_state_dict`) as float32, its positional embedding
+    resampled to the model's grid when the checkpoint's is another square grid (timm's filter-function
+    convention: ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path))``)."""
+    vis = vision_state_dict(state_dict)
+    pos = vis.get("positional_embedding")
+    if (
+        pos is not None
+        and pos.shape != model.positional_embedding.shape
+        and pos.shape[1:] == model.positional_embedding.shape[1:]
+    ):
+        gh = math.isqrt(pos.shape[0] - 1)
+        if gh * gh == pos.shape[0] - 1:
+            vis["positional_embedding"] = resample_positional_embedding(pos, (gh, gh), model.grid_size)
+    return {k: v.float() if v.is_floating_point() else v for k, v in vis.items()}
+
+
+def _cfg(open_clip_name: str, **kwargs):
+    return {
+        "url": "", "num_classes": 0, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 1.0,
+        "interpolation": "bicubic", "mean": OPENAI_CLIP_MEAN, "std": OPENAI_CLIP_STD, "first_conv": "conv1",
+        "classifier": None, "license": "mit",
+        "description": f"the image tower of open_clip's {open_clip_name}",
+        **kwargs,
+    }
+
+
+# Weights are local files: create_elsa_clip_vision(name, pretrained=path), or timm's
+# timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path)).
+default_cfgs = generate_default_cfgs({
+    "elsa_clip_b16": _cfg("ViT-B-16"),
+    "elsa_clip_l14": _cfg("ViT-L-14"),
+    "elsa_clip_l14_336": _cfg("ViT-L-14-336", input_size=(3, 336, 336)),
+})
+
+
+def _create_elsa_clip_vision(variant: str, pretrained: bool = False, **kwargs) -> ElsaCLIPVision:
+    if kwargs.get("features_only"):
+        raise ValueError(f"{variant}: features_only=True is not supported: ElsaCLIPVision is an embedding "
+                         f"tower; output_tokens=True gives its tokens")
+    return build_model_with_cfg(
+        ElsaCLIPVision, variant, pretrained, pretrained_filter_fn=clip_checkpoint_filter_fn, feature_cfg=None,
+        kwargs_filter=("num_classes", "in_chans"), **{**_model_cfgs[variant], **kwargs},
+    )
+
+
+@register_model
+def elsa_clip_b16(pretrained: bool = False, **kwargs) -> ElsaCLIPVision:
+    return _create_elsa_clip_vision("elsa_clip_b16", pretrained, **kwargs)
+
+
+@register_model
+def elsa_clip_l14(pretrained: bool = False, **kwargs) -> ElsaCLIPVision:
+    return _create_elsa_clip_vision("elsa_clip_l14", pretrained, **kwargs)
+
+
+@register_model
+def elsa_clip_l14_336(pretrained: bool = False, **kwargs) -> ElsaCLIPVision:
+    return _create_elsa_clip_vision("elsa_clip_l14_336", pretrained, **kwargs)

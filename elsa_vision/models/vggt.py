@@ -18,6 +18,8 @@ DPT depth head returns depth (``exp``) and confidence (``1 + exp``); the optiona
 head with ``inv_log`` activation for world points. Parameter names equal facebookresearch/vggt's
 (``aggregator.*``, ``camera_head.*``, ``depth_head.*``, ``point_head.*``), so a VGGT state_dict loads with
 ``strict=True`` (:meth:`ElsaVGGT.from_vggt_checkpoint`; the tracking head's keys are dropped and reported).
+
+The configurations are timm models: ``timm.create_model("elsa_vggt")`` (VGGT-1B), ``"elsa_vggt_small"``.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from timm.layers import LayerScale, Mlp
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
@@ -792,10 +796,13 @@ class ElsaVGGT(nn.Module):
 
     @classmethod
     def from_config(cls, name: str, **overrides) -> ElsaVGGT:
-        """Build a named configuration (``"elsa_vggt"``, ``"elsa_vggt_small"``) with keyword overrides."""
+        """``timm.create_model(name, **overrides)`` of a registered configuration (``"elsa_vggt"``,
+        ``"elsa_vggt_small"``: :data:`VGGT_CONFIGS`)."""
+        import timm
+
         if name not in VGGT_CONFIGS:
             raise ValueError(f"unknown ElsaVGGT config {name!r}; expected one of {sorted(VGGT_CONFIGS)}")
-        return cls(**{**VGGT_CONFIGS[name], **overrides})
+        return timm.create_model(name, **overrides)
 
     @classmethod
     def from_vggt_checkpoint(cls, path: str | Path, config: str | None = None, **overrides) -> ElsaVGGT:
@@ -906,8 +913,12 @@ def vggt_checkpoint_filter_fn(
     return out, dropped
 
 
+# --------------------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------------------
+
 # The 1B configuration of the VGGT release and a tiny one that trains on a CPU.
-VGGT_CONFIGS: dict[str, dict] = {
+_model_cfgs: dict[str, dict] = {
     "elsa_vggt": dict(
         img_size=518,
         patch_size=14,
@@ -939,13 +950,55 @@ VGGT_CONFIGS: dict[str, dict] = {
         intermediate_layer_idx=(0, 1, 2, 3),
     ),
 }
+# Read-only view of the registered configurations: name -> ElsaVGGT arguments.
+VGGT_CONFIGS = MappingProxyType({k: MappingProxyType(v) for k, v in _model_cfgs.items()})
 
 
-def elsa_vggt(**kwargs) -> ElsaVGGT:
+def _filter_fn(state_dict: dict[str, Tensor], model: ElsaVGGT) -> dict[str, Tensor]:
+    """:func:`vggt_checkpoint_filter_fn` for timm's loader (``pretrained_cfg_overlay=dict(file=path)``)."""
+    sd, dropped = vggt_checkpoint_filter_fn(state_dict, model)
+    if dropped:
+        _logger.warning("dropped %d checkpoint keys without a module here (%s)", len(dropped),
+                        ", ".join(sorted({k.split(".")[0] for k in dropped})))
+    return sd
+
+
+def _cfg(**kwargs):
+    # Images in [0, 1], normalised inside the model (mean 0, std 1 here).
+    return {
+        "url": "", "num_classes": 0, "input_size": (3, 518, 518), "pool_size": None, "crop_pct": 1.0,
+        "interpolation": "bicubic", "mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0),
+        "first_conv": "aggregator.patch_embed.patch_embed.proj", "classifier": None, "license": "other",
+        **kwargs,
+    }
+
+
+# Weights are local files: ElsaVGGT.from_vggt_checkpoint(path), or timm's
+# timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path)).
+default_cfgs = generate_default_cfgs({
+    "elsa_vggt": _cfg(),
+    "elsa_vggt_small": _cfg(
+        input_size=(3, 56, 56), first_conv="aggregator.patch_embed.proj", license="apache-2.0"),
+})
+
+
+def _create_elsa_vggt(variant: str, pretrained: bool = False, **kwargs) -> ElsaVGGT:
+    if kwargs.get("features_only"):
+        raise ValueError(f"{variant}: features_only=True is not supported: ElsaVGGT returns cameras and "
+                         f"depth maps; model.aggregator(images) gives every layer's tokens")
+    return build_model_with_cfg(
+        ElsaVGGT, variant, pretrained, pretrained_filter_fn=_filter_fn, feature_cfg=None,
+        kwargs_filter=("num_classes", "in_chans"), **{**_model_cfgs[variant], **kwargs},
+    )
+
+
+@register_model
+def elsa_vggt(pretrained: bool = False, **kwargs) -> ElsaVGGT:
     """VGGT-1B on ELSA: ViT-L DINOv2 patch embed, 24 frame + 24 global blocks of dim 1024, 518 px."""
-    return ElsaVGGT.from_config("elsa_vggt", **kwargs)
+    return _create_elsa_vggt("elsa_vggt", pretrained, **kwargs)
 
 
-def elsa_vggt_small(**kwargs) -> ElsaVGGT:
+@register_model
+def elsa_vggt_small(pretrained: bool = False, **kwargs) -> ElsaVGGT:
     """A tiny ElsaVGGT (dim 48, depth 4, conv patch embed, 56 px) for CPU training and tests."""
-    return ElsaVGGT.from_config("elsa_vggt_small", **kwargs)
+    return _create_elsa_vggt("elsa_vggt_small", pretrained, **kwargs)

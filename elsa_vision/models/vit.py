@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 from timm.layers import Attention, AttentionPoolLatent, LayerNorm
-from timm.models import adapt_input_conv, build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import (
+    adapt_input_conv,
+    build_model_with_cfg,
+    generate_default_cfgs,
+    register_model,
+    register_model_deprecations,
+)
 from timm.models._manipulate import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import Tensor
@@ -319,3 +325,16 @@ def elsa_vit_base_patch14_reg4_dinov2(pretrained: bool = False, **kwargs) -> Els
                 no_embed_class=True)
     return _create_elsa_vit(
         "elsa_vit_base_patch14_reg4_dinov2", pretrained=pretrained, **dict(args, **kwargs))
+
+
+# Short names (the high-resolution inference CLI's, the docs') of registered models: timm maps them to the
+# registered name (with a deprecation warning), elsa_vision.inference.highres.MODEL_ALIASES lists them.
+register_model_deprecations(__name__, {
+    "elsa_vit_t_patch16": "elsa_vit_tiny_patch16_224",
+    "elsa_vit_s_patch16": "elsa_vit_small_patch16_224",
+    "elsa_vit_b_patch16": "elsa_vit_base_patch16_224",
+    "elsa_vit_l_patch16": "elsa_vit_large_patch16_224",
+    "elsa_vit_b_patch16_384": "elsa_vit_base_patch16_384",
+    "elsa_vit_l_patch14_clip": "elsa_vit_large_patch14_clip_224",
+    "elsa_vit_b_patch14_dinov2": "elsa_vit_base_patch14_reg4_dinov2",
+})

@@ -66,7 +66,7 @@ BUILDS = {
     "ElsaHSIViT": lambda: ElsaHSIViT(8, 3, embed_dim=32, num_heads=2, branch_depth=1, fusion_depth=1),
     "ElsaCLIPVision": lambda: ElsaCLIPVision(image_size=32, patch_size=16, width=32, layers=1, heads=2,
                                              output_dim=16, attentional_pool=True, attn_pooler_queries=4),
-    "ElsaVGGT": lambda: ElsaVGGT.from_config("elsa_vggt_small"),
+    "ElsaVGGT": lambda: timm.create_model("elsa_vggt_small"),
 }
 
 

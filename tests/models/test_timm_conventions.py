@@ -1,9 +1,12 @@
-"""Every registered ``elsa_*`` model keeps timm's conventions, checked as timm's own ``tests/test_models.py``
-checks timm's models: forward and backward, FX tracing (torchvision's feature extraction with timm's leaf
-registries: forward equal to eager, backward reaching every parameter), timm's FX feature wrapper, the
-classifier API, ``forward_intermediates`` and the pretrained cfg; ``torch.export`` of every model (and of the
-CLIP image tower and the VGGT encoder) with the exported program equal to eager; ``torch.jit.script`` refused
-in one error (TorchScript is not a goal).
+"""Every registered ``elsa_*`` classifier keeps timm's conventions, checked as timm's own
+``tests/test_models.py`` checks timm's models: forward and backward, FX tracing (torchvision's feature
+extraction with timm's leaf registries: forward equal to eager, backward reaching every parameter), timm's
+FX feature wrapper, the classifier API, ``forward_intermediates`` and the pretrained cfg; ``torch.export``
+of every model (and of the CLIP image tower and the VGGT encoder) with the exported program equal to eager;
+``torch.jit.script`` refused in one error (TorchScript is not a goal). The registered models without a
+classifier (the CLIP image towers, VGGT) are kept out of the classifier tests by name, as timm's tests keep
+its non-standard models out (``NON_STD_FILTERS``); they build through ``timm.create_model`` with a pretrained
+cfg naming their modules, refuse ``features_only``, and are exported and refused by TorchScript as ``TOWERS``.
 
 CPU budget: every model is built shallow (a depth override through ``timm.create_model``) for a small input,
 once per process (``_model``); tests that change a model work on a copy.
@@ -31,7 +34,9 @@ from elsa_vision.ops.attention import resolve_backend
 # torchvision notes that train- and eval-mode graphs differ (dropout, drop-path); timm's FX tests get it too.
 pytestmark = pytest.mark.filterwarnings("ignore:NOTE. The nodes obtained by tracing the model in eval mode")
 
-NAMES = timm.list_models("elsa_*")
+NON_CLASSIFIERS = ["elsa_clip_*", "elsa_vggt*"]  # image embedding towers, multi-view reconstruction
+NAMES = timm.list_models("elsa_*", exclude_filters=NON_CLASSIFIERS)
+TOWER_NAMES = timm.list_models(NON_CLASSIFIERS)
 NUM_CLASSES = 42  # timm's backward test: a head other than the default
 
 
@@ -239,12 +244,28 @@ def test_export_equals_eager(name):
 
 
 def _clip_tower(backend: str) -> ElsaCLIPVision:
-    return ElsaCLIPVision(image_size=32, patch_size=8, width=64, layers=2, heads=4, output_dim=32,
-                          attn_backend=backend)
+    return timm.create_model("elsa_clip_b16", image_size=32, patch_size=8, width=64, layers=2, heads=4,
+                             output_dim=32, attn_backend=backend)
 
 
 def _vggt(backend: str) -> ElsaVGGT:
-    return ElsaVGGT.from_config("elsa_vggt_small", attn_backend=backend)
+    return timm.create_model("elsa_vggt_small", attn_backend=backend)
+
+
+@pytest.mark.parametrize("name", TOWER_NAMES)
+def test_towers_are_timm_models(name):
+    """A registered model without a classifier: built by ``timm.create_model`` (on the meta device: VGGT-1B
+    and the CLIP ViT-L towers are large) with the pretrained cfg keys timm reads, naming its patch embedding;
+    ``features_only`` refused in one line."""
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    assert isinstance(model, (ElsaCLIPVision, ElsaVGGT))
+    cfg = model.pretrained_cfg
+    assert model.default_cfg == cfg and len(cfg["input_size"]) == 3 and cfg["classifier"] is None
+    weight = dict(model.named_parameters())[cfg["first_conv"] + ".weight"]
+    assert weight.shape[1] == cfg["input_size"][0]
+    with pytest.raises(ValueError, match=f"{name}: features_only=True is not supported"):
+        timm.create_model(name, features_only=True)
 
 
 TOWERS = {  # builder, input [B, ...]

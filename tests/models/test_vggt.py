@@ -1,5 +1,5 @@
 """ElsaVGGT: VGGT state_dict layout, checkpoint loading, frame structure (frame 0 distinct, other frames
-permutation-equivariant), frame-count agnosticism, token merging. Its attention (ElsaAttention
+permutation-equivariant), frame-count agnosticism, token merging, the registry. Its attention (ElsaAttention
 with RoPE2D) is tested in tests/layers/test_rope.py."""
 
 
@@ -491,3 +491,27 @@ def test_configs_and_bad_arguments():
     assert attns and all(m.backend == "torch" and m.precision == "ieee" for m in attns)
     with pytest.raises(ValueError, match="unknown backend"):
         model.set_attention(backend="cuda")
+
+
+def test_configurations_are_timm_models(tmp_path):
+    """Each configuration is listed once and registered with timm: ``VGGT_CONFIGS`` is a read-only view of the
+    arguments ``timm.create_model`` builds with, and timm's local-weights path runs the VGGT filter function
+    (keys of heads absent here dropped)."""
+    import timm
+    from safetensors.torch import save_file
+
+    assert timm.list_models("elsa_vggt*") == sorted(VGGT_CONFIGS) == ["elsa_vggt", "elsa_vggt_small"]
+    with pytest.raises(TypeError):
+        VGGT_CONFIGS["elsa_vggt"]["depth"] = 2
+    torch.manual_seed(0)
+    src = timm.create_model("elsa_vggt_small")
+    assert isinstance(src, ElsaVGGT) and src.pretrained_cfg["input_size"] == (3, 56, 56)
+    assert {k: src.config[k] for k in VGGT_CONFIGS["elsa_vggt_small"]} == {
+        k: list(v) if isinstance(v, tuple) else v for k, v in VGGT_CONFIGS["elsa_vggt_small"].items()}
+    sd = dict(src.state_dict(), **{"track_head.w": torch.zeros(2)})
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    loaded = timm.create_model("elsa_vggt_small", pretrained=True,
+                               pretrained_cfg_overlay=dict(file=str(tmp_path / "w.safetensors")))
+    assert all(torch.equal(v, src.state_dict()[k]) for k, v in loaded.state_dict().items())
+    with pytest.raises(ValueError, match="elsa_vggt_small: features_only=True is not supported"):
+        timm.create_model("elsa_vggt_small", features_only=True)
