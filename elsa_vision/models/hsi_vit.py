@@ -10,8 +10,9 @@ band_group)`` spectral groups times ``S = (P / s)^2`` spatial positions. Two par
 * spectrally: within each position across groups, tokens reshaped to ``(B*S, G, D)``;
 
 their outputs are concatenated and projected back to ``D``, and fusion blocks attend over all ``G*S`` tokens
-``(B, G*S, D)``. Every attention layer is :class:`elsa_vision.layers.ElsaAttention` (or timm's SDPA
-``Attention`` with ``attn_impl="sdpa"``, same parameter names, for comparisons).
+``(B, G*S, D)``. Every attention layer is :class:`elsa_vision.layers.ElsaAttention` (``attn_layer``, timm's
+injection point: timm's SDPA ``Attention`` has the same parameter names, so the same network on SDPA is one
+argument away).
 
 Token masking (MAE pretraining) is a key mask: masked tokens never act as keys in any branch, so visible
 tokens see exactly what they would if the masked ones were dropped; rows with no visible key are 0.
@@ -20,11 +21,11 @@ tokens see exactly what they would if the masked ones were dropped; rows with no
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
-from timm.layers.attention import Attention
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_function
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block
@@ -33,9 +34,8 @@ from torch import Tensor, nn
 from ..layers.attention import ElsaAttention
 from ..layers.elsa_module import check_attention_options, set_attention
 
-__all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "ATTN_IMPLS", "GLOBAL_POOLS"]
+__all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "GLOBAL_POOLS"]
 
-ATTN_IMPLS = ("elsa", "sdpa")
 GLOBAL_POOLS = ("avg", "center", "")
 
 
@@ -106,8 +106,13 @@ class ElsaHSIViT(nn.Module):
         global_pool: ``"avg"`` (mean over tokens), ``"center"`` (mean over the centre position's tokens) or
             ``""`` (no pooling: the head sees every token, as timm's ``global_pool=""``).
         drop_rate, drop_path_rate: head dropout and stochastic depth.
-        attn_impl: ``"elsa"`` (ElsaAttention) or ``"sdpa"`` (timm ``Attention``, same weights).
-        attn_backend, attn_precision: ELSA backend / float32 precision (``attn_impl="elsa"``).
+        attn_backend, attn_precision: ELSA backend / float32 precision of every attention layer.
+        attn_layer: the attention class of every block (timm's ``Block(attn_layer=...)``), by default
+            :class:`~elsa_vision.layers.ElsaAttention`; ``timm.layers.Attention`` (same parameter names)
+            builds the same network on SDPA. Not part of ``config``: a network rebuilt from ``config`` is
+            ELSA.
+        attn_impl: deprecated, read from the ``config`` of checkpoints written before ``attn_layer``:
+            ``"elsa"`` is the default, ``"sdpa"`` is ``attn_layer=timm.layers.Attention``.
 
     Shapes: ``forward(x)``: ``x (B, in_chans, P, P)`` -> logits ``(B, num_classes)``;
     ``forward_features(x) -> (B, G*S, D)`` tokens; ``forward_head(tokens, pre_logits=True) -> (B, D)``.
@@ -132,11 +137,14 @@ class ElsaHSIViT(nn.Module):
         global_pool: str = "avg",
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
-        attn_impl: str = "elsa",
         attn_backend: str = "auto",
         attn_precision: str = "auto",
+        attn_layer: type[nn.Module] = ElsaAttention,
+        attn_impl: str | None = None,
     ):
         super().__init__()
+        if attn_impl is not None:
+            attn_layer = _legacy_attn_layer(attn_impl, attn_layer)
         for name, val, lo in (
             ("in_chans", in_chans, 1),
             ("num_classes", num_classes, 0),
@@ -159,10 +167,7 @@ class ElsaHSIViT(nn.Module):
                 f"ElsaHSIViT: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
             )
         _check_pool(global_pool)
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"ElsaHSIViT: attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
-        if attn_impl == "elsa":
-            check_attention_options("ElsaHSIViT", attn_backend, attn_precision)
+        check_attention_options("ElsaHSIViT", attn_backend, attn_precision)
         if branch_depth + fusion_depth == 0:
             raise ValueError("ElsaHSIViT: branch_depth + fusion_depth must be >= 1")
         self.config = dict(
@@ -180,14 +185,12 @@ class ElsaHSIViT(nn.Module):
             global_pool=global_pool,
             drop_rate=float(drop_rate),
             drop_path_rate=float(drop_path_rate),
-            attn_impl=attn_impl,
             attn_backend=attn_backend,
             attn_precision=attn_precision,
         )
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.global_pool = global_pool
-        self.attn_impl = attn_impl
 
         self.patch_embed = SpectralSpatialEmbed(in_chans, img_size, band_group, spatial_patch, embed_dim)
         G, S = self.patch_embed.num_groups, self.patch_embed.num_spatial
@@ -195,7 +198,6 @@ class ElsaHSIViT(nn.Module):
         self.spatial_pos = nn.Parameter(torch.zeros(1, 1, S, embed_dim))
         self.spectral_pos = nn.Parameter(torch.zeros(1, G, 1, embed_dim))
 
-        attn_layer = ElsaAttention if attn_impl == "elsa" else Attention
         n_blocks = branch_depth + fusion_depth
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # stochastic depth decay
 
@@ -217,8 +219,7 @@ class ElsaHSIViT(nn.Module):
         self.norm = nn.LayerNorm(embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        if attn_impl == "elsa":
-            set_attention(self, attn_backend, attn_precision)
+        set_attention(self, attn_backend, attn_precision)
         self.init_weights()
 
     # -- init ----------------------------------------------------------------------------------------------
@@ -332,6 +333,18 @@ class ElsaHSIViT(nn.Module):
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         if num_classes > 0:
             _init_weights(self.head)
+
+
+def _legacy_attn_layer(attn_impl: str, attn_layer: type[nn.Module]) -> type[nn.Module]:
+    warnings.warn("ElsaHSIViT: attn_impl is deprecated; the attention class is attn_layer (default "
+                  "ElsaAttention, timm.layers.Attention for SDPA)", DeprecationWarning, stacklevel=3)
+    if attn_impl not in ("elsa", "sdpa"):
+        raise ValueError(f"ElsaHSIViT: attn_impl must be 'elsa' or 'sdpa', got {attn_impl!r}")
+    if attn_impl == "elsa":
+        return attn_layer
+    from timm.layers import Attention
+
+    return Attention
 
 
 def _check_pool(global_pool: str) -> None:

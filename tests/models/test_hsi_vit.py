@@ -50,14 +50,17 @@ def test_uses_elsa_attention_in_timm_blocks():
 
 
 def test_elsa_matches_sdpa_with_same_weights():
-    """Same weights, ELSA vs SDPA: float64 both (<= 1e-12), and ELSA in float32 vs the float64 SDPA model
-    (<= 1e-5: the whole network in float32, not just attention)."""
+    """Same weights, ELSA vs SDPA (``attn_layer=timm.layers.Attention``): float64 both (<= 1e-12), and ELSA in
+    float32 vs the float64 SDPA model (<= 1e-5: the whole network in float32, not just attention)."""
+    from timm.layers import Attention
+
     torch.manual_seed(1)
     cfg = dict(
         img_size=9, band_group=4, spatial_patch=3, embed_dim=48, num_heads=3, branch_depth=2, fusion_depth=2
     )
-    sdpa = ElsaHSIViT(17, 6, attn_impl="sdpa", **cfg).eval()
-    elsa = ElsaHSIViT(17, 6, attn_impl="elsa", **cfg).eval()
+    sdpa = ElsaHSIViT(17, 6, attn_layer=Attention, **cfg).eval()
+    elsa = ElsaHSIViT(17, 6, **cfg).eval()
+    assert not any(isinstance(m, ElsaAttention) for m in sdpa.modules())
     elsa.load_state_dict(sdpa.state_dict())
     x = torch.randn(5, 17, 9, 9)
     ref = sdpa.double()(x.double())
@@ -138,7 +141,7 @@ def test_forward_intermediates_stages():
 def test_constructor_and_input_errors():
     with pytest.raises(ValueError, match="img_size \\(9\\) must be a multiple of spatial_patch \\(2\\)"):
         ElsaHSIViT(8, 3, img_size=9, spatial_patch=2)
-    with pytest.raises(ValueError, match="attn_impl"):
+    with pytest.raises(ValueError, match="attn_impl"), pytest.warns(DeprecationWarning):
         ElsaHSIViT(8, 3, attn_impl="flash")
     with pytest.raises(ValueError, match="embed_dim \\(30\\) must be divisible by num_heads \\(4\\)"):
         ElsaHSIViT(8, 3, embed_dim=30, num_heads=4)
@@ -149,6 +152,21 @@ def test_constructor_and_input_errors():
         m(torch.randn(1, 9, 9, 9))
     with pytest.raises(ValueError, match="input patch must be 9x9, got 7x7"):
         m(torch.randn(1, 8, 7, 7))
+
+
+def test_config_of_older_checkpoints_still_builds():
+    """Checkpoints written before ``attn_layer`` hold ``attn_impl`` in the network config: it still builds,
+    with a DeprecationWarning, to the same network."""
+    from timm.layers import Attention
+
+    new = ElsaHSIViT(8, 3, img_size=9, **TINY)
+    with pytest.warns(DeprecationWarning, match="attn_layer"):
+        old = ElsaHSIViT(**{**new.config, "attn_impl": "elsa"})
+    assert "attn_impl" not in new.config and old.config == new.config
+    assert all(isinstance(b.attn, ElsaAttention) for b in old.fusion_blocks)
+    with pytest.warns(DeprecationWarning):
+        sdpa = ElsaHSIViT(**{**new.config, "attn_impl": "sdpa"})
+    assert all(type(b.attn) is Attention for b in sdpa.fusion_blocks)
 
 
 def test_fx_trace_keeps_the_input_checks():
