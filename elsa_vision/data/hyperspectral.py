@@ -20,7 +20,6 @@ training pixels only.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -48,7 +47,6 @@ __all__ = [
     "split_indices",
     "pad_cube",
     "extract_patches",
-    "chance_accuracy",
     "synthetic_scene",
     "NAN_POLICIES",
     "MAX_LABEL",
@@ -869,12 +867,6 @@ class HSIDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, shuffle=False)
-
-
-def chance_accuracy(labels: np.ndarray) -> float:
-    """Overall accuracy of always predicting the majority class (the chance level OA is compared with)."""
-    counts = np.bincount(np.asarray(labels))
-    return float(counts.max() / counts.sum()) if counts.size else math.nan
 
 
 def synthetic_scene(
