@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from ..files import FileTooLargeError, open_image, read_npy
-from ..geometry import quat_to_mat
+from .geometry import quat_to_mat
 
 __all__ = [
     "render_scene",

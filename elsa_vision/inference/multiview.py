@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data.geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
 from ..data.multiview import _load_image, resize_frame
 from ..files import prepare_output_dir
-from ..geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
 from ..models.vggt import (
     VGGT_CONFIGS,
     ElsaVGGT,

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from elsa_vision.data.geometry import depth_to_world_points, mat_to_quat
 from elsa_vision.data.multiview import (
     MultiViewDataModule,
     MultiViewSequenceDataset,
@@ -21,7 +22,6 @@ from elsa_vision.data.multiview import (
     render_scene,
     resize_frame,
 )
-from elsa_vision.geometry import depth_to_world_points, mat_to_quat
 
 f64 = torch.float64
 
