@@ -108,8 +108,7 @@ def test_png_bomb_limit_follows_pillows_setting(tmp_path, monkeypatch):
 def test_forged_tiff_and_npy_are_refused_before_allocation(tmp_path):
     import tracemalloc
 
-    from elsa_vision.data.hyperspectral import load_cube
-    from elsa_vision.inference.readers import iter_images
+    from elsa_vision.data.readers import iter_images, load_cube
 
     tif, npy = forged_tiff(tmp_path / "forged.tif"), forged_npy(tmp_path / "forged.npy")
     assert tif.stat().st_size < 1000 and npy.stat().st_size < 200
@@ -141,7 +140,7 @@ def test_forged_tiff_and_npy_are_refused_before_allocation(tmp_path):
 def test_forged_hdf5_and_npz_are_refused_before_reading(tmp_path):
     import h5py
 
-    from elsa_vision.data.hyperspectral import load_cube
+    from elsa_vision.data.readers import load_cube
 
     with h5py.File(tmp_path / "cube.mat", "w") as f:  # MATLAB v7.3: chunked, nothing written, 4 KB on disk
         f.create_dataset("cube", (200, 100_000, 100), "f4", chunks=(1, 1000, 100), compression="gzip")

@@ -17,46 +17,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import torch
-from PIL import Image
 from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset
 
-from ..files import open_image
+from .readers.images import load_rgb
 from .samplers import EpochShuffleSampler
 
-__all__ = ["IMG_EXTENSIONS", "ImageFolderDataModule", "RobustImageFolder", "load_rgb", "scan_class_folders"]
+__all__ = ["IMG_EXTENSIONS", "ImageFolderDataModule", "RobustImageFolder", "scan_class_folders"]
 
 log = logging.getLogger(__name__)
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
-
-
-def load_rgb(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
-    """Decode ``path`` fully; return an RGB (or ``mode="L"`` grey) image. Unreadable data raises
-    ``OSError``/``ValueError``/``SyntaxError`` (Pillow's three ways of reporting a corrupt file)."""
-    if mode not in ("RGB", "L"):
-        raise ValueError(f"load_rgb: mode must be 'RGB' or 'L', got {mode!r}")
-    return _load(path).convert(mode) if mode == "L" else _load(path)
-
-
-def _load(path: str | os.PathLike) -> Image.Image:
-    # the declared size is checked against PIL.Image.MAX_IMAGE_PIXELS before decoding (FileTooLargeError, a
-    # ValueError: the image is skipped like an undecodable one, and named)
-    with open_image(path) as im:
-        im.load()  # decode now: truncated data raises here, not later inside a transform
-        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
-            rgba = im.convert("RGBA")
-            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(background, rgba).convert("RGB")
-        if im.mode.startswith("I;16") or im.mode in ("I", "F"):
-            # 16-bit / integer / float grey: rescale to 8 bit before the RGB conversion.
-            arr = np.asarray(im, dtype=np.float32)
-            lo, hi = float(arr.min()), float(arr.max())
-            arr = (arr - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(arr)
-            return Image.fromarray(arr.round().astype(np.uint8)).convert("RGB")
-        return im.convert("RGB")
 
 
 def scan_class_folders(split_dir: str | os.PathLike) -> tuple[list[str], list[tuple[str, int]], list[str]]:

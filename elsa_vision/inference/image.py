@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
 from ..files import DEFAULT_MAX_ARRAY_BYTES, prepare_output_dir
 from .highres import (
     MODEL_ALIASES,
@@ -54,7 +55,6 @@ from .highres import (
     run_plan,
     weights_shape_info,
 )
-from .readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
 
 __all__ = ["main", "cli", "build_parser", "heatmap_overlay", "save_random_weights"]
 
