@@ -12,9 +12,9 @@ import torch
 from hydra.errors import InstantiationException, MissingConfigException
 from lightning import Callback
 
-import elsa_vision.train as train_mod
+import elsa_vision.tasks.train as train_mod
 from elsa_vision.tasks import ClassificationModule, cosine_warmup_schedule
-from elsa_vision.train import train
+from elsa_vision.tasks.train import train
 from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg, make_image_tree, write_image
 
 FAST = ["trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]

@@ -268,7 +268,7 @@ def test_cli_without_out_writes_a_fresh_run_directory(tiny_name, image_folder, t
 
 def test_evaluate_task_zeroshot_and_embed(tiny_name, image_folder, tmp_path):
     """evaluate.py's task=zeroshot / task=embed route through the same pipeline as the CLI."""
-    from elsa_vision.evaluate import evaluate_zeroshot
+    from elsa_vision.tasks.evaluate import evaluate_zeroshot
     from tests.train_helpers import compose_cfg
 
     torch.manual_seed(0)

@@ -22,10 +22,10 @@ import torch
 from lightning import LightningModule, Trainer
 from omegaconf import DictConfig
 
-from .files import read_checkpoint
+from ..files import read_checkpoint
+from ..utils.accelerator import check_accelerator
+from ..utils.run import extras, instantiate_loggers, save_resolved_config
 from .train import instantiate_data
-from .utils.accelerator import check_accelerator
-from .utils.run import extras, instantiate_loggers, save_resolved_config
 
 __all__ = ["evaluate", "evaluate_zeroshot", "load_weights", "plot_confusion_matrix", "format_table", "TASKS"]
 
@@ -199,7 +199,7 @@ def evaluate_zeroshot(cfg: DictConfig) -> dict[str, Any]:
     """
     from omegaconf import OmegaConf
 
-    from .tasks.zeroshot import run
+    from .zeroshot import run
 
     task = cfg.get("task", "classification")
     if task not in ("zeroshot", "embed"):

@@ -25,10 +25,9 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
-from .files import checkpoint_kind, read_checkpoint
-from .runs import run_of_checkpoint
-from .utils.accelerator import check_accelerator
-from .utils.run import (
+from ..files import checkpoint_kind, read_checkpoint
+from ..utils.accelerator import check_accelerator
+from ..utils.run import (
     extras,
     find_last_checkpoint,
     instantiate_callbacks,
@@ -37,6 +36,7 @@ from .utils.run import (
     save_resolved_config,
     trim_metrics_csv,
 )
+from ..utils.run_dirs import run_of_checkpoint
 
 __all__ = ["CheckpointPathError", "instantiate_data", "resolve_ckpt_path", "train"]
 
