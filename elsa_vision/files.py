@@ -254,7 +254,7 @@ def unwrap_weights(obj: Any, path: str | os.PathLike) -> dict[str, Tensor]:
     if not tensors:
         what = f"keys {list(top)[:8]}" if isinstance(top, Mapping) else f"a {type(top).__name__}"
         where = f", none in {inside}" if inside else ""
-        raise ValueError(f"{os.fspath(path)!r} holds no weights (no tensors; {what}{where})")
+        raise ValueError(f"{os.fspath(path)!r} holds no tensors ({what}{where})")
     stripped = True
     while stripped:
         stripped = False

@@ -146,11 +146,11 @@ def test_read_weights_removes_ddp_and_compile_prefixes(tmp_path):
 
 def test_read_weights_without_tensors_names_the_file(tmp_path):
     torch.save({"epoch": 3, "state_dict": {}, "hyper_parameters": {"lr": 0.1}}, tmp_path / "empty.ckpt")
-    no_weights = r"empty\.ckpt' holds no weights \(no tensors; keys \['epoch', 'state_dict', 'hyper_\w+'\]"
+    no_weights = r"empty\.ckpt' holds no tensors \(keys \['epoch', 'state_dict', 'hyper_parameters'\]"
     with pytest.raises(ValueError, match=no_weights + r", none in \['state_dict'\]\)"):
         read_weights(tmp_path / "empty.ckpt")
     torch.save([1, 2, 3], tmp_path / "list.pt")
-    with pytest.raises(ValueError, match=r"list\.pt' holds no weights \(no tensors; a list\)"):
+    with pytest.raises(ValueError, match=r"list\.pt' holds no tensors \(a list\)"):
         read_weights(tmp_path / "list.pt")
 
 
