@@ -268,12 +268,9 @@ def save_random_weights(path: str, model_name: str, *, num_classes: int | None, 
 
 
 def _saved_as_random(path: str) -> bool:
-    if not path.endswith(".safetensors"):
-        return False
-    from safetensors import safe_open
+    from ..files import read_safetensors_metadata
 
-    with safe_open(path, framework="pt") as f:
-        return (f.metadata() or {}).get("init") == "random"
+    return read_safetensors_metadata(path).get("init") == "random"
 
 
 def heatmap_overlay(
