@@ -527,6 +527,8 @@ def _table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from ..kernels.precision import PRECISIONS
+
     p = argparse.ArgumentParser(
         prog="python -m elsa_vision.tasks.zeroshot", description=__doc__.split("\n")[0]
     )
@@ -544,7 +546,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--image-size", type=int, default=None, help="run the image tower at this resolution")
     p.add_argument("--no-elsa", action="store_true", help="keep open_clip's stock attention")
     p.add_argument("--attn-backend", default="auto")
-    p.add_argument("--attn-precision", default="auto")
+    p.add_argument("--attn-precision", default="auto", choices=PRECISIONS,
+                   help="ELSA float32 precision (auto: FP32-accurate)")
     p.add_argument("--embed-format", default="safetensors", choices=("safetensors", "npz"))
     a = p.parse_args(argv)
     result = run(
