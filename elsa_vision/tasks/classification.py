@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-__all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule"]
+__all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule", "model_data_config"]
 
 
 def create_backbone(
@@ -54,6 +54,10 @@ def create_backbone(
     from ..files import checkpoint_kind, read_weights
     from ..models import load_checkpoint
 
+    img_size, patch_size = kwargs.get("img_size"), kwargs.get("patch_size")
+    sizes_given = isinstance(img_size, int) and isinstance(patch_size, int)
+    if sizes_given and (patch_size < 1 or img_size % patch_size):
+        raise ValueError(f"create_backbone: patch_size ({patch_size}) must divide img_size ({img_size})")
     for arg, path in (("pretrained_file", pretrained_file), ("checkpoint_path", checkpoint_path)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"create_backbone: {arg}={str(path)!r} is not a file")
@@ -75,6 +79,23 @@ def create_backbone(
     if checkpoint_path is not None:
         load_checkpoint(net, checkpoint_path, strict=True)
     return net
+
+
+def model_data_config(net: nn.Module) -> dict[str, Any]:
+    """The data config a network expects, as timm's ``train.py`` resolves it
+    (``timm.data.resolve_data_config(model=net)``: mean/std, interpolation, crop_pct from its pretrained cfg),
+    with the input size the network was built for (``patch_embed.img_size``, ``in_chans``). Data modules
+    take it through ``set_data_config``."""
+    from timm.data import resolve_data_config
+
+    args: dict[str, Any] = {}
+    patch_embed = getattr(net, "patch_embed", None)
+    img_size = getattr(patch_embed, "img_size", None)
+    proj = getattr(patch_embed, "proj", None)
+    in_chans = getattr(net, "in_chans", None) or getattr(proj, "in_channels", None)
+    if img_size is not None and in_chans is not None:
+        args["input_size"] = (int(in_chans), *(int(v) for v in img_size))
+    return resolve_data_config(args, model=net)
 
 
 def cosine_warmup_schedule(
