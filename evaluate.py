@@ -9,7 +9,7 @@ import os
 import hydra
 from omegaconf import DictConfig
 
-from elsa_vision.runs import register_resolvers
+from elsa_vision.utils.run_dirs import register_resolvers
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 register_resolvers()  # hydra.run.dir: a new directory per run
@@ -17,7 +17,7 @@ register_resolvers()  # hydra.run.dir: a new directory per run
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    from elsa_vision.evaluate import TASKS, evaluate, evaluate_zeroshot
+    from elsa_vision.tasks.evaluate import TASKS, evaluate, evaluate_zeroshot
     from elsa_vision.utils.run import print_json_line
 
     task = cfg.get("task", "classification")

@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from elsa_vision.files import NotACheckpointError
-from elsa_vision.runs import register_resolvers
+from elsa_vision.utils.run_dirs import register_resolvers
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 register_resolvers()  # hydra.run.dir: a new directory per run, or the resumed run's own
@@ -19,7 +19,7 @@ register_resolvers()  # hydra.run.dir: a new directory per run, or the resumed r
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from elsa_vision.train import CheckpointPathError, train
+    from elsa_vision.tasks.train import CheckpointPathError, train
     from elsa_vision.utils.run import print_json_line
 
     try:

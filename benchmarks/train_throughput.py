@@ -62,7 +62,7 @@ def run_peer(peer: str, spec: dict, root: Path, device: torch.device) -> dict:
     import lightning as L
     from hydra import compose, initialize_config_dir
 
-    from elsa_vision.train import instantiate_data
+    from elsa_vision.tasks.train import instantiate_data
 
     overrides = [
         "data=imagefolder",

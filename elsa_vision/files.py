@@ -4,7 +4,10 @@ Every weights or checkpoint file the package reads goes through :func:`read_chec
 through safetensors, ``torch.save`` files through ``torch.load(weights_only=True)`` (tensors, containers and
 plain values only), and TorchScript archives (OpenAI's CLIP ``.pt`` files) through
 :func:`read_torchscript_state_dict`, which reads their tensors without running the archive's code. A file
-that is none of these is reported as "not a checkpoint", naming what it looks like.
+that is none of these is reported as "not a checkpoint", naming what it looks like. :func:`read_weights`
+(:func:`unwrap_weights` for a checkpoint already read) unwraps what training scripts put around the weights
+(a Lightning checkpoint's ``state_dict``, timm's ``state_dict_ema``, DDP's ``module.`` prefix ...) into one
+flat ``{name: tensor}``.
 
 Inputs declare their size before they are decoded (image headers, TIFF page shapes, ``.npy`` headers, HDF5 /
 MATLAB variable shapes); :func:`check_image_pixels` and :func:`check_array_bytes` compare the declared size
@@ -40,6 +43,7 @@ __all__ = [
     "DEFAULT_MAX_ARRAY_BYTES",
     "FileTooLargeError",
     "NotACheckpointError",
+    "STATE_DICT_KEYS",
     "UnsafeCheckpointError",
     "atomic_torch_save",
     "check_array_bytes",
@@ -51,8 +55,11 @@ __all__ = [
     "prepare_output_dir",
     "read_checkpoint",
     "read_npy",
+    "read_safetensors_metadata",
     "read_torchscript_state_dict",
+    "read_weights",
     "remove_stale_temp_files",
+    "unwrap_weights",
 ]
 
 # Decoded arrays (TIFF/HDF5/MATLAB/NumPy inputs) larger than this are refused before decoding: 4 GiB holds an
@@ -201,6 +208,74 @@ def read_checkpoint(
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path!r} is a truncated or damaged checkpoint: {_first_line(e)}") from e
+
+
+# Keys under which training scripts nest the weights, in the order they are taken: timm's EMA weights first
+# (as timm's own loader), then Lightning's / timm's state_dict, ``model`` (DeiT, MAE), DINOv2's ``teacher``.
+STATE_DICT_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model", "module", "teacher", "model_state")
+# Prefixes wrappers add to every key: DDP (``module.``) and torch.compile (``_orig_mod.``), in either order.
+# Removed only when every key has one (a model may have a submodule of that name).
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def read_weights(
+    path: str | os.PathLike, *, torchscript: bool = False, map_location: Any = "cpu"
+) -> dict[str, Tensor]:
+    """The weights a file holds, as one flat ``{name: tensor}``: :func:`read_checkpoint`, then
+    :func:`unwrap_weights`.
+
+    Raises:
+        FileNotFoundError, NotACheckpointError, ValueError: as :func:`read_checkpoint`; a ``ValueError``
+            naming the file when it holds no tensors.
+    """
+    obj = read_checkpoint(path, map_location=map_location, torchscript=torchscript)
+    return unwrap_weights(obj, path)
+
+
+def unwrap_weights(obj: Any, path: str | os.PathLike) -> dict[str, Tensor]:
+    """The flat ``{name: tensor}`` inside what :func:`read_checkpoint` returned for ``path``.
+
+    A mapping without tensors of its own is unwrapped through the first of :data:`STATE_DICT_KEYS` it holds
+    (a Lightning checkpoint's ``state_dict``, timm's ``state_dict_ema`` ...), as often as that applies;
+    entries that are not tensors are dropped, and a ``module.`` / ``_orig_mod.`` prefix that every key
+    carries (DDP, ``torch.compile``) is removed. Prefixes of the training module itself (a LightningModule's
+    ``net.``) are kept: the caller knows which it expects. ``path`` names the file in errors.
+
+    Raises:
+        ValueError: naming the file, when it holds no tensors.
+    """
+    top, inside = obj, ""
+    while isinstance(obj, Mapping) and not any(isinstance(v, Tensor) for v in obj.values()):
+        nested = next((k for k in STATE_DICT_KEYS if isinstance(obj.get(k), Mapping)), None)
+        if nested is None:
+            break
+        obj, inside = obj[nested], f"{inside}[{nested!r}]"
+    tensors = {k: v for k, v in obj.items() if isinstance(v, Tensor)} if isinstance(obj, Mapping) else {}
+    if not tensors:
+        what = f"keys {list(top)[:8]}" if isinstance(top, Mapping) else f"a {type(top).__name__}"
+        where = f", none in {inside}" if inside else ""
+        raise ValueError(f"{os.fspath(path)!r} holds no tensors ({what}{where})")
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if all(isinstance(k, str) and k.startswith(prefix) for k in tensors):
+                tensors = {k[len(prefix) :]: v for k, v in tensors.items()}
+                stripped = True
+    return tensors
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The ``__metadata__`` strings of a ``.safetensors`` file (its header only); ``{}`` for other files."""
+    if checkpoint_kind(path) != "safetensors":
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own SafetensorError on damaged headers
+        raise ValueError(f"{os.fspath(path)!r} is a damaged .safetensors file: {_first_line(e)}") from e
 
 
 # ------------------------------------------------------------------------------- TorchScript archives

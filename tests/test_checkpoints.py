@@ -18,10 +18,10 @@ import torch
 from lightning import Callback
 from PIL import Image
 
-import elsa_vision.train as train_mod
+import elsa_vision.tasks.train as train_mod
 from elsa_vision import runs as run_mod
 from elsa_vision.files import NotACheckpointError, read_checkpoint
-from elsa_vision.train import CheckpointPathError, train
+from elsa_vision.tasks.train import CheckpointPathError, train
 from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg
 
 QUIET_CSV = [q for q in QUIET if q != "logger=none"] + ["logger=csv"]
@@ -149,7 +149,7 @@ _INTERRUPTED_SAVE = textwrap.dedent(
     import tempfile
     tempfile.tempdir = tmpdir
     from tests.train_helpers import compose_cfg
-    from elsa_vision.train import train
+    from elsa_vision.tasks.train import train
 
     # $TMPDIR on another filesystem: a rename between two directories fails as it does across mounts,
     # so a write-to-$TMPDIR-then-move becomes a copy into the checkpoints directory.

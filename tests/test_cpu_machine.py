@@ -80,14 +80,14 @@ ONE_LINE = (r"^trainer\.accelerator=gpu needs a GPU and this machine has none: r
 @pytest.mark.parametrize("overrides", GPU_ONLY, ids=lambda o: o[0])
 def test_gpu_trainer_refused_in_one_line(overrides, no_gpu, tmp_path):
     """Instead of Lightning's ``No supported gpu backend found!``, before data or model are built."""
-    from elsa_vision.train import train
+    from elsa_vision.tasks.train import train
 
     with pytest.raises(ValueError, match=ONE_LINE):
         train(compose_cfg("train", overrides, tmp_path / "run"))
 
 
 def test_gpu_evaluation_refused_in_one_line(no_gpu, tmp_path):
-    from elsa_vision.evaluate import evaluate
+    from elsa_vision.tasks.evaluate import evaluate
 
     overrides = ["trainer=gpu", "model.pretrained_file=/weights/vit.safetensors"]
     cfg = compose_cfg("eval", overrides, tmp_path / "run")

@@ -69,7 +69,7 @@ def test_digits_datamodule_loaders_and_channels():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(img_size=30, patch_size=4), "patch_size"),
+        (dict(img_size=4), "img_size"),
         (dict(in_chans=2), "in_chans"),
         (dict(num_classes=12), "num_classes"),
         (dict(batch_size=0), "batch_size"),
@@ -139,7 +139,7 @@ def test_robust_image_folder_verify_drops_broken_up_front(messy_tree):
 
 
 def test_imagefolder_datamodule_batches(messy_tree):
-    dm = ImageFolderDataModule(root=str(messy_tree), img_size=32, patch_size=8, batch_size=4, num_workers=0)
+    dm = ImageFolderDataModule(root=str(messy_tree), img_size=32, batch_size=4, num_workers=0)
     dm.setup("fit")
     assert dm.num_classes == 2 and dm.class_names == ("a", "b")
     for x, y in dm.train_dataloader():
@@ -186,23 +186,28 @@ def test_class_mismatch_between_splits(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ imagenet
-def test_imagenet_transforms_follow_the_pretrained_cfg(tmp_path):
+def test_imagenet_transforms_follow_the_models_data_config(tmp_path):
+    import timm
+
+    from elsa_vision.tasks import model_data_config
+
     root = make_image_tree(
         tmp_path / "in1k", classes=("n01440764", "n01443537"), n_train=2, n_val=1, size=(300, 200)
     )
-    dm = ImageNetDataModule(
-        root=str(root), model_name="elsa_vit_small_patch16_224", num_classes=2, batch_size=2, num_workers=0
-    )
-    assert dm.data_config["mean"] == (0.5, 0.5, 0.5) and dm.data_config["crop_pct"] == 0.9
+    dm = ImageNetDataModule(root=str(root), num_classes=2, batch_size=2, num_workers=0)
+    # timm's ImageNet defaults until the model's data config arrives
+    assert dm.data_config["mean"] == (0.485, 0.456, 0.406) and dm.data_config["crop_pct"] == 0.875
     dm.setup("fit")
+    with torch.device("meta"):
+        net = timm.create_model("elsa_vit_small_patch16_224", depth=1)
+    dm.set_data_config(model_data_config(net))  # datasets already built get the new transforms
+    assert dm.data_config["mean"] == (0.5, 0.5, 0.5) and dm.data_config["crop_pct"] == 0.9
     x, _ = next(iter(dm.val_dataloader()))
     assert x.shape == (2, 3, 224, 224)
     # eval = resize(224 / 0.9) + centre crop + normalise(0.5, 0.5): values span [-1, 1]
     assert -1.0 - 1e-6 <= float(x.min()) and float(x.max()) <= 1.0 + 1e-6
     xt, _ = next(iter(dm.train_dataloader()))
     assert xt.shape == (2, 3, 224, 224)
-    with pytest.raises(ValueError, match="not a registered timm model"):
-        ImageNetDataModule(root=str(root), model_name="no_such_model")
     with pytest.raises(ValueError, match="in_chans"):
         ImageNetDataModule(root=str(root), in_chans=1)
 

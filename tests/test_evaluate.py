@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from elsa_vision.evaluate import evaluate, load_weights
-from elsa_vision.train import train
+from elsa_vision.tasks.evaluate import evaluate, load_weights
+from elsa_vision.tasks.train import train
 from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg
 
 

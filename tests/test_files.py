@@ -22,7 +22,10 @@ from elsa_vision.files import (
     prepare_output_dir,
     read_checkpoint,
     read_npy,
+    read_safetensors_metadata,
+    read_weights,
     remove_stale_temp_files,
+    unwrap_weights,
 )
 from tests.helpers import bomb_png, forged_npy, forged_tiff
 
@@ -86,6 +89,79 @@ def test_truncated_checkpoint_and_torchscript_are_reported(tmp_path):
 # --------------------------------------------------------------------------------------- declared sizes
 
 
+def test_read_weights_unwraps_a_lightning_checkpoint(tmp_path):
+    w, b = torch.randn(3, 2), torch.randn(3)
+    torch.save(
+        {
+            "epoch": 3,
+            "global_step": 30,
+            "pytorch-lightning_version": "2.4.0",
+            "state_dict": {"net.head.weight": w, "net.head.bias": b},
+            "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(3, 2)}}, "param_groups": []}],
+            "lr_schedulers": [{"last_epoch": 3}],
+            "hyper_parameters": {"lr": 0.1, "num_classes": 3},
+            "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 3}}}},
+        },
+        tmp_path / "last.ckpt",
+    )
+    sd = read_weights(tmp_path / "last.ckpt")
+    # the module's own prefix stays (the caller knows it); optimizer tensors are not weights
+    assert list(sd) == ["net.head.weight", "net.head.bias"]
+    assert torch.equal(sd["net.head.weight"], w) and torch.equal(sd["net.head.bias"], b)
+
+
+def test_read_weights_takes_timms_ema_weights(tmp_path):
+    raw, ema = torch.zeros(4), torch.ones(4)
+    torch.save(
+        {"epoch": 9, "arch": "vit_small_patch16_224", "state_dict": {"fc.bias": raw},
+         "optimizer": {"state": {}, "param_groups": []}, "version": 2, "state_dict_ema": {"fc.bias": ema}},
+        tmp_path / "model_best.pth.tar",
+    )
+    sd = read_weights(tmp_path / "model_best.pth.tar")
+    assert list(sd) == ["fc.bias"] and torch.equal(sd["fc.bias"], ema)
+    torch.save({"model": {"fc.bias": raw}, "epoch": 1}, tmp_path / "mae.pth")  # DeiT / MAE layout
+    assert torch.equal(read_weights(tmp_path / "mae.pth")["fc.bias"], raw)
+
+
+def test_read_weights_removes_ddp_and_compile_prefixes(tmp_path):
+    t = torch.arange(4.0)
+    torch.save({"state_dict": {"module.blocks.0.w": t, "module.head.b": t}}, tmp_path / "ddp.pth")
+    assert list(read_weights(tmp_path / "ddp.pth")) == ["blocks.0.w", "head.b"]
+    nested = {"module._orig_mod.blocks.0.w": t, "module._orig_mod.head.b": t}
+    assert list(unwrap_weights(nested, "x.pth")) == ["blocks.0.w", "head.b"]
+    assert list(unwrap_weights({"_orig_mod.module.head.b": t}, "x.pth")) == ["head.b"]
+    # a prefix that only some keys carry is a submodule's name, not a wrapper: kept
+    own = {"module.w": t, "head.b": t}
+    assert list(unwrap_weights(own, "x.pth")) == ["module.w", "head.b"]
+    from safetensors.torch import save_file
+
+    save_file({"module.head.b": t}, str(tmp_path / "w.safetensors"), metadata={"arch": "tiny"})
+    assert list(read_weights(tmp_path / "w.safetensors")) == ["head.b"]
+    assert read_safetensors_metadata(tmp_path / "w.safetensors") == {"arch": "tiny"}
+    assert read_safetensors_metadata(tmp_path / "ddp.pth") == {}
+    (tmp_path / "bad.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(ValueError, match=r"bad\.safetensors' is a damaged"):
+        read_safetensors_metadata(tmp_path / "bad.safetensors")
+
+
+def test_read_weights_without_tensors_names_the_file(tmp_path):
+    torch.save({"epoch": 3, "state_dict": {}, "hyper_parameters": {"lr": 0.1}}, tmp_path / "empty.ckpt")
+    no_weights = r"empty\.ckpt' holds no tensors \(keys \['epoch', 'state_dict', 'hyper_parameters'\]"
+    with pytest.raises(ValueError, match=no_weights + r", none in \['state_dict'\]\)"):
+        read_weights(tmp_path / "empty.ckpt")
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match=r"list\.pt' holds no tensors \(a list\)"):
+        read_weights(tmp_path / "list.pt")
+
+
+def test_read_weights_refuses_pickled_code(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "callbacks": _Touch(marker)}, tmp_path / "evil.ckpt")
+    with pytest.raises(UnsafeCheckpointError, match=r"evil\.ckpt' holds Python objects"):
+        read_weights(tmp_path / "evil.ckpt")
+    assert not marker.exists()
+
+
 def test_png_bomb_is_refused_before_decoding_naming_the_file(tmp_path):
     bomb = bomb_png(tmp_path / "bomb.png")
     assert bomb.stat().st_size < 100
@@ -108,8 +184,7 @@ def test_png_bomb_limit_follows_pillows_setting(tmp_path, monkeypatch):
 def test_forged_tiff_and_npy_are_refused_before_allocation(tmp_path):
     import tracemalloc
 
-    from elsa_vision.data.hyperspectral import load_cube
-    from elsa_vision.inference.readers import iter_images
+    from elsa_vision.data.readers import iter_images, load_cube
 
     tif, npy = forged_tiff(tmp_path / "forged.tif"), forged_npy(tmp_path / "forged.npy")
     assert tif.stat().st_size < 1000 and npy.stat().st_size < 200
@@ -141,7 +216,7 @@ def test_forged_tiff_and_npy_are_refused_before_allocation(tmp_path):
 def test_forged_hdf5_and_npz_are_refused_before_reading(tmp_path):
     import h5py
 
-    from elsa_vision.data.hyperspectral import load_cube
+    from elsa_vision.data.readers import load_cube
 
     with h5py.File(tmp_path / "cube.mat", "w") as f:  # MATLAB v7.3: chunked, nothing written, 4 KB on disk
         f.create_dataset("cube", (200, 100_000, 100), "f4", chunks=(1, 1000, 100), compression="gzip")

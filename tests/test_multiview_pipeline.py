@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
+from elsa_vision.data.geometry import depth_to_world_points, read_ply
 from elsa_vision.data.multiview import MultiViewDataModule, SyntheticMultiViewDataset
-from elsa_vision.geometry import depth_to_world_points, read_ply
 from elsa_vision.inference.multiview import main as infer_main
 from elsa_vision.models import ElsaVGGT
 from elsa_vision.models.vggt import VGGT_CONFIGS

@@ -12,9 +12,9 @@ import torch
 from hydra.errors import InstantiationException, MissingConfigException
 from lightning import Callback
 
-import elsa_vision.train as train_mod
+import elsa_vision.tasks.train as train_mod
 from elsa_vision.tasks import ClassificationModule, cosine_warmup_schedule
-from elsa_vision.train import train
+from elsa_vision.tasks.train import train
 from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg, make_image_tree, write_image
 
 FAST = ["trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
@@ -49,7 +49,8 @@ def test_every_model_config_adapts_to_the_data(tmp_path, model):
 
     cfg = compose_cfg("train", [f"model={model}", "+model.net.depth=1"], tmp_path / "run")
     net = hydra.utils.instantiate(cfg.model.net)
-    assert net.patch_embed.img_size == (32, 32) and net.patch_embed.patch_size == (8, 8)
+    # the data's image size, channels and classes; the model's own patch size
+    assert net.patch_embed.img_size == (32, 32) and net.patch_embed.patch_size == (16, 16)
     assert net.patch_embed.proj.in_channels == 1 and net.head.out_features == 10
     assert net(torch.randn(2, 1, 32, 32)).shape == (2, 10)
 
@@ -208,7 +209,7 @@ def test_train_on_messy_imagefolder(tmp_path):
             "data=imagefolder",
             f"data.root={root}",
             "data.img_size=32",
-            "data.patch_size=8",
+            "model.net.patch_size=8",
             "data.batch_size=4",
             "data.num_workers=0",
             "trainer.max_epochs=1",
@@ -217,6 +218,8 @@ def test_train_on_messy_imagefolder(tmp_path):
     )
     metrics, obj = train(cfg)
     assert cfg.data.num_classes == 3 and obj["model"].net.head.out_features == 3
+    # transforms normalise as the model's pretrained cfg says (timm's resolve_data_config of the model)
+    assert obj["datamodule"].data_config["mean"] == obj["model"].net.pretrained_cfg["mean"] == (0.5, 0.5, 0.5)
     assert "test/acc" in metrics
 
 
@@ -274,6 +277,10 @@ def test_unknown_backbone_name_lists_registered_models(tmp_path):
         InstantiationException, match="pretrained_file='/no/weights.safetensors' is not a file"
     ):
         train(cfg)
+    # the model's patch size must tile the data's image size
+    cfg = compose_cfg("train", ["model.net.patch_size=5"], tmp_path / "r3")
+    with pytest.raises(InstantiationException, match=r"patch_size \(5\) must divide img_size \(32\)"):
+        train(cfg)
 
 
 def test_extras_num_threads(tmp_path):
@@ -295,11 +302,17 @@ def test_experiment_configs_compose(tmp_path, experiment):
 
     cfg = compose_cfg("train", [f"experiment={experiment}", f"paths.data_dir={tmp_path}"], tmp_path / "r")
     dm = hydra.utils.instantiate(cfg.data, _convert_="partial")
+    assert "patch_size" not in cfg.data and "model_name" not in cfg.data  # model hyperparameters stay out
     assert dm.hparams.img_size % cfg.model.net.patch_size == 0
     assert cfg.model.net.img_size == cfg.data.img_size and cfg.model.net.in_chans == cfg.data.in_chans
     if experiment == "imagenet_vit_b":
         assert cfg.model.net.model_name == "elsa_vit_base_patch16_224" and cfg.data.num_classes == 1000
         assert cfg.model.mixup.cutmix_alpha == 1.0 and cfg.trainer.strategy._target_.endswith("DDPStrategy")
+        from elsa_vision.tasks import model_data_config
+
+        with torch.device("meta"):
+            net = hydra.utils.instantiate(cfg.model.net)
+        dm.set_data_config(model_data_config(net))
         assert dm.data_config["crop_pct"] == 0.9  # from the model's pretrained cfg
 
 

@@ -268,7 +268,7 @@ def test_cli_without_out_writes_a_fresh_run_directory(tiny_name, image_folder, t
 
 def test_evaluate_task_zeroshot_and_embed(tiny_name, image_folder, tmp_path):
     """evaluate.py's task=zeroshot / task=embed route through the same pipeline as the CLI."""
-    from elsa_vision.evaluate import evaluate_zeroshot
+    from elsa_vision.tasks.evaluate import evaluate_zeroshot
     from tests.train_helpers import compose_cfg
 
     torch.manual_seed(0)
@@ -311,3 +311,13 @@ def test_openai_torchscript_archive_is_read_without_running_it(tiny_name, image_
     (tmp_path / "photo.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(60))
     with pytest.raises(ValueError, match=r"photo\.jpg' is not a checkpoint: it is a JPEG image"):
         run(pretrained=str(tmp_path / "photo.jpg"), **common)
+
+
+def test_cli_precisions_are_the_kernels_vocabulary(capsys):
+    from elsa_vision.kernels.precision import PRECISIONS
+
+    with pytest.raises(SystemExit):
+        main(["--model", "ViT-B-16", "--data", "/nowhere", "--attn-precision", "fp64"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'fp64'" in err
+    assert f"choose from {', '.join(repr(p) for p in PRECISIONS)}" in err.replace("\n", " ")

@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 from PIL import Image
 
-from elsa_vision.runs import register_resolvers
+from elsa_vision.utils.run_dirs import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")

@@ -84,8 +84,6 @@ class DigitsDataModule(L.LightningDataModule):
 
     Args:
         img_size: side of the upsampled square images.
-        patch_size: the ViT patch size suited to ``img_size`` (model configs read ``${data.patch_size}``);
-            must divide ``img_size``.
         in_chans: 1 (grey) or 3 (the grey channel repeated, for RGB-pretrained backbones).
         num_classes: must be 10 (present so model configs can read ``${data.num_classes}``).
         batch_size: per-device batch size.
@@ -101,7 +99,6 @@ class DigitsDataModule(L.LightningDataModule):
     def __init__(
         self,
         img_size: int = 32,
-        patch_size: int = 4,
         in_chans: int = 1,
         num_classes: int = 10,
         batch_size: int = 64,
@@ -116,8 +113,8 @@ class DigitsDataModule(L.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"DigitsDataModule: batch_size must be >= 1, got {batch_size}")
-        if patch_size < 1 or img_size % patch_size:
-            raise ValueError(f"DigitsDataModule: patch_size ({patch_size}) must divide img_size ({img_size})")
+        if img_size < 8:
+            raise ValueError(f"DigitsDataModule: img_size must be >= 8 (the scans are 8x8), got {img_size}")
         if in_chans not in (1, 3):
             raise ValueError(f"DigitsDataModule: in_chans must be 1 or 3, got {in_chans}")
         if num_classes != 10:

@@ -7,56 +7,33 @@ the next readable image of the split takes its place, so a batch is always full 
 broken sample. ``verify=True`` decodes every image once in ``setup`` and drops the broken ones up front. An
 image whose header declares more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (a decompression bomb) is treated
 the same way, before anything is decoded (training: ``extras.max_image_pixels`` changes the limit).
+
+The data modules own no model hyperparameters: normalisation, resize interpolation and evaluation crop come
+from the model being trained, as in timm's ``train.py``. The task builds the model, resolves its data config
+(``timm.data.resolve_data_config``, :func:`elsa_vision.tasks.model_data_config`) and hands it to
+:meth:`ImageFolderDataModule.set_data_config`; values set on the data module itself take precedence.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import torch
-from PIL import Image
-from timm.data import create_transform
+from timm.data import create_transform, resolve_data_config
 from torch.utils.data import DataLoader, Dataset
 
-from ..files import open_image
+from .readers.images import load_rgb
 from .samplers import EpochShuffleSampler
 
-__all__ = ["IMG_EXTENSIONS", "ImageFolderDataModule", "RobustImageFolder", "load_rgb", "scan_class_folders"]
+__all__ = ["IMG_EXTENSIONS", "ImageFolderDataModule", "RobustImageFolder", "scan_class_folders"]
 
 log = logging.getLogger(__name__)
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
-
-
-def load_rgb(path: str | os.PathLike, mode: str = "RGB") -> Image.Image:
-    """Decode ``path`` fully; return an RGB (or ``mode="L"`` grey) image. Unreadable data raises
-    ``OSError``/``ValueError``/``SyntaxError`` (Pillow's three ways of reporting a corrupt file)."""
-    if mode not in ("RGB", "L"):
-        raise ValueError(f"load_rgb: mode must be 'RGB' or 'L', got {mode!r}")
-    return _load(path).convert(mode) if mode == "L" else _load(path)
-
-
-def _load(path: str | os.PathLike) -> Image.Image:
-    # the declared size is checked against PIL.Image.MAX_IMAGE_PIXELS before decoding (FileTooLargeError, a
-    # ValueError: the image is skipped like an undecodable one, and named)
-    with open_image(path) as im:
-        im.load()  # decode now: truncated data raises here, not later inside a transform
-        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
-            rgba = im.convert("RGBA")
-            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(background, rgba).convert("RGB")
-        if im.mode.startswith("I;16") or im.mode in ("I", "F"):
-            # 16-bit / integer / float grey: rescale to 8 bit before the RGB conversion.
-            arr = np.asarray(im, dtype=np.float32)
-            lo, hi = float(arr.min()), float(arr.max())
-            arr = (arr - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(arr)
-            return Image.fromarray(arr.round().astype(np.uint8)).convert("RGB")
-        return im.convert("RGB")
 
 
 def scan_class_folders(split_dir: str | os.PathLike) -> tuple[list[str], list[tuple[str, int]], list[str]]:
@@ -180,13 +157,12 @@ class ImageFolderDataModule(L.LightningDataModule):
     Args:
         root: dataset root.
         img_size: training crop / evaluation size.
-        patch_size: the ViT patch size suited to ``img_size`` (model configs read ``${data.patch_size}``).
         in_chans: 3 (RGB) or 1 (images converted to grey).
         num_classes: expected class count (``None``: whatever the train split holds); a mismatch is an error.
         batch_size: per-device batch size.
-        mean, std: normalisation (ImageNet statistics by default).
-        crop_pct: evaluation resize ratio (timm's ``crop_pct``).
-        interpolation: resize interpolation.
+        mean, std, crop_pct, interpolation: normalisation, evaluation resize ratio (timm's ``crop_pct``) and
+            resize interpolation; ``None`` takes the model's (:meth:`set_data_config`), timm's ImageNet
+            defaults until one is set.
         auto_augment: timm auto-augment string for training (e.g. ``"rand-m9-mstd0.5-inc1"``) or ``None``.
         re_prob: random-erasing probability for training.
         verify: decode every image once in ``setup`` and drop unreadable ones.
@@ -198,14 +174,13 @@ class ImageFolderDataModule(L.LightningDataModule):
         self,
         root: str,
         img_size: int = 224,
-        patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int | None = None,
         batch_size: int = 64,
-        mean: Sequence[float] = (0.485, 0.456, 0.406),
-        std: Sequence[float] = (0.229, 0.224, 0.225),
-        crop_pct: float = 0.875,
-        interpolation: str = "bicubic",
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        crop_pct: float | None = None,
+        interpolation: str | None = None,
         auto_augment: str | None = None,
         re_prob: float = 0.0,
         hflip: float = 0.5,
@@ -218,13 +193,10 @@ class ImageFolderDataModule(L.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"{type(self).__name__}: batch_size must be >= 1, got {batch_size}")
-        if patch_size < 1 or img_size % patch_size:
-            raise ValueError(
-                f"{type(self).__name__}: patch_size ({patch_size}) must divide img_size ({img_size})"
-            )
         if in_chans not in (1, 3):
             raise ValueError(f"{type(self).__name__}: in_chans must be 1 or 3, got {in_chans}")
-        if len(mean) != len(std) or len(mean) not in (1, 3):
+        sizes = {len(v) for v in (mean, std) if v is not None}
+        if (mean is None) != (std is None) or len(sizes) > 1 or not sizes <= {1, 3}:
             raise ValueError(
                 f"{type(self).__name__}: mean/std must both have 1 or 3 values, got {mean}, {std}"
             )
@@ -235,20 +207,39 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.data_val: RobustImageFolder | None = None
         self.data_test: RobustImageFolder | None = None
         self.class_names: tuple[str, ...] = ()
+        self.data_config: dict = {}
+        self.set_data_config(None)
 
     # ----------------------------------------------------------------------------------------- transforms
-    def build_transform(self, is_training: bool) -> Callable:
+    def set_data_config(self, data_config: Mapping | None) -> None:
+        """Take normalisation, interpolation and evaluation crop from a model's data config (the dict of
+        ``timm.data.resolve_data_config``); values given to this data module override it, ``None`` keeps
+        timm's ImageNet defaults. The input size stays ``(in_chans, img_size, img_size)``. Datasets already
+        built get the new transforms."""
         hp = self.hparams
-        mean, std = tuple(hp.mean), tuple(hp.std)
+        size = {"input_size": (hp.in_chans, hp.img_size, hp.img_size)}
+        config = resolve_data_config(size, pretrained_cfg=dict(data_config or {}))
+        for key in ("mean", "std", "crop_pct", "interpolation"):
+            if hp.get(key) is not None:
+                config[key] = tuple(hp[key]) if key in ("mean", "std") else hp[key]
+        config["input_size"] = size["input_size"]
+        self.data_config = config
+        for ds, train in ((self.data_train, True), (self.data_val, False), (self.data_test, False)):
+            if ds is not None:
+                ds.transform = self.build_transform(train)
+
+    def build_transform(self, is_training: bool) -> Callable:
+        hp, dc = self.hparams, self.data_config
+        mean, std = tuple(dc["mean"]), tuple(dc["std"])
         if hp.in_chans == 1 and len(mean) == 3:
             mean, std = (sum(mean) / 3,), (sum(std) / 3,)
         return create_transform(
-            input_size=(hp.in_chans, hp.img_size, hp.img_size),
+            input_size=dc["input_size"],
             is_training=is_training,
             mean=mean,
             std=std,
-            crop_pct=hp.crop_pct,
-            interpolation=hp.interpolation,
+            crop_pct=dc["crop_pct"],
+            interpolation=dc["interpolation"],
             auto_augment=hp.auto_augment if is_training else None,
             re_prob=hp.re_prob if is_training else 0.0,
             hflip=hp.hflip if is_training else 0.0,

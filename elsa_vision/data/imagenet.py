@@ -5,17 +5,17 @@ Expected layout (the usual ``extract_ILSVRC.sh`` result)::
     root/train/n01440764/n01440764_10026.JPEG ...   (1000 synset folders, 1,281,167 images)
     root/val/n01440764/ILSVRC2012_val_00000293.JPEG ... (1000 synset folders, 50,000 images)
 
-Transforms come from ``timm.data.resolve_data_config`` on the model's pretrained cfg (input size, mean/std,
-crop_pct, interpolation) and ``timm.data.create_transform`` (RandomResizedCrop + flip + optional
-RandAugment/random erasing for training; resize + centre crop for evaluation).
+Transforms come from the model's data config (``timm.data.resolve_data_config`` of the model: mean/std,
+crop_pct, interpolation), which the task hands over (:meth:`ImageNetDataModule.set_data_config`), and
+``timm.data.create_transform`` (RandomResizedCrop + flip + optional RandAugment/random erasing for training;
+resize + centre crop for evaluation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import timm
-from timm.data import create_transform, resolve_data_config
+from timm.data import create_transform
 
 from .imagefolder import ImageFolderDataModule
 
@@ -29,22 +29,20 @@ class ImageNetDataModule(ImageFolderDataModule):
 
     Args:
         root: folder holding ``train/`` and ``val/``.
-        model_name: timm model name whose pretrained cfg sets mean/std/crop_pct/interpolation; the config
-            passes ``${model.net.model_name}``.
-        img_size: training crop and evaluation size (overrides the pretrained cfg's input size).
-        patch_size: the ViT patch size (model configs read ``${data.patch_size}``).
+        img_size: training crop and evaluation size.
         in_chans: must be 3.
         batch_size: per-device batch size.
         auto_augment, re_prob, hflip, scale, color_jitter: training augmentation (timm ``create_transform``).
         num_classes: 1000 unless a subset of synsets is used on purpose.
+
+    Mean/std, crop_pct and interpolation are the model's (:meth:`set_data_config`; timm's ImageNet defaults
+    until it is called).
     """
 
     def __init__(
         self,
         root: str,
-        model_name: str = "elsa_vit_base_patch16_224",
         img_size: int = 224,
-        patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int | None = IMAGENET_NUM_CLASSES,
         batch_size: int = 128,
@@ -64,7 +62,6 @@ class ImageNetDataModule(ImageFolderDataModule):
         super().__init__(
             root=root,
             img_size=img_size,
-            patch_size=patch_size,
             in_chans=in_chans,
             num_classes=num_classes,
             batch_size=batch_size,
@@ -78,14 +75,6 @@ class ImageNetDataModule(ImageFolderDataModule):
             persistent_workers=persistent_workers,
         )
         self.save_hyperparameters(logger=False)
-        import elsa_vision.models  # noqa: F401  (registers the elsa_* names before timm looks them up)
-
-        if not timm.is_model(model_name):
-            raise ValueError(f"ImageNetDataModule: model_name {model_name!r} is not a registered timm model")
-        cfg = timm.models.get_pretrained_cfg(model_name)
-        self.data_config = resolve_data_config(
-            {"input_size": (3, img_size, img_size)}, pretrained_cfg=cfg.to_dict() if cfg is not None else None
-        )
 
     def build_transform(self, is_training: bool) -> Callable:
         hp, dc = self.hparams, self.data_config

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from ..files import FileTooLargeError, open_image, read_npy
-from ..geometry import quat_to_mat
+from ..files import open_image, read_npy
+from .geometry import quat_to_mat
+from .readers.images import read_rgb
 
 __all__ = [
     "render_scene",
@@ -503,17 +504,6 @@ def resize_frame(
     return image.clamp(0, 1), k.to(intrinsics.dtype), depth
 
 
-def _load_image(path: Path) -> Tensor:
-    try:
-        with open_image(path) as im:  # the declared size is checked before decoding
-            arr = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
-    except FileTooLargeError:
-        raise
-    except Exception as exc:  # PIL raises several types for corrupt files
-        raise ValueError(f"cannot read image {path}: {exc}") from exc
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
-
-
 def _load_depth(rec: FrameRecord) -> Tensor:
     p = rec.depth
     if p.suffix == ".npy":
@@ -568,7 +558,7 @@ class MultiViewSequenceDataset(Dataset):
         imgs, depths, valids, exts, intrs = [], [], [], [], []
         for j in pick:
             rec = seq[j]
-            img = _load_image(rec.image)
+            img = read_rgb(rec.image)
             if tuple(img.shape[1:]) != tuple(rec.size_hw):
                 raise ValueError(
                     f"image {rec.image} is {tuple(img.shape[1:])}, its camera says {rec.size_hw}"

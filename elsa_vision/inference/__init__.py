@@ -1,5 +1,3 @@
-"""High-resolution inference: medical/large-image readers and whole-image ViT inference."""
-
-from .readers import MedicalImage, iter_images, load_image, read_image
-
-__all__ = ["MedicalImage", "iter_images", "load_image", "read_image"]
+"""Inference entry points: whole-image high-resolution ViT inference (``.image``, :mod:`.highres`), full-scene
+hyperspectral maps (``.hsi``), multi-view reconstruction (``.multiview``); their inputs are read by
+:mod:`elsa_vision.data.readers`."""

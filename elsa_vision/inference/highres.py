@@ -82,23 +82,18 @@ def stock_model_name(name: str) -> str:
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
-    """A state_dict from ``.safetensors`` or a torch checkpoint (``weights_only=True``; wrappers unpacked)."""
-    from ..files import read_checkpoint
+    """A state_dict from ``.safetensors`` or a torch checkpoint, read by
+    :func:`elsa_vision.files.read_weights` (``weights_only=True``; wrappers unpacked, timm's EMA weights
+    taken first)."""
+    from ..files import read_weights
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"weights file {path!r} does not exist")
     try:
-        sd = read_checkpoint(path)
+        return read_weights(path)
     except ValueError as e:
         raise ValueError(f"weights file cannot be read: {e}") from e
-    for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
-        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
-            sd = sd[key]
-            break
-    if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
-        raise ValueError(f"weights file {path!r} does not hold a state_dict of tensors")
-    return {k[len("module.") :] if k.startswith("module.") else k: v for k, v in sd.items()}
 
 
 def weights_shape_info(sd: dict[str, Tensor]) -> dict[str, int]:

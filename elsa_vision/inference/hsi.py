@@ -30,14 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data.hyperspectral import (
-    SpectralTransform,
-    encode_labels,
-    extract_patches,
-    load_cube,
-    load_gt,
-    pad_cube,
-)
+from ..data.hyperspectral import SpectralTransform, encode_labels, extract_patches, pad_cube
+from ..data.readers import load_cube, load_gt
 from ..files import DEFAULT_MAX_ARRAY_BYTES, prepare_output_dir
 
 __all__ = ["predict_scene", "confusion_metrics", "save_class_map", "run", "main"]

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
 from ..files import DEFAULT_MAX_ARRAY_BYTES, prepare_output_dir
 from .highres import (
     MODEL_ALIASES,
@@ -54,7 +55,6 @@ from .highres import (
     run_plan,
     weights_shape_info,
 )
-from .readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
 
 __all__ = ["main", "cli", "build_parser", "heatmap_overlay", "save_random_weights"]
 
@@ -268,12 +268,9 @@ def save_random_weights(path: str, model_name: str, *, num_classes: int | None, 
 
 
 def _saved_as_random(path: str) -> bool:
-    if not path.endswith(".safetensors"):
-        return False
-    from safetensors import safe_open
+    from ..files import read_safetensors_metadata
 
-    with safe_open(path, framework="pt") as f:
-        return (f.metadata() or {}).get("init") == "random"
+    return read_safetensors_metadata(path).get("init") == "random"
 
 
 def heatmap_overlay(

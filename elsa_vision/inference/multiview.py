@@ -29,9 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data.multiview import _load_image, resize_frame
+from ..data.geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
+from ..data.multiview import resize_frame
+from ..data.readers import read_rgb
 from ..files import prepare_output_dir
-from ..geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
 from ..models.vggt import (
     VGGT_CONFIGS,
     ElsaVGGT,
@@ -59,12 +60,12 @@ def load_frames(
         raise ValueError(f"--frames: no {'/'.join(_EXTS)} images in {frames_dir}")
     if width % patch_size:
         raise ValueError(f"--width must be a multiple of the patch size {patch_size}, got {width}")
-    first = _load_image(paths[0])
+    first = read_rgb(paths[0])
     h0, w0 = first.shape[1:]
     height = min(width, max(patch_size, round(h0 * width / w0 / patch_size) * patch_size))
     eye = torch.eye(3, dtype=torch.float64)
     imgs = [
-        resize_frame(_load_image(p) if i else first, eye, (height, width))[0] for i, p in enumerate(paths)
+        resize_frame(read_rgb(p) if i else first, eye, (height, width))[0] for i, p in enumerate(paths)
     ]
     return [p.stem for p in paths], torch.stack(imgs)
 

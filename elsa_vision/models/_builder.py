@@ -21,10 +21,9 @@ __all__ = ["LoadReport", "check_attention_options", "read_state_dict", "check_sh
            "timm_source"]
 
 
-# Keys under which training scripts nest the weights (Lightning, timm train.py, DeiT, MAE ...), in order.
-_NESTED_KEYS = ("state_dict", "model", "module", "teacher", "model_state")
-# Prefixes added by wrappers (DDP, torch.compile, Lightning's LightningModule attribute).
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "net.", "model.")
+# Prefixes of a training module's attribute (Lightning's ``net.``, ``model.``); the wrappers' own (DDP,
+# torch.compile) are removed by files.unwrap_weights.
+_MODULE_PREFIXES = ("net.", "model.")
 
 
 @dataclass
@@ -51,7 +50,7 @@ class LoadReport:
 
 
 def _strip_prefixes(state_dict: dict[str, Tensor], model_keys: set[str]) -> dict[str, Tensor]:
-    for prefix in _WRAPPER_PREFIXES:
+    for prefix in _MODULE_PREFIXES:
         if state_dict and all(k.startswith(prefix) for k in state_dict):
             stripped = {k[len(prefix):]: v for k, v in state_dict.items()}
             # Only strip when it helps: a model may itself have a top-level `model.` submodule.
@@ -67,14 +66,15 @@ def read_state_dict(path: str | os.PathLike, model_keys: set[str] | None = None)
         path: ``.safetensors`` file, a torch checkpoint (``.pth``/``.pt``/``.bin``/``.ckpt``) loaded with
             ``weights_only=True``, or a TorchScript archive (its tensors; its code is never run). Nested
             dicts (``state_dict``, ``model``, ...) and wrapper prefixes (``module.``, ``_orig_mod.``) are
-            unwrapped.
+            unwrapped by :func:`elsa_vision.files.unwrap_weights`; a training module's ``net.`` /
+            ``model.`` prefix is removed where that matches more of ``model_keys``.
         model_keys: the target model's keys, used to decide whether stripping a prefix helps.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: the file is not a readable checkpoint or holds no tensors.
     """
-    from ..files import read_checkpoint
+    from ..files import read_checkpoint, unwrap_weights
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -84,16 +84,10 @@ def read_state_dict(path: str | os.PathLike, model_keys: set[str] | None = None)
     except ValueError as e:
         what = "is not a valid .safetensors file" if path.endswith(".safetensors") else "could not be read"
         raise ValueError(f"checkpoint_path {what}: {e}") from e
-    while isinstance(obj, Mapping):
-        nested = next((k for k in _NESTED_KEYS if isinstance(obj.get(k), Mapping)), None)
-        if nested is None or any(isinstance(v, Tensor) for v in obj.values()):
-            break
-        obj = obj[nested]
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"checkpoint_path {path!r} holds a {type(obj).__name__}, expected a dict of tensors")
-    state_dict = {k: v for k, v in obj.items() if isinstance(v, Tensor)}
-    if not state_dict:
-        raise ValueError(f"checkpoint_path {path!r} holds no tensors (keys: {list(obj)[:8]})")
+    try:
+        state_dict = unwrap_weights(obj, path)
+    except ValueError as e:
+        raise ValueError(f"checkpoint_path: {e}") from e
     return _strip_prefixes(state_dict, model_keys or set())
 
 

@@ -517,21 +517,17 @@ def load_clip_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     ``"state_dict"`` entry and a ``module.`` prefix are unwrapped) and OpenAI's TorchScript archives (their
     tensors are read by :func:`elsa_vision.files.read_torchscript_state_dict`; the archive's code is never
     run; the non-tensor entries ``input_resolution``, ``context_length`` and ``vocab_size`` are dropped).
+    Every file is read by :func:`elsa_vision.files.read_weights`.
     """
-    from ..files import read_checkpoint
+    from ..files import read_weights
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint path {path!r} is not a file")
-    sd = read_checkpoint(path, torchscript=True)
-    if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
-        sd = sd["state_dict"]
-    if not isinstance(sd, Mapping):
-        raise ValueError(f"checkpoint {path!r} holds a {type(sd).__name__}, expected a state_dict mapping")
-    sd = dict(sd)
-    for key in ("input_resolution", "context_length", "vocab_size"):
+    sd = read_weights(path, torchscript=True)
+    for key in ("input_resolution", "context_length", "vocab_size"):  # OpenAI's archives keep them as tensors
         sd.pop(key, None)
-    return {k[7:] if k.startswith("module.") else k: v for k, v in sd.items() if isinstance(v, Tensor)}
+    return sd
 
 
 def _infer_config(vis: Mapping[str, Tensor]) -> dict[str, Any]:

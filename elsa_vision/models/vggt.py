@@ -833,27 +833,22 @@ class ElsaVGGT(nn.Module):
 
 
 def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """Read a state_dict from ``.safetensors`` or a torch file (``weights_only=True``; unwraps ``model``/
-    ``state_dict``, a ``module.`` prefix and the ``net.`` prefix of a Lightning module's state_dict)."""
-    from ..files import UnsafeCheckpointError, read_checkpoint
+    """Read a state_dict from ``.safetensors`` or a torch file with :func:`elsa_vision.files.read_weights`
+    (``weights_only=True``; ``model`` / ``state_dict`` and a ``module.`` prefix unwrapped), removing the
+    ``net.`` prefix of a Lightning module's state_dict."""
+    from ..files import UnsafeCheckpointError, read_weights
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        sd = read_checkpoint(path)
+        sd = read_weights(path)
     except UnsafeCheckpointError as exc:
         raise ValueError(
             f"{exc} (as a Lightning .ckpt of an older multiview run does: its hyper-parameters hold the "
             "optimizer factory); export the network with MultiViewReconstructionModule.export_net(path)"
         ) from exc
-    for key in ("model", "state_dict"):
-        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
-            sd = sd[key]
-    if not isinstance(sd, dict):
-        raise TypeError(f"{path}: expected a state_dict (dict of tensors), got {type(sd).__name__}")
-    sd = {(k[7:] if k.startswith("module.") else k): v for k, v in sd.items()}
-    if sd and all(k.startswith("net.") for k in sd):  # a MultiViewReconstructionModule state_dict
+    if all(k.startswith("net.") for k in sd):  # a MultiViewReconstructionModule state_dict
         sd = {k[4:]: v for k, v in sd.items()}
     return sd
 

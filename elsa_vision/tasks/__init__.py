@@ -1,6 +1,8 @@
-"""Tasks: LightningModules per task and evaluation pipelines."""
+"""Tasks: one LightningModule per task, and the drivers that run them from a Hydra config,
+:func:`elsa_vision.tasks.train.train` and :func:`elsa_vision.tasks.evaluate.evaluate` (``train.py`` and
+``evaluate.py`` are thin ``@hydra.main`` wrappers around them)."""
 
-from .classification import ClassificationModule, cosine_warmup_schedule, create_backbone
+from .classification import ClassificationModule, cosine_warmup_schedule, create_backbone, model_data_config
 from .hsi import HSIClassificationModule, MaskedAutoencoderModule
 
 __all__ = [
@@ -9,4 +11,5 @@ __all__ = [
     "MaskedAutoencoderModule",
     "cosine_warmup_schedule",
     "create_backbone",
+    "model_data_config",
 ]

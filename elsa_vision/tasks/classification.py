@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-__all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule"]
+__all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule", "model_data_config"]
 
 
 def create_backbone(
@@ -38,8 +38,9 @@ def create_backbone(
     Args:
         model_name: a registered timm name, e.g. ``"elsa_vit_small_patch16_224"``.
         num_classes: classifier width (the pretrained head is dropped when it differs).
-        pretrained_file: ``.safetensors``/``.pth``/``.bin`` of timm (or OpenAI-CLIP / DINOv2) weights; loaded
-            through the model's pretrained filter fn (pos-embed resampling, ``in_chans`` adaptation).
+        pretrained_file: ``.safetensors``/``.pth``/``.bin`` of timm (or OpenAI-CLIP / DINOv2) weights, read by
+            :func:`elsa_vision.files.read_weights` and loaded by timm through the model's pretrained filter fn
+            (pos-embed resampling, ``in_chans`` adaptation, a head of another width dropped).
         checkpoint_path: a raw state_dict with exactly this model's keys, loaded strictly after building.
         **kwargs: model arguments (``img_size``, ``patch_size``, ``in_chans``, ``attn_backend``, ...).
     """
@@ -50,23 +51,51 @@ def create_backbone(
         raise ValueError(
             f"create_backbone: unknown model_name {model_name!r}; registered ELSA models: {valid}"
         )
-    from ..files import checkpoint_kind
+    from ..files import checkpoint_kind, read_weights
     from ..models import load_checkpoint
 
+    img_size, patch_size = kwargs.get("img_size"), kwargs.get("patch_size")
+    sizes_given = isinstance(img_size, int) and isinstance(patch_size, int)
+    if sizes_given and (patch_size < 1 or img_size % patch_size):
+        raise ValueError(f"create_backbone: patch_size ({patch_size}) must divide img_size ({img_size})")
     for arg, path in (("pretrained_file", pretrained_file), ("checkpoint_path", checkpoint_path)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"create_backbone: {arg}={str(path)!r} is not a file")
         if path is not None:
             try:
-                checkpoint_kind(path)  # a JPEG or a text file is named as such before timm reads it
+                checkpoint_kind(path)  # a JPEG or a text file is named as such before anything is built
             except ValueError as e:
                 raise ValueError(f"create_backbone: {arg}: {e}") from None
     if pretrained_file is not None:
-        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(file=str(pretrained_file)))
+        try:
+            weights = read_weights(pretrained_file)
+        except ValueError as e:
+            raise ValueError(f"create_backbone: pretrained_file: {e}") from None
+        # timm's load_pretrained takes a state_dict in place of a file (and runs the filter fn on it)
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights))
     net = timm.create_model(model_name, num_classes=num_classes, **kwargs)
+    if pretrained_file is not None:
+        net.pretrained_cfg.pop("state_dict", None)  # the cfg would keep the file's tensors alive
     if checkpoint_path is not None:
         load_checkpoint(net, checkpoint_path, strict=True)
     return net
+
+
+def model_data_config(net: nn.Module) -> dict[str, Any]:
+    """The data config a network expects, as timm's ``train.py`` resolves it
+    (``timm.data.resolve_data_config(model=net)``: mean/std, interpolation, crop_pct from its pretrained cfg),
+    with the input size the network was built for (``patch_embed.img_size``, ``in_chans``). Data modules
+    take it through ``set_data_config``."""
+    from timm.data import resolve_data_config
+
+    args: dict[str, Any] = {}
+    patch_embed = getattr(net, "patch_embed", None)
+    img_size = getattr(patch_embed, "img_size", None)
+    proj = getattr(patch_embed, "proj", None)
+    in_chans = getattr(net, "in_chans", None) or getattr(proj, "in_channels", None)
+    if img_size is not None and in_chans is not None:
+        args["input_size"] = (int(in_chans), *(int(v) for v in img_size))
+    return resolve_data_config(args, model=net)
 
 
 def cosine_warmup_schedule(

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCohenKappa
 
-from ..files import read_checkpoint
+from ..files import read_checkpoint, unwrap_weights
 from ..models.hsi_vit import ElsaHSIViT, HSIMAEDecoder
 
 __all__ = ["HSIClassificationModule", "MaskedAutoencoderModule", "load_hsi_checkpoint", "format_report"]
@@ -363,8 +363,9 @@ class HSIClassificationModule(_HSIBase):
                 if k in ("num_classes", "label_smoothing", "class_names", "scheduler_interval")
             },
         )
-        module.load_state_dict(ckpt["state_dict"], strict=False)
-        missing = [k for k in net.state_dict() if f"net.{k}" not in ckpt["state_dict"]]
+        state = unwrap_weights(ckpt, path)
+        module.load_state_dict(state, strict=False)
+        missing = [k for k in net.state_dict() if f"net.{k}" not in state]
         if missing:
             raise ValueError(f"{path}: checkpoint lacks network weights {missing[:8]}")
         module.hsi_meta = payload["meta"]
@@ -509,7 +510,7 @@ def _encoder_state(source: Any) -> tuple[dict[str, Tensor], dict]:
         ckpt = read_checkpoint(path)
         payload = _payload(ckpt, path)
         prefix = payload.get("net_attr", "encoder") + "."
-        state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in unwrap_weights(ckpt, path).items() if k.startswith(prefix)}
         return state, dict(payload["net_config"])
     if isinstance(source, Mapping):
         keys = list(source)
@@ -542,7 +543,7 @@ def load_hsi_checkpoint(
             f"{p}: not a classification checkpoint with data meta (an MAE checkpoint has no head)"
         )
     net = ElsaHSIViT(**payload["net_config"])
-    state = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
+    state = {k[4:]: v for k, v in unwrap_weights(ckpt, p).items() if k.startswith("net.")}
     net.load_state_dict(state, strict=True)
     return net.eval(), payload["meta"]
 

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from ..geometry import (
+from ..data.geometry import (
     closed_form_inverse_se3,
     depth_metrics,
     depth_to_cam_points,

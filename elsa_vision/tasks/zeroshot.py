@@ -37,8 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..files import checkpoint_kind
-
 __all__ = [
     "build_zeroshot_classifier",
     "zeroshot_evaluate",
@@ -347,11 +345,12 @@ class ImageFolderWithPaths:
 # ------------------------------------------------------------------------------------------------- pipeline
 
 
-def _from_torchscript(open_clip, model_name: str, archive: str):
-    """An open_clip model with the weights of an OpenAI TorchScript archive, read without running the archive
-    (:func:`elsa_vision.files.read_torchscript_state_dict`; open_clip's weights-only loader refuses such
-    archives). The tensors go through open_clip's own loader (``load_checkpoint``) from a temporary
-    ``.safetensors`` file; buffers the model does not keep in its state_dict (``attn_mask``) are left out."""
+def _from_file(open_clip, model_name: str, path: str):
+    """An open_clip model with the weights of a local file (open_clip's layout, OpenAI's ``state_dict`` or
+    TorchScript archive), read by :func:`elsa_vision.models.clip_vision.load_clip_state_dict` (weights only;
+    a TorchScript archive's code is never run). The tensors go through open_clip's own loader
+    (``load_checkpoint``: layout conversions, position-embedding resizing) from a temporary ``.safetensors``
+    file; buffers the model does not keep in its state_dict (``attn_mask``) are left out."""
     import tempfile
 
     from safetensors.torch import save_file
@@ -362,7 +361,7 @@ def _from_torchscript(open_clip, model_name: str, archive: str):
     transient = {n for n, _ in model.named_buffers()} - set(model.state_dict())
     sd = {
         k: v.detach().clone().contiguous()
-        for k, v in load_clip_state_dict(archive).items()
+        for k, v in load_clip_state_dict(path).items()
         if k not in transient
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -393,10 +392,10 @@ def _build_model(
         )
     if open_clip.get_model_config(model_name) is None:
         raise ValueError(f"unknown open_clip model {model_name!r}; see open_clip.list_models()")
-    if pretrained is not None and checkpoint_kind(pretrained) == "torchscript":
-        model = _from_torchscript(open_clip, model_name, pretrained)
+    if pretrained is not None:
+        model = _from_file(open_clip, model_name, pretrained)
     else:
-        model = open_clip.create_model(model_name, pretrained=pretrained, device="cpu")
+        model = open_clip.create_model(model_name, device="cpu")
     model.eval()
     pp = dict(open_clip.get_model_preprocess_cfg(model))
     report = {"elsa": False}
@@ -528,6 +527,8 @@ def _table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from ..kernels.precision import PRECISIONS
+
     p = argparse.ArgumentParser(
         prog="python -m elsa_vision.tasks.zeroshot", description=__doc__.split("\n")[0]
     )
@@ -545,7 +546,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--image-size", type=int, default=None, help="run the image tower at this resolution")
     p.add_argument("--no-elsa", action="store_true", help="keep open_clip's stock attention")
     p.add_argument("--attn-backend", default="auto")
-    p.add_argument("--attn-precision", default="auto")
+    p.add_argument("--attn-precision", default="auto", choices=PRECISIONS,
+                   help="ELSA float32 precision (auto: FP32-accurate)")
     p.add_argument("--embed-format", default="safetensors", choices=("safetensors", "npz"))
     a = p.parse_args(argv)
     result = run(

@@ -1,7 +1,7 @@
 """Helpers shared by ``train.py`` and ``evaluate.py``: instantiation, checkpoints, run-directory artefacts.
 
-A run lives in one directory from its start to its end, resumes included (:mod:`elsa_vision.runs` picks
-it); :class:`RunCSVLogger` appends to that run's ``metrics.csv``; :class:`SafeCheckpointIO` writes checkpoints
+A run lives in one directory from its start to its end, resumes included (:mod:`.run_dirs` picks it);
+:class:`RunCSVLogger` appends to that run's ``metrics.csv``; :class:`SafeCheckpointIO` writes checkpoints
 atomically and reads them weights-only.
 """
 
@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
 from ..files import atomic_torch_save, checkpoint_kind, read_checkpoint
-from ..runs import newest_last_checkpoint
+from .run_dirs import newest_last_checkpoint
 
 __all__ = [
     "RunCSVLogger",

@@ -14,14 +14,11 @@ from elsa_vision.data.hyperspectral import (
     SpectralTransform,
     encode_labels,
     extract_patches,
-    list_arrays,
-    load_cube,
-    load_gt,
-    load_scene,
     pad_cube,
     split_indices,
     synthetic_scene,
 )
+from elsa_vision.data.readers import list_arrays, load_cube, load_gt, load_scene
 
 
 @pytest.fixture(scope="module")
@@ -413,7 +410,7 @@ def test_labels_out_of_range_are_named_and_cost_no_memory(tmp_path):
     sized by the largest label: 8 TiB); encode_labels itself needs memory for the pixels only."""
     import tracemalloc
 
-    from elsa_vision.data.hyperspectral import MAX_CLASSES, MAX_LABEL
+    from elsa_vision.data.readers import MAX_CLASSES, MAX_LABEL
 
     gt = np.zeros((6, 5), np.int64)
     gt[1, 1], gt[2, 2], gt[4, 3] = 1, 3, 2**40

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from elsa_vision.data.geometry import depth_to_world_points, mat_to_quat
 from elsa_vision.data.multiview import (
     MultiViewDataModule,
     MultiViewSequenceDataset,
@@ -21,7 +22,6 @@ from elsa_vision.data.multiview import (
     render_scene,
     resize_frame,
 )
-from elsa_vision.geometry import depth_to_world_points, mat_to_quat
 
 f64 = torch.float64
 
@@ -301,7 +301,8 @@ def test_datamodule_synthetic_and_nerf(tmp_path):
 def test_forged_depth_and_frame_bombs_are_refused(tmp_path):
     """A depth .npy whose header declares 931 GiB and a frame PNG declaring 10^10 pixels: errors naming the
     file before anything is allocated or decoded."""
-    from elsa_vision.data.multiview import _load_depth, _load_image
+    from elsa_vision.data.multiview import _load_depth
+    from elsa_vision.data.readers import read_rgb
     from elsa_vision.files import FileTooLargeError
     from tests.helpers import bomb_png, forged_npy
 
@@ -313,4 +314,4 @@ def test_forged_depth_and_frame_bombs_are_refused(tmp_path):
     with pytest.raises(FileTooLargeError, match=r"frame_000\.npy'.*931\.3 GiB"):
         _load_depth(record)
     with pytest.raises(FileTooLargeError, match=r"bomb\.png' declares 10,000,000,000 pixels"):
-        _load_image(bomb_png(tmp_path / "bomb.png"))
+        read_rgb(bomb_png(tmp_path / "bomb.png"))

@@ -13,7 +13,6 @@ Conventions (those of VGGT, https://arxiv.org/abs/2503.11651):
 from __future__ import annotations
 
 import itertools
-import math
 from pathlib import Path
 
 import numpy as np
@@ -355,8 +354,3 @@ def read_ply(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
     else:
         raise ValueError(f"{path}: unsupported PLY format {fmt!r}")
     return pts, col
-
-
-def fov_to_focal(fov: float, size: int) -> float:
-    """Focal length in pixels for a field of view (radians) over ``size`` pixels."""
-    return (size / 2) / math.tan(fov / 2)

@@ -1,4 +1,5 @@
-"""Readers: every format on generated files, values kept in float32 (no 8-bit squeeze), bad input."""
+"""Medical and large-image readers: every format on generated files, values kept in float32 (no 8-bit
+squeeze), bad input."""
 
 import gzip
 import os
@@ -6,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from elsa_vision.inference.readers import (
+from elsa_vision.data.readers import (
     apply_nan_policy,
     detect_format,
     iter_images,

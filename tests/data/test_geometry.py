@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from elsa_vision.geometry import (
+from elsa_vision.data.geometry import (
     camera_metrics,
     closed_form_inverse_se3,
     depth_metrics,

@@ -3,7 +3,7 @@
 Weights come from ``cfg.ckpt_path`` (a Lightning ``.ckpt`` of ``ClassificationModule``, or a backbone
 state_dict in ``.safetensors``/``.pth``/``.bin`` with exactly the configured model's keys) or from
 ``cfg.model.pretrained_file`` (timm-layout weights adapted by the model's pretrained filter). Files are read
-with ``torch.load(weights_only=True)`` or safetensors (:func:`elsa_vision.files.read_checkpoint`). The run
+with ``torch.load(weights_only=True)`` or safetensors (:func:`elsa_vision.files.read_weights`). The run
 directory receives ``confusion_matrix.png``, ``per_class_accuracy.csv`` and ``metrics.csv``.
 """
 
@@ -13,7 +13,7 @@ import csv
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import hydra
@@ -22,10 +22,10 @@ import torch
 from lightning import LightningModule, Trainer
 from omegaconf import DictConfig
 
-from .files import read_checkpoint
-from .train import instantiate_data
-from .utils.accelerator import check_accelerator
-from .utils.run import extras, instantiate_loggers, save_resolved_config
+from ..files import read_weights
+from ..utils.accelerator import check_accelerator
+from ..utils.run import extras, instantiate_loggers, save_resolved_config
+from .train import configure_data, instantiate_data
 
 __all__ = ["evaluate", "evaluate_zeroshot", "load_weights", "plot_confusion_matrix", "format_table", "TASKS"]
 
@@ -36,22 +36,15 @@ log = logging.getLogger(__name__)
 
 def load_weights(model: LightningModule, path: str) -> str:
     """Load ``path`` into ``model`` (strict): a Lightning checkpoint's ``state_dict`` (the ``net.*`` keys;
-    metric states beside them are not weights) or a backbone state_dict (keys of ``model.net``, a
-    ``module.`` prefix removed). Returns which of the two it was. Files are read by
-    :func:`elsa_vision.files.read_checkpoint` (weights only)."""
+    metric states beside them are not weights) or a backbone state_dict (keys of ``model.net``). Returns
+    which of the two it was. Files are read by :func:`elsa_vision.files.read_weights` (weights only, wrapper
+    keys and prefixes removed)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"ckpt_path={path!r} is not a file")
     try:
-        state = read_checkpoint(path)
+        state = read_weights(path)
     except ValueError as e:
         raise ValueError(f"ckpt_path: {e}") from e
-    for key in ("state_dict", "model"):
-        if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
-            state = state[key]
-            break
-    if not isinstance(state, Mapping):
-        raise ValueError(f"ckpt_path={path!r} holds a {type(state).__name__}, not a state_dict")
-    state = {k[len("module.") :] if k.startswith("module.") else k: v for k, v in state.items()}
     net_keys = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
     if net_keys:
         model.net.load_state_dict(net_keys, strict=True)
@@ -137,6 +130,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule = instantiate_data(cfg)
     save_resolved_config(cfg, run_dir)
     model: LightningModule = hydra.utils.instantiate(cfg.model, _convert_="partial")
+    configure_data(datamodule, model)
     source = f"pretrained_file {pretrained}"
     if ckpt_path:
         kind = load_weights(model, str(ckpt_path))
@@ -199,7 +193,7 @@ def evaluate_zeroshot(cfg: DictConfig) -> dict[str, Any]:
     """
     from omegaconf import OmegaConf
 
-    from .tasks.zeroshot import run
+    from .zeroshot import run
 
     task = cfg.get("task", "classification")
     if task not in ("zeroshot", "embed"):

@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from ..files import check_array_bytes
+from ...files import check_array_bytes
+from ._common import check_dtype, pick, to_float32
+from .tiff import read_tiff
 
 __all__ = [
     "MedicalImage",
@@ -114,40 +116,6 @@ def detect_format(path: str | os.PathLike) -> str:
     )
 
 
-def _check_dtype(dtype: np.dtype, path: str) -> None:
-    dtype = np.dtype(dtype)
-    if dtype.kind in "iuf":
-        return
-    kinds = {"b": "bool", "c": "complex", "V": "structured/void", "O": "object", "U": "string", "S": "bytes"}
-    raise TypeError(
-        f"input file {path!r}: unsupported pixel dtype {dtype} ({kinds.get(dtype.kind, dtype.kind)}); "
-        "expected integer or floating-point pixels"
-    )
-
-
-def _to_float32(arr: np.ndarray, path: str) -> np.ndarray:
-    _check_dtype(arr.dtype, path)
-    if arr.dtype.kind == "f" and arr.dtype.itemsize > 4:
-        finite = np.isfinite(arr)
-        big = np.abs(np.where(finite, arr, 0)).max(initial=0.0)
-        if big > np.finfo(np.float32).max:
-            raise ValueError(
-                f"input file {path!r}: float64 values up to {big:.3e} overflow float32 (max 3.4e38)"
-            )
-    return np.ascontiguousarray(arr, dtype=np.float32)
-
-
-def _pick(index: int | None, count: int, what: str, path: str) -> list[int]:
-    if index is None:
-        return list(range(count))
-    if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
-        raise TypeError(f"{what} must be an int, got {type(index).__name__}")
-    i = int(index) + count if index < 0 else int(index)
-    if not 0 <= i < count:
-        raise ValueError(f"input file {path!r}: {what}={index} is out of range; the file has {count}")
-    return [i]
-
-
 # ----------------------------------------------------------------------------------------------- DICOM
 
 
@@ -171,7 +139,7 @@ def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterat
         pixels = ds.pixel_array
     except Exception as e:  # pixel decoding raises many types (missing codec, truncated data, bad tags)
         raise ValueError(f"input file {path!r}: DICOM pixel data cannot be decoded: {e}") from e
-    _check_dtype(pixels.dtype, path)
+    check_dtype(pixels.dtype, path)
     samples = int(getattr(ds, "SamplesPerPixel", 1))
     frames = int(getattr(ds, "NumberOfFrames", 1) or 1)
     if frames == 1:
@@ -199,9 +167,9 @@ def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterat
         "modality": str(getattr(ds, "Modality", "")),
         "frames": frames,
     }
-    for i in _pick(frame, frames, "frame", path):
+    for i in pick(frame, frames, "frame", path):
         data = pixels[i].astype(np.float64) * slope + intercept
-        yield MedicalImage(_to_float32(data, path), path, "dicom", i, frames, dict(meta))
+        yield MedicalImage(to_float32(data, path), path, "dicom", i, frames, dict(meta))
 
 
 # ----------------------------------------------------------------------------------------------- NIfTI
@@ -219,12 +187,12 @@ def _nifti_images(
         raise ValueError(f"input file {path!r} is not a readable NIfTI file: {e}") from e
     dataobj = img.dataobj
     dtype = img.get_data_dtype()
-    _check_dtype(dtype, path)
+    check_dtype(dtype, path)
     shape = tuple(int(s) for s in dataobj.shape)
     if len(shape) < 2 or len(shape) > 4:
         raise ValueError(f"input file {path!r}: NIfTI image of shape {shape}; expected 2-D, 3-D or 4-D data")
     if len(shape) == 4:
-        frames = _pick(0 if frame is None else frame, shape[3], "frame (4th NIfTI axis)", path)
+        frames = pick(0 if frame is None else frame, shape[3], "frame (4th NIfTI axis)", path)
     elif frame not in (None, 0):
         raise ValueError(f"input file {path!r}: frame={frame} given, but the NIfTI image is {len(shape)}-D")
     else:
@@ -245,7 +213,7 @@ def _nifti_images(
         if slice_index == "all":
             slices = list(range(count))
         else:
-            slices = _pick(count // 2 if slice_index is None else slice_index, count, "slice_index", path)
+            slices = pick(count // 2 if slice_index is None else slice_index, count, "slice_index", path)
     plane = [n for i, n in enumerate(shape[:3]) if len(shape) == 2 or i != slice_axis]
     check_array_bytes(path, plane, np.float64, max_bytes, "one NIfTI slice")  # scaled reads are float64
     for t in frames:
@@ -260,7 +228,7 @@ def _nifti_images(
                 plane = np.asarray(dataobj[tuple(idx)])
             except (OSError, EOFError, ValueError) as e:
                 raise ValueError(f"input file {path!r}: NIfTI data cannot be read (truncated?): {e}") from e
-            data = _to_float32(plane, path)[None]
+            data = to_float32(plane, path)[None]
             yield MedicalImage(data, path, "nifti", 0 if s is None else s, count, dict(meta, frame=t))
 
 
@@ -278,38 +246,10 @@ def _finite_or_none(v) -> float | None:
 def _tiff_images(
     path: str, series: int, level: int, slice_index: int | None, max_bytes: int | None
 ) -> Iterator[MedicalImage]:
-    import tifffile
-
-    try:
-        tf = tifffile.TiffFile(path)
-    except (tifffile.TiffFileError, OSError, EOFError, ValueError, _struct_error()) as e:
-        raise ValueError(f"input file {path!r} is not a readable TIFF file: {e}") from e
-    with tf:
-        if not tf.series:
-            raise ValueError(f"input file {path!r}: TIFF has no image series")
-        s = _pick(series, len(tf.series), "series", path)[0]
-        ser = tf.series[s]
-        levels = ser.levels
-        lv = _pick(level, len(levels), "pyramid level", path)[0]
-        page_series = levels[lv]
-        axes, shape, dtype = page_series.axes, tuple(page_series.shape), page_series.dtype
-        _check_dtype(dtype, path)
-        memmapped = False
-        arr = None
-        if page_series.dataoffset is not None:
-            try:
-                arr = tifffile.memmap(path, series=s, level=lv, mode="r")
-                memmapped = True
-            except (ValueError, OSError):
-                arr = None
-        if arr is None:
-            # decoding allocates the whole series: check what the pages declare first (a few KB of
-            # compressed data can declare gigabytes)
-            check_array_bytes(path, shape, dtype, max_bytes, "TIFF image series")
-            try:
-                arr = page_series.asarray()
-            except (ValueError, OSError, EOFError, RuntimeError, KeyError, _struct_error()) as e:
-                raise ValueError(f"input file {path!r}: TIFF pixel data cannot be decoded: {e}") from e
+    tif = read_tiff(path, series=series, level=level, max_bytes=max_bytes)
+    arr, axes = tif.data, tif.axes
+    shape, dtype = arr.shape, arr.dtype
+    check_dtype(dtype, path)
     if "Y" not in axes or "X" not in axes:
         raise ValueError(f"input file {path!r}: TIFF series axes {axes!r} lack Y and X")
     chan = [a for a in axes if a in "CS"]
@@ -325,19 +265,13 @@ def _tiff_images(
         "source_dtype": str(dtype),
         "axes": axes,
         "shape": shape,
-        "series": s,
-        "level": lv,
-        "levels": len(levels),
-        "memmap": memmapped,
+        "series": tif.series,
+        "level": tif.level,
+        "levels": tif.levels,
+        "memmap": tif.memmap,
     }
-    for i in _pick(slice_index, n_stack, "slice_index", path) if slice_index != "all" else range(n_stack):
-        yield MedicalImage(_to_float32(arr[i], path), path, "tiff", i, n_stack, dict(meta))
-
-
-def _struct_error() -> type[Exception]:
-    import struct
-
-    return struct.error
+    for i in pick(slice_index, n_stack, "slice_index", path) if slice_index != "all" else range(n_stack):
+        yield MedicalImage(to_float32(arr[i], path), path, "tiff", i, n_stack, dict(meta))
 
 
 # -------------------------------------------------------------------------------------------- PNG/JPEG
@@ -355,7 +289,7 @@ def _png_colour_depth(path: str) -> tuple[int, int] | None:
 def _pillow_images(path: str, fmt: str) -> Iterator[MedicalImage]:
     from PIL import ImageOps, UnidentifiedImageError
 
-    from ..files import FileTooLargeError, open_image
+    from ...files import FileTooLargeError, open_image
 
     if fmt == "png":
         depth = _png_colour_depth(path)
@@ -389,7 +323,7 @@ def _pillow_images(path: str, fmt: str) -> Iterator[MedicalImage]:
         arr = np.moveaxis(arr, -1, 0)
     else:
         arr = arr[None]
-    yield MedicalImage(_to_float32(arr, path), path, fmt, 0, 1, meta)
+    yield MedicalImage(to_float32(arr, path), path, fmt, 0, 1, meta)
 
 
 # ----------------------------------------------------------------------------------------------- API

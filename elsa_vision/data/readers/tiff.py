@@ -1,0 +1,84 @@
+"""The TIFF reader (tifffile) of every TIFF input: medical and large images, hyperspectral cubes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+
+import numpy as np
+
+from ...files import check_array_bytes
+from ._common import pick
+
+__all__ = ["TiffSeries", "read_tiff"]
+
+
+@dataclasses.dataclass
+class TiffSeries:
+    """One image series of a TIFF file at one pyramid level.
+
+    Attributes:
+        data: the pixels as stored (a read-only ``numpy.memmap`` when ``memmap``), axes in ``axes`` order.
+        axes: tifffile's axes string, e.g. ``"YX"``, ``"ZYX"``, ``"YXS"`` (interleaved samples), ``"CYX"``.
+        series, level: which series and pyramid level (0 = full resolution) were read.
+        levels: how many pyramid levels the series has.
+        memmap: the data is memory-mapped from the file (uncompressed, contiguous), not decoded.
+    """
+
+    data: np.ndarray
+    axes: str
+    series: int
+    level: int
+    levels: int
+    memmap: bool
+
+
+def read_tiff(
+    path: str | os.PathLike,
+    *,
+    series: int = 0,
+    level: int = 0,
+    max_bytes: int | None = None,
+    memmap: bool = True,
+) -> TiffSeries:
+    """Read one series of a TIFF / OME-TIFF file (``tifffile``).
+
+    With ``memmap`` an uncompressed, contiguous series is memory-mapped (nothing is read until it is used);
+    otherwise, and for compressed data, the shape the pages declare is checked against ``max_bytes``
+    (default :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`) before anything is decoded: a few KB of
+    compressed strips can declare gigabytes. A caller that converts a memory-mapped series checks what it
+    allocates itself.
+
+    Raises:
+        ValueError: naming the file: not a TIFF, no image series, a series or level out of range, pixel data
+            that cannot be decoded. ``FileTooLargeError`` (a ``ValueError``) for a series over the limit.
+    """
+    import tifffile
+
+    path = os.fspath(path)
+    try:
+        tf = tifffile.TiffFile(path)
+    except (tifffile.TiffFileError, OSError, EOFError, ValueError, struct.error) as e:
+        raise ValueError(f"input file {path!r} is not a readable TIFF file: {e}") from e
+    with tf:
+        if not tf.series:
+            raise ValueError(f"input file {path!r}: TIFF has no image series")
+        s = pick(series, len(tf.series), "series", path)[0]
+        levels = tf.series[s].levels
+        lv = pick(level, len(levels), "pyramid level", path)[0]
+        page_series = levels[lv]
+        arr = None
+        if memmap and page_series.dataoffset is not None:
+            try:
+                arr = tifffile.memmap(path, series=s, level=lv, mode="r")
+            except (ValueError, OSError):
+                arr = None
+        mapped = arr is not None
+        if arr is None:
+            check_array_bytes(path, page_series.shape, page_series.dtype, max_bytes, "the TIFF image series")
+            try:
+                arr = page_series.asarray()
+            except Exception as e:  # tifffile and its codecs raise many types on corrupt data
+                raise ValueError(f"input file {path!r}: TIFF pixel data cannot be decoded: {e}") from e
+    return TiffSeries(arr, page_series.axes, s, lv, len(levels), mapped)
