@@ -2,8 +2,8 @@
 
 Two declared sweeps:
 
-* ``THROUGHPUT``: one ``ElsaHSIViT`` per case, built twice with the same weights -- ``attn_impl="elsa"``
-  (ElsaAttention, backend ``auto``: Triton on CUDA) and ``attn_impl="sdpa"`` (timm ``Attention``, run under
+* ``THROUGHPUT``: one ``ElsaHSIViT`` per case, built twice with the same weights -- the default attention
+  (ElsaAttention, backend ``auto``: Triton on CUDA) and ``attn_layer=timm.layers.Attention`` (run under
   ``sdpa_kernel(EFFICIENT_ATTENTION)`` on CUDA; PyTorch's default CPU kernel on CPU). Patches per second,
   forward (eval, no grad) or a training step (forward + backward), FP32 with TF32 off; ``ceiling`` is the
   SDPA time over the ELSA model's time with free attention (``benchmarks/ceiling.py``), the most any attention
@@ -31,6 +31,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import timm
 import torch
 
 from benchmarks.ceiling import free_attention
@@ -120,8 +121,8 @@ def bench_throughput(case: ThroughputCase, device: torch.device, mode: str, warm
         spatial_patch=case.spatial_patch,
         **_net_kwargs(case.preset),
     )
-    sdpa = ElsaHSIViT(case.bands, 9, attn_impl="sdpa", **kw).to(device)
-    elsa = ElsaHSIViT(case.bands, 9, attn_impl="elsa", **kw).to(device)
+    sdpa = ElsaHSIViT(case.bands, 9, attn_layer=timm.layers.Attention, **kw).to(device)
+    elsa = ElsaHSIViT(case.bands, 9, **kw).to(device)
     elsa.load_state_dict(sdpa.state_dict())
     x = torch.randn(case.batch, case.bands, case.patch, case.patch, device=device)
     y = torch.randint(0, 9, (case.batch,), device=device)

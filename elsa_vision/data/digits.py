@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from .samplers import EpochShuffleSampler
+from .samplers import epoch_loader
 
 __all__ = ["DigitsDataModule", "DigitsDataset", "load_digits_splits"]
 
@@ -140,17 +140,8 @@ class DigitsDataModule(L.LightningDataModule):
 
     def _loader(self, ds: Dataset, train: bool) -> DataLoader:
         hp = self.hparams
-        sampler = EpochShuffleSampler(len(ds), hp.seed) if train else None
-        return DataLoader(
-            ds,
-            batch_size=hp.batch_size,
-            sampler=sampler,
-            generator=sampler.generator if train else None,
-            drop_last=train and len(ds) > hp.batch_size,
-            num_workers=hp.num_workers,
-            persistent_workers=hp.num_workers > 0,
-            pin_memory=hp.pin_memory,
-        )
+        return epoch_loader(ds, train, batch_size=hp.batch_size, seed=hp.seed, num_workers=hp.num_workers,
+                            pin_memory=hp.pin_memory)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.data_train, train=True)

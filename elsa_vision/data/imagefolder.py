@@ -22,12 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import lightning as L
-import torch
 from timm.data import create_transform, resolve_data_config
 from torch.utils.data import DataLoader, Dataset
 
 from .readers.images import load_rgb
-from .samplers import EpochShuffleSampler
+from .samplers import epoch_loader
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolderDataModule", "RobustImageFolder", "scan_class_folders"]
 
@@ -305,17 +304,8 @@ class ImageFolderDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------------------------------- loaders
     def _loader(self, ds: Dataset, train: bool) -> DataLoader:
         hp = self.hparams
-        sampler = EpochShuffleSampler(len(ds), hp.seed) if train else None
-        return DataLoader(
-            ds,
-            batch_size=hp.batch_size,
-            sampler=sampler,
-            generator=sampler.generator if train else None,
-            drop_last=train and len(ds) > hp.batch_size,
-            num_workers=hp.num_workers,
-            pin_memory=hp.pin_memory and torch.cuda.is_available(),
-            persistent_workers=hp.persistent_workers and hp.num_workers > 0,
-        )
+        return epoch_loader(ds, train, batch_size=hp.batch_size, seed=hp.seed, num_workers=hp.num_workers,
+                            pin_memory=hp.pin_memory, persistent_workers=hp.persistent_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.data_train, True)

@@ -1,13 +1,13 @@
-"""A shuffling sampler whose order depends only on ``(seed, epoch)``."""
+"""A shuffling sampler whose order depends only on ``(seed, epoch)``, and the loaders built on it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["EpochShuffleSampler"]
+__all__ = ["EpochShuffleSampler", "epoch_loader"]
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -41,3 +41,21 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def epoch_loader(ds: Dataset, train: bool, *, batch_size: int, seed: int, num_workers: int, pin_memory: bool,
+                 persistent_workers: bool = True) -> DataLoader:
+    """The DataLoader of a training (``train``: shuffled by an :class:`EpochShuffleSampler`, the last batch
+    dropped when it is not the only one) or evaluation split (in order, every sample): an epoch's order and
+    its workers' seeds depend only on ``(seed, epoch)``, so that a resumed run replays it exactly."""
+    sampler = EpochShuffleSampler(len(ds), seed) if train else None
+    return DataLoader(
+        ds,
+        batch_size=batch_size,
+        sampler=sampler,
+        generator=sampler.generator if train else None,
+        drop_last=train and len(ds) > batch_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        persistent_workers=persistent_workers and num_workers > 0,
+    )

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..layers.elsa_module import check_attention_options
 
 __all__ = ["LoadReport", "check_attention_options", "read_state_dict", "check_shapes", "load_checkpoint",
-           "timm_source"]
+           "from_timm"]
 
 
 # Prefixes of a training module's attribute (Lightning's ``net.``, ``model.``); the wrappers' own (DDP,
@@ -132,7 +132,7 @@ def load_checkpoint(
     return report
 
 
-def timm_source(
+def _timm_source(
     owner: str,
     src: nn.Module | str,
     base_cls: type[nn.Module],
@@ -167,3 +167,27 @@ def timm_source(
                             f"use elsa_vision.patch_attention for other models")
         return copy.deepcopy(src), None
     raise TypeError(f"{owner}: src must be a timm model name or {base}, got {type(src)}")
+
+
+def from_timm(
+    elsa_cls: type[nn.Module],
+    base_cls: type[nn.Module],
+    src: nn.Module | str,
+    checkpoint_path: str | os.PathLike | None,
+    filter_fn: Callable,
+    *,
+    attn_backend: str,
+    attn_precision: str,
+    strict: bool,
+    kwargs: dict,
+) -> nn.Module:
+    """What every ELSA model's ``from_timm`` does: check the attention options, take the timm model
+    (:func:`_timm_source`), make it an ``elsa_cls`` in place (``elsa_cls`` subclasses ``base_cls`` and adds
+    no parameters) with its attention converted, and keep the checkpoint's key report in ``load_report``."""
+    owner = f"{elsa_cls.__name__}.from_timm"
+    check_attention_options(owner, attn_backend, attn_precision)
+    model, report = _timm_source(owner, src, base_cls, elsa_cls, checkpoint_path, filter_fn, strict, kwargs)
+    model.__class__ = elsa_cls
+    model._elsa_convert(attn_backend, attn_precision)
+    model.load_report = report
+    return model

@@ -563,17 +563,7 @@ def _infer_config(vis: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def _load_tower(model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str) -> None:
-    vis = dict(vis)
-    pos = vis.get("positional_embedding")
-    if (
-        pos is not None
-        and pos.shape != model.positional_embedding.shape
-        and pos.shape[1:] == model.positional_embedding.shape[1:]
-    ):
-        gh = math.isqrt(pos.shape[0] - 1)
-        if gh * gh == pos.shape[0] - 1:
-            vis["positional_embedding"] = resample_positional_embedding(pos, (gh, gh), model.grid_size)
-    vis = {k: v.float() if v.is_floating_point() else v for k, v in vis.items()}
+    vis = clip_checkpoint_filter_fn(vis, model)
     missing, unexpected = [], []
     own = model.state_dict()
     for k in own:

@@ -25,7 +25,8 @@ from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter
 
 from ..layers.elsa_module import check_attention_options, set_attention
 from ..layers.window_attention import ElsaSwinV2WindowAttention
-from ._builder import LoadReport, timm_source
+from . import _builder
+from ._builder import LoadReport
 
 __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 
@@ -100,13 +101,9 @@ class ElsaSwinV2(SwinTransformerV2):
         Returns:
             The ``ElsaSwinV2`` in the train/eval mode of the source (eval for a name).
         """
-        check_attention_options("ElsaSwinV2.from_timm", attn_backend, attn_precision)
-        model, report = timm_source("ElsaSwinV2.from_timm", src, SwinTransformerV2, cls, checkpoint_path,
-                                    checkpoint_filter_fn, strict, kwargs)
-        model.__class__ = cls
-        model._elsa_convert(attn_backend, attn_precision)
-        model.load_report = report
-        return model
+        return _builder.from_timm(cls, SwinTransformerV2, src, checkpoint_path, checkpoint_filter_fn,
+                                  attn_backend=attn_backend, attn_precision=attn_precision, strict=strict,
+                                  kwargs=kwargs)
 
 
 def _cfg(**kwargs):

@@ -29,7 +29,8 @@ from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
 from ..layers.elsa_module import check_attention_options, set_attention
-from ._builder import LoadReport, timm_source
+from . import _builder
+from ._builder import LoadReport
 
 __all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
 
@@ -224,13 +225,9 @@ class ElsaViT(VisionTransformer):
         Returns:
             The ``ElsaViT`` in the train/eval mode of the source (eval for a name).
         """
-        check_attention_options("ElsaViT.from_timm", attn_backend, attn_precision)
-        model, report = timm_source("ElsaViT.from_timm", src, VisionTransformer, cls, checkpoint_path,
-                                    elsa_checkpoint_filter_fn, strict, kwargs)
-        model.__class__ = cls
-        model._elsa_convert(attn_backend, attn_precision)
-        model.load_report = report
-        return model
+        return _builder.from_timm(cls, VisionTransformer, src, checkpoint_path, elsa_checkpoint_filter_fn,
+                                  attn_backend=attn_backend, attn_precision=attn_precision, strict=strict,
+                                  kwargs=kwargs)
 
 
 def elsa_checkpoint_filter_fn(state_dict: dict[str, Tensor], model: VisionTransformer) -> dict[str, Tensor]:
