@@ -19,9 +19,9 @@ from lightning import Callback
 from PIL import Image
 
 import elsa_vision.tasks.train as train_mod
-from elsa_vision.utils import run_dirs as run_mod
 from elsa_vision.files import NotACheckpointError, read_checkpoint
 from elsa_vision.tasks.train import CheckpointPathError, train
+from elsa_vision.utils import run_dirs as run_mod
 from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg
 
 QUIET_CSV = [q for q in QUIET if q != "logger=none"] + ["logger=csv"]
