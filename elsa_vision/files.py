@@ -20,6 +20,7 @@ sees either the previous complete file or the new complete file, also across a c
 
 from __future__ import annotations
 
+import argparse
 import ast
 import collections
 import contextlib
@@ -46,6 +47,7 @@ __all__ = [
     "STATE_DICT_KEYS",
     "UnsafeCheckpointError",
     "atomic_torch_save",
+    "add_max_input_argument",
     "check_array_bytes",
     "check_image_pixels",
     "checkpoint_kind",
@@ -535,6 +537,28 @@ def open_image(path: str | os.PathLike, max_pixels: int | None = None):
         im.close()
         raise
     return im
+
+
+def add_max_input_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str) -> None:
+    """``--max-input-gib`` of a command-line tool (default :data:`DEFAULT_MAX_ARRAY_BYTES`): ``what`` files
+    declaring more GiB of data are refused before they are read. The value must be a number > 0; the
+    limit in bytes is ``int(args.max_input_gib * 2**30)``."""
+
+    def gib(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parser.add_argument(
+        "--max-input-gib",
+        type=gib,
+        default=DEFAULT_MAX_ARRAY_BYTES / 2**30,
+        help=f"refuse {what} declaring more than this many GiB of data, before reading (default %(default)g)",
+    )
 
 
 def check_array_bytes(

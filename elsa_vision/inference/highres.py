@@ -503,6 +503,17 @@ def _split(model: nn.Module, tokens: Tensor, h: int, w: int) -> tuple[Tensor, Te
 
 
 @torch.no_grad()
+def _grid_and_autocast(model: nn.Module, image: Tensor, autocast_dtype) -> tuple[int, int, int, Any]:
+    """(patch size, token grid height, width, the autocast context) of one ``[C, H, W]`` image."""
+    p = model.patch_embed.patch_size[0]
+    _, H, W = image.shape
+    if autocast_dtype is not None:
+        amp = torch.autocast(image.device.type, dtype=autocast_dtype)
+    else:
+        amp = torch.autocast(image.device.type, enabled=False)
+    return p, H // p, W // p, amp
+
+
 def run_plan(
     model: nn.Module,
     image: Tensor,
@@ -518,14 +529,7 @@ def run_plan(
     if with_cls_attention and plan.mode == "tiled":
         raise ValueError("with_cls_attention needs global attention; the plan is tiled")
     device = image.device
-    p = model.patch_embed.patch_size[0]
-    _, H, W = image.shape
-    gh, gw = H // p, W // p
-    amp = (
-        torch.autocast(device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else torch.autocast(device.type, enabled=False)
-    )
+    p, gh, gw, amp = _grid_and_autocast(model, image, autocast_dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
@@ -610,14 +614,7 @@ def run_context_parallel(
     if not isinstance(model, ElsaViT):
         raise TypeError(f"run_context_parallel: model must be an ElsaViT, got {type(model).__name__}")
     device = image.device
-    p = model.patch_embed.patch_size[0]
-    _, H, W = image.shape
-    gh, gw = H // p, W // p
-    amp = (
-        torch.autocast(device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else torch.autocast(device.type, enabled=False)
-    )
+    p, gh, gw, amp = _grid_and_autocast(model, image, autocast_dtype)
     previous = model.context_parallel
     model.set_context_parallel(group, layout=layout)
     try:

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..data.hyperspectral import SpectralTransform, encode_labels, extract_patches, pad_cube
 from ..data.readers import load_cube, load_gt
-from ..files import DEFAULT_MAX_ARRAY_BYTES, prepare_output_dir
+from ..files import add_max_input_argument, prepare_output_dir
 
 __all__ = ["predict_scene", "confusion_metrics", "save_class_map", "run", "main"]
 
@@ -296,13 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--gt-key", default=None, help="ground-truth array name (auto-detected)")
     ap.add_argument("--out", default="hsi_inference", help="output directory")
     ap.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
-    ap.add_argument(
-        "--max-input-gib",
-        type=float,
-        default=DEFAULT_MAX_ARRAY_BYTES / 2**30,
-        help="refuse cube / ground-truth files declaring more GiB of data, before reading "
-        "(default %(default)g)",
-    )
+    add_max_input_argument(ap, "cube / ground-truth files")
     ap.add_argument("--batch-size", type=int, default=1024, help="patches per forward pass")
     ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     ap.add_argument("--labelled-only", action="store_true", help="classify only pixels labelled in --gt")

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..data.readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
-from ..files import DEFAULT_MAX_ARRAY_BYTES, prepare_output_dir
+from ..files import add_max_input_argument, prepare_output_dir
 from .highres import (
     MODEL_ALIASES,
     Plan,
@@ -198,13 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="DICOM-style window: 'file' or 'CENTER,WIDTH' (rescaled units, e.g. HU) -> [0, 1]",
     )
     rd.add_argument("--no-invert-monochrome1", action="store_true", help="keep MONOCHROME1 values as stored")
-    rd.add_argument(
-        "--max-input-gib",
-        type=float,
-        default=DEFAULT_MAX_ARRAY_BYTES / 2**30,
-        help="refuse a TIFF/DICOM/NIfTI input whose declared decoded size (or one image of it in float32) "
-        "exceeds this many GiB, before decoding (default %(default)g)",
-    )
+    add_max_input_argument(rd, "TIFF/DICOM/NIfTI inputs (decoded, or one image of them in float32)")
     rd.add_argument(
         "--max-image-pixels",
         type=int,
@@ -432,8 +426,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for flag in ("input", "out"):
         if getattr(args, flag) is None:
             raise SystemExit(f"error: --{flag} is required")
-    if args.max_input_gib <= 0:
-        raise ValueError(f"--max-input-gib must be > 0, got {args.max_input_gib}")
     if args.max_image_pixels is not None and args.max_image_pixels < 1:
         raise ValueError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
     # before any reading or computing: an unwritable --out, or earlier outputs, fail now

@@ -49,24 +49,24 @@ _MAT_ITEMSIZE = {"int8": 1, "uint8": 1, "logical": 1, "int16": 2, "uint16": 2, "
                  "uint32": 4, "single": 4}
 
 
+def _scipy_mat(path: Path, read):
+    """``read(str(path))`` (a scipy.io reader) with scipy's errors on damaged files named as such."""
+    try:
+        return read(str(path))
+    except NotImplementedError as e:  # a v7.3 header on a file that is not valid HDF5
+        raise ValueError(f"{path}: MATLAB v7.3 header but not a readable HDF5 file ({e})") from e
+    except Exception as e:  # scipy raises ValueError/TypeError/OSError on corrupt files
+        raise ValueError(f"{path}: cannot read MATLAB file: {e}") from e
+
+
 def _read_mat_v5(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     import scipy.io
 
-    try:
-        # variable headers only: compressed variables can declare far more than the file holds
-        declared = scipy.io.whosmat(str(path))
-    except NotImplementedError as e:  # a v7.3 header on a file that is not valid HDF5
-        raise ValueError(f"{path}: MATLAB v7.3 header but not a readable HDF5 file ({e})") from e
-    except Exception as e:  # scipy raises ValueError/TypeError/OSError on corrupt files
-        raise ValueError(f"{path}: cannot read MATLAB file: {e}") from e
+    # variable headers only: compressed variables can declare far more than the file holds
+    declared = _scipy_mat(path, scipy.io.whosmat)
     total = sum(int(np.prod(shape, dtype=object)) * _MAT_ITEMSIZE.get(cls, 8) for _, shape, cls in declared)
     check_array_bytes(path, (total,), np.uint8, max_bytes, f"the MATLAB variables ({len(declared)})")
-    try:
-        raw = scipy.io.loadmat(str(path))
-    except NotImplementedError as e:  # a v7.3 header on a file that is not valid HDF5
-        raise ValueError(f"{path}: MATLAB v7.3 header but not a readable HDF5 file ({e})") from e
-    except Exception as e:  # scipy raises ValueError/TypeError/OSError on corrupt files
-        raise ValueError(f"{path}: cannot read MATLAB file: {e}") from e
+    raw = _scipy_mat(path, scipy.io.loadmat)
     return {k: v for k, v in raw.items() if not k.startswith("__") and isinstance(v, np.ndarray)}
 
 
