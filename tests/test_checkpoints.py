@@ -15,28 +15,16 @@ import time
 import pytest
 import scipy.io
 import torch
-from lightning import Callback
 from PIL import Image
 
 import elsa_vision.tasks.train as train_mod
 from elsa_vision.files import NotACheckpointError, read_checkpoint
 from elsa_vision.tasks.train import CheckpointPathError, train
 from elsa_vision.utils import run_dirs as run_mod
-from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg
+from tests.train_helpers import QUIET, ROOT, TINY_NET, StopAfterEpoch, compose_cfg
 
 QUIET_CSV = [q for q in QUIET if q != "logger=none"] + ["logger=csv"]
 SMALL = ["trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
-
-
-class StopAfterEpoch(Callback):
-    """Ends fitting after ``epoch`` epochs, like a job killed right after its end-of-epoch checkpoint."""
-
-    def __init__(self, epoch: int):
-        self.epoch = epoch
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch + 1 >= self.epoch:
-            trainer.should_stop = True
 
 
 def _ckpts(run):

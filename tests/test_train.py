@@ -10,12 +10,19 @@ import sys
 import pytest
 import torch
 from hydra.errors import InstantiationException, MissingConfigException
-from lightning import Callback
 
 import elsa_vision.tasks.train as train_mod
 from elsa_vision.tasks import ClassificationModule, cosine_warmup_schedule
 from elsa_vision.tasks.train import train
-from tests.train_helpers import QUIET, ROOT, TINY_NET, compose_cfg, make_image_tree, write_image
+from tests.train_helpers import (
+    QUIET,
+    ROOT,
+    TINY_NET,
+    StopAfterEpoch,
+    compose_cfg,
+    make_image_tree,
+    write_image,
+)
 
 FAST = ["trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
 
@@ -73,17 +80,6 @@ def test_train_vit_s_fast_dev_run_with_mixup_and_attention_options(tmp_path):
     net = obj["model"].net
     assert net.blocks[0].attn.backend == "torch" and net.blocks[0].attn.precision == "ieee"
     assert obj["model"].mixup_fn is not None and "train/loss" in metrics
-
-
-class StopAfterEpoch(Callback):
-    """Ends fitting after ``epoch`` epochs, like a job killed right after its end-of-epoch checkpoint."""
-
-    def __init__(self, epoch: int):
-        self.epoch = epoch
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch + 1 >= self.epoch:
-            trainer.should_stop = True
 
 
 def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):

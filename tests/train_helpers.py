@@ -9,6 +9,7 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from lightning import Callback
 from omegaconf import DictConfig, open_dict
 from PIL import Image
 
@@ -68,3 +69,14 @@ def make_image_tree(
                     root / split / c / f"{i}.png", size=size, seed=1000 * ci + 10 * i + (split == "val")
                 )
     return root
+
+
+class StopAfterEpoch(Callback):
+    """Ends fitting after ``epoch`` epochs, like a job killed right after its end-of-epoch checkpoint."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch + 1 >= self.epoch:
+            trainer.should_stop = True

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import torch
 import triton
@@ -35,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .fwd import _FLOAT_DTYPES, ACCUMULATION, LOG2E, _bias4, _cdiv, _device_info, _pow2
-from .launch import Launch, Program, ProgramCache, signature
+from .launch import AttentionProgram, Launch, ProgramCache, signature
 from .monoid import clamp_bias, finalize_state, fold_tile, matmul, merge_states
 from .precision import resolve_precision
 
@@ -312,7 +311,7 @@ def choose_forward(B: int, H: int, Nq: int, Nk: int, device=None, sm_count: int 
 # --------------------------------------------------------------------------------------------- launcher
 
 
-class _DecodeProgram(Program):
+class _DecodeProgram(AttentionProgram):
     """Both launches of one few-query signature, planned once (see ``launch``)."""
 
     def __init__(self, q, k, v, bias, kpm, causal, scale, precision, block_n=None, programs=None):
@@ -350,12 +349,9 @@ class _DecodeProgram(Program):
                       for store in (True, False)]  # [with lse, without]
 
     def run(self, q, k, v, bias=None, kpm=None, need_lse=True):
-        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device) if need_lse else None
-        if self.empty:
+        out, lse, done = self.outputs(need_lse)
+        if done:
             return out, lse
-        if self.zero:
-            return out.zero_(), (lse.fill_(-math.inf) if need_lse else None)
         ws_m = torch.empty(self.ws_sizes[0], device=self.device, dtype=torch.float32)
         ws_s = torch.empty(self.ws_sizes[0], device=self.device, dtype=torch.float32)
         ws_w = torch.empty(self.ws_sizes[1], device=self.device, dtype=torch.float32)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launch, Program, ProgramCache, signature
+from .launch import AttentionProgram, Launch, ProgramCache, signature
 from .monoid import (
     clamp_bias,
     finalize_state,
@@ -539,7 +539,7 @@ def _bias4(attn_bias: Tensor) -> Tensor:
     return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
 
 
-class _FwdProgram(Program):
+class _FwdProgram(AttentionProgram):
     """Every launch of one forward signature: the plan, the grids and all non-tensor arguments, fixed.
 
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for the packed layout
@@ -611,12 +611,9 @@ class _FwdProgram(Program):
 
     def run(self, q, k, v, bias=None, kpm=None, cu_q=None, cu_k=None, need_lse=True):
         """``(out, lse)``; ``lse`` is None unless ``need_lse``."""
-        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device) if need_lse else None
-        if self.empty:
+        out, lse, done = self.outputs(need_lse)
+        if done:
             return out, lse
-        if self.zero:
-            return out.zero_(), (lse.fill_(-math.inf) if need_lse else None)
         if bias is None:
             bias = out
         elif self.bias_cast:

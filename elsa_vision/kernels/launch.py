@@ -25,12 +25,13 @@ Under ``TRITON_INTERPRET=1`` (the CPU tests) every call goes through Triton's in
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
 import triton
 
-__all__ = ["Launch", "Program", "ProgramCache", "signature", "interpreting"]
+__all__ = ["AttentionProgram", "Launch", "Program", "ProgramCache", "signature", "interpreting"]
 
 _JIT = triton.runtime.JITFunction
 
@@ -117,6 +118,28 @@ class Program:
             with torch.cuda.device(index):
                 return self.run(*args, **kwargs)
         return self.run(*args, **kwargs)
+
+
+class AttentionProgram(Program):
+    """A program that writes ``out`` (``out_size`` / ``out_stride``, the program's dtype) and, when asked, the
+    float32 ``lse`` (``lse_size``). ``empty``: no rows (nothing to launch); ``zero``: rows that see no key
+    (``out`` 0, ``lse`` -inf, nothing to launch)."""
+
+    out_size: tuple
+    out_stride: tuple
+    lse_size: tuple
+    empty: bool = False
+    zero: bool = False
+
+    def outputs(self, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """``(out, lse or None, done)``, allocated; ``done``: already final (``empty`` or ``zero``)."""
+        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device) if need_lse else None
+        if self.empty:
+            return out, lse, True
+        if self.zero:
+            return out.zero_(), (lse.fill_(-math.inf) if need_lse else None), True
+        return out, lse, False
 
 
 def signature(tensors: tuple, options: tuple) -> tuple:
