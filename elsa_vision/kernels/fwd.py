@@ -509,15 +509,15 @@ def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, pre
     return (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
 
 
-def _force_plan(p: FwdPlan, Nk: int, partitions: int) -> FwdPlan:
+def _force_plan(p: FwdPlan, Nk: int, partitions: int, rows: int) -> FwdPlan:
+    """``p`` with ``partitions`` key partitions (equalised as the planner does); ``rows``: ``B * H * Nq``."""
     key_tiles = max(1, _cdiv(Nk, p.block_n))
     parts = max(1, min(int(partitions), key_tiles))
     if parts > 1:
         parts = _cdiv(key_tiles, _cdiv(key_tiles, parts))
-    ws = p.workspace_bytes // max(1, p.partitions) * parts if p.partitions > 1 else 0
+    ws = 4 * rows * (p.block_dv + 2) * parts if parts > 1 else 0
     depth = math.ceil(math.log2(parts)) if parts > 1 else 0
-    return dataclasses.replace(p, partitions=parts, tree_depth=depth,
-                               workspace_bytes=ws)
+    return dataclasses.replace(p, partitions=parts, tree_depth=depth, workspace_bytes=ws)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -581,7 +581,7 @@ class _FwdProgram(AttentionProgram):
         p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=_canonical_device(q.device),
                          precision=precision, has_bias=has_bias)
         if partitions is not None:
-            p = _force_plan(p, Nk, partitions)
+            p = _force_plan(p, Nk, partitions, B * H * max(Nq, 1))
         self.plan = p
         bh = B * H
         sb = tuple(_bias4(bias).expand(B, H, Nq, Nk).stride()) if has_bias else (0, 0, 0, 0)

@@ -355,6 +355,17 @@ def test_plan_structure():
         plan(1, 1, 8, 8, 8, 8, torch.float64)
 
 
+def test_forced_partitions_report_their_workspace():
+    from elsa_vision.kernels.fwd import fwd_program
+
+    q, k, v = qkv(1, 3, 70, 333, 48, 40, seed=83)
+    fused = fwd_program(q, k, v, None, None, False, 48 ** -0.5, "auto", partitions=1).plan
+    split = fwd_program(q, k, v, None, None, False, 48 ** -0.5, "auto", partitions=3).plan
+    assert fused.partitions == 1 and fused.workspace_bytes == 0
+    assert split.partitions == 3 and split.tree_depth == 2
+    assert split.workspace_bytes == 4 * 3 * 70 * (split.block_dv + 2) * 3
+
+
 @pytest.mark.parametrize("precision", ["auto", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions", [2, 5])
