@@ -502,7 +502,6 @@ def _split(model: nn.Module, tokens: Tensor, h: int, w: int) -> tuple[Tensor, Te
     return feats, tokens[0, :npt]
 
 
-@torch.no_grad()
 def _grid_and_autocast(model: nn.Module, image: Tensor, autocast_dtype) -> tuple[int, int, int, Any]:
     """(patch size, token grid height, width, the autocast context) of one ``[C, H, W]`` image."""
     p = model.patch_embed.patch_size[0]
@@ -514,6 +513,7 @@ def _grid_and_autocast(model: nn.Module, image: Tensor, autocast_dtype) -> tuple
     return p, H // p, W // p, amp
 
 
+@torch.no_grad()
 def run_plan(
     model: nn.Module,
     image: Tensor,

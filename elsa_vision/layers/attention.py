@@ -171,9 +171,10 @@ class ElsaAttention(ElsaModule, nn.Module):
     def _inference(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, rotated: bool) -> Tensor:
         """Inference without a mask: the attention call checked and planned once per input signature
         (``ops.attention.inference_call``; q, k, v are views of the projection of ``x``, or RoPE's outputs
-        of them, so ``x``'s shape, dtype and device fix theirs), later calls go straight to the launch
+        of them, so ``x``'s shape and device and q's dtype fix theirs), later calls go straight to the launch
         program."""
-        key = (x.shape, x.dtype, x.device, causal, rotated, self.backend, self.precision, self.scale)
+        # q's dtype, not x's: under autocast the projection (so q, k, v) is in the autocast dtype
+        key = (x.shape, q.dtype, x.device, causal, rotated, self.backend, self.precision, self.scale)
         calls = self.__dict__.setdefault("_elsa_calls", {})
         call = calls.get(key, False)
         if call is False:

@@ -226,6 +226,7 @@ def test_tiled_single_tile_equals_whole():
     one = run_plan(elsa, x, Plan("tiled", 0.0, None, tile=80, overlap=0))
     assert one.tiles == 1
     assert relerr(one.features, whole.features) <= 1e-6 and relerr(one.logits, whole.logits) <= 1e-6
+    assert not whole.logits.requires_grad and not one.features.requires_grad  # inference: no graph kept
 
 
 def test_tiled_blend_and_position_crop():

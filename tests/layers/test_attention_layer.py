@@ -143,6 +143,22 @@ def test_inference_path_is_planned_once_and_equals_the_general_path(qk_norm, mon
         assert torch.equal(clone(x), attn(x))
 
 
+def test_inference_plan_follows_autocast():
+    """Under autocast ``x`` keeps its dtype but q, k, v take the autocast dtype: the planned call of one must
+    not be reused for the other."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    attn = ElsaAttention(32, num_heads=2, backend="triton").to(dev).eval()
+    x = torch.randn(2, 19, 32, device=dev)
+    with torch.no_grad():
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            low = attn(x)
+        full = attn(x)
+    assert low.dtype == torch.bfloat16 and full.dtype == torch.float32
+    general = attn(x).detach()  # grad enabled: not the planned path
+    assert relerr(full, general.double()) <= 1e-6
+    assert relerr(low.float(), general.double()) <= 2e-2
+
+
 @pytest.mark.parametrize("cfg", [dict(qkv_bias=True), dict(qk_norm=True, scale_norm=True,
                                                            norm_layer=torch.nn.LayerNorm, gated=True)],
                          ids=["plain", "norms-gate"])
