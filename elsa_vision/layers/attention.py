@@ -100,7 +100,7 @@ class ElsaAttention(ElsaModule, nn.Module):
         self.scale = head_dim**-0.5
         self.backend = backend
         self.precision = precision
-        self.query_chunk = _check_chunk(query_chunk)
+        self.query_chunk = query_chunk
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
@@ -113,6 +113,15 @@ class ElsaAttention(ElsaModule, nn.Module):
         self.rope = rope
         self.context_parallel = None  # an elsa_vision.distributed.ContextParallel, or None
 
+    @property
+    def query_chunk(self) -> int | None:
+        """Query rows attended at a time (None: all); checked when set."""
+        return self._query_chunk
+
+    @query_chunk.setter
+    def query_chunk(self, value: int | None) -> None:
+        self._query_chunk = _check_chunk(value)
+
     def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
                 pos: Tensor | None = None) -> Tensor:
         B, N, _ = x.shape
@@ -123,16 +132,18 @@ class ElsaAttention(ElsaModule, nn.Module):
         rotated = self.rope is not None and pos is not None
         if rotated:
             q, k = self.rope(q, pos), self.rope(k, pos)
-        chunk = self.query_chunk
+        chunk = self._query_chunk
         if chunk is None or N <= chunk:
             return self._project(self._attend(x, q, k, v, attn_mask, bool(is_causal), rotated), x)
         if is_causal or self.context_parallel is not None:
             raise ValueError("ElsaAttention: query_chunk is not available with is_causal=True or context "
                              "parallelism; set query_chunk=None")
+        attn_mask = mask_to_bias(attn_mask, q.dtype)  # once, not per chunk
+        per_row = attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1
         out = None
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
-            rows = attn_mask if attn_mask is None or attn_mask.shape[-2] == 1 else attn_mask[..., s:e, :]
+            rows = attn_mask[..., s:e, :] if per_row else attn_mask
             y = self._project(self._attend(x, q[:, :, s:e], k, v, rows, False, None), x[:, s:e])
             if out is None:
                 out = y.new_empty(B, N, y.shape[-1])

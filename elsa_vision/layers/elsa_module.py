@@ -123,7 +123,8 @@ def set_attention(model: nn.Module, backend: str | None = None, precision: str |
     included). Both are checked first (:func:`check_attention_options`, errors naming ``who``, by default
     ``"<model class>.set_attention"``). Returns how many layers were set."""
     who = who or f"{type(model).__name__}.set_attention"
-    check_attention_options(who, backend or "auto", precision or "auto", prefix="")
+    check_attention_options(who, "auto" if backend is None else backend,
+                            "auto" if precision is None else precision, prefix="")
     layers = [m for m in model.modules() if isinstance(m, ElsaModule)]
     for m in layers:
         if backend is not None:

@@ -203,3 +203,7 @@ def test_query_chunk_errors():
     with pytest.raises(ValueError, match="query_chunk is not available with is_causal=True"):
         layer(torch.randn(1, 9, 32), is_causal=True)
     assert layer(torch.randn(1, 4, 32), is_causal=True).shape == (1, 4, 32)  # one chunk: no chunking
+    for bad in (0, -3, 2.5, True):  # set after construction (as high-resolution inference does): checked too
+        with pytest.raises(ValueError, match="query_chunk must be None or an int >= 1"):
+            layer.query_chunk = bad
+    assert layer.query_chunk == 4

@@ -97,6 +97,9 @@ def test_set_attention_on_any_module():
         set_attention(model, backend="cuda")
     with pytest.raises(ValueError, match=r"^mine: unknown precision 'fp8'"):
         set_attention(model, precision="fp8", who="mine")
+    with pytest.raises(ValueError, match="unknown backend ''"):  # an empty name is not "keep"
+        set_attention(model, backend="")
+    assert [m.backend for m in model if isinstance(m, ElsaModule)] == ["torch", "torch"]
     assert set_attention(nn.Linear(2, 2), precision="ieee") == 0
     x = torch.randn(2, 16, 16)
     with torch.no_grad():
