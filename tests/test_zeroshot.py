@@ -246,6 +246,11 @@ def test_cli_zeroshot_and_embed(tiny_name, image_folder, tmp_path, capsys):
     assert res["image_size"] == 48 and res["num_samples"] == 12 and res["dim"] == 32
     z = np.load(out / "embeddings.npz")
     assert z["embeddings"].shape == (12, 32) and np.isfinite(z["embeddings"]).all()
+    # an earlier run's outputs are refused before any work, replaced only with --overwrite
+    with pytest.raises(ValueError, match=r"already holds outputs of an earlier run \(embed_metrics.json"):
+        main(common + ["--task", "embed", "--image-size", "48", "--embed-format", "npz"])
+    main(common + ["--task", "embed", "--image-size", "48", "--embed-format", "npz", "--overwrite"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_samples"] == 12
 
 
 def test_cli_without_out_writes_a_fresh_run_directory(tiny_name, image_folder, tmp_path, monkeypatch, capsys):

@@ -438,6 +438,7 @@ def run(
     attn_backend: str = "auto",
     attn_precision: str = "auto",
     embed_format: str = "safetensors",
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Zero-shot evaluation (``task="zeroshot"``) or embedding export (``task="embed"``) on an image folder.
 
@@ -451,6 +452,7 @@ def run(
             (None with ``"zeroshot"``: nothing is written).
         image_size: run the image tower at this size (ElsaCLIPVision with resampled positional embedding).
         elsa: False keeps open_clip's stock attention (reference runs).
+        overwrite: replace the outputs of an earlier run in ``out`` (otherwise refused before any work).
     Returns the metrics / export summary plus timing.
     """
     if task not in TASKS:
@@ -462,6 +464,10 @@ def run(
     if task == "embed" and out is None:
         raise ValueError("run: task='embed' writes files: pass out=DIR (the CLI defaults to a fresh run "
                          "directory under logs/zeroshot/runs)")
+    if out is not None:
+        from ..files import prepare_output_dir
+
+        prepare_output_dir(out, [f"{task}_metrics.json", "embeddings.*"], overwrite=overwrite)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     net, tokenizer, transform, report = _build_model(
         model, pretrained, dev, image_size, elsa, attn_backend, attn_precision
@@ -540,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--task", default="zeroshot", choices=TASKS)
     p.add_argument("--out", default=None, help="output directory (metrics JSON, embeddings); default: a "
                    "fresh logs/zeroshot/runs/<date>_<time>/")
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--device", default=None)
@@ -558,6 +565,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         classnames=a.classnames,
         templates=a.templates,
         out=a.out or str(fresh_run_dir()),
+        overwrite=a.overwrite,
         batch_size=a.batch_size,
         num_workers=a.workers,
         device=a.device,
