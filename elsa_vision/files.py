@@ -636,6 +636,8 @@ def prepare_output_dir(
     ``overwrite``. Nothing is created: a run that fails later leaves no empty directory. Raises
     ``ValueError`` (one line, naming the directory); returns ``Path(out)``.
     """
+    if isinstance(outputs, (str, bytes, os.PathLike)):
+        raise TypeError(f"prepare_output_dir: outputs must be a list of names, got one name {outputs!r}")
     out = Path(out)
     probe_dir = out
     while not probe_dir.exists() and probe_dir != probe_dir.parent:

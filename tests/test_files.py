@@ -247,6 +247,8 @@ def test_prepare_output_dir(tmp_path):
     prepare_output_dir(out, ["x.json", "slice_*"], overwrite=True)
     prepare_output_dir(out, ["y.png"])  # other files in the directory are not outputs of this kind of run
     assert sorted(p.name for p in out.iterdir()) == ["slice_0001", "x.json"]  # the write probe is gone
+    with pytest.raises(TypeError, match="outputs must be a list of names, got one name 'x.json'"):
+        prepare_output_dir(out, "x.json")  # not its characters one by one
 
 
 # ------------------------------------------------------------------------------------------ atomic writes
