@@ -131,7 +131,7 @@ class ElsaAttention(ElsaModule, nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         rotated = self.rope is not None and pos is not None
         if rotated:
-            q, k = self.rope(q, pos), self.rope(k, pos)
+            q, k = self.rope.rotate(q, k, pos)
         chunk = self._query_chunk
         if chunk is None or N <= chunk:
             return self._project(self._attend(x, q, k, v, attn_mask, bool(is_causal), rotated), x)

@@ -39,23 +39,36 @@ class RotaryPositionEmbedding2D(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def _apply_1d(self, x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
-        # The angles of the given positions only: no table sized by the largest position (a data-dependent
-        # size that torch.export cannot trace). Same float32 products as a table lookup.
-        ang = pos[:, None, :, None].to(torch.float32) * inv_freq  # [B, 1, N, d/2]
-        ang = torch.cat([ang, ang], dim=-1)
-        return x * ang.cos().to(x.dtype) + self._rotate_half(x) * ang.sin().to(x.dtype)
+    def _angles(self, pos: Tensor, head_dim: int, dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor], ...]:
+        """``((cos, sin) of the rows, (cos, sin) of the columns)``, each ``[B, 1, N, head_dim / 2]`` in
+        ``dtype``: computed once per forward for q and k."""
+        if head_dim % 4:
+            raise ValueError(f"RoPE2D needs a head dim divisible by 4, got {head_dim}")
+        half = head_dim // 2
+        inv_freq = 1.0 / self.base_frequency ** (
+            torch.arange(0, half, 2, device=pos.device, dtype=torch.float32) / half
+        )
+        out = []
+        for axis in (0, 1):
+            # The angles of the given positions only: no table sized by the largest position (a
+            # data-dependent size that torch.export cannot trace). Same float32 products as a table lookup.
+            ang = pos[..., axis][:, None, :, None].to(torch.float32) * inv_freq  # [B, 1, N, half / 2]
+            ang = torch.cat([ang, ang], dim=-1)
+            out.append((ang.cos().to(dtype), ang.sin().to(dtype)))
+        return tuple(out)
+
+    def _rotate(self, x: Tensor, angles) -> Tensor:
+        halves = x.chunk(2, dim=-1)  # the rows' channels, the columns' channels
+        return torch.cat([h * cos + self._rotate_half(h) * sin for h, (cos, sin) in zip(halves, angles)],
+                         dim=-1)
 
     def forward(self, x: Tensor, pos: Tensor) -> Tensor:
-        if x.shape[-1] % 4:
-            raise ValueError(f"RoPE2D needs a head dim divisible by 4, got {x.shape[-1]}")
-        half = x.shape[-1] // 2
-        inv_freq = 1.0 / self.base_frequency ** (
-            torch.arange(0, half, 2, device=x.device, dtype=torch.float32) / half
-        )
-        xv, xh = x.chunk(2, dim=-1)
-        rows, cols = self._apply_1d(xv, pos[..., 0], inv_freq), self._apply_1d(xh, pos[..., 1], inv_freq)
-        return torch.cat([rows, cols], dim=-1)
+        return self._rotate(x, self._angles(pos, x.shape[-1], x.dtype))
+
+    def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """``(forward(q, pos), forward(k, pos))`` with the angles computed once."""
+        angles = self._angles(pos, q.shape[-1], q.dtype)
+        return self._rotate(q, angles), self._rotate(k, angles)
 
     def extra_repr(self) -> str:
         return f"frequency={self.base_frequency}"
