@@ -302,6 +302,9 @@ def test_sdpa_override_restores_on_error_and_nesting():
         with sdpa_override(precision="fp8"):
             pass
     assert F.scaled_dot_product_attention is SDPA
+    assert elsa_sdpa_module.elsa_sdpa("torch", "ieee") is elsa_sdpa_module.elsa_sdpa("torch", "ieee")  # once
+    with pytest.raises(ValueError, match="elsa_sdpa: unknown backend 'cuda'"):  # checked where it is built
+        elsa_sdpa_module.elsa_sdpa("cuda")
 
 
 def _sdpa_cases():

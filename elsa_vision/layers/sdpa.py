@@ -11,6 +11,7 @@ SDPA call runs inside that override; they are converted in place from timm's mod
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 
@@ -28,9 +29,12 @@ from .elsa_module import ElsaModule
 __all__ = ["ElsaAttentionRope", "ElsaEvaAttention", "elsa_sdpa", "sdpa_override"]
 
 
+@functools.cache
 def elsa_sdpa(backend: str = "auto", precision: str = "auto"):
     """A drop-in for ``torch.nn.functional.scaled_dot_product_attention`` that calls ``elsa_attention`` with
-    ``backend`` and ``precision``."""
+    ``backend`` and ``precision`` (checked here; one function per pair, built once: routed modules enter
+    :func:`sdpa_override` at every forward)."""
+    check_options("elsa_sdpa", backend, precision)
 
     def scaled_dot_product_attention(
         query: Tensor,
