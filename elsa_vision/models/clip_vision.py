@@ -563,7 +563,7 @@ def _infer_config(vis: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def _load_tower(model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str) -> None:
-    vis = clip_checkpoint_filter_fn(vis, model)
+    vis = _adapt_tower(vis, model)
     missing, unexpected = [], []
     own = model.state_dict()
     for k in own:
@@ -812,7 +812,13 @@ def clip_checkpoint_filter_fn(state_dict: Mapping[str, Tensor], model: ElsaCLIPV
     """The image tower of a CLIP state_dict (:func:`vision_state_dict`) as float32, its positional embedding
     resampled to the model's grid when the checkpoint's is another square grid (timm's filter-function
     convention: ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path))``)."""
-    vis = vision_state_dict(state_dict)
+    return _adapt_tower(vision_state_dict(state_dict), model)
+
+
+def _adapt_tower(vis: Mapping[str, Tensor], model: ElsaCLIPVision) -> dict[str, Tensor]:
+    """An image tower's state_dict as float32, its positional embedding resampled to the model's grid when
+    the checkpoint's is another square grid."""
+    vis = dict(vis)
     pos = vis.get("positional_embedding")
     if (
         pos is not None
