@@ -24,8 +24,8 @@ timm ``EvaAttention``, ``AttentionRope``          become :class:`~elsa_vision.la
 ===============================================  ==========================================================
 
 "Becomes" means the module object stays (same parameters, same hooks, same name) and only its class changes
-to a subclass whose ``forward`` calls ELSA (:meth:`elsa_vision.layers.ElsaModule.convert`). The options are
-then set on every swapped layer by :func:`elsa_vision.layers.set_attention`. ``sdpa_override()`` is
+to a subclass whose ``forward`` calls ELSA (:meth:`elsa_vision.layers.ElsaModule.convert`, which also sets
+the swapped layer's options). ``sdpa_override()`` is
 the catch-all for code that calls ``torch.nn.functional.scaled_dot_product_attention`` (HuggingFace
 transformers, timm fused paths).
 """
@@ -45,7 +45,6 @@ from .layers import (
     ElsaSwinV2WindowAttention,
     ElsaSwinWindowAttention,
     check_attention_options,
-    set_attention,
 )
 from .layers.sdpa import ElsaAttentionRope, ElsaEvaAttention, sdpa_override
 
@@ -108,7 +107,7 @@ def patch_attention(
         model: any ``nn.Module`` (timm ViT/DeiT/CLIP/DINOv2/EVA/Swin v1/Swin v2, open_clip, torch
             ``TransformerEncoder`` ...). It is modified in place; parameters, buffers, hooks and
             train/eval mode are kept.
-        backend, precision: the options of every swapped layer (:func:`elsa_vision.layers.set_attention`);
+        backend, precision: the options of every swapped layer (as :func:`elsa_vision.layers.set_attention`);
             ELSA layers the model already had keep theirs.
         kinds: subset of ``("vit", "swin", "mha", "sdpa_routed")``: timm ``Attention`` + MAP head, Swin
             window attention, ``nn.MultiheadAttention``, SDPA-routed timm modules (EVA, RoPE).
@@ -124,7 +123,6 @@ def patch_attention(
     if bad or not kinds:
         raise ValueError(f"patch_attention: unknown kinds {bad or kinds!r}; expected a subset of {KINDS}")
     report = PatchReport()
-    swapped = []
     # Materialise the list first: replacing children while iterating named_modules would skip some.
     for name, module in list(model.named_modules()):
         source = type(module)
@@ -140,11 +138,10 @@ def patch_attention(
                 raise ValueError("patch_attention: the model itself is an Attention; wrap it or use "
                                  "ElsaAttention.from_timm(model)")
             parent_name, _, attr = name.rpartition(".")
-            module = ElsaAttention.from_timm(module)
+            module = ElsaAttention.from_timm(module, backend=backend, precision=precision)
             setattr(model.get_submodule(parent_name), attr, module)
-        else:
-            layer.convert(module)
-        swapped.append(module)
+        else:  # the options of the swapped layers; ELSA layers the model already had keep theirs
+            layer.convert(module, backend=backend, precision=precision)
         report.counts[source.__name__] += 1
     if report.total == 0:
         raise ValueError(
@@ -161,8 +158,6 @@ def patch_attention(
             isinstance(m, ElsaMultiheadAttention) for m in module.modules()
         ):
             module.use_nested_tensor = False
-    for module in swapped:  # the options of the swapped layers; other ELSA layers of the model keep theirs
-        set_attention(module, backend, precision, who="patch_attention")
     return report
 
 
