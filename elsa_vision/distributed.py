@@ -31,6 +31,7 @@ from .kernels.reference import finalize, merge_states, state_from_output
 from .ops.attention import (
     accumulation_dtype,
     check_options,
+    check_triton_device,
     partial_attention,
     partial_attention_grads,
     resolve_backend,
@@ -459,5 +460,7 @@ def context_parallel_attention(
         attn_bias = attn_bias.expand(*attn_bias.shape[:2], n_local, attn_bias.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     chosen = resolve_backend(backend, q)
+    if chosen == "triton":
+        check_triton_device("context_parallel_attention", q)
     return _RingAttention.apply(q, k, v, key_padding_mask, attn_bias, group, seq_len, causal, scale,
                                 precision, chosen, layout)

@@ -1,6 +1,7 @@
 """The public ``elsa_attention`` contract on the torch backend (CPU)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -260,3 +261,47 @@ def test_mixed_devices_error():
     meta = torch.empty(1, 1, 4, 4, device="meta")
     with pytest.raises(ValueError, match="device"):
         elsa_attention(q, meta, v)
+
+
+_TRITON_ON_CPU = """
+import os, tempfile
+import torch
+import torch.distributed as dist
+from elsa_vision import elsa_attention
+from elsa_vision.distributed import context_parallel_attention
+from elsa_vision.kernels import triton_runs_on
+from elsa_vision.ops.window_attention import window_attention
+
+print("runs on cpu:", triton_runs_on("cpu"))
+q = torch.randn(1, 2, 8, 16)
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "init"), rank=0,
+                        world_size=1)
+calls = {
+    "elsa_attention": lambda: elsa_attention(q, q, q, backend="triton"),
+    "window_attention": lambda: window_attention(q, q, q, torch.zeros(2), torch.zeros(2, 8, 8)),
+    "context_parallel_attention": lambda: context_parallel_attention(q, q, q, seq_len=8, backend="triton"),
+}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "ran")
+    except ValueError as e:
+        print(name, "refused:", e)
+dist.destroy_process_group()
+"""
+
+
+def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter():
+    """``backend="triton"`` with CPU tensors where Triton compiles (no ``TRITON_INTERPRET``; a GPU machine
+    too): each public entry refuses in one line naming itself, instead of failing inside Triton's
+    launcher."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _TRITON_ON_CPU], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "runs on cpu: False" in r.stdout
+    for name in ("elsa_attention", "window_attention", "context_parallel_attention"):
+        assert f"{name} refused: {name}: backend='triton' needs CUDA tensors" in r.stdout, r.stdout

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from .eca import eca_masked_matmul, eca_tril_matmul
 from .reference import (
     ElsaState,
@@ -30,6 +32,7 @@ __all__ = [
     "scan_attention",
     "softmax_attention",
     "triton_available",
+    "triton_runs_on",
     "FwdPlan",
     "plan",
     "elsa_fwd",
@@ -72,3 +75,19 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def triton_runs_on(device: torch.device | str | None = None) -> bool:
+    """True when the Triton kernels can run on tensors of ``device``: CUDA tensors (with a GPU), or CPU
+    tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton was imported, as the test
+    suite does on CPU machines). ``None``: where this machine would put them (a GPU if it has one)."""
+    if not triton_available():
+        return False
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_available()
+    from .launch import interpreting
+    from .monoid import safe_shift
+
+    return torch.device(device).type == "cpu" and interpreting(safe_shift)

@@ -10,11 +10,9 @@ options of every ELSA layer of a model, and is what each model's ``set_attention
 
 from __future__ import annotations
 
-import os
-
-import torch
 from torch import nn
 
+from ..kernels import triton_runs_on
 from ..ops.attention import check_options
 
 __all__ = ["ElsaModule", "check_attention_options", "refuse_torchscript", "set_attention"]
@@ -29,29 +27,12 @@ def refuse_torchscript(module: nn.Module):
         f"torch.compile(model)")
 
 
-def _triton_runs_here() -> bool:
-    """Triton kernels can run: Triton imports and there is a CUDA GPU, or Triton's CPU interpreter is on
-    (``TRITON_INTERPRET=1``, Triton's own switch, which the test suite sets on CPU machines)."""
-    from ..kernels import triton_available
-
-    if not triton_available():
-        return False
-    if torch.cuda.is_available():
-        return True
-    import triton
-
-    interpret = getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "interpret", None)  # >= 3.4
-    if interpret is not None:
-        return bool(interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def check_attention_options(who: str, backend: str, precision: str, prefix: str = "attn_") -> None:
     """What every model checks when it is built (or its attention is changed): ``backend`` / ``precision``
     are names ``elsa_attention`` knows (``check_options``), and ``backend="triton"`` can run on this machine.
     Raises one ``ValueError`` naming ``who`` and the argument (``prefix`` + ``backend``)."""
     check_options(who, backend, precision, prefix)
-    if backend == "triton" and not _triton_runs_here():
+    if backend == "triton" and not triton_runs_on():
         raise ValueError(
             f"{who}: {prefix}backend='triton' needs a CUDA GPU (with Triton installed) and this machine has "
             f"none; use {prefix}backend='auto' (Triton on CUDA, the torch scan elsewhere) or 'torch'")

@@ -21,6 +21,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..kernels import triton_runs_on
 from ..kernels.precision import PRECISIONS
 from ..kernels.reference import attention_backward, scan_attention
 from ._library import define_op
@@ -46,6 +47,14 @@ def check_options(who: str, backend: str, precision: str, prefix: str = "") -> N
         raise ValueError(f"{who}: unknown {prefix}precision {precision!r}; expected one of {PRECISIONS}")
     if backend not in BACKENDS:
         raise ValueError(f"{who}: unknown {prefix}backend {backend!r}; expected one of {BACKENDS}")
+
+
+def check_triton_device(who: str, q: Tensor) -> None:
+    """Refuse, naming ``who``, tensors the Triton kernels cannot read: they take CUDA tensors, and CPU
+    tensors only under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported)."""
+    if not q.is_cuda and not triton_runs_on(q.device):
+        raise ValueError(f"{who}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                         f"triton is imported), got q on {q.device}; use backend='auto' or 'torch'")
 
 
 def _shape(t: Tensor) -> str:
@@ -401,6 +410,7 @@ def elsa_attention(
         if max(q.shape[-1], v.shape[-1]) > TRITON_MAX_HEAD_DIM:
             raise ValueError(f"elsa_attention: backend='triton' takes head dims up to {TRITON_MAX_HEAD_DIM}, "
                              f"got q {_shape(q)}, v {_shape(v)}; use backend='auto' or 'torch'")
+        check_triton_device("elsa_attention", q)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         return _triton_attention(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
     if chosen == "eca":

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._library import define_op
-from .attention import PRECISIONS, _cuda_matmul_precision, _shape, direct
+from .attention import PRECISIONS, _cuda_matmul_precision, _shape, check_triton_device, direct
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
@@ -196,9 +196,7 @@ def _check(q, k, v, logit_scale, bias, mask, precision, scale):
         raise TypeError(f"{fn}: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.is_cuda and not _interpreting():
-        raise ValueError(f"{fn}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
-                         f"before triton is imported), got device {q.device}")
+    check_triton_device(fn, q)
     Bw, H, N, D = q.shape
     if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
         raise ValueError(f"{fn}: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
@@ -223,13 +221,6 @@ def _check(q, k, v, logit_scale, bias, mask, precision, scale):
     for name, t in (("k", k), ("v", v), ("logit_scale", logit_scale), ("bias", bias), ("mask", mask)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{fn}: `{name}` is on {t.device}, q on {q.device}")
-
-
-def _interpreting() -> bool:
-    from ..kernels.launch import interpreting
-    from ..kernels.window import _window_fwd_kernel
-
-    return interpreting(_window_fwd_kernel)
 
 
 def window_attention(

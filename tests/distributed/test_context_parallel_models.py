@@ -254,7 +254,17 @@ def spawned():
         single = main(common + ["--out", os.path.join(tmp, "single")])
         cp_args = common + ["--out", os.path.join(tmp, "cp"), "--context-parallel", "--cp-layout", "zigzag"]
         world = 4
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, cp_args), nprocs=world, join=True)
+        # The ranks are CPU processes: their Triton ring case runs in the interpreter, on a GPU machine too
+        # (the spawned interpreters import Triton afresh, under this environment).
+        old_interpret = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, cp_args), nprocs=world, join=True)
+        finally:
+            if old_interpret is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old_interpret
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
         from safetensors.torch import load_file
 
