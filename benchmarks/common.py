@@ -6,6 +6,7 @@ results file means is defined once, here:
 
 * :func:`wall_ms` -- median wall time of a device-synchronised call (``time.perf_counter``, one
   synchronisation before and after each call): what an eager caller waits for, host work included.
+  :func:`wall_ms_in_turns` times several peers so, in turns.
 * :func:`bench_ms` -- median of ``triton.testing.do_bench`` (CUDA events, L2 cache flushed between calls):
   an eager call's time on the GPU, or the host's time where the host enqueues slower than the GPU runs.
   Off CUDA it falls back to :func:`wall_ms`.
@@ -60,16 +61,8 @@ def sync(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
-def wall_ms(fn: Callable, device: torch.device | str | None = None, *, warmup: int = 1, reps: int = 10,
-            barrier: Callable | None = None) -> float:
-    """Median wall-clock milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones. The
-    device is synchronised before and after every timed call. ``barrier`` (a process-group barrier) is
-    called before the start and once more before the clock stops: a collective call is timed from the
-    moment every rank starts until the last rank is done."""
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    for _ in range(warmup):
-        fn()
+def _timed_calls(fn: Callable, device, reps: int, barrier: Callable | None = None) -> list[float]:
+    """Wall-clock milliseconds of ``reps`` calls of ``fn()``, the device synchronised around each."""
     times = []
     for _ in range(reps):
         if barrier is not None:
@@ -81,7 +74,39 @@ def wall_ms(fn: Callable, device: torch.device | str | None = None, *, warmup: i
         if barrier is not None:
             barrier()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def wall_ms(fn: Callable, device: torch.device | str | None = None, *, warmup: int = 1, reps: int = 10,
+            barrier: Callable | None = None) -> float:
+    """Median wall-clock milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones. The
+    device is synchronised before and after every timed call. ``barrier`` (a process-group barrier) is
+    called before the start and once more before the clock stops: a collective call is timed from the
+    moment every rank starts until the last rank is done."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    for _ in range(warmup):
+        fn()
+    return statistics.median(_timed_calls(fn, device, reps, barrier))
+
+
+def wall_ms_in_turns(fns: dict[str, Callable], device: torch.device | str | None = None, *, warmup: int = 1,
+                     reps: int = 10, rounds: int = 5) -> dict[str, float]:
+    """:func:`wall_ms` of each function, measured in turns: ``rounds`` rounds, each timing about
+    ``reps / rounds`` calls of every function (A, B, A, B, ...); the median of each function's calls. A
+    host-bound eager call moves with the machine's host speed over seconds; taking the peers in turns puts
+    every peer under the same drift, which timing one peer after another does not."""
+    if reps < 1 or rounds < 1:
+        raise ValueError(f"reps and rounds must be >= 1, got {reps}, {rounds}")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    per_round = math.ceil(reps / rounds)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name] += _timed_calls(fn, device, per_round)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_ms(fn: Callable, device: torch.device | str = "cuda", *, warmup: int = 25, rep: int = 100,

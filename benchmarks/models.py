@@ -20,8 +20,10 @@ kernels of one call (``torch.profiler``, mean of three), i.e. the GPU work alone
 kernels slower than the GPU runs them (small batches, Swin's many small ops), the wall time measures the
 host's Python and launch speed, and ``gpu ratio`` (timm's ``gpu_ms`` over ELSA's) says what the kernels
 changed; ``graph_ms`` is the median of CUDA-graph replays (GPU time without the host's launch work). Wall
-times are the median of synchronised calls. Rows go to ``logs/benchmarks/models_<gpu>.csv`` (or ``--out``);
-ratios vs timm (and the targets of the cases) are printed.
+times are the median of synchronised calls, the peers timed in turns (``wall_ms_in_turns``: five rounds of
+every peer, all on the device), so that every peer meets the same drift of the host's speed. Rows go to
+``logs/benchmarks/models_<gpu>.csv`` (or ``--out``); ratios vs timm (and the targets of the cases) are
+printed.
 CUDA float32 matmuls run in IEEE FP32 (TF32 off) so that every peer computes the same thing.
 
     python -m benchmarks.models                         # the declared GPU cases
@@ -49,7 +51,7 @@ from benchmarks.common import (
     kernel_ms,
     peak_mb,
     run_info,
-    wall_ms,
+    wall_ms_in_turns,
 )
 
 COLUMNS = columns("model", "img", "batch", "dtype", "peer", "img_per_s", "ms", "peak_mb", "max_dev", "mode",
@@ -175,6 +177,7 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
     x = torch.randn(case.batch, 3, case.img, case.img, device=device, dtype=DTYPES[case.dtype])
     rows, ref = [], None
     names = [p for p in PEERS if p in peers]
+    out_of_memory = set()
     for name in names:
         # One model on the device at a time: peak memory is that of the peer alone (weights + activations).
         model = peers[name].to(device=device, dtype=DTYPES[case.dtype]).train(case.train)
@@ -182,11 +185,11 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
         try:
             torch.manual_seed(0)  # the same drop-path draws for every peer's compared (first) output
             out = fwd()
-            ms = wall_ms(fwd, device, warmup=warmup, reps=reps)
             peak = peak_mb(fwd, device)[0]
             gpu_ms = kernel_ms(fwd, device)
         except torch.cuda.OutOfMemoryError:
             print(f"  {name}: out of memory", flush=True)
+            out_of_memory.add(name)
             rows.append(dict(peer=name, img_per_s=math.nan, ms=math.nan, peak_mb=math.nan, max_dev=math.nan,
                              gpu_ms=math.nan, graph_ms=math.nan))
             continue
@@ -199,10 +202,29 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
             # (B x classes float32: 8 KiB at batch 2, 32 KiB at batch 8).
             ref = out.float().cpu()
         max_dev = (out.float().cpu() - ref).abs().max().item() if ref is not None else math.nan
-        rows.append(dict(peer=name, img_per_s=case.batch / (ms / 1e3), ms=ms, peak_mb=peak, max_dev=max_dev,
+        rows.append(dict(peer=name, img_per_s=math.nan, ms=math.nan, peak_mb=peak, max_dev=max_dev,
                          gpu_ms=gpu_ms, graph_ms=math.nan))
-        print(f"  {name:10s} {case.batch / (ms / 1e3):10.1f} img/s  {ms:9.3f} ms  peak {peak:9.1f} MB  "
-              f"max_dev {max_dev:.3e}  gpu {gpu_ms:8.3f} ms", flush=True)
+    # Eager wall time with every peer on the device, in turns: a host-bound eager forward moves with the
+    # machine's host speed, which drifts over the seconds one peer after another would take.
+    timed = [row for row in rows if row["peer"] not in out_of_memory]
+    models = {row["peer"]: peers[row["peer"]].to(device=device, dtype=DTYPES[case.dtype]).train(case.train)
+              for row in timed}
+    try:
+        torch.manual_seed(0)
+        eager = wall_ms_in_turns({name: _step(case, m, x) for name, m in models.items()}, device,
+                                 warmup=warmup, reps=reps)
+    finally:
+        for name, m in models.items():
+            peers[name] = m.to("cpu")
+        del models
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for row in timed:
+        row["ms"] = eager[row["peer"]]
+        row["img_per_s"] = case.batch / (row["ms"] / 1e3)
+        print(f"  {row['peer']:10s} {row['img_per_s']:10.1f} img/s  {row['ms']:9.3f} ms  peak "
+              f"{row['peak_mb']:9.1f} MB  max_dev {row['max_dev']:.3e}  gpu {row['gpu_ms']:8.3f} ms",
+              flush=True)
     # CUDA-graph replays after every peak was taken: a captured graph's private memory pool would otherwise
     # count in the next peer's peak.
     if device.type == "cuda" and not case.train:

@@ -104,6 +104,29 @@ def test_step_timer_times_the_steps_after_warm_up(clock):
     assert timer.steps == [2.0, 3.0] and timer.last - timer.first == pytest.approx(5.0)
 
 
+def test_wall_ms_in_turns_times_the_peers_in_rounds(clock):
+    """Each peer's median over its calls of every round; the rounds alternate the peers (a, a, b, b, a, a,
+    b, b), so a drift of the machine's speed (here: every call 1 ms slower than the one before) falls on
+    both peers alike, where one peer after the other would charge it all to the second."""
+    order = []
+    drift = {"ms": 0.0}
+
+    def make(name, ms):
+        def fn():
+            order.append(name)
+            clock.advance((ms + drift["ms"]) * 1e-3)
+            drift["ms"] += 1.0
+        return fn
+
+    got = common.wall_ms_in_turns({"a": make("a", 10.0), "b": make("b", 10.0)}, "cpu", warmup=1, reps=4,
+                                  rounds=2)
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 2
+    # a's timed calls ran with drifts 2, 3, 6, 7 ms and b's with 4, 5, 8, 9: medians 14.5 and 16.5 ms
+    assert got == pytest.approx({"a": 14.5, "b": 16.5})
+    with pytest.raises(ValueError, match="rounds"):
+        common.wall_ms_in_turns({"a": make("a", 1.0)}, "cpu", rounds=0)
+
+
 def test_host_us_measures_in_turns_per_call(clock):
     order = []
 
