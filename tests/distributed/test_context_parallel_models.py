@@ -33,6 +33,12 @@ VIT_CASES = [
 ]
 
 
+# The ring with the Triton kernels runs here on CPU machines, where the suite runs Triton in its interpreter
+# (tests/conftest.py). A machine with CUDA compiles Triton for the GPU instead: CPU tensors cannot go through
+# the kernels and gloo cannot send CUDA ones.
+TRITON_RING_ON_GLOO = not torch.cuda.is_available()
+
+
 def _tiny_vit(case, **kw):
     torch.manual_seed(7)  # same weights on every rank and in the reference
     kw = dict(
@@ -204,7 +210,8 @@ def _worker(rank, world, init_file, tmp, cli_args):
         pair = dist.new_group([0, 1])
         if rank < 2:
             results["inference"] = _inference_case(pair)
-            results["triton"] = _triton_ring_case(pair)
+            if TRITON_RING_ON_GLOO:
+                results["triton"] = _triton_ring_case(pair)
         from elsa_vision.inference.image import main
 
         results["cli"] = main(cli_args)  # all 4 ranks, the default group; rank 0 writes
@@ -254,17 +261,7 @@ def spawned():
         single = main(common + ["--out", os.path.join(tmp, "single")])
         cp_args = common + ["--out", os.path.join(tmp, "cp"), "--context-parallel", "--cp-layout", "zigzag"]
         world = 4
-        # The ranks are CPU processes: their Triton ring case runs in the interpreter, on a GPU machine too
-        # (the spawned interpreters import Triton afresh, under this environment).
-        old_interpret = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, cp_args), nprocs=world, join=True)
-        finally:
-            if old_interpret is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old_interpret
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, cp_args), nprocs=world, join=True)
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
         from safetensors.torch import load_file
 
@@ -299,6 +296,8 @@ def test_mesh_and_training_step_equal_single_process(spawned):
         assert t["grads"] <= 1e-10, (r, t["grads"])
 
 
+@pytest.mark.skipif(not TRITON_RING_ON_GLOO, reason="a CUDA machine: gloo cannot send CUDA tensors, and the "
+                    "ring's Triton path on CUDA needs NCCL and two GPUs")
 def test_ring_with_triton_kernels(spawned):
     for r in range(2):
         for name, err in spawned["results"][r]["triton"].items():  # FP32 'ieee' vs float64: <= 1e-6
