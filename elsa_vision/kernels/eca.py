@@ -278,6 +278,30 @@ def _check_float(name: str, t, fn: str) -> None:
         raise ValueError(f"{fn}: `{name}` must have shape [..., L, d] (rank >= 2), got {list(t.shape)}")
 
 
+def _check_pair(fn: str, depth, x_name: str, x, y_name: str, y) -> int:
+    """What both products check first: ``depth``, then two floating tensors of rank >= 2 that share one
+    dtype and one device. Returns ``depth``."""
+    depth = _check_depth(depth, fn)
+    _check_float(x_name, x, fn)
+    _check_float(y_name, y, fn)
+    if x.dtype != y.dtype:
+        raise TypeError(f"{fn}: `{x_name}` and `{y_name}` must share one dtype, got {x_name}={x.dtype}, "
+                        f"{y_name}={y.dtype}")
+    if x.device != y.device:
+        raise ValueError(f"{fn}: `{x_name}` and `{y_name}` must be on one device, got {x_name}={x.device}, "
+                         f"{y_name}={y.device}")
+    return depth
+
+
+def _leading_batch(fn: str, x_name: str, x: Tensor, y_name: str, y: Tensor) -> torch.Size:
+    """The broadcast of the two operands' leading dims (everything before ``[L, d]``)."""
+    try:
+        return torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    except RuntimeError as err:
+        raise ValueError(f"{fn}: leading dims of {x_name}={list(x.shape)} and {y_name}={list(y.shape)} "
+                         f"do not broadcast") from err
+
+
 def _batch(x: Tensor, batch: torch.Size) -> Tensor:
     return x.expand(batch + x.shape[-2:]).reshape((-1,) + tuple(x.shape[-2:]))
 
@@ -296,24 +320,14 @@ def eca_masked_matmul(a: Tensor, b: Tensor, depth: int = 1) -> Tensor:
         ``d >= 1`` and floating dtype; differentiable by autograd.
     """
     fn = "eca_masked_matmul"
-    depth = _check_depth(depth, fn)
-    _check_float("a", a, fn)
-    _check_float("b", b, fn)
-    if a.dtype != b.dtype:
-        raise TypeError(f"{fn}: `a` and `b` must share one dtype, got a={a.dtype}, b={b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"{fn}: `a` and `b` must be on one device, got a={a.device}, b={b.device}")
+    depth = _check_pair(fn, depth, "a", a, "b", b)
     if a.shape[-2:] != b.shape[-2:]:
         raise ValueError(f"{fn}: `a` and `b` must both be [..., L, d] with equal L and d, got "
                          f"a={list(a.shape)}, b={list(b.shape)}")
     length, d = a.shape[-2:]
     if length == 0 or d == 0:
         raise ValueError(f"{fn}: L and d must be >= 1, got a={list(a.shape)}")
-    try:
-        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    except RuntimeError as err:
-        raise ValueError(
-            f"{fn}: leading dims of a={list(a.shape)} and b={list(b.shape)} do not broadcast") from err
+    batch = _leading_batch(fn, "a", a, "b", b)
     out = _masked(_batch(a, batch), _batch(b, batch), depth)
     return out.reshape(batch + (length, length))
 
@@ -330,24 +344,14 @@ def eca_tril_matmul(p: Tensor, v: Tensor, depth: int = 1) -> Tensor:
         ``[..., L, d]``. Any ``L >= 1``, ``d >= 1`` and floating dtype; differentiable by autograd.
     """
     fn = "eca_tril_matmul"
-    depth = _check_depth(depth, fn)
-    _check_float("p", p, fn)
-    _check_float("v", v, fn)
-    if p.dtype != v.dtype:
-        raise TypeError(f"{fn}: `p` and `v` must share one dtype, got p={p.dtype}, v={v.dtype}")
-    if p.device != v.device:
-        raise ValueError(f"{fn}: `p` and `v` must be on one device, got p={p.device}, v={v.device}")
+    depth = _check_pair(fn, depth, "p", p, "v", v)
     length, d = v.shape[-2:]
     if p.shape[-2:] != (length, length):
         raise ValueError(f"{fn}: `p` must be [..., L, L] with L = v.shape[-2] = {length}, "
                          f"got p={list(p.shape)}, v={list(v.shape)}")
     if length == 0 or d == 0:
         raise ValueError(f"{fn}: L and d must be >= 1, got v={list(v.shape)}")
-    try:
-        batch = torch.broadcast_shapes(p.shape[:-2], v.shape[:-2])
-    except RuntimeError as err:
-        raise ValueError(
-            f"{fn}: leading dims of p={list(p.shape)} and v={list(v.shape)} do not broadcast") from err
+    batch = _leading_batch(fn, "p", p, "v", v)
     out = _tril_mm(_batch(p, batch), _batch(v, batch), depth)
     return out.reshape(batch + (length, d))
 

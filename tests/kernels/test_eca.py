@@ -327,5 +327,11 @@ def test_product_validation():
         eca_masked_matmul(torch.randn(2, 5, 3), torch.randn(3, 5, 3))
     with pytest.raises(TypeError, match="torch.Tensor"):
         eca_tril_matmul([[1.0]], a)
+    with pytest.raises(TypeError, match="`p` and `v` must share one dtype"):
+        eca_tril_matmul(torch.randn(5, 5), a.double())
+    with pytest.raises(ValueError, match=r"leading dims of p=\[2, 5, 5\] and v=\[3, 5, 3\] do not broadcast"):
+        eca_tril_matmul(torch.randn(2, 5, 5), torch.randn(3, 5, 3))
+    with pytest.raises(ValueError, match="`a` and `b` must be on one device"):
+        eca_masked_matmul(a, a.to("meta"))
     with pytest.raises(ValueError, match=">= 1"):
         eca_masked_matmul(torch.randn(0, 3), torch.randn(0, 3))
