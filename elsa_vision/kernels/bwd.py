@@ -291,27 +291,24 @@ def _bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    dk, dv = _dkdv_loop(
-        dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-        q_base, do_base, lse_base, delta_base, bias_base,
-        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
-        m_start, m_full, Nq, diag, sm_scale, qk_scale,
-        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, True,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-    dk, dv = _dkdv_loop(
-        dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-        q_base, do_base, lse_base, delta_base, bias_base,
-        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
-        m_full, m_mid, Nq, diag, sm_scale, qk_scale,
-        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, False,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-    dk, dv = _dkdv_loop(
-        dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-        q_base, do_base, lse_base, delta_base, bias_base,
-        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
-        m_mid, Nq, Nq, diag, sm_scale, qk_scale,
-        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, True,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    # The three query ranges in turn, unrolled: [m_start, m_full) masked, [m_full, m_mid) unmasked,
+    # [m_mid, Nq) masked.
+    for stage in tl.static_range(3):
+        lo = m_start
+        hi = m_full
+        if stage == 1:
+            lo = m_full
+            hi = m_mid
+        if stage == 2:
+            lo = m_mid
+            hi = Nq
+        dk, dv = _dkdv_loop(
+            dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
+            q_base, do_base, lse_base, delta_base, bias_base,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
+            lo, hi, Nq, diag, sm_scale, qk_scale,
+            D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, stage != 1,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     dk = dk * sm_scale
     n_in = offs_n < Nk
@@ -470,18 +467,20 @@ def _bwd_dq_kernel(
         do_hi, do_lo, do_c = split_f16(do)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_loop(
-        dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, offs_nl, offs_d, offs_dv,
-        k_base, v_base, bias_base, kpm_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
-        0, n_mid, Nk, diag, sm_scale, qk_scale,
-        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-    dq = _dq_loop(
-        dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, offs_nl, offs_d, offs_dv,
-        k_base, v_base, bias_base, kpm_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
-        n_mid, n_end, Nk, diag, sm_scale, qk_scale,
-        D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    # The two key ranges in turn, unrolled: [0, n_mid) unmasked, [n_mid, n_end) masked.
+    for stage in tl.static_range(2):
+        lo = 0
+        hi = n_mid
+        if stage == 1:
+            lo = n_mid
+            hi = n_end
+        dq = _dq_loop(
+            dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, offs_nl, offs_d,
+            offs_dv, k_base, v_base, bias_base, kpm_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
+            lo, hi, Nk, diag, sm_scale, qk_scale,
+            D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, stage == 1, BLOCK_M, BLOCK_N, BLOCK_D,
+            BLOCK_DV)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + m064 * stride_dqm + offs_ml[:, None] * stride_dqm
