@@ -32,9 +32,9 @@ import secrets
 import sys
 import warnings
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ __all__ = [
     "STATE_DICT_KEYS",
     "UnsafeCheckpointError",
     "atomic_torch_save",
+    "atomic_write",
     "add_max_input_argument",
     "check_array_bytes",
     "check_image_pixels",
@@ -686,18 +687,23 @@ def _fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)`` that never leaves a partial ``path``: the data goes to a temporary file in
-    the same directory (same filesystem), is flushed and fsynced, and is renamed over ``path``; the directory
-    is fsynced after the rename. On any error (a full disk, an interrupt) the temporary file is removed and
-    ``path`` keeps its previous content."""
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb", **open_kwargs: Any) -> Iterator[IO]:
+    """Open ``path`` for writing such that it is never seen half written: the data goes to a temporary file
+    in the same directory (same filesystem; created exclusively), which on a clean exit is flushed, fsynced
+    and renamed over ``path``, and the directory fsynced. On any error (a full disk, an interrupt) the
+    temporary file is removed and ``path`` keeps its previous content; a process killed mid-write leaves it
+    for :func:`remove_stale_temp_files`. ``mode``: ``"wb"`` or ``"w"`` (text; ``open_kwargs`` such as
+    ``newline=""`` go to :func:`open`)."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write: mode must be 'w' or 'wb', got {mode!r}")
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = _temp_path(path)
     try:
-        with open(tmp, "xb") as f:
-            torch.save(obj, f)
+        with open(tmp, mode.replace("w", "x"), **open_kwargs) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -706,6 +712,13 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` through :func:`atomic_write`: ``path`` holds the old or the new checkpoint,
+    never a partial one."""
+    with atomic_write(path) as f:
+        torch.save(obj, f)
 
 
 def link_atomically(source: str | os.PathLike, path: str | os.PathLike) -> bool:
@@ -732,7 +745,7 @@ def link_atomically(source: str | os.PathLike, path: str | os.PathLike) -> bool:
 
 
 def remove_stale_temp_files(directory: str | os.PathLike) -> list[str]:
-    """Delete the temporary files that :func:`atomic_torch_save` / :func:`link_atomically` leave when the
+    """Delete the temporary files that :func:`atomic_write` / :func:`link_atomically` leave when the
     process is killed mid-write; returns their names."""
     directory = os.fspath(directory)
     removed = []

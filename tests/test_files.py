@@ -16,6 +16,7 @@ from elsa_vision.files import (
     NotACheckpointError,
     UnsafeCheckpointError,
     atomic_torch_save,
+    atomic_write,
     checkpoint_kind,
     link_atomically,
     open_image,
@@ -252,6 +253,32 @@ def test_prepare_output_dir(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ atomic writes
+
+
+def test_atomic_write_text_replaces_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "sub" / "metrics.csv"
+    with atomic_write(target, "w", newline="") as f:
+        f.write("step,loss\n0,1.0\n")
+    assert target.read_text() == "step,loss\n0,1.0\n"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_write(target, "w") as f:
+            f.write("step,loss\n")
+            raise KeyboardInterrupt
+    assert target.read_text() == "step,loss\n0,1.0\n" and os.listdir(target.parent) == ["metrics.csv"]
+    with pytest.raises(ValueError, match="mode must be 'w' or 'wb'"):
+        with atomic_write(target, "a"):
+            pass
+
+
+def test_trim_metrics_csv_drops_rows_from_the_resumed_step_atomically(tmp_path):
+    from elsa_vision.utils.run import trim_metrics_csv
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("epoch,step,loss\n" + "".join(f"0,{i},{i / 10}\n" for i in range(6)) + "0,,\n")
+    assert trim_metrics_csv(path, before_step=3) == 3
+    assert path.read_text().splitlines() == ["epoch,step,loss", "0,0,0.0", "0,1,0.1", "0,2,0.2", "0,,"]
+    assert os.listdir(tmp_path) == ["metrics.csv"]
+    assert trim_metrics_csv(path, before_step=3) == 0 and trim_metrics_csv(tmp_path / "none.csv", 1) == 0
 
 
 def test_atomic_save_keeps_the_previous_file_on_failure(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
-from ..files import atomic_torch_save, checkpoint_kind, read_checkpoint
+from ..files import atomic_torch_save, atomic_write, checkpoint_kind, read_checkpoint
 from .run_dirs import newest_last_checkpoint
 
 __all__ = [
@@ -137,12 +137,10 @@ def trim_metrics_csv(metrics_csv: str | os.PathLike, before_step: int) -> int:
     keep = [r for r in rows if not r.get("step") or int(float(r["step"])) < before_step]
     if len(keep) == len(rows):
         return 0
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_write(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(keep)
-    os.replace(tmp, path)
     return len(rows) - len(keep)
 
 
