@@ -23,7 +23,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
 
-from ..layers.elsa_module import check_attention_options, set_attention
+from ..layers.elsa_module import ElsaModel, check_attention_options
 from ..layers.window_attention import ElsaSwinV2WindowAttention
 from . import _builder
 from ._builder import LoadReport
@@ -33,7 +33,7 @@ __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 ElsaSwinV2Attention = ElsaSwinV2WindowAttention  # the name this module has always exported
 
 
-class ElsaSwinV2(SwinTransformerV2):
+class ElsaSwinV2(ElsaModel, SwinTransformerV2):
     """A timm ``SwinTransformerV2`` whose window attentions are :class:`ElsaSwinV2Attention`.
 
     Everything else is timm's: ``img_size`` / ``strict_img_size=False`` (any input size: feature maps padded
@@ -68,10 +68,6 @@ class ElsaSwinV2(SwinTransformerV2):
                 n += 1
         if n == 0:
             raise TypeError("ElsaSwinV2: the model has no Swin v2 WindowAttention to convert")
-
-    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
-        """Choose the ELSA backend/precision of every window attention."""
-        set_attention(self, backend, precision)
 
     @classmethod
     def from_timm(

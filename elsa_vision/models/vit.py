@@ -28,7 +28,7 @@ from torch import Tensor
 from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
-from ..layers.elsa_module import check_attention_options, set_attention
+from ..layers.elsa_module import ElsaModel, check_attention_options
 from . import _builder
 from ._builder import LoadReport
 
@@ -41,7 +41,7 @@ _OWN_KWARGS = ("attn_layer",)
 _TIMM_HAS_ATTN_LAYER = "attn_layer" in inspect.signature(VisionTransformer.__init__).parameters
 
 
-class ElsaViT(VisionTransformer):
+class ElsaViT(ElsaModel, VisionTransformer):
     """A timm ``VisionTransformer`` whose attention layers are ``ElsaAttention``.
 
     Everything else is timm's own code: patch embedding (``in_chans``, ``dynamic_img_size`` /
@@ -193,10 +193,6 @@ class ElsaViT(VisionTransformer):
         elif self.attn_pool is not None:
             raise TypeError(f"ElsaViT: attn_pool {type(self.attn_pool).__name__} has no ELSA version")
         self.set_attention(backend=backend, precision=precision)
-
-    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
-        """Choose the ELSA backend/precision of every attention layer (MAP head included)."""
-        set_attention(self, backend, precision)
 
     @classmethod
     def from_timm(
