@@ -5,7 +5,8 @@ when it is built, timm's convention: ``backend`` (``"auto"``, ``"torch"``, ``"tr
 float32 ``precision`` (one of :data:`elsa_vision.kernels.precision.PRECISIONS`). :class:`ElsaModule` keeps
 them under those two names on every layer; :meth:`ElsaModule.convert` turns a timm / torch module into its
 ELSA subclass in place (same object, parameters, buffers, hooks and name); :func:`set_attention` changes the
-options of every ELSA layer of a model, and is what each model's ``set_attention`` method calls.
+options of every ELSA layer of a model. :class:`ElsaModel` is the mixin of every ELSA model: its one
+``set_attention`` method calls that function.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 from ..kernels import triton_runs_on
 from ..ops.attention import check_options
 
-__all__ = ["ElsaModule", "check_attention_options", "refuse_torchscript", "set_attention"]
+__all__ = ["ElsaModel", "ElsaModule", "check_attention_options", "refuse_torchscript", "set_attention"]
 
 
 def refuse_torchscript(module: nn.Module):
@@ -113,3 +114,15 @@ def set_attention(model: nn.Module, backend: str | None = None, precision: str |
         if precision is not None:
             m.precision = precision
     return len(layers)
+
+
+class ElsaModel:
+    """Mixin of every ELSA model of :mod:`elsa_vision.models`: the ``set_attention`` method. It holds no
+    state and defines no ``__init__``; a model lists it before its ``nn.Module`` (or timm model) base class,
+    whose ``__init__`` then runs unchanged."""
+
+    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
+        """Choose the ELSA ``backend`` and/or float32 ``precision`` (None: keep) of every ELSA attention layer
+        of the model, its heads and poolers included (:func:`set_attention`). Both are checked first; errors
+        name ``<model class>.set_attention``."""
+        set_attention(self, backend, precision)

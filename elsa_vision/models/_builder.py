@@ -1,5 +1,6 @@
-"""Building the model zoo: local checkpoint files, timm filter functions, clear key reports (and
-``check_attention_options``, the build-time check of the attention options, from :mod:`elsa_vision.layers`).
+"""Building the model zoo: local checkpoint files, timm filter functions, clear key reports, the one
+``from_timm`` of the models that are a timm model with ELSA attention (:class:`FromTimm`), and
+``check_attention_options``, the build-time check of the attention options, from :mod:`elsa_vision.layers`.
 
 Checkpoints are read without unpickling arbitrary objects (:func:`elsa_vision.files.read_checkpoint`):
 ``.safetensors`` through ``safetensors``, every other file (``.pth``, ``.pt``, ``.bin``, ``.ckpt``) through
@@ -12,13 +13,14 @@ import copy
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor, nn
 
 from ..layers.elsa_module import check_attention_options
 
-__all__ = ["LoadReport", "check_attention_options", "read_state_dict", "check_shapes", "load_checkpoint",
-           "from_timm"]
+__all__ = ["FromTimm", "LoadReport", "check_attention_options", "read_state_dict", "check_shapes",
+           "load_checkpoint", "from_timm"]
 
 
 # Prefixes of a training module's attribute (Lightning's ``net.``, ``model.``); the wrappers' own (DDP,
@@ -181,9 +183,10 @@ def from_timm(
     strict: bool,
     kwargs: dict,
 ) -> nn.Module:
-    """What every ELSA model's ``from_timm`` does: check the attention options, take the timm model
-    (:func:`_timm_source`), make it an ``elsa_cls`` in place (``elsa_cls`` subclasses ``base_cls`` and adds
-    no parameters) with its attention converted, and keep the checkpoint's key report in ``load_report``."""
+    """What :meth:`FromTimm.from_timm` (every ELSA model's ``from_timm``) does: check the attention options,
+    take the timm model (:func:`_timm_source`), make it an ``elsa_cls`` in place (``elsa_cls`` subclasses
+    ``base_cls`` and adds no parameters) with its attention converted, and keep the checkpoint's key report in
+    ``load_report``."""
     owner = f"{elsa_cls.__name__}.from_timm"
     check_attention_options(owner, attn_backend, attn_precision)
     model, report = _timm_source(owner, src, base_cls, elsa_cls, checkpoint_path, filter_fn, strict, kwargs)
@@ -191,3 +194,63 @@ def from_timm(
     model._elsa_convert(attn_backend, attn_precision)
     model.load_report = report
     return model
+
+
+_Model = TypeVar("_Model", bound="FromTimm")
+
+
+class FromTimm:
+    """Mixin of the ELSA models that are a timm model with ELSA attention: the ``from_timm`` classmethod.
+
+    A model lists it among its bases (before the timm class) and names
+
+    * ``_timm_class``: the timm class it subclasses (adding no parameters), the class ``from_timm`` converts;
+    * ``_timm_filter_fn``: ``(state_dict, model) -> state_dict``, the conversion of a checkpoint of that
+      class (as a ``staticmethod``): its class docstring says which checkpoint layouts it handles;
+
+    and defines ``_elsa_convert(backend, precision)``, which makes every attention of the timm model ELSA.
+    """
+
+    _timm_class: ClassVar[type[nn.Module]]
+    _timm_filter_fn: ClassVar[Callable[[dict[str, Tensor], nn.Module], dict[str, Tensor]]]
+    load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
+
+    @classmethod
+    def from_timm(
+        cls: type[_Model],
+        src: nn.Module | str,
+        checkpoint_path: str | os.PathLike | None = None,
+        *,
+        attn_backend: str = "auto",
+        attn_precision: str = "auto",
+        strict: bool = True,
+        **kwargs: Any,
+    ) -> _Model:
+        """A model of this class with the configuration and weights of a timm model of its ``_timm_class``.
+
+        Args:
+            src: an instance of exactly ``_timm_class`` (deep-copied: same config, same weights, ``src`` is
+                left untouched), or a timm model name that builds one (``"vit_base_patch16_224"`` for
+                ``ElsaViT``, ``"swinv2_tiny_window8_256"`` for ``ElsaSwinV2``), built with ``**kwargs``:
+                that timm class's arguments (``img_size``, ``in_chans``, ``num_classes``,
+                ``dynamic_img_size`` for a ViT, ``window_size`` or ``strict_img_size`` for a Swin v2, ...).
+            checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, read with
+                ``weights_only=True`` and converted by the class's ``_timm_filter_fn`` (the layouts it
+                handles: see the class).
+            attn_backend, attn_precision: the ELSA backend and float32 precision of every attention layer,
+                as the class's constructor takes them.
+            strict: missing or unexpected checkpoint keys raise ``ValueError``; with ``strict=False`` they are
+                kept in ``model.load_report``. Shape mismatches always raise ``ValueError`` naming the key.
+
+        Returns:
+            The model in the train/eval mode of the source (eval for a name); ``model.load_report`` is the
+            checkpoint's key report (None without a checkpoint).
+
+        Raises:
+            TypeError: ``src`` is not (or does not build) a ``_timm_class``, or ``kwargs`` /
+                ``checkpoint_path`` come with an instance.
+            ValueError: bad attention options, or a checkpoint that does not match the model.
+        """
+        return from_timm(cls, cls._timm_class, src, checkpoint_path, cls._timm_filter_fn,
+                         attn_backend=attn_backend, attn_precision=attn_precision, strict=strict,
+                         kwargs=kwargs)

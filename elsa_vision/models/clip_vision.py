@@ -37,7 +37,7 @@ from timm.layers import LayerScale, QuickGELU
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
 
-from ..layers.elsa_module import check_attention_options, set_attention
+from ..layers.elsa_module import ElsaModel, check_attention_options
 from ..layers.multihead_attention import ElsaMultiheadAttention
 
 __all__ = [
@@ -248,7 +248,7 @@ def resample_positional_embedding(
 # ------------------------------------------------------------------------------------------------ model
 
 
-class ElsaCLIPVision(nn.Module):
+class ElsaCLIPVision(ElsaModel, nn.Module):
     """open_clip's ``VisionTransformer`` (same arguments, same state_dict) with ELSA attention.
 
     Args:
@@ -385,11 +385,6 @@ class ElsaCLIPVision(nn.Module):
             pool_dim = width
         self.ln_post = norm_layer(pool_dim)
         self.proj = nn.Parameter(scale * torch.randn(pool_dim, output_dim))
-
-    # -- attention settings ----------------------------------------------------------------------------
-    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
-        """Choose the ELSA backend / precision of every attention (blocks and poolers)."""
-        set_attention(self, backend, precision)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.transformer.grad_checkpointing = enable

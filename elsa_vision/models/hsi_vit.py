@@ -32,7 +32,7 @@ from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
-from ..layers.elsa_module import check_attention_options, set_attention
+from ..layers.elsa_module import ElsaModel, check_attention_options
 
 __all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "GLOBAL_POOLS"]
 
@@ -91,7 +91,7 @@ def _key_mask(visible: Tensor | None) -> Tensor | None:
     return None if visible is None else visible[:, None, None, :]
 
 
-class ElsaHSIViT(nn.Module):
+class ElsaHSIViT(ElsaModel, nn.Module):
     """Spectral-spatial ViT for hyperspectral patch classification.
 
     Args:
@@ -219,7 +219,7 @@ class ElsaHSIViT(nn.Module):
         self.norm = nn.LayerNorm(embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        set_attention(self, attn_backend, attn_precision)
+        self.set_attention(attn_backend, attn_precision)
         self.init_weights()
 
     # -- init ----------------------------------------------------------------------------------------------
@@ -227,10 +227,6 @@ class ElsaHSIViT(nn.Module):
         trunc_normal_(self.spatial_pos, std=0.02)
         trunc_normal_(self.spectral_pos, std=0.02)
         self.apply(_init_weights)
-
-    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
-        """Choose the ELSA backend/precision of every ``ElsaAttention`` (validated here)."""
-        set_attention(self, backend, precision)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

@@ -16,24 +16,20 @@ all windows, the bias and shift mask read by stride) when the backend resolves t
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
 
-from ..layers.elsa_module import check_attention_options, set_attention
+from ..layers.elsa_module import ElsaModel, check_attention_options
 from ..layers.window_attention import ElsaSwinV2WindowAttention
-from . import _builder
-from ._builder import LoadReport
+from ._builder import FromTimm
 
 __all__ = ["ElsaSwinV2", "ElsaSwinV2Attention"]
 
 ElsaSwinV2Attention = ElsaSwinV2WindowAttention  # the name this module has always exported
 
 
-class ElsaSwinV2(SwinTransformerV2):
+class ElsaSwinV2(ElsaModel, FromTimm, SwinTransformerV2):
     """A timm ``SwinTransformerV2`` whose window attentions are :class:`ElsaSwinV2Attention`.
 
     Everything else is timm's: ``img_size`` / ``strict_img_size=False`` (any input size: feature maps padded
@@ -51,9 +47,16 @@ class ElsaSwinV2(SwinTransformerV2):
 
     Shapes: ``forward(x: [B, in_chans, H, W]) -> [B, num_classes]``; ``forward_features -> [B, H/32, W/32,
     num_features]`` (NHWC, timm's layout).
+
+    ``ElsaSwinV2.from_timm`` converts a timm ``SwinTransformerV2`` (an instance, or a name such as
+    ``"swinv2_tiny_window8_256"``); a local checkpoint given with a name goes through timm's swinv2
+    ``checkpoint_filter_fn`` (original Microsoft layout, non-persistent buffers dropped, patch embedding
+    resampled). A checkpoint of another window size loads as well: the ``cpb_mlp`` weights are window
+    independent (pass ``pretrained_window_sizes`` as timm does).
     """
 
-    load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
+    _timm_class = SwinTransformerV2
+    _timm_filter_fn = staticmethod(checkpoint_filter_fn)
 
     def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto", **kwargs):
         check_attention_options("ElsaSwinV2", attn_backend, attn_precision)
@@ -68,42 +71,6 @@ class ElsaSwinV2(SwinTransformerV2):
                 n += 1
         if n == 0:
             raise TypeError("ElsaSwinV2: the model has no Swin v2 WindowAttention to convert")
-
-    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
-        """Choose the ELSA backend/precision of every window attention."""
-        set_attention(self, backend, precision)
-
-    @classmethod
-    def from_timm(
-        cls,
-        src: SwinTransformerV2 | str,
-        checkpoint_path: str | os.PathLike | None = None,
-        *,
-        attn_backend: str = "auto",
-        attn_precision: str = "auto",
-        strict: bool = True,
-        **kwargs: Any,
-    ) -> ElsaSwinV2:
-        """An ``ElsaSwinV2`` with the configuration and weights of a timm Swin v2.
-
-        Args:
-            src: a timm ``SwinTransformerV2`` instance (deep-copied, ``src`` untouched) or a timm model name
-                such as ``"swinv2_tiny_window8_256"`` (built with ``**kwargs``: ``img_size``,
-                ``window_size``, ``strict_img_size``, ``num_classes`` ...).
-            checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, converted
-                by timm's swinv2 ``checkpoint_filter_fn`` (original Microsoft layout, non-persistent buffers
-                dropped, patch embedding resampled). A checkpoint of another window size loads as well: the
-                ``cpb_mlp`` weights are window independent (pass ``pretrained_window_sizes`` as timm does).
-            attn_backend, attn_precision: see :class:`ElsaSwinV2`.
-            strict: missing or unexpected checkpoint keys raise ``ValueError``; with ``strict=False`` they are
-                kept in ``model.load_report``. Shape mismatches always raise ``ValueError`` naming the key.
-
-        Returns:
-            The ``ElsaSwinV2`` in the train/eval mode of the source (eval for a name).
-        """
-        return _builder.from_timm(cls, SwinTransformerV2, src, checkpoint_path, checkpoint_filter_fn,
-                                  attn_backend=attn_backend, attn_precision=attn_precision, strict=strict,
-                                  kwargs=kwargs)
 
 
 def _cfg(**kwargs):

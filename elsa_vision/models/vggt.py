@@ -37,7 +37,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
-from ..layers.elsa_module import check_attention_options, set_attention
+from ..layers.elsa_module import ElsaModel, check_attention_options
 from ..layers.rope import RotaryPositionEmbedding2D
 
 __all__ = [
@@ -671,7 +671,7 @@ class DPTHead(nn.Module):
 # --------------------------------------------------------------------------------------------------------
 
 
-class ElsaVGGT(nn.Module):
+class ElsaVGGT(ElsaModel, nn.Module):
     """VGGT with ELSA attention: aggregator + camera head + DPT depth head (+ optional DPT point head).
 
     Args:
@@ -778,10 +778,6 @@ class ElsaVGGT(nn.Module):
         )
         self.point_head = DPTHead(output_dim=4, activation="inv_log", **dpt) if enable_point else None
         self.depth_head = DPTHead(output_dim=2, activation="exp", **dpt)
-
-    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
-        """Choose the ``elsa_attention`` backend / precision of every attention layer."""
-        set_attention(self, backend, precision)
 
     def forward(self, images: Tensor, num_iterations: int = 4) -> dict[str, Tensor | list[Tensor]]:
         if images.dim() == 4:

@@ -8,9 +8,7 @@ timm checkpoints (and timm's ``checkpoint_filter_fn`` for OpenAI-CLIP / DINOv2 l
 from __future__ import annotations
 
 import inspect
-import os
 from functools import partial
-from typing import Any
 
 import torch
 from timm.layers import Attention, AttentionPoolLatent, LayerNorm
@@ -28,9 +26,8 @@ from torch import Tensor
 from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
-from ..layers.elsa_module import check_attention_options, set_attention
-from . import _builder
-from ._builder import LoadReport
+from ..layers.elsa_module import ElsaModel, check_attention_options
+from ._builder import FromTimm
 
 __all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
 
@@ -41,7 +38,23 @@ _OWN_KWARGS = ("attn_layer",)
 _TIMM_HAS_ATTN_LAYER = "attn_layer" in inspect.signature(VisionTransformer.__init__).parameters
 
 
-class ElsaViT(VisionTransformer):
+def elsa_checkpoint_filter_fn(state_dict: dict[str, Tensor], model: VisionTransformer) -> dict[str, Tensor]:
+    """timm's ``checkpoint_filter_fn``, then ``adapt_input_conv`` of the patch embedding for ``in_chans``.
+
+    Handles timm, OpenAI-CLIP (``visual.*``) and DINOv2 (``mask_token``) layouts and resamples ``pos_embed``
+    to the model's grid; a 3-channel patch embedding is adapted to any ``in_chans`` (timm's rule: mean for 1
+    channel, cycled and rescaled for more).
+    """
+    out = checkpoint_filter_fn(state_dict, model)
+    key = "patch_embed.proj.weight"
+    w = out.get(key)
+    in_chans = model.patch_embed.proj.weight.shape[1]
+    if w is not None and w.dim() == 4 and w.shape[1] != in_chans:
+        out[key] = adapt_input_conv(in_chans, w)
+    return out
+
+
+class ElsaViT(ElsaModel, FromTimm, VisionTransformer):
     """A timm ``VisionTransformer`` whose attention layers are ``ElsaAttention``.
 
     Everything else is timm's own code: patch embedding (``in_chans``, ``dynamic_img_size`` /
@@ -62,9 +75,15 @@ class ElsaViT(VisionTransformer):
     Shapes: ``forward(x: [B, in_chans, H, W]) -> [B, num_classes]`` (``[B, embed_dim]`` with
     ``num_classes=0``); ``forward_features -> [B, num_prefix_tokens + (H/p)(W/p), embed_dim]`` (with context
     parallelism: this rank's shard of those tokens, see :meth:`set_context_parallel`).
+
+    ``ElsaViT.from_timm`` converts a timm ``VisionTransformer`` (an instance, or a name such as
+    ``"vit_base_patch16_224"``); a local checkpoint given with a name goes through
+    :func:`elsa_checkpoint_filter_fn`: timm's ``checkpoint_filter_fn`` (OpenAI-CLIP and DINOv2 layouts,
+    position-embedding resampling), then the patch embedding adapted to ``in_chans``.
     """
 
-    load_report: LoadReport | None = None  # set by from_timm when a checkpoint was loaded
+    _timm_class = VisionTransformer
+    _timm_filter_fn = staticmethod(elsa_checkpoint_filter_fn)
 
     context_parallel: ContextParallel | None = None
 
@@ -193,57 +212,6 @@ class ElsaViT(VisionTransformer):
         elif self.attn_pool is not None:
             raise TypeError(f"ElsaViT: attn_pool {type(self.attn_pool).__name__} has no ELSA version")
         self.set_attention(backend=backend, precision=precision)
-
-    def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
-        """Choose the ELSA backend/precision of every attention layer (MAP head included)."""
-        set_attention(self, backend, precision)
-
-    @classmethod
-    def from_timm(
-        cls,
-        src: VisionTransformer | str,
-        checkpoint_path: str | os.PathLike | None = None,
-        *,
-        attn_backend: str = "auto",
-        attn_precision: str = "auto",
-        strict: bool = True,
-        **kwargs: Any,
-    ) -> ElsaViT:
-        """An ``ElsaViT`` with the configuration and weights of a timm ViT.
-
-        Args:
-            src: a timm ``VisionTransformer`` instance (deep-copied: same config, same weights, ``src`` is
-                left untouched) or a timm model name such as ``"vit_base_patch16_224"`` (built with
-                ``**kwargs``, e.g. ``dynamic_img_size=True``, ``img_size``, ``in_chans``, ``num_classes``).
-            checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, read with
-                ``weights_only=True`` and converted by timm's ``checkpoint_filter_fn`` (OpenAI-CLIP and DINOv2
-                layouts, position-embedding resampling) and :func:`elsa_checkpoint_filter_fn` (``in_chans``).
-            attn_backend, attn_precision: see :class:`ElsaViT`.
-            strict: missing or unexpected checkpoint keys raise ``ValueError``; with ``strict=False`` they are
-                kept in ``model.load_report``. Shape mismatches always raise ``ValueError`` naming the key.
-
-        Returns:
-            The ``ElsaViT`` in the train/eval mode of the source (eval for a name).
-        """
-        return _builder.from_timm(cls, VisionTransformer, src, checkpoint_path, elsa_checkpoint_filter_fn,
-                                  attn_backend=attn_backend, attn_precision=attn_precision, strict=strict,
-                                  kwargs=kwargs)
-
-
-def elsa_checkpoint_filter_fn(state_dict: dict[str, Tensor], model: VisionTransformer) -> dict[str, Tensor]:
-    """timm's ``checkpoint_filter_fn``, then ``adapt_input_conv`` of the patch embedding for ``in_chans``.
-
-    Handles timm, OpenAI-CLIP (``visual.*``) and DINOv2 (``mask_token``) layouts and resamples ``pos_embed``
-    to the model's grid; a 3-channel patch embedding is adapted to any ``in_chans`` (timm's rule: mean for 1
-    channel, cycled and rescaled for more).
-    """
-    out = checkpoint_filter_fn(state_dict, model)
-    key = "patch_embed.proj.weight"
-    w = out.get(key)
-    in_chans = model.patch_embed.proj.weight.shape[1]
-    if w is not None and w.dim() == 4 and w.shape[1] != in_chans:
-        out[key] = adapt_input_conv(in_chans, w)
-    return out
 
 
 def _cfg(**kwargs):

@@ -1,5 +1,6 @@
 """What every ELSA layer shares (``layers/elsa_module.py``): the two options under one pair of names, the one
-in-place swap (``ElsaModule.convert``), and ``set_attention``, which every model's method calls."""
+in-place swap (``ElsaModule.convert``), and ``set_attention``, which every model's one method
+(``ElsaModel.set_attention``) calls."""
 
 import inspect
 
@@ -13,6 +14,7 @@ import elsa_vision.layers as layers
 from elsa_vision.layers import (
     ElsaAttention,
     ElsaAttentionPoolLatent,
+    ElsaModel,
     ElsaModule,
     ElsaMultiheadAttention,
     ElsaSwinV2WindowAttention,
@@ -72,11 +74,13 @@ BUILDS = {
 
 @pytest.mark.parametrize("who", sorted(BUILDS))
 def test_every_model_sets_its_attention_through_set_attention(who, monkeypatch):
-    """The models' ``set_attention`` methods are ``layers.set_attention``: each reaches every ELSA layer."""
+    """Every model's ``set_attention`` is the one ``ElsaModel.set_attention``, which calls
+    ``layers.set_attention``: it reaches every ELSA layer, and its errors name the model's class."""
     model = BUILDS[who]()
     assert isinstance(model, (ElsaViT, ElsaSwinV2, ElsaHSIViT, ElsaCLIPVision, ElsaVGGT))
+    assert type(model).__name__ == who and type(model).set_attention is ElsaModel.set_attention
     seen = []
-    monkeypatch.setattr(f"{type(model).__module__}.set_attention",
+    monkeypatch.setattr("elsa_vision.layers.elsa_module.set_attention",
                         lambda *a, **k: seen.append(1) or set_attention(*a, **k))
     model.set_attention(backend="torch", precision="ieee")
     assert seen == [1]
@@ -86,6 +90,18 @@ def test_every_model_sets_its_attention_through_set_attention(who, monkeypatch):
     assert all((m.backend, m.precision) == ("torch", "tf32x3") for m in elsa)
     with pytest.raises(ValueError, match=rf"^{who}\.set_attention: unknown backend 'cuda'"):
         model.set_attention(backend="cuda")
+
+
+def test_every_registered_model_has_the_one_set_attention():
+    """Every ``elsa_*`` name of timm's registry builds (on the meta device: no memory, no init) a model whose
+    ``set_attention`` is ``ElsaModel.set_attention``; the five model classes are all reached."""
+    classes = set()
+    for name in timm.list_models("elsa_*"):
+        with torch.device("meta"):
+            model = timm.create_model(name)
+        assert type(model).set_attention is ElsaModel.set_attention, name
+        classes.add(type(model))
+    assert classes == {ElsaViT, ElsaSwinV2, ElsaHSIViT, ElsaCLIPVision, ElsaVGGT}
 
 
 def test_set_attention_on_any_module():

@@ -9,6 +9,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 from timm.layers import Attention
+from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -17,6 +18,8 @@ import elsa_vision.layers.attention as elsa_attention_module
 import elsa_vision.layers.attention_pool as elsa_pool_module
 from elsa_vision import ElsaViT
 from elsa_vision.layers import ElsaAttention, ElsaAttentionPoolLatent
+from elsa_vision.models import ElsaSwinV2, elsa_checkpoint_filter_fn
+from elsa_vision.models._builder import FromTimm
 from tests.helpers import relerr
 
 TOL = 1e-5
@@ -219,6 +222,14 @@ def test_from_timm_rejects_other_models():
         ElsaViT.from_timm("resnet18")
     with pytest.raises(TypeError, match="only apply when src is a model name"):
         ElsaViT.from_timm(VisionTransformer(**_BASE), img_size=32)
+
+
+def test_from_timm_is_one_method():
+    """ElsaViT and ElsaSwinV2 share the one ``FromTimm.from_timm``; each names its timm class and filter."""
+    assert ElsaViT.from_timm.__func__ is ElsaSwinV2.from_timm.__func__ is FromTimm.from_timm.__func__
+    assert ElsaViT._timm_class is VisionTransformer and ElsaViT._timm_filter_fn is elsa_checkpoint_filter_fn
+    assert ElsaSwinV2._timm_class is SwinTransformerV2 and ElsaSwinV2._timm_filter_fn is checkpoint_filter_fn
+    assert ElsaViT.load_report is None and ElsaSwinV2.load_report is None
 
 
 # Local checkpoints.
