@@ -19,6 +19,7 @@ from elsa_vision.data.hyperspectral import (
     synthetic_scene,
 )
 from elsa_vision.data.readers import list_arrays, load_cube, load_gt, load_scene
+from elsa_vision.files import FileTooLargeError
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,33 @@ def write_mat73(path, arrays):
 # ---------------------------------------------------------------------------------------------------------
 # Readers
 # ---------------------------------------------------------------------------------------------------------
+
+
+def test_one_file_scene_is_read_once(tmp_path, scene, monkeypatch):
+    """A cube and its labels in one file (``gt_key`` without ``gt_path``): the file is read once."""
+    import elsa_vision.data.readers.cubes as cubes
+
+    cube, gt = scene
+    scipy.io.savemat(tmp_path / "both.mat", {"img": cube, "labels": gt})
+    reads = []
+    real = cubes.list_arrays
+    monkeypatch.setattr(cubes, "list_arrays", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    s = load_scene(tmp_path / "both.mat", gt_key="labels", key="img")
+    assert len(reads) == 1
+    np.testing.assert_array_equal(s.cube, cube)
+    np.testing.assert_array_equal(s.gt, gt)
+    with pytest.raises(ValueError, match="nan_policy"):
+        load_scene(tmp_path / "both.mat", nan_policy="zero")
+
+
+def test_mat_v73_counts_all_datasets_against_the_limit(tmp_path):
+    """Each dataset under the limit, together over it: refused before the second is read, as the v5 reader
+    counts every variable."""
+    a = np.zeros((10, 10, 6), np.float32)  # 2400 bytes each
+    write_mat73(tmp_path / "two.mat", {"a": a, "b": a})
+    assert set(list_arrays(tmp_path / "two.mat", max_bytes=4800)) == {"a", "b"}
+    with pytest.raises(FileTooLargeError, match="the datasets up to"):
+        list_arrays(tmp_path / "two.mat", max_bytes=4000)
 
 
 def test_mat_v5_round_trip_and_auto_keys(tmp_path, scene):

@@ -74,6 +74,7 @@ def _read_mat_v73(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     import h5py
 
     out: dict[str, np.ndarray] = {}
+    total = [0]  # bytes declared by the datasets read so far: many small ones count together, as in v5
     try:
         with h5py.File(path, "r") as f:
 
@@ -84,7 +85,8 @@ def _read_mat_v73(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
                 if (cls.decode() if isinstance(cls, bytes) else str(cls)) == "char":  # uint16 text codes
                     return
                 # declared shape first: a chunked, compressed dataset can declare gigabytes in a few bytes
-                check_array_bytes(path, obj.shape, obj.dtype, max_bytes, f"HDF5 dataset {name!r}")
+                total[0] += check_array_bytes(path, obj.shape, obj.dtype, max_bytes, f"HDF5 dataset {name!r}")
+                check_array_bytes(path, (total[0],), np.uint8, max_bytes, f"the datasets up to {name!r}")
                 # MATLAB writes column-major: an (H, W, B) array is stored as (B, W, H).
                 out[name] = np.asarray(obj[()]).T
 
@@ -229,7 +231,11 @@ def load_cube(
     if nan_policy not in CUBE_NAN_POLICIES:
         raise ValueError(f"nan_policy must be one of {CUBE_NAN_POLICIES}, got {nan_policy!r}")
     p = Path(path)
-    arrays = list_arrays(p, max_bytes)
+    return _cube_from(p, list_arrays(p, max_bytes), key, nan_policy)
+
+
+def _cube_from(p: Path, arrays: dict[str, np.ndarray], key: str | None, nan_policy: str) -> np.ndarray:
+    """:func:`load_cube` on the arrays already read from ``p``."""
     if key is None and len(arrays) == 1:  # a single-array file: its rank is checked below
         name, cube = next(iter(arrays.items()))
     else:
@@ -261,7 +267,11 @@ def load_gt(path: str | os.PathLike, key: str | None = None, max_bytes: int | No
     with at most ``MAX_CLASSES`` distinct classes, anything else is a ``ValueError`` naming the file, the
     value and where it is."""
     p = Path(path)
-    arrays = list_arrays(p, max_bytes)
+    return _gt_from(p, list_arrays(p, max_bytes), key)
+
+
+def _gt_from(p: Path, arrays: dict[str, np.ndarray], key: str | None) -> np.ndarray:
+    """:func:`load_gt` on the arrays already read from ``p``."""
     if key is None and len(arrays) == 1:
         name, gt = next(iter(arrays.items()))
     else:
@@ -313,13 +323,18 @@ def load_scene(
 ) -> HSIScene:
     """Read a cube and (optionally) its ground truth and check that they agree in size.
 
-    When ``gt_path`` is None but ``gt_key`` is given, the ground truth is read from the cube's own file.
-    ``max_bytes``: see :func:`list_arrays`.
+    When ``gt_path`` is None but ``gt_key`` is given, the ground truth is read from the cube's own file (which
+    is read once for both). ``max_bytes``: see :func:`list_arrays`.
     """
-    cube = load_cube(path, key=key, nan_policy=nan_policy, max_bytes=max_bytes)
+    if nan_policy not in CUBE_NAN_POLICIES:
+        raise ValueError(f"nan_policy must be one of {CUBE_NAN_POLICIES}, got {nan_policy!r}")
+    p = Path(path)
+    arrays = list_arrays(p, max_bytes)
+    cube = _cube_from(p, arrays, key, nan_policy)
     gt = None
     if gt_path is not None or gt_key is not None:
-        gt = load_gt(gt_path if gt_path is not None else path, key=gt_key, max_bytes=max_bytes)
+        gt = load_gt(gt_path, key=gt_key, max_bytes=max_bytes) if gt_path is not None else _gt_from(
+            p, arrays, gt_key)
         if gt.shape != cube.shape[:2]:
             raise ValueError(
                 f"gt/image size mismatch: ground truth {gt_path or path} is {gt.shape[0]}x{gt.shape[1]}, "
