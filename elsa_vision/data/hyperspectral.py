@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from .readers.cubes import CUBE_NAN_POLICIES, load_scene
+from .samplers import epoch_loader
 
 __all__ = [
     "HSIDataModule",
@@ -522,15 +523,9 @@ class HSIDataModule(L.LightningDataModule):
 
     # -- loaders -----------------------------------------------------------------------------------------
     def _loader(self, ds: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            ds,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-        )
+        # each epoch's order depends on (seed, epoch) only: a resumed run replays it
+        return epoch_loader(ds, shuffle, batch_size=self.batch_size, seed=self.seed,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

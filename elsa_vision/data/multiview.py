@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..files import open_image, read_npy
 from .geometry import quat_to_mat
 from .readers.images import read_rgb
+from .samplers import epoch_loader
 
 __all__ = [
     "render_scene",
@@ -649,14 +650,10 @@ class MultiViewDataModule(L.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if split not in self.datasets:
             self.setup()
-        return DataLoader(
-            self.datasets[split],
-            batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            num_workers=self.hparams.num_workers,
-            pin_memory=self.hparams.pin_memory,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
+        # each epoch's order depends on (seed, epoch) only: a resumed run replays it
+        return epoch_loader(self.datasets[split], shuffle, batch_size=self.hparams.batch_size,
+                            seed=self.hparams.seed, num_workers=self.hparams.num_workers,
+                            pin_memory=self.hparams.pin_memory)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

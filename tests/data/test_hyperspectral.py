@@ -383,6 +383,18 @@ def test_datamodule(tmp_path, scene):
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (16, 6, 5, 5) and x.dtype == torch.float32
     assert y.min() >= 0 and y.max() < 4
+    # Every epoch's order is a function of (seed, epoch) alone: a resumed run replays it.
+    from elsa_vision.data.samplers import EpochShuffleSampler
+
+    def order(module, epoch, consume_first):
+        loader = module.train_dataloader()
+        if consume_first:
+            list(loader)  # an earlier epoch drawn in this process
+        loader.sampler.set_epoch(epoch)
+        return torch.cat([y for _, y in loader]).tolist(), list(loader.sampler)
+
+    assert isinstance(dm.train_dataloader().sampler, EpochShuffleSampler)
+    assert order(dm, 3, True) == order(dm, 3, False) and order(dm, 3, False) != order(dm, 4, False)
     # The training pixels' centre spectra, after the transform, equal the transform applied directly.
     rc = dm.split_coords["train"]
     direct = dm.transform.apply(cube[rc[:, 0], rc[:, 1]])

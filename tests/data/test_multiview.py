@@ -276,6 +276,15 @@ def test_datamodule_synthetic_and_nerf(tmp_path):
     assert batch["images"].shape == (2, 3, 3, 28, 42) and batch["extrinsics"].shape == (2, 3, 3, 4)
     val = next(iter(dm.val_dataloader()))
     assert not torch.equal(val["images"], dm.datasets["train"][0]["images"][None].expand_as(val["images"]))
+    # the training order is a function of (seed, epoch) alone: a resumed run replays the epoch
+    sampler = dm.train_dataloader().sampler
+    sampler.set_epoch(5)
+    again = MultiViewDataModule(train_size=4, val_size=2, test_size=2, batch_size=2, num_frames=3,
+                                image_size=(28, 42))
+    again.setup("fit")
+    replay = again.train_dataloader().sampler
+    replay.set_epoch(5)
+    assert list(sampler) == list(replay) and sorted(sampler) == [0, 1, 2, 3]
     seq, names = _write_capture(tmp_path)
     frames = [{"file_path": f"images/{n}", "transform_matrix": np.eye(4).tolist()} for n in names]
     (tmp_path / "transforms.json").write_text(json.dumps({"frames": frames, "camera_angle_x": 1.0}))
