@@ -7,7 +7,10 @@ plain values only), and TorchScript archives (OpenAI's CLIP ``.pt`` files) throu
 that is none of these is reported as "not a checkpoint", naming what it looks like. :func:`read_weights`
 (:func:`unwrap_weights` for a checkpoint already read) unwraps what training scripts put around the weights
 (a Lightning checkpoint's ``state_dict``, timm's ``state_dict_ema``, DDP's ``module.`` prefix ...) into one
-flat ``{name: tensor}``.
+flat ``{name: tensor}``; ``submodule="net"`` takes the network out of a training module's weights
+(:func:`submodule_weights`). Every reader takes ``arg``, the name the caller gives the file (``"ckpt_path"``,
+``"--weights"`` ...): its errors then start with that name and keep their exception class, so no caller
+checks the path or rewords the errors itself.
 
 Inputs declare their size before they are decoded (image headers, TIFF page shapes, ``.npy`` headers, HDF5 /
 MATLAB variable shapes); :func:`check_image_pixels` and :func:`check_array_bytes` compare the declared size
@@ -62,6 +65,7 @@ __all__ = [
     "read_torchscript_state_dict",
     "read_weights",
     "remove_stale_temp_files",
+    "submodule_weights",
     "unwrap_weights",
 ]
 
@@ -113,16 +117,36 @@ def _describe_bytes(head: bytes) -> str:
         return f"unrecognised data (first bytes {head[:8].hex(' ')})"
 
 
-def checkpoint_kind(path: str | os.PathLike) -> str:
+@contextlib.contextmanager
+def _named(arg: str | None):
+    """Errors about the file (``FileNotFoundError``, ``ValueError`` and its subclasses) raised inside start
+    with ``arg``, the caller's name for it (``"ckpt_path: '/x.ckpt' does not exist ..."``), and keep their
+    class, cause and traceback."""
+    if not arg:
+        yield
+        return
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as e:
+        named = type(e)(f"{arg}: {e}")
+        raise named.with_traceback(e.__traceback__) from e.__cause__
+
+
+def checkpoint_kind(path: str | os.PathLike, *, arg: str | None = None) -> str:
     """``"safetensors"``, ``"torch"`` (a ``torch.save`` zip), ``"torch-legacy"`` or ``"torchscript"``.
 
-    Decided from the file's first bytes and, for zips, its record names; nothing is unpickled.
+    Decided from the file's first bytes and, for zips, its record names; nothing is unpickled. ``arg``: the
+    caller's name for the file (``"ckpt_path"``, ``"--weights"``); errors then start with it.
 
     Raises:
         FileNotFoundError: ``path`` is not a file.
         NotACheckpointError: the file is none of the four, e.g. an image.
     """
-    path = os.fspath(path)
+    with _named(arg):
+        return _checkpoint_kind(os.fspath(path))
+
+
+def _checkpoint_kind(path: str) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path!r} does not exist or is not a file")
     if path.endswith(".safetensors"):
@@ -166,7 +190,12 @@ def _refused_global(e: BaseException) -> str:
 
 
 def read_checkpoint(
-    path: str | os.PathLike, *, map_location: Any = "cpu", torchscript: bool = False, mmap: bool = False
+    path: str | os.PathLike,
+    *,
+    arg: str | None = None,
+    map_location: Any = "cpu",
+    torchscript: bool = False,
+    mmap: bool = False,
 ) -> Any:
     """Read a weights or checkpoint file without executing anything from it.
 
@@ -174,6 +203,8 @@ def read_checkpoint(
         path: ``.safetensors`` (-> ``{name: tensor}``), a ``torch.save`` file (-> what was saved, loaded with
             ``torch.load(weights_only=True)``), or, with ``torchscript=True``, a TorchScript archive
             (-> its ``state_dict``, see :func:`read_torchscript_state_dict`).
+        arg: the caller's name for the file (``"ckpt_path"``, ``"--weights"``); every error below then
+            starts with it (``"ckpt_path: '/x.ckpt' does not exist or is not a file"``), same class.
         map_location: as for ``torch.load``.
         torchscript: accept TorchScript archives; otherwise they are refused.
         mmap: memory-map a ``torch.save`` zip's tensors instead of reading them (to look at a few entries
@@ -185,8 +216,12 @@ def read_checkpoint(
         ValueError: the file holds Python objects a weights-only load does not rebuild, or is truncated /
             corrupt. Messages name the file; none suggests loading it with code execution.
     """
-    path = os.fspath(path)
-    kind = checkpoint_kind(path)
+    with _named(arg):
+        return _read_checkpoint(os.fspath(path), map_location, torchscript, mmap)
+
+
+def _read_checkpoint(path: str, map_location: Any, torchscript: bool, mmap: bool) -> Any:
+    kind = _checkpoint_kind(path)
     if kind == "safetensors":
         from safetensors.torch import load_file
 
@@ -222,31 +257,70 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def read_weights(
-    path: str | os.PathLike, *, torchscript: bool = False, map_location: Any = "cpu"
+    path: str | os.PathLike,
+    *,
+    arg: str | None = None,
+    submodule: str | None = None,
+    torchscript: bool = False,
+    map_location: Any = "cpu",
 ) -> dict[str, Tensor]:
     """The weights a file holds, as one flat ``{name: tensor}``: :func:`read_checkpoint`, then
     :func:`unwrap_weights`.
 
+    Args:
+        path: a ``.safetensors`` file, a ``torch.save`` file or, with ``torchscript=True``, a TorchScript
+            archive (see :func:`read_checkpoint`).
+        arg: the caller's name for the file (``"checkpoint_path"``, ``"--weights"``); every error below
+            then starts with it and keeps its class.
+        submodule: the attribute of a training module that holds the network (a LightningModule's
+            ``"net"``): where keys carry that prefix, the weights are those keys with it removed (metric
+            states or a decoder beside the network are left out); otherwise all weights, as they are.
+        torchscript, map_location: as for :func:`read_checkpoint`.
+
     Raises:
-        FileNotFoundError, NotACheckpointError, ValueError: as :func:`read_checkpoint`; a ``ValueError``
-            naming the file when it holds no tensors.
+        FileNotFoundError: ``path`` is not a file.
+        NotACheckpointError, UnsafeCheckpointError, ValueError: as :func:`read_checkpoint`; a
+            ``ValueError`` naming the file when it holds no tensors.
     """
-    obj = read_checkpoint(path, map_location=map_location, torchscript=torchscript)
-    return unwrap_weights(obj, path)
+    with _named(arg):
+        obj = _read_checkpoint(os.fspath(path), map_location, torchscript, False)
+        return unwrap_weights(obj, path, submodule=submodule)
 
 
-def unwrap_weights(obj: Any, path: str | os.PathLike) -> dict[str, Tensor]:
+def unwrap_weights(
+    obj: Any, path: str | os.PathLike, *, arg: str | None = None, submodule: str | None = None
+) -> dict[str, Tensor]:
     """The flat ``{name: tensor}`` inside what :func:`read_checkpoint` returned for ``path``.
 
     A mapping without tensors of its own is unwrapped through the first of :data:`STATE_DICT_KEYS` it holds
     (a Lightning checkpoint's ``state_dict``, timm's ``state_dict_ema`` ...), as often as that applies;
     entries that are not tensors are dropped, and a ``module.`` / ``_orig_mod.`` prefix that every key
-    carries (DDP, ``torch.compile``) is removed. Prefixes of the training module itself (a LightningModule's
-    ``net.``) are kept: the caller knows which it expects. ``path`` names the file in errors.
+    carries (DDP, ``torch.compile``) is removed. A training module's own prefix (a LightningModule's
+    ``net.``) is removed only when the caller names it: with ``submodule="net"`` the weights are the keys
+    under ``net.`` (:func:`submodule_weights`, wrapper prefixes inside it removed as above), or all weights
+    when no key has that prefix. ``path`` names the file in errors, ``arg`` (the caller's name for it)
+    starts them.
 
     Raises:
         ValueError: naming the file, when it holds no tensors.
     """
+    with _named(arg):
+        tensors = _unwrap_weights(obj, os.fspath(path))
+    if submodule:
+        tensors = _strip_wrappers(submodule_weights(tensors, submodule) or tensors)
+    return tensors
+
+
+def submodule_weights(state: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    """The entries of ``state`` under the submodule ``name`` (keys starting with ``name + "."``), with that
+    prefix removed; ``None`` when no key has it. E.g. ``submodule_weights(lightning_state, "net")``: the
+    network's weights without the metric states or heads kept beside it."""
+    prefix = f"{name}."
+    found = {k[len(prefix) :]: v for k, v in state.items() if isinstance(k, str) and k.startswith(prefix)}
+    return found or None
+
+
+def _unwrap_weights(obj: Any, path: str) -> dict[str, Tensor]:
     top, inside = obj, ""
     while isinstance(obj, Mapping) and not any(isinstance(v, Tensor) for v in obj.values()):
         nested = next((k for k in STATE_DICT_KEYS if isinstance(obj.get(k), Mapping)), None)
@@ -257,12 +331,16 @@ def unwrap_weights(obj: Any, path: str | os.PathLike) -> dict[str, Tensor]:
     if not tensors:
         what = f"keys {list(top)[:8]}" if isinstance(top, Mapping) else f"a {type(top).__name__}"
         where = f", none in {inside}" if inside else ""
-        raise ValueError(f"{os.fspath(path)!r} holds no tensors ({what}{where})")
+        raise ValueError(f"{path!r} holds no tensors ({what}{where})")
+    return _strip_wrappers(tensors)
+
+
+def _strip_wrappers(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     stripped = True
     while stripped:
         stripped = False
         for prefix in _WRAPPER_PREFIXES:
-            if all(isinstance(k, str) and k.startswith(prefix) for k in tensors):
+            if tensors and all(isinstance(k, str) and k.startswith(prefix) for k in tensors):
                 tensors = {k[len(prefix) :]: v for k, v in tensors.items()}
                 stripped = True
     return tensors

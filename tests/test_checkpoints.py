@@ -311,6 +311,25 @@ def test_ckpt_path_that_is_not_a_checkpoint_says_so(tmp_path):
     assert "photo.jpg' is not a checkpoint: it is a JPEG image" in cli.stderr.strip().splitlines()[-1]
 
 
+def test_lightnings_checkpoint_io_refuses_what_ckpt_path_refuses(tmp_path):
+    """SafeCheckpointIO (Lightning's loads) applies the same check as ckpt_path, without the argument name."""
+    from safetensors.torch import save_file
+
+    from elsa_vision.utils.run import SafeCheckpointIO
+
+    io = SafeCheckpointIO()
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    with pytest.raises(CheckpointPathError, match=r"^'.*w\.safetensors' is a safetensors file of weights"):
+        io.load_checkpoint(tmp_path / "w.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"^'.*nope\.ckpt' does not exist"):
+        io.load_checkpoint(tmp_path / "nope.ckpt")
+    Image.new("RGB", (8, 8)).save(tmp_path / "photo.jpg")
+    with pytest.raises(NotACheckpointError, match=r"^'.*photo\.jpg' is not a checkpoint: it is a JPEG image"):
+        io.load_checkpoint(tmp_path / "photo.jpg")
+    torch.save({"epoch": 2, "state_dict": {"w": torch.ones(2)}}, tmp_path / "last.ckpt")
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["epoch"] == 2
+
+
 # ----------------------------------------------------------------------------- every task: fit, test, resume
 
 

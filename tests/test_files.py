@@ -26,9 +26,17 @@ from elsa_vision.files import (
     read_safetensors_metadata,
     read_weights,
     remove_stale_temp_files,
+    submodule_weights,
     unwrap_weights,
 )
 from tests.helpers import bomb_png, forged_npy, forged_tiff
+
+
+class _Settings:
+    """A training script's own class, pickled into a checkpoint beside the weights."""
+
+    def __init__(self, lr):
+        self.lr = lr
 
 
 class _Touch:
@@ -161,6 +169,58 @@ def test_read_weights_refuses_pickled_code(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match=r"evil\.ckpt' holds Python objects"):
         read_weights(tmp_path / "evil.ckpt")
     assert not marker.exists()
+
+
+def test_read_weights_errors_start_with_the_callers_name_for_the_file(tmp_path):
+    """``arg``: every error starts with the caller's name for the file, names the file, keeps its class."""
+    Image.new("RGB", (4, 4)).save(tmp_path / "photo.png")
+    os.replace(tmp_path / "photo.png", tmp_path / "photo.pth")
+    torch.save({"state_dict": {"w": torch.ones(2)}, "settings": _Settings(0.1)}, tmp_path / "custom.pth")
+    torch.save({"epoch": 3}, tmp_path / "no_weights.ckpt")
+    cases = [
+        ("missing.pth", FileNotFoundError, r"missing\.pth' does not exist"),
+        ("photo.pth", NotACheckpointError, r"photo\.pth' is not a checkpoint: it is a PNG image"),
+        ("custom.pth", UnsafeCheckpointError, r"custom\.pth' holds Python objects.*_Settings"),
+        ("no_weights.ckpt", ValueError, r"no_weights\.ckpt' holds no tensors"),
+    ]
+    for name, cls, says in cases:
+        for arg in ("checkpoint_path", "--weights"):
+            with pytest.raises(cls, match=rf"^{arg}: '.*{says}") as e:
+                read_weights(tmp_path / name, arg=arg)
+            assert type(e.value) is cls, (name, arg)
+            assert "weights_only=False" not in str(e.value)
+        with pytest.raises(cls, match=rf"^'.*{says}"):  # without arg: the file's own message
+            read_weights(tmp_path / name)
+    with pytest.raises(NotACheckpointError, match=r"^ckpt_path: '.*photo\.pth' is not a checkpoint"):
+        checkpoint_kind(tmp_path / "photo.pth", arg="ckpt_path")
+    with pytest.raises(FileNotFoundError, match=r"^ckpt_path: '.*missing\.pth' does not exist"):
+        read_checkpoint(tmp_path / "missing.pth", arg="ckpt_path")
+    with pytest.raises(ValueError, match=r"^ckpt_path: 'x\.ckpt' holds no tensors"):
+        unwrap_weights({"epoch": 3}, "x.ckpt", arg="ckpt_path")
+
+
+def test_read_weights_takes_a_training_modules_network(tmp_path):
+    """``submodule``: the network of a Lightning checkpoint, without the metric states beside it."""
+    a, b, x = torch.zeros(2), torch.ones(3), torch.full((1,), 7.0)
+    torch.save({"epoch": 1, "state_dict": {"net.a": a, "net.b": b, "metric.x": x}}, tmp_path / "last.ckpt")
+    sd = read_weights(tmp_path / "last.ckpt", submodule="net")
+    assert set(sd) == {"a", "b"} and torch.equal(sd["a"], a) and torch.equal(sd["b"], b)
+    # a file without the prefix (the network saved alone) is taken as it is
+    torch.save({"a": a, "metric.x": x}, tmp_path / "net.pth")
+    assert set(read_weights(tmp_path / "net.pth", submodule="net")) == {"a", "metric.x"}
+    assert set(read_weights(tmp_path / "last.ckpt")) == {"net.a", "net.b", "metric.x"}
+    # wrapper prefixes inside the submodule (a compiled network) are removed as everywhere
+    compiled = {"net._orig_mod.a": a, "net._orig_mod.b": b, "val_acc_best.max_val": x}
+    assert set(unwrap_weights({"state_dict": compiled}, "c.ckpt", submodule="net")) == {"a", "b"}
+    assert set(unwrap_weights({"state_dict": compiled}, "c.ckpt", submodule="encoder")) == set(compiled)
+
+
+def test_submodule_weights():
+    t = torch.zeros(1)
+    state = {"net.a": t, "net.b.c": t, "network.d": t, "net": t, "decoder.e": t}
+    assert set(submodule_weights(state, "net")) == {"a", "b.c"}  # not "network.d", not "net" itself
+    assert set(submodule_weights(state, "decoder")) == {"e"}
+    assert submodule_weights(state, "encoder") is None and submodule_weights({}, "net") is None
 
 
 def test_png_bomb_is_refused_before_decoding_naming_the_file(tmp_path):

@@ -229,8 +229,10 @@ def test_inference_errors(trained, tmp_path):
     root = trained["root"]
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="cannot load"):
+    with pytest.raises(ValueError, match=r"^checkpoint: '.*bad\.ckpt' is not a checkpoint"):
         run(str(bad), str(root / "scene.mat"), out=str(tmp_path / "o"), progress=False)
+    with pytest.raises(FileNotFoundError, match=r"^checkpoint: '.*nope\.ckpt' does not exist"):
+        run(str(tmp_path / "nope.ckpt"), str(root / "scene.mat"), out=str(tmp_path / "o"), progress=False)
     torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
     with pytest.raises(ValueError, match="not a hyperspectral task checkpoint"):
         run(str(tmp_path / "foreign.ckpt"), str(root / "scene.mat"), out=str(tmp_path / "o"), progress=False)

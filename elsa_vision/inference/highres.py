@@ -82,18 +82,18 @@ def stock_model_name(name: str) -> str:
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
-    """A state_dict from ``.safetensors`` or a torch checkpoint, read by
+    """The state_dict of a ``--weights`` file (``.safetensors`` or a torch checkpoint), read by
     :func:`elsa_vision.files.read_weights` (``weights_only=True``; wrappers unpacked, timm's EMA weights
-    taken first)."""
+    taken first).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the file is not a checkpoint of weights. Messages start with ``--weights:`` and name the
+            file.
+    """
     from ..files import read_weights
 
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"weights file {path!r} does not exist")
-    try:
-        return read_weights(path)
-    except ValueError as e:
-        raise ValueError(f"weights file cannot be read: {e}") from e
+    return read_weights(path, arg="--weights")
 
 
 def weights_shape_info(sd: dict[str, Tensor]) -> dict[str, int]:

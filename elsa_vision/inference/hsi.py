@@ -338,6 +338,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -696,7 +696,7 @@ def _gather_floats(value: float, group) -> list[float]:
 def cli() -> None:
     try:
         main()
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         print(json.dumps({"error": str(e)}))
         raise SystemExit(2) from e

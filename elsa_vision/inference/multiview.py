@@ -75,7 +75,7 @@ def build_model(
 ) -> tuple[ElsaVGGT, list[str], str]:
     """The model of ``weights`` in eval mode, the dropped checkpoint keys and the config name (read from the
     weights when ``config`` is None). Weights that do not fit raise one ``ValueError`` line."""
-    sd = load_vggt_state_dict(weights)
+    sd = load_vggt_state_dict(weights, arg="--weights")
     if config is None:
         config = find_vggt_config(sd, f"--weights {weights}")
     else:

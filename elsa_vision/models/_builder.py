@@ -52,6 +52,14 @@ class LoadReport:
 
 
 def _strip_prefixes(state_dict: dict[str, Tensor], model_keys: set[str]) -> dict[str, Tensor]:
+    """Remove a training module's ``net.`` / ``model.`` prefix that every key carries, where that matches
+    more of ``model_keys``.
+
+    Unlike ``submodule=`` of :func:`elsa_vision.files.read_weights` (the caller knows which attribute of
+    which training module wrote the file, and takes those keys), a ``checkpoint_path`` may come from any
+    training script: the prefix is guessed from the two usual names and checked against the model, which
+    may have a top-level ``model.`` submodule of its own.
+    """
     for prefix in _MODULE_PREFIXES:
         if state_dict and all(k.startswith(prefix) for k in state_dict):
             stripped = {k[len(prefix):]: v for k, v in state_dict.items()}
@@ -66,30 +74,20 @@ def read_state_dict(path: str | os.PathLike, model_keys: set[str] | None = None)
 
     Args:
         path: ``.safetensors`` file, a torch checkpoint (``.pth``/``.pt``/``.bin``/``.ckpt``) loaded with
-            ``weights_only=True``, or a TorchScript archive (its tensors; its code is never run). Nested
-            dicts (``state_dict``, ``model``, ...) and wrapper prefixes (``module.``, ``_orig_mod.``) are
-            unwrapped by :func:`elsa_vision.files.unwrap_weights`; a training module's ``net.`` /
-            ``model.`` prefix is removed where that matches more of ``model_keys``.
+            ``weights_only=True``, or a TorchScript archive (its tensors; its code is never run), read by
+            :func:`elsa_vision.files.read_weights` (nested dicts such as ``state_dict`` / ``model`` and the
+            wrapper prefixes ``module.`` / ``_orig_mod.`` unwrapped); a training module's ``net.`` /
+            ``model.`` prefix is removed where that matches more of ``model_keys`` (``_strip_prefixes``).
         model_keys: the target model's keys, used to decide whether stripping a prefix helps.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not a readable checkpoint or holds no tensors.
+        ValueError: the file is not a readable checkpoint (``NotACheckpointError``, ``UnsafeCheckpointError``)
+            or holds no tensors. Every message starts with ``checkpoint_path:`` and names the file.
     """
-    from ..files import read_checkpoint, unwrap_weights
+    from ..files import read_weights
 
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint_path {path!r} does not exist or is not a file")
-    try:
-        obj = read_checkpoint(path, torchscript=True)
-    except ValueError as e:
-        what = "is not a valid .safetensors file" if path.endswith(".safetensors") else "could not be read"
-        raise ValueError(f"checkpoint_path {what}: {e}") from e
-    try:
-        state_dict = unwrap_weights(obj, path)
-    except ValueError as e:
-        raise ValueError(f"checkpoint_path: {e}") from e
+    state_dict = read_weights(path, arg="checkpoint_path", torchscript=True)
     return _strip_prefixes(state_dict, model_keys or set())
 
 

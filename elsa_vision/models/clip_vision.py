@@ -505,21 +505,23 @@ def vision_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return vis
 
 
-def load_clip_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+def load_clip_state_dict(path: str | os.PathLike, *, arg: str = "pretrained") -> dict[str, Tensor]:
     """Read a CLIP checkpoint file into a flat float state_dict (all towers), without executing anything.
 
     Accepts ``.safetensors``, plain ``torch.save`` state dicts (read with ``weights_only=True``; a nested
     ``"state_dict"`` entry and a ``module.`` prefix are unwrapped) and OpenAI's TorchScript archives (their
     tensors are read by :func:`elsa_vision.files.read_torchscript_state_dict`; the archive's code is never
     run; the non-tensor entries ``input_resolution``, ``context_length`` and ``vocab_size`` are dropped).
-    Every file is read by :func:`elsa_vision.files.read_weights`.
+    Every file is read by :func:`elsa_vision.files.read_weights`; ``arg`` (the caller's name for the file)
+    starts its errors.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the file is not a checkpoint of weights (or a TorchScript archive that is refused).
     """
     from ..files import read_weights
 
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint path {path!r} is not a file")
-    sd = read_weights(path, torchscript=True)
+    sd = read_weights(path, arg=arg, torchscript=True)
     for key in ("input_resolution", "context_length", "vocab_size"):  # OpenAI's archives keep them as tensors
         sd.pop(key, None)
     return sd
@@ -766,7 +768,7 @@ def from_open_clip(
                     f"from_open_clip: got a checkpoint path {name!r} and pretrained={pretrained!r}; "
                     "pass a config name with pretrained=<file>, or the OpenAI checkpoint alone"
                 )
-            vis = vision_state_dict(load_clip_state_dict(name))
+            vis = vision_state_dict(load_clip_state_dict(name, arg="model_or_name"))
             cfg = {**_infer_config(vis), "act_layer": "quick_gelu", **kwargs}
             model = ElsaCLIPVision(**cfg, attn_backend=attn_backend, attn_precision=attn_precision)
             _load_tower(model, vis, repr(name))

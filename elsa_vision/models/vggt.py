@@ -828,25 +828,27 @@ class ElsaVGGT(ElsaModel, nn.Module):
         return model
 
 
-def load_vggt_state_dict(path: str | Path) -> dict[str, Tensor]:
+def load_vggt_state_dict(path: str | Path, *, arg: str = "checkpoint") -> dict[str, Tensor]:
     """Read a state_dict from ``.safetensors`` or a torch file with :func:`elsa_vision.files.read_weights`
-    (``weights_only=True``; ``model`` / ``state_dict`` and a ``module.`` prefix unwrapped), removing the
-    ``net.`` prefix of a Lightning module's state_dict."""
+    (``weights_only=True``; ``model`` / ``state_dict`` and a ``module.`` prefix unwrapped); of a
+    ``MultiViewReconstructionModule`` checkpoint, the network (``submodule="net"``).
+
+    ``arg``: the caller's name for the file (``"--weights"``); errors start with it and name the file.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the file is not a checkpoint of weights; an ``UnsafeCheckpointError`` (a Lightning
+            ``.ckpt`` of an older run, with Python objects pickled in) says how to export the network.
+    """
     from ..files import UnsafeCheckpointError, read_weights
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        sd = read_weights(path)
+        return read_weights(path, arg=arg, submodule="net")
     except UnsafeCheckpointError as exc:
-        raise ValueError(
+        raise UnsafeCheckpointError(
             f"{exc} (as a Lightning .ckpt of an older multiview run does: its hyper-parameters hold the "
             "optimizer factory); export the network with MultiViewReconstructionModule.export_net(path)"
-        ) from exc
-    if all(k.startswith("net.") for k in sd):  # a MultiViewReconstructionModule state_dict
-        sd = {k[4:]: v for k, v in sd.items()}
-    return sd
+        ) from None
 
 
 def vggt_config_mismatch(state_dict: dict[str, Tensor], config: str, **overrides) -> str | None:

@@ -8,7 +8,6 @@ stage keeps its own torchmetrics objects (``train/acc``, ``val/acc``, ``val/acc5
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,8 +40,14 @@ def create_backbone(
         pretrained_file: ``.safetensors``/``.pth``/``.bin`` of timm (or OpenAI-CLIP / DINOv2) weights, read by
             :func:`elsa_vision.files.read_weights` and loaded by timm through the model's pretrained filter fn
             (pos-embed resampling, ``in_chans`` adaptation, a head of another width dropped).
-        checkpoint_path: a raw state_dict with exactly this model's keys, loaded strictly after building.
+        checkpoint_path: a raw state_dict with exactly this model's keys, loaded strictly after building
+            (:func:`elsa_vision.models.load_checkpoint`).
         **kwargs: model arguments (``img_size``, ``patch_size``, ``in_chans``, ``attn_backend``, ...).
+
+    Raises:
+        FileNotFoundError, ValueError: a weights file that is missing or not a checkpoint, before the model
+            is built; the message starts with ``create_backbone: pretrained_file:`` (``checkpoint_path``)
+            and names the file.
     """
     import elsa_vision.models  # noqa: F401  (registers the elsa_* names with timm)
 
@@ -58,19 +63,10 @@ def create_backbone(
     sizes_given = isinstance(img_size, int) and isinstance(patch_size, int)
     if sizes_given and (patch_size < 1 or img_size % patch_size):
         raise ValueError(f"create_backbone: patch_size ({patch_size}) must divide img_size ({img_size})")
-    for arg, path in (("pretrained_file", pretrained_file), ("checkpoint_path", checkpoint_path)):
-        if path is not None and not os.path.isfile(path):
-            raise FileNotFoundError(f"create_backbone: {arg}={str(path)!r} is not a file")
-        if path is not None:
-            try:
-                checkpoint_kind(path)  # a JPEG or a text file is named as such before anything is built
-            except ValueError as e:
-                raise ValueError(f"create_backbone: {arg}: {e}") from None
+    if checkpoint_path is not None:  # a missing file, a JPEG or a text file is named before anything is built
+        checkpoint_kind(checkpoint_path, arg="create_backbone: checkpoint_path")
     if pretrained_file is not None:
-        try:
-            weights = read_weights(pretrained_file)
-        except ValueError as e:
-            raise ValueError(f"create_backbone: pretrained_file: {e}") from None
+        weights = read_weights(pretrained_file, arg="create_backbone: pretrained_file")
         # timm's load_pretrained takes a state_dict in place of a file (and runs the filter fn on it)
         kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights))
     net = timm.create_model(model_name, num_classes=num_classes, **kwargs)

@@ -22,7 +22,7 @@ import torch
 from lightning import LightningModule, Trainer
 from omegaconf import DictConfig
 
-from ..files import read_weights
+from ..files import read_weights, submodule_weights
 from ..utils.accelerator import check_accelerator
 from ..utils.run import extras, instantiate_loggers, save_resolved_config
 from .train import configure_data, instantiate_data
@@ -38,19 +38,12 @@ def load_weights(model: LightningModule, path: str) -> str:
     """Load ``path`` into ``model`` (strict): a Lightning checkpoint's ``state_dict`` (the ``net.*`` keys;
     metric states beside them are not weights) or a backbone state_dict (keys of ``model.net``). Returns
     which of the two it was. Files are read by :func:`elsa_vision.files.read_weights` (weights only, wrapper
-    keys and prefixes removed)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"ckpt_path={path!r} is not a file")
-    try:
-        state = read_weights(path)
-    except ValueError as e:
-        raise ValueError(f"ckpt_path: {e}") from e
-    net_keys = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
-    if net_keys:
-        model.net.load_state_dict(net_keys, strict=True)
-        return "lightning"
-    model.net.load_state_dict(state, strict=True)
-    return "backbone"
+    keys and prefixes removed); its errors (``FileNotFoundError``, ``ValueError``) start with ``ckpt_path:``
+    and name the file."""
+    state = read_weights(path, arg="ckpt_path")
+    net_state = submodule_weights(state, "net")
+    model.net.load_state_dict(net_state or state, strict=True)
+    return "lightning" if net_state else "backbone"
 
 
 def plot_confusion_matrix(

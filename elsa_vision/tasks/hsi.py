@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCohenKappa
 
-from ..files import read_checkpoint, unwrap_weights
+from ..files import read_checkpoint, submodule_weights, unwrap_weights
 from ..models.hsi_vit import ElsaHSIViT, HSIMAEDecoder
 
 __all__ = ["HSIClassificationModule", "MaskedAutoencoderModule", "load_hsi_checkpoint", "format_report"]
@@ -350,7 +350,8 @@ class HSIClassificationModule(_HSIBase):
     def from_checkpoint(
         cls, path: str | os.PathLike, map_location: str | torch.device = "cpu"
     ) -> HSIClassificationModule:
-        """Rebuild the module and its network from a checkpoint (``weights_only`` load, no unpickling)."""
+        """Rebuild the module and its network from a checkpoint (``weights_only`` load, no unpickling); the
+        whole module's state is loaded (the network and the states kept beside it, e.g. ``val_acc_best``)."""
         ckpt = read_checkpoint(path, map_location=map_location)
         payload = _payload(ckpt, path)
         net = ElsaHSIViT(**payload["net_config"])
@@ -365,7 +366,8 @@ class HSIClassificationModule(_HSIBase):
         )
         state = unwrap_weights(ckpt, path)
         module.load_state_dict(state, strict=False)
-        missing = [k for k in net.state_dict() if f"net.{k}" not in state]
+        net_state = submodule_weights(state, "net") or {}
+        missing = [k for k in net.state_dict() if k not in net_state]
         if missing:
             raise ValueError(f"{path}: checkpoint lacks network weights {missing[:8]}")
         module.hsi_meta = payload["meta"]
@@ -505,12 +507,10 @@ def _encoder_state(source: Any) -> tuple[dict[str, Tensor], dict]:
         return source.state_dict(), dict(source.config)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"load_encoder_from: checkpoint not found: {path}")
-        ckpt = read_checkpoint(path)
+        ckpt = read_checkpoint(path, arg="load_encoder_from")
         payload = _payload(ckpt, path)
-        prefix = payload.get("net_attr", "encoder") + "."
-        state = {k[len(prefix) :]: v for k, v in unwrap_weights(ckpt, path).items() if k.startswith(prefix)}
+        net_attr = payload.get("net_attr", "encoder")
+        state = unwrap_weights(ckpt, path, arg="load_encoder_from", submodule=net_attr)
         return state, dict(payload["net_config"])
     if isinstance(source, Mapping):
         keys = list(source)
@@ -529,22 +529,22 @@ def load_hsi_checkpoint(
     path: str | os.PathLike, map_location: str | torch.device = "cpu"
 ) -> tuple[ElsaHSIViT, dict]:
     """The classifier network (eval mode, weights loaded) and data meta of a ``HSIClassificationModule``
-    checkpoint, read with ``torch.load(weights_only=True)``."""
+    checkpoint, read with ``torch.load(weights_only=True)`` (:func:`elsa_vision.files.read_checkpoint`).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the file is not a checkpoint, or not one of a classifier with data meta. Errors of the
+            file itself start with ``checkpoint:`` and name it.
+    """
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"checkpoint: file not found: {p}")
-    try:
-        ckpt = read_checkpoint(p, map_location=map_location)
-    except ValueError as e:
-        raise ValueError(f"checkpoint: cannot load {p}: {e}") from e
+    ckpt = read_checkpoint(p, arg="checkpoint", map_location=map_location)
     payload = _payload(ckpt, p)
     if payload.get("net_attr", "net") != "net" or payload.get("meta") is None:
         raise ValueError(
             f"{p}: not a classification checkpoint with data meta (an MAE checkpoint has no head)"
         )
     net = ElsaHSIViT(**payload["net_config"])
-    state = {k[4:]: v for k, v in unwrap_weights(ckpt, p).items() if k.startswith("net.")}
-    net.load_state_dict(state, strict=True)
+    net.load_state_dict(unwrap_weights(ckpt, p, arg="checkpoint", submodule="net"), strict=True)
     return net.eval(), payload["meta"]
 
 

@@ -26,15 +26,17 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
-from ..files import checkpoint_kind, read_checkpoint
+from ..files import read_checkpoint
 from ..utils.accelerator import check_accelerator
 from ..utils.run import (
+    CheckpointPathError,
     extras,
     find_last_checkpoint,
     instantiate_callbacks,
     instantiate_loggers,
     plot_curves,
     save_resolved_config,
+    training_checkpoint_kind,
     trim_metrics_csv,
 )
 from ..utils.run_dirs import run_of_checkpoint
@@ -42,10 +44,6 @@ from ..utils.run_dirs import run_of_checkpoint
 __all__ = ["CheckpointPathError", "configure_data", "instantiate_data", "resolve_ckpt_path", "train"]
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointPathError(ValueError):
-    """``ckpt_path`` names a file that is not a training checkpoint."""
 
 
 def instantiate_data(cfg: DictConfig) -> LightningDataModule:
@@ -80,21 +78,21 @@ def _runs_root(cfg: DictConfig) -> str:
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """``cfg.ckpt_path`` as a file path: ``last`` is looked up, other paths must exist and be a
-    ``torch.save`` checkpoint (not an image, a text file or a ``.safetensors`` file of weights)."""
+    ``torch.save`` checkpoint (not an image, a text file or a ``.safetensors`` file of weights), checked
+    here, before anything is built, by :func:`elsa_vision.utils.run.training_checkpoint_kind` (which
+    Lightning's checkpoint I/O, :class:`~elsa_vision.utils.run.SafeCheckpointIO`, applies again on loading).
+
+    Raises:
+        FileNotFoundError: no ``last.ckpt`` to resume, or ``ckpt_path`` is not a file.
+        NotACheckpointError, CheckpointPathError: the file is not a checkpoint, or one of weights only.
+    """
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None or ckpt_path == "":
         return None
     if ckpt_path == "last":
         pattern = os.path.join(_runs_root(cfg), "*", "checkpoints", "last.ckpt")
         ckpt_path = find_last_checkpoint(cfg.paths.output_dir, pattern)
-    elif not os.path.isfile(ckpt_path):
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r} is not a file")
-    kind = checkpoint_kind(ckpt_path)
-    if kind not in ("torch", "torch-legacy"):
-        raise CheckpointPathError(
-            f"ckpt_path={str(ckpt_path)!r} is a {kind} file of weights, not a training checkpoint; to start "
-            "from weights use model.pretrained_file=... (timm weights) or evaluate.py"
-        )
+    training_checkpoint_kind(ckpt_path, arg="ckpt_path")
     return str(ckpt_path)
 
 
@@ -109,7 +107,9 @@ def _continue_run(cfg: DictConfig, ckpt_path: str) -> str:
             cfg.paths.output_dir = resumed
         run_dir = resumed
     if resumed is not None:
-        step = int(read_checkpoint(ckpt_path, mmap=True).get("global_step", 0))
+        # the step decides, before the loggers are built, where the run's logs end; Lightning reads the
+        # checkpoint again in fit (here memory-mapped: its tensors are not copied)
+        step = int(read_checkpoint(ckpt_path, arg="ckpt_path", mmap=True).get("global_step", 0))
         # the CSV logger writes on rank 0 only; other processes (DDP re-launches this script) leave it alone
         dropped = 0
         if rank_zero_only.rank == 0:

@@ -29,6 +29,7 @@ from ..files import atomic_torch_save, atomic_write, checkpoint_kind, read_check
 from .run_dirs import newest_last_checkpoint
 
 __all__ = [
+    "CheckpointPathError",
     "RunCSVLogger",
     "SafeCheckpointIO",
     "extras",
@@ -38,6 +39,7 @@ __all__ = [
     "plot_curves",
     "print_json_line",
     "save_resolved_config",
+    "training_checkpoint_kind",
     "trim_metrics_csv",
 ]
 
@@ -171,6 +173,31 @@ class RunCSVLogger(CSVLogger):
         return self._experiment
 
 
+class CheckpointPathError(ValueError):
+    """A file given as a training checkpoint holds weights only (``.safetensors``, a TorchScript archive):
+    there is no training state to resume from."""
+
+
+def training_checkpoint_kind(path: str | os.PathLike, *, arg: str | None = None) -> str:
+    """The :func:`elsa_vision.files.checkpoint_kind` of a file a run resumes (or tests) from, which must be
+    a ``torch.save`` checkpoint (``"torch"`` or ``"torch-legacy"``). Nothing is unpickled. ``arg``: the
+    caller's name for the file (``"ckpt_path"``); errors then start with it.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        NotACheckpointError: the file is not a checkpoint at all (an image, a text file ...).
+        CheckpointPathError: the file is a checkpoint of weights only.
+    """
+    kind = checkpoint_kind(path, arg=arg)
+    if kind not in ("torch", "torch-legacy"):
+        named = f"{arg}: " if arg else ""
+        raise CheckpointPathError(
+            f"{named}{os.fspath(path)!r} is a {kind} file of weights, not a training checkpoint; to start "
+            "from weights use model.pretrained_file=... (timm weights) or evaluate.py"
+        )
+    return kind
+
+
 class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint I/O, made safe for the files it reads and writes.
 
@@ -178,7 +205,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
       a crash, a kill or a full disk leaves the previous checkpoint intact, whatever filesystem ``$TMPDIR``
       is on (Lightning writes through fsspec, which stages in ``$TMPDIR`` and copies across filesystems);
     * load: :func:`elsa_vision.files.read_checkpoint`, always weights-only, with errors that name the file
-      (not a checkpoint, holds Python objects, truncated).
+      (missing, not a checkpoint, a file of weights only (:func:`training_checkpoint_kind`), holds Python
+      objects, truncated).
 
     Remote paths (``s3://`` ...) keep Lightning's behaviour.
     """
@@ -193,11 +221,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         if not _is_local_file_protocol(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=True)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        kind = checkpoint_kind(path)  # names a file that is not a checkpoint at all
-        if kind not in ("torch", "torch-legacy"):
-            raise ValueError(f"{os.fspath(path)!r} is a {kind} file of weights, not a training checkpoint")
+        training_checkpoint_kind(path)
         return read_checkpoint(path, map_location=map_location or "cpu")
 
 

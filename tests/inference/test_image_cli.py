@@ -388,7 +388,7 @@ def test_cli_bad_inputs(weights, tmp_path):
     with pytest.raises(ValueError, match="not a registered elsa"):
         main(["--model", "vit_tiny_patch16_224", "--input", _ct_small(), "--out", str(tmp_path)])
     (tmp_path / "broken.safetensors").write_bytes(b"\x10\x00garbage")
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ValueError, match=r"^--weights: '.*broken\.safetensors' is a damaged"):
         main(
             [
                 "--model",
@@ -485,6 +485,21 @@ def test_cli_subprocess_bad_input_exit_code(tmp_path):
     assert r.returncode == 2
     assert "corrupt.tif" in json.loads(r.stdout.strip().splitlines()[-1])["error"]
     assert "error:" in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_cli_missing_weights_is_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
+    from elsa_vision.inference.image import cli
+
+    args = ["--model", TINY, "--weights", str(tmp_path / "nope.pth"), "--input", _ct_small()]
+    with pytest.raises(FileNotFoundError, match=r"^--weights: '.*nope\.pth' does not exist"):
+        main(args + ["--out", str(tmp_path / "o")])
+    monkeypatch.setattr(sys, "argv", ["image", *args, "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit) as e:
+        cli()
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert "nope.pth' does not exist" in json.loads(out.strip().splitlines()[-1])["error"]
+    assert err.startswith("error: --weights: ") and not (tmp_path / "o").exists()
 
 
 def test_cli_refuses_bombs_before_decoding(weights, tmp_path):

@@ -546,8 +546,10 @@ def test_bad_inputs(tmp_path, tiny_config):
         from_open_clip(tiny_config, pretrained=tmp_path / "text_only.pt")
     # a checkpoint that is not a weights-only state_dict
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="junk.pt"):
+    with pytest.raises(ValueError, match=r"^pretrained: '.*junk\.pt' is not a checkpoint"):
         from_open_clip(tiny_config, pretrained=tmp_path / "junk.pt")
+    with pytest.raises(FileNotFoundError, match=r"^pretrained: '.*missing\.pt' does not exist"):
+        load_clip_state_dict(tmp_path / "missing.pt")
     with pytest.raises(ValueError, match="pool_type"):
         ElsaCLIPVision(pool_type="max")
     with pytest.raises(ValueError, match="act_layer"):

@@ -385,8 +385,10 @@ def test_from_vggt_checkpoint_reads_the_config_from_the_weights(tmp_path):
 
 
 def test_load_rejects_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+    with pytest.raises(FileNotFoundError, match=r"^checkpoint: '.*nope\.pt' does not exist"):
         load_vggt_state_dict(tmp_path / "nope.pt")
+    with pytest.raises(FileNotFoundError, match=r"^--weights: '.*nope\.pt' does not exist"):
+        load_vggt_state_dict(tmp_path / "nope.pt", arg="--weights")
 
 
 def test_forward_shapes_frame_agnostic_and_rectangular():

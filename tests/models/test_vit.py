@@ -322,15 +322,16 @@ def test_dinov2_layout(tmp_path):
 
 
 def test_checkpoint_errors(deit_ref, tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    # every error starts with the argument's name and names the file
+    with pytest.raises(FileNotFoundError, match=r"^checkpoint_path: '.*missing\.pth' does not exist"):
         ElsaViT.from_timm("deit_tiny_patch16_224", tmp_path / "missing.pth", **_TINY)
     garbage = tmp_path / "garbage.pth"
     garbage.write_bytes(b"\x00not a checkpoint\xff" * 50)
-    with pytest.raises(ValueError, match="could not be read"):
+    with pytest.raises(ValueError, match=r"^checkpoint_path: '.*garbage\.pth' is not a checkpoint"):
         ElsaViT.from_timm("deit_tiny_patch16_224", garbage, **_TINY)
     bad_st = tmp_path / "garbage.safetensors"
     bad_st.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
-    with pytest.raises(ValueError, match="not a valid .safetensors"):
+    with pytest.raises(ValueError, match=r"^checkpoint_path: '.*garbage\.safetensors' is a damaged"):
         ElsaViT.from_timm("deit_tiny_patch16_224", bad_st, **_TINY)
     # Shape mismatch: the error names the offending key.
     sd = dict(deit_ref.state_dict())
