@@ -52,7 +52,8 @@ def check_options(who: str, backend: str, precision: str, prefix: str = "") -> N
 def check_triton_device(who: str, q: Tensor) -> None:
     """Refuse, naming ``who``, tensors the Triton kernels cannot read: they take CUDA tensors, and CPU
     tensors only under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported)."""
-    if not q.is_cuda and not triton_runs_on(q.device):
+    # (under torch.compile the check is left to eager calls: Dynamo cannot trace Triton's interpreter switch)
+    if not q.is_cuda and not torch.compiler.is_compiling() and not triton_runs_on(q.device):
         raise ValueError(f"{who}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
                          f"triton is imported), got q on {q.device}; use backend='auto' or 'torch'")
 
