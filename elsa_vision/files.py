@@ -32,6 +32,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import sys
 import warnings
 import zipfile
@@ -64,6 +65,7 @@ __all__ = [
     "read_safetensors_metadata",
     "read_torchscript_state_dict",
     "read_weights",
+    "remove_outputs",
     "remove_stale_temp_files",
     "submodule_weights",
     "unwrap_weights",
@@ -744,6 +746,32 @@ def prepare_output_dir(
             "replace them or choose another directory"
         )
     return out
+
+
+def remove_outputs(out: str | os.PathLike, outputs: Iterable[str]) -> list[str]:
+    """Delete what an earlier run left in ``out`` under the names of ``outputs`` (as in
+    :func:`prepare_output_dir`: a trailing ``*`` matches a prefix; directories are removed whole, links
+    themselves, never what they point to). What ``--overwrite`` does once the new run is about to write, so
+    that no output of a larger earlier run (a ``slice_0007`` where this run has three slices) stays mixed
+    with the new ones. Returns the names removed."""
+    if isinstance(outputs, (str, bytes, os.PathLike)):
+        raise TypeError(f"remove_outputs: outputs must be a list of names, got one name {outputs!r}")
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    found: list[Path] = []
+    for name in outputs:
+        found += sorted(out.glob(name)) if name.endswith("*") else [out / name]
+    removed = []
+    for p in found:
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            continue
+        removed.append(p.name)
+    return removed
 
 
 # ----------------------------------------------------------------------------------------- atomic writes

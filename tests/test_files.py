@@ -25,6 +25,7 @@ from elsa_vision.files import (
     read_npy,
     read_safetensors_metadata,
     read_weights,
+    remove_outputs,
     remove_stale_temp_files,
     submodule_weights,
     unwrap_weights,
@@ -313,6 +314,24 @@ def test_prepare_output_dir(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ atomic writes
+
+
+def test_remove_outputs_removes_only_the_named_outputs(tmp_path):
+    out = tmp_path / "out"
+    (out / "slice_0001").mkdir(parents=True)
+    (out / "slice_0001" / "report.json").write_text("{}")
+    (out / "report.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    keep = tmp_path / "elsewhere"
+    keep.mkdir()
+    (keep / "data.bin").write_text("x")
+    (out / "slice_0002").symlink_to(keep, target_is_directory=True)
+    removed = remove_outputs(out, ["report.json", "slice_*", "overlay.png"])
+    assert sorted(removed) == ["report.json", "slice_0001", "slice_0002"]
+    assert os.listdir(out) == ["notes.txt"] and (keep / "data.bin").exists()  # a link goes, not its target
+    assert remove_outputs(tmp_path / "absent", ["x"]) == []
+    with pytest.raises(TypeError, match="list of names"):
+        remove_outputs(out, "report.json")
 
 
 def test_atomic_write_text_replaces_whole_or_not_at_all(tmp_path):

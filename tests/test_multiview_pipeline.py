@@ -3,6 +3,7 @@ loss, Lightning fit/validate/test with the logged metric keys, Hydra configs, th
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -277,6 +278,8 @@ def test_inference_cli_subprocess(tmp_path):
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["frames"] == 2 and (tmp_path / "o" / "points.ply").is_file()
+    written = sorted(os.listdir(tmp_path / "o" / "depth"))
+    (tmp_path / "o" / "depth" / "frame_of_a_longer_run.npy").write_bytes(b"stale")  # an earlier, longer run
     merged = subprocess.run(
         cmd + ["--merge-ratio", "0.5", "--overwrite"],
         capture_output=True,
@@ -287,6 +290,7 @@ def test_inference_cli_subprocess(tmp_path):
     )
     assert merged.returncode == 0, merged.stderr
     assert json.loads(merged.stdout.strip().splitlines()[-1])["exact_attention"] is False
+    assert sorted(os.listdir(tmp_path / "o" / "depth")) == written  # nothing of the earlier run is left
     bad = subprocess.run(
         cmd[:4] + [str(tmp_path / "missing")] + cmd[5:] + ["--overwrite"],
         capture_output=True,

@@ -16,7 +16,8 @@ Usage::
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
 sub-folder ``slice_<index>`` per image when several slices/frames are selected). ``--out`` is checked before
 anything is computed: it must be writable, and outputs of an earlier run there are replaced only with
-``--overwrite``. Inputs declaring more than ``--max-input-gib`` of decoded data (TIFF, DICOM, NIfTI) or more
+``--overwrite`` (which removes all of them, ``slice_*`` folders included, when the new run starts writing).
+Inputs declaring more than ``--max-input-gib`` of decoded data (TIFF, DICOM, NIfTI) or more
 than ``--max-image-pixels`` pixels (PNG/JPEG) are refused before decoding. The last stdout line is a JSON
 summary.
 
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from ..data.readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
-from ..files import add_max_input_argument, prepare_output_dir
+from ..files import add_max_input_argument, prepare_output_dir, remove_outputs
 from .highres import (
     MODEL_ALIASES,
     Plan,
@@ -658,6 +659,8 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
                 }
             if not is_writer:
                 continue
+            if args.overwrite and not summaries:  # the first write: an earlier run's outputs go first
+                remove_outputs(args.out, OUTPUTS)
             report = _write_outputs(out_dir, res, model, img, args, extra)
             if plan.mode == "tiled":
                 print(f"TILED: {plan.reason}; {res.tiles} tiles (attention is local to each tile)")

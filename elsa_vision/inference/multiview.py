@@ -15,7 +15,7 @@ depth_png_scale`` from ``cameras.json``), ``OUT/cameras.json`` (camera-from-worl
 confidence statistics) and ``OUT/points.ply`` (binary, world points of the pixels whose depth confidence is
 above the given percentile, coloured by the frames). The last stdout line is a JSON summary. FP32 by default.
 ``--out`` is checked before the model is built: it must be writable, and the outputs of an earlier run there
-are replaced only with ``--overwrite``.
+are replaced only with ``--overwrite`` (which removes all of them once the reconstruction is done).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from ..data.geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
 from ..data.multiview import resize_frame
 from ..data.readers import read_rgb
-from ..files import prepare_output_dir
+from ..files import prepare_output_dir, remove_outputs
 from ..models.vggt import (
     VGGT_CONFIGS,
     ElsaVGGT,
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     res = reconstruct(model, images.to(args.device), _DTYPES[args.dtype])
     res = {k: v.cpu() for k, v in res.items()}
     out = args.out
+    if args.overwrite:  # no depth map of a longer earlier sequence stays beside the new ones
+        remove_outputs(out, OUTPUTS)
     (out / "depth").mkdir(parents=True, exist_ok=True)
     depth = res["depth"].numpy()
     dmax = float(depth.max()) if depth.size else 1.0

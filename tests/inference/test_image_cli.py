@@ -356,6 +356,12 @@ def test_cli_nifti_all_slices(weights, tmp_path):
         r, pr, f = _outputs(tmp_path / "o" / f"slice_{i:04d}")
         assert r["index"] == i and r["count"] == 3
         _check_consistent(r, pr, f, 7)
+    # --overwrite with one slice: the earlier run's slice folders go, none stays beside the new outputs
+    args = ["--model", TINY, "--weights", weights["gray"], "--input", str(p), "--img-size", "32",
+            "--slice", "1", "--out", str(tmp_path / "o"), "--overwrite"]
+    assert main(args)["tokens"] == 5  # 2 x 2 patches and the class token
+    assert sorted(os.listdir(tmp_path / "o")) == ["features.safetensors", "overlay.png", "prediction.json",
+                                                 "report.json"]
 
 
 def test_cli_random_weights_warns(tmp_path, capsys):
