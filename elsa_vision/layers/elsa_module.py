@@ -79,7 +79,11 @@ class ElsaModule:
             raise ValueError(f"{cls.__name__}.convert: {reason} is not supported")
         module.__class__ = cls
         module.backend, module.precision = backend, precision
+        module._converted()
         return module
+
+    def _converted(self) -> None:
+        """What a layer adjusts on the module it has just become (:meth:`convert`); nothing by default."""
 
     # The attribute names converted layers had before (``elsa_backend``, ``elsa_precision``): aliases.
     @property

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from timm.layers import AttentionRope
 from timm.models import register_notrace_module
 from timm.models.eva import EvaAttention
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..ops.attention import check_options, elsa_attention
 from .attention import mask_to_bias
@@ -126,11 +126,8 @@ def sdpa_override(*, backend: str = "auto", precision: str = "auto") -> Iterator
 class _SdpaRouted(ElsaModule):
     """A timm module kept as it is, its fused SDPA call run inside :func:`sdpa_override`."""
 
-    @classmethod
-    def convert(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
-        module = super().convert(module, backend=backend, precision=precision)
-        module.fused_attn = True  # the SDPA call is what runs on ELSA
-        return module
+    def _converted(self) -> None:
+        self.fused_attn = True  # the SDPA call is what runs on ELSA
 
     def forward(self, *args, **kwargs):
         with sdpa_override(backend=self.backend, precision=self.precision):

@@ -93,6 +93,14 @@ def _same_key(a: tuple, b: tuple) -> bool:
         t is u and p == q and v == w for (t, p, v), (u, q, w) in zip(a[1], b[1]))
 
 
+def _finite_coords(table: Tensor) -> Tensor:
+    """The normalised ``relative_coords_table`` with the 0/0 of a window side of 1 set to its value, 0.
+
+    timm up to 1.0.29 divides the coordinates by ``window_size - 1`` (timm 1.0.31: by ``max(.., 1)``), so a
+    stage whose window is clamped to 1x1 (a small image's last stage) gets a NaN table and NaN outputs."""
+    return table.nan_to_num_(0.0)
+
+
 @register_notrace_module
 class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
     """timm Swin v2 ``WindowAttention`` (scaled cosine attention) computed by ELSA.
@@ -103,6 +111,13 @@ class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
     """
 
     _converts = _swin2.WindowAttention
+
+    def _converted(self) -> None:
+        _finite_coords(self.relative_coords_table)
+
+    def _make_pair_wise_relative_positions(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        table, index = super()._make_pair_wise_relative_positions(*args, **kwargs)  # set_window_size
+        return _finite_coords(table), index
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v ``[B_, H, N, Dh]`` from the projection with timm's (q_bias, zero k_bias, v_bias)."""

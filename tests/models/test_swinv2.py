@@ -100,6 +100,34 @@ def test_dynamic_size_other_resolution():
         assert _rel(model(x), ref(x)) <= 1e-5
 
 
+def test_one_by_one_window_stage_is_finite(monkeypatch):
+    """A last stage clamped to a 1x1 window (32 px): timm <= 1.0.29 normalises its coordinate table by
+    ``window - 1 = 0`` (NaN table, NaN logits); ELSA's layer sets that 0/0 to 0, timm 1.0.31's value, when it
+    converts the module and when ``set_window_size`` rebuilds the table."""
+    import timm.models.swin_transformer_v2 as swin2
+
+    real = swin2.WindowAttention._make_pair_wise_relative_positions
+
+    def as_in_timm_1_0_29(self, *args, **kwargs):  # 0/0 for a side of 1, as the older timm computes it
+        table, index = real(self, *args, **kwargs)
+        side_of_one = torch.tensor([w == 1 for w in self.window_size])
+        return torch.where(side_of_one, torch.nan, table), index
+
+    monkeypatch.setattr(swin2.WindowAttention, "_make_pair_wise_relative_positions", as_in_timm_1_0_29)
+    stock = timm.create_model("swinv2_tiny_window8_256", img_size=32, **SMALL).eval()
+    assert stock.layers[3].blocks[0].attn.window_size == (1, 1)
+    with torch.no_grad():
+        assert torch.isnan(stock(torch.randn(1, 3, 32, 32))).all()  # the older timm's own result
+    model = ElsaSwinV2.from_timm(stock, attn_backend="torch").eval()
+    attn = model.layers[3].blocks[0].attn
+    assert torch.equal(attn.relative_coords_table, torch.zeros_like(attn.relative_coords_table))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.isfinite(model(x)).all()
+        attn.set_window_size((1, 1))  # the table rebuilt
+        assert torch.isfinite(attn.relative_coords_table).all() and torch.isfinite(model(x)).all()
+
+
 def test_gradients_match_timm_float64():
     """float64 gradients of every parameter ``<= 1e-10`` (logit_scale and cpb_mlp named explicitly)."""
     ref, model = _pair(64, dtype=torch.float64)  # stage maps 16, 8, 4, 2: windows 8, 8, 4, 2 (clipped)
