@@ -130,7 +130,10 @@ def _named(arg: str | None):
     try:
         yield
     except (FileNotFoundError, ValueError) as e:
-        named = type(e)(f"{arg}: {e}")
+        try:
+            named = type(e)(f"{arg}: {e}")
+        except TypeError:  # a class whose constructor takes other arguments (UnicodeDecodeError): as it is
+            raise e from e.__cause__
         raise named.with_traceback(e.__traceback__) from e.__cause__
 
 
