@@ -14,7 +14,8 @@ Usage::
         [--num-classes 1000] [--in-chans 1]
 
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
-sub-folder ``slice_<index>`` per image when several slices/frames are selected). ``--out`` is checked before
+sub-folder ``slice_<index>`` per image when several slices/frames are selected; they are decoded one at a
+time as they are run). ``--out`` is checked before
 anything is computed: it must be writable, and outputs of an earlier run there are replaced only with
 ``--overwrite`` (which removes all of them, ``slice_*`` folders included, when the new run starts writing).
 Inputs declaring more than ``--max-input-gib`` of decoded data (TIFF, DICOM, NIfTI) or more
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -477,17 +479,22 @@ def _init_context_parallel(device: torch.device) -> tuple[torch.device, Any, boo
 def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
     is_writer = cp_group is None or torch.distributed.get_rank() == 0
     name = resolve_model_name(args.model)
-    images = list(
-        iter_images(
-            args.input,
-            slice_index=args.slice,
-            slice_axis=args.slice_axis,
-            frame=0 if args.frame is None and detect_format(args.input) == "dicom" else args.frame,
-            series=args.series,
-            level=args.level,
-            max_bytes=int(args.max_input_gib * 2**30),
-        )
+    selected = iter_images(
+        args.input,
+        slice_index=args.slice,
+        slice_axis=args.slice_axis,
+        frame=0 if args.frame is None and detect_format(args.input) == "dicom" else args.frame,
+        series=args.series,
+        level=args.level,
+        max_bytes=int(args.max_input_gib * 2**30),
     )
+    # One slice decoded ahead at a time (not the whole selection): the first two tell the model's input and
+    # whether the outputs go to slice_* folders.
+    first, second = next(selected, None), next(selected, None)
+    if first is None:
+        raise ValueError(f"input file {args.input!r}: no image selected")
+    several = second is not None
+    images = itertools.chain([first] if second is None else [first, second], selected)
     sd = load_weights(args.weights) if args.weights else None
     random_weights = sd is None or _saved_as_random(args.weights)
     if sd is not None and random_weights:
@@ -502,7 +509,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
             "meaningless (demo only)",
             file=sys.stderr,
         )
-        in_chans = args.in_chans or images[0].data.shape[0]
+        in_chans = args.in_chans or first.data.shape[0]
         num_classes = args.num_classes
     else:
         info = weights_shape_info(sd)
@@ -513,13 +520,13 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
         ):
             if given is not None and given != actual:
                 raise ValueError(f"--{flag} {given} contradicts the weights, which have {actual}")
-        if args.gray == "adapt" and images[0].data.shape[0] == 1:
+        if args.gray == "adapt" and first.data.shape[0] == 1:
             in_chans = 1
     import timm
 
     cfg = timm.models.get_pretrained_cfg(name)
     patch = timm.create_model(name, pretrained=False, num_classes=0, depth=1).patch_embed.patch_size[0]
-    size = _img_size(args.img_size, images[0].data.shape[-2:], patch)
+    size = _img_size(args.img_size, first.data.shape[-2:], patch)
     attn_precision = "tf32" if args.precision == "tf32" else "auto"
     model = build_model(
         name,
@@ -527,7 +534,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
         size,
         in_chans=in_chans,
         num_classes=num_classes,
-        gray_adapt=args.gray == "adapt" and images[0].data.shape[0] == 1,
+        gray_adapt=args.gray == "adapt" and first.data.shape[0] == 1,
         attn_backend=args.attn_backend,
         attn_precision=attn_precision,
     ).to(device)
@@ -650,7 +657,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
                     f"compare-sdpa: max deviation {dev:.3e}, speed ratio (sdpa/elsa) "
                     f"{extra['speed_ratio']:.2f}x ({sdpa_sec:.3f}s vs {res.seconds:.3f}s)"
                 )
-            out_dir = args.out if len(images) == 1 else os.path.join(args.out, f"slice_{im.index:04d}")
+            out_dir = os.path.join(args.out, f"slice_{im.index:04d}") if several else args.out
             if cp_group is not None:
                 extra["context_parallel"] = {
                     "world_size": torch.distributed.get_world_size(cp_group),

@@ -329,7 +329,7 @@ def test_cli_bf16_close_to_fp32(weights, tmp_path):
     assert 0 < err <= 5e-2  # bfloat16 (8-bit mantissa) through 12 blocks
 
 
-def test_cli_nifti_all_slices(weights, tmp_path):
+def test_cli_nifti_all_slices(weights, tmp_path, monkeypatch):
     vol = np.random.default_rng(0).normal(size=(40, 36, 3)).astype(np.float32)
     p = tmp_path / "v.nii.gz"
     nib.save(nib.Nifti1Image(vol, np.eye(4)), p)
@@ -356,6 +356,27 @@ def test_cli_nifti_all_slices(weights, tmp_path):
         r, pr, f = _outputs(tmp_path / "o" / f"slice_{i:04d}")
         assert r["index"] == i and r["count"] == 3
         _check_consistent(r, pr, f, 7)
+    # the slices are decoded as they are run (one ahead), not all before the first
+    import elsa_vision.inference.image as image_cli
+
+    yielded, seen_at_load = [], []
+    real_iter, real_load = image_cli.iter_images, image_cli.load_image
+
+    def counting_iter(*a, **k):
+        for im in real_iter(*a, **k):
+            yielded.append(im.index)
+            yield im
+
+    def recording_load(im, **k):
+        seen_at_load.append(len(yielded))
+        return real_load(im, **k)
+
+    monkeypatch.setattr(image_cli, "iter_images", counting_iter)
+    monkeypatch.setattr(image_cli, "load_image", recording_load)
+    main(["--model", TINY, "--weights", weights["gray"], "--input", str(p), "--img-size", "32",
+          "--slice", "all", "--out", str(tmp_path / "o"), "--overwrite"])
+    assert yielded == [0, 1, 2] and seen_at_load == [2, 2, 3]
+    monkeypatch.undo()
     # --overwrite with one slice: the earlier run's slice folders go, none stays beside the new outputs
     args = ["--model", TINY, "--weights", weights["gray"], "--input", str(p), "--img-size", "32",
             "--slice", "1", "--out", str(tmp_path / "o"), "--overwrite"]
