@@ -31,7 +31,7 @@ from .kernels.reference import finalize, merge_states, state_from_output
 from .ops.attention import (
     accumulation_dtype,
     check_options,
-    check_triton_device,
+    check_triton_call,
     partial_attention,
     partial_attention_grads,
     resolve_backend,
@@ -461,6 +461,6 @@ def context_parallel_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     chosen = resolve_backend(backend, q)
     if chosen == "triton":
-        check_triton_device("context_parallel_attention", q)
+        check_triton_call("context_parallel_attention", q, v)
     return _RingAttention.apply(q, k, v, key_padding_mask, attn_bias, group, seq_len, causal, scale,
                                 precision, chosen, layout)

@@ -276,8 +276,27 @@ print("runs on cpu:", triton_runs_on("cpu"))
 q = torch.randn(1, 2, 8, 16)
 dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "init"), rank=0,
                         world_size=1)
+from elsa_vision.layers import ElsaAttention
+from elsa_vision.ops.attention import elsa_attention_varlen, inference_call
+
+layer = ElsaAttention(32, num_heads=2, backend="auto").eval()
+layer.backend = "triton"  # a model kept on the CPU with the Triton backend chosen for it
+cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+
+def layer_inference():
+    with torch.no_grad():
+        return layer(torch.randn(1, 5, 32))
+
+
+
+packed = torch.randn(8, 2, 16)
 calls = {
     "elsa_attention": lambda: elsa_attention(q, q, q, backend="triton"),
+    "inference_call": lambda: inference_call(q, q, q, backend="triton"),
+    "ElsaAttention": layer_inference,
+    "elsa_attention_varlen": lambda: elsa_attention_varlen(packed, packed, packed, cu, cu, 5, 5,
+                                                           backend="triton"),
     "window_attention": lambda: window_attention(q, q, q, torch.zeros(2), torch.zeros(2, 8, 8)),
     "context_parallel_attention": lambda: context_parallel_attention(q, q, q, seq_len=8, backend="triton"),
 }
@@ -303,5 +322,8 @@ def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter():
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "runs on cpu: False" in r.stdout
-    for name in ("elsa_attention", "window_attention", "context_parallel_attention"):
+    for name in ("elsa_attention", "window_attention", "context_parallel_attention", "elsa_attention_varlen"):
         assert f"{name} refused: {name}: backend='triton' needs CUDA tensors" in r.stdout, r.stdout
+    # the planned inference path of the layer and its builder: the refusal of elsa_attention
+    for name in ("inference_call", "ElsaAttention"):
+        assert f"{name} refused: elsa_attention: backend='triton' needs CUDA tensors" in r.stdout, r.stdout

@@ -58,6 +58,20 @@ def check_triton_device(who: str, q: Tensor) -> None:
                          f"triton is imported), got q on {q.device}; use backend='auto' or 'torch'")
 
 
+def check_triton_call(who: str, q: Tensor, v: Tensor, dropout_p: float = 0.0) -> None:
+    """What a call routed to ``backend="triton"`` needs (its dtype, head dims, device; no dropout), refused
+    in one line naming ``who``. Every entry that launches the kernels checks it once."""
+    if dropout_p > 0.0:
+        raise ValueError(f"{who}: backend='triton' has no attention dropout; use backend='torch'")
+    if q.dtype == torch.float64:
+        raise TypeError(f"{who}: backend='triton' takes float16, bfloat16 or float32; float64 runs on "
+                        "backend='torch'")
+    if max(q.shape[-1], v.shape[-1]) > TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"{who}: backend='triton' takes head dims up to {TRITON_MAX_HEAD_DIM}, got q "
+                         f"{_shape(q)}, v {_shape(v)}; use backend='auto' or 'torch'")
+    check_triton_device(who, q)
+
+
 def _shape(t: Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
@@ -283,10 +297,9 @@ def inference_call(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sca
     Triton launch program (another backend). Layers keep ``f`` per input signature, so that a steady-state
     call does no validation, no backend choice and no plan lookup (``ElsaAttention``)."""
     _check_inputs(q, k, v, None, None, causal, scale, precision, backend, 0.0)
-    if resolve_backend(backend, q) != "triton" or max(q.shape[-1], v.shape[-1]) > TRITON_MAX_HEAD_DIM:
+    if resolve_backend(backend, q) != "triton":
         return None
-    if q.dtype == torch.float64:
-        return None
+    check_triton_call("elsa_attention", q, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     program = _forward_program(q, k, v, None, None, causal, scale, precision)
 
@@ -403,15 +416,7 @@ def elsa_attention(
     _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
     chosen = resolve_backend(backend, q, dropout_p)
     if chosen == "triton":
-        if dropout_p > 0.0:
-            raise ValueError("elsa_attention: backend='triton' has no attention dropout; use backend='torch'")
-        if q.dtype == torch.float64:
-            raise TypeError("elsa_attention: backend='triton' takes float16, bfloat16 or float32; "
-                            "float64 runs on backend='torch'")
-        if max(q.shape[-1], v.shape[-1]) > TRITON_MAX_HEAD_DIM:
-            raise ValueError(f"elsa_attention: backend='triton' takes head dims up to {TRITON_MAX_HEAD_DIM}, "
-                             f"got q {_shape(q)}, v {_shape(v)}; use backend='auto' or 'torch'")
-        check_triton_device("elsa_attention", q)
+        check_triton_call("elsa_attention", q, v, dropout_p)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         return _triton_attention(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
     if chosen == "eca":
@@ -518,9 +523,8 @@ def elsa_attention_varlen(
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, precision,
                   backend)
     chosen = resolve_backend(backend, q)
-    if chosen == "triton" and q.dtype == torch.float64:
-        raise TypeError("elsa_attention_varlen: backend='triton' takes float16, bfloat16 or float32; "
-                        "float64 runs on backend='torch'")
+    if chosen == "triton":
+        check_triton_call("elsa_attention_varlen", q, v)
     if chosen == "triton" and not (torch.is_grad_enabled()
                                    and (q.requires_grad or k.requires_grad or v.requires_grad)):
         from ..kernels.fwd import elsa_fwd_varlen
