@@ -27,6 +27,9 @@ _ELSA_CALLS = (
     ("elsa_vision.layers.window_attention", "elsa_attention"),  # Swin windows off the Triton path
 )
 _WINDOW_CALL = ("elsa_vision.layers.window_attention", "window_attention")  # where the Swin layers look it up
+# ElsaAttention's planned inference path (eval, no grad) runs a launch program it keeps per input signature,
+# not elsa_attention: with ``direct`` answering False it takes the elsa_attention call above instead.
+_PLANNED_PATH = ("elsa_vision.layers.attention", "direct")
 
 
 def _answer_with_v(real):
@@ -49,14 +52,15 @@ def free_attention():
     targets = [(torch.nn.functional, "scaled_dot_product_attention")]
     targets += [(importlib.import_module(mod), name) for mod, name in _ELSA_CALLS]
     saved = [(obj, name, getattr(obj, name)) for obj, name in targets]
-    window = importlib.import_module(_WINDOW_CALL[0])
-    saved_window = getattr(window, _WINDOW_CALL[1])
+    replaced = [(importlib.import_module(_WINDOW_CALL[0]), _WINDOW_CALL[1], _free_window),
+                (importlib.import_module(_PLANNED_PATH[0]), _PLANNED_PATH[1], lambda t: False)]
+    saved += [(obj, name, getattr(obj, name)) for obj, name, _ in replaced]
     try:
-        for obj, name, real in saved:
+        for obj, name, real in saved[: len(targets)]:
             setattr(obj, name, _answer_with_v(real))
-        setattr(window, _WINDOW_CALL[1], _free_window)
+        for obj, name, stand_in in replaced:
+            setattr(obj, name, stand_in)
         yield
     finally:
-        setattr(window, _WINDOW_CALL[1], saved_window)
         for obj, name, real in saved:
             setattr(obj, name, real)

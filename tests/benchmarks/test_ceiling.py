@@ -59,3 +59,19 @@ def test_layer_output_is_the_projection_of_v():
         torch.testing.assert_close(got, layer.proj(v))
     with torch.no_grad():
         assert not torch.allclose(layer(x), got, atol=1e-3)  # with the real attention back
+
+
+def test_planned_inference_path_is_freed_too():
+    """The Triton backend's planned inference path (a launch program the layer keeps after its first eval
+    call, interpreted on CPU) is replaced as well, and is back afterwards."""
+    torch.manual_seed(0)
+    layer = ElsaAttention(32, num_heads=2, backend="triton").eval()
+    x = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        real = layer(x)  # plans the call
+        assert layer.__dict__.get("_elsa_calls")
+        with free_attention():
+            got = layer(x)
+        v = layer.qkv(x).reshape(1, 5, 3, 2, 16)[:, :, 2].reshape(1, 5, 32)
+        torch.testing.assert_close(got, layer.proj(v))
+        torch.testing.assert_close(layer(x), real, rtol=0, atol=0)
