@@ -462,12 +462,7 @@ def _plan(
         # Less than half a wave of query tiles: the workspace (which costs more memory than the output)
         # pays for itself; with more programs the fused path is as fast and needs no workspace.
         parts = min(16, key_tiles, _cdiv(2 * sms, programs))
-    per_part = 4 * bh * max(Nq, 1) * (bdv + 2)
-    parts = max(1, parts)
-    if parts > 1:
-        # Equalise: every partition gets the same number of key tiles, none empty.
-        tps = _cdiv(key_tiles, parts)
-        parts = _cdiv(key_tiles, tps)
+    parts, tree_depth, workspace = _partitioning(key_tiles, parts, bh * max(Nq, 1), bdv)
     return FwdPlan(
         partitions=parts,
         block_m=bm,
@@ -475,11 +470,11 @@ def _plan(
         num_warps=warps,
         num_stages=stages,
         merge_depth=merge_depth(max(Nk, 1), bn),
-        tree_depth=math.ceil(math.log2(parts)) if parts > 1 else 0,
+        tree_depth=tree_depth,
         block_d=bd,
         block_dv=bdv,
         precision=prec,
-        workspace_bytes=per_part * parts if parts > 1 else 0,
+        workspace_bytes=workspace,
     )
 
 
@@ -509,15 +504,20 @@ def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, pre
     return (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
 
 
+def _partitioning(key_tiles: int, parts: int, rows: int, bdv: int) -> tuple[int, int, int]:
+    """``(partitions, tree_depth, workspace_bytes)`` of at most ``parts`` key partitions over ``key_tiles``
+    key tiles, equalised (every partition the same number of tiles, none empty); ``rows``: ``B * H * Nq``."""
+    parts = max(1, min(int(parts), key_tiles))
+    if parts == 1:
+        return 1, 0, 0
+    parts = _cdiv(key_tiles, _cdiv(key_tiles, parts))
+    return parts, math.ceil(math.log2(parts)), 4 * rows * (bdv + 2) * parts
+
+
 def _force_plan(p: FwdPlan, Nk: int, partitions: int, rows: int) -> FwdPlan:
     """``p`` with ``partitions`` key partitions (equalised as the planner does); ``rows``: ``B * H * Nq``."""
-    key_tiles = max(1, _cdiv(Nk, p.block_n))
-    parts = max(1, min(int(partitions), key_tiles))
-    if parts > 1:
-        parts = _cdiv(key_tiles, _cdiv(key_tiles, parts))
-    ws = 4 * rows * (p.block_dv + 2) * parts if parts > 1 else 0
-    depth = math.ceil(math.log2(parts)) if parts > 1 else 0
-    return dataclasses.replace(p, partitions=parts, tree_depth=depth, workspace_bytes=ws)
+    parts, depth, workspace = _partitioning(max(1, _cdiv(Nk, p.block_n)), partitions, rows, p.block_dv)
+    return dataclasses.replace(p, partitions=parts, tree_depth=depth, workspace_bytes=workspace)
 
 
 # --------------------------------------------------------------------------------------------- launchers
