@@ -523,9 +523,10 @@ class HSIDataModule(L.LightningDataModule):
 
     # -- loaders -----------------------------------------------------------------------------------------
     def _loader(self, ds: Dataset, shuffle: bool) -> DataLoader:
-        # each epoch's order depends on (seed, epoch) only: a resumed run replays it
+        # each epoch's order depends on (seed, epoch) only: a resumed run replays it; every labelled pixel
+        # is seen each epoch (few-shot splits hold a few per class)
         return epoch_loader(ds, shuffle, batch_size=self.batch_size, seed=self.seed,
-                            num_workers=self.num_workers, pin_memory=self.pin_memory)
+                            num_workers=self.num_workers, pin_memory=self.pin_memory, drop_last=False)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

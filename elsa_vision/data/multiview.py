@@ -653,7 +653,7 @@ class MultiViewDataModule(L.LightningDataModule):
         # each epoch's order depends on (seed, epoch) only: a resumed run replays it
         return epoch_loader(self.datasets[split], shuffle, batch_size=self.hparams.batch_size,
                             seed=self.hparams.seed, num_workers=self.hparams.num_workers,
-                            pin_memory=self.hparams.pin_memory)
+                            pin_memory=self.hparams.pin_memory, drop_last=False)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

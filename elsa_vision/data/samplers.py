@@ -44,17 +44,19 @@ class EpochShuffleSampler(Sampler[int]):
 
 
 def epoch_loader(ds: Dataset, train: bool, *, batch_size: int, seed: int, num_workers: int, pin_memory: bool,
-                 persistent_workers: bool = True) -> DataLoader:
-    """The DataLoader of a training (``train``: shuffled by an :class:`EpochShuffleSampler`, the last batch
-    dropped when it is not the only one) or evaluation split (in order, every sample): an epoch's order and
-    its workers' seeds depend only on ``(seed, epoch)``, so that a resumed run replays it exactly."""
+                 persistent_workers: bool = True, drop_last: bool = True) -> DataLoader:
+    """The DataLoader of a training (``train``: shuffled by an :class:`EpochShuffleSampler`; with
+    ``drop_last`` the last batch is dropped when it is not the only one) or evaluation split (in order,
+    every sample): an epoch's order and its workers' seeds depend only on ``(seed, epoch)``, so that a
+    resumed run replays it exactly. ``drop_last=False`` for small training sets where every sample counts
+    (a few labelled pixels per class)."""
     sampler = EpochShuffleSampler(len(ds), seed) if train else None
     return DataLoader(
         ds,
         batch_size=batch_size,
         sampler=sampler,
         generator=sampler.generator if train else None,
-        drop_last=train and len(ds) > batch_size,
+        drop_last=drop_last and train and len(ds) > batch_size,
         num_workers=num_workers,
         pin_memory=pin_memory and torch.cuda.is_available(),
         persistent_workers=persistent_workers and num_workers > 0,

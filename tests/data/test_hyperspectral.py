@@ -394,6 +394,11 @@ def test_datamodule(tmp_path, scene):
         return torch.cat([y for _, y in loader]).tolist(), list(loader.sampler)
 
     assert isinstance(dm.train_dataloader().sampler, EpochShuffleSampler)
+    # every training pixel in every epoch: 32 at batch 16 and, below, a last partial batch kept
+    assert sum(len(y) for _, y in dm.train_dataloader()) == dm.split_sizes["train"]
+    dm.batch_size = 24
+    assert [len(y) for _, y in dm.train_dataloader()] == [24, 8]
+    dm.batch_size = 16
     assert order(dm, 3, True) == order(dm, 3, False) and order(dm, 3, False) != order(dm, 4, False)
     # The training pixels' centre spectra, after the transform, equal the transform applied directly.
     rc = dm.split_coords["train"]
