@@ -28,6 +28,7 @@ import ast
 import collections
 import contextlib
 import errno
+import math
 import os
 import pickle
 import re
@@ -633,8 +634,8 @@ def add_max_input_argument(parser: argparse.ArgumentParser | argparse._ArgumentG
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
 
     parser.add_argument(

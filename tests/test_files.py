@@ -385,3 +385,16 @@ def test_atomic_save_keeps_the_previous_file_on_failure(tmp_path, monkeypatch):
     assert remove_stale_temp_files(tmp_path) == [stale.name] and not stale.exists()
     assert link_atomically(target, tmp_path / "other.ckpt")
     assert os.path.samefile(target, tmp_path / "other.ckpt")
+
+
+def test_max_input_gib_takes_finite_positive_numbers():
+    import argparse
+
+    from elsa_vision.files import add_max_input_argument
+
+    parser = argparse.ArgumentParser()
+    add_max_input_argument(parser, "input")
+    assert parser.parse_args(["--max-input-gib", "0.5"]).max_input_gib == 0.5
+    for bad in ("0", "-1", "inf", "nan", "lots"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-input-gib", bad])
