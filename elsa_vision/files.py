@@ -736,13 +736,7 @@ def prepare_output_dir(
     except OSError as e:
         reason = e.strerror or str(e)
         raise ValueError(f"{flag} {str(out)!r} is not writable ({str(probe_dir)!r}: {reason})") from e
-    existing = []
-    if out.is_dir():
-        for name in outputs:
-            if name.endswith("*"):
-                existing += sorted(p.name for p in out.glob(name))
-            elif (out / name).exists():
-                existing.append(name)
+    existing = [p.name for p in _existing_outputs(out, outputs)]
     if existing and not overwrite:
         shown = ", ".join(existing[:5]) + (" ..." if len(existing) > 5 else "")
         raise ValueError(
@@ -750,6 +744,20 @@ def prepare_output_dir(
             "replace them or choose another directory"
         )
     return out
+
+
+def _existing_outputs(out: Path, outputs: Iterable[str]) -> list[Path]:
+    """The entries of directory ``out`` named by ``outputs`` (a trailing ``*`` matches a prefix), links
+    included; none when ``out`` is not a directory."""
+    if not out.is_dir():
+        return []
+    found: list[Path] = []
+    for name in outputs:
+        if name.endswith("*"):
+            found += sorted(out.glob(name))
+        elif (out / name).exists() or (out / name).is_symlink():
+            found.append(out / name)
+    return found
 
 
 def remove_outputs(out: str | os.PathLike, outputs: Iterable[str]) -> list[str]:
@@ -760,14 +768,8 @@ def remove_outputs(out: str | os.PathLike, outputs: Iterable[str]) -> list[str]:
     with the new ones. Returns the names removed."""
     if isinstance(outputs, (str, bytes, os.PathLike)):
         raise TypeError(f"remove_outputs: outputs must be a list of names, got one name {outputs!r}")
-    out = Path(out)
-    if not out.is_dir():
-        return []
-    found: list[Path] = []
-    for name in outputs:
-        found += sorted(out.glob(name)) if name.endswith("*") else [out / name]
     removed = []
-    for p in found:
+    for p in _existing_outputs(Path(out), outputs):
         if p.is_symlink() or p.is_file():
             p.unlink()
         elif p.is_dir():

@@ -249,8 +249,10 @@ def test_cli_zeroshot_and_embed(tiny_name, image_folder, tmp_path, capsys):
     # an earlier run's outputs are refused before any work, replaced only with --overwrite
     with pytest.raises(ValueError, match=r"already holds outputs of an earlier run \(embed_metrics.json"):
         main(common + ["--task", "embed", "--image-size", "48", "--embed-format", "npz"])
-    main(common + ["--task", "embed", "--image-size", "48", "--embed-format", "npz", "--overwrite"])
+    main(common + ["--task", "embed", "--image-size", "48", "--embed-format", "safetensors", "--overwrite"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_samples"] == 12
+    # the earlier run's .npz went with it: one embeddings file, the new one
+    assert sorted(p.name for p in out.glob("embeddings.*")) == ["embeddings.safetensors"]
 
 
 def test_cli_without_out_writes_a_fresh_run_directory(tiny_name, image_folder, tmp_path, monkeypatch, capsys):

@@ -464,10 +464,11 @@ def run(
     if task == "embed" and out is None:
         raise ValueError("run: task='embed' writes files: pass out=DIR (the CLI defaults to a fresh run "
                          "directory under logs/zeroshot/runs)")
+    outputs = [f"{task}_metrics.json", "embeddings.*"]
     if out is not None:
         from ..files import prepare_output_dir
 
-        prepare_output_dir(out, [f"{task}_metrics.json", "embeddings.*"], overwrite=overwrite)
+        prepare_output_dir(out, outputs, overwrite=overwrite)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     net, tokenizer, transform, report = _build_model(
         model, pretrained, dev, image_size, elsa, attn_backend, attn_precision
@@ -500,7 +501,11 @@ def run(
             )
         classifier = build_zeroshot_classifier(net, tokenizer, names, load_templates(templates), device=dev)
         result.update(zeroshot_evaluate(net, classifier, loader, device=dev))
-    else:
+    if out is not None and overwrite:  # the earlier run's outputs go, embeddings of another format too
+        from ..files import remove_outputs
+
+        remove_outputs(out, outputs)
+    if task == "embed":
         out_file = Path(out) / f"embeddings.{embed_format}"
         result.update(export_embeddings(net, loader, out_file, device=dev))
     result["seconds"] = round(time.perf_counter() - t0, 3)
