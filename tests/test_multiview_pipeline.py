@@ -279,7 +279,13 @@ def test_inference_cli_subprocess(tmp_path):
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["frames"] == 2 and (tmp_path / "o" / "points.ply").is_file()
     written = sorted(os.listdir(tmp_path / "o" / "depth"))
-    (tmp_path / "o" / "depth" / "frame_of_a_longer_run.npy").write_bytes(b"stale")  # an earlier, longer run
+    # an earlier, longer run: one more frame in its cameras.json and depth/; a file of the user's beside them
+    cams = json.loads((tmp_path / "o" / "cameras.json").read_text())
+    cams["frames"].append(dict(cams["frames"][0], name="frame_of_a_longer_run"))
+    (tmp_path / "o" / "cameras.json").write_text(json.dumps(cams))
+    for suffix in (".npy", ".png"):
+        (tmp_path / "o" / "depth" / f"frame_of_a_longer_run{suffix}").write_bytes(b"stale")
+    (tmp_path / "o" / "depth" / "ground_truth.npy").write_bytes(b"the user's")
     merged = subprocess.run(
         cmd + ["--merge-ratio", "0.5", "--overwrite"],
         capture_output=True,
@@ -290,7 +296,8 @@ def test_inference_cli_subprocess(tmp_path):
     )
     assert merged.returncode == 0, merged.stderr
     assert json.loads(merged.stdout.strip().splitlines()[-1])["exact_attention"] is False
-    assert sorted(os.listdir(tmp_path / "o" / "depth")) == written  # nothing of the earlier run is left
+    # nothing of the earlier run is left; what it did not write stays
+    assert sorted(os.listdir(tmp_path / "o" / "depth")) == sorted(written + ["ground_truth.npy"])
     bad = subprocess.run(
         cmd[:4] + [str(tmp_path / "missing")] + cmd[5:] + ["--overwrite"],
         capture_output=True,

@@ -15,7 +15,8 @@ depth_png_scale`` from ``cameras.json``), ``OUT/cameras.json`` (camera-from-worl
 confidence statistics) and ``OUT/points.ply`` (binary, world points of the pixels whose depth confidence is
 above the given percentile, coloured by the frames). The last stdout line is a JSON summary. FP32 by default.
 ``--out`` is checked before the model is built: it must be writable, and the outputs of an earlier run there
-are replaced only with ``--overwrite`` (which removes all of them once the reconstruction is done).
+are replaced only with ``--overwrite`` (which, once the reconstruction is done, removes what the earlier
+run wrote: the depth maps of the frames its ``cameras.json`` lists, that file and ``points.ply``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from ..data.geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
 from ..data.multiview import resize_frame
 from ..data.readers import read_rgb
-from ..files import prepare_output_dir, remove_outputs
+from ..files import prepare_output_dir
 from ..models.vggt import (
     VGGT_CONFIGS,
     ElsaVGGT,
@@ -110,6 +111,28 @@ def reconstruct(
     }
 
 
+def _remove_earlier_outputs(out: Path) -> None:
+    """What an earlier run wrote in ``out``: the ``depth/<frame>.npy|png`` of the frames its
+    ``cameras.json`` lists (other files in ``depth/``, a dataset's own depth maps, stay), ``cameras.json``
+    and ``points.ply``."""
+    cams = out / "cameras.json"
+    try:
+        frames = json.loads(cams.read_text()).get("frames", []) if cams.is_file() else []
+        names = [f["name"] for f in frames if isinstance(f, dict) and isinstance(f.get("name"), str)]
+    except (OSError, ValueError, AttributeError):  # not one this tool wrote: nothing of it is removed
+        names = []
+    for name in names:
+        if Path(name).name != name or name in ("", ".", ".."):
+            continue  # a frame name is a file name, never a path
+        for suffix in (".npy", ".png"):
+            path = out / "depth" / f"{name}{suffix}"
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+    for name in ("cameras.json", "points.ply"):
+        if (out / name).is_file() or (out / name).is_symlink():
+            (out / name).unlink()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
         prog="python -m elsa_vision.inference.multiview", description=__doc__.split("\n")[0]
@@ -157,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = {k: v.cpu() for k, v in res.items()}
     out = args.out
     if args.overwrite:  # no depth map of a longer earlier sequence stays beside the new ones
-        remove_outputs(out, OUTPUTS)
+        _remove_earlier_outputs(out)
     (out / "depth").mkdir(parents=True, exist_ok=True)
     depth = res["depth"].numpy()
     dmax = float(depth.max()) if depth.size else 1.0
