@@ -495,6 +495,8 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
         raise ValueError(f"input file {args.input!r}: no image selected")
     several = second is not None
     images = itertools.chain([first] if second is None else [first, second], selected)
+    source_chans, source_hw = first.data.shape[0], first.data.shape[-2:]
+    del first, second  # held by the chain alone: each is freed once it has been run
     sd = load_weights(args.weights) if args.weights else None
     random_weights = sd is None or _saved_as_random(args.weights)
     if sd is not None and random_weights:
@@ -509,7 +511,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
             "meaningless (demo only)",
             file=sys.stderr,
         )
-        in_chans = args.in_chans or first.data.shape[0]
+        in_chans = args.in_chans or source_chans
         num_classes = args.num_classes
     else:
         info = weights_shape_info(sd)
@@ -520,13 +522,13 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
         ):
             if given is not None and given != actual:
                 raise ValueError(f"--{flag} {given} contradicts the weights, which have {actual}")
-        if args.gray == "adapt" and first.data.shape[0] == 1:
+        if args.gray == "adapt" and source_chans == 1:
             in_chans = 1
     import timm
 
     cfg = timm.models.get_pretrained_cfg(name)
     patch = timm.create_model(name, pretrained=False, num_classes=0, depth=1).patch_embed.patch_size[0]
-    size = _img_size(args.img_size, first.data.shape[-2:], patch)
+    size = _img_size(args.img_size, source_hw, patch)
     attn_precision = "tf32" if args.precision == "tf32" else "auto"
     model = build_model(
         name,
@@ -534,7 +536,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
         size,
         in_chans=in_chans,
         num_classes=num_classes,
-        gray_adapt=args.gray == "adapt" and first.data.shape[0] == 1,
+        gray_adapt=args.gray == "adapt" and source_chans == 1,
         attn_backend=args.attn_backend,
         attn_precision=attn_precision,
     ).to(device)
