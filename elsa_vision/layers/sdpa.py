@@ -14,6 +14,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,13 @@ def sdpa_override(*, backend: str = "auto", precision: str = "auto") -> Iterator
 
 class _SdpaRouted(ElsaModule):
     """A timm module kept as it is, its fused SDPA call run inside :func:`sdpa_override`."""
+
+    def __init__(self, *args: Any, backend: str = "auto", precision: str = "auto", **kwargs: Any) -> None:
+        """Built directly: timm's constructor arguments, then the ELSA options (as :meth:`convert` sets)."""
+        check_options(type(self).__name__, backend, precision)
+        super().__init__(*args, **kwargs)
+        self.backend, self.precision = backend, precision
+        self._converted()
 
     def _converted(self) -> None:
         self.fused_attn = True  # the SDPA call is what runs on ELSA

@@ -119,3 +119,25 @@ def test_set_attention_on_any_module():
     x = torch.randn(2, 16, 16)
     with torch.no_grad():
         assert model(x).shape == x.shape
+
+
+@pytest.mark.parametrize("name", ["ElsaEvaAttention", "ElsaAttentionRope"])
+def test_sdpa_routed_layers_built_directly_run_elsa(name, monkeypatch):
+    """Built from their own constructor (not converted), the SDPA-routed layers take the ELSA options and
+    run elsa_attention, whatever timm's fused-attention default is."""
+    import timm.layers.config
+
+    import elsa_vision.layers.sdpa as sdpa
+
+    monkeypatch.setattr(timm.layers.config, "_USE_FUSED_ATTN", 0)  # TIMM_FUSED_ATTN=0
+    cls = getattr(layers, name)
+    layer = cls(32, num_heads=2, norm_layer=nn.LayerNorm, backend="torch", precision="ieee").eval()
+    assert layer.fused_attn and (layer.backend, layer.precision) == ("torch", "ieee")
+    calls = []
+    real = sdpa.elsa_attention
+    monkeypatch.setattr(sdpa, "elsa_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with torch.no_grad():
+        layer(torch.randn(2, 5, 32))
+    assert calls and calls[0]["backend"] == "torch" and calls[0]["precision"] == "ieee"
+    with pytest.raises(ValueError, match=f"{name}: unknown backend 'cuda'"):
+        cls(32, num_heads=2, norm_layer=nn.LayerNorm, backend="cuda")
