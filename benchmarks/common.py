@@ -101,6 +101,7 @@ def wall_ms_in_turns(fns: dict[str, Callable], device: torch.device | str | None
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    rounds = min(rounds, reps)  # every round times each function at least once, reps calls in all
     per_round = math.ceil(reps / rounds)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):

@@ -172,6 +172,29 @@ def _step(case: Case, model, x):
     return fwd
 
 
+def _eager_ms(names: list[str], peers: dict, case: Case, x: torch.Tensor, device: torch.device, warmup: int,
+              reps: int, together: bool) -> dict[str, float]:
+    """Eager wall ms of each peer: all on the device, in turns (``together``), or one on the device at a
+    time (a case whose peers fit only alone)."""
+    groups = [names] if together else [[name] for name in names]
+    eager: dict[str, float] = {}
+    for group in groups:
+        models = {}
+        try:
+            for name in group:
+                models[name] = peers[name].to(device=device, dtype=DTYPES[case.dtype]).train(case.train)
+            torch.manual_seed(0)
+            eager.update(wall_ms_in_turns({n: _step(case, m, x) for n, m in models.items()}, device,
+                                          warmup=warmup, reps=reps))
+        finally:
+            for name, m in models.items():
+                peers[name] = m.to("cpu")
+            del models
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return eager
+
+
 def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision: str) -> list[dict]:
     peers = build_peers(case, precision)
     x = torch.randn(case.batch, 3, case.img, case.img, device=device, dtype=DTYPES[case.dtype])
@@ -207,18 +230,13 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
     # Eager wall time with every peer on the device, in turns: a host-bound eager forward moves with the
     # machine's host speed, which drifts over the seconds one peer after another would take.
     timed = [row for row in rows if row["peer"] not in out_of_memory]
-    models = {row["peer"]: peers[row["peer"]].to(device=device, dtype=DTYPES[case.dtype]).train(case.train)
-              for row in timed}
+    names = [row["peer"] for row in timed]
     try:
-        torch.manual_seed(0)
-        eager = wall_ms_in_turns({name: _step(case, m, x) for name, m in models.items()}, device,
-                                 warmup=warmup, reps=reps)
-    finally:
-        for name, m in models.items():
-            peers[name] = m.to("cpu")
-        del models
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        eager = _eager_ms(names, peers, case, x, device, warmup, reps, together=True)
+    except torch.cuda.OutOfMemoryError:  # each peer fits alone, not all at once: one after another
+        print("  peers do not fit on the device together: eager times taken one peer after another",
+              flush=True)
+        eager = _eager_ms(names, peers, case, x, device, warmup, reps, together=False)
     for row in timed:
         row["ms"] = eager[row["peer"]]
         row["img_per_s"] = case.batch / (row["ms"] / 1e3)

@@ -125,6 +125,9 @@ def test_wall_ms_in_turns_times_the_peers_in_rounds(clock):
     assert got == pytest.approx({"a": 14.5, "b": 16.5})
     with pytest.raises(ValueError, match="rounds"):
         common.wall_ms_in_turns({"a": make("a", 1.0)}, "cpu", rounds=0)
+    order.clear()
+    common.wall_ms_in_turns({"a": make("a", 1.0), "b": make("b", 1.0)}, "cpu", warmup=0, reps=2, rounds=5)
+    assert order == ["a", "b", "a", "b"]  # fewer reps than rounds: reps calls each, not one per round
 
 
 def test_host_us_measures_in_turns_per_call(clock):

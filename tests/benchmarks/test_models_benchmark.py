@@ -50,3 +50,22 @@ def test_quick_cpu_swinv2_rows(tmp_path):
         assert float(r["max_dev"]) < 1e-4
     # The attention reaches the logits (res-post-norm weights set to one): ELSA and timm differ by rounding.
     assert 0 < float(rows[2]["max_dev"])
+
+
+def test_peers_that_fit_only_alone_are_timed_one_after_another(tmp_path, monkeypatch, capsys):
+    """When the peers do not fit on the device together, their eager times are taken one peer at a time
+    instead of the case failing."""
+    import torch
+
+    real = bench.wall_ms_in_turns
+
+    def only_alone(fns, *args, **kwargs):
+        if len(fns) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(fns, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "wall_ms_in_turns", only_alone)
+    path = bench.main(["--device", "cpu", "--quick", "--cases", "vit_tiny.*fp32", "--out", str(tmp_path),
+                       "--warmup", "0", "--reps", "1"])
+    assert "one peer after another" in capsys.readouterr().out
+    assert all(float(r["ms"]) > 0 for r in csv.DictReader(open(path)))
