@@ -208,6 +208,19 @@ def test_imagenet_transforms_follow_the_models_data_config(tmp_path):
     assert -1.0 - 1e-6 <= float(x.min()) and float(x.max()) <= 1.0 + 1e-6
     xt, _ = next(iter(dm.train_dataloader()))
     assert xt.shape == (2, 3, 224, 224)
+    # under a Trainer the data module takes the config of the model being fit by itself (a driver that only
+    # calls trainer.fit(model, datamodule) gets it too); a config it was given is kept
+    from types import SimpleNamespace
+
+    fresh = ImageNetDataModule(root=str(root), num_classes=2, batch_size=2, num_workers=0)
+    fresh.trainer = SimpleNamespace(lightning_module=SimpleNamespace(net=net))
+    fresh.setup("fit")
+    assert fresh.data_config["mean"] == (0.5, 0.5, 0.5) and fresh.data_config["crop_pct"] == 0.9
+    given = ImageNetDataModule(root=str(root), num_classes=2, batch_size=2, num_workers=0)
+    given.set_data_config({"mean": (0.2, 0.2, 0.2), "std": (0.3, 0.3, 0.3), "crop_pct": 0.8})
+    given.trainer = fresh.trainer
+    given.setup("fit")
+    assert given.data_config["mean"] == (0.2, 0.2, 0.2) and given.data_config["crop_pct"] == 0.8
     with pytest.raises(ValueError, match="in_chans"):
         ImageNetDataModule(root=str(root), in_chans=1)
 

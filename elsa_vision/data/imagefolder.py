@@ -9,8 +9,8 @@ image whose header declares more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (a d
 the same way, before anything is decoded (training: ``extras.max_image_pixels`` changes the limit).
 
 The data modules own no model hyperparameters: normalisation, resize interpolation and evaluation crop come
-from the model being trained, as in timm's ``train.py``. The task builds the model, resolves its data config
-(``timm.data.resolve_data_config``, :func:`elsa_vision.tasks.model_data_config`) and hands it to
+from the model being trained, as in timm's ``train.py``: under a Trainer, ``setup`` resolves the data config
+of the LightningModule's ``net`` (``timm.data.resolve_data_config``) unless one was handed to
 :meth:`ImageFolderDataModule.set_data_config`; values set on the data module itself take precedence.
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import lightning as L
 from timm.data import create_transform, resolve_data_config
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .readers.images import load_rgb
@@ -207,6 +208,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.data_test: RobustImageFolder | None = None
         self.class_names: tuple[str, ...] = ()
         self.data_config: dict = {}
+        self._model_config = False  # set_data_config was given a model's config
         self.set_data_config(None)
 
     # ----------------------------------------------------------------------------------------- transforms
@@ -216,6 +218,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         timm's ImageNet defaults. The input size stays ``(in_chans, img_size, img_size)``. Datasets already
         built get the new transforms."""
         hp = self.hparams
+        self._model_config = data_config is not None
         size = {"input_size": (hp.in_chans, hp.img_size, hp.img_size)}
         config = resolve_data_config(size, pretrained_cfg=dict(data_config or {}))
         for key in ("mean", "std", "crop_pct", "interpolation"):
@@ -270,7 +273,19 @@ class ImageFolderDataModule(L.LightningDataModule):
             mode="L" if self.in_chans == 1 else "RGB",
         )
 
+    def _config_from_trainer(self) -> None:
+        """Under a Trainer, the data config of the network being fit or tested (its LightningModule's ``net``,
+        as timm's train script resolves it), unless one was given: every driver that runs ``trainer.fit``
+        gets the model's normalisation, interpolation and crop."""
+        trainer = self.trainer
+        net = getattr(trainer.lightning_module, "net", None) if trainer is not None else None
+        if self._model_config or not isinstance(net, nn.Module):
+            return
+        self.set_data_config(resolve_data_config({}, model=net))
+        log.info("data config from the model: %s", self.data_config)
+
     def setup(self, stage: str | None = None) -> None:
+        self._config_from_trainer()
         if self.data_train is not None:
             return
         self.check_root()

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from ..files import read_weights, submodule_weights
 from ..utils.accelerator import check_accelerator
 from ..utils.run import extras, instantiate_loggers, save_resolved_config
-from .train import configure_data, instantiate_data
+from .train import instantiate_data
 
 __all__ = ["evaluate", "evaluate_zeroshot", "load_weights", "plot_confusion_matrix", "format_table", "TASKS"]
 
@@ -123,7 +123,6 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule = instantiate_data(cfg)
     save_resolved_config(cfg, run_dir)
     model: LightningModule = hydra.utils.instantiate(cfg.model, _convert_="partial")
-    configure_data(datamodule, model)
     source = f"pretrained_file {pretrained}"
     if ckpt_path:
         kind = load_weights(model, str(ckpt_path))

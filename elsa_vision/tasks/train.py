@@ -24,7 +24,6 @@ from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
-from torch import nn
 
 from ..files import read_checkpoint
 from ..utils.accelerator import check_accelerator
@@ -41,7 +40,7 @@ from ..utils.run import (
 )
 from ..utils.run_dirs import run_of_checkpoint
 
-__all__ = ["CheckpointPathError", "configure_data", "instantiate_data", "resolve_ckpt_path", "train"]
+__all__ = ["CheckpointPathError", "instantiate_data", "resolve_ckpt_path", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +55,6 @@ def instantiate_data(cfg: DictConfig) -> LightningDataModule:
             cfg.data.num_classes = int(datamodule.num_classes)
         log.info("data.num_classes = %d (counted from the data)", cfg.data.num_classes)
     return datamodule
-
-
-def configure_data(datamodule: LightningDataModule, model: LightningModule) -> None:
-    """Hand the model's data config (:func:`elsa_vision.tasks.model_data_config` of ``model.net``) to a data
-    module that takes one (``set_data_config``: normalisation, interpolation, crop from the model)."""
-    set_data_config = getattr(datamodule, "set_data_config", None)
-    net = getattr(model, "net", None)
-    if set_data_config is None or not isinstance(net, nn.Module):
-        return
-    from .classification import model_data_config
-
-    config = model_data_config(net)
-    set_data_config(config)
-    log.info("data config from the model: %s", config)
 
 
 def _runs_root(cfg: DictConfig) -> str:
@@ -148,7 +133,6 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     log.info("Instantiating model <%s> (net %s)", cfg.model._target_, cfg.model.net.get("model_name"))
     model: LightningModule = hydra.utils.instantiate(cfg.model, _convert_="partial")
-    configure_data(datamodule, model)
 
     callbacks: list[Callback] = instantiate_callbacks(cfg.get("callbacks"))
     loggers: list[Logger] = instantiate_loggers(cfg.get("logger"))
