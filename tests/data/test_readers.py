@@ -100,9 +100,17 @@ def test_tiff_float64_and_int32(tmp_path):
 def test_tiff_unsupported_dtype(tmp_path, dtype):
     a = (np.arange(16 * 16).reshape(16, 16) % 3).astype(dtype)
     p = tmp_path / "bad.tif"
-    tifffile.imwrite(p, a)
-    with pytest.raises(TypeError, match="unsupported pixel dtype"):
-        read_image(p)
+    tifffile.imwrite(p, a, compression="zlib")  # compressed: decoding it would be work done for nothing
+    import tifffile as tf_module
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("the pixels were decoded before the dtype was checked")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tf_module.TiffPageSeries, "asarray", no_decode)
+        m.setattr(tf_module, "memmap", no_decode)
+        with pytest.raises(TypeError, match="unsupported pixel dtype"):
+            read_image(p)
 
 
 # ----------------------------------------------------------------------------------------------- NIfTI

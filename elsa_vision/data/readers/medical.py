@@ -246,10 +246,10 @@ def _finite_or_none(v) -> float | None:
 def _tiff_images(
     path: str, series: int, level: int, slice_index: int | None, max_bytes: int | None
 ) -> Iterator[MedicalImage]:
-    tif = read_tiff(path, series=series, level=level, max_bytes=max_bytes)
+    tif = read_tiff(path, series=series, level=level, max_bytes=max_bytes,
+                    check_dtype=lambda dtype: check_dtype(dtype, path))  # before anything is decoded
     arr, axes = tif.data, tif.axes
     shape, dtype = arr.shape, arr.dtype
-    check_dtype(dtype, path)
     if "Y" not in axes or "X" not in axes:
         raise ValueError(f"input file {path!r}: TIFF series axes {axes!r} lack Y and X")
     chan = [a for a in axes if a in "CS"]

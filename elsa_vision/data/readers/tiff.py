@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,6 +42,7 @@ def read_tiff(
     level: int = 0,
     max_bytes: int | None = None,
     memmap: bool = True,
+    check_dtype: Callable[[np.dtype], None] | None = None,
 ) -> TiffSeries:
     """Read one series of a TIFF / OME-TIFF file (``tifffile``).
 
@@ -48,7 +50,8 @@ def read_tiff(
     otherwise, and for compressed data, the shape the pages declare is checked against ``max_bytes``
     (default :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`) before anything is decoded: a few KB of
     compressed strips can declare gigabytes. A caller that converts a memory-mapped series checks what it
-    allocates itself.
+    allocates itself. ``check_dtype`` (raising for a pixel type the caller refuses) sees the dtype the
+    series declares, before anything is mapped or decoded.
 
     Raises:
         ValueError: naming the file: not a TIFF, no image series, a series or level out of range, pixel data
@@ -68,6 +71,8 @@ def read_tiff(
         levels = tf.series[s].levels
         lv = pick(level, len(levels), "pyramid level", path)[0]
         page_series = levels[lv]
+        if check_dtype is not None:
+            check_dtype(np.dtype(page_series.dtype))
         arr = None
         if memmap and page_series.dataoffset is not None:
             try:
