@@ -227,9 +227,10 @@ def estimate_memory_mb(
     """Peak memory estimate (MiB) of one forward over ``tokens`` tokens (batch 1, no autograd).
 
     Counted: weights; the input image; per block, the live activations (residual, norm, qkv, attention
-    output, MLP hidden before and after the activation, about ``(6 + 2 r) N C``, in both modes: timm's
-    ``Block`` runs over all tokens); and the attention workspace of ``rows`` query rows at a time (``N``
-    whole, ``query_chunk`` query_chunked): the torch backend holds about five ``H x rows x N`` float32
+    output, about ``6 N C``, and the MLP's hidden activations before and after its nonlinearity, ``2 r C``
+    per token for ``rows`` tokens); and the attention workspace of ``rows`` query rows at a time (``N``
+    whole, ``query_chunk`` query_chunked, where the MLP runs over that many tokens at a time too): the
+    torch backend holds about five ``H x rows x N`` float32
     tensors per call (logits, padded logits, their exponentials, block value states) with ``rows <= 1024``;
     the Triton backend only ``O(rows (D + 2) H)``; SDPA's efficient kernel likewise.
     """
@@ -242,7 +243,7 @@ def estimate_memory_mb(
     ratio = hidden / C
     N = tokens
     rows = N if mode == "whole" else min(N, query_chunk)
-    activations = (6 + 2 * ratio) * N * C
+    activations = 6 * N * C + 2 * ratio * rows * C
     if backend == "torch":
         workspace = 5 * heads * min(rows, _TORCH_BACKEND_ROWS) * N
     else:
@@ -396,21 +397,48 @@ def _check_chunkable(model: nn.Module) -> None:
             )
 
 
+class _TokenChunkedMlp(nn.Module):
+    """A block's MLP applied to ``chunk`` tokens at a time, written into one output: the hidden activations
+    (``mlp_ratio`` times the width) exist for ``chunk`` tokens, not all. The same result (the MLP is
+    per-token)."""
+
+    def __init__(self, mlp: nn.Module, chunk: int) -> None:
+        super().__init__()
+        self.mlp, self.chunk = mlp, chunk
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[1]
+        if n <= self.chunk:
+            return self.mlp(x)
+        first = self.mlp(x[:, : self.chunk])
+        out = first.new_empty(x.shape[0], n, first.shape[-1])
+        out[:, : self.chunk] = first
+        for i in range(self.chunk, n, self.chunk):
+            out[:, i : i + self.chunk] = self.mlp(x[:, i : i + self.chunk])
+        return out
+
+
 @contextlib.contextmanager
 def query_chunked(model: nn.Module, query_chunk: int | None) -> Iterator[None]:
     """Inside the block every block's ``ElsaAttention`` attends ``query_chunk`` query rows at a time (its
-    ``query_chunk`` option; None: the model as it is); the previous settings are restored on exit."""
+    ``query_chunk`` option) and its MLP runs over ``query_chunk`` tokens at a time (None: the model as it
+    is); the previous settings are restored on exit."""
     if query_chunk is None:
         yield
         return
     _check_chunkable(model)
     attns = [blk.attn for blk in model.blocks]
     previous = [a.query_chunk for a in attns]
+    mlps = [blk.mlp for blk in model.blocks]
     try:
         for a in attns:
             a.query_chunk = query_chunk
+        for blk, mlp in zip(model.blocks, mlps):
+            blk.mlp = _TokenChunkedMlp(mlp, query_chunk)
         yield
     finally:
+        for blk, mlp in zip(model.blocks, mlps):
+            blk.mlp = mlp
         for a, q in zip(attns, previous):
             a.query_chunk = q
 

@@ -162,7 +162,14 @@ def test_forward_matches_stock_timm_and_float64(name, img):
         stock.float()
         ref32 = stock.forward_features(x)
         out = forward_tokens(elsa, x)
+        mlps = [blk.mlp for blk in elsa.blocks]
+        rows = []
+        hook = mlps[0].fc1.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[1]))
         out_chunked = forward_tokens(elsa, x, query_chunk=7)
+        hook.remove()
+    # the MLP ran over 7 tokens at a time, every token once; the blocks have their own MLPs back
+    assert max(rows) == 7 and sum(rows) == out.shape[1]
+    assert [blk.mlp for blk in elsa.blocks] == mlps
     assert out.shape == ref32.shape
     assert (out - ref32).abs().max().item() < 1e-5  # vs timm's stock SDPA model, FP32
     assert relerr(out, ref64) <= 1e-6  # FP32-accurate vs the float64 model
