@@ -132,6 +132,34 @@ def _load_rows(ptrs, rows_ok, cols_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.co
 
 
 @triton.jit
+def _probs(s, bias_ptrs, lse, lse2, q_idx, k_idx, q_ok, k_ok, diag, sm_scale, qk_scale,
+           HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """``P = exp(sm_scale * S + bias - lse)`` of one score tile ``s``, in either orientation.
+
+    The query-side operands (``lse``, ``lse2 = lse * log2(e)``, ``q_idx``, ``q_ok``) and the key-side ones
+    (``k_idx``, ``k_ok``) come expanded along the tile's axes: ``[M, 1]`` and ``[1, N]`` for ``S``,
+    ``[1, M]`` and ``[N, 1]`` for ``S^T``. ``MASKED`` = False is the caller's promise that every pair of the
+    tile is visible and in bounds (no masks at all). The bias is added in the natural-log domain: a bias near
+    finfo.min must not overflow when scaled by log2(e).
+    """
+    if HAS_BIAS:
+        if MASKED:
+            bias = tl.load(bias_ptrs, mask=q_ok & k_ok, other=0.0).to(tl.float32)
+        else:
+            bias = tl.load(bias_ptrs).to(tl.float32)
+        arg = (s * sm_scale + bias - lse) * 1.4426950408889634
+    else:
+        arg = s * qk_scale - lse2
+    p = tl.math.exp2(arg)
+    if MASKED:
+        valid = q_ok & k_ok
+        if CAUSAL:
+            valid = valid & (k_idx <= q_idx + diag)
+        p = tl.where(valid, p, 0.0)
+    return p
+
+
+@triton.jit
 def _dkdv_loop(
     dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
     q_base, do_base, lse_base, delta_base, bias_base,
@@ -174,23 +202,9 @@ def _dkdv_loop(
             qkt = _mm_f16x3(k_hi, k_lo, k_c, tl.trans(q_hi), tl.trans(q_lo), q_c, [BLOCK_N, BLOCK_M])
         else:
             qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
-        if HAS_BIAS:
-            # natural-log domain: bias near finfo.min must not overflow when scaled by log2(e)
-            bt_ptrs = bias_base + m64 * stride_bm + offs_ml[None, :] * stride_bm
-            if MASKED:
-                bias = tl.load(bt_ptrs, mask=key_ok[:, None] & m_in[None, :], other=0.0).to(tl.float32)
-            else:
-                bias = tl.load(bt_ptrs).to(tl.float32)
-            arg = (qkt * sm_scale + bias - lse[None, :]) * 1.4426950408889634
-        else:
-            arg = qkt * qk_scale - (lse * 1.4426950408889634)[None, :]
-        if MASKED:
-            valid = key_ok[:, None] & m_in[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
-            pt = tl.where(valid, tl.math.exp2(arg), 0.0)
-        else:
-            pt = tl.math.exp2(arg)
+        pt = _probs(qkt, bias_base + m64 * stride_bm + offs_ml[None, :] * stride_bm,
+                    lse[None, :], (lse * 1.4426950408889634)[None, :], offs_m[None, :], offs_n[:, None],
+                    m_in[None, :], key_ok[:, None], diag, sm_scale, qk_scale, HAS_BIAS, CAUSAL, MASKED)
         if PREC == "fp16x3":
             # P <= 1 is split scaled by 2^14 (exact), as in the forward's fold_tile
             pt_hi, pt_lo = f16_pair(pt * 16384.0)
@@ -351,22 +365,9 @@ def _dq_loop(
             qk = _mm_f16x3(q_hi, q_lo, q_c, tl.trans(k_hi), tl.trans(k_lo), k_c, [BLOCK_M, BLOCK_N])
         else:
             qk = _mm(q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
-        if HAS_BIAS:
-            b_ptrs = bias_base + n64 * stride_bn + offs_nl[None, :] * stride_bn
-            if MASKED:
-                bias = tl.load(b_ptrs, mask=m_in[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
-            else:
-                bias = tl.load(b_ptrs).to(tl.float32)
-            arg = (qk * sm_scale + bias - lse[:, None]) * 1.4426950408889634
-        else:
-            arg = qk * qk_scale - lse2[:, None]
-        if MASKED:
-            valid = m_in[:, None] & key_ok[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
-            p = tl.where(valid, tl.math.exp2(arg), 0.0)
-        else:
-            p = tl.math.exp2(arg)
+        p = _probs(qk, bias_base + n64 * stride_bn + offs_nl[None, :] * stride_bn,
+                   lse[:, None], lse2[:, None], offs_m[:, None], offs_n[None, :], m_in[:, None],
+                   key_ok[None, :], diag, sm_scale, qk_scale, HAS_BIAS, CAUSAL, MASKED)
         if PREC == "fp16x3":
             dp = _mm_f16x3(do_hi, do_lo, do_c, tl.trans(v_hi), tl.trans(v_lo), v_c, [BLOCK_M, BLOCK_N])
             ds_hi, ds_lo, ds_c = split_f16(p * (dp - delta[:, None]))
@@ -579,15 +580,12 @@ def _bwd_dbias_kernel(
                 v = tl.load(V + b * stride_vb + h * stride_vh + n064 * stride_vn
                             + offs_nl[:, None] * stride_vn
                             + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_in[None, :], other=0.0)
-                valid = m_in[:, None] & key_ok[None, :]
-                bias = tl.load(bias_base + m064 * stride_bm + n064 * stride_bn + offs_ml[:, None] * stride_bm
-                               + offs_nl[None, :] * stride_bn, mask=valid, other=0.0).to(tl.float32)
                 qk = _mm(q, tl.trans(k),
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
-                arg = (qk * sm_scale + bias - lse[:, None]) * 1.4426950408889634
-                if CAUSAL:
-                    valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
-                p = tl.where(valid, tl.math.exp2(arg), 0.0)
+                p = _probs(qk, bias_base + m064 * stride_bm + n064 * stride_bn + offs_ml[:, None] * stride_bm
+                           + offs_nl[None, :] * stride_bn, lse[:, None], lse[:, None], offs_m[:, None],
+                           offs_n[None, :], m_in[:, None], key_ok[None, :], diag, sm_scale, sm_scale,
+                           True, CAUSAL, True)
                 dp = _mm(do, tl.trans(v),
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
                 acc += p * (dp - delta[:, None])
