@@ -252,14 +252,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(
                 "launch with torchrun, e.g. torchrun --nproc-per-node 2 -m benchmarks.context_parallel"
             )
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
+        rank = int(os.environ["RANK"]) if owns else dist.get_rank()
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False  # FP32 end to end outside the attention kernels
     else:
         device = torch.device("cpu")
+    if owns:  # NCCL is told this rank's device (otherwise it guesses it from the global rank)
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                                device_id=device if args.device == "cuda" else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
     sweep = QUICK if args.quick else FULL
     rows = []
     try:

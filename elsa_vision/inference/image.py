@@ -462,17 +462,20 @@ def _init_context_parallel(device: torch.device) -> tuple[torch.device, Any, boo
     already up) and this rank's device (``cuda:LOCAL_RANK`` on GPUs)."""
     import torch.distributed as dist
 
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     owns = False
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ValueError(
                 "--context-parallel needs torchrun (RANK/WORLD_SIZE are not set), e.g. "
                 "torchrun --nproc-per-node 2 -m elsa_vision.inference.image --context-parallel ...")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # NCCL is told this rank's device (otherwise it guesses it from the global rank)
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         owns = True
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
     return device, dist.group.WORLD, owns
 
 
