@@ -280,6 +280,33 @@ def test_unknown_backbone_name_lists_registered_models(tmp_path):
         train(cfg)
 
 
+def test_pretrained_file_loads_through_timm_without_copying_the_weights(tmp_path, monkeypatch):
+    """create_backbone(pretrained_file=...) hands the file's tensors to timm's loader (its filter fn drops a
+    head of another width) without timm's pretrained cfg deep-copying them (twice the weights at peak)."""
+    from safetensors.torch import save_file
+
+    from elsa_vision.tasks import create_backbone
+
+    kw = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4)
+    torch.manual_seed(1)
+    src = create_backbone("elsa_vit_tiny_patch16_224", num_classes=5, **kw)
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(path))
+
+    def refuse(self, memo):
+        raise AssertionError("a weights tensor was deep-copied")
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", refuse)
+    net = create_backbone("elsa_vit_tiny_patch16_224", num_classes=3, pretrained_file=str(path), **kw)
+    monkeypatch.undo()
+    want, got = src.state_dict(), net.state_dict()
+    assert got["head.weight"].shape == (3, 48)  # the 5-class head of the file is dropped
+    for k, v in got.items():
+        if not k.startswith("head."):
+            torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
+    assert "state_dict" not in net.pretrained_cfg
+
+
 def test_extras_num_threads(tmp_path):
     from elsa_vision.utils import extras
 

@@ -25,6 +25,27 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 __all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule", "model_data_config"]
 
 
+class _SharedWeights(Mapping):
+    """A state_dict handed to timm through ``pretrained_cfg_overlay``. timm turns the pretrained cfg into a
+    dict with ``dataclasses.asdict``, which deep-copies every tensor of a plain dict (twice the weights'
+    memory at peak); a deep copy of this holder is the dict itself, its tensors shared."""
+
+    def __init__(self, state_dict: dict[str, Any]) -> None:
+        self.state_dict = state_dict
+
+    def __deepcopy__(self, memo: dict) -> dict[str, Any]:
+        return self.state_dict
+
+    def __getitem__(self, key: str) -> Any:
+        return self.state_dict[key]
+
+    def __iter__(self):
+        return iter(self.state_dict)
+
+    def __len__(self) -> int:
+        return len(self.state_dict)
+
+
 def create_backbone(
     model_name: str,
     num_classes: int,
@@ -68,7 +89,7 @@ def create_backbone(
     if pretrained_file is not None:
         weights = read_weights(pretrained_file, arg="create_backbone: pretrained_file")
         # timm's load_pretrained takes a state_dict in place of a file (and runs the filter fn on it)
-        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=weights))
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(state_dict=_SharedWeights(weights)))
     net = timm.create_model(model_name, num_classes=num_classes, **kwargs)
     if pretrained_file is not None:
         net.pretrained_cfg.pop("state_dict", None)  # the cfg would keep the file's tensors alive
