@@ -815,16 +815,7 @@ class ElsaVGGT(ElsaModel, nn.Module):
         if config is None:
             config = find_vggt_config(sd, str(path), **overrides)
         model = cls.from_config(config, **overrides)
-        sd, dropped = vggt_checkpoint_filter_fn(sd, model)
-        model.load_state_dict(sd, strict=True)
-        model.dropped_checkpoint_keys = dropped
-        if dropped:
-            prefixes = sorted({k.split(".")[0] for k in dropped})
-            _logger.warning(
-                "from_vggt_checkpoint: dropped %d keys without a module here (%s)",
-                len(dropped),
-                ", ".join(prefixes),
-            )
+        model.load_state_dict(_filter_fn(sd, model), strict=True)
         return model
 
 
@@ -948,8 +939,11 @@ VGGT_CONFIGS = MappingProxyType({k: MappingProxyType(v) for k, v in _model_cfgs.
 
 
 def _filter_fn(state_dict: dict[str, Tensor], model: ElsaVGGT) -> dict[str, Tensor]:
-    """:func:`vggt_checkpoint_filter_fn` for timm's loader (``pretrained_cfg_overlay=dict(file=path)``)."""
+    """:func:`vggt_checkpoint_filter_fn` for timm's loader (``pretrained_cfg_overlay=dict(file=path)``) and
+    :meth:`ElsaVGGT.from_vggt_checkpoint`: the dropped keys are logged and kept in
+    ``model.dropped_checkpoint_keys``."""
     sd, dropped = vggt_checkpoint_filter_fn(state_dict, model)
+    model.dropped_checkpoint_keys = dropped
     if dropped:
         _logger.warning("dropped %d checkpoint keys without a module here (%s)", len(dropped),
                         ", ".join(sorted({k.split(".")[0] for k in dropped})))
