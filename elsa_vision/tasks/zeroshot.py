@@ -349,24 +349,21 @@ def _from_file(open_clip, model_name: str, path: str):
     """An open_clip model with the weights of a local file (open_clip's layout, OpenAI's ``state_dict`` or
     TorchScript archive), read by :func:`elsa_vision.models.clip_vision.load_clip_state_dict` (weights only;
     a TorchScript archive's code is never run). The tensors go through open_clip's own loader
-    (``load_checkpoint``: layout conversions, position-embedding resizing) from a temporary ``.safetensors``
-    file; buffers the model does not keep in its state_dict (``attn_mask``) are left out."""
+    (``load_checkpoint``: layout conversions, position-embedding resizing), which takes only a file: they are
+    written to a temporary ``torch.save`` file (read back with ``weights_only=True``) and dropped before
+    open_clip reads it, so one copy of the weights is alive besides the model's. Buffers the model does not
+    keep in its state_dict (``attn_mask``) are left out."""
     import tempfile
-
-    from safetensors.torch import save_file
 
     from ..models.clip_vision import load_clip_state_dict
 
     model = open_clip.create_model(model_name, device="cpu")
     transient = {n for n, _ in model.named_buffers()} - set(model.state_dict())
-    sd = {
-        k: v.detach().clone().contiguous()
-        for k, v in load_clip_state_dict(path).items()
-        if k not in transient
-    }
+    sd = {k: v for k, v in load_clip_state_dict(path).items() if k not in transient}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "weights.safetensors")
-        save_file(sd, path)
+        path = os.path.join(tmp, "weights.pt")
+        torch.save(sd, path)
+        del sd
         open_clip.load_checkpoint(model, path)
     return model
 
