@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..layers.elsa_module import check_attention_options
 
 __all__ = ["FromTimm", "LoadReport", "check_attention_options", "read_state_dict", "check_shapes",
-           "load_checkpoint", "from_timm"]
+           "load_checkpoint"]
 
 
 # Prefixes of a training module's attribute (Lightning's ``net.``, ``model.``); the wrappers' own (DDP,
@@ -169,31 +169,6 @@ def _timm_source(
     raise TypeError(f"{owner}: src must be a timm model name or {base}, got {type(src)}")
 
 
-def from_timm(
-    elsa_cls: type[nn.Module],
-    base_cls: type[nn.Module],
-    src: nn.Module | str,
-    checkpoint_path: str | os.PathLike | None,
-    filter_fn: Callable,
-    *,
-    attn_backend: str,
-    attn_precision: str,
-    strict: bool,
-    kwargs: dict,
-) -> nn.Module:
-    """What :meth:`FromTimm.from_timm` (every ELSA model's ``from_timm``) does: check the attention options,
-    take the timm model (:func:`_timm_source`), make it an ``elsa_cls`` in place (``elsa_cls`` subclasses
-    ``base_cls`` and adds no parameters) with its attention converted, and keep the checkpoint's key report in
-    ``load_report``."""
-    owner = f"{elsa_cls.__name__}.from_timm"
-    check_attention_options(owner, attn_backend, attn_precision)
-    model, report = _timm_source(owner, src, base_cls, elsa_cls, checkpoint_path, filter_fn, strict, kwargs)
-    model.__class__ = elsa_cls
-    model._elsa_convert(attn_backend, attn_precision)
-    model.load_report = report
-    return model
-
-
 _Model = TypeVar("_Model", bound="FromTimm")
 
 
@@ -249,6 +224,11 @@ class FromTimm:
                 ``checkpoint_path`` come with an instance.
             ValueError: bad attention options, or a checkpoint that does not match the model.
         """
-        return from_timm(cls, cls._timm_class, src, checkpoint_path, cls._timm_filter_fn,
-                         attn_backend=attn_backend, attn_precision=attn_precision, strict=strict,
-                         kwargs=kwargs)
+        owner = f"{cls.__name__}.from_timm"
+        check_attention_options(owner, attn_backend, attn_precision)
+        model, report = _timm_source(owner, src, cls._timm_class, cls, checkpoint_path, cls._timm_filter_fn,
+                                     strict, kwargs)
+        model.__class__ = cls  # a subclass of the timm class that adds no parameters
+        model._elsa_convert(attn_backend, attn_precision)
+        model.load_report = report
+        return model
