@@ -54,6 +54,7 @@ __all__ = [
     "atomic_torch_save",
     "atomic_write",
     "add_max_input_argument",
+    "add_output_arguments",
     "check_array_bytes",
     "check_image_pixels",
     "checkpoint_kind",
@@ -708,6 +709,17 @@ def read_npy(path: str | os.PathLike, max_bytes: int | None = None) -> np.ndarra
 
 
 # ----------------------------------------------------------------------------------- output directories
+
+
+def add_output_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, help: str, **out: Any
+) -> None:
+    """``--out`` (``help`` and ``out``: its other ``add_argument`` settings, ``default=``, ``required=``,
+    ``type=``) and ``--overwrite`` of a command-line tool: the pair :func:`prepare_output_dir` checks."""
+    parser.add_argument("--out", help=help, **out)
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the outputs of an earlier run in --out"
+    )
 
 
 def prepare_output_dir(

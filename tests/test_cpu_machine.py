@@ -102,3 +102,37 @@ def test_cpu_and_auto_accelerators_pass(no_gpu):
         check_accelerator({"accelerator": accelerator})
     with pytest.raises(ValueError, match="trainer.accelerator=cuda needs a CUDA GPU"):
         check_accelerator({"accelerator": "cuda"})
+
+
+def test_device_the_machine_lacks_is_refused_in_one_line(cpu_machine, monkeypatch):
+    from elsa_vision.utils.accelerator import resolve_device
+
+    assert resolve_device(None) == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^--device cuda: this machine has no CUDA GPU; pass --device cpu$"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match=r"^--device 'gpu0' is not a torch device"):
+        resolve_device("gpu0")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no Apple MPS device"):
+        resolve_device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device(None) == torch.device("cuda")
+    with pytest.raises(ValueError, match=r"^--device cuda:3: this machine has 1 CUDA device\(s\)$"):
+        resolve_device("cuda:3")
+
+
+def test_inference_clis_refuse_a_missing_gpu_before_reading(cpu_machine, tmp_path, capsys):
+    """--device cuda on a CPU machine: one line naming the setting, before any file is read (the files here
+    do not exist)."""
+    from elsa_vision.inference import hsi, multiview
+
+    with pytest.raises(ValueError, match=r"^device cuda: this machine has no CUDA GPU"):
+        hsi.main(["--checkpoint", str(tmp_path / "no.ckpt"), "--input", str(tmp_path / "no.mat"),
+                  "--out", str(tmp_path / "h"), "--device", "cuda"])
+    with pytest.raises(SystemExit) as exit_info:
+        multiview.main(["--frames", str(tmp_path / "none"), "--weights", str(tmp_path / "no.pt"),
+                        "--out", str(tmp_path / "m"), "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: this machine has no CUDA GPU" in capsys.readouterr().err

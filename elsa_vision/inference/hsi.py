@@ -32,7 +32,8 @@ from torch import nn
 
 from ..data.hyperspectral import SpectralTransform, encode_labels, extract_patches, pad_cube
 from ..data.readers import load_cube, load_gt
-from ..files import add_max_input_argument, prepare_output_dir
+from ..files import add_max_input_argument, add_output_arguments, prepare_output_dir
+from ..utils.accelerator import add_device_argument, resolve_device
 
 __all__ = ["predict_scene", "confusion_metrics", "save_class_map", "run", "main"]
 
@@ -210,7 +211,7 @@ def run(
 
     out_dir = prepare_output_dir(out, OUTPUTS, overwrite=overwrite)
     t0 = time.perf_counter()
-    dev = torch.device(device if device else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device, "device")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     if labelled_only and gt is None:
@@ -294,11 +295,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--key", default=None, help="cube array name (auto-detected when the file has one cube)")
     ap.add_argument("--gt", default=None, help="ground-truth file: prints OA/AA/kappa over labelled pixels")
     ap.add_argument("--gt-key", default=None, help="ground-truth array name (auto-detected)")
-    ap.add_argument("--out", default="hsi_inference", help="output directory")
-    ap.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    add_output_arguments(ap, "output directory", default="hsi_inference")
     add_max_input_argument(ap, "cube / ground-truth files")
     ap.add_argument("--batch-size", type=int, default=1024, help="patches per forward pass")
-    ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    add_device_argument(ap)
     ap.add_argument("--labelled-only", action="store_true", help="classify only pixels labelled in --gt")
     ap.add_argument(
         "--nan-policy", choices=("raise", "fill"), default=None, help="non-finite values in the cube"

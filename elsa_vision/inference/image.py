@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from ..data.readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
-from ..files import add_max_input_argument, prepare_output_dir, remove_outputs
+from ..files import add_max_input_argument, add_output_arguments, prepare_output_dir, remove_outputs
+from ..utils.accelerator import add_device_argument, resolve_device
 from .highres import (
     MODEL_ALIASES,
     Plan,
@@ -121,12 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="input channels without --weights (default: the image's channel count)",
     )
     p.add_argument("--input", help="image file: .dcm .nii .nii.gz .tif .ome.tif .png .jpg")
-    p.add_argument("--out", help="output directory")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the outputs of an earlier run in --out (or the file of --save-random-weights)",
-    )
+    add_output_arguments(p, "output directory (--overwrite also replaces the file of --save-random-weights)")
     p.add_argument(
         "--img-size",
         type=int,
@@ -140,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="fp32: IEEE-accurate everywhere (TF32 off); tf32: TF32 matmuls and attention; bf16: autocast",
     )
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_device_argument(p)
     p.add_argument(
         "--attn-backend",
         choices=("auto", "torch", "triton"),
@@ -433,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
     # before any reading or computing: an unwritable --out, or earlier outputs, fail now
     prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     cp_group, owns_group = None, False
     if args.context_parallel:
         device, cp_group, owns_group = _init_context_parallel(device)

@@ -33,7 +33,7 @@ import torch
 from ..data.geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
 from ..data.multiview import resize_frame
 from ..data.readers import read_rgb
-from ..files import prepare_output_dir
+from ..files import add_output_arguments, prepare_output_dir
 from ..models.vggt import (
     VGGT_CONFIGS,
     ElsaVGGT,
@@ -42,6 +42,7 @@ from ..models.vggt import (
     vggt_checkpoint_filter_fn,
     vggt_config_mismatch,
 )
+from ..utils.accelerator import add_device_argument, resolve_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OUTPUTS = ("depth", "cameras.json", "points.ply")
@@ -143,8 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--config", default=None, choices=sorted(VGGT_CONFIGS),
                     help="architecture of --weights (default: read from the weights)")
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    add_output_arguments(ap, "output directory", required=True, type=Path)
     ap.add_argument(
         "--width", type=int, default=None, help="model input width (default: the config's img_size)"
     )
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--conf-percentile", type=float, default=50.0, help="keep points above this confidence percentile"
     )
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(ap)
     ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     ap.add_argument(
         "--merge-ratio",
@@ -168,15 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--merge-ratio must be in [0, 1), got {args.merge_ratio}")
     try:  # before anything is read or computed
         prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
+        device = resolve_device(args.device)
     except ValueError as e:
         ap.error(str(e))
     model, dropped, config = build_model(args.weights, args.config, args.merge_ratio)
     cfg = VGGT_CONFIGS[config]
-    model = model.to(device=args.device, dtype=_DTYPES[args.dtype])
+    model = model.to(device=device, dtype=_DTYPES[args.dtype])
     names, images = load_frames(
         args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames
     )
-    res = reconstruct(model, images.to(args.device), _DTYPES[args.dtype])
+    res = reconstruct(model, images.to(device), _DTYPES[args.dtype])
     res = {k: v.cpu() for k, v in res.items()}
     out = args.out
     if args.overwrite:  # no depth map of a longer earlier sequence stays beside the new ones
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": config,
         "dtype": args.dtype,
         "exact_attention": args.merge_ratio == 0.0,
-        "device": args.device,
+        "device": str(device),
         "points": int(keep.sum()),
         "out": str(out),
         "dropped_checkpoint_keys": len(dropped),

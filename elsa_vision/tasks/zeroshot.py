@@ -37,6 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..files import add_output_arguments
+from ..utils.accelerator import add_device_argument, resolve_device
+
 __all__ = [
     "build_zeroshot_classifier",
     "zeroshot_evaluate",
@@ -466,7 +469,7 @@ def run(
         from ..files import prepare_output_dir
 
         prepare_output_dir(out, outputs, overwrite=overwrite)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device, "device")
     net, tokenizer, transform, report = _build_model(
         model, pretrained, dev, image_size, elsa, attn_backend, attn_precision
     )
@@ -546,12 +549,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--classnames", default=None, help="YAML/JSON/TXT file or 'imagenet'")
     p.add_argument("--templates", default=None, help="YAML/JSON/TXT file, 'openai' or 'simple'")
     p.add_argument("--task", default="zeroshot", choices=TASKS)
-    p.add_argument("--out", default=None, help="output directory (metrics JSON, embeddings); default: a "
-                   "fresh logs/zeroshot/runs/<date>_<time>/")
-    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    add_output_arguments(p, "output directory (metrics JSON, embeddings); default: a fresh "
+                         "logs/zeroshot/runs/<date>_<time>/")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--device", default=None)
+    add_device_argument(p)
     p.add_argument("--image-size", type=int, default=None, help="run the image tower at this resolution")
     p.add_argument("--no-elsa", action="store_true", help="keep open_clip's stock attention")
     p.add_argument("--attn-backend", default="auto")

@@ -1,12 +1,14 @@
-"""The trainer's accelerator checked against the machine before anything is built."""
+"""The trainer's accelerator and the command-line tools' ``--device`` checked against the machine before
+anything is built."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["check_accelerator"]
+__all__ = ["add_device_argument", "check_accelerator", "resolve_device"]
 
 # Lightning's accelerator names that need a GPU ("gpu": CUDA or Apple MPS).
 _NEEDS = {"gpu": "a GPU", "cuda": "a CUDA GPU", "mps": "an Apple MPS device"}
@@ -26,3 +28,33 @@ def check_accelerator(trainer_cfg: Mapping) -> None:
         raise ValueError(
             f"trainer.accelerator={accelerator} needs {_NEEDS[accelerator]} and this machine has none: "
             f"run on a GPU machine or pass trainer.accelerator=cpu")
+
+
+def resolve_device(device: str | torch.device | None, name: str = "--device") -> torch.device:
+    """``device`` as a ``torch.device``; None: a CUDA GPU when the machine has one, else the CPU.
+
+    One ``ValueError`` starting with ``name`` (the caller's name for the setting) for a string torch does not
+    read as a device, or a device this machine lacks (CUDA, a CUDA index, Apple MPS), before anything is
+    built or read.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} {device!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {device}: this machine has no CUDA GPU; pass {name} cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{name} {device}: this machine has no Apple MPS device; pass {name} cpu")
+    return dev
+
+
+def add_device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--device`` of a command-line tool, read by :func:`resolve_device` (default: CUDA when available)."""
+    parser.add_argument(
+        "--device", default=None, help="torch device: cpu, cuda, cuda:1, ... (default: cuda when available)"
+    )
