@@ -63,10 +63,11 @@ def test_layer_output_is_the_projection_of_v():
 
 def test_planned_inference_path_is_freed_too():
     """The Triton backend's planned inference path (a launch program the layer keeps after its first eval
-    call, interpreted on CPU) is replaced as well, and is back afterwards."""
+    call; on a GPU, or interpreted on CPU) is replaced as well, and is back afterwards."""
     torch.manual_seed(0)
-    layer = ElsaAttention(32, num_heads=2, backend="triton").eval()
-    x = torch.randn(1, 5, 32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = ElsaAttention(32, num_heads=2, backend="triton").eval().to(dev)
+    x = torch.randn(1, 5, 32, device=dev)
     with torch.no_grad():
         real = layer(x)  # plans the call
         assert layer.__dict__.get("_elsa_calls")
