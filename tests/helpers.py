@@ -103,3 +103,29 @@ def forged_npy(path, shape=(500_000, 500_000), dtype="<f4"):
     with open(path, "wb") as f:
         np.lib.format.write_array_header_2_0(f, {"descr": dtype, "fortran_order": False, "shape": shape})
     return path
+
+
+def spawn_ranks(work, world: int, backend: str, out_dir: str, *args, weights_only: bool = True) -> list:
+    """Run ``work(rank, out_dir, *args) -> results`` in ``world`` spawned processes that share one
+    ``backend`` process group (``"gloo"``, or ``"nccl"`` with rank ``r`` on ``cuda:r``); returns the
+    results of every rank, passed back through ``torch.save`` files in ``out_dir`` (``weights_only``: how
+    they are read). ``work`` must be a module-level function (the processes import it)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(work, world, backend, out_dir, args), nprocs=world, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=weights_only) for r in range(world)]
+
+
+def _rank_main(rank, work, world, backend, out_dir, args):
+    import torch.distributed as dist
+
+    kw = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device("cuda", rank)
+    init = f"file://{os.path.join(out_dir, 'init')}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, **kw)
+    try:
+        torch.save(work(rank, out_dir, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

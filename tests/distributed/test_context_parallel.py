@@ -1,15 +1,14 @@
 """Context-parallel ELSA over gloo with spawned CPU processes equals single-process attention."""
 
-import os
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elsa_vision.distributed import context_parallel_attention, gather_sequence, shard_ranges, shard_sequence
 from elsa_vision.kernels.reference import softmax_attention
+from tests.helpers import spawn_ranks
 
 
 def _run_case(rank, group, cfg):
@@ -47,19 +46,15 @@ def _run_case(rank, group, cfg):
     return errs
 
 
-def _worker(rank, world, init_file, cases, result_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        results = {}
-        for i, case in enumerate(cases):
-            w = case["world"]
-            group = dist.new_group(list(range(w)))  # collective: every rank calls it
-            if rank < w:
-                cfg = dict(B=2, H=2, D=8, Dv=6, **{k: v for k, v in case.items() if k != "world"})
-                results[i] = _run_case(rank, group, cfg)
-        torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _work(rank, out_dir, cases):
+    results = {}
+    for i, case in enumerate(cases):
+        w = case["world"]
+        group = dist.new_group(list(range(w)))  # collective: every rank calls it
+        if rank < w:
+            cfg = dict(B=2, H=2, D=8, Dv=6, **{k: v for k, v in case.items() if k != "world"})
+            results[i] = _run_case(rank, group, cfg)
+    return results
 
 
 CASES = [
@@ -77,10 +72,8 @@ def test_ring_attention_equals_single_process():
     """2-4 gloo ranks (one spawn, sub-groups per case); token counts not divisible by the world size."""
     world = max(c["world"] for c in CASES)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), CASES, tmp), nprocs=world, join=True)
         checked = 0
-        for r in range(world):
-            results = torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True)
+        for r, results in enumerate(spawn_ranks(_work, world, "gloo", tmp, CASES)):
             for i, case in enumerate(CASES):
                 if r >= case["world"]:
                     continue

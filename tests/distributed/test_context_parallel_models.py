@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from elsa_vision.distributed import ContextParallel
 from elsa_vision.models.vit import ElsaViT
+from tests.helpers import spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -198,40 +198,36 @@ def _triton_ring_case(group):
     return errs
 
 
-def _worker(rank, world, init_file, tmp, cli_args):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        results = {"vit": {}}
-        for i, case in enumerate(VIT_CASES):
-            group = dist.new_group(list(range(case["world"])))  # collective: every rank calls it
-            if rank < case["world"]:
-                results["vit"][i] = _vit_case(group, case)
-        results["train"] = _train_step_case(rank)
-        pair = dist.new_group([0, 1])
-        if rank < 2:
-            results["inference"] = _inference_case(pair)
-            if TRITON_RING_ON_GLOO:
-                results["triton"] = _triton_ring_case(pair)
-        from elsa_vision.inference.image import main
+def _work(rank, tmp, cli_args):
+    results = {"vit": {}}
+    for i, case in enumerate(VIT_CASES):
+        group = dist.new_group(list(range(case["world"])))  # collective: every rank calls it
+        if rank < case["world"]:
+            results["vit"][i] = _vit_case(group, case)
+    results["train"] = _train_step_case(rank)
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        results["inference"] = _inference_case(pair)
+        if TRITON_RING_ON_GLOO:
+            results["triton"] = _triton_ring_case(pair)
+    from elsa_vision.inference.image import main
 
-        results["cli"] = main(cli_args)  # all 4 ranks, the default group; rank 0 writes
-        bench = _load_benchmark()
-        results["bench"] = bench.main(
-            [
-                "--device",
-                "cpu",
-                "--quick",
-                "--cases",
-                "attention",
-                "--repeats",
-                "1",
-                "--out",
-                os.path.join(tmp, "bench.csv"),
-            ]
-        )
-        torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    results["cli"] = main(cli_args)  # all 4 ranks, the default group; rank 0 writes
+    bench = _load_benchmark()
+    results["bench"] = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--cases",
+            "attention",
+            "--repeats",
+            "1",
+            "--out",
+            os.path.join(tmp, "bench.csv"),
+        ]
+    )
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -260,9 +256,7 @@ def spawned():
         ]
         single = main(common + ["--out", os.path.join(tmp, "single")])
         cp_args = common + ["--out", os.path.join(tmp, "cp"), "--context-parallel", "--cp-layout", "zigzag"]
-        world = 4
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, cp_args), nprocs=world, join=True)
-        results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        results = spawn_ranks(_work, 4, "gloo", tmp, cp_args, weights_only=False)
         from safetensors.torch import load_file
 
         files = {k: load_file(os.path.join(tmp, k, "features.safetensors")) for k in ("single", "cp")}

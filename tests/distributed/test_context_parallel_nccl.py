@@ -6,13 +6,13 @@ Needs two CUDA devices (one process each, ``cuda:<rank>``). The CPU suite covers
 NCCL and runs the compiled kernels inside the ring.
 """
 
-import os
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.helpers import spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,25 +84,17 @@ def _vit_case(group):
     return {"logits": _rel(got, want), "features": _rel(feats, want_feats)}
 
 
-def _worker(rank, world, init_file, out_dir):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
-        group = dist.group.WORLD
-        results = {"ring_fp32": [_ring_case(group, c, torch.float32, "ieee") for c in RING_CASES],
-                   "ring_bf16": [_ring_case(group, c, torch.bfloat16, "auto") for c in RING_CASES],
-                   "vit": _vit_case(group)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _work(rank, out_dir):
+    group = dist.group.WORLD
+    return {"ring_fp32": [_ring_case(group, c, torch.float32, "ieee") for c in RING_CASES],
+            "ring_bf16": [_ring_case(group, c, torch.bfloat16, "auto") for c in RING_CASES],
+            "vit": _vit_case(group)}
 
 
 @pytest.fixture(scope="module")
 def spawned():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
-        yield [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+        yield spawn_ranks(_work, 2, "nccl", tmp)
 
 
 def test_ring_fp32_over_nccl_equals_float64(spawned):
