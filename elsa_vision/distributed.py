@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
+# The backward's dK/dV blocks of a key block longer than this are formed and added a piece of this many keys
+# at a time: the blocks of a whole shard would be two more shard-sized tensors at the backward's peak.
+KEY_PIECE = 16384
 
 
 def _even_cuts(n: int, parts: int) -> list[tuple[int, int]]:
@@ -378,21 +381,30 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % world  # owner of the visiting query rows
             reqs, recv = ring.start(side) if step < world - 1 else ([], None)
             qb, dob, lseb, deltab = side[:4]
-            for qs, ks, blk_causal in _pairs(ranges[src], ranges[rank], causal):
-                bias_blk = (_bias_block(side[4], qs, None, ranges[rank], ks) if travel_bias else
-                            _bias_block(bias, None, qs.stop - qs.start, ranges[rank], ks))
-                gk, gv = partial_attention_grads(
-                    dob[..., qs, :], qb[..., qs, :], k[..., ks, :], v[..., ks, :], lseb[..., qs],
-                    deltab[..., qs], None if kpm is None else kpm[:, ks], bias_blk, blk_causal, scale,
-                    precision, backend, want_dq=False)
-                dk[..., ks, :] += gk
-                dv[..., ks, :] += gv
-                del gk, gv
+            for qs, block, blk_causal in _pairs(ranges[src], ranges[rank], causal):
+                # dK/dV of a key depend on that key alone: a visible block is cut into pieces of keys (a
+                # causal diagonal block is not: its mask is aligned to the whole block)
+                for ks in [block] if blk_causal else _pieces(block, KEY_PIECE):
+                    bias_blk = (_bias_block(side[4], qs, None, ranges[rank], ks) if travel_bias else
+                                _bias_block(bias, None, qs.stop - qs.start, ranges[rank], ks))
+                    gk, gv = partial_attention_grads(
+                        dob[..., qs, :], qb[..., qs, :], k[..., ks, :], v[..., ks, :], lseb[..., qs],
+                        deltab[..., qs], None if kpm is None else kpm[:, ks], bias_blk, blk_causal, scale,
+                        precision, backend, want_dq=False)
+                    dk[..., ks, :] += gk
+                    dv[..., ks, :] += gv
+                    del gk, gv
             if reqs:
                 _Ring.wait(reqs)
                 side = recv
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 None, None, None, None, None, None, None, None, None)
+
+
+def _pieces(block: slice, size: int) -> list[slice]:
+    """``block`` cut into consecutive slices of at most ``size`` (at least 1) positions."""
+    size = max(1, int(size))
+    return [slice(a, min(a + size, block.stop)) for a in range(block.start, block.stop, size)]
 
 
 def _chunk_index(q_ranges, qs: slice) -> int:

@@ -85,6 +85,10 @@ def _vit_case(group):
 
 
 def _work(rank, out_dir):
+    import elsa_vision.distributed
+
+    # the backward's dK/dV of blocks over 512 keys in pieces (1031 and 3137 tokens), smaller blocks whole
+    elsa_vision.distributed.KEY_PIECE = 512
     group = dist.group.WORLD
     return {"ring_fp32": [_ring_case(group, c, torch.float32, "ieee") for c in RING_CASES],
             "ring_bf16": [_ring_case(group, c, torch.bfloat16, "auto") for c in RING_CASES],
