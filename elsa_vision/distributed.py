@@ -319,13 +319,15 @@ class _RingAttention(torch.autograd.Function):
                                              _bias_block(bias, qs, None, k_ranges, ks),
                                              blk_causal, scale, precision, backend)
                 st = state_from_output(out_b, lse_b)
+                del out_b  # the state holds its own copy (rows with no visible key zeroed)
                 idx = _chunk_index(ranges[rank], qs)
                 state[idx] = st if state[idx] is None else merge_states(state[idx], st)
             if reqs:
                 _Ring.wait(reqs)
                 kb, vb, mb = recv if masked else (*recv, mb)
         outs, lses = [], []
-        for (a, b), st in zip(ranges[rank], state):
+        for i, (a, b) in enumerate(ranges[rank]):
+            st, state[i] = state[i], None  # a chunk's state goes once it is finalized
             if st is None:  # nothing visible for this chunk (cannot happen for self-attention; kept exact)
                 shape = q.shape[:-2] + (b - a,)
                 outs.append(q.new_zeros(shape + (v.shape[-1],), dtype=accumulation_dtype(q)))
@@ -333,7 +335,10 @@ class _RingAttention(torch.autograd.Function):
                 continue
             outs.append(finalize(st))
             lses.append(torch.where(st.s > 0, st.m + torch.log(st.s), torch.full_like(st.m, float("-inf"))))
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        if len(outs) == 1:
+            out, lse = outs[0], lses[0]
+        else:
+            out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse, valid, bias)
         ctx.cfg = (group, n, causal, scale, precision, backend, layout, masked, kpm is not None)
         return out.to(q.dtype)

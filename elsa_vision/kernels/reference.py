@@ -105,15 +105,16 @@ def merge_states(a: ElsaState, b: ElsaState) -> ElsaState:
     shift = _finite_or_zero(m)
     ca = torch.exp(a.m - shift)
     cb = torch.exp(b.m - shift)
-    return ElsaState(m, ca * a.s + cb * b.s, ca.unsqueeze(-1) * a.w + cb.unsqueeze(-1) * b.w)
+    # one new [..., Nq, Dv] tensor (the product, then b's term added in place), not three
+    return ElsaState(m, ca * a.s + cb * b.s, (ca.unsqueeze(-1) * a.w).addcmul_(cb.unsqueeze(-1), b.w))
 
 
 def finalize(state: ElsaState) -> Tensor:
     """``W / S`` with 0 where ``S == 0`` (rows with no visible key, never NaN there). A NaN in a row's state
     (a NaN logit or value of a visible key) stays NaN, as in softmax."""
-    hidden = (state.s == 0).unsqueeze(-1)
-    denom = torch.where(hidden, torch.ones_like(state.w), state.s.unsqueeze(-1))
-    return torch.where(hidden, torch.zeros_like(state.w), state.w / denom)
+    hidden = state.s == 0
+    out = state.w / torch.where(hidden, 1.0, state.s).unsqueeze(-1)  # one new [..., Nq, Dv] tensor
+    return out.masked_fill_(hidden.unsqueeze(-1), 0.0)
 
 
 def log_sum_exp(state: ElsaState) -> Tensor:
@@ -301,7 +302,7 @@ def state_from_output(out: Tensor, lse: Tensor) -> ElsaState:
     through :func:`merge_states` once written in this form (split-KV and ring attention do this).
     """
     visible = lse != -math.inf  # NaN stays visible: it propagates
-    w = torch.where(visible.unsqueeze(-1), out, torch.zeros_like(out))
+    w = torch.where(visible.unsqueeze(-1), out, 0.0)
     return ElsaState(lse, visible.to(out.dtype), w)
 
 
