@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..files import add_output_arguments
+from ..files import add_output_arguments, prepare_output_dir, remove_outputs
 from ..utils.accelerator import add_device_argument, resolve_device
 
 __all__ = [
@@ -466,8 +466,6 @@ def run(
                          "directory under logs/zeroshot/runs)")
     outputs = [f"{task}_metrics.json", "embeddings.*"]
     if out is not None:
-        from ..files import prepare_output_dir
-
         prepare_output_dir(out, outputs, overwrite=overwrite)
     dev = resolve_device(device, "device")
     net, tokenizer, transform, report = _build_model(
@@ -502,8 +500,6 @@ def run(
         classifier = build_zeroshot_classifier(net, tokenizer, names, load_templates(templates), device=dev)
         result.update(zeroshot_evaluate(net, classifier, loader, device=dev))
     if out is not None and overwrite:  # the earlier run's outputs go, embeddings of another format too
-        from ..files import remove_outputs
-
         remove_outputs(out, outputs)
     if task == "embed":
         out_file = Path(out) / f"embeddings.{embed_format}"

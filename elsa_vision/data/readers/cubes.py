@@ -215,6 +215,12 @@ def _select(
     )
 
 
+def _check_nan_policy(nan_policy: str) -> None:
+    """Refuse an unknown ``nan_policy`` before any file is read."""
+    if nan_policy not in CUBE_NAN_POLICIES:
+        raise ValueError(f"nan_policy must be one of {CUBE_NAN_POLICIES}, got {nan_policy!r}")
+
+
 def load_cube(
     path: str | os.PathLike, key: str | None = None, nan_policy: str = "raise", max_bytes: int | None = None
 ) -> np.ndarray:
@@ -228,8 +234,7 @@ def load_cube(
             finite value becomes 0).
         max_bytes: see :func:`list_arrays`.
     """
-    if nan_policy not in CUBE_NAN_POLICIES:
-        raise ValueError(f"nan_policy must be one of {CUBE_NAN_POLICIES}, got {nan_policy!r}")
+    _check_nan_policy(nan_policy)
     p = Path(path)
     return _cube_from(p, list_arrays(p, max_bytes), key, nan_policy)
 
@@ -326,8 +331,7 @@ def load_scene(
     When ``gt_path`` is None but ``gt_key`` is given, the ground truth is read from the cube's own file (which
     is read once for both). ``max_bytes``: see :func:`list_arrays`.
     """
-    if nan_policy not in CUBE_NAN_POLICIES:
-        raise ValueError(f"nan_policy must be one of {CUBE_NAN_POLICIES}, got {nan_policy!r}")
+    _check_nan_policy(nan_policy)
     p = Path(path)
     arrays = list_arrays(p, max_bytes)
     cube = _cube_from(p, arrays, key, nan_policy)
