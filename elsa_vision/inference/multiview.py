@@ -33,7 +33,7 @@ import torch
 from ..data.geometry import depth_to_world_points, pose_encoding_to_extri_intri, write_ply
 from ..data.multiview import resize_frame
 from ..data.readers import read_rgb
-from ..files import add_output_arguments, prepare_output_dir
+from ..files import add_output_arguments, prepare_output_dir, remove_outputs
 from ..models.vggt import (
     VGGT_CONFIGS,
     ElsaVGGT,
@@ -129,9 +129,7 @@ def _remove_earlier_outputs(out: Path) -> None:
             path = out / "depth" / f"{name}{suffix}"
             if path.is_file() and not path.is_symlink():
                 path.unlink()
-    for name in ("cameras.json", "points.ply"):
-        if (out / name).is_file() or (out / name).is_symlink():
-            (out / name).unlink()
+    remove_outputs(out, ("cameras.json", "points.ply"))
 
 
 def main(argv: list[str] | None = None) -> dict:
