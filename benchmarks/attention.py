@@ -334,6 +334,7 @@ def tune(cases, dtypes, precisions, configs=None):
     """Time every pruned candidate config of the fused kernel on each case; print the ranking."""
     from benchmarks.autotune import candidates
     from elsa_vision.kernels import fwd
+    from elsa_vision.kernels.host import device_info
 
     torch.backends.cuda.matmul.allow_tf32 = False
     for dname in dtypes:
@@ -342,7 +343,7 @@ def tune(cases, dtypes, precisions, configs=None):
             for c in cases:
                 q, k, v = (torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=dtype) for _ in range(3))
                 p = fwd.plan(c.B, c.H, c.N, c.N, c.D, c.D, dtype, c.causal, device=q.device, precision=prec)
-                _, cc, smem = fwd._device_info(q.device)
+                _, cc, smem = device_info(q.device)
                 key = fwd.tuning_key(dtype, c.D, c.D, c.causal, False, q.device, prec)
                 results = []
                 for cfg in configs or candidates(dtype, p.precision, p.block_d, p.block_dv, smem):

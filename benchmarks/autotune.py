@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.common import bench_ms
 from elsa_vision.kernels import fwd
+from elsa_vision.kernels.host import device_info
 from elsa_vision.kernels.launch import interpreting
 
 # Candidate (BLOCK_M, BLOCK_N, warps, stages) per family: the neighbourhood of the defaults that tuning on
@@ -61,7 +62,7 @@ def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, s
     B, H, Nq, D = q.shape
     Dv = v.shape[3]
     key = fwd.tuning_key(q.dtype, D, Dv, causal, attn_bias is not None, q.device, precision)
-    _, cc, smem = fwd._device_info(q.device)
+    _, cc, smem = device_info(q.device)
     prec, bd, bdv = key[-1], key[1], key[2]
     default = fwd._default_config(q.dtype, prec, bd, bdv, Nq, cc, smem)
     if interpreting(fwd._fwd_kernel) or q.device.type != "cuda":

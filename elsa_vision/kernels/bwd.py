@@ -24,7 +24,7 @@ Conventions are the forward's: SDPA layout, bottom-right causal (query ``i`` see
 finite gradients, keys hidden by the padding mask are loaded as zeros so NaN stored there never leaks.
 Precision as the forward: float16/bfloat16 operands with float32 accumulation; float32 with ``"ieee"``
 (plain FP32 FMA), ``"tf32x3"`` (FP32-accurate on TF32 tensor cores), ``"fp16x3"`` (FP32-accurate from three
-float16 tensor-core products of power-of-two-scaled two-part splits, ``monoid.split_f16``; head dims up to
+float16 tensor-core products of power-of-two-scaled two-part splits, ``dots.split_f16``; head dims up to
 128), ``"tf32"`` (one TF32 pass) and ``"auto"`` (the fastest FP32-accurate choice for the device:
 ``fp16x3`` on sm90, ``tf32x3`` on other tensor-core GPUs, else ``ieee``).
 """
@@ -38,15 +38,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _cdiv, _next_pow2, _pow2
-from .launch import Launch, Program, ProgramCache, signature
-from .monoid import f16_pair, matmul_f16x3, pow2, split_f16
-from .precision import device_info
-from .precision import resolve_precision as _resolve_precision
+from .dots import f16_pair, mm_f16x3, split_f16
+from .host import LOG2E, cdiv, device_info, next_pow2, tile_size
+from .launch import Launch, Program, ProgramCache
+from .precision import resolve_precision
 
-__all__ = ["BwdConfig", "bwd_config", "elsa_bwd", "resolve_precision"]
+__all__ = ["BwdConfig", "bwd_config", "elsa_bwd"]
 
-LOG2E = 1.4426950408889634
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -73,23 +71,6 @@ def _mm(a, b, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc, input_precision=PREC)
     return acc
-
-
-@triton.jit
-def _unscale(x, c):
-    """``x * 2**-c`` for the exponent sum ``c`` in ``[-224, 252]`` of two ``split_f16`` scales, in two exact
-    halves (each a normal power of two): a gradient as small as 1e-34 can come from a tile scaled by 2^94
-    times one scaled by 2^47. The intermediate lies between ``x`` and the result, so it cannot overflow."""
-    c1 = c >> 1
-    return x * pow2(-c1) * pow2(c1 - c)
-
-
-@triton.jit
-def _mm_f16x3(a_hi, a_lo, a_c, b_hi, b_lo, b_c, shape: tl.constexpr):
-    """``a @ b`` in float32 from the ``split_f16`` parts and scale exponents of ``a`` and ``b``: three float16
-    tensor-core products into a fresh float32 accumulator of ``shape``, then the scales undone exactly.
-    The caller adds the result to its running sum in IEEE float32 (``monoid.matmul_f16x3``)."""
-    return _unscale(matmul_f16x3(a_hi, a_lo, b_hi, b_lo, tl.zeros(shape, dtype=tl.float32)), a_c + b_c)
 
 
 @triton.jit
@@ -199,7 +180,7 @@ def _dkdv_loop(
         if PREC == "fp16x3":
             q_hi, q_lo, q_c = split_f16(q)
             do_hi, do_lo, do_c = split_f16(do)
-            qkt = _mm_f16x3(k_hi, k_lo, k_c, tl.trans(q_hi), tl.trans(q_lo), q_c, [BLOCK_N, BLOCK_M])
+            qkt = mm_f16x3(k_hi, k_lo, k_c, tl.trans(q_hi), tl.trans(q_lo), q_c, [BLOCK_N, BLOCK_M])
         else:
             qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
         pt = _probs(qkt, bias_base + m64 * stride_bm + offs_ml[None, :] * stride_bm,
@@ -208,11 +189,11 @@ def _dkdv_loop(
         if PREC == "fp16x3":
             # P <= 1 is split scaled by 2^14 (exact), as in the forward's fold_tile
             pt_hi, pt_lo = f16_pair(pt * 16384.0)
-            dv += _mm_f16x3(pt_hi, pt_lo, 0, do_hi, do_lo, do_c, [BLOCK_N, BLOCK_DV]) * (1.0 / 16384.0)
-            dpt = _mm_f16x3(v_hi, v_lo, v_c, tl.trans(do_hi), tl.trans(do_lo), do_c, [BLOCK_N, BLOCK_M])
+            dv += mm_f16x3(pt_hi, pt_lo, 0, do_hi, do_lo, do_c, [BLOCK_N, BLOCK_DV]) * (1.0 / 16384.0)
+            dpt = mm_f16x3(v_hi, v_lo, v_c, tl.trans(do_hi), tl.trans(do_lo), do_c, [BLOCK_N, BLOCK_M])
             dst = pt * (dpt - delta[None, :])
             ds_hi, ds_lo, ds_c = split_f16(dst)
-            dk += _mm_f16x3(ds_hi, ds_lo, ds_c, q_hi, q_lo, q_c, [BLOCK_N, BLOCK_D])
+            dk += mm_f16x3(ds_hi, ds_lo, ds_c, q_hi, q_lo, q_c, [BLOCK_N, BLOCK_D])
         else:
             dv = _mm(pt.to(do.dtype), do, dv, PREC, DOT_UPCAST)
             dpt = _mm(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
@@ -362,16 +343,16 @@ def _dq_loop(
         if PREC == "fp16x3":
             k_hi, k_lo, k_c = split_f16(k)
             v_hi, v_lo, v_c = split_f16(v)
-            qk = _mm_f16x3(q_hi, q_lo, q_c, tl.trans(k_hi), tl.trans(k_lo), k_c, [BLOCK_M, BLOCK_N])
+            qk = mm_f16x3(q_hi, q_lo, q_c, tl.trans(k_hi), tl.trans(k_lo), k_c, [BLOCK_M, BLOCK_N])
         else:
             qk = _mm(q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
         p = _probs(qk, bias_base + n64 * stride_bn + offs_nl[None, :] * stride_bn,
                    lse[:, None], lse2[:, None], offs_m[:, None], offs_n[None, :], m_in[:, None],
                    key_ok[None, :], diag, sm_scale, qk_scale, HAS_BIAS, CAUSAL, MASKED)
         if PREC == "fp16x3":
-            dp = _mm_f16x3(do_hi, do_lo, do_c, tl.trans(v_hi), tl.trans(v_lo), v_c, [BLOCK_M, BLOCK_N])
+            dp = mm_f16x3(do_hi, do_lo, do_c, tl.trans(v_hi), tl.trans(v_lo), v_c, [BLOCK_M, BLOCK_N])
             ds_hi, ds_lo, ds_c = split_f16(p * (dp - delta[:, None]))
-            dq += _mm_f16x3(ds_hi, ds_lo, ds_c, k_hi, k_lo, k_c, [BLOCK_M, BLOCK_D])
+            dq += mm_f16x3(ds_hi, ds_lo, ds_c, k_hi, k_lo, k_c, [BLOCK_M, BLOCK_D])
         else:
             dp = _mm(do_hi, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
             ds = p * (dp - delta[:, None])
@@ -636,13 +617,6 @@ class BwdConfig:
     warps3: int = 4
 
 
-def resolve_precision(dtype: torch.dtype, precision: str, device: torch.device,
-                      head_dim: int | None = None) -> str:
-    """The backward's ``PREC`` constexpr: ``kernels.precision.resolve_precision`` for the ``"bwd"`` kernels
-    with ``head_dim`` the larger of D and Dv (``"none"`` for float16/bfloat16)."""
-    return _resolve_precision(precision, dtype, device, "bwd", head_dim)
-
-
 def _cfg(dkdv: tuple[int, int, int, int], dq: tuple[int, int, int, int],
          dbias: tuple[int, int, int] = (64, 32, 4)) -> BwdConfig:
     """A ``BwdConfig`` from ``(BLOCK_M, BLOCK_N, warps, stages)`` of the dK/dV and dQ kernels and
@@ -669,7 +643,7 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     nested member / tile loops are mis-pipelined otherwise (``docs/kernel_notes.md``, "Compiler and hardware
     behaviour").
     """
-    wide = max(_next_pow2(d), _next_pow2(dv))
+    wide = max(next_pow2(d), next_pow2(dv))
     if device.type != "cuda":
         # CPU interpreter: few large tiles (the interpreter's cost is per program and per loop step)
         return BwdConfig(block_m1=64, block_n1=64, block_m2=64, block_n2=64, block_m3=64, block_n3=64)
@@ -718,11 +692,11 @@ class _BwdProgram(Program):
         self.empty = min(B, H, Nq, Nk) == 0
         if self.empty:
             return
-        prec = resolve_precision(q.dtype, precision, device, max(D, Dv))
+        prec = resolve_precision(precision, q.dtype, device, "bwd", max(D, Dv))
         sm_scale = float(scale)
         qk_scale = sm_scale * LOG2E
         cfg = config or bwd_config(q.dtype, D, Dv, device, prec, Nk)
-        BLOCK_D, BLOCK_DV = _pow2(D), _pow2(Dv)
+        BLOCK_D, BLOCK_DV = tile_size(D), tile_size(Dv)
         dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
         has_bias, has_kpm = attn_bias is not None, key_padding_mask is not None
         if has_bias:
@@ -741,14 +715,14 @@ class _BwdProgram(Program):
         self.write_delta = compute_dq and not given_delta
         self.pre = None
         if not given_delta and not self.write_delta:
-            self.pre = Launch(_bwd_preprocess_kernel, (B * H, _cdiv(Nq, 64)), (*o_s, *do_s, H, Nq, Dv),
+            self.pre = Launch(_bwd_preprocess_kernel, (B * H, cdiv(Nq, 64)), (*o_s, *do_s, H, Nq, Dv),
                               dict(BLOCK_M=64, BLOCK_DV=BLOCK_DV), 4)
         common = dict(D=D, Dv=Dv, HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, PREC=prec,
                       DOT_UPCAST=dot_upcast)
         self.dq = None
         if compute_dq:
             self.dq = Launch(
-                _bwd_dq_kernel, (B * H, _cdiv(Nq, cfg.block_m2)),
+                _bwd_dq_kernel, (B * H, cdiv(Nq, cfg.block_m2)),
                 (*q_s, *k_s, *v_s, *do_s, *o_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.q_size),
                  H, Nq, Nk, Bb, Hb, sm_scale, qk_scale),
                 dict(common, WRITE_DELTA=self.write_delta, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
@@ -757,7 +731,7 @@ class _BwdProgram(Program):
         self.dkdv = None
         if compute_dkdv:
             self.dkdv = Launch(
-                _bwd_dkdv_kernel, (B * H, _cdiv(Nk, cfg.block_n1)),
+                _bwd_dkdv_kernel, (B * H, cdiv(Nk, cfg.block_n1)),
                 (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.k_size),
                  *_contiguous(self.v_size),
                  H, Nq, Nk, Bb, Hb, sm_scale, qk_scale),
@@ -767,15 +741,15 @@ class _BwdProgram(Program):
         self.dbias = None
         if has_bias and bias_requires_grad:
             reduce_m, reduce_n = Mb == 1, Nb == 1
-            grid_m = 1 if reduce_m else _cdiv(Nq, cfg.block_m3)
-            grid_n = 1 if reduce_n else _cdiv(Nk, cfg.block_n3)
+            grid_m = 1 if reduce_m else cdiv(Nq, cfg.block_m3)
+            grid_n = 1 if reduce_n else cdiv(Nk, cfg.block_n3)
             n_members = (B // Bb) * (H // Hb)
             tiles = grid_m * grid_n * Bb * Hb
             # Split the member loop only when the reduced grid cannot fill the device (fixed-order sum after).
             target = 2 * device_info(device)[0]
             n_split = max(1, min(n_members, target // tiles)) if tiles < target else 1
-            per_split = _cdiv(n_members, n_split)
-            n_split = _cdiv(n_members, per_split)
+            per_split = cdiv(n_members, n_split)
+            n_split = cdiv(n_members, per_split)
             self.ws_size = (n_split, Bb, Hb, Mb, Nb)
             self.bias_shape, self.bias_dtype = tuple(attn_bias.shape), attn_bias.dtype
             # The dBias kernel recomputes S and dP with tf32x3 under fp16x3 (FP32-accurate either way).
@@ -888,9 +862,5 @@ def elsa_bwd(
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     options = (causal, scale, precision, bool(bias_requires_grad), config, delta is not None,
                compute_dq, compute_dkdv)
-    key = signature((do, q, k, v, out, lse, attn_bias, key_padding_mask), options)
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = _PROGRAMS.put(key, _BwdProgram(do, q, k, v, out, lse, attn_bias, key_padding_mask,
-                                                 *options))
+    program = _PROGRAMS(_BwdProgram, (do, q, k, v, out, lse, attn_bias, key_padding_mask), options)
     return program(do, q, k, v, out, lse, attn_bias, key_padding_mask, delta)

@@ -33,9 +33,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import _FLOAT_DTYPES, ACCUMULATION, LOG2E, _bias4, _cdiv, _device_info, _pow2
-from .launch import AttentionProgram, Launch, ProgramCache, signature
-from .monoid import clamp_bias, finalize_state, fold_tile, matmul, merge_states
+from .dots import matmul
+from .fwd import _bias4
+from .host import FLOAT_DTYPES, LOG2E, cdiv, device_info, tile_size
+from .launch import AttentionProgram, Launch, ProgramCache
+from .monoid import ACCUMULATION, clamp_bias, finalize_state, fold_tile, merge_states
 from .precision import resolve_precision
 
 __all__ = ["DecodePlan", "decode_plan", "elsa_decode", "choose_forward", "DECODE_MAX_QUERIES",
@@ -218,8 +220,8 @@ def _smem_bytes(bm: int, bn: int, bd: int, bdv: int, stages: int, elem: int) -> 
 
 def _decode_plan(B, H, Nq, Nk, D, dtype, sm_count=None, Dv=None, precision="auto", device=None, block_n=None,
                  programs=None) -> DecodePlan:
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"decode_plan: `dtype` must be one of {_FLOAT_DTYPES}, got {dtype}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"decode_plan: `dtype` must be one of {FLOAT_DTYPES}, got {dtype}")
     Dv = D if Dv is None else Dv
     for name, val, lo in (("B", B, 1), ("H", H, 1), ("Nq", Nq, 1), ("Nk", Nk, 1), ("D", D, 1), ("Dv", Dv, 1)):
         if isinstance(val, bool) or not isinstance(val, int) or val < lo:
@@ -229,14 +231,14 @@ def _decode_plan(B, H, Nq, Nk, D, dtype, sm_count=None, Dv=None, precision="auto
     if Nq > 128:
         raise ValueError(f"decode_plan: the few-query path takes Nq <= 128 query rows, got Nq={Nq}")
     prec = resolve_precision(precision, dtype, device, "decode")
-    sms, cc, smem = _device_info(device)
+    sms, cc, smem = device_info(device)
     if cc == (0, 0) and dtype == torch.bfloat16:
         prec = "upcast"  # the interpreter has no bfloat16 dot
     if sm_count is not None:
         if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1:
             raise ValueError(f"decode_plan: `sm_count` must be an int >= 1, got {sm_count!r}")
         sms = sm_count
-    bm, bd, bdv = _pow2(Nq), _pow2(D), _pow2(Dv)
+    bm, bd, bdv = tile_size(Nq), tile_size(D), tile_size(Dv)
     elem = 4 if dtype == torch.float32 else 2
     big = max(bd, bdv)
     if cc == (0, 0):
@@ -254,7 +256,7 @@ def _decode_plan(B, H, Nq, Nk, D, dtype, sm_count=None, Dv=None, precision="auto
                 or block_n & (block_n - 1):
             raise ValueError(f"decode_plan: `block_n` must be a power of two >= 16, got {block_n!r}")
         bn = block_n
-    tph = _cdiv(Nk, bn)
+    tph = cdiv(Nk, bn)
     total = B * H * tph
     if programs is None:
         # One wave: every multiprocessor gets as many resident programs as its shared memory holds (<= 2).
@@ -265,8 +267,8 @@ def _decode_plan(B, H, Nq, Nk, D, dtype, sm_count=None, Dv=None, precision="auto
             raise ValueError(f"decode_plan: `programs` must be an int >= 1, got {programs!r}")
         target = programs
     progs = max(1, min(total, target))
-    tpp = _cdiv(total, progs)
-    progs = _cdiv(total, tpp)  # equal ranges, none empty
+    tpp = cdiv(total, progs)
+    progs = cdiv(total, tpp)  # equal ranges, none empty
     max_partials = min(progs, (tph - 1) // tpp + 2)
     ws = B * H * max_partials * Nq * (bdv + 2) * 4
     return DecodePlan(block_m=bm, block_n=bn, block_d=bd, block_dv=bdv, tiles_per_head=tph, total_tiles=total,
@@ -302,8 +304,8 @@ def choose_forward(B: int, H: int, Nq: int, Nk: int, device=None, sm_count: int 
     the regular grid can only be widened by its (at most 16) key partitions, while the lean split spreads
     every key tile of every head evenly over the machine.
     """
-    sms = _device_info(device)[0] if sm_count is None else int(sm_count)
-    if 1 <= Nq <= DECODE_MAX_QUERIES and Nk >= DECODE_MIN_KEYS and B * H * _cdiv(Nq, 16) <= sms:
+    sms = device_info(device)[0] if sm_count is None else int(sm_count)
+    if 1 <= Nq <= DECODE_MAX_QUERIES and Nk >= DECODE_MIN_KEYS and B * H * cdiv(Nq, 16) <= sms:
         return "decode"
     return "fwd"
 
@@ -371,11 +373,8 @@ _PROGRAMS = ProgramCache()
 def decode_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, block_n=None,
                    programs=None) -> _DecodeProgram:
     """The cached launch program of this few-query signature (``scale`` resolved)."""
-    key = signature((q, k, v, attn_bias, key_padding_mask), (causal, scale, precision, block_n, programs))
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = _PROGRAMS.put(key, _DecodeProgram(q, k, v, attn_bias, key_padding_mask, causal, scale,
-                                                    precision, block_n, programs))
+    program = _PROGRAMS(_DecodeProgram, (q, k, v, attn_bias, key_padding_mask),
+                        (causal, scale, precision, block_n, programs))
     return program
 
 

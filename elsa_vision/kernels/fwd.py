@@ -27,25 +27,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import AttentionProgram, Launch, ProgramCache, signature
-from .monoid import (
-    clamp_bias,
-    finalize_state,
-    fold_tile,
-    matmul,
-    matmul_f16x3,
-    merge_states,
-    pow2,
-    split_f16,
-)
-from .precision import device_info, resolve_precision
+from .dots import matmul, matmul_f16x3, pow2, split_f16
+from .host import FLOAT_DTYPES, LOG2E, canonical_device, cdiv, device_info, next_pow2, tile_size
+from .launch import AttentionProgram, Launch, ProgramCache
+from .monoid import ACCUMULATION, clamp_bias, finalize_state, fold_tile, merge_states
+from .precision import resolve_precision
 from .reference import merge_depth
 
-__all__ = [
-    "FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen", "resolve_precision", "set_config", "tuning_key",
-]
+__all__ = ["FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen", "set_config", "tuning_key"]
 
-LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -297,31 +287,6 @@ def _merge_kernel(
 
 # --------------------------------------------------------------------------------------------- planner
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# How each precision's running sums over the key tiles accumulate (``monoid.fold_tile``'s ``ACCUMULATE``):
-# "kahan" (compensated), "fma" (one rounding per tile), "plain" (the default). "ieee", the strictest path,
-# is compensated: its error stays flat in the key count (docs/kernel_notes.md, "Exact FP32").
-ACCUMULATION = {"ieee": "kahan"}
-
-
-# Host-side integer helpers: triton.cdiv / triton.next_power_of_2 are slow when called from Python
-# (docs/kernel_notes.md, "Compiler and hardware behaviour").
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, _next_pow2(n))
-
-
-def _device_info(device) -> tuple[int, tuple[int, int], int]:
-    return device_info(device)
-
-
 @dataclasses.dataclass(frozen=True)
 class FwdPlan:
     """How one forward call runs.
@@ -363,7 +328,7 @@ def _fp16x3_safe(bn: int, bdv: int) -> bool:
 def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) without tuning."""
     if cc == (0, 0):  # interpreter: big tiles mean few (slow) interpreted steps
-        bm = min(64, _pow2(nq))
+        bm = min(64, tile_size(nq))
         return bm, 32 if max(bd, bdv) > 128 else 64, 4, 1
     big = max(bd, bdv)
     # Measured winners (python -m benchmarks.attention --tune; docs/kernel_notes.md, "Tiles").
@@ -390,9 +355,9 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[i
     bm, bn, w, st = cfg
     # Short sequences (windows of 49 or 64 tokens): tiles no taller or wider than the sequence (a 128-row
     # tile over 49 rows does 2.6x the work). Key tiles stay >= 32 (see _fp16x3_safe).
-    bm = min(bm, _pow2(nq))
+    bm = min(bm, tile_size(nq))
     if nk is not None:
-        bn = min(bn, _pow2(nk, 32))
+        bn = min(bn, tile_size(nk, 32))
     if precision == "fp16x3" and bdv < 64:
         bn = min(bn, 32)  # see _fp16x3_safe
     elem = 4 if dtype == torch.float32 else 2
@@ -407,15 +372,8 @@ def plan(*args, **kwargs) -> FwdPlan:
     """Choose partitions, tiles, warps and stages for one forward call (cached; see ``_plan``)."""
     kwargs = dict(kwargs)
     if kwargs.get("device") is not None:
-        kwargs["device"] = _canonical_device(kwargs["device"])
+        kwargs["device"] = canonical_device(kwargs["device"])
     return _plan_cached(*args, **kwargs)
-
-
-def _canonical_device(device):
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _plan(
@@ -440,12 +398,12 @@ def _plan(
     The plan's ``workspace_bytes`` is the level-one workspace that costs
     (``partitions * B * H * Nq * (BLOCK_DV + 2) * 4`` bytes; 0 on the fused path).
     """
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"plan: `dtype` must be one of {_FLOAT_DTYPES}, got {dtype}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"plan: `dtype` must be one of {FLOAT_DTYPES}, got {dtype}")
     for name, val in (("B", B), ("H", H), ("Nq", Nq), ("Nk", Nk), ("D", D), ("Dv", Dv)):
         if int(val) < (1 if name in ("D", "Dv") else 0):
             raise ValueError(f"plan: `{name}` must be >= {1 if name in ('D', 'Dv') else 0}, got {val}")
-    sms, cc, smem = _device_info(device)
+    sms, cc, smem = device_info(device)
     if sm_count is not None:
         sms = int(sm_count)
     key = tuning_key(dtype, D, Dv, causal, has_bias, device, precision)
@@ -453,15 +411,15 @@ def _plan(
     bm, bn, warps, stages = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem, Nk)
     bh = max(1, B * H)
     # Short sequences: halve the query tile before splitting the keys (less padding, more programs).
-    while bm > 64 and _cdiv(max(Nq, 1), bm) * bh < sms and cc != (0, 0):
+    while bm > 64 and cdiv(max(Nq, 1), bm) * bh < sms and cc != (0, 0):
         bm //= 2
-    programs = _cdiv(max(Nq, 1), bm) * bh
-    key_tiles = max(1, _cdiv(Nk, bn))
+    programs = cdiv(max(Nq, 1), bm) * bh
+    key_tiles = max(1, cdiv(Nk, bn))
     parts = 1
     if 2 * programs <= sms:
         # Less than half a wave of query tiles: the workspace (which costs more memory than the output)
         # pays for itself; with more programs the fused path is as fast and needs no workspace.
-        parts = min(16, key_tiles, _cdiv(2 * sms, programs))
+        parts = min(16, key_tiles, cdiv(2 * sms, programs))
     parts, tree_depth, workspace = _partitioning(key_tiles, parts, bh * max(Nq, 1), bdv)
     return FwdPlan(
         partitions=parts,
@@ -490,15 +448,16 @@ def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
         _TUNED[key] = tuple(config)
     _plan_cached.cache_clear()
     _PROGRAMS.clear()
+    _VARLEN_PROGRAMS.clear()
 
 
 def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:
     """The key of a tuned config: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision), with the
     precision the dense forward runs (``resolve_precision`` given the padded head dim; bfloat16 under the
     interpreter is ``"upcast"``)."""
-    _, cc, _ = _device_info(device)
-    bd, bdv = _pow2(D), _pow2(Dv)
-    prec = resolve_precision(precision, dtype, device, "fwd", head_dim=max(bd, bdv))
+    _, cc, _ = device_info(device)
+    bd, bdv = tile_size(D), tile_size(Dv)
+    prec = resolve_precision(precision, dtype, device, "fwd", max(bd, bdv))
     if cc == (0, 0) and dtype == torch.bfloat16:
         prec = "upcast"  # the interpreter has no bfloat16 dot
     return (dtype, bd, bdv, bool(causal), bool(has_bias), cc, prec)
@@ -510,13 +469,13 @@ def _partitioning(key_tiles: int, parts: int, rows: int, bdv: int) -> tuple[int,
     parts = max(1, min(int(parts), key_tiles))
     if parts == 1:
         return 1, 0, 0
-    parts = _cdiv(key_tiles, _cdiv(key_tiles, parts))
+    parts = cdiv(key_tiles, cdiv(key_tiles, parts))
     return parts, math.ceil(math.log2(parts)), 4 * rows * (bdv + 2) * parts
 
 
 def _force_plan(p: FwdPlan, Nk: int, partitions: int, rows: int) -> FwdPlan:
     """``p`` with ``partitions`` key partitions (equalised as the planner does); ``rows``: ``B * H * Nq``."""
-    parts, depth, workspace = _partitioning(max(1, _cdiv(Nk, p.block_n)), partitions, rows, p.block_dv)
+    parts, depth, workspace = _partitioning(max(1, cdiv(Nk, p.block_n)), partitions, rows, p.block_dv)
     return dataclasses.replace(p, partitions=parts, tree_depth=depth, workspace_bytes=workspace)
 
 
@@ -578,7 +537,7 @@ class _FwdProgram(AttentionProgram):
         if self.empty or self.zero:
             return
         has_bias, has_kpm = bias is not None, kpm is not None
-        p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=_canonical_device(q.device),
+        p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=canonical_device(q.device),
                          precision=precision, has_bias=has_bias)
         if partitions is not None:
             p = _force_plan(p, Nk, partitions, B * H * max(Nq, 1))
@@ -586,8 +545,8 @@ class _FwdProgram(AttentionProgram):
         bh = B * H
         sb = tuple(_bias4(bias).expand(B, H, Nq, Nk).stride()) if has_bias else (0, 0, 0, 0)
         skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
-        m_tiles = _cdiv(grid_m, p.block_m)
-        tps = _cdiv(max(1, _cdiv(Nk, p.block_n)), p.partitions)
+        m_tiles = cdiv(grid_m, p.block_m)
+        tps = cdiv(max(1, cdiv(Nk, p.block_n)), p.partitions)
         scalars = (*strides[0], *strides[1], *strides[2], *sb, *skp, *strides[3], *lse_strides,
                    H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E)
         main = dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
@@ -599,9 +558,9 @@ class _FwdProgram(AttentionProgram):
                             p.num_warps, p.num_stages) for store in (True, False)]
         self.merge = None
         if p.partitions > 1:
-            splits = max(2, _next_pow2(p.partitions))
+            splits = max(2, next_pow2(p.partitions))
             bm2 = max(2, min(64, 4096 // (splits * p.block_dv)))
-            m2 = _cdiv(Nq, bm2)
+            m2 = cdiv(Nq, bm2)
             self.ws_sizes = ((p.partitions, bh, Nq), (p.partitions, bh, Nq, p.block_dv))
             merge = dict(DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits,
                          LEVELS=splits.bit_length() - 1)
@@ -635,6 +594,7 @@ class _FwdProgram(AttentionProgram):
 
 
 _PROGRAMS = ProgramCache()
+_VARLEN_PROGRAMS = ProgramCache()
 
 
 def elsa_fwd(
@@ -683,13 +643,8 @@ def fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, 
                 ) -> _FwdProgram:
     """The cached launch program of this forward signature (``scale`` resolved): ``program(q, k, v, bias,
     kpm, need_lse=...) -> (out, lse)`` for any tensors of the same signature."""
-    key = signature((q, k, v, attn_bias, key_padding_mask),
-                    (causal, scale, precision, partitions))
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = _PROGRAMS.put(key, _FwdProgram(q, k, v, attn_bias, key_padding_mask, causal, scale,
-                                                 precision, partitions))
-    return program
+    return _PROGRAMS(_FwdProgram, (q, k, v, attn_bias, key_padding_mask),
+                     (causal, scale, precision, partitions))
 
 
 def elsa_fwd_varlen(
@@ -719,12 +674,11 @@ def elsa_fwd_varlen(
         rows with no visible key).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    key = signature((q, k, v, cu_seqlens_q, cu_seqlens_k),
-                    ("varlen", max_seqlen_q, max_seqlen_k, causal, scale, precision))
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = _PROGRAMS.put(key, _FwdProgram(
-            q, k, v, None, None, causal, scale, precision,
-            varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)))
+    program = _VARLEN_PROGRAMS(_varlen_program, (q, k, v, cu_seqlens_q, cu_seqlens_k),
+                               (max_seqlen_q, max_seqlen_k, causal, scale, precision))
     return program(q, k, v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
+
+
+def _varlen_program(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, precision) -> _FwdProgram:
+    return _FwdProgram(q, k, v, None, None, causal, scale, precision, varlen=(cu_q, cu_k, max_q, max_k))
 

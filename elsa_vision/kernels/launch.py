@@ -50,9 +50,11 @@ class Launch:
     """One launch of ``fn`` over ``grid`` with fixed ``scalars`` (the non-tensor arguments that follow the
     tensors in ``fn``'s signature), fixed ``constexprs`` and launch options; ``launch(*tensors)`` runs it.
 
-    The kernel's signature must list its tensor arguments first, then ``scalars``, then its constexprs (every
-    ELSA kernel does). The caller guarantees that every call passes tensors of the same dtypes and 16-byte
-    alignment as the first (see the module docstring).
+    The kernel's signature must list its tensor arguments first, then ``scalars``, then its constexprs, all
+    of them given in ``constexprs`` (every ELSA kernel does); a kernel laid out otherwise is refused when the
+    ``Launch`` is built (``TypeError``), since its calls could not skip Triton's argument binding. The caller
+    guarantees that every call passes tensors of the same dtypes and 16-byte alignment as the first (see the
+    module docstring).
     """
 
     __slots__ = ("fn", "grid", "scalars", "options", "_run", "_tail", "_function", "_metadata", "_runtime",
@@ -66,6 +68,14 @@ class Launch:
         self.options = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
         self._run = None
         self._compiled = None
+        names = getattr(fn, "arg_names", None)
+        if names is not None:  # compiled and interpreted kernels alike: refuse a layout we cannot launch fast
+            tail = names[len(names) - len(constexprs):] if constexprs else []
+            if sorted(tail) != sorted(constexprs):
+                raise TypeError(
+                    f"Launch: {getattr(fn, '__name__', fn)} must list its tensors, then its "
+                    f"{len(self.scalars)} scalars, then every constexpr {sorted(constexprs)}; its arguments "
+                    f"end with {tail}")
 
     def __call__(self, *tensors) -> None:
         run = self._run
@@ -88,13 +98,20 @@ class Launch:
 
     def _keep(self, kernel, n_tensors: int) -> None:
         constexprs = self.fn.arg_names[n_tensors + len(self.scalars):]
+        missing = [name for name in constexprs if name not in self.options]
+        if missing:
+            raise TypeError(f"Launch: {self.fn.__name__} was called with {n_tensors} tensors; the arguments "
+                            f"after them and the {len(self.scalars)} scalars must be constexprs given to the "
+                            f"Launch, but {missing} are not")
         runtime = _knobs_runtime()
-        if runtime is None or any(name not in self.options for name in constexprs):
-            return  # not the layout this class serves: every call keeps going through Triton
         try:
             function, metadata, run = kernel.function, kernel.packed_metadata, kernel.run
-        except AttributeError:  # a Triton whose compiled kernels look otherwise: keep going through Triton
-            return
+        except AttributeError:
+            runtime = None
+        if runtime is None:
+            raise RuntimeError(f"Launch: this Triton ({triton.__version__}) has no knobs.runtime or its "
+                               "compiled kernels no launcher (function, packed_metadata, run), which "
+                               "elsa_vision's launches call directly (Triton 3.4 and later have them)")
         self._tail = self.scalars + tuple(self.options[name] for name in constexprs)
         self._function, self._metadata, self._compiled, self._runtime = function, metadata, kernel, runtime
         self._run = run
@@ -155,22 +172,26 @@ def signature(tensors: tuple, options: tuple) -> tuple:
 
 
 class ProgramCache:
-    """Programs by call signature: ``cache(build, tensors, options)`` returns the program for this signature,
-    building it with ``build()`` the first time. At most ``maxsize`` programs are kept (least recently built
-    dropped first)."""
+    """Programs by call signature. ``cache(build, tensors, options)`` returns the program of this signature
+    (:func:`signature` of ``tensors`` and ``options``), building it with ``build(*tensors, *options)`` the
+    first time. At most ``maxsize`` programs are kept (least recently built dropped first)."""
 
     def __init__(self, maxsize: int = 1024):
         self.maxsize = maxsize
         self._programs: OrderedDict = OrderedDict()
 
-    def get(self, key):
-        return self._programs.get(key)
-
-    def put(self, key, program):
-        self._programs[key] = program
-        if len(self._programs) > self.maxsize:
-            self._programs.popitem(last=False)
+    def __call__(self, build, tensors: tuple, options: tuple):
+        key = signature(tensors, options)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = build(*tensors, *options)
+            if len(self._programs) > self.maxsize:
+                self._programs.popitem(last=False)
         return program
+
+    def get(self, key):
+        """The program cached under ``key`` (a :func:`signature`), or None."""
+        return self._programs.get(key)
 
     def clear(self) -> None:
         self._programs.clear()

@@ -17,10 +17,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = [
-    "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias", "matmul",
-    "split_f16", "matmul_f16x3", "pow2", "f16_pair",
-]
+from .dots import f16_pair, matmul, matmul_f16x3, pow2, split_f16
+
+__all__ = ["ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state",
+           "clamp_bias"]
+
+# How each float32 precision's running sums over the key tiles accumulate (``fold_tile``'s ``ACCUMULATE``, a
+# host-side choice of every launcher): "kahan" (compensated), "fma" (one rounding per tile), "plain" (the
+# default). "ieee", the strictest path, is compensated: its error stays flat in the key count
+# (docs/kernel_notes.md, "Exact FP32").
+ACCUMULATION = {"ieee": "kahan"}
 
 # |bias| is clamped to this before the base-2 conversion so that log2(e) * bias stays finite in fp32
 # (finfo(float32).min * log2(e) would overflow to -inf and turn a finite bias row into a masked row).
@@ -53,72 +59,6 @@ def finalize_state(m, s, w):
     out = tl.where(hidden[:, None], 0.0, w / denom[:, None])
     lse = tl.where(hidden, float("-inf"), (m + tl.math.log2(denom)) * _LN2)
     return out, lse
-
-
-@triton.jit
-def pow2(c):
-    """``2 ** c`` as float32 for an int32 ``c`` in ``[-126, 127]`` (built from the exponent bits: exact)."""
-    return ((c + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def f16_pair(xs):
-    """``(hi, lo)``: float32 ``xs`` rounded to float16 (``hi``, round to nearest even) and the float32-exact
-    remainder ``xs - hi`` rounded to float16 (``lo``). ``xs`` must already lie in float16 range."""
-    hi = xs.to(tl.float16)
-    return hi, (xs - hi.to(tl.float32)).to(tl.float16)
-
-
-@triton.jit
-def split_f16(x):
-    """``(hi, lo, c)``: float16 ``hi + lo`` equal to ``x * 2**c`` up to ``2^-22`` of each element (or
-    ``2^-39`` of the block's largest magnitude), for a float32 block ``x`` of rank 2.
-
-    ``c`` (int32) scales the block's largest magnitude into ``[2^14, 2^15)``: float16 then holds it with
-    room to spare (max 65504), and ``hi`` keeps 11 significant bits of every element down to ``2^-29`` of
-    that maximum. ``hi`` is ``x * 2**c`` rounded to float16 (round to nearest even), ``lo`` the
-    float32-exact remainder rounded to float16: 11 more bits while it is a normal float16, a ``2^-25``
-    absolute step below that. So the pair carries 22 significant bits, the budget of a TF32 ``hi``/``lo``
-    split, and the products run on half-precision tensor cores at twice the TF32 rate. ``c`` is clamped to
-    ``[-112, 126]`` so that ``pow2(c)`` and ``pow2(-c)`` are normal floats: every float32 maximum from the
-    subnormals to ``2^127`` is scaled into float16 range (a block of zeros stays zero; NaN stays NaN). The
-    scaling by ``2**c`` is exact, so callers undo it exactly with ``pow2(-c)``.
-    """
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    c = tl.minimum(tl.maximum(14 - e, -112), 126)
-    hi, lo = f16_pair(x * pow2(c))
-    return hi, lo, c
-
-
-@triton.jit
-def matmul_f16x3(a_hi, a_lo, b_hi, b_lo, acc):
-    """``acc + a @ b`` from the ``split_f16`` parts of ``a`` and ``b`` (both scaled: the caller undoes the
-    scales): ``a_hi @ b_lo + a_lo @ b_hi + a_hi @ b_hi`` on half-precision tensor cores with float32
-    accumulation, the small terms first. Pass zeros and add a long-running sum outside in float32: the tensor
-    core's accumulation is not IEEE-rounded (docs/kernel_notes.md). The ``a_lo @ b_lo`` term left out is
-    ``~2^-22`` of ``|a| |b|``: FP32-accurate."""
-    acc = tl.dot(a_hi, b_lo, acc)
-    acc = tl.dot(a_lo, b_hi, acc)
-    return tl.dot(a_hi, b_hi, acc)
-
-
-@triton.jit
-def matmul(a, b, acc, PRECISION: tl.constexpr):
-    """``acc + a @ b`` with fp32 accumulation.
-
-    ``PRECISION`` is ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` for float32 operands and ``"none"`` for
-    float16/bfloat16 operands (tensor cores, fp32 accumulate); ``"fp16x3"`` callers use ``split_f16`` and
-    ``matmul_f16x3``. ``"upcast"``
-    multiplies half operands as float32 (exact products, fp32 accumulate: the tensor-core result) where no
-    half dot is available (the CPU interpreter has none for bfloat16).
-    """
-    if PRECISION == "none":
-        return tl.dot(a, b, acc)
-    elif PRECISION == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit

@@ -19,55 +19,36 @@ Triton nor any kernel, so the package validates options without Triton.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-__all__ = ["PRECISIONS", "KERNELS", "resolve_precision", "device_info"]
+from .host import device_info, next_pow2
+
+__all__ = ["PRECISIONS", "FP16X3_TILES", "resolve_precision"]
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
-# The kernels a precision is resolved for, and the widest padded head dim each runs "fp16x3" at (0: never).
-KERNELS = {"fwd": 128, "bwd": 128, "decode": 0, "window": 0}
+# The kernels a precision is resolved for, and the widest tile side (padded to a power of two) that each one's
+# "fp16x3" path splits in registers; 0: the kernel has no "fp16x3" path. The attention kernels split whole
+# head-dim rows of Q, K and V (``width`` = the padded head dim); the GEMM splits BLOCK_K-wide tiles whatever K
+# is (``width`` = None).
+FP16X3_TILES = {"fwd": 128, "bwd": 128, "decode": 0, "window": 0, "gemm": 128}
 
 
-def device_info(device) -> tuple[int, tuple[int, int], int]:
-    """(SM count, compute capability, shared memory per block) of a CUDA device; CPU (the Triton
-    interpreter): ``(4, (0, 0), 1 GiB)``."""
-    if device is not None:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return _device_info(device)
-
-
-@functools.lru_cache(maxsize=64)
-def _device_info(device) -> tuple[int, tuple[int, int], int]:
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(device)
-        smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
-        return props.multi_processor_count, (props.major, props.minor), int(smem)
-    return 4, (0, 0), 1 << 30
-
-
-def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def resolve_precision(precision: str, dtype: torch.dtype, device, kernel: str, head_dim: int | None = None,
+def resolve_precision(precision: str, dtype: torch.dtype, device, kernel: str, width: int | None = None,
                       ) -> str:
-    """The ``PRECISION`` constexpr of one launch of ``kernel`` (a key of ``KERNELS``).
+    """The ``PRECISION`` constexpr of one launch of ``kernel`` (a key of ``FP16X3_TILES``).
 
     ``"none"`` for float16/bfloat16 inputs. For float32: ``"auto"`` becomes ``"fp16x3"`` on sm90 where the
-    kernel has it for ``head_dim`` (padded to a power of two), ``"tf32x3"`` on other sm80+ GPUs, ``"ieee"``
-    elsewhere. An explicit ``"fp16x3"`` the kernel does not have (at this head dim, or at all: the window and
-    decode kernels) runs as ``"tf32x3"``, the other FP32-accurate tensor-core path.
+    kernel has it for a split tile of side ``width`` (padded to a power of two; None: the kernel's tiles do
+    not depend on the call), ``"tf32x3"`` on other sm80+ GPUs, ``"ieee"`` elsewhere. An explicit
+    ``"fp16x3"`` the kernel does not have (at this width, or at all: the window and decode kernels) runs as
+    ``"tf32x3"``, the other FP32-accurate tensor-core path.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     if dtype != torch.float32:
         return "none"
-    widest = KERNELS[kernel]
-    f16_ok = widest > 0 and head_dim is not None and _pow2(head_dim) <= widest
+    widest = FP16X3_TILES[kernel]
+    f16_ok = widest > 0 and (width is None or next_pow2(width) <= widest)
     if precision == "auto":
         cc = device_info(device)[1]
         if cc < (8, 0):

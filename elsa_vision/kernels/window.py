@@ -27,16 +27,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fwd import ACCUMULATION, _cdiv, _device_info, _pow2
-from .launch import Launch, Program, ProgramCache, signature
-from .monoid import finalize_state, fold_tile, matmul
+from .dots import matmul
+from .host import LOG2E, cdiv, device_info, tile_size
+from .launch import Launch, Program, ProgramCache
+from .monoid import ACCUMULATION, finalize_state, fold_tile
 from .precision import resolve_precision
 
 __all__ = ["window_fwd", "window_plan", "window_bwd", "window_bwd_plan",
            "BWD_MAX_TOKENS", "LOGIT_SCALE_MAX"]
 
 LOGIT_SCALE_MAX = math.log(1.0 / 0.01)  # timm's clamp of the per-head logit scale: exp(.) <= 100
-_LOG2E = tl.constexpr(1.4426950408889634)
+_LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 _NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps: x / max(|x|, eps)
 
@@ -269,9 +270,9 @@ def _window_bwd_kernel(
 
 def _windows_per_program(Bw: int, programs_per_window: int, device) -> int:
     """The largest power of two <= 8 windows per program that still leaves >= 4 programs per SM."""
-    sms, _, _ = _device_info(device)
+    sms, _, _ = device_info(device)
     windows = 1
-    while windows < 8 and programs_per_window * _cdiv(Bw, 2 * windows) >= 4 * sms:
+    while windows < 8 and programs_per_window * cdiv(Bw, 2 * windows) >= 4 * sms:
         windows *= 2
     return windows
 
@@ -284,9 +285,9 @@ def window_plan(Bw: int, H: int, N: int, D: int, Dv: int, dtype: torch.dtype, de
     largest power of two <= 8 that still leaves at least four programs per SM.
     """
     block_m = 64 if N > 32 else 32
-    big = max(_pow2(D), _pow2(Dv))
+    big = max(tile_size(D), tile_size(Dv))
     block_n = 32 if big > 64 or dtype == torch.float32 and big > 32 else 64
-    windows = _windows_per_program(Bw, _cdiv(N, block_m) * H, device)
+    windows = _windows_per_program(Bw, cdiv(N, block_m) * H, device)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, WINDOWS=windows, num_warps=4, num_stages=2)
 
 
@@ -306,16 +307,16 @@ class _WindowFwdProgram(Program):
         if q.device.type == "cpu" and q.dtype != torch.float32:
             prec = "upcast"  # the interpreter has no half dot
         cfg = window_plan(Bw, H, N, D, Dv, q.dtype, q.device)
-        m_tiles = _cdiv(N, cfg["BLOCK_M"])
+        m_tiles = cdiv(N, cfg["BLOCK_M"])
         has_mask = mask is not None
         cosine = logit_scale is not None
         self.launch = Launch(
-            _window_fwd_kernel, (_cdiv(Bw, cfg["WINDOWS"]), m_tiles * H),
+            _window_fwd_kernel, (cdiv(Bw, cfg["WINDOWS"]), m_tiles * H),
             (*q.stride(), *k.stride(), *v.stride(), logit_scale.stride(0) if cosine else 0, *bias.stride(),
              *(mask.stride() if has_mask else (0, 0, 0)), *self.out_stride,
              Bw, H, N, mask.shape[0] if has_mask else 1, m_tiles, LOGIT_SCALE_MAX, float(scale)),
-            dict(D=D, DV=Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_pow2(D),
-                 BLOCK_DV=_pow2(Dv), WINDOWS=cfg["WINDOWS"], PRECISION=prec, HAS_MASK=has_mask,
+            dict(D=D, DV=Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=tile_size(D),
+                 BLOCK_DV=tile_size(Dv), WINDOWS=cfg["WINDOWS"], PRECISION=prec, HAS_MASK=has_mask,
                  COSINE=cosine, ACCUMULATE=ACCUMULATION.get(prec, "plain")),
             cfg["num_warps"], cfg["num_stages"])
 
@@ -327,7 +328,7 @@ class _WindowFwdProgram(Program):
         return out
 
 
-_PROGRAMS = ProgramCache()
+_FWD_PROGRAMS = ProgramCache()
 
 
 def window_fwd(
@@ -360,13 +361,11 @@ def window_fwd(
         log-sum-exp is kept). It is stored as ``[B*nW, N, H, Dv]`` (a transposed view), so that
         ``out.transpose(1, 2).reshape(B*nW, N, H*Dv)``, the input of the output projection, is free.
     """
-    key = signature((q, k, v, logit_scale, bias, mask), ("fwd", precision, float(scale)))
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = _PROGRAMS.put(key, _WindowFwdProgram(q, k, v, logit_scale, bias, mask, precision, scale))
+    program = _FWD_PROGRAMS(_WindowFwdProgram, (q, k, v, logit_scale, bias, mask), (precision, float(scale)))
     return program(q, k, v, logit_scale, bias, mask)
 
 
+_BWD_PROGRAMS = ProgramCache()
 BWD_MAX_TOKENS = 64  # windows the fused backward holds whole in one tile (Swin-v2 W8: 64 tokens)
 
 
@@ -379,7 +378,7 @@ def window_bwd_plan(Bw: int, H: int, N: int, D: int, Dv: int, device) -> dict:
     Four warps: measured against eight on Swin-v2-T/W8's four stages (``docs/kernel_notes.md``, "Window
     attention (W-ELSA)").
     """
-    return dict(BLOCK=_pow2(N), WINDOWS=_windows_per_program(Bw, H, device), num_warps=4, num_stages=1)
+    return dict(BLOCK=tile_size(N), WINDOWS=_windows_per_program(Bw, H, device), num_warps=4, num_stages=1)
 
 
 class _WindowBwdProgram(Program):
@@ -399,7 +398,7 @@ class _WindowBwdProgram(Program):
             return
         prec = resolve_precision(precision, torch.float32, dev, "window")
         cfg = window_bwd_plan(Bw, H, N, D, Dv, dev)
-        self.groups = groups = _cdiv(Bw, cfg["WINDOWS"])
+        self.groups = groups = cdiv(Bw, cfg["WINDOWS"])
         has_mask = mask is not None
         cosine = logit_scale is not None
         no_grad = (0, 0, 0, 0)
@@ -411,7 +410,7 @@ class _WindowBwdProgram(Program):
              *(grads[0] if need_qkv else no_grad), *(grads[1] if need_qkv else no_grad),
              *(grads[2] if need_qkv else no_grad),
              Bw, H, N, mask.shape[0] if has_mask else 1, LOGIT_SCALE_MAX, float(scale)),
-            dict(D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), PRECISION=prec, HAS_MASK=has_mask,
+            dict(D=D, DV=Dv, BLOCK_D=tile_size(D), BLOCK_DV=tile_size(Dv), PRECISION=prec, HAS_MASK=has_mask,
                  NEED_QKV=need_qkv, COSINE=cosine, BLOCK=cfg["BLOCK"], WINDOWS=cfg["WINDOWS"]),
             cfg["num_warps"], cfg["num_stages"])
 
@@ -470,9 +469,6 @@ def window_bwd(
     """
     if q.shape[2] > BWD_MAX_TOKENS:
         raise ValueError(f"window_bwd: windows of at most {BWD_MAX_TOKENS} tokens, got N={q.shape[2]}")
-    key = signature((dout, q, k, v, logit_scale, bias, mask), ("bwd", precision, need_qkv, float(scale)))
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = _PROGRAMS.put(key, _WindowBwdProgram(dout, q, k, v, logit_scale, bias, mask, precision,
-                                                       need_qkv, scale))
+    program = _BWD_PROGRAMS(_WindowBwdProgram, (dout, q, k, v, logit_scale, bias, mask),
+                            (precision, need_qkv, float(scale)))
     return program(dout, q, k, v, logit_scale, bias, mask)

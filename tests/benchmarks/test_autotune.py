@@ -5,6 +5,7 @@ import torch
 
 from benchmarks import autotune
 from elsa_vision.kernels import fwd
+from elsa_vision.kernels.host import device_info
 
 H100_SMEM = 232448  # bytes of shared memory per block on sm90
 
@@ -31,7 +32,7 @@ def test_candidates_fit_shared_memory_and_registers():
 def test_autotune_off_cuda_returns_the_default_and_installs_nothing():
     q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
     key = fwd.tuning_key(q.dtype, 32, 32, False, False, q.device, "auto")
-    _, cc, smem = fwd._device_info(q.device)
+    _, cc, smem = device_info(q.device)
     default = fwd._default_config(q.dtype, key[-1], key[1], key[2], 40, cc, smem)
     assert autotune.autotune_fwd(q, k, v) == default
     assert key not in fwd._TUNED

@@ -30,7 +30,8 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from elsa_vision import elsa_attention  # noqa: E402
-from elsa_vision.kernels.bwd import BwdConfig, elsa_bwd, resolve_precision  # noqa: E402
+from elsa_vision.kernels.bwd import BwdConfig, elsa_bwd  # noqa: E402
+from elsa_vision.kernels.precision import resolve_precision  # noqa: E402
 from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -332,13 +333,16 @@ def test_fp32_mixed_magnitudes_in_one_tile(precision):
 
 def test_resolve_precision():
     cpu, f32 = torch.device("cpu"), torch.float32
-    assert resolve_precision(f32, "auto", cpu, 64) == "ieee"
-    assert resolve_precision(f32, "fp16x3", cpu, 128) == "fp16x3"
-    assert resolve_precision(f32, "fp16x3", cpu, 129) == "tf32x3"  # pads to 256: measured up to 128 only
-    assert resolve_precision(f32, "fp16x3", cpu) == "tf32x3"
+    assert resolve_precision("auto", f32, cpu, "bwd", 64) == "ieee"
+    assert resolve_precision("fp16x3", f32, cpu, "bwd", 128) == "fp16x3"
+    assert resolve_precision("fp16x3", f32, cpu, "bwd", 129) == "tf32x3"  # pads to 256: measured to 128
+    for kernel in ("decode", "window"):  # no fp16x3 path at any width: the other FP32-accurate one
+        assert resolve_precision("fp16x3", f32, cpu, kernel, 64) == "tf32x3"
+        assert resolve_precision("fp16x3", f32, cpu, kernel) == "tf32x3"
+    assert resolve_precision("fp16x3", f32, cpu, "gemm") == "fp16x3"  # split tiles independent of the call
     with pytest.raises(ValueError, match="unknown precision 'tf32x3s'"):
-        resolve_precision(f32, "tf32x3s", cpu, 64)  # removed: the same products as tf32x3, 1-5% faster
-    assert resolve_precision(torch.bfloat16, "fp16x3", cpu, 64) == "none"  # half: operands as they are
+        resolve_precision("tf32x3s", f32, cpu, "bwd", 64)  # removed: the same products as tf32x3, 1-5% faster
+    assert resolve_precision("fp16x3", torch.bfloat16, cpu, "bwd", 64) == "none"  # half: as they are
 
 
 @pytest.mark.parametrize("precision", ["auto", "fp16x3"])

@@ -382,9 +382,9 @@ def test_multi_partition_equals_fused(causal, partitions, precision):
 
 def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
     # The planner as it runs on an H100 (132 SMs, sm90, 227 KiB shared memory per block), without one.
-    from elsa_vision.kernels import fwd, precision
+    from elsa_vision.kernels import fwd, host
 
-    monkeypatch.setattr(precision, "_device_info", lambda device=None: (132, (9, 0), 232448))
+    monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
     p = fwd._plan(1, 8, 16384, 16384, 64, 64, torch.float32)
     assert p.precision == "fp16x3" and (p.block_m, p.block_n, p.num_warps, p.num_stages) == (128, 64, 4, 3)
     assert fwd._plan(1, 8, 4096, 4096, 128, 128, torch.float32).precision == "fp16x3"
@@ -396,7 +396,7 @@ def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
     for D, Dv in ((64, 32), (40, 24), (16, 16)):
         assert fwd._plan(2, 3, 1000, 1000, D, Dv, torch.float32).block_n == 32
     # sm80/sm89 keep tf32x3 under "auto"
-    monkeypatch.setattr(precision, "_device_info", lambda device=None: (108, (8, 0), 166912))
+    monkeypatch.setattr(host, "_device_info", lambda device=None: (108, (8, 0), 166912))
     assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32).precision == "tf32x3"
 
 
