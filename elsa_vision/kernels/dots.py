@@ -12,7 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["matmul", "split_f16", "matmul_f16x3", "mm_f16x3", "unscale", "pow2", "f16_pair"]
+__all__ = [
+    "matmul", "split_f16", "matmul_f16x3", "mm_f16x3", "unscale", "pow2", "f16_pair",
+]
 
 
 @triton.jit

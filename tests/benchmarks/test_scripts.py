@@ -22,6 +22,7 @@ FLAGS = {
     "clip": ["--device", "--quick", "--warmup", "--reps", "--backend", "--precision", "--tf32", "--out"],
     "context_parallel": ["--device", "--quick", "--cases", "--precision", "--repeats", "--out"],
     "decode": ["--device", "--quick", "--nk", "--dtype", "--heads", "--dim", "--nq", "--reps", "--out"],
+    "gemm": ["--device", "--quick", "--cases", "--precision", "--goal", "--out"],
     "eca": ["--devices", "--depths", "--lengths", "--dims", "--reps", "--out"],
     "highres": ["--quick", "--device", "--repeats", "--attn-backend", "--out"],
     "host": ["--calls", "--dtypes", "--breakdown", "--label", "--profile", "--out"],

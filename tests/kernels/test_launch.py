@@ -43,7 +43,7 @@ def test_program_cache_builds_once_per_signature_and_evicts_the_oldest():
 
 
 def test_launch_runs_a_kernel_laid_out_as_it_expects():
-    x = torch.randn(37)
+    x = torch.randn(37, device="cuda" if torch.cuda.is_available() else "cpu")
     y = torch.empty_like(x)
     Launch(_scale_kernel, (3,), (37, 2.0), dict(BLOCK=16), num_warps=1)(x, y)
     torch.testing.assert_close(y, 2 * x)

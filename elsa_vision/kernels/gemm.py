@@ -1,0 +1,471 @@
+"""FP32-accurate matrix products in Triton: ``C = A @ B^T (+ bias)`` for float32 operands on tensor cores.
+
+The GEMM family sibling of the attention kernels, at the same float32 precisions (``kernels.precision``):
+
+* ``"fp16x3"`` (what ``"auto"`` picks on sm90): each operand is first split (``split_rows``, one
+  memory-bound pass) into two float16 parts scaled by a power of two per row, ``x * 2**c == hi + lo`` to 22
+  bits; the product loop then runs on half-precision tensor cores alone: three products per K-tile
+  (``dots.matmul_f16x3``) into a fresh float32 accumulator that is added to the running sum in IEEE float32.
+  The tensor core's own accumulation is not IEEE-rounded and its error grows with K (measured: 1e-5 at
+  K = 8192 when every K-tile accumulates through it); one fresh accumulator per K-tile keeps the result
+  below PyTorch's FP32 GEMM error at any K. The row scales are undone exactly in the epilogue;
+* ``"tf32x3"`` (``"auto"`` on other sm80+ GPUs): Triton's three-product TF32 split of float32 tiles;
+* ``"ieee"``: plain FP32 FMA (no tensor cores); ``"tf32"``: one TF32 pass (~1e-3).
+
+Both operands are given as rows over the reduction dim, ``A [M, K]`` and ``B [N, K]`` (``B`` is the weight
+of a linear layer as stored), any strides: ``x @ w.T``, ``dy @ w`` and ``dy.T @ x`` are all this product with
+transposed views. The epilogue adds a bias and applies an exact (erf) GELU where asked. When the output tiles
+alone do not fill the GPU, K is cut into slices whose partial products go to a float32 workspace and are
+summed in a fixed order (``_sum_slices_kernel``, which adds the bias): reruns are bitwise equal.
+
+Range (``"fp16x3"``): a row's largest magnitude is scaled into ``[2^14, 2^15)``; the other elements of the row
+keep 22 significant bits down to ``2^-25`` of it, and an absolute ``2^-39`` of it below that. A K-tile's
+partial product of scaled rows is at most ``2^30 * BLOCK_K`` and is added unscaled by the row scales, so
+operands up to about ``1e30`` in magnitude are exact. A non-finite element makes its output row (of ``A``)
+or column (of ``B``) non-finite and leaves the others untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .dots import f16_pair, matmul_f16x3, pow2
+from .host import canonical_device, cdiv, device_info, next_pow2
+from .launch import Launch, Program, ProgramCache
+from .precision import resolve_precision
+
+__all__ = ["GemmPlan", "gemm", "gemm_plan", "split_rows", "ACTIVATIONS"]
+
+ACTIVATIONS = (None, "gelu")
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _gemm_kernel(
+    A, A_EXP, B, B_EXP, Bias, C,
+    M, N, K, k_per_slice, a_lo, b_lo,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_bias, stride_cs, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``C = A @ B^T`` over K-slice ``program_id(1)`` (``stride_cs``
+    apart).
+
+    ``"fp16x3"``: ``A`` and ``B`` hold the float16 parts of the operands (``split_rows``: high parts, the low
+    parts ``a_lo`` / ``b_lo`` elements further) and ``A_EXP [M]`` / ``B_EXP [N]`` the int32 exponents of their
+    row scales; otherwise ``A`` and ``B`` are float32 and the exponent pointers unused. Grouped program
+    order: ``GROUP_M`` row-tiles share each column-tile while it sits in L2.
+    """
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past the edge read row 0 again (no masks in the loop); they are not stored.
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    k_start = pid_s * k_per_slice
+    k_end = tl.minimum(K, k_start + k_per_slice)
+    a_off = rows[:, None] * stride_am + (k_start + offs_k)[None, :].to(tl.int64) * stride_ak
+    b_off = (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(A + a_off)
+            b = tl.load(B + b_off)
+        else:
+            a = tl.load(A + a_off, mask=(k0 + offs_k)[None, :] < k_end, other=0.0)
+            b = tl.load(B + b_off, mask=(k0 + offs_k)[:, None] < k_end, other=0.0)
+        if PRECISION == "fp16x3":
+            if EVEN_K:
+                a2 = tl.load(A + a_lo + a_off)
+                b2 = tl.load(B + b_lo + b_off)
+            else:
+                a2 = tl.load(A + a_lo + a_off, mask=(k0 + offs_k)[None, :] < k_end, other=0.0)
+                b2 = tl.load(B + b_lo + b_off, mask=(k0 + offs_k)[:, None] < k_end, other=0.0)
+            acc += matmul_f16x3(a, a2, b, b2, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+        elif PRECISION == "ieee":
+            # a plain add would be folded back into the FMA dot (every product added to the running sum)
+            acc = tl.fma(tl.dot(a, b, tl.zeros_like(acc), input_precision="ieee"), 1.0, acc)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_off += BLOCK_K * stride_ak
+        b_off += BLOCK_K * stride_bk
+
+    if PRECISION == "fp16x3":
+        acc = acc * pow2(-tl.load(A_EXP + rows))[:, None] * pow2(-tl.load(B_EXP + cols))[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols * stride_bias)[None, :].to(tl.float32)
+    if ACTIVATION == "gelu":
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
+    c_ptrs = C + pid_s.to(tl.int64) * stride_cs + offs_m[:, None].to(tl.int64) * stride_cm \
+        + offs_n[None, :].to(tl.int64) * stride_cn
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _sum_slices_kernel(
+    P, Bias, C,
+    M, N, stride_ps, stride_pm, stride_bias, stride_cm, stride_cn,
+    SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    """``C = act(sum_s P[s] + bias)``, the slices added in order (``P`` float32 ``[SLICES, M, N]``, rows
+    contiguous)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = P + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SLICES):
+        acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n * stride_bias, mask=offs_n < N, other=0.0)[None, :].to(tl.float32)
+    if ACTIVATION == "gelu":
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
+    tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn,
+             acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_rows_kernel(
+    X, PARTS, EXP,
+    R, L, lo, stride_xr, stride_xl,
+    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    """Split rows ``r`` of float32 ``X [R, L]`` (one scale over each whole row): float16 ``PARTS [2, R, L]``
+    (the low parts ``lo`` elements after the high ones) and int32 exponents ``EXP [R]``:
+    ``X[r] * 2**EXP[r] == PARTS[0, r] + PARTS[1, r]`` to 22 bits.
+    ``ONE_PASS``: a row fits one ``BLOCK_L`` tile (read once); otherwise the rows are read twice (their
+    largest magnitude, then the split)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_l = tl.arange(0, BLOCK_L)
+    r_ok = offs_r < R
+    x_ptrs = X + offs_r[:, None].to(tl.int64) * stride_xr + offs_l[None, :].to(tl.int64) * stride_xl
+    out = offs_r[:, None].to(tl.int64) * L + offs_l[None, :]
+    if ONE_PASS:
+        mask = r_ok[:, None] & (offs_l[None, :] < L)
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+        amax = tl.max(tl.abs(x), 1)
+    else:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for l0 in range(0, L, BLOCK_L):
+            x = tl.load(x_ptrs + l0 * stride_xl, mask=r_ok[:, None] & ((l0 + offs_l)[None, :] < L), other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    c = tl.minimum(tl.maximum(14 - e, -112), 126)
+    tl.store(EXP + offs_r, c, mask=r_ok)
+    scale = pow2(c)[:, None]
+    if ONE_PASS:
+        hi, low = f16_pair(x * scale)
+        tl.store(PARTS + out, hi, mask=mask)
+        tl.store(PARTS + lo + out, low, mask=mask)
+    else:
+        for l0 in range(0, L, BLOCK_L):
+            mask = r_ok[:, None] & ((l0 + offs_l)[None, :] < L)
+            x = tl.load(x_ptrs + l0 * stride_xl, mask=mask, other=0.0)
+            hi, low = f16_pair(x * scale)
+            tl.store(PARTS + out + l0, hi, mask=mask)
+            tl.store(PARTS + lo + out + l0, low, mask=mask)
+
+
+@triton.jit
+def _column_amax_kernel(
+    X, PARTIAL,
+    R, L, rows_per_chunk, stride_xl,
+    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Largest magnitudes of the columns ``r`` of ``X [L, R]`` (columns contiguous) over chunk
+    ``program_id(1)`` of its rows: ``PARTIAL [chunks, R]`` float32 (read by ``_split_columns_kernel``)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_l = tl.arange(0, BLOCK_L)
+    l_start = tl.program_id(1) * rows_per_chunk
+    l_end = tl.minimum(L, l_start + rows_per_chunk)
+    r_ok = offs_r < R
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for l0 in range(l_start, l_end, BLOCK_L):
+        rows = l0 + offs_l
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xl + offs_r[None, :],
+                    mask=(rows[:, None] < l_end) & r_ok[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+    tl.store(PARTIAL + tl.program_id(1) * R + offs_r, amax, mask=r_ok)
+
+
+@triton.jit
+def _split_columns_kernel(
+    X, PARTIAL, PARTS, EXP,
+    R, L, lo, stride_xl,
+    CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Split the columns ``r`` of ``X [L, R]`` (columns contiguous; one scale per column, from the ``CHUNKS``
+    partial maxima): float16 ``PARTS [2, L, R]`` in ``X``'s layout (the low parts ``lo`` elements after the
+    high ones), int32 ``EXP [R]``. The rows of the product are the columns of ``X``: ``PARTS`` is read as its
+    transposed view, so that neither the read nor the write crosses the layout."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    r_ok = offs_r < R
+    chunks = tl.arange(0, CHUNKS)
+    amax = tl.max(tl.load(PARTIAL + chunks[:, None] * R + offs_r[None, :], mask=r_ok[None, :], other=0.0), 0)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    c = tl.minimum(tl.maximum(14 - e, -112), 126)
+    if tl.program_id(1) == 0:
+        tl.store(EXP + offs_r, c, mask=r_ok)
+    mask = (offs_l[:, None] < L) & r_ok[None, :]
+    rows = offs_l[:, None].to(tl.int64)
+    x = tl.load(X + rows * stride_xl + offs_r[None, :], mask=mask, other=0.0)
+    hi, low = f16_pair(x * pow2(c)[None, :])
+    out = rows * R + offs_r[None, :]
+    tl.store(PARTS + out, hi, mask=mask)
+    tl.store(PARTS + lo + out, low, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------- planner
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """How one product runs: the product loop's tiles, warps and stages, its K slices (1: the epilogue writes
+    ``C``), and the resolved precision."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int
+    slices: int
+    precision: str
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by resolved precision (H100 measurements: docs/kernel_notes.md,
+# "FP32-accurate GEMM"); the interpreter takes small tiles.
+_CONFIGS = {
+    "fp16x3": (128, 128, 64, 8, 3),
+    "tf32x3": (128, 128, 32, 8, 3),
+    "tf32": (128, 128, 32, 8, 3),
+    "ieee": (64, 64, 32, 4, 3),
+}
+_TUNED: dict = {}
+
+
+def set_config(precision: str, config: tuple | None) -> None:
+    """Install (or with None remove) the (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a resolved precision
+    (the benchmarks' sweeps use it)."""
+    if config is None:
+        _TUNED.pop(precision, None)
+    else:
+        _TUNED[precision] = tuple(config)
+    _plan.cache_clear()
+    _PROGRAMS.clear()
+
+
+def gemm_plan(M: int, N: int, K: int, device=None, precision: str = "auto", slices: int | None = None,
+              ) -> GemmPlan:
+    """The plan of a float32 ``[M, K] @ [N, K]^T`` on ``device`` (None: this machine's GPU, else the CPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _plan(M, N, K, canonical_device(device), precision, slices)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(M, N, K, device, precision, slices) -> GemmPlan:
+    sms, cc, _ = device_info(device)
+    prec = resolve_precision(precision, torch.float32, device, "gemm")
+    bm, bn, bk, warps, stages = _TUNED.get(prec) or _CONFIGS[prec]
+    if cc == (0, 0):  # the CPU interpreter: small tiles, no pipelining
+        bm, bn, bk, warps, stages = 32, 32, 16, 4, 1
+    tiles = max(1, cdiv(M, bm) * cdiv(N, bn))
+    k_tiles = max(1, cdiv(K, bk))
+    if slices is None:
+        # Fewer output tiles than half the SMs: cut K so that tiles x slices fills the machine (partial
+        # products summed after), as long as each slice keeps at least 4 K-tiles.
+        slices = 1
+        if 2 * tiles <= sms and cc != (0, 0):
+            slices = max(1, min(cdiv(sms, tiles), k_tiles // 4, 16))
+    slices = max(1, min(int(slices), k_tiles))
+    slices = cdiv(k_tiles, cdiv(k_tiles, slices))  # no empty slice
+    return GemmPlan(bm, bn, bk, warps, stages, 8, slices, prec)
+
+
+def _split_config(R: int, L: int, interpreted: bool) -> tuple[int, int, bool, int]:
+    """(BLOCK_R, BLOCK_L, one pass, warps) of the row split of ``[R, L]`` (rows contiguous): whole rows in
+    one tile where they fit 8192 elements (read once), else two passes over 1024-wide pieces."""
+    if interpreted:
+        return 4, 16, False, 4
+    width = next_pow2(L)
+    if width <= 4096:
+        return max(1, 8192 // width), width, True, 8 if width >= 2048 else 4
+    return 8, 1024, False, 8
+
+
+# --------------------------------------------------------------------------------------------- launchers
+
+
+class _Split:
+    """The launches that split the rows of one ``[R, L]`` float32 operand layout (``split_rows``):
+
+    * rows contiguous: one kernel (``_split_rows_kernel``), parts stored ``[2, R, L]``;
+    * columns contiguous (a transposed view, such as a weight gradient's ``dy.T``): the column maxima in
+      chunks of rows (``_column_amax_kernel``), then the split in the operand's own layout
+      (``_split_columns_kernel``): parts stored ``[2, L, R]`` and handed on as their transposed view;
+    * other strides: copied to rows-contiguous first.
+    """
+
+    def __init__(self, shape, strides, device, interpreted: bool):
+        R, L = shape
+        self.R, self.L, self.device = R, L, device
+        self.copy = not (strides[1] == 1 or L == 1 or strides[0] == 1)
+        self.columns = not self.copy and strides[1] != 1 and L > 1
+        if not self.columns:
+            br, bl, one, warps = _split_config(R, L, interpreted)
+            rs, cs = (L, 1) if self.copy else strides
+            self.launch = Launch(_split_rows_kernel, (cdiv(R, br),), (R, L, R * L, rs, cs),
+                                 dict(BLOCK_R=br, BLOCK_L=bl, ONE_PASS=one), warps)
+            return
+        sms = device_info(device)[0]
+        br, bl = (16, 16) if interpreted else (64, 64)
+        chunks = 1  # enough row chunks for about four programs per SM, at least two tiles of rows each
+        while chunks < 32 and cdiv(R, br) * chunks < 4 * sms and L >= 4 * chunks * bl:
+            chunks *= 2
+        self.chunks = chunks
+        self.amax = Launch(_column_amax_kernel, (cdiv(R, br), chunks), (R, L, cdiv(L, chunks), strides[1]),
+                           dict(BLOCK_R=br, BLOCK_L=bl), 4)
+        bl2 = 16 if interpreted else 256
+        self.split = Launch(_split_columns_kernel, (cdiv(R, br), cdiv(L, bl2)), (R, L, R * L, strides[1]),
+                            dict(CHUNKS=chunks, BLOCK_R=br, BLOCK_L=bl2), 8 if bl2 >= 256 else 4)
+
+    @property
+    def strides(self) -> tuple[int, int]:
+        """(row, column) strides of the high (and low) parts as the product reads them."""
+        return (1, self.R) if self.columns else (self.L, 1)
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        R, L, dev = self.R, self.L, self.device
+        exp = torch.empty((R,), dtype=torch.int32, device=dev)
+        if not self.columns:
+            parts = torch.empty((2, R, L), dtype=torch.float16, device=dev)
+            self.launch(x.contiguous() if self.copy else x, parts, exp)
+            return parts, exp
+        parts = torch.empty((2, L, R), dtype=torch.float16, device=dev)
+        partial = torch.empty((self.chunks, R), dtype=torch.float32, device=dev)
+        self.amax(x, partial)
+        self.split(x, partial, parts, exp)
+        return parts.transpose(1, 2), exp
+
+
+def split_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(parts, exp)`` of float32 ``x [R, L]`` (any strides): one power-of-two scale per row, float16
+    ``parts [2, R, L]`` with ``x[r] * 2**exp[r] == parts[0, r] + parts[1, r]`` to 22 bits (stored in ``x``'s
+    orientation: a transposed ``x`` gives transposed parts), int32 ``exp [R]``."""
+    R, L = x.shape
+    if R == 0 or L == 0:
+        return (torch.empty((2, R, L), dtype=torch.float16, device=x.device),
+                torch.empty((R,), dtype=torch.int32, device=x.device))
+    return _Split(x.shape, x.stride(), x.device, not x.is_cuda)(x)
+
+
+class _GemmProgram(Program):
+    """The launches of one product signature, planned once (``launch``): the two splits (``"fp16x3"``), the
+    product loop and, with K slices, their sum."""
+
+    def __init__(self, a, b, bias, precision, activation, slices):
+        M, K = a.shape
+        N = b.shape[0]
+        dev = a.device
+        self.device, self.device_index = dev, (dev.index if a.is_cuda else None)
+        self.sizes = (M, N, K)
+        p = gemm_plan(M, N, K, dev, precision, slices)
+        self.plan, self.activation = p, activation
+        self.empty = M == 0 or N == 0
+        self.zero = K == 0
+        self.bias_cast = bias is not None and bias.dtype != torch.float32
+        if self.empty or self.zero:
+            return
+        has_bias = bias is not None
+        self.split = p.precision == "fp16x3"
+        if self.split:
+            interpreted = not a.is_cuda
+            self.split_a = _Split(a.shape, a.stride(), dev, interpreted)
+            self.split_b = _Split(b.shape, b.stride(), dev, interpreted)
+            sa, sb, lo = self.split_a.strides, self.split_b.strides, (M * K, N * K)
+        else:
+            sa, sb, lo = a.stride(), b.stride(), (0, 0)
+        per = cdiv(cdiv(K, p.block_k), p.slices) * p.block_k
+        even_k = K % p.block_k == 0 and per % p.block_k == 0
+        sbias = bias.stride(0) if has_bias else 0
+        one = p.slices == 1
+        self.main = Launch(
+            _gemm_kernel, (cdiv(M, p.block_m) * cdiv(N, p.block_n), p.slices),
+            (M, N, K, per, *lo, *sa, *sb, sbias, M * N, N, 1),
+            dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
+                 PRECISION=p.precision, HAS_BIAS=has_bias and one, ACTIVATION=activation if one else None,
+                 EVEN_K=even_k),
+            p.num_warps, p.num_stages)
+        self.sum = None
+        if not one:
+            bm2, bn2 = 32, 128
+            self.sum = Launch(_sum_slices_kernel, (cdiv(M, bm2), cdiv(N, bn2)), (M, N, M * N, N, sbias, N, 1),
+                              dict(SLICES=p.slices, BLOCK_M=bm2, BLOCK_N=bn2, HAS_BIAS=has_bias,
+                                   ACTIVATION=activation), 4)
+
+    def run(self, a, b, bias):
+        M, N, K = self.sizes
+        dev = self.device
+        out = torch.empty((M, N), dtype=torch.float32, device=dev)
+        if self.empty:
+            return out
+        if self.zero:  # an empty sum: the bias (and its activation) alone
+            out.zero_()
+            if bias is not None:
+                out += bias.to(torch.float32)
+            return torch.nn.functional.gelu(out) if self.activation == "gelu" else out
+        if bias is None:
+            bias = out
+        elif self.bias_cast:
+            bias = bias.to(torch.float32)
+        if self.split:
+            a, a_exp = self.split_a(a)
+            b, b_exp = self.split_b(b)
+        else:
+            a_exp = b_exp = out
+        if self.sum is None:
+            self.main(a, a_exp, b, b_exp, bias, out)
+        else:
+            work = torch.empty((self.plan.slices, M, N), dtype=torch.float32, device=dev)
+            self.main(a, a_exp, b, b_exp, bias, work)
+            self.sum(work, bias, out)
+        return out
+
+
+_PROGRAMS = ProgramCache()
+
+
+def gemm(a: Tensor, b: Tensor, bias: Tensor | None = None, *, precision: str = "auto",
+         activation: str | None = None, slices: int | None = None) -> Tensor:
+    """``act(a @ b.T + bias)`` in float32 for float32 ``a [M, K]``, ``b [N, K]`` (any strides: ``b`` is a
+    linear layer's weight as stored; pass ``w.t()`` for ``x @ w``) and ``bias [N]``.
+
+    A trusted launcher (``elsa_vision.ops.linear`` checks the inputs). ``precision``: a float32 precision of
+    ``kernels.precision``; ``activation``: None or ``"gelu"`` (exact, erf); ``slices``: K slices (None: the
+    planner decides). Returns a new contiguous ``[M, N]`` float32 tensor.
+    """
+    program = _PROGRAMS(_GemmProgram, (a, b, bias), (precision, activation, slices))
+    return program(a, b, bias)

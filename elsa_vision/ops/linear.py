@@ -1,0 +1,190 @@
+"""The public FP32-accurate linear map: ``elsa_linear(x, weight, bias)``, ``torch.nn.functional.linear``'s
+contract computed on tensor cores at the project's float32 precisions.
+
+PyTorch runs a float32 ``nn.Linear`` on the GPU's FP32 SIMT cores (``allow_tf32`` off) or as one TF32 pass
+(~1e-3). ``elsa_linear`` computes float32 products with the split-precision GEMM (``kernels.gemm``): on sm90
+``"fp16x3"`` (three half-precision tensor-core products per tile, relative error below PyTorch FP32's), on
+other tensor-core GPUs ``"tf32x3"``. Everything else is ``torch.nn.functional.linear`` exactly as it is:
+float16 / bfloat16 / float64 inputs, autocast regions, CPU tensors, ``precision="ieee"`` (IEEE FP32, TF32 off)
+and ``"tf32"`` (one TF32 pass).
+
+Three tiers, as the attention op: two torch operators (``elsa_vision::linear_fwd`` / ``linear_bwd``, each a
+kernel and a fake kernel: one opaque node under ``torch.compile``), one ``autograd.Function`` (saves ``x`` and
+``weight``; the backward forms ``dX = dY W``, ``dW = dY^T X`` with the same kernels and ``db = sum dY``), and
+the public function, which checks its inputs once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kernels import triton_runs_on
+from ..kernels.precision import PRECISIONS
+from ._library import define_op
+from .attention import _cuda_matmul_precision, _shape, direct
+
+__all__ = ["elsa_linear", "LINEAR_BACKENDS", "linear_route"]
+
+LINEAR_BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.cache
+def _gemm():
+    from ..kernels import gemm
+
+    return gemm
+
+
+def linear_route(x: Tensor, precision: str, backend: str) -> str:
+    """Where ``elsa_linear`` computes a call on ``x``: ``"triton"`` (the split-precision GEMM) for float32
+    tensors the kernels can read when ``precision`` resolves to a tensor-core FP32 path outside autocast,
+    else ``"torch"`` (``F.linear``). ``backend="triton"`` asks for the GEMM whatever the precision (the
+    kernel then runs ``"ieee"`` / ``"tf32"`` itself)."""
+    if backend == "torch" or x.dtype != torch.float32:
+        return "torch"
+    if torch.is_autocast_enabled(x.device.type):
+        return "torch"  # autocast casts F.linear's operands to its dtype, as for nn.Linear
+    if backend == "triton":
+        return "triton"
+    if not x.is_cuda or precision in ("ieee", "tf32"):
+        return "torch"
+    from ..kernels.precision import resolve_precision
+
+    resolved = resolve_precision(precision, x.dtype, x.device, "gemm")
+    return "triton" if resolved in ("fp16x3", "tf32x3") else "torch"
+
+
+def _check(x, weight, bias, precision, backend) -> None:
+    who = "elsa_linear"
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{who}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{who}: `{name}` must be a floating-point tensor, got {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{who}: `weight` must have rank 2 [out_features, in_features], got "
+                         f"{_shape(weight)}")
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{who}: `x` must end with in_features = {weight.shape[1]} (weight "
+                         f"{_shape(weight)}), got x {_shape(x)}")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise TypeError(f"{who}: x and weight must share dtype and device, got x {x.dtype} on {x.device}, "
+                        f"weight {weight.dtype} on {weight.device}")
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"{who}: `bias` must be a tensor or None, got {type(bias).__name__}")
+        if bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype or bias.device != weight.device:
+            raise ValueError(f"{who}: `bias` must be [{weight.shape[0]}] of {weight.dtype} on "
+                             f"{weight.device}, got {_shape(bias)} of {bias.dtype} on {bias.device}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{who}: unknown precision {precision!r}; expected one of {PRECISIONS}")
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"{who}: unknown backend {backend!r}; expected one of {LINEAR_BACKENDS}")
+    if backend == "triton":
+        if x.dtype != torch.float32:
+            raise TypeError(f"{who}: backend='triton' takes float32 tensors (half precisions and float64 run "
+                            f"on backend='torch'), got {x.dtype}")
+        if not x.is_cuda and not torch.compiler.is_compiling() and not triton_runs_on(x.device):
+            raise ValueError(f"{who}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                             f"triton is imported), got x on {x.device}; use backend='auto' or 'torch'")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Triton path: two operators without autograd of their own, one autograd.Function around them.
+
+
+def _linear_fwd(x, weight, bias, precision):
+    return _gemm().gemm(x, weight, bias, precision=precision)
+
+
+def _linear_fwd_fake(x, weight, bias, precision):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _linear_bwd(dy, x, weight, precision, need_x, need_w, need_b):
+    gemm = _gemm().gemm
+    dx = gemm(dy, weight.t(), precision=precision) if need_x else dy.new_empty(0)
+    dw = gemm(dy.t(), x.t(), precision=precision) if need_w else dy.new_empty(0)
+    db = dy.sum(0) if need_b else dy.new_empty(0)
+    return dx, dw, db
+
+
+def _linear_bwd_fake(dy, x, weight, precision, need_x, need_w, need_b):
+    return (x.new_empty(x.shape) if need_x else dy.new_empty(0),
+            weight.new_empty(weight.shape) if need_w else dy.new_empty(0),
+            dy.new_empty(weight.shape[0]) if need_b else dy.new_empty(0))
+
+
+_LINEAR_FWD = define_op(
+    "linear_fwd", "(Tensor x, Tensor weight, Tensor? bias, str precision) -> Tensor",
+    _linear_fwd, _linear_fwd_fake,
+)
+_LINEAR_BWD = define_op(
+    "linear_bwd",
+    "(Tensor dy, Tensor x, Tensor weight, str precision, bool need_x, bool need_w, bool need_b) "
+    "-> (Tensor, Tensor, Tensor)",
+    _linear_bwd, _linear_bwd_fake,
+)
+
+
+class _ElsaLinear(torch.autograd.Function):
+    """The Triton path with autograd on 2-D ``x``: forward operator, saved ``(x, weight)``, backward
+    operator."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, precision):
+        args = (x, weight, bias, precision)
+        ctx.save_for_backward(x, weight)
+        ctx.precision, ctx.has_bias = precision, bias is not None
+        return _linear_fwd(*args) if direct(x) else _LINEAR_FWD(*args)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        args = (dy, x, weight, ctx.precision, need_x, need_w, need_b and ctx.has_bias)
+        dx, dw, db = _linear_bwd(*args) if direct(dy) else _LINEAR_BWD(*args)
+        return (dx if need_x else None), (dw if need_w else None), (db if args[-1] else None), None
+
+
+def _triton_linear(x2, weight, bias, precision):
+    if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _ElsaLinear.apply(x2, weight, bias, precision)
+    args = (x2, weight, bias, precision)
+    return _linear_fwd(*args) if direct(x2) else _LINEAR_FWD(*args)
+
+
+def elsa_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, precision: str = "auto",
+                backend: str = "auto") -> Tensor:
+    """``x @ weight.T + bias`` (``torch.nn.functional.linear``), FP32-accurate on tensor cores for float32.
+
+    Args:
+        x: ``[..., in_features]``, any strides.
+        weight: ``[out_features, in_features]``; bias: ``[out_features]`` or None. Same dtype and device as x.
+        precision: for float32 on CUDA: ``"auto"`` (FP32-accurate: ``"fp16x3"`` on sm90, ``"tf32x3"`` on
+            other tensor-core GPUs; relative error against float64 at or below PyTorch FP32's), ``"fp16x3"``,
+            ``"tf32x3"``, ``"ieee"`` (PyTorch's FP32 GEMM, TF32 off: the plain PyTorch result), ``"tf32"``
+            (PyTorch's TF32 GEMM, ~1e-3). See ``kernels.precision``.
+        backend: ``"auto"`` (the split-precision GEMM where ``precision`` asks for it on CUDA float32
+            outside autocast; ``F.linear`` otherwise), ``"torch"`` (always ``F.linear``), ``"triton"`` (the
+            GEMM at any float32 precision; CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+
+    Returns:
+        ``[..., out_features]`` in x's dtype; gradients flow to x, weight and bias on every path.
+    """
+    _check(x, weight, bias, precision, backend)
+    if linear_route(x, precision, backend) == "torch":
+        if x.dtype == torch.float32 and x.is_cuda and precision in ("ieee", "tf32"):
+            with _cuda_matmul_precision(precision == "tf32"):
+                return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    out = _triton_linear(x2, weight, bias, precision)
+    return out.view(*lead, weight.shape[0])
+

@@ -1,0 +1,187 @@
+"""The FP32-accurate GEMM (``kernels.gemm``) against float64: odd sizes, every float32 precision, K slices,
+bias and GELU epilogues, transposed views, tiny / huge / subnormal magnitudes and non-finite elements. CPU
+runs go through Triton's interpreter at small sizes; the ``gpu`` tests take the ViT shapes and K up to 8192
+and hold the kernel to PyTorch FP32's own error on the same inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from elsa_vision.kernels.gemm import gemm, gemm_plan, split_rows  # noqa: E402
+from tests.helpers import DEVICE, FP32_ACCURATE, TF32_BOUND, randn, relerr  # noqa: E402
+
+SIZES = [(37, 29, 45), (1, 70, 130), (65, 33, 257), (2, 3, 1)]  # (M, N, K), none a multiple of a tile
+
+
+def _ref(a, b, bias=None, gelu=False):
+    out = a.double() @ b.double().t()
+    if bias is not None:
+        out = out + bias.double()
+    return torch.nn.functional.gelu(out) if gelu else out
+
+
+@pytest.mark.parametrize("M,N,K", SIZES)
+@pytest.mark.parametrize("precision", ["fp16x3", "tf32x3", "ieee"])
+def test_fp32_accurate_against_float64(M, N, K, precision):
+    a, b, bias = randn(M, K, seed=1), randn(N, K, seed=2), randn(N, seed=3)
+    for slices in (1, 2, 3):
+        out = gemm(a, b, bias, precision=precision, slices=slices)
+        assert out.shape == (M, N) and out.dtype == torch.float32 and out.is_contiguous()
+        assert relerr(out, _ref(a, b, bias)) <= FP32_ACCURATE, (slices, relerr(out, _ref(a, b, bias)))
+
+
+def test_tf32_is_one_pass():
+    a, b = randn(64, 96, seed=1), randn(48, 96, seed=2)
+    err = relerr(gemm(a, b, precision="tf32"), _ref(a, b))
+    assert err <= TF32_BOUND
+    if DEVICE == "cuda":
+        assert err > 10 * FP32_ACCURATE  # really one TF32 pass on tensor cores
+
+
+def test_gelu_epilogue_and_no_bias():
+    a, b, bias = randn(37, 45, seed=1), randn(29, 45, seed=2), randn(29, seed=3)
+    for slices in (1, 2):
+        assert relerr(gemm(a, b, bias, precision="fp16x3", activation="gelu", slices=slices),
+                      _ref(a, b, bias, gelu=True)) <= FP32_ACCURATE
+    assert relerr(gemm(a, b, precision="fp16x3"), _ref(a, b)) <= FP32_ACCURATE
+
+
+def test_transposed_and_strided_views():
+    # the three products of a linear layer: x @ w.T, dy @ w, dy.T @ x
+    x, w, dy = randn(53, 40, seed=1), randn(24, 40, seed=2), randn(53, 24, seed=3)
+    for a, b in ((x, w), (dy, w.t()), (dy.t(), x.t()), (x[::2, 1:], w[:, 1:]), (x.t().contiguous().t(), w)):
+        assert relerr(gemm(a, b, precision="fp16x3"), _ref(a, b)) <= FP32_ACCURATE
+
+
+def test_empty_and_zero_k():
+    a, b, bias = randn(0, 8, seed=1), randn(5, 8, seed=2), randn(5, seed=3)
+    assert gemm(a, b, bias, precision="fp16x3").shape == (0, 5)
+    out = gemm(randn(3, 0, seed=1), randn(5, 0, seed=2), bias, precision="fp16x3", activation="gelu")
+    torch.testing.assert_close(out, torch.nn.functional.gelu(bias).expand(3, 5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scale_a,scale_b", [(1e-30, 1.0), (1.0, 1e-30), (1e25, 1e-20), (1e28, 1.0),
+                                             (1e-38, 1e3)])
+def test_tiny_and_huge_magnitudes(scale_a, scale_b):
+    a, b = randn(37, 45, seed=1, scale=scale_a), randn(29, 45, seed=2, scale=scale_b)
+    ref = _ref(a, b)
+    assert torch.isfinite(ref).all()
+    assert relerr(gemm(a, b, precision="fp16x3"), ref) <= FP32_ACCURATE
+
+
+def test_rows_of_very_different_magnitude_keep_their_own_precision():
+    # one scale per row: a row of 1e-20 next to a row of 1e20 (and a weight row of 1e15) stays exact
+    a, b = randn(9, 45, seed=1), randn(7, 45, seed=2)
+    a[3] *= 1e-20
+    a[5] *= 1e20
+    b[2] *= 1e15
+    out = gemm(a, b, precision="fp16x3")
+    # each element within 2^-20 of sum_k |a_ik| |b_jk| (the dot product's own scale), whatever the others
+    bound = a.double().abs() @ b.double().abs().t()
+    assert ((out.double() - _ref(a, b)).abs() <= 2.0 ** -20 * bound).all()
+
+
+def test_subnormal_operand():
+    a = randn(16, 40, seed=1, scale=1e-39)  # float32 subnormals
+    b = randn(12, 40, seed=2, scale=1e3)
+    assert (a.abs() < torch.finfo(torch.float32).tiny).float().mean() > 0.9
+    ref = _ref(a, b)
+    torch_err = relerr((a.double().float() @ b.t()).double(), ref) if DEVICE == "cpu" else None
+    err = relerr(gemm(a, b, precision="fp16x3"), ref)
+    assert err <= 1e-5, (err, torch_err)  # the outputs are ~1e-35: float32 itself keeps ~1e-7 relative
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_elements_stay_in_their_row_and_column(value):
+    a, b, bias = randn(37, 45, seed=1), randn(29, 45, seed=2), randn(29, seed=3)
+    a[4, 7] = value
+    b[11, 30] = value
+    out = gemm(a, b, bias, precision="fp16x3")
+    assert not torch.isfinite(out[4]).any() and not torch.isfinite(out[:, 11]).any()
+    keep_r = torch.arange(37, device=out.device) != 4
+    keep_c = torch.arange(29, device=out.device) != 11
+    clean = out[keep_r][:, keep_c]
+    assert torch.isfinite(clean).all()
+    a2, b2 = a.clone(), b.clone()
+    a2[4, 7] = 0.0
+    b2[11, 30] = 0.0
+    assert relerr(clean, _ref(a2, b2, bias)[keep_r][:, keep_c]) <= FP32_ACCURATE
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns", "strided"])
+def test_split_rows_reconstructs_each_row(layout):
+    x = randn(13, 70, seed=4) * torch.logspace(-20, 20, 13, device=DEVICE)[:, None]
+    wide = torch.zeros(13, 140, device=DEVICE)
+    wide[:, ::2] = x
+    view = {"rows": x, "columns": x.t().contiguous().t(), "strided": wide[:, ::2]}[layout]
+    parts, exp = split_rows(view)
+    assert parts.shape == (2, 13, 70) and parts.dtype == torch.float16 and exp.dtype == torch.int32
+    back = (parts[0].double() + parts[1].double()) * torch.pow(2.0, -exp.double())[:, None]
+    assert ((back - x.double()).abs() <= 2.0 ** -22 * x.double().abs() + 1e-45).all()
+    # the largest magnitude of every row scaled into [2^14, 2^15)
+    top = (x.double().abs().amax(1) * torch.pow(2.0, exp.double()))
+    assert ((top >= 2.0 ** 14) & (top < 2.0 ** 15)).all()
+
+
+def test_reruns_are_bitwise_equal():
+    a, b, bias = randn(65, 45, seed=1), randn(33, 45, seed=2), randn(33, seed=3)
+    first = gemm(a, b, bias, precision="fp16x3", slices=3)
+    for _ in range(3):
+        assert torch.equal(gemm(a, b, bias, precision="fp16x3", slices=3), first)
+
+
+def test_plan_cuts_k_only_when_tiles_do_not_fill_the_gpu(monkeypatch):
+    from elsa_vision.kernels import gemm as g
+    from elsa_vision.kernels import host
+
+    monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
+    g._plan.cache_clear()
+    try:
+        big = gemm_plan(12608, 2304, 768, "cpu")
+        assert big.precision == "fp16x3" and big.slices == 1 and (big.block_m, big.block_n) == (128, 128)
+        small = gemm_plan(768, 768, 12608, "cpu")  # 36 tiles: dW of a 768-wide projection
+        assert small.slices > 1 and 36 * small.slices <= 2 * 132
+        assert gemm_plan(64, 1000, 768, "cpu").slices > 1  # a classifier head on a small batch
+        assert gemm_plan(0, 5, 8, "cpu").slices == 1 and gemm_plan(5, 5, 0, "cpu").slices == 1
+        assert gemm_plan(12608, 2304, 768, "cpu", precision="tf32x3").precision == "tf32x3"
+    finally:
+        g._plan.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+def _torch_fp32(a, b):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return a @ b.t()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(12608, 2304, 768), (12608, 768, 3072), (3137, 771, 775), (197, 4096, 8192),
+                                   (2304, 768, 12608), (64, 1000, 768)])
+@pytest.mark.parametrize("precision", ["auto", "tf32x3"])
+def test_gpu_at_most_torch_fp32_error(M, N, K, precision):
+    a, b = randn(M, K, seed=5), randn(N, K, seed=6)
+    ref = _ref(a, b)
+    ours = relerr(gemm(a, b, precision=precision), ref)
+    theirs = relerr(_torch_fp32(a, b), ref)
+    assert ours <= max(theirs, 2e-7) and ours <= FP32_ACCURATE, (ours, theirs)
+
+
+@pytest.mark.gpu
+def test_gpu_split_and_strided_inputs_match_contiguous():
+    x, w = randn(3137, 768, seed=7), randn(2304, 768, seed=8)
+    dense = gemm(x, w, precision="auto")
+    xt = x.t().contiguous().t()
+    assert torch.equal(gemm(xt, w, precision="auto"), dense)  # split copies make the product layout-blind
+    dy = randn(3137, 2304, seed=9)
+    assert relerr(gemm(dy.t(), x.t(), precision="auto"), _ref(dy.t(), x.t())) <= FP32_ACCURATE
