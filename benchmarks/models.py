@@ -26,13 +26,28 @@ every peer, all on the device), so that every peer meets the same drift of the h
 printed.
 CUDA float32 matmuls run in IEEE FP32 (TF32 off) so that every peer computes the same thing.
 
+``--fp32`` runs the FP32 table instead: what a user who needs float32 can choose, for whole models (the
+attention and every linear layer). The peers, all from one set of random weights:
+
+* ``timm_fp32``  -- timm as shipped, float32, TF32 off (PyTorch's FP32 GEMMs on the SIMT cores),
+* ``timm_tf32``  -- the same with TF32 on (matmuls and convolutions: one TF32 pass, ~1e-3),
+* ``timm_bf16``  -- the same under ``torch.autocast(dtype=torch.bfloat16)``,
+* ``elsa``       -- ``ElsaViT`` / ``ElsaSwinV2.from_timm`` at ``--precision`` (default ``auto``: attention and
+  linear layers FP32-accurate on tensor cores),
+
+each with eager ms, CUDA-graph ms and ``relerr``: the logits' ``||out - ref|| / ||ref||`` against a float64
+copy of the model on the same input. Goals: elsa's speed over ``timm_fp32`` and an error at most
+``timm_fp32``'s. Rows go to ``logs/benchmarks/models_fp32_<gpu>.csv``.
+
     python -m benchmarks.models                         # the declared GPU cases
-    python -m benchmarks.models --device cpu --quick    # tiny smoke run
+    python -m benchmarks.models --fp32                  # the FP32 table
+    python -m benchmarks.models --device cpu --quick    # tiny smoke run (add --fp32 for the FP32 table's)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import re
@@ -107,8 +122,32 @@ QUICK_CASES = [
 ]
 
 
+# The FP32 table (``--fp32``): goals of elsa over timm_fp32 (H100).
+FP32_CASES = [
+    Case("vit_base_patch16_224", 224, 64, "fp32", goal=2.2),
+    Case("vit_base_patch16_224", 448, 8, "fp32", goal=2.2),
+    Case("vit_base_patch16_224", 896, 2, "fp32", goal=2.2),
+    Case("vit_large_patch16_224", 224, 32, "fp32", goal=2.2),
+    Case("vit_small_patch16_224", 1024, 2, "fp32", goal=2.2),
+    Case("swinv2_tiny_window8_256", 256, 32, "fp32", goal=2.0),
+    Case("vit_base_patch16_224", 224, 64, "fp32", goal=1.8, train=True),
+]
+QUICK_FP32_CASES = [
+    Case("vit_tiny_patch16_224", 64, 2, "fp32", kwargs=dict(depth=2)),
+    Case("swinv2_tiny_window8_256", 64, 2, "fp32", kwargs=dict(depths=(1, 2, 1, 1), embed_dim=24)),
+    Case("vit_tiny_patch16_224", 64, 2, "fp32", train=True, kwargs=dict(depth=2)),
+]
+FP32_PEERS = ("timm_fp32", "timm_tf32", "timm_bf16", "elsa")
+FP32_COLUMNS = columns("model", "img", "batch", "mode", "peer", "img_per_s", "ms", "graph_ms", "relerr")
+
+
 def _mode(case: Case) -> str:
     return "train" if case.train else "fwd"
+
+
+def _select(cases: list[Case], pattern: str) -> list[Case]:
+    """The cases whose ``model/img/batch/dtype/mode`` matches the regex ``pattern`` (all for "")."""
+    return [c for c in cases if re.search(pattern, f"{c.model}/{c.img}/{c.batch}/{c.dtype}/{_mode(c)}")]
 
 
 class NoAttention(torch.nn.Module):
@@ -259,6 +298,100 @@ def run_case(case: Case, device: torch.device, warmup: int, reps: int, precision
     return rows
 
 
+@contextlib.contextmanager
+def _tf32(on: bool):
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _fp32_peer_step(case: Case, peer: str, model, x):
+    """One timed call of an FP32-table peer: TF32 switched on or off around it, autocast for bf16."""
+    step = _step(case, model, x)
+    device_type = x.device.type
+
+    def call():
+        with _tf32(peer == "timm_tf32"):
+            if peer == "timm_bf16":
+                with torch.autocast(device_type, dtype=torch.bfloat16):
+                    return step()
+            return step()
+
+    return call
+
+
+def run_fp32_case(case: Case, device: torch.device, warmup: int, reps: int, precision: str) -> list[dict]:
+    """The FP32 table's row of one case: every peer's eager and graph time and its error against float64."""
+    peers = build_peers(case, precision)
+    timm_model, elsa = peers["timm_sdpa"], peers["elsa"]
+    # one copy per timm peer: a training step changes the weights the next peer's error is measured with
+    models = {"timm_fp32": timm_model, "timm_tf32": copy.deepcopy(timm_model),
+              "timm_bf16": copy.deepcopy(timm_model), "elsa": elsa}
+    x = torch.randn(case.batch, 3, case.img, case.img, device=device)
+    with torch.no_grad():
+        ref = copy.deepcopy(timm_model).to(device=device, dtype=torch.float64).eval()(x.double()).cpu()
+    rows = []
+    for peer in FP32_PEERS:
+        model = models[peer].to(device).train(case.train)
+        with torch.no_grad(), _tf32(peer == "timm_tf32"):
+            model.eval()
+            if peer == "timm_bf16":
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    out = model(x)
+            else:
+                out = model(x)
+            model.train(case.train)
+        err = (out.double().cpu() - ref).norm().item() / ref.norm().item()
+        call = _fp32_peer_step(case, peer, model, x)
+        ms = wall_ms_in_turns({peer: call}, device, warmup=warmup, reps=reps)[peer]
+        gms = math.nan
+        if device.type == "cuda" and not case.train:
+            gms = graph_ms(call, rep=200)
+        models[peer] = model.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(dict(peer=peer, img_per_s=case.batch / (ms / 1e3), ms=ms, graph_ms=gms, relerr=err))
+        print(f"  {peer:10s} {case.batch / (ms / 1e3):10.1f} img/s  {ms:9.3f} ms  graph {gms:8.3f} ms  "
+              f"relerr {err:.2e}", flush=True)
+    return rows
+
+
+def main_fp32(args, device, argv) -> str:
+    cases = _select(QUICK_FP32_CASES if args.quick else FP32_CASES, args.cases)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    reps = args.reps if args.reps is not None else (3 if args.quick else 20)
+    meta = run_info(device, __file__, argv)
+    results = []
+    with Results(args.out / f"models_fp32_{device_tag(device)}.csv", FP32_COLUMNS, meta) as out:
+        for case in cases:
+            print(f"{case.model} img {case.img} batch {case.batch} fp32 {_mode(case)}", flush=True)
+            rows = run_fp32_case(case, device, warmup, reps, args.precision)
+            for r in rows:
+                out.write({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()},
+                          model=case.model, img=case.img, batch=case.batch, mode=_mode(case))
+            results.append((case, {r["peer"]: r for r in rows}))
+    print(f"\nFP32 table (speed over timm_fp32; relerr vs float64), {meta['device']}, torch {meta['torch']}, "
+          f"triton {meta['triton']}")
+    print(f"{'case':44s} {'tf32':>6s} {'bf16':>6s} {'elsa':>6s} {'graph':>6s} {'goal':>5s} {'err fp32':>9s} "
+          f"{'err tf32':>9s} {'err bf16':>9s} {'err elsa':>9s}  status")
+    for case, r in results:
+        f = r["timm_fp32"]
+        speed = {p: f["ms"] / r[p]["ms"] for p in FP32_PEERS}
+        graph = f["graph_ms"] / r["elsa"]["graph_ms"]
+        misses = [what for what, bad in (("speed", not speed["elsa"] >= case.goal),
+                                         ("error", not r["elsa"]["relerr"] <= f["relerr"])) if bad]
+        name = f"{case.model} {case.img}px b{case.batch}{' train' if case.train else ''}"
+        print(f"{name:44s} {speed['timm_tf32']:6.2f} {speed['timm_bf16']:6.2f} {speed['elsa']:6.2f} "
+              f"{graph:6.2f} {case.goal:5.2f} {f['relerr']:9.2e} {r['timm_tf32']['relerr']:9.2e} "
+              f"{r['timm_bf16']['relerr']:9.2e} {r['elsa']['relerr']:9.2e}  "
+              f"{'below goal (' + ', '.join(misses) + ')' if misses else 'meets goal'}")
+    print(f"\nwrote {out.path}")
+    return str(out.path)
+
+
 def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,6 +400,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--cases", default="",
                    help="regex on 'model/img/batch/dtype/mode' (mode: fwd | train) selecting cases")
     p.add_argument("--precision", default="auto", help="ElsaViT attn_precision for float32")
+    p.add_argument("--fp32", action="store_true",
+                   help="the FP32 table: timm FP32 / TF32 / bf16 autocast vs elsa, with errors vs float64")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
     add_out_dir(p)
@@ -279,10 +414,9 @@ def main(argv: list[str] | None = None) -> str:
         # Every peer in IEEE FP32: TF32 would change the numbers of timm and ELSA differently.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    cases = QUICK_CASES if args.quick else CASES
-    if args.cases:
-        cases = [c for c in cases
-                 if re.search(args.cases, f"{c.model}/{c.img}/{c.batch}/{c.dtype}/{_mode(c)}")]
+    if args.fp32:
+        return main_fp32(args, device, argv)
+    cases = _select(QUICK_CASES if args.quick else CASES, args.cases)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
     reps = args.reps if args.reps is not None else (3 if args.quick else 30)
 

@@ -216,9 +216,10 @@ def _split_columns_kernel(
     CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     """Split the columns ``r`` of ``X [L, R]`` (columns contiguous; one scale per column, from the ``CHUNKS``
-    partial maxima): float16 ``PARTS [2, L, R]`` in ``X``'s layout (the low parts ``lo`` elements after the
-    high ones), int32 ``EXP [R]``. The rows of the product are the columns of ``X``: ``PARTS`` is read as its
-    transposed view, so that neither the read nor the write crosses the layout."""
+    partial maxima) into float16 ``PARTS [2, R, L]``, each column's parts contiguous (the low parts ``lo``
+    elements after the high ones), and int32 ``EXP [R]``: a transpose on the way, read and written along the
+    contiguous dims (the product's operands must be K-contiguous: Triton's loads of transposed float16
+    operands measured 2-3x slower in the product loop)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     r_ok = offs_r < R
@@ -232,7 +233,7 @@ def _split_columns_kernel(
     rows = offs_l[:, None].to(tl.int64)
     x = tl.load(X + rows * stride_xl + offs_r[None, :], mask=mask, other=0.0)
     hi, low = f16_pair(x * pow2(c)[None, :])
-    out = rows * R + offs_r[None, :]
+    out = offs_r[None, :].to(tl.int64) * L + rows
     tl.store(PARTS + out, hi, mask=mask)
     tl.store(PARTS + lo + out, low, mask=mask)
 
@@ -324,8 +325,8 @@ class _Split:
 
     * rows contiguous: one kernel (``_split_rows_kernel``), parts stored ``[2, R, L]``;
     * columns contiguous (a transposed view, such as a weight gradient's ``dy.T``): the column maxima in
-      chunks of rows (``_column_amax_kernel``), then the split in the operand's own layout
-      (``_split_columns_kernel``): parts stored ``[2, L, R]`` and handed on as their transposed view;
+      chunks of rows (``_column_amax_kernel``), then the split, transposed on the way
+      (``_split_columns_kernel``);
     * other strides: copied to rows-contiguous first.
     """
 
@@ -352,29 +353,23 @@ class _Split:
         self.split = Launch(_split_columns_kernel, (cdiv(R, br), cdiv(L, bl2)), (R, L, R * L, strides[1]),
                             dict(CHUNKS=chunks, BLOCK_R=br, BLOCK_L=bl2), 8 if bl2 >= 256 else 4)
 
-    @property
-    def strides(self) -> tuple[int, int]:
-        """(row, column) strides of the high (and low) parts as the product reads them."""
-        return (1, self.R) if self.columns else (self.L, 1)
-
     def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
         R, L, dev = self.R, self.L, self.device
         exp = torch.empty((R,), dtype=torch.int32, device=dev)
+        parts = torch.empty((2, R, L), dtype=torch.float16, device=dev)
         if not self.columns:
-            parts = torch.empty((2, R, L), dtype=torch.float16, device=dev)
             self.launch(x.contiguous() if self.copy else x, parts, exp)
             return parts, exp
-        parts = torch.empty((2, L, R), dtype=torch.float16, device=dev)
         partial = torch.empty((self.chunks, R), dtype=torch.float32, device=dev)
         self.amax(x, partial)
         self.split(x, partial, parts, exp)
-        return parts.transpose(1, 2), exp
+        return parts, exp
 
 
 def split_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(parts, exp)`` of float32 ``x [R, L]`` (any strides): one power-of-two scale per row, float16
-    ``parts [2, R, L]`` with ``x[r] * 2**exp[r] == parts[0, r] + parts[1, r]`` to 22 bits (stored in ``x``'s
-    orientation: a transposed ``x`` gives transposed parts), int32 ``exp [R]``."""
+    ``parts [2, R, L]`` (contiguous) with ``x[r] * 2**exp[r] == parts[0, r] + parts[1, r]`` to 22 bits, int32
+    ``exp [R]``."""
     R, L = x.shape
     if R == 0 or L == 0:
         return (torch.empty((2, R, L), dtype=torch.float16, device=x.device),
@@ -405,7 +400,7 @@ class _GemmProgram(Program):
             interpreted = not a.is_cuda
             self.split_a = _Split(a.shape, a.stride(), dev, interpreted)
             self.split_b = _Split(b.shape, b.stride(), dev, interpreted)
-            sa, sb, lo = self.split_a.strides, self.split_b.strides, (M * K, N * K)
+            sa, sb, lo = (K, 1), (K, 1), (M * K, N * K)
         else:
             sa, sb, lo = a.stride(), b.stride(), (0, 0)
         per = cdiv(cdiv(K, p.block_k), p.slices) * p.block_k

@@ -184,7 +184,7 @@ def elsa_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, precis
                 return F.linear(x, weight, bias)
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(lead.numel(), x.shape[-1])
     out = _triton_linear(x2, weight, bias, precision)
     return out.view(*lead, weight.shape[0])
 

@@ -27,7 +27,7 @@ FLAGS = {
     "highres": ["--quick", "--device", "--repeats", "--attn-backend", "--out"],
     "host": ["--calls", "--dtypes", "--breakdown", "--label", "--profile", "--out"],
     "hsi": ["--quick", "--device", "--mode", "--reps", "--json", "--part", "--scene-reps", "--out"],
-    "models": ["--device", "--quick", "--cases", "--precision", "--warmup", "--reps", "--out"],
+    "models": ["--device", "--quick", "--cases", "--precision", "--fp32", "--warmup", "--reps", "--out"],
     "train_throughput": ["--device", "--quick", "--root", "--batch-size", "--steps", "--workers", "--out"],
     "vggt": ["--quick", "--full", "--device", "--reps", "--out"],
 }

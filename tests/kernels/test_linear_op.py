@@ -1,0 +1,159 @@
+"""``elsa_linear``: ``F.linear``'s contract, FP32-accurate on tensor cores, forward and backward, against
+float64; the paths that stay ``F.linear``; refusals; the operators under opcheck, compile and CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from elsa_vision.ops.linear import elsa_linear, linear_route  # noqa: E402
+from tests.helpers import DEVICE, FP32_ACCURATE, randn, relerr  # noqa: E402
+
+# the Triton path on this machine: CUDA, or the interpreter on CPU tensors (backend="triton" asks for it)
+TRITON = "auto" if DEVICE == "cuda" else "triton"
+
+
+def _grads64(x, w, b, g):
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    b64 = b.double().requires_grad_() if b is not None else None
+    out = F.linear(x64, w64, b64)
+    out.backward(g.double())
+    return out, x64.grad, w64.grad, (b64.grad if b is not None else None)
+
+
+@pytest.mark.parametrize("shape,out_features", [((3, 7, 45), 29), ((1, 130), 70), ((2, 5, 3, 33), 17)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("precision", ["auto", "fp16x3", "tf32x3"])
+def test_forward_and_backward_against_float64(shape, out_features, bias, precision):
+    x = randn(*shape, seed=1).requires_grad_()
+    w = randn(out_features, shape[-1], seed=2).requires_grad_()
+    b = randn(out_features, seed=3).requires_grad_() if bias else None
+    g = randn(*shape[:-1], out_features, seed=4)
+    out = elsa_linear(x, w, b, precision=precision, backend=TRITON)
+    out.backward(g)
+    ref, dx, dw, db = _grads64(x.detach(), w.detach(), b.detach() if bias else None, g)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert relerr(out, ref) <= FP32_ACCURATE
+    assert relerr(x.grad, dx) <= FP32_ACCURATE and relerr(w.grad, dw) <= FP32_ACCURATE
+    if bias:
+        assert relerr(b.grad, db) <= FP32_ACCURATE
+
+
+def test_strided_input_and_partial_grads():
+    base = randn(40, 90, seed=1)
+    x = base[::2, ::2]  # [20, 45], strided both ways
+    w = randn(29, 45, seed=2).requires_grad_()
+    out = elsa_linear(x, w, precision="fp16x3", backend=TRITON)
+    out.sum().backward()  # only the weight wants a gradient: no dX product
+    ref, _, dw, _ = _grads64(x, w.detach(), None, torch.ones(20, 29, device=DEVICE))
+    assert relerr(out, ref) <= FP32_ACCURATE and relerr(w.grad, dw) <= FP32_ACCURATE
+
+
+def test_routes_that_stay_f_linear():
+    x, w, b = randn(4, 16, seed=1), randn(8, 16, seed=2), randn(8, seed=3)
+    # half precisions and float64: F.linear bit for bit
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        xd, wd, bd = x.to(dtype), w.to(dtype), b.to(dtype)
+        assert linear_route(xd, "auto", "auto") == "torch"
+        assert torch.equal(elsa_linear(xd, wd, bd), F.linear(xd, wd, bd))
+    # backend="torch", and ieee / tf32 precisions: PyTorch's own GEMM
+    for precision, backend in (("auto", "torch"), ("ieee", "auto"), ("tf32", "auto")):
+        assert linear_route(x, precision, backend) == "torch"
+    assert torch.equal(elsa_linear(x, w, b, backend="torch"), F.linear(x, w, b))
+    assert torch.equal(elsa_linear(x, w, b, precision="ieee"), F.linear(x, w, b))
+    # autocast regions: the autocast dtype, as nn.Linear
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert linear_route(x, "auto", TRITON) == "torch"
+        out = elsa_linear(x, w, b, backend=TRITON)
+    assert out.dtype == torch.bfloat16
+    if DEVICE == "cpu":  # the CPU's float32 "auto" is F.linear itself
+        assert linear_route(x, "auto", "auto") == "torch"
+        assert torch.equal(elsa_linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda x, w, b: elsa_linear(x, w[:, :3], b), ValueError, "in_features = 3"),
+    (lambda x, w, b: elsa_linear(x, w[0], b), ValueError, "rank 2"),
+    (lambda x, w, b: elsa_linear(x, w.double(), b), TypeError, "share dtype"),
+    (lambda x, w, b: elsa_linear(x, w, b[:3]), ValueError, "`bias` must be"),
+    (lambda x, w, b: elsa_linear(x.int(), w, b), TypeError, "floating-point"),
+    (lambda x, w, b: elsa_linear(x, w, b, precision="fp8"), ValueError, "unknown precision"),
+    (lambda x, w, b: elsa_linear(x, w, b, backend="eca"), ValueError, "unknown backend"),
+    (lambda x, w, b: elsa_linear(x.bfloat16(), w.bfloat16(), b.bfloat16(), backend="triton"), TypeError,
+     "float32"),
+    (lambda x, w, b: elsa_linear(x, w, [0.0] * 8), TypeError, "`bias` must be a tensor"),
+])
+def test_refusals_name_the_argument(call, error, match):
+    x, w, b = randn(4, 16, seed=1), randn(8, 16, seed=2), randn(8, seed=3)
+    with pytest.raises(error, match=match):
+        call(x, w, b)
+
+
+def test_operators_pass_opcheck():
+    import elsa_vision.ops.linear  # noqa: F401  (registers the operators)
+
+    x, w, b = randn(9, 20, seed=1), randn(7, 20, seed=2), randn(7, seed=3)
+    dy = randn(9, 7, seed=4)
+    torch.library.opcheck(torch.ops.elsa_vision.linear_fwd.default, (x, w, b, "fp16x3"),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.elsa_vision.linear_bwd.default, (dy, x, w, "fp16x3", True, True, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_empty_batch_and_zero_in_features():
+    w, b = randn(5, 8, seed=2), randn(5, seed=3)
+    assert elsa_linear(randn(0, 8, seed=1), w, b, backend=TRITON).shape == (0, 5)
+    out = elsa_linear(randn(3, 0, seed=1), randn(5, 0, seed=2), b, backend=TRITON)
+    torch.testing.assert_close(out, b.expand(3, 5), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
+    x = randn(197, 768, seed=1).requires_grad_()
+    w = randn(2304, 768, seed=2).requires_grad_()
+    b = randn(2304, seed=3).requires_grad_()
+
+    def step(x, w, b):
+        out = elsa_linear(x, w, b)
+        return out, torch.autograd.grad(out.square().sum(), (x, w, b))
+
+    eager = step(x, w, b)
+    compiled = torch.compile(step, fullgraph=True)(x, w, b)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-5)
+    for c, e in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-3)
+    with torch.no_grad():
+        static = x.detach().clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            elsa_linear(static, w, b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = elsa_linear(static, w, b)
+        graph.replay()
+        first = replayed.clone()
+        graph.replay()
+        assert torch.equal(replayed, first) and torch.equal(first, elsa_linear(static, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(12608, 768, 2304), (785, 3072, 768), (197, 1024, 4096)])
+def test_gpu_error_at_most_torch_fp32(M, K, N):
+    x, w, b = randn(M, K, seed=5), randn(N, K, seed=6), randn(N, seed=7)
+    ref = F.linear(x.double(), w.double(), b.double())
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        theirs = relerr(F.linear(x, w, b), ref)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert linear_route(x, "auto", "auto") == "triton"
+    assert relerr(elsa_linear(x, w, b), ref) <= max(theirs, 2e-7)
