@@ -37,7 +37,7 @@ import shutil
 import sys
 import warnings
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -244,8 +244,11 @@ def _read_checkpoint(path: str, map_location: Any, torchscript: bool, mmap: bool
                 "(torch.save(module.state_dict(), path)) or pass a .safetensors file"
             )
         return read_torchscript_state_dict(path)
+    if kind == "torch":
+        with _open_zip(path) as zf:
+            _check_records(path, zf, stored=lambda name: True)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and kind == "torch")
+        obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and kind == "torch")
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"{path!r} holds Python objects that a weights-only load does not rebuild "
@@ -253,6 +256,114 @@ def _read_checkpoint(path: str, map_location: Any, torchscript: bool, mmap: bool
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path!r} is a truncated or damaged checkpoint: {_first_line(e)}") from e
+    _check_tensors(obj, path)
+    return obj
+
+
+def _open_zip(path: str) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ValueError(f"{path!r} is a damaged zip archive: {e}") from e
+
+
+def _check_records(path: str, zf: zipfile.ZipFile, stored: Callable[[str], bool]) -> None:
+    """Refuse a ``torch.save`` / ``torch.jit.save`` archive whose records could make a reader allocate more
+    than the file holds, before any record is read.
+
+    Both writers store every tensor and pickle record uncompressed (TorchScript deflates only its ``code/``
+    records), so the records ``stored(name)`` names must be stored: a deflated record inflates to whatever
+    its header declares (1 MB of zeros deflates to 1 KB). And the records must not overlap: each one's
+    declared bytes lie in the file, apart from every other record's, so reading all of them allocates at
+    most the file's size (records pointing at the same bytes would each be read in full).
+    """
+    size = os.path.getsize(path)
+    spans = []
+    for info in zf.infolist():
+        if stored(info.filename) and (
+            info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size
+        ):
+            raise ValueError(
+                f"{path!r}: record {info.filename!r} is compressed (method {info.compress_type}, "
+                f"{info.compress_size:,} bytes declaring {info.file_size:,}); torch.save stores its records "
+                "uncompressed and a compressed record can inflate to any size, so it is not read"
+            )
+        spans.append((info.header_offset, info.header_offset + info.compress_size, info.filename))
+    spans.sort()
+    for (start, end, name), (after, _, other) in zip(spans, spans[1:] + [(size, size, None)]):
+        if end > after:
+            where = f"into record {other!r}" if other else f"past the end of the {size:,}-byte file"
+            raise ValueError(
+                f"{path!r}: record {name!r} declares {end - start:,} bytes at offset {start:,}, which reach "
+                f"{where}: a forged archive"
+            )
+
+
+def _check_tensors(obj: Any, path: str) -> None:
+    """Refuse a checkpoint whose tensors describe more data than its file holds.
+
+    ``torch.load`` rebuilds each tensor as a view (offset, sizes, strides) of a storage read from the file, so
+    a few bytes of storage can carry a tensor of any size: an ``expand``ed (stride-0) or overlapping view, or
+    the same bytes viewed again and again, which the first copy, ``.to()`` or a model built from the
+    tensor's shape turns into real memory. So every tensor in ``obj`` must be dense (strided), lie inside
+    its storage and have no more elements than it; the storages together hold no more bytes than the file;
+    and the distinct views together describe at most twice what their storages hold (one weight under two
+    names, as tied embeddings, is the most a saved module shares; a view saved under several names, as
+    ``state_dict()`` gives for a module registered twice, counts once).
+    """
+    file_bytes = os.path.getsize(path)
+    storages: dict[int, int] = {}
+    views: set[tuple] = set()
+    described = 0
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, Tensor):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            nbytes = _tensor_extent(item, where, path, storages)
+            view = (item.untyped_storage()._cdata, item.storage_offset(), item.dtype, tuple(item.shape),
+                    item.stride())
+            if view not in views:
+                views.add(view)
+                described += nbytes
+        elif isinstance(item, (Mapping, list, tuple, set, frozenset)) and id(item) not in seen:
+            seen.add(id(item))  # containers shared many times (a pickle can nest them) are walked once
+            pairs = item.items() if isinstance(item, Mapping) else enumerate(item)
+            stack.extend((v, f"{where}[{k!r}]") for k, v in pairs)
+    held = sum(storages.values())
+    if held > file_bytes:
+        raise ValueError(
+            f"{path!r}: its tensors' storages declare {held:,} bytes, more than the {file_bytes:,}-byte file "
+            "holds (a forged checkpoint)"
+        )
+    if described > 2 * held:
+        raise ValueError(
+            f"{path!r}: its tensors describe {described:,} bytes over {held:,} bytes of storage: the same "
+            "data viewed under many names (a forged checkpoint); save each tensor once (.clone())"
+        )
+
+
+def _tensor_extent(t: Tensor, where: str, path: str, storages: dict[int, int]) -> int:
+    """``t``'s size in bytes once dense, after checking it is a dense view inside its storage, no larger
+    than it (see :func:`_check_tensors`); its storage is recorded in ``storages`` (id -> bytes)."""
+    name = f"tensor {where}" if where else "the tensor"
+    if t.layout != torch.strided:
+        raise ValueError(f"{path!r}: {name} is a {t.layout} tensor; checkpoints of weights are dense")
+    storage = t.untyped_storage()
+    storages[storage._cdata] = storage.nbytes()
+    elements = storage.nbytes() // t.element_size()
+    numel = t.numel()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if numel else -1
+    if numel > elements or last >= elements:
+        raise ValueError(
+            f"{path!r}: {name} declares shape {tuple(t.shape)} ({numel:,} elements, strides {t.stride()}) "
+            f"over a storage of {elements:,} elements: an expanded (stride-0) or overlapping view, or a "
+            "forged checkpoint; save it with .contiguous()"
+        )
+    return numel * t.element_size()
 
 
 # Keys under which training scripts nest the weights, in the order they are taken: timm's EMA weights first
@@ -536,6 +647,9 @@ def read_torchscript_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
         if len(pkl) != 1:
             raise ValueError(f"TorchScript archive {path!r} has {len(pkl)} data.pkl records, expected one")
         prefix = pkl[0][: -len("data.pkl")]
+        # the module pickle and the tensors are read whole; code records (deflated by torch.jit.save) are
+        # read one at a time, each at most _TS_MAX_CODE_BYTES
+        _check_records(path, zf, stored=lambda name: name == pkl[0] or name.startswith(f"{prefix}data/"))
         order = f"{prefix}byteorder"
         if order in zf.namelist() and zf.read(order).decode(errors="replace").strip() != sys.byteorder:
             raise ValueError(f"TorchScript archive {path!r} was written on a machine of another byte order")
@@ -549,6 +663,7 @@ def read_torchscript_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
         raise ValueError(f"TorchScript archive {path!r} does not hold a module (data.pkl is a {type(root)})")
     out: dict[str, Tensor] = {}
     _collect(root, "", decls, out, path, set())
+    _check_tensors(out, path)
     return out
 
 

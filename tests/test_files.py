@@ -96,6 +96,94 @@ def test_truncated_checkpoint_and_torchscript_are_reported(tmp_path):
     assert sd.keys() == {"weight", "bias"} and torch.equal(sd["weight"], scripted.weight.detach())
 
 
+def _rezip(src, dst, deflate):
+    """``src`` (a torch.save zip) rewritten with the records whose names end with one of ``deflate``
+    deflate-compressed."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            method = zipfile.ZIP_DEFLATED if info.filename.endswith(deflate) else zipfile.ZIP_STORED
+            zout.writestr(info.filename, zin.read(info), compress_type=method)
+    return dst
+
+
+def _declare_record_size(path, name, size):
+    """Overwrite the sizes the central directory of zip ``path`` declares for record ``name``."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    end = data.rfind(b"PK\x05\x06")  # end of central directory: its offset at bytes 16..20
+    pos = struct.unpack("<I", data[end + 16 : end + 20])[0]
+    while data[pos + 46 : pos + 46 + len(name)] != name.encode():
+        nlen, xlen, clen = struct.unpack("<HHH", data[pos + 28 : pos + 34])
+        pos += 46 + nlen + xlen + clen
+    data[pos + 20 : pos + 28] = struct.pack("<II", size, size)  # compressed and uncompressed sizes
+    path.write_bytes(bytes(data))
+    return path
+
+
+class _Expanded(torch.nn.Module):
+    """A TorchScript module whose buffer is one float viewed as 2**40 (stride 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(1).expand(2**40))
+
+    def forward(self, x):
+        return x
+
+
+def test_compressed_or_overlapping_records_are_refused_before_inflating(tmp_path, monkeypatch):
+    """A deflated data.pkl or data/N record inflates to whatever its header declares (here 8 MiB from a few
+    KB); records reaching into each other would each be read in full. Refused from the zip directory,
+    before torch.load reads any record."""
+    torch.save({"w": torch.zeros(2**21)}, tmp_path / "plain.pt")
+    assert read_checkpoint(tmp_path / "plain.pt")["w"].shape == (2**21,)
+    bomb = _rezip(tmp_path / "plain.pt", tmp_path / "bomb.pt", deflate=("/data/0",))
+    pickled = _rezip(tmp_path / "plain.pt", tmp_path / "pickle.pt", deflate=("/data.pkl",))
+    assert bomb.stat().st_size < 64 * 2**10
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load read a refused archive"))
+    with pytest.raises(ValueError, match=r"bomb\.pt': record '.*data/0' is compressed .* declaring 8,388,"):
+        read_checkpoint(bomb)
+    with pytest.raises(ValueError, match=r"pickle\.pt': record '.*data\.pkl' is compressed"):
+        read_weights(pickled, arg="--weights")
+    forged = _declare_record_size(tmp_path / "plain.pt", "plain/data/0", 2**30)
+    with pytest.raises(ValueError, match=r"record 'plain/data/0' declares 1,073,741,824 bytes .* forged"):
+        read_checkpoint(forged)
+    scripted = torch.jit.script(torch.nn.Linear(2, 3))
+    torch.jit.save(scripted, str(tmp_path / "lin.pt"))
+    _rezip(tmp_path / "lin.pt", tmp_path / "lin_deflated.pt", deflate=("/data.pkl",))
+    with pytest.raises(ValueError, match=r"record 'lin/data\.pkl' is compressed"):
+        read_checkpoint(tmp_path / "lin_deflated.pt", torchscript=True)
+    assert read_checkpoint(tmp_path / "lin.pt", torchscript=True).keys() == {"weight", "bias"}
+
+
+def test_tensors_larger_than_their_storage_are_refused(tmp_path):
+    """A stride-0 (expanded) view declares any number of elements over a few bytes: 3,000,000 classes from
+    16 bytes, 2**40 floats in a TorchScript buffer; the same bytes viewed under many names likewise. Shared
+    weights as modules save them (tied, registered twice, transposed) still load."""
+    torch.save({"head.weight": torch.zeros(1, 4).expand(3_000_000, 4)}, tmp_path / "head.pt")
+    assert (tmp_path / "head.pt").stat().st_size < 2000
+    refused = r"head\.pt': tensor \['head\.weight'\] declares shape \(3000000, 4\) .* storage of 4 elements"
+    with pytest.raises(ValueError, match=refused):
+        read_weights(tmp_path / "head.pt")
+    base = torch.randn(1024)
+    torch.save({f"k{i}": base[i : i + 1000] for i in range(5)}, tmp_path / "views.pt")
+    with pytest.raises(ValueError, match=r"views\.pt': its tensors describe 20,000 bytes over 4,096 bytes"):
+        read_checkpoint(tmp_path / "views.pt")
+    torch.jit.save(torch.jit.script(_Expanded()), str(tmp_path / "expanded.pt"))
+    with pytest.raises(ValueError, match=r"expanded\.pt': tensor \['b'\] declares shape \(1099511627776,\)"):
+        read_checkpoint(tmp_path / "expanded.pt", torchscript=True)
+    emb = torch.nn.Embedding(10, 4)
+    net = torch.nn.ModuleDict({"a": emb, "b": emb, "c": emb, "d": torch.nn.Linear(4, 10)})
+    net["d"].weight = emb.weight  # tied: one storage, two names (and three registrations of emb)
+    state = dict(net.state_dict(), transposed=emb.weight.detach().t())
+    torch.save(state, tmp_path / "shared.pt")
+    loaded = read_weights(tmp_path / "shared.pt")
+    assert set(loaded) == set(state) and torch.equal(loaded["d.weight"], emb.weight.detach())
+
+
 # --------------------------------------------------------------------------------------- declared sizes
 
 
