@@ -34,6 +34,7 @@ import pickle
 import re
 import secrets
 import shutil
+import stat
 import sys
 import warnings
 import zipfile
@@ -57,6 +58,7 @@ __all__ = [
     "add_output_arguments",
     "check_array_bytes",
     "check_image_pixels",
+    "check_regular_file",
     "checkpoint_kind",
     "link_atomically",
     "npy_header",
@@ -697,6 +699,38 @@ def _collect(obj: _ScriptObject, prefix: str, decls: Mapping, out: dict, path: s
 # -------------------------------------------------------------------------------------- size limits
 
 
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_regular_file(path: str | os.PathLike, what: str = "input file") -> str:
+    """Refuse ``path`` unless it is a regular file (symbolic links followed), before anything opens it: a
+    FIFO blocks its reader until some other process writes to it, a device such as ``/dev/zero`` never
+    ends. Returns ``os.fspath(path)``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: it is a directory, FIFO, device or socket, or cannot be examined; ``what`` (the
+            caller's name for the file) starts the message.
+    """
+    path = os.fspath(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path!r} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"{what} {path!r} cannot be read: {e.strerror or e}") from e
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+        raise ValueError(f"{what} {path!r} is {kind}; only regular files are read")
+    return path
+
+
 def _too_many_pixels(path: str | os.PathLike, pixels: str, limit: int) -> FileTooLargeError:
     return FileTooLargeError(
         f"image {os.fspath(path)!r} declares {pixels} pixels, more than the limit of {int(limit):,} (a "
@@ -723,6 +757,7 @@ def open_image(path: str | os.PathLike, max_pixels: int | None = None):
     same ``FileTooLargeError`` naming the file."""
     from PIL import Image
 
+    check_regular_file(path, "image")
     try:
         with warnings.catch_warnings():
             # Pillow warns between 1x and 2x its limit and refuses above; the limit is enforced below
@@ -768,17 +803,24 @@ def check_array_bytes(
     dtype: Any,
     max_bytes: int | None = None,
     what: str = "array",
+    held: int = 0,
 ) -> int:
     """Refuse an array whose declared ``shape`` x ``dtype`` exceeds ``max_bytes`` (default
-    :data:`DEFAULT_MAX_ARRAY_BYTES`); returns the declared size in bytes."""
+    :data:`DEFAULT_MAX_ARRAY_BYTES`); returns the declared size in bytes.
+
+    ``held``: bytes the reader already holds for this file (the arrays decoded so far, the decoded data an
+    image is converted from): the new array must fit beside them, so that ``max_bytes`` bounds what the
+    reader allocates at once, not only each array it declares. Checked before the array is allocated.
+    """
     limit = DEFAULT_MAX_ARRAY_BYTES if max_bytes is None else int(max_bytes)
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
-    if nbytes > limit:
+    if nbytes + held > limit:
+        where = f"beside {held / 2**30:.1f} GiB held for the same file" if held else "when decoded"
         raise FileTooLargeError(
-            f"{os.fspath(path)!r}: {what} of shape {shape} {dtype} would take {nbytes / 2**30:.1f} GiB when "
-            f"decoded, more than the limit of {limit / 2**30:.1f} GiB (a decompression bomb or a forged "
+            f"{os.fspath(path)!r}: {what} of shape {shape} {dtype} would take {nbytes / 2**30:.1f} GiB "
+            f"{where}, more than the limit of {limit / 2**30:.1f} GiB (a decompression bomb or a forged "
             "header?); raise the input size limit (--max-input-gib, data.max_input_gib) to read it"
         )
     return nbytes
@@ -806,7 +848,7 @@ def read_npy(path: str | os.PathLike, max_bytes: int | None = None) -> np.ndarra
     """``np.load(path, allow_pickle=False)`` for a ``.npy`` file, after checking its header: the declared
     shape must fit ``max_bytes`` and the file must hold that many bytes (a short file is refused before any
     allocation)."""
-    path = os.fspath(path)
+    path = check_regular_file(path, ".npy file")
     try:
         with open(path, "rb") as f:
             shape, dtype = npy_header(f, repr(path))
