@@ -385,6 +385,77 @@ def test_forged_hdf5_and_npz_are_refused_before_reading(tmp_path):
         load_cube(tmp_path / "scene.npz", max_bytes=100)
 
 
+@pytest.fixture
+def fifo(tmp_path):
+    """Makes FIFOs in ``tmp_path``. A reader that opens one anyway would wait for a writer for ever: a
+    watchdog opens each FIFO for writing whenever a reader waits on it and closes it at once, so that such a
+    reader reads end-of-file and the test fails instead of hanging."""
+    import threading
+
+    made, done = [], threading.Event()
+
+    def release():
+        while not done.wait(0.05):
+            for path in made:
+                try:  # succeeds only while a reader has the FIFO open
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+
+    def make(name):
+        os.mkfifo(tmp_path / name)
+        made.append(tmp_path / name)
+        return tmp_path / name
+
+    watchdog = threading.Thread(target=release, daemon=True)
+    watchdog.start()
+    yield make
+    done.set()
+    watchdog.join()
+
+
+def test_readers_refuse_fifos_before_opening_them(tmp_path, fifo):
+    """A FIFO given as an input (a cube, an image, an array, an ENVI data file, a checkpoint) would block its
+    reader until another process writes to it; every reader refuses it by name before opening it."""
+    from elsa_vision.data.readers import iter_images, list_arrays, load_cube, load_rgb, read_image, read_tiff
+
+    refused = r"'.*{}' is a FIFO \(named pipe\); only regular files are read"
+    for name in ("cube.npy", "cube.mat", "cube.tif", "cube.npz"):
+        with pytest.raises(ValueError, match=refused.format(name)):
+            load_cube(fifo(name))
+    with pytest.raises(ValueError, match=refused.format("depth.npy")):
+        read_npy(fifo("depth.npy"))
+    with pytest.raises(ValueError, match=refused.format("frame.png")):
+        open_image(fifo("frame.png"))
+    with pytest.raises(ValueError, match=refused.format("photo.jpg")):
+        load_rgb(fifo("photo.jpg"))
+    with pytest.raises(ValueError, match=refused.format("scan")):  # no extension: the format is sniffed
+        read_image(fifo("scan"))
+    with pytest.raises(ValueError, match=refused.format("slide.tif")):
+        read_tiff(fifo("slide.tif"))
+    with pytest.raises(ValueError, match=r"slide\.tif"):
+        next(iter_images(tmp_path / "slide.tif"))
+    (tmp_path / "scene.hdr").write_text(
+        "ENVI\nsamples = 2\nlines = 2\nbands = 1\nheader offset = 0\ndata type = 1\n"
+        "interleave = bsq\nbyte order = 0\n"
+    )
+    fifo("scene.img")  # the data file beside the header
+    with pytest.raises(ValueError, match=refused.format("scene.img")):
+        list_arrays(tmp_path / "scene.hdr")
+    import nibabel as nib
+
+    nib.save(nib.Nifti1Pair(np.zeros((4, 4, 4), np.int16), np.eye(4)), tmp_path / "scan.hdr")
+    (tmp_path / "scan.img").unlink()
+    fifo("scan.img")  # the image file of a NIfTI-1 pair, beside its header
+    with pytest.raises(ValueError, match=refused.format("scan.img")):
+        read_image(tmp_path / "scan.hdr")
+    with pytest.raises(FileNotFoundError, match=r"weights\.pt"):
+        read_checkpoint(fifo("weights.pt"))
+    (tmp_path / "dir.npy").mkdir()
+    with pytest.raises(ValueError, match=r"'.*dir\.npy' is a directory"):
+        read_npy(tmp_path / "dir.npy")
+
+
 # ------------------------------------------------------------------------------------- output directories
 
 
