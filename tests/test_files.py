@@ -318,6 +318,19 @@ def test_submodule_weights():
     assert submodule_weights(state, "encoder") is None and submodule_weights({}, "net") is None
 
 
+def test_strip_prefixes():
+    """The one remover of a prefix every key carries: wrappers in any order (repeat), a training module's
+    prefix in one pass and only where the caller's rule keeps it."""
+    from elsa_vision.files import strip_prefixes
+
+    t = torch.zeros(1)
+    nested = {"_orig_mod.module.a": t, "_orig_mod.module.b": t}
+    assert set(strip_prefixes(nested, ("module.", "_orig_mod."), repeat=True)) == {"a", "b"}
+    assert set(strip_prefixes(nested, ("module.", "_orig_mod."))) == {"module.a", "module.b"}
+    assert set(strip_prefixes({"module.a": t, "b": t}, ("module.",))) == {"module.a", "b"}  # not every key
+    assert set(strip_prefixes({"net.a": t}, ("net.",), keep=lambda new, old: "a" not in new)) == {"net.a"}
+
+
 def test_png_bomb_is_refused_before_decoding_naming_the_file(tmp_path):
     bomb = bomb_png(tmp_path / "bomb.png")
     assert bomb.stat().st_size < 100

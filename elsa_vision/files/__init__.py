@@ -1,7 +1,7 @@
 """Files from outside and the files the package writes, one module per job:
 
 * :mod:`.checkpoints`: weights and checkpoint files read without executing anything (``read_checkpoint``,
-  ``read_weights``, ``unwrap_weights`` ...);
+  ``read_weights``, ``unwrap_weights``, ``strip_prefixes`` ...);
 * :mod:`.torchscript`: the TorchScript reader, the tensors of a ``torch.jit.save`` archive without running it;
 * :mod:`.limits`: what an input may make the process allocate or open, checked before it is read (declared
   sizes, regular files, checkpoint records and tensors), and the small readers that apply the limits
@@ -22,6 +22,7 @@ from .checkpoints import (
     read_checkpoint,
     read_safetensors_metadata,
     read_weights,
+    strip_prefixes,
     submodule_weights,
     unwrap_weights,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "read_weights",
     "remove_outputs",
     "remove_stale_temp_files",
+    "strip_prefixes",
     "submodule_weights",
     "unwrap_weights",
 ]

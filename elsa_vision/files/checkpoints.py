@@ -10,9 +10,10 @@ like. What a file may make a reader allocate is bounded by the file's size befor
 :func:`read_weights` (:func:`unwrap_weights` for a checkpoint already read) unwraps what training scripts put
 around the weights (a Lightning checkpoint's ``state_dict``, timm's ``state_dict_ema``, DDP's ``module.``
 prefix ...) into one flat ``{name: tensor}``; ``submodule="net"`` takes the network out of a training
-module's weights (:func:`submodule_weights`). Every reader takes ``arg``, the name the caller gives the file
-(``"ckpt_path"``, ``"--weights"`` ...): its errors then start with that name and keep their exception class,
-so no caller checks the path or rewords the errors itself.
+module's weights (:func:`submodule_weights`); :func:`strip_prefixes` is the one place prefixes are removed.
+Every reader takes ``arg``, the name the caller gives the file (``"ckpt_path"``, ``"--weights"`` ...): its
+errors then start with that name and keep their exception class, so no caller checks the path or rewords
+the errors itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "read_checkpoint",
     "read_safetensors_metadata",
     "read_weights",
+    "strip_prefixes",
     "submodule_weights",
     "unwrap_weights",
 ]
@@ -285,7 +287,8 @@ def unwrap_weights(
     with _named(arg):
         tensors = _unwrap_weights(obj, os.fspath(path))
     if submodule:
-        tensors = _strip_wrappers(submodule_weights(tensors, submodule) or tensors)
+        tensors = strip_prefixes(submodule_weights(tensors, submodule) or tensors, _WRAPPER_PREFIXES,
+                                 repeat=True)
     return tensors
 
 
@@ -310,18 +313,31 @@ def _unwrap_weights(obj: Any, path: str) -> dict[str, Tensor]:
         what = f"keys {list(top)[:8]}" if isinstance(top, Mapping) else f"a {type(top).__name__}"
         where = f", none in {inside}" if inside else ""
         raise ValueError(f"{path!r} holds no tensors ({what}{where})")
-    return _strip_wrappers(tensors)
+    return strip_prefixes(tensors, _WRAPPER_PREFIXES, repeat=True)
 
 
-def _strip_wrappers(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def strip_prefixes(
+    state: Mapping[str, Any],
+    prefixes: Iterable[str],
+    *,
+    keep: Callable[[dict[str, Any], dict[str, Any]], bool] | None = None,
+    repeat: bool = False,
+) -> dict[str, Any]:
+    """``state`` without the ``prefixes`` that every one of its keys carries, in the order given: DDP's
+    ``module.`` and torch.compile's ``_orig_mod.`` (:func:`unwrap_weights`), a training module's ``net.`` /
+    ``model.`` (``models._builder.read_state_dict``). A prefix is removed only when every key has it (a
+    model may have a submodule of that name), and only if ``keep(stripped, state)`` (when given) accepts the
+    result; with ``repeat``, the prefixes are tried again until none applies (wrappers nest in any order)."""
     stripped = True
     while stripped:
         stripped = False
-        for prefix in _WRAPPER_PREFIXES:
-            if tensors and all(isinstance(k, str) and k.startswith(prefix) for k in tensors):
-                tensors = {k[len(prefix) :]: v for k, v in tensors.items()}
-                stripped = True
-    return tensors
+        for prefix in prefixes:
+            if state and all(isinstance(k, str) and k.startswith(prefix) for k in state):
+                candidate = {k[len(prefix) :]: v for k, v in state.items()}
+                if keep is None or keep(candidate, state):
+                    state, stripped = candidate, True
+        stripped = stripped and repeat
+    return state
 
 
 def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
