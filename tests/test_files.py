@@ -96,6 +96,94 @@ def test_truncated_checkpoint_and_torchscript_are_reported(tmp_path):
     assert sd.keys() == {"weight", "bias"} and torch.equal(sd["weight"], scripted.weight.detach())
 
 
+def _rezip(src, dst, deflate):
+    """``src`` (a torch.save zip) rewritten with the records whose names end with one of ``deflate``
+    deflate-compressed."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            method = zipfile.ZIP_DEFLATED if info.filename.endswith(deflate) else zipfile.ZIP_STORED
+            zout.writestr(info.filename, zin.read(info), compress_type=method)
+    return dst
+
+
+def _declare_record_size(path, name, size):
+    """Overwrite the sizes the central directory of zip ``path`` declares for record ``name``."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    end = data.rfind(b"PK\x05\x06")  # end of central directory: its offset at bytes 16..20
+    pos = struct.unpack("<I", data[end + 16 : end + 20])[0]
+    while data[pos + 46 : pos + 46 + len(name)] != name.encode():
+        nlen, xlen, clen = struct.unpack("<HHH", data[pos + 28 : pos + 34])
+        pos += 46 + nlen + xlen + clen
+    data[pos + 20 : pos + 28] = struct.pack("<II", size, size)  # compressed and uncompressed sizes
+    path.write_bytes(bytes(data))
+    return path
+
+
+class _Expanded(torch.nn.Module):
+    """A TorchScript module whose buffer is one float viewed as 2**40 (stride 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(1).expand(2**40))
+
+    def forward(self, x):
+        return x
+
+
+def test_compressed_or_overlapping_records_are_refused_before_inflating(tmp_path, monkeypatch):
+    """A deflated data.pkl or data/N record inflates to whatever its header declares (here 8 MiB from a few
+    KB); records reaching into each other would each be read in full. Refused from the zip directory,
+    before torch.load reads any record."""
+    torch.save({"w": torch.zeros(2**21)}, tmp_path / "plain.pt")
+    assert read_checkpoint(tmp_path / "plain.pt")["w"].shape == (2**21,)
+    bomb = _rezip(tmp_path / "plain.pt", tmp_path / "bomb.pt", deflate=("/data/0",))
+    pickled = _rezip(tmp_path / "plain.pt", tmp_path / "pickle.pt", deflate=("/data.pkl",))
+    assert bomb.stat().st_size < 64 * 2**10
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load read a refused archive"))
+    with pytest.raises(ValueError, match=r"bomb\.pt': record '.*data/0' is compressed .* declaring 8,388,"):
+        read_checkpoint(bomb)
+    with pytest.raises(ValueError, match=r"pickle\.pt': record '.*data\.pkl' is compressed"):
+        read_weights(pickled, arg="--weights")
+    forged = _declare_record_size(tmp_path / "plain.pt", "plain/data/0", 2**30)
+    with pytest.raises(ValueError, match=r"record 'plain/data/0' declares 1,073,741,824 bytes .* forged"):
+        read_checkpoint(forged)
+    scripted = torch.jit.script(torch.nn.Linear(2, 3))
+    torch.jit.save(scripted, str(tmp_path / "lin.pt"))
+    _rezip(tmp_path / "lin.pt", tmp_path / "lin_deflated.pt", deflate=("/data.pkl",))
+    with pytest.raises(ValueError, match=r"record 'lin/data\.pkl' is compressed"):
+        read_checkpoint(tmp_path / "lin_deflated.pt", torchscript=True)
+    assert read_checkpoint(tmp_path / "lin.pt", torchscript=True).keys() == {"weight", "bias"}
+
+
+def test_tensors_larger_than_their_storage_are_refused(tmp_path):
+    """A stride-0 (expanded) view declares any number of elements over a few bytes: 3,000,000 classes from
+    16 bytes, 2**40 floats in a TorchScript buffer; the same bytes viewed under many names likewise. Shared
+    weights as modules save them (tied, registered twice, transposed) still load."""
+    torch.save({"head.weight": torch.zeros(1, 4).expand(3_000_000, 4)}, tmp_path / "head.pt")
+    assert (tmp_path / "head.pt").stat().st_size < 2000
+    refused = r"head\.pt': tensor \['head\.weight'\] declares shape \(3000000, 4\) .* storage of 4 elements"
+    with pytest.raises(ValueError, match=refused):
+        read_weights(tmp_path / "head.pt")
+    base = torch.randn(1024)
+    torch.save({f"k{i}": base[i : i + 1000] for i in range(5)}, tmp_path / "views.pt")
+    with pytest.raises(ValueError, match=r"views\.pt': its tensors describe 20,000 bytes over 4,096 bytes"):
+        read_checkpoint(tmp_path / "views.pt")
+    torch.jit.save(torch.jit.script(_Expanded()), str(tmp_path / "expanded.pt"))
+    with pytest.raises(ValueError, match=r"expanded\.pt': tensor \['b'\] declares shape \(1099511627776,\)"):
+        read_checkpoint(tmp_path / "expanded.pt", torchscript=True)
+    emb = torch.nn.Embedding(10, 4)
+    net = torch.nn.ModuleDict({"a": emb, "b": emb, "c": emb, "d": torch.nn.Linear(4, 10)})
+    net["d"].weight = emb.weight  # tied: one storage, two names (and three registrations of emb)
+    state = dict(net.state_dict(), transposed=emb.weight.detach().t())
+    torch.save(state, tmp_path / "shared.pt")
+    loaded = read_weights(tmp_path / "shared.pt")
+    assert set(loaded) == set(state) and torch.equal(loaded["d.weight"], emb.weight.detach())
+
+
 # --------------------------------------------------------------------------------------- declared sizes
 
 
@@ -230,6 +318,19 @@ def test_submodule_weights():
     assert submodule_weights(state, "encoder") is None and submodule_weights({}, "net") is None
 
 
+def test_strip_prefixes():
+    """The one remover of a prefix every key carries: wrappers in any order (repeat), a training module's
+    prefix in one pass and only where the caller's rule keeps it."""
+    from elsa_vision.files import strip_prefixes
+
+    t = torch.zeros(1)
+    nested = {"_orig_mod.module.a": t, "_orig_mod.module.b": t}
+    assert set(strip_prefixes(nested, ("module.", "_orig_mod."), repeat=True)) == {"a", "b"}
+    assert set(strip_prefixes(nested, ("module.", "_orig_mod."))) == {"module.a", "module.b"}
+    assert set(strip_prefixes({"module.a": t, "b": t}, ("module.",))) == {"module.a", "b"}  # not every key
+    assert set(strip_prefixes({"net.a": t}, ("net.",), keep=lambda new, old: "a" not in new)) == {"net.a"}
+
+
 def test_png_bomb_is_refused_before_decoding_naming_the_file(tmp_path):
     bomb = bomb_png(tmp_path / "bomb.png")
     assert bomb.stat().st_size < 100
@@ -295,6 +396,77 @@ def test_forged_hdf5_and_npz_are_refused_before_reading(tmp_path):
     assert load_cube(tmp_path / "scene.npz").shape == (8, 8, 4)
     with pytest.raises(FileTooLargeError, match=r"scene\.npz'.*array 'cube'"):
         load_cube(tmp_path / "scene.npz", max_bytes=100)
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """Makes FIFOs in ``tmp_path``. A reader that opens one anyway would wait for a writer for ever: a
+    watchdog opens each FIFO for writing whenever a reader waits on it and closes it at once, so that such a
+    reader reads end-of-file and the test fails instead of hanging."""
+    import threading
+
+    made, done = [], threading.Event()
+
+    def release():
+        while not done.wait(0.05):
+            for path in made:
+                try:  # succeeds only while a reader has the FIFO open
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+
+    def make(name):
+        os.mkfifo(tmp_path / name)
+        made.append(tmp_path / name)
+        return tmp_path / name
+
+    watchdog = threading.Thread(target=release, daemon=True)
+    watchdog.start()
+    yield make
+    done.set()
+    watchdog.join()
+
+
+def test_readers_refuse_fifos_before_opening_them(tmp_path, fifo):
+    """A FIFO given as an input (a cube, an image, an array, an ENVI data file, a checkpoint) would block its
+    reader until another process writes to it; every reader refuses it by name before opening it."""
+    from elsa_vision.data.readers import iter_images, list_arrays, load_cube, load_rgb, read_image, read_tiff
+
+    refused = r"'.*{}' is a FIFO \(named pipe\); only regular files are read"
+    for name in ("cube.npy", "cube.mat", "cube.tif", "cube.npz"):
+        with pytest.raises(ValueError, match=refused.format(name)):
+            load_cube(fifo(name))
+    with pytest.raises(ValueError, match=refused.format("depth.npy")):
+        read_npy(fifo("depth.npy"))
+    with pytest.raises(ValueError, match=refused.format("frame.png")):
+        open_image(fifo("frame.png"))
+    with pytest.raises(ValueError, match=refused.format("photo.jpg")):
+        load_rgb(fifo("photo.jpg"))
+    with pytest.raises(ValueError, match=refused.format("scan")):  # no extension: the format is sniffed
+        read_image(fifo("scan"))
+    with pytest.raises(ValueError, match=refused.format("slide.tif")):
+        read_tiff(fifo("slide.tif"))
+    with pytest.raises(ValueError, match=r"slide\.tif"):
+        next(iter_images(tmp_path / "slide.tif"))
+    (tmp_path / "scene.hdr").write_text(
+        "ENVI\nsamples = 2\nlines = 2\nbands = 1\nheader offset = 0\ndata type = 1\n"
+        "interleave = bsq\nbyte order = 0\n"
+    )
+    fifo("scene.img")  # the data file beside the header
+    with pytest.raises(ValueError, match=refused.format("scene.img")):
+        list_arrays(tmp_path / "scene.hdr")
+    import nibabel as nib
+
+    nib.save(nib.Nifti1Pair(np.zeros((4, 4, 4), np.int16), np.eye(4)), tmp_path / "scan.hdr")
+    (tmp_path / "scan.img").unlink()
+    fifo("scan.img")  # the image file of a NIfTI-1 pair, beside its header
+    with pytest.raises(ValueError, match=refused.format("scan.img")):
+        read_image(tmp_path / "scan.hdr")
+    with pytest.raises(FileNotFoundError, match=r"weights\.pt"):
+        read_checkpoint(fifo("weights.pt"))
+    (tmp_path / "dir.npy").mkdir()
+    with pytest.raises(ValueError, match=r"'.*dir\.npy' is a directory"):
+        read_npy(tmp_path / "dir.npy")
 
 
 # ------------------------------------------------------------------------------------- output directories

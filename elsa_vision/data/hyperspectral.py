@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from .readers._common import row_slices
 from .readers.cubes import CUBE_NAN_POLICIES, load_scene
 from .samplers import epoch_loader
 
@@ -213,19 +214,25 @@ class SpectralTransform:
         return self
 
     def apply(self, cube: np.ndarray) -> np.ndarray:
-        """Transform ``(..., bands)`` -> float32 ``(..., num_bands_out)``."""
+        """Transform ``(..., bands)`` -> float32 ``(..., num_bands_out)``. The float64 work is done a slice of
+        the first axis at a time: the result is the only full-size allocation."""
         if not self.fitted:
             raise RuntimeError("SpectralTransform is not fitted")
         if cube.shape[-1] != self.num_bands_in:
             raise ValueError(
                 f"cube has {cube.shape[-1]} bands, the transform was fitted on {self.num_bands_in} bands"
             )
-        x = (cube.astype(np.float64) - self.mean) / self.std
-        if self.pca:
-            x = np.concatenate(
-                [(x[..., g["start"] : g["stop"]] - g["mean"]) @ g["components"].T for g in self.pca], -1
-            )
-        return x.astype(np.float32)
+        if cube.ndim == 1:
+            return self.apply(cube[None])[0]
+        out = np.empty(cube.shape[:-1] + (self.num_bands_out,), np.float32)
+        for s in row_slices(cube, 8 * max(cube.shape[-1], self.num_bands_out) // cube.shape[-1]):
+            x = (cube[s].astype(np.float64) - self.mean) / self.std
+            if self.pca:
+                x = np.concatenate(
+                    [(x[..., g["start"] : g["stop"]] - g["mean"]) @ g["components"].T for g in self.pca], -1
+                )
+            out[s] = x
+        return out
 
     def state_dict(self) -> dict:
         """Fitted state as tensors and ints (loadable with ``torch.load(weights_only=True)``)."""
@@ -290,8 +297,9 @@ def pad_cube(cube: np.ndarray, patch_size: int) -> Tensor:
     """Reflect-pad ``(H, W, C)`` by ``r = patch_size // 2``: a float32 tensor ``(C, H + 2r, W + 2r)``."""
     h, w, _ = cube.shape
     r = _check_patch_size(patch_size, h, w)
-    padded = np.pad(cube, ((r, r), (r, r), (0, 0)), mode="reflect") if r else cube
-    return torch.from_numpy(np.ascontiguousarray(padded.transpose(2, 0, 1), dtype=np.float32))
+    bands_first = cube.transpose(2, 0, 1)  # a view; np.pad writes the padded (C, H', W') array once
+    padded = np.pad(bands_first, ((0, 0), (r, r), (r, r)), mode="reflect") if r else bands_first
+    return torch.from_numpy(np.ascontiguousarray(padded, dtype=np.float32))
 
 
 def extract_patches(padded: Tensor, rows: Tensor, cols: Tensor, patch_size: int) -> Tensor:

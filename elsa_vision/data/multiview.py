@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from ..files import open_image, read_npy
+from ..files import check_regular_file, open_image, read_npy
 from .geometry import quat_to_mat
 from .readers.images import read_rgb
 from .samplers import epoch_loader
@@ -297,6 +298,16 @@ class FrameRecord:
     depth_scale: float = 1.0
 
 
+def _inside(root: Path, name: str, index: Path) -> Path:
+    """``root / name`` for a file a dataset's index (``transforms.json``, ``images.txt``) names, which must
+    lie inside ``root``: an index names the dataset's own files, never another path (an absolute name, or
+    one whose ``..`` leaves the dataset folder, is refused; symbolic links inside it are followed)."""
+    base = Path(os.path.abspath(root))
+    if Path(name).is_absolute() or not Path(os.path.abspath(base / name)).is_relative_to(base):
+        raise ValueError(f"{index} names {name!r}, outside the dataset folder {root}: not read")
+    return root / name
+
+
 def _image_size(path: Path) -> tuple[int, int]:
     with open_image(path) as im:
         return im.height, im.width
@@ -326,7 +337,7 @@ def load_nerf_transforms(root: str | Path, filename: str = "transforms.json") ->
         def get(key, fr=fr):
             return fr.get(key, meta.get(key))
 
-        img = root / fr["file_path"]
+        img = _inside(root, fr["file_path"], path)
         if not img.suffix:
             img = img.with_suffix(".png")
         if not img.is_file():
@@ -357,7 +368,7 @@ def load_nerf_transforms(root: str | Path, filename: str = "transforms.json") ->
         w2c = np.linalg.inv(c2w @ flip)
         depth = None
         if fr.get("depth_file_path"):
-            depth = root / fr["depth_file_path"]
+            depth = _inside(root, fr["depth_file_path"], path)
             if not depth.is_file():
                 raise FileNotFoundError(f"load_nerf_transforms: frame {i} depth {depth} not found")
         scale = float(meta.get("depth_unit_scale_factor", 1e-3))
@@ -380,7 +391,7 @@ _COLMAP_PARAMS = {  # model -> (fx, fy, cx, cy) indices into params; the rest is
 
 def read_colmap_depth(path: str | Path) -> np.ndarray:
     """A COLMAP dense depth map (``*.geometric.bin``: header ``w&h&c&``, float32, column-major)."""
-    data = Path(path).read_bytes()
+    data = Path(check_regular_file(path, "read_colmap_depth:")).read_bytes()
     amp = [i for i, b in enumerate(data[:64]) if b == ord("&")]
     if len(amp) < 3:
         raise ValueError(f"read_colmap_depth: {path} has no 'width&height&channels&' header")
@@ -414,6 +425,8 @@ def load_colmap_text(
         sparse = root / sparse_dir
     cams = {}
     warned = set()
+    for name in ("cameras.txt", "images.txt"):
+        check_regular_file(sparse / name, "load_colmap_text:")
     for line in (sparse / "cameras.txt").read_text().splitlines():
         if not line.strip() or line.startswith("#"):
             continue
@@ -454,14 +467,14 @@ def load_colmap_text(
             raise ValueError(f"load_colmap_text: image {name} references unknown camera {cam_id}")
         rot = quat_to_mat(torch.tensor([qx, qy, qz, qw], dtype=torch.float64)).numpy()
         ext = np.concatenate([rot, np.array([[tx], [ty], [tz]])], axis=1)
-        img = root / image_dir / name
+        img = _inside(root, f"{image_dir}/{name}", sparse / "images.txt")
         if not img.is_file():
             raise FileNotFoundError(f"load_colmap_text: image {img} not found")
         depth = None
         if depth_dir is not None:
             for cand in (
-                root / depth_dir / (Path(name).stem + ".npy"),
-                root / depth_dir / (name + ".geometric.bin"),
+                _inside(root, f"{depth_dir}/{Path(name).stem}.npy", sparse / "images.txt"),
+                _inside(root, f"{depth_dir}/{name}.geometric.bin", sparse / "images.txt"),
             ):
                 if cand.is_file():
                     depth = cand

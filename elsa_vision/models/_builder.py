@@ -23,8 +23,8 @@ __all__ = ["FromTimm", "LoadReport", "check_attention_options", "read_state_dict
            "load_checkpoint"]
 
 
-# Prefixes of a training module's attribute (Lightning's ``net.``, ``model.``); the wrappers' own (DDP,
-# torch.compile) are removed by files.unwrap_weights.
+# Prefixes of a training module's attribute (Lightning's ``net.``, ``model.``), removed by
+# files.strip_prefixes, which also removes the wrappers' own (DDP, torch.compile) in files.unwrap_weights.
 _MODULE_PREFIXES = ("net.", "model.")
 
 
@@ -60,13 +60,13 @@ def _strip_prefixes(state_dict: dict[str, Tensor], model_keys: set[str]) -> dict
     training script: the prefix is guessed from the two usual names and checked against the model, which
     may have a top-level ``model.`` submodule of its own.
     """
-    for prefix in _MODULE_PREFIXES:
-        if state_dict and all(k.startswith(prefix) for k in state_dict):
-            stripped = {k[len(prefix):]: v for k, v in state_dict.items()}
-            # Only strip when it helps: a model may itself have a top-level `model.` submodule.
-            if not model_keys or len(model_keys & stripped.keys()) >= len(model_keys & state_dict.keys()):
-                state_dict = stripped
-    return state_dict
+    from ..files import strip_prefixes
+
+    def helps(stripped: dict[str, Tensor], state: dict[str, Tensor]) -> bool:
+        # Only strip when it helps: a model may itself have a top-level `model.` submodule.
+        return not model_keys or len(model_keys & stripped.keys()) >= len(model_keys & state.keys())
+
+    return strip_prefixes(state_dict, _MODULE_PREFIXES, keep=helps)
 
 
 def read_state_dict(path: str | os.PathLike, model_keys: set[str] | None = None) -> dict[str, Tensor]:

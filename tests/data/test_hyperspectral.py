@@ -483,3 +483,122 @@ def test_labels_out_of_range_are_named_and_cost_no_memory(tmp_path):
     refused = rf"band\.npy has {MAX_CLASSES + 5} distinct labels, more than {MAX_CLASSES}"
     with pytest.raises(ValueError, match=refused):
         load_gt(tmp_path / "band.npy")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a file can make the readers allocate or open
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _peak_bytes(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), peak bytes traced while it ran)``: NumPy's and Python's allocations."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        out = fn(*args, **kwargs)
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_mat_v5_reads_numeric_variables_only(tmp_path):
+    """A cell whose header declares 8 bytes holds 8 MiB (deflated to a few KB), a complex double declares
+    half what scipy allocates for it: neither is read, so the cube's file stays within its limit."""
+    cell = np.empty((1, 1), dtype=object)
+    cell[0, 0] = np.zeros(2**20)  # 8 MiB of zeros
+    small = np.arange(4 * 5 * 3, dtype=np.float32).reshape(4, 5, 3)
+    variables = {"cube": small, "cell": cell, "z": np.full((256, 256), 1 + 2j), "note": "text"}
+    scipy.io.savemat(tmp_path / "cells.mat", variables, do_compression=True)
+    assert (tmp_path / "cells.mat").stat().st_size < 64 * 2**10
+    arrays, peak = _peak_bytes(list_arrays, tmp_path / "cells.mat", max_bytes=2**20)
+    assert set(arrays) == {"cube"} and np.array_equal(arrays["cube"], small)
+    assert peak < 2**20, peak  # the cell (8 MiB) and the complex variable (3 MiB to read) were never read
+    scipy.io.savemat(tmp_path / "plain.mat", {"cube": small, "z": np.full((4, 5), 2j)})  # uncompressed
+    assert set(list_arrays(tmp_path / "plain.mat")) == {"cube"}
+
+
+def test_cube_and_labels_allocate_within_the_limit(tmp_path, monkeypatch):
+    """The limit bounds what a read allocates: the uint8 cube as read, its float32 copy beside it and the
+    non-finite masks (a slice at a time) together; the same for the int64 copy of a label map."""
+    from elsa_vision.data.readers import _common
+
+    monkeypatch.setattr(_common, "SLICE_BYTES", 4096, raising=False)
+    cube = np.random.default_rng(0).integers(0, 255, (64, 64, 64), dtype=np.uint8)  # 256 KiB; float32: 1 MiB
+    np.save(tmp_path / "cube.npy", cube)
+    with pytest.raises(FileTooLargeError, match=r"cube\.npy'.*cube 'array' in float32 .* beside"):
+        load_cube(tmp_path / "cube.npy", max_bytes=2**20)  # what it declares fits, with its copy it does not
+    limit = 2**20 + 2**18
+    read, peak = _peak_bytes(load_cube, tmp_path / "cube.npy", max_bytes=limit)
+    assert np.array_equal(read, cube) and read.dtype == np.float32
+    assert peak < limit + 64 * 2**10, peak
+    gt = np.ones((256, 256), np.uint8)  # 64 KiB, 512 KiB in int64
+    np.save(tmp_path / "gt.npy", gt)
+    with pytest.raises(FileTooLargeError, match=r"gt\.npy'.*ground truth 'array' in int64"):
+        load_gt(tmp_path / "gt.npy", max_bytes=2**19)
+    labels, peak = _peak_bytes(load_gt, tmp_path / "gt.npy", max_bytes=2**19 + 2**16)
+    assert np.array_equal(labels, gt) and peak < 2**19 + 2**16 + 192 * 2**10, peak  # + 64 KiB label table
+    bad = cube.astype(np.float32)
+    bad[1, 2, 5] = np.nan
+    np.save(tmp_path / "nan.npy", bad)
+    filled, peak = _peak_bytes(load_cube, tmp_path / "nan.npy", nan_policy="fill", max_bytes=2**20)
+    assert filled[1, 2, 5] == pytest.approx(np.delete(bad[..., 5].ravel(), 64 + 2).mean(dtype=np.float64))
+    assert peak < 2**20 + 64 * 2**10, peak  # read as float32, filled in place
+
+
+def test_one_file_scene_named_twice_is_read_once(tmp_path, scene, monkeypatch):
+    """``gt_path`` naming the cube's own file (as HSIDataModule passes it) reads that file once."""
+    import elsa_vision.data.readers.cubes as cubes
+
+    cube, gt = scene
+    np.savez(tmp_path / "scene.npz", cube=cube, gt=gt)
+    reads = []
+    real = cubes.list_arrays
+    monkeypatch.setattr(cubes, "list_arrays", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    s = load_scene(tmp_path / "scene.npz", tmp_path / "scene.npz")
+    assert len(reads) == 1 and np.array_equal(s.gt, gt) and np.array_equal(s.cube, cube)
+
+
+def test_hdf5_that_reads_other_files_is_refused(tmp_path):
+    """A v7.3 file whose dataset is stored in another file (here a secret beside it; a FIFO would hang),
+    maps one (a virtual dataset) or links to one is refused before any dataset is read."""
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 2)
+    with h5py.File(tmp_path / "external.mat", "w") as f:
+        f.create_dataset("cube", (4, 4, 4), "u1", external=[(str(secret), 0, 64)])
+    with pytest.raises(ValueError, match=r"external\.mat: HDF5 dataset with external storage 'cube' reads"):
+        load_cube(tmp_path / "external.mat")
+    with h5py.File(tmp_path / "source.h5", "w") as f:
+        f["cube"] = np.zeros((4, 4, 4), np.uint8)
+    with h5py.File(tmp_path / "virtual.mat", "w") as f:
+        layout = h5py.VirtualLayout((4, 4, 4), "u1")
+        layout[:] = h5py.VirtualSource(str(tmp_path / "source.h5"), "cube", (4, 4, 4))
+        f.create_virtual_dataset("cube", layout)
+    with pytest.raises(ValueError, match=r"virtual\.mat: HDF5 virtual dataset 'cube'"):
+        load_cube(tmp_path / "virtual.mat")
+    with h5py.File(tmp_path / "linked.mat", "w") as f:
+        f["gt"] = np.ones((4, 4), np.uint8)
+        f["cube"] = h5py.ExternalLink(str(tmp_path / "source.h5"), "/cube")
+    with pytest.raises(ValueError, match=r"linked\.mat: HDF5 external link 'cube' \(to '.*source\.h5'\)"):
+        list_arrays(tmp_path / "linked.mat")
+
+
+def test_envi_data_is_read_as_its_header_declares(tmp_path, scene):
+    """The ENVI data file is read with NumPy from the header's shape, type, byte order, offset and
+    interleave (spectral's loader held three copies); a data file shorter than its header is named."""
+    import spectral.io.envi as envi
+
+    cube, gt = scene
+    ints = (cube * 100).astype(np.int16)
+    envi.save_image(str(tmp_path / "ints.hdr"), ints, dtype=np.int16, interleave="bil", ext=".img",
+                    byteorder=1, metadata={"reflectance scale factor": 100.0})
+    np.testing.assert_array_equal(load_cube(tmp_path / "ints.hdr"), ints.astype(np.float32) / np.float32(100))
+    counts = np.stack([gt, gt + 1], -1)
+    envi.save_image(str(tmp_path / "counts.hdr"), counts, dtype=np.uint8, ext=".raw")
+    assert list_arrays(tmp_path / "counts.hdr")["image"].dtype == np.uint8  # as stored, not float32
+    np.testing.assert_array_equal(load_cube(tmp_path / "counts.hdr"), counts)
+    data = (tmp_path / "counts.raw").read_bytes()
+    (tmp_path / "counts.raw").write_bytes(data[:-10])
+    refused = r"counts\.hdr: cannot read ENVI image: the data file .*counts\.raw holds 710 bytes"
+    with pytest.raises(ValueError, match=refused):
+        load_cube(tmp_path / "counts.hdr")

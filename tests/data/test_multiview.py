@@ -203,6 +203,33 @@ def test_nerf_loader_errors(tmp_path):
         load_nerf_transforms(tmp_path)
 
 
+def test_dataset_indexes_name_only_files_inside_the_dataset(tmp_path):
+    """A transforms.json or images.txt names the frames of its dataset: a name that leads elsewhere (an
+    absolute path, ../ out of the folder) is refused before anything is opened."""
+    root = tmp_path / "scene"
+    (root / "images").mkdir(parents=True)
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "outside.png")
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(root / "images" / "a.png")
+    eye = np.eye(4).tolist()
+    for name in (str(tmp_path / "outside.png"), "../outside.png", "images/../../outside.png"):
+        frames = [{"file_path": name, "transform_matrix": eye, "camera_angle_x": 1.0}]
+        (root / "transforms.json").write_text(json.dumps({"frames": frames}))
+        with pytest.raises(ValueError, match=r"transforms\.json names .*outside\.png', outside the dataset"):
+            load_nerf_transforms(root)
+    frames = [{"file_path": "./images/../images/a.png", "transform_matrix": eye, "camera_angle_x": 1.0,
+               "depth_file_path": "/etc/passwd"}]
+    (root / "transforms.json").write_text(json.dumps({"frames": frames}))
+    with pytest.raises(ValueError, match=r"names '/etc/passwd', outside the dataset"):
+        load_nerf_transforms(root)
+    del frames[0]["depth_file_path"]
+    (root / "transforms.json").write_text(json.dumps({"frames": frames}))
+    assert load_nerf_transforms(root)[0].size_hw == (4, 4)  # inside the folder: read
+    (root / "cameras.txt").write_text("1 PINHOLE 4 4 1 1 2 2\n")
+    (root / "images.txt").write_text("1 1 0 0 0 0 0 0 1 ../../outside.png\n\n")
+    with pytest.raises(ValueError, match=r"images\.txt names 'images/\.\./\.\./outside\.png', outside"):
+        load_colmap_text(root)
+
+
 def test_colmap_text_loader_and_depth_bin(tmp_path):
     seq, names = _write_capture(tmp_path)
     h, w = 42, 56

@@ -54,6 +54,51 @@ def test_tiff_compressed_not_memmapped(tmp_path):
     np.testing.assert_array_equal(im.data[0], a.astype(np.float32))
 
 
+def test_tiff_float32_copy_is_counted_before_decoding(tmp_path, monkeypatch):
+    """A 1 MiB uint8 image (a few KB of zlib strips) is 4 MiB in float32: the limit bounds the decoded
+    series and that copy together, checked before a strip is decoded (it was checked after decoding)."""
+    from elsa_vision.files import FileTooLargeError
+
+    a = np.zeros((1024, 1024), np.uint8)
+    tifffile.imwrite(tmp_path / "z.tif", a, compression="zlib")
+    assert (tmp_path / "z.tif").stat().st_size < 16 * 2**10
+    with monkeypatch.context() as m:
+        m.setattr(tifffile.TiffPageSeries, "asarray", lambda *a, **k: pytest.fail("decoded"))
+        refused = r"z\.tif'.*one TIFF image \(float32\) .* beside 0\.0 GiB"
+        for limit in (3 * 2**20, 5 * 2**20 - 1):  # 4 MiB in float32 fits the second, not beside 1 MiB
+            with pytest.raises(FileTooLargeError, match=refused):
+                read_image(tmp_path / "z.tif", max_bytes=limit)
+    assert read_image(tmp_path / "z.tif", max_bytes=5 * 2**20).data.shape == (1, 1024, 1024)
+    tifffile.imwrite(tmp_path / "plain.tif", a)  # memory-mapped: only the float32 copy is allocated
+    assert read_image(tmp_path / "plain.tif", max_bytes=4 * 2**20).meta["memmap"] is True
+
+
+def test_tiff_is_read_from_its_own_file_only(tmp_path):
+    """An OME-TIFF can name other files for some of its planes (any name: ../secret.tif, a FIFO); only the
+    file given is read, its own pages as a plain series."""
+    from elsa_vision.data.readers import read_tiff
+
+    tifffile.imwrite(tmp_path / "a.ome.tif", np.full((8, 8), 1, np.uint8))
+    tifffile.imwrite(tmp_path / "other.ome.tif", np.full((8, 8), 7, np.uint8))
+    plane = ('<TiffData FirstC="{c}" IFD="0" PlaneCount="1">'
+             '<UUID FileName="{f}">urn:uuid:{u}</UUID></TiffData>')
+    xml = (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<OME xmlns="http://www.openmicroscopy.org/Schemas/OME/2016-06" UUID="urn:uuid:a">'
+        '<Image ID="Image:0"><Pixels ID="Pixels:0" DimensionOrder="XYCZT" Type="uint8" '
+        'SizeX="8" SizeY="8" SizeC="2" SizeZ="1" SizeT="1"><Channel ID="Channel:0:0" SamplesPerPixel="1"/>'
+        '<Channel ID="Channel:0:1" SamplesPerPixel="1"/>'
+        + plane.format(c=0, f="a.ome.tif", u="a") + plane.format(c=1, f="other.ome.tif", u="b")
+        + "</Pixels></Image></OME>"
+    )
+    with tifffile.TiffFile(tmp_path / "a.ome.tif", mode="r+b") as tf:
+        tf.pages[0].tags["ImageDescription"].overwrite(xml)
+    with tifffile.TiffFile(tmp_path / "a.ome.tif") as tf:  # what tifffile itself reads: both files
+        assert tf.series[0].asarray().max(axis=(1, 2)).tolist() == [1, 7]
+    tif = read_tiff(tmp_path / "a.ome.tif")
+    assert tif.data.shape == (8, 8) and tif.data.max() == 1
+
+
 def test_ome_tiff_pyramid_levels(tmp_path):
     a = _u16((96, 128), 2)
     levels = [a, a[::2, ::2].copy(), a[::4, ::4].copy()]

@@ -9,8 +9,10 @@
 * :mod:`.tiff`: the one TIFF reader (series, pyramid levels, memory mapping) the other two use.
 
 Nothing is decoded before its declared size is checked (:mod:`elsa_vision.files`): Pillow images against
-``PIL.Image.MAX_IMAGE_PIXELS``, every array format against ``max_bytes`` (4 GiB by default);
-``FileTooLargeError`` otherwise. Every error names the file.
+``PIL.Image.MAX_IMAGE_PIXELS``, every array format against ``max_bytes`` (4 GiB by default), which bounds the
+decoded data and the copies made from it (float32 images, the float32 cube) together; ``FileTooLargeError``
+otherwise. Only regular files are read, and none opens a path its content names (``docs/files.md``). Every
+error names the file.
 """
 
 from .cubes import (

@@ -37,21 +37,29 @@ def _load(path: str | os.PathLike) -> Image.Image:
             background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
             return Image.alpha_composite(background, rgba).convert("RGB")
         if im.mode.startswith("I;16") or im.mode in ("I", "F"):
-            # 16-bit / integer / float grey: rescale to 8 bit before the RGB conversion.
+            # 16-bit / integer / float grey: rescale to 8 bit before the RGB conversion (in place: one
+            # float32 copy of the image)
             arr = np.asarray(im, dtype=np.float32)
             lo, hi = float(arr.min()), float(arr.max())
-            arr = (arr - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(arr)
-            return Image.fromarray(arr.round().astype(np.uint8)).convert("RGB")
+            if hi > lo:
+                np.subtract(arr, lo, out=arr)
+                np.divide(arr, hi - lo, out=arr)
+                np.multiply(arr, 255.0, out=arr)
+                np.round(arr, out=arr)
+            else:
+                arr[...] = 0
+            return Image.fromarray(arr.astype(np.uint8)).convert("RGB")
         return im.convert("RGB")
 
 
 def read_rgb(path: str | os.PathLike) -> Tensor:
     """:func:`load_rgb` as a float32 tensor ``[3, H, W]`` in ``[0, 1]``; an unreadable image is a
-    ``ValueError`` naming it."""
+    ``ValueError`` naming it. Besides the decoded image, one uint8 copy and the float32 result are
+    allocated (12 bytes per pixel)."""
     try:
-        arr = np.asarray(load_rgb(path), dtype=np.float32) / 255.0
+        pixels = torch.from_numpy(np.asarray(load_rgb(path))).permute(2, 0, 1)  # uint8 [3, H, W], a view
     except FileTooLargeError:
         raise
     except (OSError, ValueError, SyntaxError) as exc:
         raise ValueError(f"cannot read image {os.fspath(path)}: {exc}") from exc
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+    return torch.empty(pixels.shape, dtype=torch.float32).copy_(pixels).div_(255.0)

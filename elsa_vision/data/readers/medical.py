@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ...files import check_array_bytes
+from ...files import check_array_bytes, check_regular_file
 from ._common import check_dtype, pick, to_float32
 from .tiff import read_tiff
 
@@ -96,6 +96,7 @@ def detect_format(path: str | os.PathLike) -> str:
         if low.endswith(ext):
             return _EXTENSIONS[ext]
     try:
+        check_regular_file(path)
         with open(path, "rb") as f:
             head = f.read(352)
     except OSError as e:
@@ -131,10 +132,10 @@ def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterat
         raise ValueError(f"input file {path!r}: DICOM dataset has no pixel data")
     declared = [int(getattr(ds, k, 1) or 1) for k in ("NumberOfFrames", "Rows", "Columns", "SamplesPerPixel")]
     nbytes = -(-int(getattr(ds, "BitsAllocated", 8) or 8) // 8)
-    # the decoded pixels (compressed pixel data can declare far more than the file holds), then one frame
-    # in float32, are checked before pydicom decodes anything
-    check_array_bytes(path, declared + [nbytes], np.uint8, max_bytes, "DICOM pixel data")
-    check_array_bytes(path, declared[1:], np.float32, max_bytes, "one DICOM frame in float32")
+    # the decoded pixels (compressed pixel data can declare far more than the file holds), and one frame in
+    # float32 beside them, are checked before pydicom decodes anything
+    decoded = check_array_bytes(path, declared + [nbytes], np.uint8, max_bytes, "DICOM pixel data")
+    check_array_bytes(path, declared[1:], np.float32, max_bytes, "one DICOM frame in float32", held=decoded)
     try:
         pixels = ds.pixel_array
     except Exception as e:  # pixel decoding raises many types (missing codec, truncated data, bad tags)
@@ -168,8 +169,9 @@ def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterat
         "frames": frames,
     }
     for i in pick(frame, frames, "frame", path):
-        data = pixels[i].astype(np.float64) * slope + intercept
-        yield MedicalImage(to_float32(data, path), path, "dicom", i, frames, dict(meta))
+        # rescaled in float64, a slice at a time, into the frame's float32 copy
+        data = to_float32(pixels[i], path, slope, intercept)
+        yield MedicalImage(data, path, "dicom", i, frames, dict(meta))
 
 
 # ----------------------------------------------------------------------------------------------- NIfTI
@@ -181,6 +183,13 @@ def _nifti_images(
     import nibabel as nib
     from nibabel.filebasedimages import ImageFileError
 
+    if not path.lower().endswith((".nii", ".nii.gz")):  # a NIfTI-1 pair: the header and its .img beside it
+        try:
+            image_file = nib.Nifti1Pair.filespec_to_file_map(path)["image"].filename
+        except Exception:  # not a pair's header name: nib.load says what it is
+            image_file = None
+        if image_file is not None and os.path.lexists(image_file):
+            check_regular_file(image_file, "NIfTI image file")
     try:
         img = nib.load(path)
     except (ImageFileError, OSError, EOFError, ValueError) as e:
@@ -215,7 +224,10 @@ def _nifti_images(
         else:
             slices = pick(count // 2 if slice_index is None else slice_index, count, "slice_index", path)
     plane = [n for i, n in enumerate(shape[:3]) if len(shape) == 2 or i != slice_axis]
-    check_array_bytes(path, plane, np.float64, max_bytes, "one NIfTI slice")  # scaled reads are float64
+    # a slice is read in its stored type, scaled (scl_slope / scl_inter) in up to float64, copied to float32
+    stored = check_array_bytes(path, plane, dtype, max_bytes, "one NIfTI slice")
+    check_array_bytes(path, plane, np.float64, max_bytes, "one NIfTI slice in float64",
+                      held=stored + stored // np.dtype(dtype).itemsize * 4)
     for t in frames:
         for s in slices:
             idx: list[Any] = [slice(None)] * len(shape)
@@ -246,8 +258,13 @@ def _finite_or_none(v) -> float | None:
 def _tiff_images(
     path: str, series: int, level: int, slice_index: int | None, max_bytes: int | None
 ) -> Iterator[MedicalImage]:
-    tif = read_tiff(path, series=series, level=level, max_bytes=max_bytes,
-                    check_dtype=lambda dtype: check_dtype(dtype, path))  # before anything is decoded
+    def check(shape: tuple[int, ...], axes: str, dtype: np.dtype, decoded: int) -> None:
+        # before anything is decoded: the pixel type, and one image in float32 beside the decoded series
+        check_dtype(dtype, path)
+        image = [n for n, a in zip(shape, axes) if a in "YXCS"]
+        check_array_bytes(path, image, np.float32, max_bytes, "one TIFF image (float32)", held=decoded)
+
+    tif = read_tiff(path, series=series, level=level, max_bytes=max_bytes, check=check)
     arr, axes = tif.data, tif.axes
     shape, dtype = arr.shape, arr.dtype
     if "Y" not in axes or "X" not in axes:
@@ -255,12 +272,11 @@ def _tiff_images(
     chan = [a for a in axes if a in "CS"]
     if len(chan) > 1:
         raise ValueError(f"input file {path!r}: TIFF axes {axes!r} have two channel axes (C and S)")
-    order = [a for a in axes if a not in "YXCS"] + chan + ["Y", "X"]
-    arr = np.moveaxis(arr, [axes.index(a) for a in order], list(range(len(order))))
     stack = [a for a in axes if a not in "YXCS"]
-    n_stack = int(np.prod([shape[axes.index(a)] for a in stack])) if stack else 1
-    check_array_bytes(path, (arr.size // max(1, n_stack),), np.float32, max_bytes, "one TIFF image (float32)")
-    arr = arr.reshape((n_stack, -1) + arr.shape[-2:]) if chan else arr.reshape((n_stack, 1) + arr.shape[-2:])
+    order = stack + chan + ["Y", "X"]
+    arr = np.moveaxis(arr, [axes.index(a) for a in order], list(range(len(order))))  # a view
+    stack_shape = arr.shape[: len(stack)]
+    n_stack = int(np.prod(stack_shape)) if stack else 1
     meta = {
         "source_dtype": str(dtype),
         "axes": axes,
@@ -271,7 +287,9 @@ def _tiff_images(
         "memmap": tif.memmap,
     }
     for i in pick(slice_index, n_stack, "slice_index", path) if slice_index != "all" else range(n_stack):
-        yield MedicalImage(to_float32(arr[i], path), path, "tiff", i, n_stack, dict(meta))
+        image = arr[np.unravel_index(i, stack_shape)] if stack else arr  # one image, a view of the series
+        image = image if chan else image[None]
+        yield MedicalImage(to_float32(image, path), path, "tiff", i, n_stack, dict(meta))
 
 
 # -------------------------------------------------------------------------------------------- PNG/JPEG

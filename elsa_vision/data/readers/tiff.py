@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ...files import check_array_bytes
+from ...files import check_array_bytes, check_regular_file
 from ._common import pick
 
 __all__ = ["TiffSeries", "read_tiff"]
@@ -35,6 +35,12 @@ class TiffSeries:
     memmap: bool
 
 
+# tifffile reads some formats from several files: a multi-file OME-TIFF names the others in its XML,
+# Micro-Manager stacks and NDTiff datasets take every sibling matching a pattern. Every TIFF input is read
+# from its own file only (such series fall back to the pages of that file).
+_ONE_FILE = {"_multifile": False, "is_mmstack": False, "is_ndtiff": False}
+
+
 def read_tiff(
     path: str | os.PathLike,
     *,
@@ -42,26 +48,30 @@ def read_tiff(
     level: int = 0,
     max_bytes: int | None = None,
     memmap: bool = True,
-    check_dtype: Callable[[np.dtype], None] | None = None,
+    check: Callable[[tuple[int, ...], str, np.dtype, int], None] | None = None,
 ) -> TiffSeries:
-    """Read one series of a TIFF / OME-TIFF file (``tifffile``).
+    """Read one series of a TIFF / OME-TIFF file (``tifffile``), from that file only.
 
     With ``memmap`` an uncompressed, contiguous series is memory-mapped (nothing is read until it is used);
     otherwise, and for compressed data, the shape the pages declare is checked against ``max_bytes``
     (default :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`) before anything is decoded: a few KB of
-    compressed strips can declare gigabytes. A caller that converts a memory-mapped series checks what it
-    allocates itself. ``check_dtype`` (raising for a pixel type the caller refuses) sees the dtype the
-    series declares, before anything is mapped or decoded.
+    compressed strips can declare gigabytes. ``check(shape, axes, dtype, decoded_bytes)`` (raising for what
+    the caller refuses: a pixel type, the size of its own copies beside the ``decoded_bytes`` the series will
+    take, 0 when mapped) is called before anything is decoded.
 
     Raises:
-        ValueError: naming the file: not a TIFF, no image series, a series or level out of range, pixel data
-            that cannot be decoded. ``FileTooLargeError`` (a ``ValueError``) for a series over the limit.
+        ValueError: naming the file: not a regular file, not a TIFF, no image series, a series or level out of
+            range, pixel data that cannot be decoded. ``FileTooLargeError`` (a ``ValueError``) for a series
+            over the limit.
     """
     import tifffile
 
-    path = os.fspath(path)
     try:
-        tf = tifffile.TiffFile(path)
+        path = check_regular_file(path)
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
+    try:
+        tf = tifffile.TiffFile(path, **_ONE_FILE)
     except (tifffile.TiffFileError, OSError, EOFError, ValueError, struct.error) as e:
         raise ValueError(f"input file {path!r} is not a readable TIFF file: {e}") from e
     with tf:
@@ -71,17 +81,21 @@ def read_tiff(
         levels = tf.series[s].levels
         lv = pick(level, len(levels), "pyramid level", path)[0]
         page_series = levels[lv]
-        if check_dtype is not None:
-            check_dtype(np.dtype(page_series.dtype))
         arr = None
         if memmap and page_series.dataoffset is not None:
             try:
-                arr = tifffile.memmap(path, series=s, level=lv, mode="r")
+                arr = tifffile.memmap(path, series=s, level=lv, mode="r", **_ONE_FILE)
             except (ValueError, OSError):
                 arr = None
         mapped = arr is not None
-        if arr is None:
-            check_array_bytes(path, page_series.shape, page_series.dtype, max_bytes, "the TIFF image series")
+        decoded = 0
+        if not mapped:
+            decoded = check_array_bytes(
+                path, page_series.shape, page_series.dtype, max_bytes, "the TIFF image series"
+            )
+        if check is not None:
+            check(tuple(page_series.shape), page_series.axes, np.dtype(page_series.dtype), decoded)
+        if not mapped:
             try:
                 arr = page_series.asarray()
             except Exception as e:  # tifffile and its codecs raise many types on corrupt data
