@@ -15,9 +15,10 @@ Usage::
 
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
 sub-folder ``slice_<index>`` per image when several slices/frames are selected; they are decoded one at a
-time as they are run). ``--out`` is checked before
-anything is computed: it must be writable, and outputs of an earlier run there are replaced only with
-``--overwrite`` (which removes all of them, ``slice_*`` folders included, when the new run starts writing).
+time as they are run), and records every file it writes in ``--out/outputs.json``. ``--out`` is checked
+before anything is computed: it must be writable, and outputs of an earlier run there are replaced only with
+``--overwrite`` (which removes the files the earlier run recorded, and the ``slice_*`` folders they leave
+empty, when the new run starts writing; nothing else in ``--out``).
 Inputs declaring more than ``--max-input-gib`` of decoded data (TIFF, DICOM, NIfTI) or more
 than ``--max-image-pixels`` pixels (PNG/JPEG) are refused before decoding. The last stdout line is a JSON
 summary.
@@ -43,7 +44,13 @@ import numpy as np
 import torch
 
 from ..data.readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
-from ..files import add_max_input_argument, add_output_arguments, prepare_output_dir, remove_outputs
+from ..files import (
+    add_max_input_argument,
+    add_output_arguments,
+    prepare_output_dir,
+    record_outputs,
+    remove_outputs,
+)
 from ..utils.accelerator import add_device_argument, resolve_device
 from .highres import (
     MODEL_ALIASES,
@@ -62,8 +69,11 @@ from .highres import (
 
 __all__ = ["main", "cli", "build_parser", "heatmap_overlay", "save_random_weights"]
 
-# what a run writes into --out (a trailing * matches the per-slice sub-folders)
-OUTPUTS = ("prediction.json", "features.safetensors", "overlay.png", "report.json", "slice_*")
+# what a run writes for one image, into --out or (several slices) into --out/slice_<index>
+IMAGE_OUTPUTS = ("prediction.json", "features.safetensors", "overlay.png", "report.json")
+# what a run writes into --out (a trailing * matches the per-slice sub-folders); every file is recorded in
+# --out/outputs.json (elsa_vision.files.record_outputs), and --overwrite removes only what is recorded there
+OUTPUTS = (*IMAGE_OUTPUTS, "slice_*")
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # (position, RGB) anchors of a dark-to-bright perceptual colour map (black - purple - orange - yellow).
@@ -428,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.max_image_pixels is not None and args.max_image_pixels < 1:
         raise ValueError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
     # before any reading or computing: an unwritable --out, or earlier outputs, fail now
-    prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
+    args.out = str(prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite))
     device = resolve_device(args.device)
     cp_group, owns_group = None, False
     if args.context_parallel:
@@ -658,7 +668,8 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
                     f"compare-sdpa: max deviation {dev:.3e}, speed ratio (sdpa/elsa) "
                     f"{extra['speed_ratio']:.2f}x ({sdpa_sec:.3f}s vs {res.seconds:.3f}s)"
                 )
-            out_dir = os.path.join(args.out, f"slice_{im.index:04d}") if several else args.out
+            sub = f"slice_{im.index:04d}" if several else ""
+            out_dir = os.path.join(args.out, sub) if sub else args.out
             if cp_group is not None:
                 extra["context_parallel"] = {
                     "world_size": torch.distributed.get_world_size(cp_group),
@@ -669,6 +680,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
                 continue
             if args.overwrite and not summaries:  # the first write: an earlier run's outputs go first
                 remove_outputs(args.out, OUTPUTS)
+            record_outputs(args.out, [os.path.join(sub, name) for name in IMAGE_OUTPUTS])
             report = _write_outputs(out_dir, res, model, img, args, extra)
             if plan.mode == "tiled":
                 print(f"TILED: {plan.reason}; {res.tiles} tiles (attention is local to each tile)")

@@ -388,8 +388,30 @@ def test_cli_nifti_all_slices(weights, tmp_path, monkeypatch):
     args = ["--model", TINY, "--weights", weights["gray"], "--input", str(p), "--img-size", "32",
             "--slice", "1", "--out", str(tmp_path / "o"), "--overwrite"]
     assert main(args)["tokens"] == 5  # 2 x 2 patches and the class token
-    assert sorted(os.listdir(tmp_path / "o")) == ["features.safetensors", "overlay.png", "prediction.json",
-                                                 "report.json"]
+    assert sorted(os.listdir(tmp_path / "o")) == ["features.safetensors", "outputs.json", "overlay.png",
+                                                 "prediction.json", "report.json"]
+
+
+def test_cli_overwrite_removes_only_what_it_recorded(weights, tmp_path):
+    """--overwrite removes the files the earlier run recorded in outputs.json, not a file of the user's
+    named slice_* nor one the user put inside a slice folder."""
+    vol = np.random.default_rng(0).normal(size=(32, 32, 3)).astype(np.float32)
+    p = tmp_path / "v.nii.gz"
+    nib.save(nib.Nifti1Image(vol, np.eye(4)), p)
+    out = tmp_path / "o"
+    base = ["--model", TINY, "--weights", weights["gray"], "--input", str(p), "--img-size", "32", "--out",
+            str(out)]
+    main(base + ["--slice", "all"])
+    recorded = json.loads((out / "outputs.json").read_text())["outputs"]
+    assert len(recorded) == 12 and "slice_0002/features.safetensors" in recorded
+    (out / "slice_notes.txt").write_text("mine")
+    (out / "slice_0001" / "mine.txt").write_text("mine")
+    main(base + ["--slice", "1", "--overwrite"])
+    assert sorted(os.listdir(out)) == ["features.safetensors", "outputs.json", "overlay.png", "prediction.json",
+                                       "report.json", "slice_0001", "slice_notes.txt"]
+    assert os.listdir(out / "slice_0001") == ["mine.txt"]
+    assert json.loads((out / "outputs.json").read_text())["outputs"] == [
+        "prediction.json", "features.safetensors", "overlay.png", "report.json"]
 
 
 def test_cli_random_weights_warns(tmp_path, capsys):
