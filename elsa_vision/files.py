@@ -737,9 +737,9 @@ def prepare_output_dir(
     them, so ``/tmp/missing/../out`` is ``/tmp/out``); the caller writes into the returned path. It (or, if
     it does not exist yet, its nearest existing parent, where it will be created) must be a directory this
     process can write to: a file is created and removed there to find out. None of ``outputs`` (names
-    relative to ``out``; a trailing ``*`` matches a prefix) nor an :data:`OUTPUT_MANIFEST` may exist unless
-    ``overwrite``. Nothing is created: a run that fails later leaves no empty directory. Raises
-    ``ValueError`` (one line, naming the directory); returns the resolved ``Path``.
+    relative to ``out``; a trailing ``*`` matches a prefix) may exist unless ``overwrite``. Nothing is
+    created: a run that fails later leaves no empty directory. Raises ``ValueError`` (one line, naming the
+    directory); returns the resolved ``Path``.
     """
     if isinstance(outputs, (str, bytes, os.PathLike)):
         raise TypeError(f"prepare_output_dir: outputs must be a list of names, got one name {outputs!r}")
@@ -758,7 +758,7 @@ def prepare_output_dir(
     except OSError as e:
         reason = e.strerror or str(e)
         raise ValueError(f"{flag} {shown!r} is not writable ({str(probe_dir)!r}: {reason})") from e
-    existing = [p.name for p in _existing_outputs(out, [*outputs, OUTPUT_MANIFEST])]
+    existing = [p.name for p in _existing_outputs(out, outputs)]
     if existing and not overwrite:
         listed = ", ".join(existing[:5]) + (" ..." if len(existing) > 5 else "")
         raise ValueError(
@@ -833,8 +833,9 @@ def record_outputs(out: str | os.PathLike, names: Iterable[str]) -> None:
 
 def remove_outputs(out: str | os.PathLike, outputs: Iterable[str]) -> list[str]:
     """Delete what an earlier run wrote in ``out``: the files its :data:`OUTPUT_MANIFEST` records that fall
-    under ``outputs`` (a trailing ``*`` matches a prefix), the folders this leaves empty, the files named by
-    ``outputs`` without a ``*``, and the manifest. Nothing else: a ``slice_notes.txt`` or a file of the
+    under ``outputs`` (a trailing ``*`` matches a prefix), the folders this leaves empty and the files named
+    by ``outputs`` without a ``*``; the manifest keeps only what it records of other outputs (another tool
+    writing into the same folder). Nothing else: a ``slice_notes.txt`` or a file of the
     user's inside a ``slice_0003/`` folder stays, links are removed themselves (never what they point to),
     and no folder is removed whole. What ``--overwrite`` does once the new run is about to write, so that no
     output of a larger earlier run (a ``slice_0007`` where this run has three slices) stays mixed with the
@@ -860,7 +861,11 @@ def remove_outputs(out: str | os.PathLike, outputs: Iterable[str]) -> list[str]:
         with contextlib.suppress(OSError):  # not empty: something not recorded stays, and its folder
             folder.rmdir()
     manifest = out / OUTPUT_MANIFEST
-    if manifest.is_symlink() or manifest.is_file():
+    others = [n for n in _read_manifest(out) if _relative_name(n) and _recorded_name(n, outputs) is None]
+    if others:  # what another tool recorded in the same folder stays recorded
+        with atomic_write(manifest, "w", encoding="utf-8") as f:
+            json.dump({"outputs": others}, f, indent=1)
+    elif manifest.is_symlink() or manifest.is_file():
         manifest.unlink()
     return removed
 

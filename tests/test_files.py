@@ -354,6 +354,11 @@ def test_remove_outputs_removes_only_what_the_manifest_records(tmp_path):
                                                                "/etc/passwd", "slice_0003/../notes.txt"]}))
     assert remove_outputs(out, ["report.json", "slice_*"]) == []
     assert (out / "notes.txt").exists() and (keep / "report.json").exists()
+    # what another tool recorded in the same folder stays, and stays recorded
+    record_outputs(out, ["labels.npy", "report.json"])
+    (out / "labels.npy").write_text("x")
+    assert remove_outputs(out, ["report.json"]) == [] and (out / "labels.npy").exists()
+    assert json.loads((out / OUTPUT_MANIFEST).read_text())["outputs"] == ["notes.txt", "labels.npy"]
     assert remove_outputs(tmp_path / "absent", ["x"]) == []
     with pytest.raises(TypeError, match="list of names"):
         remove_outputs(out, "report.json")

@@ -407,8 +407,8 @@ def test_cli_overwrite_removes_only_what_it_recorded(weights, tmp_path):
     (out / "slice_notes.txt").write_text("mine")
     (out / "slice_0001" / "mine.txt").write_text("mine")
     main(base + ["--slice", "1", "--overwrite"])
-    assert sorted(os.listdir(out)) == ["features.safetensors", "outputs.json", "overlay.png", "prediction.json",
-                                       "report.json", "slice_0001", "slice_notes.txt"]
+    assert sorted(os.listdir(out)) == ["features.safetensors", "outputs.json", "overlay.png",
+                                       "prediction.json", "report.json", "slice_0001", "slice_notes.txt"]
     assert os.listdir(out / "slice_0001") == ["mine.txt"]
     assert json.loads((out / "outputs.json").read_text())["outputs"] == [
         "prediction.json", "features.safetensors", "overlay.png", "report.json"]
