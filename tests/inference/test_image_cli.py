@@ -616,3 +616,44 @@ def test_cli_checks_out_before_computing(weights, tmp_path, monkeypatch):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: --out") and "--overwrite" in r.stderr
+
+
+def test_cli_refuses_a_size_that_cannot_fit_before_building_the_model(weights, tmp_path, monkeypatch):
+    """--img-size 100000 asked for a 30 GB position embedding before any plan: the plan is made on the meta
+    device and a size no mode fits is refused in one line naming --img-size and the estimate; so is one
+    context-parallel rank's share (a one-rank gloo group here) and an explicit --query-chunk."""
+    import socket
+
+    import elsa_vision.inference.image as image_cli
+
+    real_build = image_cli.build_model
+
+    def meta_only(*a, **k):
+        if torch.empty(0).device.type != "meta":
+            raise AssertionError("a model was built for a size that cannot fit")
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(image_cli, "build_model", meta_only)
+    monkeypatch.setattr(image_cli, "default_budget_mb", lambda device: 16_000.0)
+    base = ["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--out",
+            str(tmp_path / "o")]
+    refused = (r"^--img-size 100000 100000 \(6250x6250 patches of 16px\): memory budget 16000\.0 MiB is too "
+               r"small: even one 16x16-patch tile needs more \(weights alone [\d,]+ MiB\); lower --img-size$")
+    with pytest.raises(ValueError, match=refused):
+        main(base + ["--img-size", "100000"])
+    with pytest.raises(ValueError, match=r"^--img-size 100000 100000 .*query-chunked attention over "
+                                         r"39,062,501 tokens needs about [\d,]+ MiB, more than the budget"):
+        main(base + ["--img-size", "100000", "--query-chunk", "256"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    refused = (r"^--img-size 4096 4096 \(256x256 patches of 16px, --context-parallel\): context parallelism "
+               r"over 1 ranks needs about [\d,]+ MiB per rank for 65,537 tokens, more than the budget of 50 "
+               r"MiB per rank; lower --img-size or run on more ranks or raise --memory-budget-mb$")
+    with pytest.raises(ValueError, match=refused):
+        main(base + ["--img-size", "4096", "--context-parallel", "--memory-budget-mb", "50"])
+    assert not torch.distributed.is_initialized()
+    assert not (tmp_path / "o").exists()
