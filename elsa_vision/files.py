@@ -554,7 +554,15 @@ def read_torchscript_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return out
 
 
+# Modules nested deeper than this are refused (a model's tree is a few levels deep; the walk below is
+# recursive, and Python's own limit would end it in a RecursionError)
+_TS_MAX_DEPTH = 100
+
+
 def _collect(obj: _ScriptObject, prefix: str, decls: Mapping, out: dict, path: str, active: set) -> None:
+    if len(active) >= _TS_MAX_DEPTH:
+        raise ValueError(f"TorchScript archive {path!r}: modules nested more than {_TS_MAX_DEPTH} levels "
+                         "deep (not a model's module tree); not read")
     decl = decls.get(obj.qualname)
     if decl is None:
         raise ValueError(f"TorchScript archive {path!r}: no declaration of module class {obj.qualname}")
@@ -657,9 +665,13 @@ def check_array_bytes(
     what: str = "array",
 ) -> int:
     """Refuse an array whose declared ``shape`` x ``dtype`` exceeds ``max_bytes`` (default
-    :data:`DEFAULT_MAX_ARRAY_BYTES`); returns the declared size in bytes."""
+    :data:`DEFAULT_MAX_ARRAY_BYTES`) or has a negative size (``ValueError`` naming the file); returns the
+    declared size in bytes."""
     limit = DEFAULT_MAX_ARRAY_BYTES if max_bytes is None else int(max_bytes)
     shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{os.fspath(path)!r}: {what} declares shape {shape}, with a negative size (a "
+                         "forged header?)")
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
     if nbytes > limit:

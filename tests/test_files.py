@@ -440,3 +440,51 @@ def test_max_input_gib_takes_finite_positive_numbers():
     for bad in ("0", "-1", "inf", "nan", "lots"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-input-gib", bad])
+
+
+def test_npy_header_with_a_negative_size_is_named(tmp_path):
+    """A header declaring shape (-2, -3, 4) (whose product looks positive) gave numpy's 'can only specify one
+    unknown dimension', naming neither file nor field."""
+    from elsa_vision.data.readers import load_cube
+
+    path = forged_npy(tmp_path / "neg.npy", shape=(-2, -3, 4))
+    with open(path, "ab") as f:
+        f.write(bytes(96))
+    refused = r"^'.*neg\.npy': the \.npy array declares shape \(-2, -3, 4\), with a negative size"
+    for read in (read_npy, load_cube):
+        with pytest.raises(ValueError, match=refused):
+            read(path)
+
+
+def test_deeply_nested_torchscript_archive_is_refused_in_one_line(tmp_path):
+    """A 3000-level module tree (a few KB) ended the walk over the modules in a RecursionError; it is refused
+    as a ValueError naming the file."""
+    import sys
+    import types
+    import zipfile
+
+    fake = types.ModuleType("__torch__")
+
+    class M:
+        pass
+
+    M.__module__, M.__qualname__ = "__torch__", "M"
+    fake.M = M
+    root = node = M()
+    for _ in range(3000):
+        node.child = M()
+        node = node.child
+    limit = sys.getrecursionlimit()
+    sys.modules["__torch__"] = fake
+    sys.setrecursionlimit(20_000)  # the test's own pickler is recursive
+    try:
+        data = pickle.dumps(root, protocol=2)
+    finally:
+        sys.setrecursionlimit(limit)
+        del sys.modules["__torch__"]
+    with zipfile.ZipFile(tmp_path / "deep.pt", "w") as zf:
+        zf.writestr("deep/data.pkl", data)
+        zf.writestr("deep/code/__torch__.py", "class M(Module):\n  __parameters__ = []\n  __buffers__ = []\n")
+        zf.writestr("deep/constants.pkl", pickle.dumps((), protocol=2))
+    with pytest.raises(ValueError, match=r"deep\.pt'.*nested more than 100 levels deep"):
+        read_checkpoint(tmp_path / "deep.pt", torchscript=True)
