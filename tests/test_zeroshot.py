@@ -365,3 +365,16 @@ def test_overwrite_keeps_files_it_did_not_write(tiny_name, image_folder, tmp_pat
     run(embed_format="safetensors", overwrite=True, **common)
     assert sorted(p.name for p in out.iterdir()) == [
         "embed_metrics.json", "embeddings.README", "embeddings.safetensors", "outputs.json"]
+
+
+def test_an_image_size_that_cannot_fit_is_refused_before_the_model_is_built(tiny_name, image_folder, tmp_path,
+                                                                           monkeypatch):
+    """--image-size 100000 resampled the positional embedding to a 12500x12500 grid (40 GB for this tiny
+    tower): refused in one line, naming the size and the estimate, before open_clip builds anything."""
+    monkeypatch.setattr(open_clip, "create_model", lambda *a, **k: pytest.fail("a model was built"))
+    refused = (r"^image_size 100000 \(12500x12500 patches of 8px\): the image tower of "
+               r"elsa-test-zeroshot-tiny needs at least [\d,.]+ GiB for a batch of 4")
+    with pytest.raises(ValueError, match=refused):
+        run(model=tiny_name, data=str(image_folder), task="embed", image_size=100000, batch_size=4,
+            num_workers=0, device="cpu", out=str(tmp_path / "o"))
+    assert not (tmp_path / "o").exists()

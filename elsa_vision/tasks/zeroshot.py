@@ -386,6 +386,40 @@ def _check_model(model_name: str, pretrained: str | None) -> None:
         raise ValueError(f"unknown open_clip model {model_name!r}; see open_clip.list_models()")
 
 
+def _check_image_size(model_name: str, image_size: int | None, batch_size: int, device: torch.device) -> None:
+    """Refuse, before the model is built, an ``image_size`` whose image tower cannot fit in the device's
+    memory: the resampled positional embedding (``(image_size / patch)^2 x width`` floats), the weights
+    (about ``12 width^2`` per block) and one block's activations for a batch (``(6 + 2 mlp_ratio)`` floats
+    per token and channel; the torch attention backend on CPU adds five ``heads x 1024 x tokens``
+    workspaces per image)."""
+    import open_clip
+
+    from ..utils.accelerator import available_memory_mb
+
+    if image_size is None:
+        return
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+        raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+    vision = (open_clip.get_model_config(model_name) or {}).get("vision_cfg") or {}
+    patch, width = int(vision.get("patch_size", 16)), int(vision.get("width", 768))
+    layers, ratio = int(vision.get("layers", 12)), float(vision.get("mlp_ratio", 4.0))
+    heads = max(1, width // int(vision.get("head_width", 64)))
+    tokens = (image_size // patch) ** 2 + 1
+    weights = (12 * width * width * layers + tokens * width) * 4
+    activations = batch_size * (6 + 2 * ratio) * tokens * width * 4
+    if device.type != "cuda":
+        activations += batch_size * 5 * heads * min(tokens, 1024) * tokens * 4
+    need = (weights + activations) / 2**20
+    available, where = available_memory_mb(device)
+    if need > available:
+        raise ValueError(
+            f"image_size {image_size} ({image_size // patch}x{image_size // patch} patches of {patch}px): "
+            f"the image tower of {model_name} needs at least {need / 1024:,.1f} GiB for a batch of "
+            f"{batch_size}, more than the {available / 1024:,.1f} GiB available ({where}); lower the image "
+            "size or the batch size"
+        )
+
+
 def _build_model(
     model_name: str,
     pretrained: str | None,
@@ -480,6 +514,7 @@ def run(
     dev = resolve_device(device, "device")
     # the model's name, the weights file, the data and the class names are checked before the model is built
     _check_model(model, pretrained)
+    _check_image_size(model, image_size, batch_size, dev)
     dataset = ImageFolderWithPaths(data)
     names = None
     if task == "zeroshot":
