@@ -381,8 +381,8 @@ def plan_execution(
             )
         side = side - max(1, side // 8)
     raise ValueError(
-        f"memory budget {budget_mb} MiB is too small: even one {p}x{p}-patch tile needs more (weights alone "
-        f"{_param_bytes(model) / 2**20:.0f} MiB)"
+        f"memory budget {budget_mb:,.1f} MiB is too small: even one {p}x{p}-patch tile needs more (weights "
+        f"alone {_param_bytes(model) / 2**20:,.0f} MiB)"
     )
 
 

@@ -637,7 +637,7 @@ def test_cli_refuses_a_size_that_cannot_fit_before_building_the_model(weights, t
     monkeypatch.setattr(image_cli, "default_budget_mb", lambda device: 16_000.0)
     base = ["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--out",
             str(tmp_path / "o")]
-    refused = (r"^--img-size 100000 100000 \(6250x6250 patches of 16px\): memory budget 16000\.0 MiB is too "
+    refused = (r"^--img-size 100000 100000 \(6250x6250 patches of 16px\): memory budget 16,000\.0 MiB is too "
                r"small: even one 16x16-patch tile needs more \(weights alone [\d,]+ MiB\); lower --img-size$")
     with pytest.raises(ValueError, match=refused):
         main(base + ["--img-size", "100000"])
