@@ -112,8 +112,7 @@ def _check_trainer(cfg: DictConfig) -> None:
         return
     for key in ("max_epochs", "max_steps"):
         value = cfg.trainer.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value == 0
-                                  or value < -1):
+        if isinstance(value, int) and not isinstance(value, bool) and (value == 0 or value < -1):
             raise ValueError(
                 f"trainer.{key}={value}: nothing would be trained; pass trainer.{key} >= 1 (-1: no limit), "
                 "or train=false to only test"
