@@ -403,3 +403,18 @@ def test_cli_refusals_are_one_line_and_leave_no_run_directory(tmp_path):
         assert out.returncode != 0 and out.stdout == "", out.stderr
         assert re.fullmatch(refused + r"[^\n]*\n", out.stderr), out.stderr
         assert not (tmp_path / "logs").exists(), list((tmp_path / "logs").rglob("*"))
+
+
+@pytest.mark.gpu
+def test_gpu_memory_check_uses_the_gpus_memory(tmp_path):
+    """On a GPU machine the training memory check compares with the GPU's total memory (cuda:0) and names
+    it; a digits model at data.img_size=100000 is refused, the default one fits."""
+    from elsa_vision.utils.accelerator import available_memory_mb
+
+    total, where = available_memory_mb("gpu")
+    assert where == "cuda:0" and total == torch.cuda.get_device_properties(0).total_memory / 2**20
+    fits = train_mod.check_training_memory(compose_cfg("train", ["trainer=gpu"], tmp_path / "r"))
+    assert 0 < fits < total
+    huge = compose_cfg("train", ["trainer=gpu", "data.img_size=100000"], tmp_path / "r")
+    with pytest.raises(ValueError, match=r"^data\.img_size=100000: .* \(cuda:0\); lower data\.img_size"):
+        train_mod.check_training_memory(huge)

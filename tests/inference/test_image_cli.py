@@ -657,3 +657,23 @@ def test_cli_refuses_a_size_that_cannot_fit_before_building_the_model(weights, t
         main(base + ["--img-size", "4096", "--context-parallel", "--memory-budget-mb", "50"])
     assert not torch.distributed.is_initialized()
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_cli_refuses_a_size_that_cannot_fit_the_gpu(weights, tmp_path, monkeypatch):
+    """On CUDA the plan is made against 90% of the free GPU memory, on the meta device: --img-size 200000
+    (a 114 GB position embedding) is refused in one line and no model is built."""
+    import elsa_vision.inference.image as image_cli
+
+    real_build = image_cli.build_model
+
+    def meta_only(*a, **k):
+        if torch.empty(0).device.type != "meta":
+            raise AssertionError("a model was built for a size that cannot fit")
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(image_cli, "build_model", meta_only)
+    with pytest.raises(ValueError, match=r"^--img-size 200000 200000 \(12500x12500 patches of 16px\): memory "
+                                         r"budget [\d,.]+ MiB is too small"):
+        main(["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--img-size", "200000",
+              "--device", "cuda", "--out", str(tmp_path / "o")])
