@@ -1,15 +1,18 @@
 """Evaluate a checkpoint or weights file: ``python evaluate.py ckpt_path=... [data=... model=...]``.
 
 Prints a table of top-1/top-5 and per-class accuracy, writes ``confusion_matrix.png`` into the run directory;
-the last line of stdout is one JSON object with the metrics and the run directory.
+the last line of stdout is one JSON object with the metrics and the run directory. A refused setting or file
+(no weights given, a checkpoint that is not one, a GPU this machine lacks ...) ends the run before any work
+with one ``error: ...`` line and no run directory left behind.
 """
 
 import os
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from elsa_vision.utils.run_dirs import register_resolvers
+from elsa_vision.utils.run_dirs import discard_new_run_dir, register_resolvers
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 register_resolvers()  # hydra.run.dir: a new directory per run
@@ -17,17 +20,30 @@ register_resolvers()  # hydra.run.dir: a new directory per run
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    from elsa_vision.tasks.evaluate import TASKS, evaluate, evaluate_zeroshot
-    from elsa_vision.utils.run import print_json_line
+    from elsa_vision.tasks.evaluate import TASKS, evaluate_zeroshot, prepare_evaluation, run_evaluation
+    from elsa_vision.utils.run import print_json_line, refusal_message
 
+    run_dir = str(cfg.paths.output_dir)  # the directory Hydra made for this invocation
     task = cfg.get("task", "classification")
-    if task not in TASKS:
-        raise ValueError(f"unknown task={task!r}; expected one of {', '.join(TASKS)}")
-    if task != "classification":
-        result = evaluate_zeroshot(cfg)
-        print_json_line({"metrics": result, "run_dir": str(cfg.paths.output_dir)})
-        return
-    metrics, objects = evaluate(cfg)
+    try:
+        if task not in TASKS:
+            raise ValueError(f"unknown task={task!r}; expected one of {', '.join(TASKS)}")
+        if task != "classification":  # zero-shot checks its inputs before it builds anything
+            result = evaluate_zeroshot(cfg)
+            print_json_line({"metrics": result, "run_dir": run_dir})
+            return
+        prepared = prepare_evaluation(cfg)
+    except Exception as e:  # a refused setting or file: one line, and no run directory left behind
+        discard_new_run_dir(run_dir)
+        message = refusal_message(e)
+        if message is None:
+            raise
+        sys.exit(f"error: {message}")
+    try:
+        metrics, objects = run_evaluation(prepared)
+    except BaseException:
+        discard_new_run_dir(run_dir)  # only while it holds nothing but Hydra's files
+        raise
     if objects["trainer"].is_global_zero:
         print_json_line(
             {

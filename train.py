@@ -1,7 +1,9 @@
 """Train a model: ``python train.py [group=option ...] [key=value ...]`` (configs in ``configs/``).
 
 With no arguments it trains the embedded default (a small ElsaViT on scikit-learn's digits, on CPU). The last
-line of stdout is one JSON object: the final metrics, the run directory and the checkpoints.
+line of stdout is one JSON object: the final metrics, the run directory and the checkpoints. A refused setting
+or file (a GPU this machine lacks, a checkpoint that is not one, a missing data file, a model that cannot fit
+in memory ...) ends the run before any work with one ``error: ...`` line and no run directory left behind.
 """
 
 import os
@@ -10,8 +12,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from elsa_vision.files import NotACheckpointError
-from elsa_vision.utils.run_dirs import register_resolvers
+from elsa_vision.utils.run_dirs import discard_new_run_dir, register_resolvers
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 register_resolvers()  # hydra.run.dir: a new directory per run, or the resumed run's own
@@ -19,13 +20,23 @@ register_resolvers()  # hydra.run.dir: a new directory per run, or the resumed r
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from elsa_vision.tasks.train import CheckpointPathError, train
-    from elsa_vision.utils.run import print_json_line
+    from elsa_vision.tasks.train import fit_and_test, prepare_training
+    from elsa_vision.utils.run import print_json_line, refusal_message
 
+    run_dir = str(cfg.paths.output_dir)  # the directory Hydra made for this invocation
     try:
-        metrics, objects = train(cfg)
-    except (CheckpointPathError, NotACheckpointError, FileNotFoundError) as e:  # a wrong path: one line
-        sys.exit(f"error: {e}")
+        prepared = prepare_training(cfg)
+    except Exception as e:  # a refused setting or file: one line, and no run directory left behind
+        discard_new_run_dir(run_dir)
+        message = refusal_message(e)
+        if message is None:
+            raise
+        sys.exit(f"error: {message}")
+    try:
+        metrics, objects = fit_and_test(prepared)
+    except BaseException:
+        discard_new_run_dir(run_dir)  # only while it holds nothing but Hydra's files
+        raise
     if objects["trainer"].is_global_zero:
         print_json_line(
             {

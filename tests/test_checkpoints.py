@@ -392,3 +392,68 @@ def test_checkpoint_of_an_older_run_resumes_with_its_best_record(tmp_path):
     cb = obj["trainer"].checkpoint_callback
     assert obj["trainer"].current_epoch == 2
     assert cb.best_model_path == str(run / "checkpoints" / "epoch_000.ckpt")
+
+
+# ------------------------------------------------------------------------------------ resume edge cases
+
+
+def test_resume_after_a_torn_metrics_row(tmp_path):
+    """A kill during a write of metrics.csv leaves a torn last row (no newline, fields missing): the resume
+    drops it, the resumed epochs start on a line of their own, and the final test writes its row."""
+    run = tmp_path / "run"
+    base = TINY_NET + QUIET_CSV + SMALL
+    train(compose_cfg("train", base + ["trainer.max_epochs=1", "test=false"], run))
+    metrics_csv = run / "metrics.csv"
+    with open(metrics_csv, "a", newline="") as f:
+        f.write("1,3,,,,0.10")  # half of a row of the next epoch
+    metrics, _ = train(compose_cfg("train", base + ["trainer.max_epochs=2", "ckpt_path=last"], run))
+    assert "test/acc" in metrics and "train/loss" in metrics
+    text = metrics_csv.read_text()
+    assert text.endswith("\n") and "0.10\r" not in text and ",0.10," not in text
+    rows = list(csv.reader(text.splitlines()))
+    assert all(len(r) == len(rows[0]) for r in rows), rows
+    epochs = sorted({int(float(r[rows[0].index("epoch")])) for r in rows[1:]})
+    assert epochs == [0, 1, 2]  # epoch 0, the resumed epoch 1, the test logged at epoch 2
+
+
+def test_resume_from_the_last_epochs_checkpoint_reports_the_runs_metrics(tmp_path):
+    """Killed during the final test: the resume from the last epoch's checkpoint trains nothing more, tests,
+    and reports the run's last train/val metrics and its best val/acc, as the uninterrupted run did."""
+    run = tmp_path / "run"
+    base = TINY_NET + QUIET_CSV + SMALL + ["trainer.max_epochs=2"]
+    first, _ = train(compose_cfg("train", base + ["test=false"], run))
+    metrics, obj = train(compose_cfg("train", base + ["ckpt_path=last"], run))
+    assert obj["trainer"].current_epoch == 2 and "test/acc" in metrics
+    for key in ("train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best"):
+        assert metrics[key] == pytest.approx(first[key], abs=1e-6), key
+
+
+def test_ckpt_path_last_resumes_only_a_run_of_this_configuration(tmp_path):
+    """`ckpt_path=last` after a run of another configuration (here: another network width, as the VGGT
+    experiment's run is for the digits model) resumes the newest run of this configuration, or refuses in
+    one line naming the run it found; the run-directory resolver picks the same run."""
+    logs = tmp_path / "logs"
+    runs = logs / "train" / "runs"
+    base = QUIET + SMALL + ["test=false", "trainer.max_epochs=1", "model.net.depth=1",
+                            "model.net.num_heads=2"]
+    narrow, wide, other = ["model.net.embed_dim=16"], ["model.net.embed_dim=32"], ["model.net.embed_dim=24"]
+    train(compose_cfg("train", base + narrow, runs / "narrow", logs))
+    time.sleep(0.05)
+    train(compose_cfg("train", base + wide, runs / "wide", logs))  # the newest run
+    resume = base + ["ckpt_path=last", "trainer.max_epochs=2"]
+    with pytest.raises(CheckpointPathError, match=r"^ckpt_path=last: the newest run with a last\.ckpt, "
+                                                  r"'.*wide', was trained with another configuration "
+                                                  r"\(model\.net\.embed_dim: 32 there, 24 here\)"):
+        train(compose_cfg("train", resume + other, runs / "new", logs))
+    _, obj = train(compose_cfg("train", resume + narrow, runs / "new", logs))
+    assert obj["run_dir"] == str(runs / "narrow") and not (runs / "new").exists()
+    assert _epoch(runs / "narrow" / "checkpoints" / "last.ckpt") == 1
+    assert _epoch(runs / "wide" / "checkpoints" / "last.ckpt") == 0
+    run_mod._RUN_DIRS.clear()
+    cfg = compose_cfg("train", resume + narrow, runs / "new", logs)
+    assert run_mod.run_dir_for(str(runs), "last", _root_=cfg) == str(runs / "narrow")
+    cfg = compose_cfg("train", resume + other, runs / "x", logs)
+    fresh = run_mod.run_dir_for(str(runs), "last", _root_=cfg)
+    assert os.path.dirname(fresh) == str(runs) and os.path.basename(fresh) not in ("narrow", "wide")
+    assert run_mod.discard_new_run_dir(fresh) and not os.path.exists(fresh)
+    assert not run_mod.discard_new_run_dir(runs / "narrow") and (runs / "narrow").is_dir()

@@ -134,6 +134,10 @@ def test_evaluate_cli_prints_table_then_json(trained, tmp_path):
         "support  accuracy" in s for s in lines
     )
     missing = subprocess.run(
-        [sys.executable, "evaluate.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "evaluate.py", f"paths.log_dir={tmp_path / 'logs'}"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300,
     )
     assert missing.returncode != 0 and "model.pretrained_file" in (missing.stderr + missing.stdout)
+    # one line, before any work, and no run directory left behind
+    assert missing.stdout == "" and missing.stderr.startswith("error: evaluate.py needs weights")
+    assert missing.stderr.count("\n") == 1 and not (tmp_path / "logs").exists()

@@ -3,6 +3,7 @@ atomic writes, output directories checked before work starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -12,6 +13,7 @@ import torch
 from PIL import Image
 
 from elsa_vision.files import (
+    OUTPUT_MANIFEST,
     FileTooLargeError,
     NotACheckpointError,
     UnsafeCheckpointError,
@@ -25,6 +27,7 @@ from elsa_vision.files import (
     read_npy,
     read_safetensors_metadata,
     read_weights,
+    record_outputs,
     remove_outputs,
     remove_stale_temp_files,
     submodule_weights,
@@ -494,22 +497,61 @@ def test_prepare_output_dir(tmp_path):
 # ------------------------------------------------------------------------------------------ atomic writes
 
 
-def test_remove_outputs_removes_only_the_named_outputs(tmp_path):
+def test_remove_outputs_removes_only_what_the_manifest_records(tmp_path):
+    """--overwrite removes the files an earlier run recorded in outputs.json and the folders they leave
+    empty, the fixed output names, and nothing else: not a slice_* file or folder of the user's, not a
+    user's file inside a recorded folder, not what a link points to, not a path an edited manifest names."""
     out = tmp_path / "out"
-    (out / "slice_0001").mkdir(parents=True)
-    (out / "slice_0001" / "report.json").write_text("{}")
-    (out / "report.json").write_text("{}")
-    (out / "notes.txt").write_text("mine")
+    record_outputs(out, ["report.json", "slice_0001/report.json", "slice_0001/overlay.png"])
+    record_outputs(out, ["slice_0002/report.json", "slice_0003/report.json", "slice_0004/x.json"])
+    for name in ("report.json", "slice_0001/report.json", "slice_0001/overlay.png", "slice_0003/report.json"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("{}")
+    assert json.loads((out / OUTPUT_MANIFEST).read_text())["outputs"][-1] == "slice_0004/x.json"
+    (out / "slice_notes.txt").write_text("mine")
+    (out / "slice_0003" / "mine.txt").write_text("mine")
     keep = tmp_path / "elsewhere"
     keep.mkdir()
-    (keep / "data.bin").write_text("x")
+    (keep / "report.json").write_text("theirs")
     (out / "slice_0002").symlink_to(keep, target_is_directory=True)
+    (out / "notes.txt").write_text("mine")
     removed = remove_outputs(out, ["report.json", "slice_*", "overlay.png"])
-    assert sorted(removed) == ["report.json", "slice_0001", "slice_0002"]
-    assert os.listdir(out) == ["notes.txt"] and (keep / "data.bin").exists()  # a link goes, not its target
+    assert sorted(removed) == [
+        "report.json", "slice_0001/overlay.png", "slice_0001/report.json", "slice_0003/report.json"
+    ]
+    assert sorted(os.listdir(out)) == ["notes.txt", "slice_0002", "slice_0003", "slice_notes.txt"]
+    assert os.listdir(out / "slice_0003") == ["mine.txt"] and (keep / "report.json").read_text() == "theirs"
+    # an edited manifest naming files outside the run's outputs removes none of them
+    (out / OUTPUT_MANIFEST).write_text(json.dumps({"outputs": ["notes.txt", "../elsewhere/report.json",
+                                                               "/etc/passwd", "slice_0003/../notes.txt"]}))
+    assert remove_outputs(out, ["report.json", "slice_*"]) == []
+    assert (out / "notes.txt").exists() and (keep / "report.json").exists()
+    # what another tool recorded in the same folder stays, and stays recorded
+    record_outputs(out, ["labels.npy", "report.json"])
+    (out / "labels.npy").write_text("x")
+    assert remove_outputs(out, ["report.json"]) == [] and (out / "labels.npy").exists()
+    assert json.loads((out / OUTPUT_MANIFEST).read_text())["outputs"] == ["notes.txt", "labels.npy"]
     assert remove_outputs(tmp_path / "absent", ["x"]) == []
     with pytest.raises(TypeError, match="list of names"):
         remove_outputs(out, "report.json")
+    with pytest.raises(ValueError, match="not a relative path"):
+        record_outputs(out, ["../x.json"])
+
+
+def test_prepare_output_dir_resolves_the_path_before_checking(tmp_path):
+    """`missing/../out` is `out` (where the writes land): its earlier outputs are refused, and the returned
+    path is the resolved one, so no stray `missing/` is created by the run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x.json").write_text("{}")
+    given = tmp_path / "missing" / ".." / "out"
+    with pytest.raises(ValueError, match=r"--out '.*missing/\.\./out \(= .*/out\)' already holds outputs"):
+        prepare_output_dir(given, ["x.json"])
+    assert prepare_output_dir(given, ["x.json"], overwrite=True) == out
+    (tmp_path / "link").symlink_to(out, target_is_directory=True)
+    with pytest.raises(ValueError, match="already holds outputs"):
+        prepare_output_dir(tmp_path / "link", ["x.json"])
+    assert not (tmp_path / "missing").exists()
 
 
 def test_atomic_write_text_replaces_whole_or_not_at_all(tmp_path):
@@ -570,3 +612,51 @@ def test_max_input_gib_takes_finite_positive_numbers():
     for bad in ("0", "-1", "inf", "nan", "lots"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-input-gib", bad])
+
+
+def test_npy_header_with_a_negative_size_is_named(tmp_path):
+    """A header declaring shape (-2, -3, 4) (whose product looks positive) gave numpy's 'can only specify one
+    unknown dimension', naming neither file nor field."""
+    from elsa_vision.data.readers import load_cube
+
+    path = forged_npy(tmp_path / "neg.npy", shape=(-2, -3, 4))
+    with open(path, "ab") as f:
+        f.write(bytes(96))
+    refused = r"^'.*neg\.npy': the \.npy array declares shape \(-2, -3, 4\), with a negative size"
+    for read in (read_npy, load_cube):
+        with pytest.raises(ValueError, match=refused):
+            read(path)
+
+
+def test_deeply_nested_torchscript_archive_is_refused_in_one_line(tmp_path):
+    """A 3000-level module tree (a few KB) ended the walk over the modules in a RecursionError; it is refused
+    as a ValueError naming the file."""
+    import sys
+    import types
+    import zipfile
+
+    fake = types.ModuleType("__torch__")
+
+    class M:
+        pass
+
+    M.__module__, M.__qualname__ = "__torch__", "M"
+    fake.M = M
+    root = node = M()
+    for _ in range(3000):
+        node.child = M()
+        node = node.child
+    limit = sys.getrecursionlimit()
+    sys.modules["__torch__"] = fake
+    sys.setrecursionlimit(20_000)  # the test's own pickler is recursive
+    try:
+        data = pickle.dumps(root, protocol=2)
+    finally:
+        sys.setrecursionlimit(limit)
+        del sys.modules["__torch__"]
+    with zipfile.ZipFile(tmp_path / "deep.pt", "w") as zf:
+        zf.writestr("deep/data.pkl", data)
+        zf.writestr("deep/code/__torch__.py", "class M(Module):\n  __parameters__ = []\n  __buffers__ = []\n")
+        zf.writestr("deep/constants.pkl", pickle.dumps((), protocol=2))
+    with pytest.raises(ValueError, match=r"deep\.pt'.*nested more than 100 levels deep"):
+        read_checkpoint(tmp_path / "deep.pt", torchscript=True)

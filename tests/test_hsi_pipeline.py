@@ -441,3 +441,60 @@ def test_inference_checks_out_before_reading(trained, tmp_path, monkeypatch):
     # the cube's declared size is checked before it is read
     with pytest.raises(ValueError, match=r"scene\.mat'.*MATLAB variables.*--max-input-gib"):
         main(args + ["--out", str(tmp_path / "p"), "--max-input-gib", "1e-6"])
+
+
+def _forged(trained, tmp_path, name, change):
+    """The trained checkpoint with ``change(ckpt["hsi"])`` applied, saved as ``name``."""
+    ckpt = torch.load(trained["ckpt"], weights_only=True)
+    change(ckpt["hsi"])
+    torch.save(ckpt, tmp_path / name)
+    return tmp_path / name
+
+
+def test_checkpoint_net_config_is_checked_before_a_network_is_built(trained, tmp_path, monkeypatch):
+    """net_config comes from a file: its keys, types and sizes are checked before any network is built.
+    A config asking for embed_dim=32768 (12.9 GB) in a file holding a 32-wide network is refused, the check
+    builds only on the meta device; unknown keys, a config that is not a mapping and a wrong type are one
+    ValueError naming the file and the field (not the constructor's TypeError). Every loader of the
+    checkpoint applies it: from_checkpoint, load_hsi_checkpoint, the HSI CLI, a resume in train.py."""
+    import elsa_vision.tasks.hsi as hsi_tasks
+    import elsa_vision.tasks.train as train_mod
+    from tests.train_helpers import compose_cfg
+
+    real = hsi_tasks.ElsaHSIViT
+
+    class Recorded(real):
+        def __init__(self, **kwargs):
+            if torch.empty(0).device.type != "meta" and kwargs.get("embed_dim") == 32768:
+                raise AssertionError("a 12.9 GB network was allocated for a checkpoint's net_config")
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(hsi_tasks, "ElsaHSIViT", Recorded)
+    huge = _forged(trained, tmp_path, "huge.ckpt",
+                   lambda h: h["net_config"].update(embed_dim=32768, num_heads=2, branch_depth=1))
+    cases = [
+        (huge, r"hsi\.net_config gives .* the shape \[.*32768.*\], the checkpoint's weights hold"),
+        (_forged(trained, tmp_path, "unknown.ckpt", lambda h: h["net_config"].update(evil=1)),
+         r"hsi\.net_config has unknown keys \['evil'\]"),
+        (_forged(trained, tmp_path, "list.ckpt", lambda h: h.update(net_config=[1, 2])),
+         r"hsi\.net_config is a list, not a mapping"),
+        (_forged(trained, tmp_path, "type.ckpt", lambda h: h["net_config"].update(embed_dim="32")),
+         r"hsi\.net_config\.embed_dim = '32' is not a valid embed_dim"),
+        (_forged(trained, tmp_path, "deep.ckpt", lambda h: h["net_config"].update(fusion_depth=10**6)),
+         r"asks for 1000002 blocks; the checkpoint holds \d+ network tensors"),
+        (_forged(trained, tmp_path, "meta.ckpt", lambda h: h["meta"].update(patch_size=4001)),
+         r"hsi\.meta\.patch_size = 4001, the network's is 5"),
+    ]
+    for path, refused in cases:
+        for load in (HSIClassificationModule.from_checkpoint, load_hsi_checkpoint):
+            with pytest.raises(ValueError, match=refused) as err:
+                load(path)
+            assert str(path) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=cases[0][1]):
+        run(str(huge), str(trained["root"] / "scene.mat"), out=str(tmp_path / "o"), progress=False)
+    # train.py resuming from it: refused before the data module or the model is built
+    monkeypatch.setattr(train_mod, "instantiate_data", lambda cfg: pytest.fail("the data was built"))
+    overrides = ["model=elsa_hsi", "data=hsi", f"data.path={trained['root'] / 'scene.mat'}",
+                 f"data.gt_path={trained['root'] / 'scene_gt.mat'}", f"ckpt_path={huge}"]
+    with pytest.raises(ValueError, match=rf"^ckpt_path: '.*huge\.ckpt': {cases[0][1]}"):
+        train_mod.train(compose_cfg("train", overrides, tmp_path / "run"))

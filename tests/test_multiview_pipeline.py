@@ -352,3 +352,28 @@ def test_inference_cli_checks_out_first(tmp_path, capsys, monkeypatch):
             infer_main(args + ["--out", str(out)])
         assert e.value.code == 2 and why in capsys.readouterr().err
     assert (tmp_path / "done" / "cameras.json").read_text() == "{}"
+
+
+def test_inference_cli_frames_sharing_a_stem_keep_their_own_outputs(tmp_path, capsys, monkeypatch):
+    """a.jpg and a.png are two frames: two depth maps (named by the whole file name) and two cameras; names
+    that differ only in letter case are refused in one line before the model is built."""
+    import elsa_vision.inference.multiview as mv
+
+    frames, _ = _frames_and_weights(tmp_path)
+    os.rename(frames / "00.png", frames / "a.png")
+    Image.open(frames / "01.png").save(frames / "a.jpg")
+    (frames / "01.png").unlink()
+    os.rename(frames / "02.png", frames / "b.png")
+    out = tmp_path / "out"
+    summary = _run_cli(tmp_path, frames, tmp_path / "w.safetensors", "--max-frames", "3")
+    assert summary["frames"] == 3
+    names = [f["name"] for f in json.loads((out / "cameras.json").read_text())["frames"]]
+    assert names == ["a.jpg", "a.png", "b"]
+    assert sorted(os.listdir(out / "depth")) == [
+        "a.jpg.npy", "a.jpg.png", "a.png.npy", "a.png.png", "b.npy", "b.png"
+    ]
+    assert not np.array_equal(np.load(out / "depth" / "a.jpg.npy"), np.load(out / "depth" / "a.png.npy"))
+    os.rename(frames / "b.png", frames / "A.png")
+    monkeypatch.setattr(mv, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(ValueError, match=r"^--frames: 'A\.png' and 'a\.png' would write the same depth map"):
+        _run_cli(tmp_path, frames, tmp_path / "w.safetensors", "--max-frames", "3", "--overwrite")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -353,3 +354,67 @@ def test_extras_max_image_pixels(tmp_path):
             extras(compose_cfg("train", ["extras.max_image_pixels=0"], tmp_path / "r"))
     finally:
         Image.MAX_IMAGE_PIXELS = before
+
+
+def test_refusals_come_before_the_data_or_the_model_is_built(tmp_path, monkeypatch):
+    """A checkpoint that holds Python objects, a size that cannot fit in memory, a trainer that would train
+    nothing: each is refused in one line before the data module (and so the model) is built."""
+    import functools
+
+    from elsa_vision.files import UnsafeCheckpointError
+    from elsa_vision.utils.run import refusal_message
+
+    monkeypatch.setattr(train_mod, "instantiate_data", lambda cfg: pytest.fail("the data was built"))
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hook": functools.partial(print)}, tmp_path / "evil.ckpt")
+    cases = [
+        ([f"ckpt_path={tmp_path / 'evil.ckpt'}"], UnsafeCheckpointError,
+         r"^ckpt_path: '.*evil\.ckpt' holds Python objects"),
+        (["data.img_size=100000"], ValueError,
+         r"^data\.img_size=100000: training elsa_vit_tiny_patch16_224 needs at least [\d,.]+ GiB \(.*largest "
+         r"pos_embed [\d,.]+ GiB.*\), more than the [\d,.]+ [GM]iB available .*; lower data\.img_size"),
+        (["trainer.max_epochs=0"], ValueError, r"^trainer\.max_epochs=0: nothing would be trained"),
+    ]
+    for overrides, cls, refused in cases:
+        with pytest.raises(cls, match=refused) as e:
+            train(compose_cfg("train", TINY_NET + overrides, tmp_path / "r"))
+        assert "\n" not in refusal_message(e.value)
+    # activations: a moderate size with a small limit names the image size and the batch
+    cfg = compose_cfg("train", TINY_NET + ["data.img_size=256"], tmp_path / "r")
+    assert train_mod.check_training_memory(cfg, available_mb=1e6) < 1e6
+    refused = (r"^data\.img_size=256: .*, more than the 10\.0 MiB available \(the given limit\); "
+               r"lower data\.img_size or data\.batch_size$")
+    with pytest.raises(ValueError, match=refused):
+        train_mod.check_training_memory(cfg, available_mb=10)
+
+
+def test_cli_refusals_are_one_line_and_leave_no_run_directory(tmp_path):
+    """A GPU setting on a machine without one and a missing HSI data file: one `error:` line on stderr, no
+    traceback, no run directory left in the log directory (evaluate.py: tests/test_evaluate.py)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    calls = [
+        ("train.py", ["model=elsa_hsi", "data=hsi", f"data.path={tmp_path / 'PaviaU.mat'}"],
+         rf"error: data\.path: '{tmp_path}/PaviaU\.mat' does not exist or is not a file"),
+    ]
+    if not torch.cuda.is_available():
+        calls.append(("train.py", ["trainer=gpu"], r"error: trainer\.accelerator=gpu needs a GPU"))
+    for script, args, refused in calls:
+        out = subprocess.run([sys.executable, script, *args, f"paths.log_dir={tmp_path / 'logs'}"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0 and out.stdout == "", out.stderr
+        assert re.fullmatch(refused + r"[^\n]*\n", out.stderr), out.stderr
+        assert not (tmp_path / "logs").exists(), list((tmp_path / "logs").rglob("*"))
+
+
+@pytest.mark.gpu
+def test_gpu_memory_check_uses_the_gpus_memory(tmp_path):
+    """On a GPU machine the training memory check compares with the GPU's total memory (cuda:0) and names
+    it; a digits model at data.img_size=100000 is refused, the default one fits."""
+    from elsa_vision.utils.accelerator import available_memory_mb
+
+    total, where = available_memory_mb("gpu")
+    assert where == "cuda:0" and total == torch.cuda.get_device_properties(0).total_memory / 2**20
+    fits = train_mod.check_training_memory(compose_cfg("train", ["trainer=gpu"], tmp_path / "r"))
+    assert 0 < fits < total
+    huge = compose_cfg("train", ["trainer=gpu", "data.img_size=100000"], tmp_path / "r")
+    with pytest.raises(ValueError, match=r"^data\.img_size=100000: .* \(cuda:0\); lower data\.img_size"):
+        train_mod.check_training_memory(huge)

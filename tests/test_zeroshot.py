@@ -328,3 +328,53 @@ def test_cli_precisions_are_the_kernels_vocabulary(capsys):
     err = capsys.readouterr().err
     assert "invalid choice: 'fp64'" in err
     assert f"choose from {', '.join(repr(p) for p in PRECISIONS)}" in err.replace("\n", " ")
+
+
+def test_cli_refusals_are_one_line_before_the_model_and_leave_no_run_directory(
+    tiny_name, image_folder, tmp_path, monkeypatch, capsys
+):
+    """A --pretrained that is not a file, or a file that is refused (not a checkpoint), ends the CLI with one
+    `error:` line and exit code 2 before any model is built; the fresh run directory does not stay."""
+    import sys
+
+    from elsa_vision.tasks import zeroshot
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(open_clip, "create_model", lambda *a, **k: pytest.fail("a model was built"))
+    (tmp_path / "photo.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(60))
+    for pretrained, why in ((tmp_path / "nope.pt", "must be a local checkpoint file"),
+                            (tmp_path / "photo.jpg", "is not a checkpoint: it is a JPEG image"),
+                            (tmp_path, "must be a local checkpoint file")):
+        monkeypatch.setattr(sys, "argv", ["zeroshot", "--model", tiny_name, "--pretrained", str(pretrained),
+                                          "--data", str(image_folder), "--workers", "0", "--device", "cpu"])
+        with pytest.raises(SystemExit) as e:
+            zeroshot.cli()
+        captured = capsys.readouterr()
+        assert e.value.code == 2 and captured.out == ""
+        assert captured.err.count("\n") == 1 and captured.err.startswith("error: ") and why in captured.err
+    assert not (tmp_path / "logs" / "zeroshot" / "runs").exists() or not any(
+        (tmp_path / "logs" / "zeroshot" / "runs").iterdir())
+
+
+def test_overwrite_keeps_files_it_did_not_write(tiny_name, image_folder, tmp_path):
+    out = tmp_path / "out"
+    common = dict(model=tiny_name, data=str(image_folder), task="embed", num_workers=0, device="cpu",
+                  out=str(out))
+    run(embed_format="npz", **common)
+    (out / "embeddings.README").write_text("mine")
+    run(embed_format="safetensors", overwrite=True, **common)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "embed_metrics.json", "embeddings.README", "embeddings.safetensors", "outputs.json"]
+
+
+def test_an_image_size_that_cannot_fit_is_refused_before_the_model_is_built(tiny_name, image_folder, tmp_path,
+                                                                           monkeypatch):
+    """--image-size 100000 resampled the positional embedding to a 12500x12500 grid (40 GB for this tiny
+    tower): refused in one line, naming the size and the estimate, before open_clip builds anything."""
+    monkeypatch.setattr(open_clip, "create_model", lambda *a, **k: pytest.fail("a model was built"))
+    refused = (r"^image_size 100000 \(12500x12500 patches of 8px\): the image tower of "
+               r"elsa-test-zeroshot-tiny needs at least [\d,.]+ GiB for a batch of 4")
+    with pytest.raises(ValueError, match=refused):
+        run(model=tiny_name, data=str(image_folder), task="embed", image_size=100000, batch_size=4,
+            num_workers=0, device="cpu", out=str(tmp_path / "o"))
+    assert not (tmp_path / "o").exists()

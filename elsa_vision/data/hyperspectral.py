@@ -12,6 +12,7 @@ training pixels only.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -433,6 +434,9 @@ class HSIDataModule(L.LightningDataModule):
             if unknown or "n_components" not in pca:
                 raise ValueError(f"pca must be None or {{n_components, groups}}, got keys {sorted(pca)}")
         self.pca = pca
+        for name, file in (("path", path), ("gt_path", gt_path)):
+            if file is not None and not os.path.isfile(file):  # named now, before a model is built for it
+                raise FileNotFoundError(f"data.{name}: {os.fspath(file)!r} does not exist or is not a file")
         self.path, self.gt_path, self.key, self.gt_key = path, gt_path, key, gt_key
         self.patch_size = int(patch_size)
         self.seed = int(seed)

@@ -40,10 +40,12 @@ from .limits import (
     read_npy,
 )
 from .outputs import (
+    OUTPUT_MANIFEST,
     atomic_torch_save,
     atomic_write,
     link_atomically,
     prepare_output_dir,
+    record_outputs,
     remove_outputs,
     remove_stale_temp_files,
 )
@@ -53,6 +55,7 @@ __all__ = [
     "DEFAULT_MAX_ARRAY_BYTES",
     "FileTooLargeError",
     "NotACheckpointError",
+    "OUTPUT_MANIFEST",
     "STATE_DICT_KEYS",
     "UnsafeCheckpointError",
     "atomic_torch_save",
@@ -72,6 +75,7 @@ __all__ = [
     "read_safetensors_metadata",
     "read_torchscript_state_dict",
     "read_weights",
+    "record_outputs",
     "remove_outputs",
     "remove_stale_temp_files",
     "strip_prefixes",

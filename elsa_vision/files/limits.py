@@ -131,7 +131,8 @@ def check_array_bytes(
     held: int = 0,
 ) -> int:
     """Refuse an array whose declared ``shape`` x ``dtype`` exceeds ``max_bytes`` (default
-    :data:`DEFAULT_MAX_ARRAY_BYTES`); returns the declared size in bytes.
+    :data:`DEFAULT_MAX_ARRAY_BYTES`) or has a negative size (``ValueError`` naming the file); returns the
+    declared size in bytes.
 
     ``held``: bytes the reader already holds for this file (the arrays decoded so far, the decoded data an
     image is converted from): the new array must fit beside them, so that ``max_bytes`` bounds what the
@@ -139,6 +140,9 @@ def check_array_bytes(
     """
     limit = DEFAULT_MAX_ARRAY_BYTES if max_bytes is None else int(max_bytes)
     shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{os.fspath(path)!r}: {what} declares shape {shape}, with a negative size (a "
+                         "forged header?)")
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
     if nbytes + held > limit:

@@ -208,7 +208,15 @@ def read_torchscript_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return out
 
 
+# Modules nested deeper than this are refused (a model's tree is a few levels deep; the walk below is
+# recursive, and Python's own limit would end it in a RecursionError)
+_TS_MAX_DEPTH = 100
+
+
 def _collect(obj: _ScriptObject, prefix: str, decls: Mapping, out: dict, path: str, active: set) -> None:
+    if len(active) >= _TS_MAX_DEPTH:
+        raise ValueError(f"TorchScript archive {path!r}: modules nested more than {_TS_MAX_DEPTH} levels "
+                         "deep (not a model's module tree); not read")
     decl = decls.get(obj.qualname)
     if decl is None:
         raise ValueError(f"TorchScript archive {path!r}: no declaration of module class {obj.qualname}")

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from .. import models  # noqa: F401  (registers the elsa_* names and their short aliases with timm)
 from ..layers.attention import ElsaAttention
+from ..utils.accelerator import host_available_mb
 
 __all__ = [
     "MODEL_ALIASES",
@@ -223,8 +224,10 @@ def estimate_memory_mb(
     query_chunk: int | None = None,
     image_elems: int = 0,
     act_bytes: int = 4,
+    world: int = 1,
 ) -> float:
-    """Peak memory estimate (MiB) of one forward over ``tokens`` tokens (batch 1, no autograd).
+    """Peak memory estimate (MiB) of one forward over ``tokens`` tokens (batch 1, no autograd); with
+    ``mode="context_parallel"``, of one of ``world`` ranks.
 
     Counted: weights; the input image; per block, the live activations (residual, norm, qkv, attention
     output, about ``6 N C``, and the MLP's hidden activations before and after its nonlinearity, ``2 r C``
@@ -232,20 +235,28 @@ def estimate_memory_mb(
     whole, ``query_chunk`` query_chunked, where the MLP runs over that many tokens at a time too): the
     torch backend holds about five ``H x rows x N`` float32
     tensors per call (logits, padded logits, their exponentials, block value states) with ``rows <= 1024``;
-    the Triton backend only ``O(rows (D + 2) H)``; SDPA's efficient kernel likewise.
+    the Triton backend only ``O(rows (D + 2) H)``; SDPA's efficient kernel likewise. A context-parallel rank
+    holds the embedded tokens of the whole image and the gathered output (``2 N C``), the activations of
+    its ``n = N / world`` tokens, the keys and values it sends and receives around the ring (``4 n C``), its
+    queries' running states and the attention workspace of ``n`` queries against ``n`` keys.
     """
-    if mode not in ("whole", "query_chunked"):
-        raise ValueError(f"mode must be 'whole' or 'query_chunked', got {mode!r}")
+    if mode not in ("whole", "query_chunked", "context_parallel"):
+        raise ValueError(f"mode must be 'whole', 'query_chunked' or 'context_parallel', got {mode!r}")
     C = model.embed_dim
     blk = model.blocks[0]
     heads = blk.attn.num_heads
     hidden = blk.mlp.fc1.out_features if hasattr(blk.mlp, "fc1") else 4 * C
     ratio = hidden / C
     N = tokens
-    rows = N if mode == "whole" else min(N, query_chunk)
-    activations = 6 * N * C + 2 * ratio * rows * C
+    if mode == "context_parallel":
+        n = -(-N // max(1, world))
+        keys, rows = n, n
+        activations = 2 * N * C + 6 * n * C + 2 * ratio * n * C + 4 * n * C + heads * n * (C // heads + 2)
+    else:
+        keys, rows = N, N if mode == "whole" else min(N, query_chunk)
+        activations = 6 * N * C + 2 * ratio * rows * C
     if backend == "torch":
-        workspace = 5 * heads * min(rows, _TORCH_BACKEND_ROWS) * N
+        workspace = 5 * heads * min(rows, _TORCH_BACKEND_ROWS) * keys
     else:
         workspace = 2 * heads * rows * (C // heads + 2)
     total = _param_bytes(model) + 2 * image_elems * 4 + (activations + workspace) * act_bytes
@@ -284,13 +295,20 @@ def plan_execution(
     query_chunk: int | None = None,
     overlap_frac: float = 0.25,
     act_bytes: int = 4,
+    context_parallel: int | None = None,
 ) -> Plan:
-    """Choose whole-image, query-chunked or tiled execution.
+    """Choose whole-image, query-chunked or tiled execution, or size a context-parallel run.
 
-    ``query_chunk`` given: query-chunked with that chunk (global attention, no budget check). Otherwise
-    the first of these whose estimate fits ``budget_mb`` (default: whole): whole; query-chunked with the
-    largest chunk in :data:`_QUERY_CHUNKS`; tiled with the largest square tile (multiple of the patch) that
-    fits, overlapping by ``overlap_frac`` of the tile.
+    ``model`` may live on the meta device (the plan reads shapes only): a size that cannot fit is refused
+    before the model is built. ``context_parallel`` (the number of ranks): the per-rank estimate of
+    :func:`run_context_parallel`, refused when it exceeds ``budget_mb`` (each rank's). ``query_chunk``
+    given: query-chunked with that chunk (global attention), refused when its estimate exceeds
+    ``budget_mb``. Otherwise the first of these whose estimate fits ``budget_mb`` (default: whole): whole;
+    query-chunked with the largest chunk in :data:`_QUERY_CHUNKS`; tiled with the largest square tile
+    (multiple of the patch) that fits, overlapping by ``overlap_frac`` of the tile.
+
+    Raises:
+        ValueError: in one line, with the estimate, when no mode fits ``budget_mb``.
     """
     if not 0.0 <= overlap_frac < 1.0:
         raise ValueError(f"tile overlap fraction must be in [0, 1), got {overlap_frac}")
@@ -301,16 +319,31 @@ def plan_execution(
     backend = _resolved_backend(model, device)
     image_elems = model.patch_embed.proj.in_channels * H * W
     est = dict(backend=backend, image_elems=image_elems, act_bytes=act_bytes)
+    if budget_mb is not None and budget_mb <= 0:
+        raise ValueError(f"memory budget must be > 0 MiB, got {budget_mb}")
+    if context_parallel is not None:
+        e = estimate_memory_mb(model, N, mode="context_parallel", world=context_parallel, **est)
+        if budget_mb is not None and e > budget_mb:
+            raise ValueError(
+                f"context parallelism over {context_parallel} ranks needs about {e:,.0f} MiB per rank for "
+                f"{N:,} tokens, more than the budget of {budget_mb:,.0f} MiB per rank"
+            )
+        return Plan("context_parallel", e, budget_mb,
+                    reason=f"tokens split over {context_parallel} ranks, ring attention; the estimate is "
+                           "one rank's")
     if query_chunk is not None:
         if query_chunk < 1:
             raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
         e = estimate_memory_mb(model, N, mode="query_chunked", query_chunk=query_chunk, **est)
+        if budget_mb is not None and e > budget_mb:
+            raise ValueError(
+                f"query-chunked attention over {N:,} tokens needs about {e:,.0f} MiB, more than the budget "
+                f"of {budget_mb:,.0f} MiB"
+            )
         return Plan("query_chunked", e, budget_mb, query_chunk=query_chunk, reason="query_chunk given")
     whole = estimate_memory_mb(model, N, mode="whole", **est)
     if budget_mb is None or whole <= budget_mb:
         return Plan("whole", whole, budget_mb, reason="fits the budget" if budget_mb else "no budget given")
-    if budget_mb <= 0:
-        raise ValueError(f"memory budget must be > 0 MiB, got {budget_mb}")
     for qc in _QUERY_CHUNKS:
         if qc >= N:
             continue
@@ -348,8 +381,8 @@ def plan_execution(
             )
         side = side - max(1, side // 8)
     raise ValueError(
-        f"memory budget {budget_mb} MiB is too small: even one {p}x{p}-patch tile needs more (weights alone "
-        f"{_param_bytes(model) / 2**20:.0f} MiB)"
+        f"memory budget {budget_mb:,.1f} MiB is too small: even one {p}x{p}-patch tile needs more (weights "
+        f"alone {_param_bytes(model) / 2**20:,.0f} MiB)"
     )
 
 
@@ -667,11 +700,12 @@ def run_context_parallel(
     else:
         peak, kind = _peak_rss_mb(), "cpu_process_max_rss"
     world = torch.distributed.get_world_size(group)
-    one_device = estimate_memory_mb(model, gh * gw + model.num_prefix_tokens, mode="whole",
-                                    backend=_resolved_backend(model, device), image_elems=image.numel())
-    plan = Plan("context_parallel", estimated_peak_mb=one_device, budget_mb=None,
+    per_rank = estimate_memory_mb(model, gh * gw + model.num_prefix_tokens, mode="context_parallel",
+                                  backend=_resolved_backend(model, device), image_elems=image.numel(),
+                                  world=world)
+    plan = Plan("context_parallel", estimated_peak_mb=per_rank, budget_mb=None,
                 reason=f"tokens split over {world} ranks ({layout} layout), ring attention; "
-                       f"estimated_peak_mb is the one-device whole-image estimate")
+                       f"estimated_peak_mb is one rank's")
     return InferenceResult(feats.float(), prefix.float(), None if logits is None else logits.float(), plan,
                            seconds, peak, kind)
 
@@ -685,14 +719,7 @@ def default_budget_mb(device: torch.device) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return (0.9 * free + torch.cuda.memory_reserved(device)) / 2**20
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return 0.9 * int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) * 0.9 / 2**20
+    return 0.9 * host_available_mb()
 
 
 def resize_image(image: Tensor, size: Sequence[int]) -> Tensor:

@@ -15,9 +15,10 @@ Usage::
 
 Writes ``prediction.json``, ``features.safetensors``, ``overlay.png`` and ``report.json`` in ``--out`` (one
 sub-folder ``slice_<index>`` per image when several slices/frames are selected; they are decoded one at a
-time as they are run). ``--out`` is checked before
-anything is computed: it must be writable, and outputs of an earlier run there are replaced only with
-``--overwrite`` (which removes all of them, ``slice_*`` folders included, when the new run starts writing).
+time as they are run), and records every file it writes in ``--out/outputs.json``. ``--out`` is checked
+before anything is computed: it must be writable, and outputs of an earlier run there are replaced only with
+``--overwrite`` (which removes the files the earlier run recorded, and the ``slice_*`` folders they leave
+empty, when the new run starts writing; nothing else in ``--out``).
 Inputs declaring more than ``--max-input-gib`` of decoded data (TIFF, DICOM, NIfTI) or more
 than ``--max-image-pixels`` pixels (PNG/JPEG) are refused before decoding. The last stdout line is a JSON
 summary.
@@ -25,6 +26,10 @@ summary.
 With ``--context-parallel`` (under ``torchrun``, one process per GPU; gloo processes on CPU) every rank reads
 the same image and holds ``1/world`` of its tokens; attention is global (ring attention over the ranks) and
 rank 0 writes the outputs and prints the summary.
+
+Memory is planned before the model is built (on the meta device): an ``--img-size`` that fits no mode of
+the budget (``--memory-budget-mb``, default 90% of the free device memory; with ``--context-parallel`` each
+rank's, on CPU the host's RAM shared by its ranks) is refused in one line with the estimate.
 """
 
 from __future__ import annotations
@@ -43,7 +48,13 @@ import numpy as np
 import torch
 
 from ..data.readers import NAN_POLICIES, NORMALIZATIONS, detect_format, iter_images, load_image
-from ..files import add_max_input_argument, add_output_arguments, prepare_output_dir, remove_outputs
+from ..files import (
+    add_max_input_argument,
+    add_output_arguments,
+    prepare_output_dir,
+    record_outputs,
+    remove_outputs,
+)
 from ..utils.accelerator import add_device_argument, resolve_device
 from .highres import (
     MODEL_ALIASES,
@@ -62,8 +73,11 @@ from .highres import (
 
 __all__ = ["main", "cli", "build_parser", "heatmap_overlay", "save_random_weights"]
 
-# what a run writes into --out (a trailing * matches the per-slice sub-folders)
-OUTPUTS = ("prediction.json", "features.safetensors", "overlay.png", "report.json", "slice_*")
+# what a run writes for one image, into --out or (several slices) into --out/slice_<index>
+IMAGE_OUTPUTS = ("prediction.json", "features.safetensors", "overlay.png", "report.json")
+# what a run writes into --out (a trailing * matches the per-slice sub-folders); every file is recorded in
+# --out/outputs.json (elsa_vision.files.record_outputs), and --overwrite removes only what is recorded there
+OUTPUTS = (*IMAGE_OUTPUTS, "slice_*")
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # (position, RGB) anchors of a dark-to-bright perceptual colour map (black - purple - orange - yellow).
@@ -148,13 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget-mb",
         type=float,
         default=None,
-        help="plan against this budget (default: 90%% of free device memory); tiles only if forced",
+        help="plan against this budget (default: 90%% of free device memory; with --context-parallel, "
+        "each rank's, by default its share of the host's RAM on CPU); tiles only if forced",
     )
     mem.add_argument(
         "--query-chunk",
         type=int,
         default=None,
-        help="global attention with this many query rows per step (no budget planning)",
+        help="global attention with this many query rows per step (no tiling; refused only when its "
+        "estimate exceeds the memory)",
     )
     p.add_argument(
         "--context-parallel",
@@ -428,13 +444,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.max_image_pixels is not None and args.max_image_pixels < 1:
         raise ValueError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
     # before any reading or computing: an unwritable --out, or earlier outputs, fail now
-    prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
+    args.out = str(prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite))
     device = resolve_device(args.device)
     cp_group, owns_group = None, False
     if args.context_parallel:
         device, cp_group, owns_group = _init_context_parallel(device)
-        for flag, bad in (("compare-sdpa", args.compare_sdpa), ("query-chunk", args.query_chunk is not None),
-                          ("memory-budget-mb", args.memory_budget_mb is not None)):
+        for flag, bad in (("compare-sdpa", args.compare_sdpa), ("query-chunk", args.query_chunk is not None)):
             if bad:
                 raise ValueError(f"--{flag} does not combine with --context-parallel")
         if args.overlay == "cls-attn":
@@ -529,22 +544,24 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
     patch = timm.create_model(name, pretrained=False, num_classes=0, depth=1).patch_embed.patch_size[0]
     size = _img_size(args.img_size, source_hw, patch)
     attn_precision = "tf32" if args.precision == "tf32" else "auto"
-    model = build_model(
-        name,
-        sd,
-        size,
+    amp_dtype = torch.bfloat16 if args.precision == "bf16" else None
+    build = dict(
         in_chans=in_chans,
         num_classes=num_classes,
         gray_adapt=args.gray == "adapt" and source_chans == 1,
         attn_backend=args.attn_backend,
         attn_precision=attn_precision,
-    ).to(device)
+    )
+    with torch.device("meta"):  # the plan reads shapes only: a size that cannot fit is refused unbuilt
+        shapes = build_model(name, None, size, **{**build, "gray_adapt": False})
+    plan = _plan(args, shapes, size, device, cp_group, amp_dtype)
+    del shapes
+    model = build_model(name, sd, size, **build).to(device)
     if cp_group is not None:  # every rank must hold rank 0's weights (random initialisation included)
         for t in model.state_dict().values():
             torch.distributed.broadcast(t, 0, group=cp_group)
     in_chans = model.patch_embed.proj.in_channels
     mean, std = cfg.mean, cfg.std
-    amp_dtype = torch.bfloat16 if args.precision == "bf16" else None
 
     def amp():
         return (
@@ -553,21 +570,6 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
             else torch.autocast(device.type, enabled=False)
         )
 
-    if cp_group is None:
-        budget = args.memory_budget_mb
-        if budget is None and args.query_chunk is None:
-            budget = default_budget_mb(device)
-        plan = plan_execution(
-            model,
-            size,
-            device=device,
-            budget_mb=budget,
-            query_chunk=args.query_chunk,
-            overlap_frac=args.tile_overlap,
-            act_bytes=2 if amp_dtype is not None else 4,
-        )
-    else:
-        plan = Plan("context_parallel", estimated_peak_mb=0.0, budget_mb=None, reason="--context-parallel")
     stock = None
     if args.compare_sdpa:
         stock = build_model(name, model.state_dict(), size, stock=True)  # on the device only while it runs
@@ -658,7 +660,8 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
                     f"compare-sdpa: max deviation {dev:.3e}, speed ratio (sdpa/elsa) "
                     f"{extra['speed_ratio']:.2f}x ({sdpa_sec:.3f}s vs {res.seconds:.3f}s)"
                 )
-            out_dir = os.path.join(args.out, f"slice_{im.index:04d}") if several else args.out
+            sub = f"slice_{im.index:04d}" if several else ""
+            out_dir = os.path.join(args.out, sub) if sub else args.out
             if cp_group is not None:
                 extra["context_parallel"] = {
                     "world_size": torch.distributed.get_world_size(cp_group),
@@ -669,6 +672,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
                 continue
             if args.overwrite and not summaries:  # the first write: an earlier run's outputs go first
                 remove_outputs(args.out, OUTPUTS)
+            record_outputs(args.out, [os.path.join(sub, name) for name in IMAGE_OUTPUTS])
             report = _write_outputs(out_dir, res, model, img, args, extra)
             if plan.mode == "tiled":
                 print(f"TILED: {plan.reason}; {res.tiles} tiles (attention is local to each tile)")
@@ -692,6 +696,43 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
     summary = summaries[0] if len(summaries) == 1 else {"images": len(summaries), "results": summaries}
     print(json.dumps(_json_ready(summary), allow_nan=False))
     return summary
+
+
+def _plan(args, model: torch.nn.Module, size: tuple[int, int], device: torch.device, cp_group,
+          amp_dtype) -> Plan:
+    """The execution plan of ``model`` (built on the meta device) at ``size``, before the real model is
+    built: whole, query-chunked or tiled against ``--memory-budget-mb`` (default: 90% of the free device
+    memory), or one context-parallel rank's estimate against its share of the memory. A size that fits no
+    mode is refused in one line naming ``--img-size`` and the estimate."""
+    budget = args.memory_budget_mb
+    world = None
+    if cp_group is not None:
+        world = torch.distributed.get_world_size(cp_group)
+        if budget is None:
+            # ranks on one host share its RAM; each GPU rank has a device of its own
+            sharing = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            budget = default_budget_mb(device) / max(1, sharing)
+    elif budget is None:
+        budget = default_budget_mb(device)
+    try:
+        return plan_execution(
+            model,
+            size,
+            device=device,
+            budget_mb=budget,
+            query_chunk=args.query_chunk,
+            overlap_frac=args.tile_overlap,
+            act_bytes=2 if amp_dtype is not None else 4,
+            context_parallel=world,
+        )
+    except ValueError as e:
+        p = model.patch_embed.patch_size[0]
+        raise ValueError(
+            f"--img-size {size[0]} {size[1]} ({size[0] // p}x{size[1] // p} patches of {p}px"
+            f"{', --context-parallel' if world else ''}): {e}; lower --img-size"
+            + (" or run on more ranks" if world else "")
+            + (" or raise --memory-budget-mb" if args.memory_budget_mb is not None else "")
+        ) from None
 
 
 def _gather_floats(value: float, group) -> list[float]:

@@ -8,7 +8,8 @@
 from the weights unless given, and weights that fit no config are refused in one line naming the configs
 and why. Frames: every ``.png``/``.jpg``/
 ``.jpeg`` in ``DIR`` (sorted; the first is the reference frame), centre-cropped to a common aspect and resized
-to ``width`` (height a multiple of the patch size, at most ``width``).
+to ``width`` (height a multiple of the patch size, at most ``width``). A frame is named by its file's stem
+(``0001.png`` -> ``0001``), or by its whole file name where two frames share a stem (``a.jpg``, ``a.png``).
 
 Writes ``OUT/depth/<frame>.npy`` (float32 depth), ``OUT/depth/<frame>.png`` (16-bit, ``depth = value ·
 depth_png_scale`` from ``cameras.json``), ``OUT/cameras.json`` (camera-from-world extrinsics, intrinsics,
@@ -25,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -52,14 +54,9 @@ _EXTS = (".png", ".jpg", ".jpeg")
 def load_frames(
     frames_dir: Path, width: int, patch_size: int, max_frames: int | None = None
 ) -> tuple[list[str], torch.Tensor]:
-    """Images of ``frames_dir`` -> (names, ``[S, 3, H, W]`` in [0, 1])."""
-    if not frames_dir.is_dir():
-        raise FileNotFoundError(f"--frames: {frames_dir} is not a directory")
-    paths = sorted(p for p in frames_dir.iterdir() if p.suffix.lower() in _EXTS)
-    if max_frames:
-        paths = paths[:max_frames]
-    if not paths:
-        raise ValueError(f"--frames: no {'/'.join(_EXTS)} images in {frames_dir}")
+    """Images of ``frames_dir`` -> (names (:func:`frame_names`), ``[S, 3, H, W]`` in [0, 1])."""
+    paths = list_frames(frames_dir, max_frames)
+    names = frame_names(paths)
     if width % patch_size:
         raise ValueError(f"--width must be a multiple of the patch size {patch_size}, got {width}")
     first = read_rgb(paths[0])
@@ -69,7 +66,37 @@ def load_frames(
     imgs = [
         resize_frame(read_rgb(p) if i else first, eye, (height, width))[0] for i, p in enumerate(paths)
     ]
-    return [p.stem for p in paths], torch.stack(imgs)
+    return names, torch.stack(imgs)
+
+
+def list_frames(frames_dir: Path, max_frames: int | None = None) -> list[Path]:
+    """The frame files of ``frames_dir`` in order (the first ``max_frames``); errors name ``--frames``."""
+    if not frames_dir.is_dir():
+        raise FileNotFoundError(f"--frames: {frames_dir} is not a directory")
+    paths = sorted(p for p in frames_dir.iterdir() if p.suffix.lower() in _EXTS)
+    if max_frames:
+        paths = paths[:max_frames]
+    if not paths:
+        raise ValueError(f"--frames: no {'/'.join(_EXTS)} images in {frames_dir}")
+    return paths
+
+
+def frame_names(paths: list[Path]) -> list[str]:
+    """The names of the frames in the outputs (``depth/<name>.npy``, ``cameras.json``): the file's stem, or
+    its whole name where two frames share a stem (``a.jpg`` and ``a.png``). Names are compared ignoring
+    letter case (a case-insensitive filesystem keeps one ``A.npy`` for ``a`` and ``A``); two frames whose
+    names still coincide are refused in one line."""
+    stems = Counter(p.stem.casefold() for p in paths)
+    names = [p.name if stems[p.stem.casefold()] > 1 else p.stem for p in paths]
+    seen: dict[str, Path] = {}
+    for name, p in zip(names, paths):
+        other = seen.setdefault(name.casefold(), p)
+        if other is not p:
+            raise ValueError(
+                f"--frames: {other.name!r} and {p.name!r} would write the same depth map "
+                f"(depth/{name}.npy); rename one of them"
+            )
+    return names
 
 
 def build_model(
@@ -165,10 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0.0 <= args.merge_ratio < 1.0:
         ap.error(f"--merge-ratio must be in [0, 1), got {args.merge_ratio}")
     try:  # before anything is read or computed
-        prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
+        args.out = prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
         device = resolve_device(args.device)
     except ValueError as e:
         ap.error(str(e))
+    frame_names(list_frames(args.frames, args.max_frames))  # before the model is built
     model, dropped, config = build_model(args.weights, args.config, args.merge_ratio)
     cfg = VGGT_CONFIGS[config]
     model = model.to(device=device, dtype=_DTYPES[args.dtype])

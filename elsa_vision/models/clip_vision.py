@@ -561,12 +561,23 @@ def _infer_config(vis: Mapping[str, Tensor]) -> dict[str, Any]:
 
 def _load_tower(model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str) -> None:
     vis = _adapt_tower(vis, model)
+    _check_tower(model, vis, source)
+    model.load_state_dict(vis, strict=True)
+
+
+def _check_tower(
+    model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str, resampled: bool = False
+) -> None:
+    """Every tensor of ``model`` (which may live on the meta device) in ``vis`` with the same shape, and no
+    other; ``resampled``: a positional embedding of another grid is accepted (resampled when loading)."""
     missing, unexpected = [], []
     own = model.state_dict()
     for k in own:
         if k not in vis:
             missing.append(k)
         elif vis[k].shape != own[k].shape:
+            if resampled and k == "positional_embedding" and vis[k].shape[1:] == own[k].shape[1:]:
+                continue
             raise ValueError(
                 f"checkpoint {source}: {k!r} has shape {list(vis[k].shape)}, the model expects "
                 f"{list(own[k].shape)}"
@@ -578,7 +589,6 @@ def _load_tower(model: ElsaCLIPVision, vis: Mapping[str, Tensor], source: str) -
             f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
             f"{'...' if len(unexpected) > 6 else ''}"
         )
-    model.load_state_dict(vis, strict=True)
 
 
 def create_elsa_clip_vision(
@@ -770,6 +780,11 @@ def from_open_clip(
                 )
             vis = vision_state_dict(load_clip_state_dict(name, arg="model_or_name"))
             cfg = {**_infer_config(vis), "act_layer": "quick_gelu", **kwargs}
+            # the architecture read from the file is built on the meta device first: a file cannot ask for
+            # a tower larger than the tensors it holds (a wide conv1 and one c_fc row: a 50 GB tower)
+            with torch.device("meta"):
+                shapes = ElsaCLIPVision(**cfg, attn_backend=attn_backend, attn_precision=attn_precision)
+            _check_tower(shapes, vis, repr(name), resampled=True)
             model = ElsaCLIPVision(**cfg, attn_backend=attn_backend, attn_precision=attn_precision)
             _load_tower(model, vis, repr(name))
         else:

@@ -27,7 +27,16 @@ from ..utils.accelerator import check_accelerator
 from ..utils.run import extras, instantiate_loggers, save_resolved_config
 from .train import instantiate_data
 
-__all__ = ["evaluate", "evaluate_zeroshot", "load_weights", "plot_confusion_matrix", "format_table", "TASKS"]
+__all__ = [
+    "TASKS",
+    "evaluate",
+    "evaluate_zeroshot",
+    "format_table",
+    "load_weights",
+    "plot_confusion_matrix",
+    "prepare_evaluation",
+    "run_evaluation",
+]
 
 TASKS = ("classification", "zeroshot", "embed")
 
@@ -40,7 +49,10 @@ def load_weights(model: LightningModule, path: str) -> str:
     which of the two it was. Files are read by :func:`elsa_vision.files.read_weights` (weights only, wrapper
     keys and prefixes removed); its errors (``FileNotFoundError``, ``ValueError``) start with ``ckpt_path:``
     and name the file."""
-    state = read_weights(path, arg="ckpt_path")
+    return _load_state(model, read_weights(path, arg="ckpt_path"))
+
+
+def _load_state(model: LightningModule, state: dict) -> str:
     net_state = submodule_weights(state, "net")
     model.net.load_state_dict(net_state or state, strict=True)
     return "lightning" if net_state else "backbone"
@@ -99,14 +111,11 @@ def format_table(metrics: dict[str, float], per_class: list[tuple[str, int, floa
     return "\n".join(lines)
 
 
-def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Evaluate ``cfg.model`` with weights from ``cfg.ckpt_path`` or ``cfg.model.pretrained_file`` on the
-    test split of ``cfg.data`` (FP32 unless ``trainer.precision`` says otherwise).
-
-    Returns:
-        ``(metrics, objects)``; ``metrics`` holds ``test/acc``, ``test/acc5``, ``test/loss``,
-        ``per_class_acc`` (class name -> accuracy), ``num_samples``, ``time_s``.
-    """
+def prepare_evaluation(cfg: DictConfig) -> dict[str, Any]:
+    """Everything :func:`evaluate` does before testing: check the settings, read the weights file (a
+    refused file stops here, before the data or the model is built), build the data module and the model,
+    load the weights, build the trainer. Every refusal happens here; ``evaluate.py`` reports it in one line
+    and leaves no run directory behind. Returns the objects :func:`run_evaluation` takes."""
     start = time.perf_counter()
     ckpt_path, pretrained = cfg.get("ckpt_path"), cfg.model.get("pretrained_file")
     if not ckpt_path and not pretrained:
@@ -116,21 +125,34 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         )
     check_accelerator(cfg.trainer)
     extras(cfg)
-    if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("seed") is not None:  # logged once the data is built: a refusal before prints one line only
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = str(cfg.paths.output_dir)
+    state = read_weights(str(ckpt_path), arg="ckpt_path") if ckpt_path else None
 
     datamodule = instantiate_data(cfg)
+    if cfg.get("seed") is not None:
+        log.info("Seed set to %d", cfg.seed)
     save_resolved_config(cfg, run_dir)
     model: LightningModule = hydra.utils.instantiate(cfg.model, _convert_="partial")
     source = f"pretrained_file {pretrained}"
-    if ckpt_path:
-        kind = load_weights(model, str(ckpt_path))
+    if state is not None:
+        kind = _load_state(model, state)
+        del state
         source = f"{kind} checkpoint {ckpt_path}"
     log.info("Evaluating %s", source)
 
     loggers = instantiate_loggers(cfg.get("logger"))
     trainer: Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
+    return dict(cfg=cfg, datamodule=datamodule, model=model, trainer=trainer, run_dir=run_dir, weights=source,
+                start=start)
+
+
+def run_evaluation(prepared: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Test the prepared model, write the confusion matrix and the per-class table: the work of
+    :func:`evaluate` after :func:`prepare_evaluation`."""
+    cfg, datamodule, model, trainer = (prepared[k] for k in ("cfg", "datamodule", "model", "trainer"))
+    run_dir = prepared["run_dir"]
     trainer.test(model=model, datamodule=datamodule, verbose=False)
 
     metrics: dict[str, Any] = {
@@ -146,7 +168,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     ]
     metrics["per_class_acc"] = {n: a for n, _, a in per_class}
     metrics["num_samples"] = int(support.sum())
-    metrics["time_s"] = round(time.perf_counter() - start, 2)
+    metrics["time_s"] = round(time.perf_counter() - prepared["start"], 2)
 
     png = None
     if trainer.is_global_zero:
@@ -172,9 +194,21 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         run_dir=run_dir,
         confusion_matrix=confmat,
         confusion_matrix_png=png,
-        weights=source,
+        weights=prepared["weights"],
     )
     return metrics, objects
+
+
+def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Evaluate ``cfg.model`` with weights from ``cfg.ckpt_path`` or ``cfg.model.pretrained_file`` on the
+    test split of ``cfg.data`` (FP32 unless ``trainer.precision`` says otherwise):
+    :func:`prepare_evaluation` then :func:`run_evaluation`.
+
+    Returns:
+        ``(metrics, objects)``; ``metrics`` holds ``test/acc``, ``test/acc5``, ``test/loss``,
+        ``per_class_acc`` (class name -> accuracy), ``num_samples``, ``time_s``.
+    """
+    return run_evaluation(prepare_evaluation(cfg))
 
 
 def evaluate_zeroshot(cfg: DictConfig) -> dict[str, Any]:

@@ -12,6 +12,7 @@ scheduler objects are kept out of the saved hyperparameters.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,7 +28,14 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassCohenKappa
 from ..files import read_checkpoint, submodule_weights, unwrap_weights
 from ..models.hsi_vit import ElsaHSIViT, HSIMAEDecoder
 
-__all__ = ["HSIClassificationModule", "MaskedAutoencoderModule", "load_hsi_checkpoint", "format_report"]
+__all__ = [
+    "HSIClassificationModule",
+    "MaskedAutoencoderModule",
+    "check_hsi_checkpoint",
+    "check_net_config",
+    "format_report",
+    "load_hsi_checkpoint",
+]
 
 NetArg = nn.Module | Callable[..., nn.Module]
 
@@ -144,10 +152,17 @@ class _HSIBase(L.LightningModule):
             "meta": self.hsi_meta,
         }
 
+    @classmethod
+    def check_checkpoint(cls, checkpoint: Mapping, source: str = "checkpoint") -> None:
+        """Refuse, before anything is built, a checkpoint whose ``hsi`` entry does not describe the network
+        its weights hold (:func:`check_hsi_checkpoint`); ``train.py`` calls it on ``ckpt_path``."""
+        if isinstance(checkpoint, Mapping) and checkpoint.get("hsi") is not None:
+            check_hsi_checkpoint(checkpoint, source)
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        payload = checkpoint.get("hsi")
-        if payload is None:
+        if checkpoint.get("hsi") is None:
             return
+        payload = check_hsi_checkpoint(checkpoint, "checkpoint")
         self.hsi_meta = payload["meta"]
         if self._net is None:
             setattr(self, self.net_attr, ElsaHSIViT(**payload["net_config"]))
@@ -353,15 +368,25 @@ class HSIClassificationModule(_HSIBase):
         """Rebuild the module and its network from a checkpoint (``weights_only`` load, no unpickling); the
         whole module's state is loaded (the network and the states kept beside it, e.g. ``val_acc_best``)."""
         ckpt = read_checkpoint(path, map_location=map_location)
-        payload = _payload(ckpt, path)
+        payload = check_hsi_checkpoint(ckpt, repr(os.fspath(path)))
         net = ElsaHSIViT(**payload["net_config"])
-        hp = dict(ckpt.get("hyper_parameters", {}))
+        hp = ckpt.get("hyper_parameters") or {}
+        if not isinstance(hp, Mapping):
+            raise ValueError(f"{os.fspath(path)!r}: hyper_parameters is a {type(hp).__name__}, not a mapping")
+        for key, ok in (
+            ("label_smoothing", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+            ("class_names", lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) == net.num_classes
+                                                    and all(isinstance(n, str) for n in v))),
+            ("scheduler_interval", lambda v: isinstance(v, str)),
+        ):
+            if key in hp and not ok(hp[key]):
+                raise ValueError(f"{os.fspath(path)!r}: hyper_parameters.{key} = {hp[key]!r} is not valid")
         module = cls(
             net=net,
             **{
                 k: v
                 for k, v in hp.items()
-                if k in ("num_classes", "label_smoothing", "class_names", "scheduler_interval")
+                if k in ("label_smoothing", "class_names", "scheduler_interval")
             },
         )
         state = unwrap_weights(ckpt, path)
@@ -488,12 +513,92 @@ class MaskedAutoencoderModule(_HSIBase):
         self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
 
 
-def _payload(ckpt: Mapping, path) -> dict:
-    payload = ckpt.get("hsi") if isinstance(ckpt, Mapping) else None
-    if payload is None or "net_config" not in payload:
+# ElsaHSIViT's constructor arguments as a checkpoint may hold them: name -> accepted types
+_NET_CONFIG = {
+    "in_chans": int,
+    "num_classes": int,
+    "img_size": int,
+    "band_group": int,
+    "spatial_patch": int,
+    "embed_dim": int,
+    "num_heads": int,
+    "mlp_ratio": (int, float),
+    "qkv_bias": bool,
+    "branch_depth": int,
+    "fusion_depth": int,
+    "global_pool": str,
+    "drop_rate": (int, float),
+    "drop_path_rate": (int, float),
+    "attn_backend": str,
+    "attn_precision": str,
+}
+_NET_REQUIRED = ("in_chans", "num_classes")
+
+
+def check_net_config(config: Any, source: str) -> dict:
+    """``config`` (``checkpoint["hsi"]["net_config"]``) as ``ElsaHSIViT`` keyword arguments, after checking
+    it is a mapping of known argument names to values of the right types (one ``ValueError`` naming
+    ``source`` and the field, never the ``TypeError`` of the constructor)."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{source}: hsi.net_config is a {type(config).__name__}, not a mapping of "
+                         "ElsaHSIViT arguments")
+    unknown = sorted(str(k) for k in config if k not in _NET_CONFIG)
+    if unknown:
+        raise ValueError(f"{source}: hsi.net_config has unknown keys {unknown[:8]}; ElsaHSIViT takes "
+                         f"{sorted(_NET_CONFIG)}")
+    missing = [k for k in _NET_REQUIRED if k not in config]
+    if missing:
+        raise ValueError(f"{source}: hsi.net_config lacks {missing}")
+    for key, value in config.items():
+        kinds = _NET_CONFIG[key]
+        wrong = not isinstance(value, kinds) or (isinstance(value, bool) and kinds is not bool)
+        if wrong or (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"{source}: hsi.net_config.{key} = {value!r} is not a valid {key}")
+    return dict(config)
+
+
+def check_hsi_checkpoint(checkpoint: Mapping, source: str) -> dict:
+    """The ``hsi`` entry of a hyperspectral task checkpoint, checked before anything is built from it.
+
+    ``net_config`` must be ``ElsaHSIViT`` arguments (:func:`check_net_config`) describing the network the
+    checkpoint's weights hold: the network is built on the meta device (no memory) and every parameter and
+    buffer must be in the weights with the same shape, so a small file cannot ask for a large network
+    (``embed_dim=32768``: 12.9 GB) it does not hold. ``meta`` must be a mapping whose patch size and band
+    count are the network's. Raises one ``ValueError`` naming ``source`` and the field; returns the entry.
+    """
+    payload = checkpoint.get("hsi") if isinstance(checkpoint, Mapping) else None
+    if not isinstance(payload, Mapping) or "net_config" not in payload:
         raise ValueError(
-            f"{path}: not a hyperspectral task checkpoint (no 'hsi' entry with the network config)"
+            f"{source}: not a hyperspectral task checkpoint (no 'hsi' entry with the network config)"
         )
+    config = check_net_config(payload["net_config"], source)
+    net_attr = payload.get("net_attr", "net")
+    if net_attr not in ("net", "encoder"):
+        raise ValueError(f"{source}: hsi.net_attr is {net_attr!r}, expected 'net' or 'encoder'")
+    state = submodule_weights(unwrap_weights(checkpoint, source), net_attr) or {}
+    blocks = 2 * config.get("branch_depth", 2) + config.get("fusion_depth", 2)
+    if blocks > len(state):  # each block holds several tensors: a config asking for more is not this file's
+        raise ValueError(f"{source}: hsi.net_config asks for {blocks} blocks; the checkpoint holds "
+                         f"{len(state)} network tensors")
+    try:
+        with torch.device("meta"):
+            own = ElsaHSIViT(**config).state_dict()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: hsi.net_config does not build an ElsaHSIViT: {e}") from None
+    for key, tensor in own.items():
+        if key not in state:
+            raise ValueError(f"{source}: hsi.net_config describes a network with {key!r}, which the "
+                             f"checkpoint's weights lack")
+        if tuple(state[key].shape) != tuple(tensor.shape):
+            raise ValueError(f"{source}: hsi.net_config gives {key} the shape {list(tensor.shape)}, the "
+                             f"checkpoint's weights hold {list(state[key].shape)}")
+    meta = payload.get("meta")
+    if meta is not None:
+        if not isinstance(meta, Mapping):
+            raise ValueError(f"{source}: hsi.meta is a {type(meta).__name__}, not a mapping")
+        for key, want in (("patch_size", config.get("img_size", 9)), ("num_bands", config["in_chans"])):
+            if key in meta and meta[key] != want:
+                raise ValueError(f"{source}: hsi.meta.{key} = {meta[key]!r}, the network's is {want}")
     return payload
 
 
@@ -508,7 +613,7 @@ def _encoder_state(source: Any) -> tuple[dict[str, Tensor], dict]:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         ckpt = read_checkpoint(path, arg="load_encoder_from")
-        payload = _payload(ckpt, path)
+        payload = check_hsi_checkpoint(ckpt, f"load_encoder_from: {str(path)!r}")
         net_attr = payload.get("net_attr", "encoder")
         state = unwrap_weights(ckpt, path, arg="load_encoder_from", submodule=net_attr)
         return state, dict(payload["net_config"])
@@ -538,7 +643,7 @@ def load_hsi_checkpoint(
     """
     p = Path(path)
     ckpt = read_checkpoint(p, arg="checkpoint", map_location=map_location)
-    payload = _payload(ckpt, p)
+    payload = check_hsi_checkpoint(ckpt, f"checkpoint: {str(p)!r}")
     if payload.get("net_attr", "net") != "net" or payload.get("meta") is None:
         raise ValueError(
             f"{p}: not a classification checkpoint with data meta (an MAE checkpoint has no head)"

@@ -24,6 +24,7 @@ under the working directory (where ``train.py`` / ``evaluate.py`` keep their run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..files import add_output_arguments, prepare_output_dir, remove_outputs
+from ..files import add_output_arguments, prepare_output_dir, record_outputs, remove_outputs
 from ..utils.accelerator import add_device_argument, resolve_device
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "ImageFolderWithPaths",
     "run",
     "main",
+    "cli",
 ]
 
 TASKS = ("zeroshot", "embed")
@@ -360,15 +362,62 @@ def _from_file(open_clip, model_name: str, path: str):
 
     from ..models.clip_vision import load_clip_state_dict
 
+    sd = load_clip_state_dict(path)  # a refused file ends the run before the model is built
     model = open_clip.create_model(model_name, device="cpu")
     transient = {n for n, _ in model.named_buffers()} - set(model.state_dict())
-    sd = {k: v for k, v in load_clip_state_dict(path).items() if k not in transient}
+    sd = {k: v for k, v in sd.items() if k not in transient}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "weights.pt")
         torch.save(sd, path)
         del sd
         open_clip.load_checkpoint(model, path)
     return model
+
+
+def _check_model(model_name: str, pretrained: str | None) -> None:
+    """One line for an unknown open_clip config name or a ``pretrained`` that is not a local file."""
+    import open_clip
+
+    if pretrained is not None and not os.path.isfile(pretrained):
+        raise ValueError(
+            f"pretrained must be a local checkpoint file, got {pretrained!r} (nothing is downloaded)"
+        )
+    if open_clip.get_model_config(model_name) is None:
+        raise ValueError(f"unknown open_clip model {model_name!r}; see open_clip.list_models()")
+
+
+def _check_image_size(model_name: str, image_size: int | None, batch_size: int, device: torch.device) -> None:
+    """Refuse, before the model is built, an ``image_size`` whose image tower cannot fit in the device's
+    memory: the resampled positional embedding (``(image_size / patch)^2 x width`` floats), the weights
+    (about ``12 width^2`` per block) and one block's activations for a batch (``(6 + 2 mlp_ratio)`` floats
+    per token and channel; the torch attention backend on CPU adds five ``heads x 1024 x tokens``
+    workspaces per image)."""
+    import open_clip
+
+    from ..utils.accelerator import available_memory_mb
+
+    if image_size is None:
+        return
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+        raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+    vision = (open_clip.get_model_config(model_name) or {}).get("vision_cfg") or {}
+    patch, width = int(vision.get("patch_size", 16)), int(vision.get("width", 768))
+    layers, ratio = int(vision.get("layers", 12)), float(vision.get("mlp_ratio", 4.0))
+    heads = max(1, width // int(vision.get("head_width", 64)))
+    tokens = (image_size // patch) ** 2 + 1
+    weights = (12 * width * width * layers + tokens * width) * 4
+    activations = batch_size * (6 + 2 * ratio) * tokens * width * 4
+    if device.type != "cuda":
+        activations += batch_size * 5 * heads * min(tokens, 1024) * tokens * 4
+    need = (weights + activations) / 2**20
+    available, where = available_memory_mb(device)
+    if need > available:
+        raise ValueError(
+            f"image_size {image_size} ({image_size // patch}x{image_size // patch} patches of {patch}px): "
+            f"the image tower of {model_name} needs at least {need / 1024:,.1f} GiB for a batch of "
+            f"{batch_size}, more than the {available / 1024:,.1f} GiB available ({where}); lower the image "
+            "size or the batch size"
+        )
 
 
 def _build_model(
@@ -380,18 +429,13 @@ def _build_model(
     backend: str,
     precision: str,
 ):
-    """An open_clip model with its image tower on ELSA, and its eval preprocessing."""
+    """An open_clip model with its image tower on ELSA, and its eval preprocessing (the name and the file
+    checked by :func:`_check_model` first)."""
     import open_clip
 
     from ..models.clip_patch import elsa_clip
     from ..models.clip_vision import from_open_clip
 
-    if pretrained is not None and not os.path.isfile(pretrained):
-        raise ValueError(
-            f"pretrained must be a local checkpoint file, got {pretrained!r} (nothing is downloaded)"
-        )
-    if open_clip.get_model_config(model_name) is None:
-        raise ValueError(f"unknown open_clip model {model_name!r}; see open_clip.list_models()")
     if pretrained is not None:
         model = _from_file(open_clip, model_name, pretrained)
     else:
@@ -466,24 +510,13 @@ def run(
                          "directory under logs/zeroshot/runs)")
     outputs = [f"{task}_metrics.json", "embeddings.*"]
     if out is not None:
-        prepare_output_dir(out, outputs, overwrite=overwrite)
+        out = str(prepare_output_dir(out, outputs, overwrite=overwrite))
     dev = resolve_device(device, "device")
-    net, tokenizer, transform, report = _build_model(
-        model, pretrained, dev, image_size, elsa, attn_backend, attn_precision
-    )
-    dataset = ImageFolderWithPaths(data, transform=transform)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=dev.type == "cuda"
-    )
-    result: dict[str, Any] = {
-        "task": task,
-        "model": model,
-        "pretrained": pretrained,
-        "data": str(data),
-        "num_classes": len(dataset.classes),
-        **{k: v for k, v in report.items() if k in ("elsa", "replaced", "image_size")},
-    }
-    t0 = time.perf_counter()
+    # the model's name, the weights file, the data and the class names are checked before the model is built
+    _check_model(model, pretrained)
+    _check_image_size(model, image_size, batch_size, dev)
+    dataset = ImageFolderWithPaths(data)
+    names = None
     if task == "zeroshot":
         if classnames is None:
             names = (
@@ -497,17 +530,36 @@ def run(
             raise ValueError(
                 f"classnames: {len(names)} names for {len(dataset.classes)} class folders in {data!r}"
             )
-        classifier = build_zeroshot_classifier(net, tokenizer, names, load_templates(templates), device=dev)
+        prompts = load_templates(templates)
+    net, tokenizer, transform, report = _build_model(
+        model, pretrained, dev, image_size, elsa, attn_backend, attn_precision
+    )
+    dataset.folder.transform = transform
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=dev.type == "cuda"
+    )
+    result: dict[str, Any] = {
+        "task": task,
+        "model": model,
+        "pretrained": pretrained,
+        "data": str(data),
+        "num_classes": len(dataset.classes),
+        **{k: v for k, v in report.items() if k in ("elsa", "replaced", "image_size")},
+    }
+    t0 = time.perf_counter()
+    if task == "zeroshot":
+        classifier = build_zeroshot_classifier(net, tokenizer, names, prompts, device=dev)
         result.update(zeroshot_evaluate(net, classifier, loader, device=dev))
     if out is not None and overwrite:  # the earlier run's outputs go, embeddings of another format too
         remove_outputs(out, outputs)
     if task == "embed":
         out_file = Path(out) / f"embeddings.{embed_format}"
+        record_outputs(out, [out_file.name])
         result.update(export_embeddings(net, loader, out_file, device=dev))
     result["seconds"] = round(time.perf_counter() - t0, 3)
     if out is not None:
         result["out"] = str(out)
-        Path(out).mkdir(parents=True, exist_ok=True)
+        record_outputs(out, [f"{task}_metrics.json"])
         (Path(out) / f"{task}_metrics.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -557,14 +609,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="ELSA float32 precision (auto: FP32-accurate)")
     p.add_argument("--embed-format", default="safetensors", choices=("safetensors", "npz"))
     a = p.parse_args(argv)
-    result = run(
+    fresh = None if a.out else fresh_run_dir()
+    try:
+        result = _run_args(a, a.out or str(fresh))
+    except BaseException:
+        if fresh is not None:  # a run that fails before writing leaves no empty run directory
+            with contextlib.suppress(OSError):
+                fresh.rmdir()
+        raise
+    print(_table(result))
+    print(json.dumps(result))
+    sys.stdout.flush()
+    return result
+
+
+def _run_args(a: argparse.Namespace, out: str) -> dict[str, Any]:
+    return run(
         model=a.model,
         data=a.data,
         pretrained=a.pretrained,
         task=a.task,
         classnames=a.classnames,
         templates=a.templates,
-        out=a.out or str(fresh_run_dir()),
+        out=out,
         overwrite=a.overwrite,
         batch_size=a.batch_size,
         num_workers=a.workers,
@@ -575,11 +642,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         attn_precision=a.attn_precision,
         embed_format=a.embed_format,
     )
-    print(_table(result))
-    print(json.dumps(result))
-    sys.stdout.flush()
-    return result
+
+
+def cli() -> None:
+    """``python -m elsa_vision.tasks.zeroshot``: a refused input (a missing or refused ``--pretrained``, an
+    unknown model, a data folder that is not one) ends the run with one ``error:`` line and exit code 2."""
+    try:
+        main()
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -4,11 +4,18 @@ anything is built."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["add_device_argument", "check_accelerator", "resolve_device"]
+__all__ = [
+    "add_device_argument",
+    "available_memory_mb",
+    "check_accelerator",
+    "host_available_mb",
+    "resolve_device",
+]
 
 # Lightning's accelerator names that need a GPU ("gpu": CUDA or Apple MPS).
 _NEEDS = {"gpu": "a GPU", "cuda": "a CUDA GPU", "mps": "an Apple MPS device"}
@@ -58,3 +65,29 @@ def add_device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     parser.add_argument(
         "--device", default=None, help="torch device: cpu, cuda, cuda:1, ... (default: cuda when available)"
     )
+
+
+def host_available_mb() -> float:
+    """The RAM this machine can give a new allocation now, in MiB (``MemAvailable`` of ``/proc/meminfo``;
+    elsewhere the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) / 2**20
+
+
+def available_memory_mb(device: str | torch.device) -> tuple[float, str]:
+    """``(MiB, where)``: the memory a run on ``device`` can hold at most. ``device``: a Lightning accelerator
+    name (``cpu``, ``gpu``, ``cuda``, ``auto``) or a torch device. A CUDA device (``gpu`` / ``auto`` on a
+    machine with one: device 0) gives its total memory, anything else the host's available RAM
+    (:func:`host_available_mb`)."""
+    name = str(device).lower()
+    if (name in ("gpu", "auto") or name.startswith("cuda")) and torch.cuda.is_available():
+        index = torch.device(name).index if name.startswith("cuda") else None
+        index = 0 if index is None else index
+        return torch.cuda.get_device_properties(index).total_memory / 2**20, f"cuda:{index}"
+    return host_available_mb(), "available RAM"

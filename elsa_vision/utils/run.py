@@ -7,11 +7,14 @@ atomically and reads them weights-only.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import logging
 import math
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,18 +29,21 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
 from ..files import atomic_torch_save, atomic_write, checkpoint_kind, read_checkpoint
-from .run_dirs import newest_last_checkpoint
+from .run_dirs import config_mismatch, newest_last_checkpoint
 
 __all__ = [
     "CheckpointPathError",
+    "REFUSALS",
     "RunCSVLogger",
     "SafeCheckpointIO",
     "extras",
     "find_last_checkpoint",
     "instantiate_callbacks",
     "instantiate_loggers",
+    "last_logged_metrics",
     "plot_curves",
     "print_json_line",
+    "refusal_message",
     "save_resolved_config",
     "training_checkpoint_kind",
     "trim_metrics_csv",
@@ -108,42 +114,98 @@ def save_resolved_config(cfg: DictConfig, output_dir: str | os.PathLike) -> Path
     return path
 
 
-def find_last_checkpoint(output_dir: str | os.PathLike, search_glob: str) -> str:
-    """Resolve ``ckpt_path=last``: this run's ``checkpoints/last.ckpt``, else the newest match of the glob.
+def find_last_checkpoint(
+    output_dir: str | os.PathLike, search_glob: str, identity: Mapping[str, Any] | None = None
+) -> str:
+    """Resolve ``ckpt_path=last``: this run's ``checkpoints/last.ckpt``, else the newest match of the glob,
+    of a run trained with the configuration ``identity`` (:func:`~elsa_vision.utils.run_dirs.run_identity`;
+    None: any run).
 
     Raises:
         FileNotFoundError: naming both places when no ``last.ckpt`` exists.
+        CheckpointPathError: the run found was trained with another configuration (naming the run and the
+            first difference).
     """
     own = Path(output_dir) / "checkpoints" / "last.ckpt"
     if own.is_file():
-        return str(own)
-    found = newest_last_checkpoint(search_glob)
+        found = str(own)
+    else:
+        found = newest_last_checkpoint(search_glob, identity) or newest_last_checkpoint(search_glob)
     if found is None:
         raise FileNotFoundError(
             f"ckpt_path=last: no last.ckpt in {str(own.parent)!r} nor any matching {search_glob!r}; "
             "pass ckpt_path=/path/to/last.ckpt"
+        )
+    run = Path(found).parent.parent
+    why = config_mismatch(identity, run)
+    if why is not None:
+        raise CheckpointPathError(
+            f"ckpt_path=last: the newest run with a last.ckpt, {str(run)!r}, was trained with another "
+            f"configuration ({why}); pass ckpt_path={found} to resume it anyway, or no ckpt_path to start "
+            "a new run"
         )
     return found
 
 
 def trim_metrics_csv(metrics_csv: str | os.PathLike, before_step: int) -> int:
     """Drop the rows of a ``metrics.csv`` logged at ``step >= before_step`` (what a run logged after the
-    checkpoint it now resumes from); the file is replaced atomically. Returns the number of rows dropped."""
+    checkpoint it now resumes from) and a row torn by an interruption (a last line without its newline, a
+    row with more or fewer fields than the header, a step that is not a number); the file is replaced
+    atomically. A file whose header itself is torn is removed (the logger starts a new one). Returns the
+    number of rows dropped."""
     path = Path(metrics_csv)
     if not path.is_file():
         return 0
     with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        fields = list(reader.fieldnames or [])
-        rows = list(reader)
-    keep = [r for r in rows if not r.get("step") or int(float(r["step"])) < before_step]
-    if len(keep) == len(rows):
+        text = f.read()
+    torn = bool(text) and not text.endswith("\n")
+    lines = list(csv.reader(io.StringIO(text)))
+    if not lines or (torn and len(lines) == 1):
+        path.unlink()
+        return 0
+    fields, rows = lines[0], lines[1:]
+    if torn:
+        rows = rows[:-1]
+
+    def kept(row: list[str]) -> bool:
+        if len(row) != len(fields):
+            return False
+        step = dict(zip(fields, row)).get("step")
+        if not step:
+            return True
+        try:
+            return int(float(step)) < before_step
+        except ValueError:
+            return False
+
+    keep = [r for r in rows if kept(r)]
+    dropped = len(lines) - 1 - len(keep)
+    if dropped == 0:
         return 0
     with atomic_write(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
+        writer = csv.writer(f)
+        writer.writerow(fields)
         writer.writerows(keep)
-    return len(rows) - len(keep)
+    return dropped
+
+
+def last_logged_metrics(
+    metrics_csv: str | os.PathLike, prefixes: tuple[str, ...] = ("train/", "val/")
+) -> dict[str, float]:
+    """The last value logged for every metric of ``metrics.csv`` whose name starts with one of ``prefixes``
+    (``{}`` without the file): what a run reports after ``fit`` when it resumes from the checkpoint of its
+    last epoch and trains no further epoch (the trainer then holds no metrics of its own)."""
+    path = Path(metrics_csv)
+    if not path.is_file():
+        return {}
+    values: dict[str, float] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if isinstance(key, str) and key.startswith(prefixes) and value not in ("", None):
+                    with contextlib.suppress(ValueError):
+                        values[key] = float(value)
+    return values
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -268,6 +330,32 @@ def plot_curves(metrics_csv: str | os.PathLike, png_path: str | os.PathLike) -> 
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return png_path
+
+
+# What a refused setting or input raises before a run does any work (a config value, a missing or refused
+# file, a device the machine lacks): reported in one line by train.py / evaluate.py.
+REFUSALS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def refusal_message(error: BaseException) -> str | None:
+    """The one line that reports ``error``, a refused setting or file, or None for any other error (a bug,
+    which keeps its traceback). Hydra's ``InstantiationException`` is unwrapped to the error of the call it
+    reports (prefixed with the config key it names, ``model.net: ...``); OmegaConf's missing mandatory
+    value (``data.path: ???``) is a refusal too; line breaks of a message are joined."""
+    from hydra.errors import InstantiationException
+    from omegaconf.errors import MissingMandatoryValue
+
+    where = ""
+    while isinstance(error, InstantiationException) and error.__cause__ is not None:
+        found = re.search(r"full_key: (\S+)", str(error))
+        where = found.group(1) if found else where
+        error = error.__cause__
+    if isinstance(error, MissingMandatoryValue):
+        return str(error).splitlines()[0]
+    if not isinstance(error, REFUSALS):
+        return None
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{where}: {text}" if where and not text.startswith(where) else text
 
 
 def _plain(v: Any) -> Any:

@@ -309,6 +309,24 @@ def test_dicom_corrupt(tmp_path):
         read_image(p)
 
 
+def test_dicom_attributes_that_are_not_numbers_are_named(tmp_path):
+    """NumberOfFrames = "abc" and WindowCenter = "abc" (written raw, as a forged file would hold them): one
+    ValueError naming the file and the attribute, not int()'s or float()'s own message."""
+    from pydicom.dataelem import RawDataElement
+    from pydicom.tag import Tag
+
+    for tag, vr, name in ((0x00280008, "IS", "NumberOfFrames"), (0x00281050, "DS", "WindowCenter")):
+        p = tmp_path / f"{name}.dcm"
+        _write_dicom(p, _u16((2, 8, 6), 1), window=(40.0, 400.0))
+        ds = pydicom.dcmread(p)
+        ds._dict[Tag(tag)] = RawDataElement(Tag(tag), vr, 4, b"abc ", 0, False, True)
+        ds.save_as(p)
+        kind = "an integer" if vr == "IS" else "a number"
+        refused = rf"^input file '.*{name}\.dcm': DICOM {name} = 'abc' is not {kind}$"
+        with pytest.raises(ValueError, match=refused):
+            read_image(p)
+
+
 # -------------------------------------------------------------------------------------------- PNG/JPEG
 
 

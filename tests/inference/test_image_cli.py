@@ -388,8 +388,30 @@ def test_cli_nifti_all_slices(weights, tmp_path, monkeypatch):
     args = ["--model", TINY, "--weights", weights["gray"], "--input", str(p), "--img-size", "32",
             "--slice", "1", "--out", str(tmp_path / "o"), "--overwrite"]
     assert main(args)["tokens"] == 5  # 2 x 2 patches and the class token
-    assert sorted(os.listdir(tmp_path / "o")) == ["features.safetensors", "overlay.png", "prediction.json",
-                                                 "report.json"]
+    assert sorted(os.listdir(tmp_path / "o")) == ["features.safetensors", "outputs.json", "overlay.png",
+                                                 "prediction.json", "report.json"]
+
+
+def test_cli_overwrite_removes_only_what_it_recorded(weights, tmp_path):
+    """--overwrite removes the files the earlier run recorded in outputs.json, not a file of the user's
+    named slice_* nor one the user put inside a slice folder."""
+    vol = np.random.default_rng(0).normal(size=(32, 32, 3)).astype(np.float32)
+    p = tmp_path / "v.nii.gz"
+    nib.save(nib.Nifti1Image(vol, np.eye(4)), p)
+    out = tmp_path / "o"
+    base = ["--model", TINY, "--weights", weights["gray"], "--input", str(p), "--img-size", "32", "--out",
+            str(out)]
+    main(base + ["--slice", "all"])
+    recorded = json.loads((out / "outputs.json").read_text())["outputs"]
+    assert len(recorded) == 12 and "slice_0002/features.safetensors" in recorded
+    (out / "slice_notes.txt").write_text("mine")
+    (out / "slice_0001" / "mine.txt").write_text("mine")
+    main(base + ["--slice", "1", "--overwrite"])
+    assert sorted(os.listdir(out)) == ["features.safetensors", "outputs.json", "overlay.png",
+                                       "prediction.json", "report.json", "slice_0001", "slice_notes.txt"]
+    assert os.listdir(out / "slice_0001") == ["mine.txt"]
+    assert json.loads((out / "outputs.json").read_text())["outputs"] == [
+        "prediction.json", "features.safetensors", "overlay.png", "report.json"]
 
 
 def test_cli_random_weights_warns(tmp_path, capsys):
@@ -594,3 +616,64 @@ def test_cli_checks_out_before_computing(weights, tmp_path, monkeypatch):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: --out") and "--overwrite" in r.stderr
+
+
+def test_cli_refuses_a_size_that_cannot_fit_before_building_the_model(weights, tmp_path, monkeypatch):
+    """--img-size 100000 asked for a 30 GB position embedding before any plan: the plan is made on the meta
+    device and a size no mode fits is refused in one line naming --img-size and the estimate; so is one
+    context-parallel rank's share (a one-rank gloo group here) and an explicit --query-chunk."""
+    import socket
+
+    import elsa_vision.inference.image as image_cli
+
+    real_build = image_cli.build_model
+
+    def meta_only(*a, **k):
+        if torch.empty(0).device.type != "meta":
+            raise AssertionError("a model was built for a size that cannot fit")
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(image_cli, "build_model", meta_only)
+    monkeypatch.setattr(image_cli, "default_budget_mb", lambda device: 16_000.0)
+    base = ["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--out",
+            str(tmp_path / "o")]
+    refused = (r"^--img-size 100000 100000 \(6250x6250 patches of 16px\): memory budget 16,000\.0 MiB is too "
+               r"small: even one 16x16-patch tile needs more \(weights alone [\d,]+ MiB\); lower --img-size$")
+    with pytest.raises(ValueError, match=refused):
+        main(base + ["--img-size", "100000"])
+    with pytest.raises(ValueError, match=r"^--img-size 100000 100000 .*query-chunked attention over "
+                                         r"39,062,501 tokens needs about [\d,]+ MiB, more than the budget"):
+        main(base + ["--img-size", "100000", "--query-chunk", "256"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    refused = (r"^--img-size 4096 4096 \(256x256 patches of 16px, --context-parallel\): context parallelism "
+               r"over 1 ranks needs about [\d,]+ MiB per rank for 65,537 tokens, more than the budget of 50 "
+               r"MiB per rank; lower --img-size or run on more ranks or raise --memory-budget-mb$")
+    with pytest.raises(ValueError, match=refused):
+        main(base + ["--img-size", "4096", "--context-parallel", "--memory-budget-mb", "50"])
+    assert not torch.distributed.is_initialized()
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_cli_refuses_a_size_that_cannot_fit_the_gpu(weights, tmp_path, monkeypatch):
+    """On CUDA the plan is made against 90% of the free GPU memory, on the meta device: --img-size 200000
+    (a 114 GB position embedding) is refused in one line and no model is built."""
+    import elsa_vision.inference.image as image_cli
+
+    real_build = image_cli.build_model
+
+    def meta_only(*a, **k):
+        if torch.empty(0).device.type != "meta":
+            raise AssertionError("a model was built for a size that cannot fit")
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(image_cli, "build_model", meta_only)
+    with pytest.raises(ValueError, match=r"^--img-size 200000 200000 \(12500x12500 patches of 16px\): memory "
+                                         r"budget [\d,.]+ MiB is too small"):
+        main(["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--img-size", "200000",
+              "--device", "cuda", "--out", str(tmp_path / "o")])

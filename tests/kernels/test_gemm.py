@@ -166,8 +166,8 @@ def _torch_fp32(a, b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(12608, 2304, 768), (12608, 768, 3072), (3137, 771, 775), (197, 4096, 8192),
-                                   (2304, 768, 12608), (64, 1000, 768)])
+@pytest.mark.parametrize("M,N,K", [(12608, 2304, 768), (12608, 768, 3072), (3137, 771, 775),
+                                   (197, 4096, 8192), (2304, 768, 12608), (64, 1000, 768)])
 @pytest.mark.parametrize("precision", ["auto", "tf32x3"])
 def test_gpu_at_most_torch_fp32_error(M, N, K, precision):
     a, b = randn(M, K, seed=5), randn(N, K, seed=6)

@@ -556,3 +556,26 @@ def test_bad_inputs(tmp_path, tiny_config):
         ElsaCLIPVision(act_layer="relu6")
     with pytest.raises(ValueError, match="divisible"):
         ElsaCLIPVision(width=100, heads=3)
+
+
+def test_architecture_read_from_a_file_cannot_ask_for_more_than_the_file_holds(tmp_path, monkeypatch):
+    """from_open_clip(<file>) reads width, depth and MLP ratio from a few tensors' shapes: a 1024-wide conv1
+    of 1x1 patches and a one-column c_fc (a few KB) described a 50 MB tower (at width 32768, 50 GB). The
+    tower is built on the meta device first and every tensor must be in the file: refused in one line."""
+    import elsa_vision.models.clip_vision as cv
+
+    real = cv.ElsaCLIPVision
+
+    class Recorded(real):
+        def __init__(self, *args, **kwargs):
+            if torch.empty(0).device.type != "meta":
+                raise AssertionError("a tower was allocated for an architecture the file does not hold")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cv, "ElsaCLIPVision", Recorded)
+    forged = {"conv1.weight": torch.zeros(1024, 3, 1, 1), "positional_embedding": torch.zeros(2, 1024),
+              "proj": torch.zeros(1024, 8), "transformer.resblocks.0.mlp.c_fc.weight": torch.zeros(4096, 1)}
+    torch.save(forged, tmp_path / "forged.pt")
+    refused = r"forged\.pt.: .transformer\.resblocks\.0\.mlp\.c_fc\.weight. has shape \[4096, 1\], the model"
+    with pytest.raises(ValueError, match=refused):
+        from_open_clip(tmp_path / "forged.pt")

@@ -18,6 +18,7 @@ policy, more pixels or bytes declared than the limits allow: ``FileTooLargeError
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -120,6 +121,35 @@ def detect_format(path: str | os.PathLike) -> str:
 # ----------------------------------------------------------------------------------------------- DICOM
 
 
+def _dicom_number(ds: Any, key: str, default: float, path: str, kind: type = int) -> Any:
+    """The DICOM attribute ``key`` as a number of ``kind`` (the first of a multi-valued one; ``default`` when
+    absent, empty or, for a count, 0); a value that is not one (``NumberOfFrames = "abc"``) is one
+    ``ValueError`` naming the file and the attribute. Counts and sizes (``int``) must be positive, other
+    values finite."""
+    import pydicom
+
+    raw: Any = "<unreadable>"
+    try:
+        raw = getattr(ds, key, None)
+        if isinstance(raw, pydicom.multival.MultiValue):
+            raw = raw[0] if len(raw) else None
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            return default
+        value = kind(float(raw)) if kind is int and not isinstance(raw, int) else kind(raw)
+        if kind is int and float(raw) != value:
+            raise ValueError("not an integer")
+    except (ValueError, TypeError, OverflowError, KeyError):
+        raise ValueError(
+            f"input file {path!r}: DICOM {key} = {str(raw)[:40]!r} is not "
+            f"{'an integer' if kind is int else 'a number'}"
+        ) from None
+    if kind is int and value == 0:
+        return default
+    if (kind is int and value < 0) or not math.isfinite(value):
+        raise ValueError(f"input file {path!r}: DICOM {key} = {str(raw)[:40]!r} is out of range")
+    return value
+
+
 def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterator[MedicalImage]:
     import pydicom
     from pydicom.errors import InvalidDicomError
@@ -130,8 +160,9 @@ def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterat
         raise ValueError(f"input file {path!r} is not a readable DICOM file: {e}") from e
     if "PixelData" not in ds and "FloatPixelData" not in ds and "DoubleFloatPixelData" not in ds:
         raise ValueError(f"input file {path!r}: DICOM dataset has no pixel data")
-    declared = [int(getattr(ds, k, 1) or 1) for k in ("NumberOfFrames", "Rows", "Columns", "SamplesPerPixel")]
-    nbytes = -(-int(getattr(ds, "BitsAllocated", 8) or 8) // 8)
+    counts = ("NumberOfFrames", "Rows", "Columns", "SamplesPerPixel")
+    declared = [_dicom_number(ds, k, 1, path) for k in counts]
+    nbytes = -(-_dicom_number(ds, "BitsAllocated", 8, path) // 8)
     # the decoded pixels (compressed pixel data can declare far more than the file holds), and one frame in
     # float32 beside them, are checked before pydicom decodes anything
     decoded = check_array_bytes(path, declared + [nbytes], np.uint8, max_bytes, "DICOM pixel data")
@@ -141,8 +172,7 @@ def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterat
     except Exception as e:  # pixel decoding raises many types (missing codec, truncated data, bad tags)
         raise ValueError(f"input file {path!r}: DICOM pixel data cannot be decoded: {e}") from e
     check_dtype(pixels.dtype, path)
-    samples = int(getattr(ds, "SamplesPerPixel", 1))
-    frames = int(getattr(ds, "NumberOfFrames", 1) or 1)
+    samples, frames = declared[3], declared[0]
     if frames == 1:
         pixels = pixels[None]
     # pixels: [F, H, W] (grayscale) or [F, H, W, S] (colour)
@@ -150,15 +180,15 @@ def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterat
         pixels = np.moveaxis(pixels, -1, 1)
     else:
         pixels = pixels[:, None]
-    slope = float(getattr(ds, "RescaleSlope", 1.0) or 1.0)
-    intercept = float(getattr(ds, "RescaleIntercept", 0.0) or 0.0)
+    slope = _dicom_number(ds, "RescaleSlope", 1.0, path, float) or 1.0
+    intercept = _dicom_number(ds, "RescaleIntercept", 0.0, path, float)
     photometric = str(getattr(ds, "PhotometricInterpretation", "MONOCHROME2"))
     window = None
     if "WindowCenter" in ds and "WindowWidth" in ds:
-        c, w = ds.WindowCenter, ds.WindowWidth
-        c = c[0] if isinstance(c, pydicom.multival.MultiValue) else c
-        w = w[0] if isinstance(w, pydicom.multival.MultiValue) else w
-        window = (float(c), float(w))
+        window = (
+            _dicom_number(ds, "WindowCenter", 0.0, path, float),
+            _dicom_number(ds, "WindowWidth", 1.0, path, float),
+        )
     meta = {
         "source_dtype": str(pixels.dtype),
         "rescale_slope": slope,
