@@ -119,6 +119,7 @@ def breakdown_rows(dtype, calls):
     from elsa_vision.kernels import fwd as kfwd
     from elsa_vision.kernels.launch import signature
     from elsa_vision.ops import attention as ops
+    from elsa_vision.ops._library import eager_bypass
 
     q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=dtype) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -145,7 +146,7 @@ def breakdown_rows(dtype, calls):
         "validation": nograd(lambda: ops._check_inputs(q, k, v, None, None, False, None, "auto", "auto",
                                                        0.0)),
         "backend_choice": nograd(lambda: ops.resolve_backend("auto", q)),
-        "direct_check": nograd(lambda: ops.direct(q)),
+        "eager_bypass_check": nograd(lambda: eager_bypass(q, ops._attention_fwd, ops._ATTENTION_FWD)),
         "program_lookup": nograd(lambda: kfwd._PROGRAMS.get(signature((q, k, v, None, None),
                                                                        (False, scale, "auto", None, None)))),
         "allocation_out_lse": nograd(lambda: (torch.empty_strided(program.out_size, program.out_stride,

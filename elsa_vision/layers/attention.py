@@ -16,7 +16,8 @@ import torch
 from timm.models import register_notrace_module
 from torch import Tensor, nn
 
-from ..ops.attention import check_options, direct, elsa_attention, inference_call
+from ..ops._library import eager_bypass
+from ..ops.attention import check_options, elsa_attention, inference_call
 from .elsa_module import ElsaModule, refuse_torchscript
 
 __all__ = ["ElsaAttention", "mask_to_bias", "refuse_torchscript"]
@@ -157,8 +158,8 @@ class ElsaAttention(ElsaModule, nn.Module):
         dropout_p = self.attn_drop.p if self.training else 0.0
         cp = self.context_parallel
         inference = attn_mask is None and cp is None and dropout_p == 0.0 and not torch.is_grad_enabled()
-        if inference and rotated is not None and direct(x):
-            return self._inference(x, q, k, v, causal, rotated)
+        if inference and rotated is not None:  # plain eager: the planned call; traced: the operator
+            return eager_bypass(x, _planned, _unplanned)(self, x, q, k, v, causal, rotated)
         if cp is not None:
             if dropout_p > 0:
                 raise ValueError(
@@ -178,23 +179,6 @@ class ElsaAttention(ElsaModule, nn.Module):
         if self.gate is not None:
             o = o * self.gate(x).sigmoid()
         return self.proj_drop(self.proj(o))
-
-    def _inference(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, rotated: bool) -> Tensor:
-        """Inference without a mask: the attention call checked and planned once per input signature
-        (``ops.attention.inference_call``; q, k, v are views of the projection of ``x``, or RoPE's outputs
-        of them, so ``x``'s shape and device and q's dtype fix theirs), later calls go straight to the launch
-        program."""
-        # q's dtype, not x's: under autocast the projection (so q, k, v) is in the autocast dtype
-        key = (x.shape, q.dtype, x.device, causal, rotated, self.backend, self.precision, self.scale)
-        calls = self.__dict__.setdefault("_elsa_calls", {})
-        call = calls.get(key, False)
-        if call is False:
-            call = calls[key] = inference_call(q, k, v, causal=causal, scale=self.scale,
-                                               precision=self.precision, backend=self.backend)
-        if call is None:  # not one Triton launch (the torch backend ...)
-            return elsa_attention(q, k, v, causal=causal, scale=self.scale, precision=self.precision,
-                                  backend=self.backend)
-        return call(q, k, v)
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -246,6 +230,31 @@ class ElsaAttention(ElsaModule, nn.Module):
         chunk = f", query_chunk={self.query_chunk}" if self.query_chunk is not None else ""
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend}, "
                 f"precision={self.precision}{chunk}")
+
+
+def _planned(layer: ElsaAttention, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+             rotated: bool) -> Tensor:
+    """Inference without a mask: the attention call checked and planned once per input signature
+    (``ops.attention.inference_call``; q, k, v are views of the projection of ``x``, or RoPE's outputs of
+    them, so ``x``'s shape and device and q's dtype fix theirs), later calls go straight to the launch
+    program. Plain eager calls only (``eager_bypass``): a launch program is no operator."""
+    # q's dtype, not x's: under autocast the projection (so q, k, v) is in the autocast dtype
+    key = (x.shape, q.dtype, x.device, causal, rotated, layer.backend, layer.precision, layer.scale)
+    calls = layer.__dict__.setdefault("_elsa_calls", {})
+    call = calls.get(key, False)
+    if call is False:
+        call = calls[key] = inference_call(q, k, v, causal=causal, scale=layer.scale,
+                                           precision=layer.precision, backend=layer.backend)
+    if call is None:  # not one Triton launch (the torch backend ...)
+        return _unplanned(layer, x, q, k, v, causal, rotated)
+    return call(q, k, v)
+
+
+def _unplanned(layer: ElsaAttention, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+               rotated: bool) -> Tensor:
+    """The same inference call through ``elsa_attention`` (its operator where something traces)."""
+    return elsa_attention(q, k, v, causal=causal, scale=layer.scale, precision=layer.precision,
+                          backend=layer.backend)
 
 
 def _check_chunk(query_chunk: int | None) -> int | None:

@@ -24,7 +24,7 @@ from torch import Tensor
 from ..kernels import triton_runs_on
 from ..kernels.precision import PRECISIONS
 from ..kernels.reference import attention_backward, scan_attention
-from ._library import define_op
+from ._library import define_op, eager_bypass
 
 __all__ = [
     "elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES",
@@ -211,9 +211,16 @@ def _forward_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precis
     return fwd.fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
 
 
-def _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, need_lse=True):
+def _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
     program = _forward_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
-    return program(q, k, v, attn_bias, key_padding_mask, need_lse=need_lse)
+    return program(q, k, v, attn_bias, key_padding_mask)
+
+
+def _attention_out(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
+    """``_attention_fwd`` without the log-sum-exp (``(out, None)``): what an eager inference call runs in
+    place of the forward operator."""
+    program = _forward_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
+    return program(q, k, v, attn_bias, key_padding_mask, need_lse=False)
 
 
 def _attention_fwd_fake(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
@@ -249,23 +256,13 @@ _ATTENTION_FWD = define_op(
 )
 
 
-def direct(t: Tensor) -> bool:
-    """Whether an operator call on ``t`` may run the operator's body directly: ``t`` is a plain tensor and
-    nothing could intercept the call (no compilation or export tracing, no dispatch or torch-function mode, no
-    functorch transform). Eager calls then skip the dispatcher's host time (``docs/kernel_notes.md``, "Host
-    path"); everything that traces or transforms sees the operator."""
-    return (type(t) is Tensor and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
-            and not torch._C._are_functorch_transforms_active())
-
-
 class _ElsaAttention(torch.autograd.Function):
     """The Triton path with autograd: forward operator, saved ``(q, k, v, out, lse)``, backward operator."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
         args = (q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
-        out, lse = _attention_fwd(*args) if direct(q) else _ATTENTION_FWD(*args)
+        out, lse = eager_bypass(q, _attention_fwd, _ATTENTION_FWD)(*args)
         ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask)
         ctx.causal, ctx.scale, ctx.precision = causal, scale, precision
         return out
@@ -276,7 +273,7 @@ class _ElsaAttention(torch.autograd.Function):
         bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
         args = (dout, q, k, v, out, lse, attn_bias, key_padding_mask, ctx.causal, ctx.scale, ctx.precision,
                 bias_grad)
-        dq, dk, dv, dbias = _attention_bwd(*args) if direct(dout) else _ATTENTION_BWD(*args)
+        dq, dk, dv, dbias = eager_bypass(dout, _attention_bwd, _ATTENTION_BWD)(*args)
         return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
 
 
@@ -284,9 +281,9 @@ def _triton_attention(q, k, v, attn_bias, key_padding_mask, causal, scale, preci
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (attn_bias is not None and attn_bias.requires_grad)):
         return _ElsaAttention.apply(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
-    if direct(q):  # inference: no log-sum-exp
-        return _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, False)[0]
-    return _ATTENTION_FWD(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)[0]
+    # inference: eager calls store no log-sum-exp
+    return eager_bypass(q, _attention_out, _ATTENTION_FWD)(
+        q, k, v, attn_bias, key_padding_mask, causal, scale, precision)[0]
 
 
 def inference_call(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,

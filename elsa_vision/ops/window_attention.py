@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._library import define_op
-from .attention import PRECISIONS, _cuda_matmul_precision, _shape, check_triton_device, direct
+from ._library import define_op, eager_bypass
+from .attention import PRECISIONS, _cuda_matmul_precision, _shape, check_triton_device
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
@@ -128,7 +128,7 @@ def _backward(ctx, dout):
     q, k, v, logit_scale, bias, mask = ctx.saved_tensors
     need_q, need_k, need_v, need_ls, need_bias = ctx.needs_input_grad[:5]
     args = (dout, q, k, v, logit_scale, bias, mask, ctx.precision, ctx.scale, need_q, need_k, need_v)
-    dq, dk, dv, dfull, dscale = _window_bwd(*args) if direct(dout) else _WINDOW_BWD(*args)
+    dq, dk, dv, dfull, dscale = eager_bypass(dout, _window_bwd, _WINDOW_BWD)(*args)
     dls = dbias = None
     if need_bias:
         dbias = dfull.to(bias.dtype)
@@ -176,7 +176,7 @@ class _WindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, logit_scale, bias, mask, precision, scale):
         args = (q, k, v, logit_scale, bias, mask, precision, scale)
-        out = _window_fwd(*args) if direct(q) else _WINDOW_FWD(*args)
+        out = eager_bypass(q, _window_fwd, _WINDOW_FWD)(*args)
         ctx.save_for_backward(q, k, v, logit_scale, bias, mask)
         ctx.precision, ctx.scale = precision, scale
         return out
@@ -261,5 +261,4 @@ def window_attention(
         logit_scale is not None and logit_scale.requires_grad)
     if grads and torch.is_grad_enabled():
         return _WindowAttention.apply(q, k, v, logit_scale, bias, mask, precision, scale)
-    args = (q, k, v, logit_scale, bias, mask, precision, scale)
-    return _window_fwd(*args) if direct(q) else _WINDOW_FWD(*args)
+    return eager_bypass(q, _window_fwd, _WINDOW_FWD)(q, k, v, logit_scale, bias, mask, precision, scale)
