@@ -23,14 +23,13 @@ inputs and runs the backward, and the public function checks the inputs once (th
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._library import define_op, eager_bypass
-from .attention import PRECISIONS, _cuda_matmul_precision, _shape, check_triton_device
+from .checks import _check
+from .numerics import _cuda_matmul_precision
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
@@ -182,45 +181,6 @@ class _WindowAttention(torch.autograd.Function):
         return out
 
     backward = staticmethod(_backward)
-
-
-def _check(q, k, v, logit_scale, bias, mask, precision, scale):
-    fn = "window_attention"
-    if precision not in PRECISIONS:
-        raise ValueError(f"{fn}: unknown `precision` {precision!r}; expected one of {PRECISIONS}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{fn}: `{name}` must be a 4-D tensor [B*nW, H, N, D], got "
-                             f"{_shape(t) if isinstance(t, Tensor) else type(t).__name__}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{fn}: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    check_triton_device(fn, q)
-    Bw, H, N, D = q.shape
-    if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
-        raise ValueError(f"{fn}: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
-    if k.shape != (Bw, H, N, D) or v.shape[:3] != (Bw, H, N):
-        raise ValueError(f"{fn}: k must be {[Bw, H, N, D]} and v [{Bw}, {H}, {N}, Dv], got "
-                         f"{_shape(k)} and {_shape(v)}")
-    if logit_scale is not None:
-        if not isinstance(logit_scale, Tensor):
-            raise TypeError(f"{fn}: `logit_scale` must be a tensor or None, got {type(logit_scale).__name__}")
-        if logit_scale.shape != (H,):
-            raise ValueError(f"{fn}: `logit_scale` must be [{H}] (or [{H}, 1, 1]), got {_shape(logit_scale)}")
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"{fn}: `scale` must be a finite float, got {scale!r}")
-    if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.shape != (H, N, N):
-        raise ValueError(f"{fn}: `bias` must be a float tensor [{H}, {N}, {N}], got "
-                         f"{_shape(bias) if isinstance(bias, Tensor) else type(bias).__name__}")
-    if mask is not None:
-        if not isinstance(mask, Tensor) or mask.dim() != 3 or mask.shape[1:] != (N, N) or mask.shape[0] < 1 \
-                or Bw % mask.shape[0]:
-            raise ValueError(f"{fn}: `mask` must be [nW, {N}, {N}] with nW dividing {Bw}, got "
-                             f"{_shape(mask) if isinstance(mask, Tensor) else type(mask).__name__}")
-    for name, t in (("k", k), ("v", v), ("logit_scale", logit_scale), ("bias", bias), ("mask", mask)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{fn}: `{name}` is on {t.device}, q on {q.device}")
 
 
 def window_attention(
