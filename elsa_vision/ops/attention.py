@@ -7,9 +7,9 @@ The Triton path has FlashAttention's three tiers: two torch operators without au
 (``elsa_vision::attention_fwd`` and ``elsa_vision::attention_bwd``, declared with ``_library.define_op``: a
 kernel and a fake kernel each, so ``torch.compile(fullgraph=True)`` sees one opaque node per call), one
 ``torch.autograd.Function`` that saves ``q, k, v, out, lse`` and calls the backward operator, and the public
-function, which checks its inputs once. Everything below it trusts them: the operators' bodies and the
-kernels' launchers (``kernels.fwd`` / ``bwd`` / ``decode``) only look their launch programs up by signature
-(``kernels.launch``).
+function, which checks its inputs once (``ops.checks``). Everything below it trusts them: the operators'
+bodies and the kernels' launchers (``kernels.fwd`` / ``bwd`` / ``decode``) only look their launch programs up
+by signature (``kernels.launch``).
 """
 
 from __future__ import annotations
@@ -28,22 +28,21 @@ from .checks import (
     BACKENDS,
     SUPPORTED_DTYPES,
     TRITON_MAX_HEAD_DIM,
-    _check_inputs,
-    _check_varlen,
-    _shape,
+    check_attention_inputs,
+    check_eca_call,
     check_options,
     check_triton_call,
+    check_varlen_inputs,
 )
-from .numerics import _cuda_matmul_precision
+from .numerics import accumulation_dtype, cuda_matmul_precision
 
 __all__ = [
     "elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES",
     "resolve_backend", "check_options", "inference_call",
 ]
 
-
 # Rows per query chunk of the torch backend: bounds its memory at O(chunk * Nk) for long sequences.
-_TORCH_QUERY_CHUNK = 1024
+TORCH_QUERY_CHUNK = 1024
 
 
 def resolve_backend(backend: str, q: Tensor, dropout_p: float = 0.0) -> str:
@@ -88,13 +87,15 @@ def _forward_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precis
     return fwd.fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
 
 
-def _attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
+def attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
+    """The body of ``elsa_vision::attention_fwd``: ``(out, lse)`` of trusted inputs through the Triton
+    forward's launch program. Context parallelism's partial attention calls it directly."""
     program = _forward_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
     return program(q, k, v, attn_bias, key_padding_mask)
 
 
 def _attention_out(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
-    """``_attention_fwd`` without the log-sum-exp (``(out, None)``): what an eager inference call runs in
+    """``attention_fwd`` without the log-sum-exp (``(out, None)``): what an eager inference call runs in
     place of the forward operator."""
     program = _forward_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
     return program(q, k, v, attn_bias, key_padding_mask, need_lse=False)
@@ -129,7 +130,7 @@ _ATTENTION_FWD = define_op(
     "attention_fwd",
     "(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor? key_padding_mask, bool causal, float scale, "
     "str precision) -> (Tensor, Tensor)",
-    _attention_fwd, _attention_fwd_fake,
+    attention_fwd, _attention_fwd_fake,
 )
 
 
@@ -139,7 +140,7 @@ class _ElsaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
         args = (q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
-        out, lse = eager_bypass(q, _attention_fwd, _ATTENTION_FWD)(*args)
+        out, lse = eager_bypass(q, attention_fwd, _ATTENTION_FWD)(*args)
         ctx.save_for_backward(q, k, v, out, lse, attn_bias, key_padding_mask)
         ctx.causal, ctx.scale, ctx.precision = causal, scale, precision
         return out
@@ -170,7 +171,7 @@ def inference_call(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sca
     with the same shapes, strides, dtype, device and alignment as these, or None where the call is not one
     Triton launch program (another backend). Layers keep ``f`` per input signature, so that a steady-state
     call does no validation, no backend choice and no plan lookup (``ElsaAttention``)."""
-    _check_inputs(q, k, v, None, None, causal, scale, precision, backend, 0.0)
+    check_attention_inputs(q, k, v, None, None, causal, scale, precision, backend, 0.0)
     if resolve_backend(backend, q) != "triton":
         return None
     check_triton_call("elsa_attention", q, v)
@@ -189,14 +190,14 @@ def _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precisio
     if B * H * Nq == 0 or k.shape[2] == 0:
         # Nothing to compute, or rows that see no key (0): the empty products give exactly that, with a graph
         return (q @ k.transpose(-2, -1)) @ v
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    compute = accumulation_dtype(q)
     qc, kc, vc = (t.to(compute) for t in (q, k, v))
-    ctx = _cuda_matmul_precision(precision == "tf32") if q.is_cuda and dtype == torch.float32 else (
+    ctx = cuda_matmul_precision(precision == "tf32") if q.is_cuda and dtype == torch.float32 else (
         contextlib.nullcontext())
     with ctx:
         out = scan_attention(
             qc, kc, vc, attn_bias=attn_bias, key_padding_mask=key_padding_mask, causal=causal, scale=scale,
-            query_chunk=_TORCH_QUERY_CHUNK, dropout_p=dropout_p,
+            query_chunk=TORCH_QUERY_CHUNK, dropout_p=dropout_p,
         )
     return out.to(dtype)
 
@@ -246,7 +247,7 @@ def elsa_attention(
         as in softmax. The Triton backend stores it as ``[B, Nq, H, Dv]`` (as SDPA's flash and efficient
         backends do), so that ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is a view, not a copy.
     """
-    _check_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
+    check_attention_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
     chosen = resolve_backend(backend, q, dropout_p)
     if chosen == "triton":
         check_triton_call("elsa_attention", q, v, dropout_p)
@@ -255,13 +256,7 @@ def elsa_attention(
     if chosen == "eca":
         from ..kernels.eca import eca_attention
 
-        if not causal:
-            raise ValueError("elsa_attention: backend='eca' computes causal attention only; pass causal=True")
-        if q.shape[2] != k.shape[2]:
-            raise ValueError(
-                f"elsa_attention: backend='eca' needs Nq == Nk, got q {_shape(q)}, k {_shape(k)}")
-        if dropout_p > 0.0:
-            raise ValueError("elsa_attention: backend='eca' has no attention dropout; use backend='torch'")
+        check_eca_call("elsa_attention", q, k, causal, dropout_p)
         return eca_attention(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, scale=scale)
     return _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p)
 
@@ -299,8 +294,8 @@ def elsa_attention_varlen(
         padded to ``[batch, H, max_seqlen, D]`` on the device, keys past a sequence's end hidden, and run
         through the differentiable ``elsa_attention``: no host synchronisation on either path.
     """
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, precision,
-                  backend)
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                        precision, backend)
     chosen = resolve_backend(backend, q)
     if chosen == "triton":
         check_triton_call("elsa_attention_varlen", q, v)

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._library import define_op, eager_bypass
-from .checks import _check
-from .numerics import _cuda_matmul_precision
+from .checks import check_window_inputs
+from .numerics import cuda_matmul_precision
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
@@ -147,7 +147,7 @@ def _dense_backward(dout, q, k, v, logit_scale, bias, mask, precision, qk_scale,
         qd, kd = (t.detach().requires_grad_(True) for t in (q, k))
         lsd = None if logit_scale is None else logit_scale.detach().requires_grad_(True)
         qn, kn = _normalized(qd, kd, lsd, qk_scale)
-    with _cuda_matmul_precision(precision == "tf32"):
+    with cuda_matmul_precision(precision == "tf32"):
         dqn, dkn, dv, dfull, dscale = _dense_window_grads(
             dout, qn.detach(), kn.detach(), v, full, nW, need_qkv=need_qkv)
     dq = dk = None
@@ -204,7 +204,7 @@ def window_attention(
         logit_scale: ``[H]`` (or timm's ``[H, 1, 1]``) raw per-head parameter of Swin v2, or None.
         bias: ``[H, N, N]`` relative-position bias shared by all windows.
         mask: ``[nW, N, N]`` shift mask (0 / -100), window ``b`` uses ``mask[b % nW]``; None for no shift.
-        precision: float32 dot precision, one of ``PRECISIONS`` (``ops.attention``).
+        precision: float32 dot precision, one of ``PRECISIONS`` (``kernels.precision``).
         scale: the logit scale without ``logit_scale`` (default ``D ** -0.5``); unused with it.
 
     Returns:
@@ -215,7 +215,7 @@ def window_attention(
         logit_scale = logit_scale.reshape(-1)
     if scale is None:
         scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 4 else 1.0
-    _check(q, k, v, logit_scale, bias, mask, precision, scale)
+    check_window_inputs(q, k, v, logit_scale, bias, mask, precision, scale)
     scale = float(scale)
     grads = q.requires_grad or k.requires_grad or v.requires_grad or bias.requires_grad or (
         logit_scale is not None and logit_scale.requires_grad)
