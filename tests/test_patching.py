@@ -242,19 +242,19 @@ def test_open_clip_towers(elsa_calls):
 
 
 def test_patch_errors():
-    with pytest.raises(ValueError, match="no attention module"):
+    with pytest.raises(ValueError, match="no module of kinds"):
         patch_attention(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     with pytest.raises(ValueError, match="skipped"):
         patch_attention(nn.Sequential(nn.MultiheadAttention(8, 2, add_bias_kv=True)))
     vit = timm.create_model("vit_small_patch16_224", depth=1, img_size=32)
-    with pytest.raises(ValueError, match="no attention module"):
+    with pytest.raises(ValueError, match="no module of kinds"):
         patch_swin_attention(vit)
     with pytest.raises(ValueError, match="backend"):
         patch_attention(vit, backend="cuda")
     with pytest.raises(ValueError, match="kinds"):
         patch_attention(vit, kinds=("conv",))
     assert patch_vit_attention(vit).total == 1
-    with pytest.raises(ValueError, match="no attention module"):  # already patched: nothing left to do
+    with pytest.raises(ValueError, match="no module of kinds"):  # already patched: nothing left to do
         patch_vit_attention(vit)
 
 

@@ -17,8 +17,8 @@ from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops._library import eager_bypass
-from ..ops.attention import check_options, elsa_attention, inference_call
-from .elsa_module import ElsaModule, refuse_torchscript
+from ..ops.attention import elsa_attention, inference_call
+from .elsa_module import ElsaAttentionModule, refuse_torchscript
 
 __all__ = ["ElsaAttention", "mask_to_bias", "refuse_torchscript"]
 
@@ -34,7 +34,7 @@ def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 @register_notrace_module  # an FX leaf (timm's registry): its forward branches on the mask and the backend
-class ElsaAttention(ElsaModule, nn.Module):
+class ElsaAttention(ElsaAttentionModule, nn.Module):
     """Multi-head self-attention with a fused ``qkv`` projection, computed by ELSA.
 
     Args are those of ``timm.layers.Attention``; in addition (keyword only):
@@ -85,7 +85,7 @@ class ElsaAttention(ElsaModule, nn.Module):
         query_chunk: int | None = None,
     ) -> None:
         super().__init__()
-        check_options("ElsaAttention", backend, precision)
+        self.check_options(backend, precision)
         dd = {"device": device, "dtype": dtype}
         dim_out = dim_out or dim
         head_dim = attn_head_dim
@@ -184,6 +184,13 @@ class ElsaAttention(ElsaModule, nn.Module):
         state = super().__getstate__()
         state.pop("_elsa_calls", None)  # planned launch programs: rebuilt on first use after a copy
         return state
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, backend: str = "auto",
+                    precision: str = "auto") -> ElsaAttention:
+        """What takes the place of a timm ``Attention`` in a patched model: a weight-preserving copy
+        (:meth:`from_timm`; this layer is built from its own constructor, not converted in place)."""
+        return cls.from_timm(module, backend=backend, precision=precision)
 
     @classmethod
     def from_timm(cls, attn: nn.Module, *, backend: str = "auto", precision: str = "auto") -> ElsaAttention:

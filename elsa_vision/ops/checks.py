@@ -18,8 +18,8 @@ from ..kernels.precision import PRECISIONS
 
 __all__ = [
     "BACKENDS", "PRECISIONS", "SUPPORTED_DTYPES", "TRITON_MAX_HEAD_DIM", "check_attention_inputs",
-    "check_eca_call", "check_options", "check_triton_call", "check_triton_device", "check_varlen_inputs",
-    "check_window_inputs", "format_shape",
+    "check_backend", "check_eca_call", "check_options", "check_precision", "check_triton_call",
+    "check_triton_device", "check_varlen_inputs", "check_window_inputs", "format_shape",
 ]
 
 BACKENDS = ("auto", "torch", "triton", "eca")
@@ -34,8 +34,18 @@ def check_options(who: str, backend: str, precision: str, prefix: str = "",
     """Raise a ``ValueError`` naming ``who`` for a float32 ``precision`` that is not one of ``PRECISIONS``
     or a ``backend`` that is not one of ``backends`` (by default ``elsa_attention``'s; an ELSA layer passes
     the backends its kind accepts). ``prefix``: how the caller's arguments are named, e.g. ``"attn_"``."""
+    check_precision(who, precision, prefix)
+    check_backend(who, backend, backends, prefix)
+
+
+def check_precision(who: str, precision: str, prefix: str = "") -> None:
+    """The ``precision`` half of :func:`check_options`: one vocabulary for every ELSA op and layer."""
     if precision not in PRECISIONS:
         raise ValueError(f"{who}: unknown {prefix}precision {precision!r}; expected one of {PRECISIONS}")
+
+
+def check_backend(who: str, backend: str, backends: tuple[str, ...] = BACKENDS, prefix: str = "") -> None:
+    """The ``backend`` half of :func:`check_options`."""
     if backend not in backends:
         raise ValueError(f"{who}: unknown {prefix}backend {backend!r}; expected one of {backends}")
 

@@ -390,6 +390,6 @@ def test_swin_v1_layer_fused_equals_fallback():
     mask = shift_mask(7, 7, 2, 2).to(DEVICE)
     with torch.no_grad():
         fused = attn(x, mask)
-        attn.elsa_backend = "torch"
+        attn.backend = "torch"
         fallback = attn(x, mask)
     assert relerr(fused, fallback.double()) <= FWD_BOUND

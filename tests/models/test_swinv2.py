@@ -210,7 +210,7 @@ def test_set_attention_and_errors():
     ref, model = _pair(64)
     model.set_attention(backend="torch", precision="ieee")
     attns = [m for m in model.modules() if isinstance(m, ElsaSwinV2Attention)]
-    assert attns and all(m.elsa_backend == "torch" and m.elsa_precision == "ieee" for m in attns)
+    assert attns and all(m.backend == "torch" and m.precision == "ieee" for m in attns)
     with pytest.raises(ValueError, match="ElsaSwinV2.set_attention: unknown backend 'cuda'"):
         model.set_attention(backend="cuda")
     with pytest.raises(ValueError, match="attn_precision"):
