@@ -213,8 +213,8 @@ def window_attention(
     """
     if isinstance(logit_scale, Tensor) and q.dim() == 4 and logit_scale.numel() == q.shape[1]:
         logit_scale = logit_scale.reshape(-1)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 4 else 1.0
+    if scale is None:  # (a head dim of 0 is left to check_window_inputs to refuse)
+        scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 4 and q.shape[-1] else 1.0
     check_window_inputs(q, k, v, logit_scale, bias, mask, precision, scale)
     scale = float(scale)
     grads = q.requires_grad or k.requires_grad or v.requires_grad or bias.requires_grad or (

@@ -184,6 +184,8 @@ def test_bad_inputs():
         window_attention(q, k, v, ls, bias, mask, precision="fp8")
     with pytest.raises(ValueError, match="4-D"):
         window_attention(q[0], k, v, ls, bias, mask)
+    with pytest.raises(ValueError, match=r"head dims must be in \[1, 256\], got D=0"):  # not 0 ** -0.5
+        window_attention(q[..., :0], k[..., :0], v, None, bias, mask)
 
 
 @pytest.mark.gpu
