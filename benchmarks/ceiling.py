@@ -28,8 +28,9 @@ _ELSA_CALLS = (
 )
 _WINDOW_CALL = ("elsa_vision.layers.window_attention", "window_attention")  # where the Swin layers look it up
 # ElsaAttention's planned inference path (eval, no grad) runs a launch program it keeps per input signature,
-# not elsa_attention: with ``direct`` answering False it takes the elsa_attention call above instead.
-_PLANNED_PATH = ("elsa_vision.layers.attention", "direct")
+# not elsa_attention: with ``eager_bypass`` always choosing the operator side it takes the elsa_attention call
+# above instead.
+_PLANNED_PATH = ("elsa_vision.layers.attention", "eager_bypass")
 
 
 def _answer_with_v(real):
@@ -53,7 +54,7 @@ def free_attention():
     targets += [(importlib.import_module(mod), name) for mod, name in _ELSA_CALLS]
     saved = [(obj, name, getattr(obj, name)) for obj, name in targets]
     replaced = [(importlib.import_module(_WINDOW_CALL[0]), _WINDOW_CALL[1], _free_window),
-                (importlib.import_module(_PLANNED_PATH[0]), _PLANNED_PATH[1], lambda t: False)]
+                (importlib.import_module(_PLANNED_PATH[0]), _PLANNED_PATH[1], lambda t, body, op: op)]
     saved += [(obj, name, getattr(obj, name)) for obj, name, _ in replaced]
     try:
         for obj, name, real in saved[: len(targets)]:

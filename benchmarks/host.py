@@ -119,6 +119,8 @@ def breakdown_rows(dtype, calls):
     from elsa_vision.kernels import fwd as kfwd
     from elsa_vision.kernels.launch import signature
     from elsa_vision.ops import attention as ops
+    from elsa_vision.ops._library import eager_bypass
+    from elsa_vision.ops.checks import check_attention_inputs
 
     q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=dtype) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -142,10 +144,10 @@ def breakdown_rows(dtype, calls):
 
     bwd_args = (dout, q, k, v, out, lse, None, None, False, scale, "auto", False)
     stages = {
-        "validation": nograd(lambda: ops._check_inputs(q, k, v, None, None, False, None, "auto", "auto",
-                                                       0.0)),
+        "validation": nograd(lambda: check_attention_inputs(q, k, v, None, None, False, None, "auto", "auto",
+                                                            0.0)),
         "backend_choice": nograd(lambda: ops.resolve_backend("auto", q)),
-        "direct_check": nograd(lambda: ops.direct(q)),
+        "eager_bypass_check": nograd(lambda: eager_bypass(q, ops.attention_fwd, ops._ATTENTION_FWD)),
         "program_lookup": nograd(lambda: kfwd._PROGRAMS.get(signature((q, k, v, None, None),
                                                                        (False, scale, "auto", None, None)))),
         "allocation_out_lse": nograd(lambda: (torch.empty_strided(program.out_size, program.out_stride,
@@ -154,7 +156,7 @@ def breakdown_rows(dtype, calls):
                                                           device=q.device))),
         "triton_launch_direct": nograd(lambda: main(q, k, v, out, out, out, lse, lse, lse, lse, out, out)),
         "triton_launch_jit": nograd(jit_launch),
-        "fwd_op_body": nograd(lambda: ops._attention_fwd(q, k, v, None, None, False, scale, "auto")),
+        "fwd_op_body": nograd(lambda: ops.attention_fwd(q, k, v, None, None, False, scale, "auto")),
         "fwd_op_dispatch": nograd(lambda: ops._ATTENTION_FWD(q, k, v, None, None, False, scale, "auto")),
         "fwd_autograd_function": lambda: ops._ElsaAttention.apply(qg, k, v, None, None, False, scale, "auto"),
         "fwd_elsa_attention_inference": nograd(lambda: elsa_attention(q, k, v)),

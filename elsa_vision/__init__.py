@@ -4,7 +4,14 @@ from . import models  # noqa: F401  (registers the elsa_* names with timm)
 from .layers import ElsaAttention
 from .models import ElsaCLIPVision, ElsaHSIViT, ElsaSwinV2, ElsaVGGT, ElsaViT
 from .ops import elsa_attention, elsa_attention_varlen
-from .patching import PatchReport, patch_attention, patch_swin_attention, patch_vit_attention, sdpa_override
+from .patching import (
+    PatchReport,
+    patch_attention,
+    patch_model,
+    patch_swin_attention,
+    patch_vit_attention,
+    sdpa_override,
+)
 
 __version__ = "0.1.0"
 
@@ -19,6 +26,7 @@ __all__ = [
     "ElsaVGGT",
     "PatchReport",
     "patch_attention",
+    "patch_model",
     "patch_vit_attention",
     "patch_swin_attention",
     "sdpa_override",

@@ -1,4 +1,4 @@
-"""Drop-in ELSA attention for existing models: ``patch_attention`` and ``sdpa_override``.
+"""Drop-in ELSA layers for existing models: ``patch_model``, ``patch_attention`` and ``sdpa_override``.
 
 ``patch_attention(model)`` walks a model and swaps every attention module it knows for its ELSA layer
 (:mod:`elsa_vision.layers`), in place and keeping every parameter and buffer:
@@ -28,6 +28,12 @@ to a subclass whose ``forward`` calls ELSA (:meth:`elsa_vision.layers.ElsaModule
 the swapped layer's options). ``sdpa_override()`` is
 the catch-all for code that calls ``torch.nn.functional.scaled_dot_product_attention`` (HuggingFace
 transformers, timm fused paths).
+
+The walk knows nothing of attention: it reads the table ``SWAPS`` (source class -> kind, ELSA layer) and asks
+the layer for the module to put in place (:meth:`~elsa_vision.layers.ElsaModule.from_module`) and for what
+to adjust in the model afterwards (:meth:`~elsa_vision.layers.ElsaModule.after_patching`). A new kind of ELSA
+layer is one entry of the table; ``patch_model(model, kinds=...)`` swaps any kinds, ``patch_attention`` the
+attention kinds.
 """
 
 from __future__ import annotations
@@ -40,17 +46,20 @@ from torch import nn
 
 from .layers import (
     ElsaAttention,
+    ElsaAttentionModule,
     ElsaAttentionPoolLatent,
+    ElsaModule,
     ElsaMultiheadAttention,
     ElsaSwinV2WindowAttention,
     ElsaSwinWindowAttention,
-    check_attention_options,
+    check_layer_options,
 )
 from .layers.sdpa import ElsaAttentionRope, ElsaEvaAttention, sdpa_override
 
 __all__ = [
     "PatchReport",
     "patch_attention",
+    "patch_model",
     "patch_vit_attention",
     "patch_swin_attention",
     "sdpa_override",
@@ -59,11 +68,10 @@ __all__ = [
     "ElsaMultiheadAttention",
 ]
 
-KINDS = ("vit", "swin", "mha", "sdpa_routed")
-
 # The walk's table: source class (matched exactly, so subclasses with their own forward are left alone) ->
-# (kind, ELSA layer). ElsaAttention is not a subclass of timm's Attention: it replaces the module with a
-# weight-preserving copy (ElsaAttention.from_timm); every other layer converts the module in place.
+# (kind, ELSA layer). The layer says what takes the module's place (``from_module``): ElsaAttention a
+# weight-preserving copy (it is not a subclass of timm's Attention), every other layer the module itself,
+# converted in place.
 SWAPS: dict[type, tuple[str, type]] = {
     Attention: ("vit", ElsaAttention),
     AttentionPoolLatent: ("vit", ElsaAttentionPoolLatent),
@@ -75,9 +83,19 @@ SWAPS: dict[type, tuple[str, type]] = {
 }
 
 
+def kinds_of(layers: type = ElsaModule) -> tuple[str, ...]:
+    """The kinds of ``SWAPS`` whose layer is a subclass of ``layers`` (every kind by default), in table
+    order."""
+    return tuple(dict.fromkeys(kind for kind, layer in SWAPS.values() if issubclass(layer, layers)))
+
+
+KINDS = kinds_of()  # every kind of the table
+ATTENTION_KINDS = kinds_of(ElsaAttentionModule)  # patch_attention's: ("vit", "swin", "mha", "sdpa_routed")
+
+
 @dataclass
 class PatchReport:
-    """What ``patch_attention`` did: modules converted per source type, and known modules it had to skip."""
+    """What a patch walk did: modules swapped per source type, and known modules it had to skip."""
 
     counts: Counter = field(default_factory=Counter)
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
@@ -88,10 +106,36 @@ class PatchReport:
 
     def __str__(self) -> str:
         parts = [f"{n} x {t}" for t, n in sorted(self.counts.items())]
-        s = f"patched {self.total} attention modules" + (f" ({', '.join(parts)})" if parts else "")
+        s = f"patched {self.total} modules" + (f" ({', '.join(parts)})" if parts else "")
         if self.skipped:
             s += "; skipped " + ", ".join(f"{k} ({v})" for k, v in self.skipped.items())
         return s
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    precision: str = "auto",
+    kinds: tuple[str, ...] | None = None,
+) -> PatchReport:
+    """Make every module of ``model`` that ``SWAPS`` knows (of ``kinds``; None: every kind) compute with
+    ELSA, in place, weights kept.
+
+    Args:
+        model: any ``nn.Module``. It is modified in place; parameters, buffers, hooks and train/eval mode are
+            kept.
+        backend, precision: the options of every swapped layer; ELSA layers the model already had keep
+            theirs. ``backend`` must be one that every layer of ``kinds`` accepts.
+        kinds: a subset of the table's kinds (:data:`KINDS`).
+
+    Returns:
+        :class:`PatchReport` with counts per source module type and ``.total``.
+
+    Raises:
+        ValueError: nothing was patched (the report says what was skipped), unknown kinds, or bad options.
+    """
+    return _walk(model, backend, precision, kinds_of() if kinds is None else kinds, kinds_of(), "patch_model")
 
 
 def patch_attention(
@@ -99,7 +143,7 @@ def patch_attention(
     *,
     backend: str = "auto",
     precision: str = "auto",
-    kinds: tuple[str, ...] = KINDS,
+    kinds: tuple[str, ...] = ATTENTION_KINDS,
 ) -> PatchReport:
     """Make every known attention module of ``model`` compute with ELSA, in place, weights kept.
 
@@ -118,10 +162,19 @@ def patch_attention(
     Raises:
         ValueError: nothing was patched (the report says what was skipped), or bad options.
     """
-    check_attention_options("patch_attention", backend, precision, prefix="")
-    bad = [k for k in kinds if k not in KINDS]
+    return _walk(model, backend, precision, kinds, kinds_of(ElsaAttentionModule), "patch_attention")
+
+
+def _walk(model: nn.Module, backend: str, precision: str, kinds: tuple[str, ...], known: tuple[str, ...],
+          who: str) -> PatchReport:
+    """The one walk: every module whose exact class is in ``SWAPS`` with a kind of ``kinds`` is replaced by
+    what its layer's ``from_module`` returns."""
+    bad = [k for k in kinds if k not in known]
     if bad or not kinds:
-        raise ValueError(f"patch_attention: unknown kinds {bad or kinds!r}; expected a subset of {KINDS}")
+        raise ValueError(f"{who}: unknown kinds {bad or kinds!r}; expected a subset of {known}")
+    layers = tuple(dict.fromkeys(layer for kind, layer in SWAPS.values() if kind in kinds))
+    accepted = tuple(b for b in layers[0].backends if all(b in layer.backends for layer in layers))
+    check_layer_options(who, backend, precision, accepted)
     report = PatchReport()
     # Materialise the list first: replacing children while iterating named_modules would skip some.
     for name, module in list(model.named_modules()):
@@ -133,31 +186,21 @@ def patch_attention(
         if reason is not None:
             report.skipped[name] = f"{source.__name__} with {reason}"
             continue
-        if layer is ElsaAttention:
+        new = layer.from_module(module, backend=backend, precision=precision)
+        if new is not module:
             if not name:
-                raise ValueError("patch_attention: the model itself is an Attention; wrap it or use "
-                                 "ElsaAttention.from_timm(model)")
+                raise ValueError(f"{who}: the model itself is a {source.__name__}, which {layer.__name__} "
+                                 f"replaces; wrap it or use {layer.__name__}.from_module(model)")
             parent_name, _, attr = name.rpartition(".")
-            module = ElsaAttention.from_timm(module, backend=backend, precision=precision)
-            setattr(model.get_submodule(parent_name), attr, module)
-        else:  # the options of the swapped layers; ELSA layers the model already had keep theirs
-            layer.convert(module, backend=backend, precision=precision)
+            setattr(model.get_submodule(parent_name), attr, new)
         report.counts[source.__name__] += 1
     if report.total == 0:
         raise ValueError(
-            f"patch_attention: no attention module of kinds {kinds} found in {type(model).__name__}"
+            f"{who}: no module of kinds {kinds} found in {type(model).__name__}"
             + (f"; skipped: {report.skipped}" if report.skipped else "")
         )
-    # torch's TransformerEncoder(Layer) has an eval-mode fused kernel that reads the MHA weights directly
-    # instead of calling self_attn; both flags below only select that kernel, so clearing them keeps ELSA on.
-    for module in model.modules():
-        is_layer = isinstance(module, nn.TransformerEncoderLayer)
-        if is_layer and isinstance(module.self_attn, ElsaMultiheadAttention):
-            module.activation_relu_or_gelu = 0
-        elif isinstance(module, nn.TransformerEncoder) and any(
-            isinstance(m, ElsaMultiheadAttention) for m in module.modules()
-        ):
-            module.use_nested_tensor = False
+    for layer in layers:
+        layer.after_patching(model)
     return report
 
 

@@ -27,18 +27,54 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
-    """Normal samples drawn in float64 on the CPU from ``seed``, then cast and moved to ``DEVICE``."""
-    return (torch.randn(*shape, generator=gen(seed), dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+def randn(*shape, seed=0, dtype=torch.float32, scale=1.0, device=DEVICE):
+    """Normal samples drawn in float64 on the CPU from ``seed``, then cast and moved to ``device``."""
+    return (torch.randn(*shape, generator=gen(seed), dtype=torch.float64) * scale).to(dtype).to(device)
 
 
-def qkv(B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32, scale=1.0):
+def qkv(B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32, scale=1.0, device=DEVICE):
+    """``q [B, H, Nq, D]``, ``k [B, H, Nk, D]``, ``v [B, H, Nk, Dv]`` from seeds ``seed``, ``+1``, ``+2``."""
     Dv = D if Dv is None else Dv
     return (
-        randn(B, H, Nq, D, seed=seed, dtype=dtype, scale=scale),
-        randn(B, H, Nk, D, seed=seed + 1, dtype=dtype, scale=scale),
-        randn(B, H, Nk, Dv, seed=seed + 2, dtype=dtype, scale=scale),
+        randn(B, H, Nq, D, seed=seed, dtype=dtype, scale=scale, device=device),
+        randn(B, H, Nk, D, seed=seed + 1, dtype=dtype, scale=scale, device=device),
+        randn(B, H, Nk, Dv, seed=seed + 2, dtype=dtype, scale=scale, device=device),
     )
+
+
+def ref64(q, k, v, attn_bias=None, **kw):
+    """The textbook softmax attention of the inputs in float64 (``kernels.reference.softmax_attention``)."""
+    from elsa_vision.kernels.reference import softmax_attention
+
+    bias = attn_bias.double() if attn_bias is not None else None
+    return softmax_attention(q.double(), k.double(), v.double(), attn_bias=bias, **kw)
+
+
+def scan64(q, k, v, attn_bias=None, **kw):
+    """``(out, lse)`` of the inputs in float64 by the reference scan (``kernels.reference``)."""
+    from elsa_vision.kernels.reference import scan_attention
+
+    bias = attn_bias.double() if attn_bias is not None else None
+    return scan_attention(q.double(), k.double(), v.double(), attn_bias=bias, return_lse=True, **kw)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 1234) -> torch.nn.Module:
+    """Give norms, layer scales, biases and tokens non-trivial values so that every path shapes the output.
+
+    timm initialises layer scale at 1e-5 (DINOv2), some norms/tokens to constants, and Swin v2
+    zero-initialises its res-post-norm weights; with those values an attention bug could hide below the
+    tolerance (or the attention branch vanish from the output)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gamma") or (p.dim() == 1 and name.endswith("weight")):  # norms, layer scale
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif p.dim() == 1 and name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif name.endswith(("cls_token", "reg_token", "pos_embed", "latent", "class_embedding",
+                                "positional_embedding")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
 
 
 def assert_lse(lse: torch.Tensor, ref: torch.Tensor) -> None:

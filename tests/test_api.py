@@ -1,5 +1,6 @@
 """The public ``elsa_attention`` contract on the torch backend (CPU)."""
 
+import functools
 import math
 import os
 
@@ -9,21 +10,12 @@ import torch.nn.functional as F
 
 from elsa_vision import elsa_attention
 from elsa_vision.kernels.reference import softmax_attention
-from tests.helpers import relerr
+from tests.helpers import qkv, ref64, relerr
 
 F64 = torch.float64
 
 
-def _qkv(B, H, Nq, Nk, D, Dv=None, dtype=torch.float32):
-    Dv = D if Dv is None else Dv
-    return (torch.randn(B, H, Nq, D, dtype=dtype), torch.randn(B, H, Nk, D, dtype=dtype),
-            torch.randn(B, H, Nk, Dv, dtype=dtype))
-
-
-def _ref(q, k, v, **kw):
-    bias = kw.pop("attn_bias", None)
-    return softmax_attention(q.double(), k.double(), v.double(),
-                             attn_bias=None if bias is None else bias.double(), **kw)
+_qkv = functools.partial(qkv, device="cpu")  # this file tests the torch backend on CPU tensors
 
 
 @pytest.mark.parametrize("N", [1, 17, 197, 785])
@@ -32,12 +24,12 @@ def test_fp32_is_fp32_accurate(N, D):
     q, k, v = _qkv(2, 3, N, N, D)
     out = elsa_attention(q, k, v)
     assert out.dtype == torch.float32 and out.shape == (2, 3, N, D)
-    assert relerr(out, _ref(q, k, v)) <= 1e-6  # precision="auto" promises FP32 accuracy
+    assert relerr(out, ref64(q, k, v)) <= 1e-6  # precision="auto" promises FP32 accuracy
 
 
 def test_fp32_3137_tokens():
     q, k, v = _qkv(1, 2, 3137, 3137, 64)
-    assert relerr(elsa_attention(q, k, v), _ref(q, k, v)) <= 1e-6
+    assert relerr(elsa_attention(q, k, v), ref64(q, k, v)) <= 1e-6
 
 
 @pytest.mark.parametrize("Nq,Nk", [(113, 203), (1, 239), (3, 799), (127, 513), (1024, 1023)])
@@ -46,7 +38,7 @@ def test_cross_attention_lengths_and_value_dim(Nq, Nk, causal):
     q, k, v = _qkv(1, 2, Nq, Nk, 40, Dv=72)
     out = elsa_attention(q, k, v, causal=causal)
     assert out.shape == (1, 2, Nq, 72)
-    assert relerr(out, _ref(q, k, v, causal=causal)) <= 1e-6
+    assert relerr(out, ref64(q, k, v, causal=causal)) <= 1e-6
 
 
 def test_causal_equals_sdpa_is_causal_when_square():
@@ -65,7 +57,7 @@ def test_causal_is_bottom_right_aligned():
     q2, k2, v2 = _qkv(1, 1, 9, 5, 8, dtype=F64)
     out2 = elsa_attention(q2, k2, v2, causal=True)
     assert torch.equal(out2[..., :4, :], torch.zeros(1, 1, 4, 8, dtype=F64))
-    assert relerr(out2, _ref(q2, k2, v2, causal=True)) <= 1e-13
+    assert relerr(out2, ref64(q2, k2, v2, causal=True)) <= 1e-13
 
 
 @pytest.mark.parametrize("bias_shape", [(2, 3, 97, 131), (1, 3, 97, 131), (2, 1, 1, 131), (1, 1, 97, 131),
@@ -74,7 +66,7 @@ def test_attn_bias_broadcasts(bias_shape):
     q, k, v = _qkv(2, 3, 97, 131, 32)
     bias = torch.randn(bias_shape) * 2
     out = elsa_attention(q, k, v, attn_bias=bias)
-    assert relerr(out, _ref(q, k, v, attn_bias=bias)) <= 1e-6
+    assert relerr(out, ref64(q, k, v, attn_bias=bias)) <= 1e-6
     ref_sdpa = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                               attn_mask=bias.double().expand(2, 3, 97, 131))
     assert relerr(out, ref_sdpa) <= 1e-6
@@ -114,7 +106,7 @@ def test_fully_masked_rows_are_zero_not_nan(how):
         assert torch.equal(out[1], torch.zeros_like(out[1]))
     if how == "-inf":
         assert torch.equal(out[0, :, 5], torch.zeros_like(out[0, :, 5]))
-    ref = _ref(q, k, v, key_padding_mask=kpm, attn_bias=bias)
+    ref = ref64(q, k, v, key_padding_mask=kpm, attn_bias=bias)
     assert relerr(out, ref) <= 1e-6
 
 
@@ -125,7 +117,7 @@ def test_large_magnitude_inputs(mult):
     out = elsa_attention(q, k, v)
     assert torch.isfinite(out).all()
     # fp32 rounding of logits of magnitude ~mult^2*8 limits what any fp32 kernel can reach.
-    assert relerr(out, _ref(q, k, v)) <= 1e-6 * mult**2
+    assert relerr(out, ref64(q, k, v)) <= 1e-6 * mult**2
 
 
 def test_constant_huge_logits():
@@ -144,7 +136,7 @@ def test_dtypes(dtype, tol):
     out = elsa_attention(q, k, v)
     assert out.dtype == dtype
     # Half precision: compared the FlashAttention way, against the same math rounded to the dtype.
-    ref = _ref(q, k, v)
+    ref = ref64(q, k, v)
     lp = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(dtype)
     assert relerr(out, ref) <= max(tol, 2 * relerr(lp, ref))
 
@@ -154,7 +146,7 @@ def test_precision_strings_cpu(precision):
     q, k, v = _qkv(1, 2, 65, 65, 32)
     out = elsa_attention(q, k, v, precision=precision)
     # On CPU every fp32 product is IEEE; "tf32" may only be less accurate on tensor-core hardware.
-    assert relerr(out, _ref(q, k, v)) <= (5e-3 if precision == "tf32" else 1e-6)
+    assert relerr(out, ref64(q, k, v)) <= (5e-3 if precision == "tf32" else 1e-6)
 
 
 def test_fused_qkv_views_without_copies():

@@ -4,10 +4,10 @@ Every module under ``elsa_vision/`` is parsed with ``ast`` (nothing is imported 
 -- module level or inside a function, absolute or relative -- is resolved to the ``elsa_vision`` module it
 names. The rules:
 
-* ``elsa_vision.kernels`` imports nothing from ``ops``, ``distributed``, ``layers``, ``models``, ``tasks``,
-  ``inference``, ``data``;
-* ``elsa_vision.ops`` nothing from ``distributed`` (context parallelism, built on ``ops``), ``layers``,
+* ``elsa_vision.kernels`` imports nothing from ``ops``, ``distributed``, ``partial_attention``, ``layers``,
   ``models``, ``tasks``, ``inference``, ``data``;
+* ``elsa_vision.ops`` nothing from ``distributed`` or ``partial_attention`` (context parallelism and its
+  building blocks, built on ``ops``), ``layers``, ``models``, ``tasks``, ``inference``, ``data``;
 * ``elsa_vision.layers`` nothing from ``models``, ``tasks``, ``inference``, ``data``;
 * ``elsa_vision.models`` nothing from ``tasks``, ``inference``, ``data``;
 * ``elsa_vision.patching`` (the user-facing ``patch_attention`` / ``sdpa_override``, a walk over
@@ -29,8 +29,8 @@ PACKAGE = "elsa_vision"
 
 # layer -> the packages it must not import from
 FORBIDDEN = {
-    "kernels": ("ops", "distributed", "layers", "models", "tasks", "inference", "data"),
-    "ops": ("distributed", "layers", "models", "tasks", "inference", "data"),
+    "kernels": ("ops", "distributed", "partial_attention", "layers", "models", "tasks", "inference", "data"),
+    "ops": ("distributed", "partial_attention", "layers", "models", "tasks", "inference", "data"),
     "layers": ("models", "tasks", "inference", "data"),
     "models": ("tasks", "inference", "data"),
 }
@@ -95,6 +95,8 @@ def test_imports_point_down():
     ("kernels", "import elsa_vision.ops.attention\n",
      "elsa_vision.kernels imports elsa_vision.ops.attention"),
     ("ops", "from elsa_vision import layers\n", "elsa_vision.ops imports elsa_vision.layers"),
+    ("ops", "from ..partial_attention import partial_attention\n",
+     "elsa_vision.ops imports elsa_vision.partial_attention"),
     ("models", "def f():\n    from elsa_vision.patching import patch_attention\n",
      "elsa_vision.models.probe imports elsa_vision.patching"),
     ("models", "from .. import patching\n", "elsa_vision.models.probe imports elsa_vision.patching"),

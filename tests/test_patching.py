@@ -27,23 +27,10 @@ from elsa_vision import (
     sdpa_override,
 )
 from elsa_vision.patching import ElsaMultiheadAttention, ElsaSwinV2WindowAttention, ElsaSwinWindowAttention
-from tests.helpers import relerr
+from tests.helpers import randomize_, relerr
 
 TOL = 1e-5
 SDPA = F.scaled_dot_product_attention  # the function as shipped, captured before any override
-
-
-def randomize_(model: nn.Module) -> nn.Module:
-    """Non-trivial norms/biases/layer scales: Swin v2 zero-initialises its res-post-norm weights, which would
-    make the attention branch vanish from the output."""
-    g = torch.Generator().manual_seed(4321)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gamma") or (p.dim() == 1 and name.endswith("weight")):  # norms, layer scale
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            elif p.dim() == 1 and name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
 
 
 @pytest.fixture
@@ -242,19 +229,19 @@ def test_open_clip_towers(elsa_calls):
 
 
 def test_patch_errors():
-    with pytest.raises(ValueError, match="no attention module"):
+    with pytest.raises(ValueError, match="no module of kinds"):
         patch_attention(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     with pytest.raises(ValueError, match="skipped"):
         patch_attention(nn.Sequential(nn.MultiheadAttention(8, 2, add_bias_kv=True)))
     vit = timm.create_model("vit_small_patch16_224", depth=1, img_size=32)
-    with pytest.raises(ValueError, match="no attention module"):
+    with pytest.raises(ValueError, match="no module of kinds"):
         patch_swin_attention(vit)
     with pytest.raises(ValueError, match="backend"):
         patch_attention(vit, backend="cuda")
     with pytest.raises(ValueError, match="kinds"):
         patch_attention(vit, kinds=("conv",))
     assert patch_vit_attention(vit).total == 1
-    with pytest.raises(ValueError, match="no attention module"):  # already patched: nothing left to do
+    with pytest.raises(ValueError, match="no module of kinds"):  # already patched: nothing left to do
         patch_vit_attention(vit)
 
 

@@ -1,19 +1,29 @@
-"""Every ELSA attention module, with timm's (or torch's) parameter names, and what they share.
+"""Every ELSA layer, with timm's (or torch's) parameter names, and what they share.
 
-:class:`ElsaModule` is the mixin of all of them (the ``backend`` / ``precision`` options, the in-place swap
-``convert``); :func:`set_attention` changes the options of every ELSA layer of a model, and
-:class:`ElsaModel`, the mixin of every ELSA model, is where its ``set_attention`` method lives.
+:class:`ElsaModule` is the mixin of all of them (the ``backend`` / ``precision`` options checked against the
+backends the layer's kind accepts, the in-place swap ``convert``, the patching protocol ``from_module``);
+:class:`ElsaAttentionModule` the mixin of the attention layers. :func:`set_elsa_options` changes the options
+of every ELSA layer of a model (a backend only where the layer accepts it), :func:`set_attention` those of
+its attention layers; :class:`ElsaModel`, the mixin of every ELSA model, holds both as methods.
 """
 
 from .attention import ElsaAttention, mask_to_bias
 from .attention_pool import ElsaAttentionPoolLatent
-from .elsa_module import ElsaModel, ElsaModule, check_attention_options, set_attention
+from .elsa_module import (
+    ElsaAttentionModule,
+    ElsaModel,
+    ElsaModule,
+    check_attention_options,
+    check_layer_options,
+    set_attention,
+    set_elsa_options,
+)
 from .multihead_attention import ElsaMultiheadAttention
 from .rope import RotaryPositionEmbedding2D
 from .sdpa import ElsaAttentionRope, ElsaEvaAttention, sdpa_override
 from .window_attention import ElsaSwinV2WindowAttention, ElsaSwinWindowAttention
 
-__all__ = ["ElsaAttention", "ElsaAttentionPoolLatent", "ElsaAttentionRope", "ElsaEvaAttention", "ElsaModel",
-           "ElsaModule", "ElsaMultiheadAttention", "ElsaSwinWindowAttention", "ElsaSwinV2WindowAttention",
-           "RotaryPositionEmbedding2D", "check_attention_options", "mask_to_bias", "sdpa_override",
-           "set_attention"]
+__all__ = ["ElsaAttention", "ElsaAttentionModule", "ElsaAttentionPoolLatent", "ElsaAttentionRope",
+           "ElsaEvaAttention", "ElsaModel", "ElsaModule", "ElsaMultiheadAttention", "ElsaSwinWindowAttention",
+           "ElsaSwinV2WindowAttention", "RotaryPositionEmbedding2D", "check_attention_options",
+           "check_layer_options", "mask_to_bias", "sdpa_override", "set_attention", "set_elsa_options"]

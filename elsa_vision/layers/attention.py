@@ -16,8 +16,9 @@ import torch
 from timm.models import register_notrace_module
 from torch import Tensor, nn
 
-from ..ops.attention import check_options, direct, elsa_attention, inference_call
-from .elsa_module import ElsaModule, refuse_torchscript
+from ..ops._library import eager_bypass
+from ..ops.attention import elsa_attention, inference_call
+from .elsa_module import ElsaAttentionModule, refuse_torchscript
 
 __all__ = ["ElsaAttention", "mask_to_bias", "refuse_torchscript"]
 
@@ -33,7 +34,7 @@ def mask_to_bias(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 @register_notrace_module  # an FX leaf (timm's registry): its forward branches on the mask and the backend
-class ElsaAttention(ElsaModule, nn.Module):
+class ElsaAttention(ElsaAttentionModule, nn.Module):
     """Multi-head self-attention with a fused ``qkv`` projection, computed by ELSA.
 
     Args are those of ``timm.layers.Attention``; in addition (keyword only):
@@ -84,7 +85,7 @@ class ElsaAttention(ElsaModule, nn.Module):
         query_chunk: int | None = None,
     ) -> None:
         super().__init__()
-        check_options("ElsaAttention", backend, precision)
+        self.check_options(backend, precision)
         dd = {"device": device, "dtype": dtype}
         dim_out = dim_out or dim
         head_dim = attn_head_dim
@@ -157,8 +158,8 @@ class ElsaAttention(ElsaModule, nn.Module):
         dropout_p = self.attn_drop.p if self.training else 0.0
         cp = self.context_parallel
         inference = attn_mask is None and cp is None and dropout_p == 0.0 and not torch.is_grad_enabled()
-        if inference and rotated is not None and direct(x):
-            return self._inference(x, q, k, v, causal, rotated)
+        if inference and rotated is not None:  # plain eager: the planned call; traced: the operator
+            return eager_bypass(x, _planned, _unplanned)(self, x, q, k, v, causal, rotated)
         if cp is not None:
             if dropout_p > 0:
                 raise ValueError(
@@ -179,27 +180,17 @@ class ElsaAttention(ElsaModule, nn.Module):
             o = o * self.gate(x).sigmoid()
         return self.proj_drop(self.proj(o))
 
-    def _inference(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, rotated: bool) -> Tensor:
-        """Inference without a mask: the attention call checked and planned once per input signature
-        (``ops.attention.inference_call``; q, k, v are views of the projection of ``x``, or RoPE's outputs
-        of them, so ``x``'s shape and device and q's dtype fix theirs), later calls go straight to the launch
-        program."""
-        # q's dtype, not x's: under autocast the projection (so q, k, v) is in the autocast dtype
-        key = (x.shape, q.dtype, x.device, causal, rotated, self.backend, self.precision, self.scale)
-        calls = self.__dict__.setdefault("_elsa_calls", {})
-        call = calls.get(key, False)
-        if call is False:
-            call = calls[key] = inference_call(q, k, v, causal=causal, scale=self.scale,
-                                               precision=self.precision, backend=self.backend)
-        if call is None:  # not one Triton launch (the torch backend ...)
-            return elsa_attention(q, k, v, causal=causal, scale=self.scale, precision=self.precision,
-                                  backend=self.backend)
-        return call(q, k, v)
-
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_elsa_calls", None)  # planned launch programs: rebuilt on first use after a copy
         return state
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, backend: str = "auto",
+                    precision: str = "auto") -> ElsaAttention:
+        """What takes the place of a timm ``Attention`` in a patched model: a weight-preserving copy
+        (:meth:`from_timm`; this layer is built from its own constructor, not converted in place)."""
+        return cls.from_timm(module, backend=backend, precision=precision)
 
     @classmethod
     def from_timm(cls, attn: nn.Module, *, backend: str = "auto", precision: str = "auto") -> ElsaAttention:
@@ -246,6 +237,31 @@ class ElsaAttention(ElsaModule, nn.Module):
         chunk = f", query_chunk={self.query_chunk}" if self.query_chunk is not None else ""
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend}, "
                 f"precision={self.precision}{chunk}")
+
+
+def _planned(layer: ElsaAttention, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+             rotated: bool) -> Tensor:
+    """Inference without a mask: the attention call checked and planned once per input signature
+    (``ops.attention.inference_call``; q, k, v are views of the projection of ``x``, or RoPE's outputs of
+    them, so ``x``'s shape and device and q's dtype fix theirs), later calls go straight to the launch
+    program. Plain eager calls only (``eager_bypass``): a launch program is no operator."""
+    # q's dtype, not x's: under autocast the projection (so q, k, v) is in the autocast dtype
+    key = (x.shape, q.dtype, x.device, causal, rotated, layer.backend, layer.precision, layer.scale)
+    calls = layer.__dict__.setdefault("_elsa_calls", {})
+    call = calls.get(key, False)
+    if call is False:
+        call = calls[key] = inference_call(q, k, v, causal=causal, scale=layer.scale,
+                                           precision=layer.precision, backend=layer.backend)
+    if call is None:  # not one Triton launch (the torch backend ...)
+        return _unplanned(layer, x, q, k, v, causal, rotated)
+    return call(q, k, v)
+
+
+def _unplanned(layer: ElsaAttention, x: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+               rotated: bool) -> Tensor:
+    """The same inference call through ``elsa_attention`` (its operator where something traces)."""
+    return elsa_attention(q, k, v, causal=causal, scale=layer.scale, precision=layer.precision,
+                          backend=layer.backend)
 
 
 def _check_chunk(query_chunk: int | None) -> int | None:

@@ -10,15 +10,15 @@ from timm.layers import AttentionPoolLatent
 from timm.models import register_notrace_module
 from torch import Tensor
 
-from ..ops.attention import check_options, elsa_attention
+from ..ops.attention import elsa_attention
 from .attention import mask_to_bias
-from .elsa_module import ElsaModule
+from .elsa_module import ElsaAttentionModule
 
 __all__ = ["ElsaAttentionPoolLatent"]
 
 
 @register_notrace_module  # an FX leaf, as ElsaAttention
-class ElsaAttentionPoolLatent(ElsaModule, AttentionPoolLatent):
+class ElsaAttentionPoolLatent(ElsaAttentionModule, AttentionPoolLatent):
     """Attention pooling with learned latent queries; ``[B, N, C] -> [B, C_out]`` (or ``[B, L, C_out]``).
 
     Args are those of ``timm.layers.AttentionPoolLatent``; ``backend`` and ``precision`` go to
@@ -29,7 +29,7 @@ class ElsaAttentionPoolLatent(ElsaModule, AttentionPoolLatent):
     _converts = AttentionPoolLatent
 
     def __init__(self, *args, backend: str = "auto", precision: str = "auto", **kwargs) -> None:
-        check_options("ElsaAttentionPoolLatent", backend, precision)
+        self.check_options(backend, precision)
         super().__init__(*args, **kwargs)
         self.backend = backend
         self.precision = precision

@@ -1,12 +1,20 @@
-"""What every ELSA attention layer shares: its two options, the in-place swap, and ``set_attention``.
+"""What every ELSA layer shares: its two options, the in-place swap, the patching protocol and the setters.
 
-Every layer computes with :func:`elsa_vision.elsa_attention` (or the W-ELSA window op) under two options fixed
-when it is built, timm's convention: ``backend`` (``"auto"``, ``"torch"``, ``"triton"``, ``"eca"``) and the
-float32 ``precision`` (one of :data:`elsa_vision.kernels.precision.PRECISIONS`). :class:`ElsaModule` keeps
-them under those two names on every layer; :meth:`ElsaModule.convert` turns a timm / torch module into its
-ELSA subclass in place (same object, parameters, buffers, hooks and name); :func:`set_attention` changes the
-options of every ELSA layer of a model. :class:`ElsaModel` is the mixin of every ELSA model: its one
-``set_attention`` method calls that function.
+Every ELSA layer computes with one ELSA op (:func:`elsa_vision.elsa_attention`, the W-ELSA window op, ...)
+under two options fixed when it is built, timm's convention: ``backend``, one of the names its kind accepts
+(the class attribute ``backends``; the attention layers accept ``"auto"``, ``"torch"``, ``"triton"``,
+``"eca"``), and the float32 ``precision``, one of :data:`elsa_vision.kernels.precision.PRECISIONS` for every
+kind. :class:`ElsaModule` is the mixin of every layer: it keeps the two options under those two names,
+checks them against the layer's kind (:meth:`ElsaModule.check_options`), turns a timm / torch module into its
+ELSA subclass in place (:meth:`ElsaModule.convert`: same object, parameters, buffers, hooks and name) and
+tells a model walk what to put in a module's place (:meth:`ElsaModule.from_module`,
+:meth:`ElsaModule.after_patching`; :mod:`elsa_vision.patching`). :class:`ElsaAttentionModule` is the
+mixin of the attention layers.
+
+Two model-wide setters: :func:`set_elsa_options` sets the precision of every ELSA layer of a model and a
+backend on the layers whose kind accepts it; :func:`set_attention` does the same for the attention layers
+only. :class:`ElsaModel` is the mixin of every ELSA model: its ``set_elsa_options`` and ``set_attention``
+methods call them.
 """
 
 from __future__ import annotations
@@ -14,9 +22,11 @@ from __future__ import annotations
 from torch import nn
 
 from ..kernels import triton_runs_on
-from ..ops.attention import check_options
+from ..ops import checks
+from ..ops.checks import BACKENDS
 
-__all__ = ["ElsaModel", "ElsaModule", "check_attention_options", "refuse_torchscript", "set_attention"]
+__all__ = ["ElsaAttentionModule", "ElsaModel", "ElsaModule", "check_attention_options", "check_layer_options",
+           "refuse_torchscript", "set_attention", "set_elsa_options"]
 
 
 def refuse_torchscript(module: nn.Module):
@@ -28,33 +38,54 @@ def refuse_torchscript(module: nn.Module):
         f"torch.compile(model)")
 
 
-def check_attention_options(who: str, backend: str, precision: str, prefix: str = "attn_") -> None:
-    """What every model checks when it is built (or its attention is changed): ``backend`` / ``precision``
-    are names ``elsa_attention`` knows (``check_options``), and ``backend="triton"`` can run on this machine.
-    Raises one ``ValueError`` naming ``who`` and the argument (``prefix`` + ``backend``)."""
-    check_options(who, backend, precision, prefix)
+def check_layer_options(who: str, backend: str | None, precision: str | None, backends: tuple[str, ...],
+                        prefix: str = "") -> None:
+    """What a model checks when its layers are built or changed: ``precision`` is one of ``PRECISIONS``,
+    ``backend`` one of ``backends``, and ``backend="triton"`` can run on this machine (None: not given,
+    not checked). Raises one ``ValueError`` naming ``who`` and the argument (``prefix`` + ``backend``)."""
+    if precision is not None:
+        checks.check_precision(who, precision, prefix)
+    if backend is None:
+        return
+    checks.check_backend(who, backend, backends, prefix)
     if backend == "triton" and not triton_runs_on():
         raise ValueError(
             f"{who}: {prefix}backend='triton' needs a CUDA GPU (with Triton installed) and this machine has "
             f"none; use {prefix}backend='auto' (Triton on CUDA, the torch scan elsewhere) or 'torch'")
 
 
-class ElsaModule:
-    """Mixin of every ELSA attention layer: the ``backend`` / ``precision`` options and the in-place swap.
+def check_attention_options(who: str, backend: str, precision: str, prefix: str = "attn_") -> None:
+    """:func:`check_layer_options` for the attention options of a model (``attn_backend`` /
+    ``attn_precision``): ``backend`` one of ``elsa_attention``'s backends."""
+    check_layer_options(who, backend, precision, BACKENDS, prefix)
 
-    A layer that is a subclass of a timm / torch module names that class in ``_converts``; ``convert`` then
-    turns an instance of it into the layer without copying anything. Layers built from their own constructor
-    (``ElsaAttention``) leave ``_converts`` unset.
+
+class ElsaModule:
+    """Mixin of every ELSA layer: the ``backend`` / ``precision`` options, their check, the in-place swap and
+    the patching protocol.
+
+    A layer kind names the backends it accepts in ``backends`` (checked by :meth:`check_options`). A layer
+    that is a subclass of a timm / torch module names that class in ``_converts``; ``convert`` then turns an
+    instance of it into the layer without copying anything. Layers built from their own constructor
+    (``ElsaAttention``) leave ``_converts`` unset and override :meth:`from_module`.
     """
 
+    backends: tuple[str, ...] = ()  # the backend names this layer kind accepts; every kind sets them
     backend: str = "auto"
     precision: str = "auto"
     _converts: type | None = None  # the timm / torch class ``convert`` swaps into this one
     __prepare_scriptable__ = refuse_torchscript
 
     @classmethod
+    def check_options(cls, backend: str, precision: str, who: str | None = None) -> None:
+        """Raise a ``ValueError`` naming ``who`` (default: the class) for a ``backend`` this layer kind does
+        not accept or a ``precision`` that is not one of ``PRECISIONS``."""
+        checks.check_options(who or cls.__name__, backend, precision, backends=cls.backends)
+
+    @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        """Why ``module`` (an instance of ``_converts``) cannot compute with ELSA, or None when it can."""
+        """Why ``module`` (an instance of the class this layer replaces) cannot compute with ELSA, or None
+        when it can."""
         return None
 
     @classmethod
@@ -67,7 +98,7 @@ class ElsaModule:
             ValueError: bad options, or a configuration of the module ELSA does not compute
                 (:meth:`unsupported`).
         """
-        check_options(cls.__name__, backend, precision)
+        cls.check_options(backend, precision)
         base = cls._converts
         if base is None:
             raise TypeError(f"{cls.__name__} is built from its constructor, not converted in place")
@@ -82,51 +113,75 @@ class ElsaModule:
         module._converted()
         return module
 
+    @classmethod
+    def from_module(cls, module: nn.Module, *, backend: str = "auto", precision: str = "auto") -> nn.Module:
+        """The ELSA layer that takes ``module``'s place in a model (what a patch walk puts there), with its
+        weights and the given options: ``module`` itself converted in place (:meth:`convert`) by default; a
+        layer built from its own constructor returns a new module (``ElsaAttention.from_timm``)."""
+        return cls.convert(module, backend=backend, precision=precision)
+
+    @classmethod
+    def after_patching(cls, model: nn.Module) -> None:
+        """What the layer adjusts elsewhere in ``model`` once a patch walk has put it in; nothing by
+        default."""
+
     def _converted(self) -> None:
         """What a layer adjusts on the module it has just become (:meth:`convert`); nothing by default."""
 
-    # The attribute names converted layers had before (``elsa_backend``, ``elsa_precision``): aliases.
-    @property
-    def elsa_backend(self) -> str:
-        return self.backend
 
-    @elsa_backend.setter
-    def elsa_backend(self, value: str) -> None:
-        self.backend = value
+class ElsaAttentionModule(ElsaModule):
+    """Mixin of every ELSA attention layer: they accept ``elsa_attention``'s backends."""
 
-    @property
-    def elsa_precision(self) -> str:
-        return self.precision
+    backends = BACKENDS
 
-    @elsa_precision.setter
-    def elsa_precision(self, value: str) -> None:
-        self.precision = value
+
+def set_elsa_options(model: nn.Module, backend: str | None = None, precision: str | None = None,
+                     who: str | None = None, *, layers: type[ElsaModule] = ElsaModule) -> int:
+    """Set the float32 ``precision`` of every ELSA layer of ``model`` (``model`` itself included; the
+    instances of ``layers``) and ``backend`` on those of them whose kind accepts it (None: keep).
+
+    Both are checked first, in one ``ValueError`` naming ``who`` (by default
+    ``"<model class>.set_elsa_options"``): a precision that is not one of ``PRECISIONS``, a backend that no
+    layer of the model accepts (with no such layer: that ``layers`` does not accept), ``backend="triton"``
+    on a machine without a GPU. Returns how many layers took an option."""
+    who = who or f"{type(model).__name__}.set_elsa_options"
+    found = [m for m in model.modules() if isinstance(m, layers)]
+    accepted = tuple(dict.fromkeys(b for m in found for b in m.backends)) or layers.backends
+    check_layer_options(who, backend if accepted else None, precision, accepted)
+    set_count = 0
+    for m in found:
+        took = precision is not None
+        if precision is not None:
+            m.precision = precision
+        if backend is not None and backend in m.backends:
+            m.backend, took = backend, True
+        set_count += took
+    return set_count
 
 
 def set_attention(model: nn.Module, backend: str | None = None, precision: str | None = None,
                   who: str | None = None) -> int:
-    """Set ``backend`` and/or ``precision`` (None: keep) on every ELSA layer of ``model`` (``model`` itself
-    included). Both are checked first (:func:`check_attention_options`, errors naming ``who``, by default
-    ``"<model class>.set_attention"``). Returns how many layers were set."""
-    who = who or f"{type(model).__name__}.set_attention"
-    check_attention_options(who, "auto" if backend is None else backend,
-                            "auto" if precision is None else precision, prefix="")
-    layers = [m for m in model.modules() if isinstance(m, ElsaModule)]
-    for m in layers:
-        if backend is not None:
-            m.backend = backend
-        if precision is not None:
-            m.precision = precision
-    return len(layers)
+    """Set ``backend`` and/or ``precision`` (None: keep) on every ELSA attention layer of ``model``
+    (:class:`ElsaAttentionModule`; ``model`` itself included): :func:`set_elsa_options` for the attention
+    layers, errors naming ``who``, by default ``"<model class>.set_attention"``. Returns how many layers were
+    set."""
+    return set_elsa_options(model, backend, precision, who or f"{type(model).__name__}.set_attention",
+                            layers=ElsaAttentionModule)
 
 
 class ElsaModel:
-    """Mixin of every ELSA model of :mod:`elsa_vision.models`: the ``set_attention`` method. It holds no
-    state and defines no ``__init__``; a model lists it before its ``nn.Module`` (or timm model) base class,
-    whose ``__init__`` then runs unchanged."""
+    """Mixin of every ELSA model of :mod:`elsa_vision.models`: the ``set_attention`` and ``set_elsa_options``
+    methods. It holds no state and defines no ``__init__``; a model lists it before its ``nn.Module`` (or
+    timm model) base class, whose ``__init__`` then runs unchanged."""
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA ``backend`` and/or float32 ``precision`` (None: keep) of every ELSA attention layer
         of the model, its heads and poolers included (:func:`set_attention`). Both are checked first; errors
         name ``<model class>.set_attention``."""
         set_attention(self, backend, precision)
+
+    def set_elsa_options(self, backend: str | None = None, precision: str | None = None) -> None:
+        """Choose the float32 ``precision`` of every ELSA layer of the model and the ``backend`` of those
+        whose kind accepts it (None: keep; :func:`set_elsa_options`). Both are checked first; errors name
+        ``<model class>.set_elsa_options``."""
+        set_elsa_options(self, backend, precision)

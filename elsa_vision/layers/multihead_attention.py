@@ -14,15 +14,15 @@ import torch.nn.functional as F
 from timm.models import register_notrace_module
 from torch import Tensor, nn
 
-from ..ops.attention import check_options, elsa_attention
+from ..ops.attention import elsa_attention
 from .attention import mask_to_bias
-from .elsa_module import ElsaModule
+from .elsa_module import ElsaAttentionModule
 
 __all__ = ["ElsaMultiheadAttention"]
 
 
 @register_notrace_module  # an FX leaf, as ElsaAttention
-class ElsaMultiheadAttention(ElsaModule, nn.MultiheadAttention):
+class ElsaMultiheadAttention(ElsaAttentionModule, nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` whose attention is ``elsa_attention``.
 
     ``forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None, ...)`` with torch's
@@ -58,7 +58,7 @@ class ElsaMultiheadAttention(ElsaModule, nn.MultiheadAttention):
         backend: str = "auto",
         precision: str = "auto",
     ) -> None:
-        check_options("ElsaMultiheadAttention", backend, precision)
+        self.check_options(backend, precision)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
                          batch_first=batch_first, device=device, dtype=dtype)
         self.backend = backend
@@ -71,6 +71,18 @@ class ElsaMultiheadAttention(ElsaModule, nn.MultiheadAttention):
         if module.add_zero_attn:
             return "add_zero_attn"
         return None  # kdim/vdim != embed_dim use q/k/v_proj_weight, which forward reads
+
+    @classmethod
+    def after_patching(cls, model: nn.Module) -> None:
+        """Keep ELSA on in torch's encoders: ``TransformerEncoder(Layer)`` has an eval-mode fused kernel that
+        reads the MHA weights directly instead of calling ``self_attn``; both flags cleared here only select
+        that kernel."""
+        for module in model.modules():
+            if isinstance(module, nn.TransformerEncoderLayer) and isinstance(module.self_attn, cls):
+                module.activation_relu_or_gelu = 0
+            elif isinstance(module, nn.TransformerEncoder) and any(
+                    isinstance(m, cls) for m in module.modules()):
+                module.use_nested_tensor = False
 
     def forward(
         self,

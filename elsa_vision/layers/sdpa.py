@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..ops.attention import check_options, elsa_attention
 from .attention import mask_to_bias
-from .elsa_module import ElsaModule
+from .elsa_module import ElsaAttentionModule
 
 __all__ = ["ElsaAttentionRope", "ElsaEvaAttention", "elsa_sdpa", "sdpa_override"]
 
@@ -124,12 +124,12 @@ def sdpa_override(*, backend: str = "auto", precision: str = "auto") -> Iterator
         F.scaled_dot_product_attention = previous
 
 
-class _SdpaRouted(ElsaModule):
+class _SdpaRouted(ElsaAttentionModule):
     """A timm module kept as it is, its fused SDPA call run inside :func:`sdpa_override`."""
 
     def __init__(self, *args: Any, backend: str = "auto", precision: str = "auto", **kwargs: Any) -> None:
         """Built directly: timm's constructor arguments, then the ELSA options (as :meth:`convert` sets)."""
-        check_options(type(self).__name__, backend, precision)
+        self.check_options(backend, precision)
         super().__init__(*args, **kwargs)
         self.backend, self.precision = backend, precision
         self._converted()

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..ops.attention import elsa_attention, resolve_backend
 from ..ops.window_attention import window_attention
-from .elsa_module import ElsaModule
+from .elsa_module import ElsaAttentionModule
 
 __all__ = ["ElsaSwinWindowAttention", "ElsaSwinV2WindowAttention", "window_attention_fallback"]
 
@@ -49,7 +49,7 @@ def window_attention_fallback(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, mas
     return x.unflatten(1, (-1, H)).permute(0, 1, 3, 2, 4).reshape(Bw, N, -1)
 
 
-class _ElsaWindowAttention(ElsaModule):
+class _ElsaWindowAttention(ElsaAttentionModule):
     """What the two Swin classes share: the route choice and the output projection. ``convert`` (in place,
     from timm's window attention of the same Swin version) is :meth:`ElsaModule.convert`."""
 

@@ -23,14 +23,13 @@ inputs and runs the backward, and the public function checks the inputs once (th
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._library import define_op
-from .attention import PRECISIONS, _cuda_matmul_precision, _shape, check_triton_device, direct
+from ._library import define_op, eager_bypass
+from .checks import check_window_inputs
+from .numerics import cuda_matmul_precision
 
 __all__ = ["window_attention", "LOGIT_SCALE_MAX"]
 
@@ -128,7 +127,7 @@ def _backward(ctx, dout):
     q, k, v, logit_scale, bias, mask = ctx.saved_tensors
     need_q, need_k, need_v, need_ls, need_bias = ctx.needs_input_grad[:5]
     args = (dout, q, k, v, logit_scale, bias, mask, ctx.precision, ctx.scale, need_q, need_k, need_v)
-    dq, dk, dv, dfull, dscale = _window_bwd(*args) if direct(dout) else _WINDOW_BWD(*args)
+    dq, dk, dv, dfull, dscale = eager_bypass(dout, _window_bwd, _WINDOW_BWD)(*args)
     dls = dbias = None
     if need_bias:
         dbias = dfull.to(bias.dtype)
@@ -148,7 +147,7 @@ def _dense_backward(dout, q, k, v, logit_scale, bias, mask, precision, qk_scale,
         qd, kd = (t.detach().requires_grad_(True) for t in (q, k))
         lsd = None if logit_scale is None else logit_scale.detach().requires_grad_(True)
         qn, kn = _normalized(qd, kd, lsd, qk_scale)
-    with _cuda_matmul_precision(precision == "tf32"):
+    with cuda_matmul_precision(precision == "tf32"):
         dqn, dkn, dv, dfull, dscale = _dense_window_grads(
             dout, qn.detach(), kn.detach(), v, full, nW, need_qkv=need_qkv)
     dq = dk = None
@@ -176,51 +175,12 @@ class _WindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, logit_scale, bias, mask, precision, scale):
         args = (q, k, v, logit_scale, bias, mask, precision, scale)
-        out = _window_fwd(*args) if direct(q) else _WINDOW_FWD(*args)
+        out = eager_bypass(q, _window_fwd, _WINDOW_FWD)(*args)
         ctx.save_for_backward(q, k, v, logit_scale, bias, mask)
         ctx.precision, ctx.scale = precision, scale
         return out
 
     backward = staticmethod(_backward)
-
-
-def _check(q, k, v, logit_scale, bias, mask, precision, scale):
-    fn = "window_attention"
-    if precision not in PRECISIONS:
-        raise ValueError(f"{fn}: unknown `precision` {precision!r}; expected one of {PRECISIONS}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{fn}: `{name}` must be a 4-D tensor [B*nW, H, N, D], got "
-                             f"{_shape(t) if isinstance(t, Tensor) else type(t).__name__}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{fn}: `q` dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    check_triton_device(fn, q)
-    Bw, H, N, D = q.shape
-    if not (1 <= D <= 256 and 1 <= v.shape[-1] <= 256):
-        raise ValueError(f"{fn}: head dims must be in [1, 256], got D={D}, Dv={v.shape[-1]}")
-    if k.shape != (Bw, H, N, D) or v.shape[:3] != (Bw, H, N):
-        raise ValueError(f"{fn}: k must be {[Bw, H, N, D]} and v [{Bw}, {H}, {N}, Dv], got "
-                         f"{_shape(k)} and {_shape(v)}")
-    if logit_scale is not None:
-        if not isinstance(logit_scale, Tensor):
-            raise TypeError(f"{fn}: `logit_scale` must be a tensor or None, got {type(logit_scale).__name__}")
-        if logit_scale.shape != (H,):
-            raise ValueError(f"{fn}: `logit_scale` must be [{H}] (or [{H}, 1, 1]), got {_shape(logit_scale)}")
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"{fn}: `scale` must be a finite float, got {scale!r}")
-    if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.shape != (H, N, N):
-        raise ValueError(f"{fn}: `bias` must be a float tensor [{H}, {N}, {N}], got "
-                         f"{_shape(bias) if isinstance(bias, Tensor) else type(bias).__name__}")
-    if mask is not None:
-        if not isinstance(mask, Tensor) or mask.dim() != 3 or mask.shape[1:] != (N, N) or mask.shape[0] < 1 \
-                or Bw % mask.shape[0]:
-            raise ValueError(f"{fn}: `mask` must be [nW, {N}, {N}] with nW dividing {Bw}, got "
-                             f"{_shape(mask) if isinstance(mask, Tensor) else type(mask).__name__}")
-    for name, t in (("k", k), ("v", v), ("logit_scale", logit_scale), ("bias", bias), ("mask", mask)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{fn}: `{name}` is on {t.device}, q on {q.device}")
 
 
 def window_attention(
@@ -244,7 +204,7 @@ def window_attention(
         logit_scale: ``[H]`` (or timm's ``[H, 1, 1]``) raw per-head parameter of Swin v2, or None.
         bias: ``[H, N, N]`` relative-position bias shared by all windows.
         mask: ``[nW, N, N]`` shift mask (0 / -100), window ``b`` uses ``mask[b % nW]``; None for no shift.
-        precision: float32 dot precision, one of ``PRECISIONS`` (``ops.attention``).
+        precision: float32 dot precision, one of ``PRECISIONS`` (``kernels.precision``).
         scale: the logit scale without ``logit_scale`` (default ``D ** -0.5``); unused with it.
 
     Returns:
@@ -253,13 +213,12 @@ def window_attention(
     """
     if isinstance(logit_scale, Tensor) and q.dim() == 4 and logit_scale.numel() == q.shape[1]:
         logit_scale = logit_scale.reshape(-1)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 4 else 1.0
-    _check(q, k, v, logit_scale, bias, mask, precision, scale)
+    if scale is None:  # (a head dim of 0 is left to check_window_inputs to refuse)
+        scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 4 and q.shape[-1] else 1.0
+    check_window_inputs(q, k, v, logit_scale, bias, mask, precision, scale)
     scale = float(scale)
     grads = q.requires_grad or k.requires_grad or v.requires_grad or bias.requires_grad or (
         logit_scale is not None and logit_scale.requires_grad)
     if grads and torch.is_grad_enabled():
         return _WindowAttention.apply(q, k, v, logit_scale, bias, mask, precision, scale)
-    args = (q, k, v, logit_scale, bias, mask, precision, scale)
-    return _window_fwd(*args) if direct(q) else _WINDOW_FWD(*args)
+    return eager_bypass(q, _window_fwd, _WINDOW_FWD)(q, k, v, logit_scale, bias, mask, precision, scale)

@@ -8,15 +8,11 @@ from elsa_vision import elsa_attention
 from elsa_vision.layers import ElsaAttention
 from elsa_vision.layers import attention as attention_layer
 from elsa_vision.layers import window_attention as window_module  # where the Swin layers look the op up
-
-
-def _qkv(nq=7, nk=7, d=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, 3, n, d, generator=g, dtype=torch.float64) for n in (nq, nk, nk))
+from tests.helpers import qkv
 
 
 def test_self_attention_returns_v_and_is_restored():
-    q, k, v = _qkv()
+    q, k, v = qkv(2, 3, 7, 7, 8, dtype=torch.float64, device="cpu")
     def current():
         return F.scaled_dot_product_attention, attention_layer.elsa_attention, window_module.window_attention
 
@@ -33,7 +29,7 @@ def test_self_attention_returns_v_and_is_restored():
 
 
 def test_cross_attention_of_other_shapes_stays_real():
-    q, k, v = _qkv(nq=3, nk=9)
+    q, k, v = qkv(2, 3, 3, 9, 8, dtype=torch.float64, device="cpu")
     with free_attention():
         got = attention_layer.elsa_attention(q, k, v, backend="torch")
     torch.testing.assert_close(got, elsa_attention(q, k, v, backend="torch"), rtol=0, atol=0)

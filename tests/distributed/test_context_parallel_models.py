@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from elsa_vision.distributed import ContextParallel
 from elsa_vision.models.vit import ElsaViT
-from tests.helpers import spawn_ranks
+from tests.helpers import relerr, spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,10 +59,6 @@ def _tiny_vit(case, **kw):
     return ElsaViT(**kw).double()
 
 
-def _rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
 def _vit_case(group, case):
     torch.manual_seed(11)
     x = torch.randn(3, 3, 40, 24, dtype=torch.float64)
@@ -78,8 +74,8 @@ def _vit_case(group, case):
     F.mse_loss(logits, target).backward()
     world = dist.get_world_size(group)
     errs = {
-        "logits": _rel(logits.detach(), ref_logits.detach()),
-        "features": _rel(model.gather_tokens(local).detach(), ref_feats.detach()),
+        "logits": relerr(logits.detach(), ref_logits.detach()),
+        "features": relerr(model.gather_tokens(local).detach(), ref_feats.detach()),
         "local_len": float(local.shape[1] != model.context_parallel.local_len()),
     }
     grads, ref_grads = [], []
@@ -88,8 +84,9 @@ def _vit_case(group, case):
         dist.all_reduce(g, group=group)
         grads.append(g / world)
         ref_grads.append(rp.grad)
-    errs["grads"] = _rel(torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads]))
-    errs["grad_worst_param"] = max(_rel(g, r) for g, r in zip(grads, ref_grads) if r.norm() > 0)
+    errs["grads"] = relerr(torch.cat([g.flatten() for g in grads]),
+                           torch.cat([g.flatten() for g in ref_grads]))
+    errs["grad_worst_param"] = max(relerr(g, r) for g, r in zip(grads, ref_grads) if r.norm() > 0)
     return errs
 
 
@@ -141,7 +138,7 @@ def _train_step_case(rank):
     out["loss"] = abs(loss.item() - losses[mesh.dp_rank].item()) / abs(losses[mesh.dp_rank].item())
     g = torch.cat([p.grad.flatten() for p in net.parameters()])
     gr = torch.cat([p.grad.flatten() for p in ref.parameters()])
-    out["grads"] = _rel(g, gr)
+    out["grads"] = relerr(g, gr)
     return out
 
 
@@ -156,9 +153,9 @@ def _inference_case(group):
     res = run_context_parallel(model, img, group, layout="zigzag")
     assert model.context_parallel is None  # restored
     return {
-        "features": _rel(res.features, single.features),
-        "prefix": _rel(res.prefix, single.prefix),
-        "logits": _rel(res.logits, single.logits),
+        "features": relerr(res.features, single.features),
+        "prefix": relerr(res.prefix, single.prefix),
+        "logits": relerr(res.logits, single.logits),
         "mode": res.plan.mode,
     }
 
@@ -192,9 +189,9 @@ def _triton_ring_case(group):
     out = context_parallel_attention(*local, seq_len=N, group=group, causal=True, layout="zigzag",
                                      backend="triton", precision="ieee", key_padding_mask=shard(kpm, dim=-1))
     out.backward(shard(do))
-    errs = {"out": _rel(gather_sequence(out.detach(), N, group, layout="zigzag").double(), ref.detach())}
+    errs = {"out": relerr(gather_sequence(out.detach(), N, group, layout="zigzag").double(), ref.detach())}
     for name, loc, leaf in zip("qkv", local, leaves):
-        errs["d" + name] = _rel(gather_sequence(loc.grad, N, group, layout="zigzag").double(), leaf.grad)
+        errs["d" + name] = relerr(gather_sequence(loc.grad, N, group, layout="zigzag").double(), leaf.grad)
     return errs
 
 
@@ -312,10 +309,10 @@ def test_inference_cli_context_parallel_writes_rank0_outputs_equal_single(spawne
     assert all(res["cli"] == {"rank": r, "written": False} for r, res in enumerate(results) if r)
     a, b = spawned["files"]["cp"], spawned["files"]["single"]
     for key in b:  # float32 model over 4 gloo ranks vs one process: <= 2e-6 relative
-        assert _rel(a[key], b[key]) <= 2e-6, key
+        assert relerr(a[key], b[key]) <= 2e-6, key
     pa = torch.tensor(spawned["preds"]["cp"]["probabilities"])
     pb = torch.tensor(spawned["preds"]["single"]["probabilities"])
-    assert _rel(pa, pb) <= 2e-6
+    assert relerr(pa, pb) <= 2e-6
     cp_report = spawned["reports"]["cp"]
     assert cp_report["context_parallel"]["world_size"] == 4
     assert len(cp_report["context_parallel"]["peak_memory_mb_per_rank"]) == 4

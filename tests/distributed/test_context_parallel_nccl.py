@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import spawn_ranks
+from tests.helpers import relerr, spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,10 +26,6 @@ RING_CASES = [
     dict(N=1031, D=128, causal=False, layout="contiguous", mask=True, bias=True),
     dict(N=3137, D=32, causal=True, layout="zigzag", mask=False, bias=False),
 ]
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _ring_case(group, case, dtype, precision):
@@ -55,11 +51,11 @@ def _ring_case(group, case, dtype, precision):
         precision=precision, key_padding_mask=None if kpm is None else shard(kpm, dim=-1),
         attn_bias=None if bias is None else shard(bias.to(dtype)),
     )
-    errs = {"out": _rel(gather_sequence(out.detach(), N, group, layout=layout), ref.detach())}
+    errs = {"out": relerr(gather_sequence(out.detach(), N, group, layout=layout), ref.detach())}
     if bias is None:  # the ring's bias is forward-only
         out.backward(shard(do.to(dtype)))
         for name, loc, leaf in zip("qkv", local, leaves):
-            errs["d" + name] = _rel(gather_sequence(loc.grad, N, group, layout=layout), leaf.grad)
+            errs["d" + name] = relerr(gather_sequence(loc.grad, N, group, layout=layout), leaf.grad)
     return errs
 
 
@@ -81,7 +77,7 @@ def _vit_case(group):
         local = model.forward_features(x)
         got = model.forward_head(local)
         feats = model.gather_tokens(local)
-    return {"logits": _rel(got, want), "features": _rel(feats, want_feats)}
+    return {"logits": relerr(got, want), "features": relerr(feats, want_feats)}
 
 
 def _work(rank, out_dir):

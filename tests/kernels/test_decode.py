@@ -12,20 +12,16 @@ is the same attention computed by PyTorch in the low precision; lse: ``|lse - re
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from elsa_vision import elsa_attention  # noqa: E402
-from elsa_vision.kernels import decode  # noqa: E402
-from elsa_vision.kernels.decode import choose_forward, decode_plan, elsa_decode  # noqa: E402
-from elsa_vision.kernels.fwd import elsa_fwd  # noqa: E402
-from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
-from tests.helpers import (  # noqa: E402
+from elsa_vision import elsa_attention
+from elsa_vision.kernels import decode
+from elsa_vision.kernels.decode import choose_forward, decode_plan, elsa_decode
+from elsa_vision.kernels.fwd import elsa_fwd
+from elsa_vision.kernels.reference import softmax_attention
+from tests.helpers import (
     DEVICE,
     FP32_ACCURATE,
     LOW_ATOL,
@@ -36,16 +32,12 @@ from tests.helpers import (  # noqa: E402
     qkv,
     randn,
     relerr,
+    scan64,
 )
 
 
-def ref64(q, k, v, attn_bias=None, **kw):
-    bias = attn_bias.double() if attn_bias is not None else None
-    return scan_attention(q.double(), k.double(), v.double(), attn_bias=bias, return_lse=True, **kw)
-
-
 def assert_matches(q, k, v, out, lse, **kw):
-    ref, ref_lse = ref64(q, k, v, **kw)
+    ref, ref_lse = scan64(q, k, v, **kw)
     assert relerr(out, ref) <= FP32_ACCURATE
     assert_lse(lse, ref_lse)
 
@@ -127,7 +119,7 @@ def test_fp32_matches_float64(B, H, Nq, Nk, D, block_n, programs, causal):
 def test_fp32_precisions(precision):
     q, k, v = qkv(2, 2, 3, 131, 40, seed=7)
     out, lse = elsa_decode(q, k, v, causal=True, precision=precision, block_n=32, programs=3)
-    ref, ref_lse = ref64(q, k, v, causal=True)
+    ref, ref_lse = scan64(q, k, v, causal=True)
     bound = TF32_BOUND if precision == "tf32" else FP32_ACCURATE
     assert relerr(out, ref) <= bound
     if precision != "tf32":
@@ -146,7 +138,7 @@ def test_half_precision(dtype):
     q, k, v = qkv(2, 2, 3, 300, 64, seed=11, dtype=dtype)
     out, lse = elsa_decode(q, k, v, causal=True, block_n=32, programs=5)
     assert out.dtype == dtype
-    ref, ref_lse = ref64(q, k, v, causal=True)
+    ref, ref_lse = scan64(q, k, v, causal=True)
     out_lp = softmax_attention(q, k, v, causal=True)
     err = (out.double() - ref).abs().max().item()
     base = (out_lp.double() - ref).abs().max().item()
@@ -225,7 +217,7 @@ def test_neg_inf_bias_and_key_padding_mask():
     assert torch.isfinite(out).all()
     assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == -math.inf).all())
     assert torch.equal(out[1, 0, 1], torch.zeros_like(out[1, 0, 1])) and lse[1, 0, 1].item() == -math.inf
-    ref, ref_lse = ref64(q, k, v, attn_bias=bias, key_padding_mask=kpm)
+    ref, ref_lse = scan64(q, k, v, attn_bias=bias, key_padding_mask=kpm)
     assert relerr(out, ref) <= FP32_ACCURATE
     assert_lse(lse, ref_lse)
 
@@ -266,7 +258,7 @@ def test_reruns_bitwise_equal_and_program_counts_agree():
     for _ in range(2):
         out, lse = elsa_decode(q, k, v, causal=True, block_n=16, programs=7)
         assert torch.equal(out, out0) and torch.equal(lse, lse0)
-    ref, _ = ref64(q, k, v, causal=True)
+    ref, _ = scan64(q, k, v, causal=True)
     for programs in (1, 6, 13, 40):
         out, lse = elsa_decode(q, k, v, causal=True, block_n=16, programs=programs)
         assert relerr(out, out0.double()) <= 2 * FP32_ACCURATE
@@ -364,7 +356,7 @@ def test_gpu_long_cache(Nk, dtype):
     q, k, v = qkv(B, H, 1, Nk, D, seed=Nk, dtype=dtype)
     assert choose_forward(B, H, 1, Nk, device=q.device) == "decode"
     out, lse = elsa_decode(q, k, v, causal=True)
-    ref, ref_lse = ref64(q, k, v, causal=True)
+    ref, ref_lse = scan64(q, k, v, causal=True)
     if dtype == torch.float32:
         assert relerr(out, ref) <= FP32_ACCURATE
     else:
@@ -386,7 +378,7 @@ def test_gpu_few_queries_masks(Nq):
     kpm = (torch.rand(B, Nk, generator=gen(5)) > 0.1).to(DEVICE)
     bias = randn(1, H, 1, Nk, seed=6, dtype=torch.float32)
     out, lse = elsa_decode(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=True)
-    ref, ref_lse = ref64(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=True)
+    ref, ref_lse = scan64(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=True)
     out_lp = softmax_attention(q, k, v, attn_bias=bias.to(q.dtype), key_padding_mask=kpm, causal=True)
     err = (out.double() - ref).abs().max().item()
     base = (out_lp.double() - ref).abs().max().item()

@@ -14,18 +14,12 @@ from elsa_vision.kernels import eca as eca_mod
 from elsa_vision.kernels import eca_masked_matmul, eca_tril_matmul, softmax_attention
 from elsa_vision.kernels.eca import eca_attention, eca_multiply_adds
 from elsa_vision.ops.attention import elsa_attention, resolve_backend
+from tests.helpers import relerr
 
 # ‖out − ref‖ / ‖ref‖ bounds of the products against the exact result (float64 inputs, float64 reference).
 REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 LENGTHS = (1, 3, 17, 64, 127)
 HEAD_DIMS = (1, 7, 64, 96)
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``‖out − ref‖ / ‖ref‖``; the absolute ``‖out‖`` where the reference is exactly zero."""
-    ref = ref.double()
-    err, scale = (out.double() - ref).norm().item(), ref.norm().item()
-    return err / scale if scale > 0 else err
 
 
 def _gen(*key) -> torch.Generator:
@@ -63,7 +57,7 @@ def test_masked_matmul_exact(length, d, dtype, depth):
     out = eca_masked_matmul(a.to(dtype), b.to(dtype), depth=depth)
     assert out.shape == (2, 3, length, length) and out.dtype == dtype
     ref = torch.tril(a @ b.mT)
-    assert _rel(out, ref) <= REL_TOL[dtype]
+    assert relerr(out, ref) <= REL_TOL[dtype]
     assert (out.triu(1) == 0).all()
 
 
@@ -77,7 +71,7 @@ def test_tril_matmul_exact(length, d, dtype, depth):
     v = torch.randn(2, 3, length, d, dtype=torch.float64, generator=g)
     out = eca_tril_matmul(p.to(dtype), v.to(dtype), depth=depth)
     assert out.shape == (2, 3, length, d) and out.dtype == dtype
-    assert _rel(out, torch.tril(p) @ v) <= REL_TOL[dtype]
+    assert relerr(out, torch.tril(p) @ v) <= REL_TOL[dtype]
 
 
 def test_broadcast_and_noncontiguous():
@@ -87,12 +81,12 @@ def test_broadcast_and_noncontiguous():
     assert not b.is_contiguous()
     out = eca_masked_matmul(a, b)
     assert out.shape == (2, 3, 45, 45)
-    assert _rel(out, torch.tril(a @ b.mT)) <= 1e-12
+    assert relerr(out, torch.tril(a @ b.mT)) <= 1e-12
     p = torch.randn(3, 45, 45, dtype=torch.float64, generator=g).mT
     v = torch.randn(2, 1, 45, 30, dtype=torch.float64, generator=g)
     out = eca_tril_matmul(p, v)
     assert out.shape == (2, 3, 45, 30)
-    assert _rel(out, torch.tril(p) @ v) <= 1e-12
+    assert relerr(out, torch.tril(p) @ v) <= 1e-12
 
 
 def test_tril_matmul_never_reads_the_upper_triangle():
@@ -117,14 +111,14 @@ def test_half_precision_within_4x_of_matmul_tril(dtype):
     p = torch.randn(2, 127, 127, dtype=torch.float64, generator=g)
     ref_s, ref_o = torch.tril(a @ b.mT), torch.tril(p) @ b
     lo = [t.to(dtype) for t in (a, b, p)]
-    base_s = _rel(torch.tril(lo[0] @ lo[1].mT), ref_s)
-    base_o = _rel(torch.tril(lo[2]) @ lo[1], ref_o)
+    base_s = relerr(torch.tril(lo[0] @ lo[1].mT), ref_s)
+    base_o = relerr(torch.tril(lo[2]) @ lo[1], ref_o)
     for depth in (1, 2):
         s = eca_masked_matmul(lo[0], lo[1], depth=depth)
         o = eca_tril_matmul(lo[2], lo[1], depth=depth)
         assert s.dtype == dtype and o.dtype == dtype
-        assert _rel(s, ref_s) <= 6 * base_s
-        assert _rel(o, ref_o) <= 6 * base_o
+        assert relerr(s, ref_s) <= 6 * base_s
+        assert relerr(o, ref_o) <= 6 * base_o
 
 
 def test_products_are_differentiable():
@@ -217,9 +211,9 @@ def test_eca_backend_matches_reference(shape, with_bias, depth):
         out = eca_attention(*inputs32[:3], attn_bias=inputs32[3] if with_bias else None, depth=depth)
     out.backward(dout.float())
     assert out.dtype == torch.float32
-    assert _rel(out, ref) <= 1e-5
+    assert relerr(out, ref) <= 1e-5
     for got, want in zip(inputs32, inputs64):
-        assert _rel(got.grad, want.grad) <= 1e-5
+        assert relerr(got.grad, want.grad) <= 1e-5
 
 
 def test_rows_without_keys_are_zero_with_zero_grads():
@@ -234,7 +228,7 @@ def test_rows_without_keys_are_zero_with_zero_grads():
     ref = softmax_attention(q, k, v, key_padding_mask=kpm, attn_bias=bias, causal=True)
     assert torch.isfinite(out).all()
     assert (out[:, :, 0] == 0).all() and (out[:, :, 5] == 0).all()
-    assert _rel(out, ref) <= 1e-12
+    assert relerr(out, ref) <= 1e-12
     out.sum().backward()
     for t in (q, k, v):
         assert torch.isfinite(t.grad).all()
@@ -261,7 +255,7 @@ def test_half_precision_attention_is_computed_in_float32():
         out = elsa_attention(*low, causal=True, backend="eca")
         assert out.dtype == dtype
         base = softmax_attention(*(t.double() for t in low), causal=True).to(dtype)
-        assert _rel(out, ref) <= 2 * _rel(base, ref)
+        assert relerr(out, ref) <= 2 * relerr(base, ref)
 
 
 @pytest.mark.gpu
@@ -278,8 +272,8 @@ def test_cuda_products_and_attention():
         for depth in (1, 2):
             s = eca_masked_matmul(a.float().cuda(), b.float().cuda(), depth=depth)
             o = eca_tril_matmul(p.float().cuda(), b.float().cuda(), depth=depth)
-            assert _rel(s.cpu(), torch.tril(a @ b.mT)) <= 1e-5
-            assert _rel(o.cpu(), torch.tril(p) @ b) <= 1e-5
+            assert relerr(s.cpu(), torch.tril(a @ b.mT)) <= 1e-5
+            assert relerr(o.cpu(), torch.tril(p) @ b) <= 1e-5
         q, k, v = (torch.randn(2, 3, 197, 64, dtype=torch.float64, generator=g) for _ in range(3))
         inputs = [t.float().cuda().requires_grad_() for t in (q, k, v)]
         out = elsa_attention(*inputs, causal=True, backend="eca")
@@ -287,9 +281,9 @@ def test_cuda_products_and_attention():
         ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = softmax_attention(*ref_inputs, causal=True)
         ref.sum().backward()
-        assert _rel(out.cpu(), ref) <= 1e-5
+        assert relerr(out.cpu(), ref) <= 1e-5
         for got, want in zip(inputs, ref_inputs):
-            assert _rel(got.grad.cpu(), want.grad) <= 1e-5
+            assert relerr(got.grad.cpu(), want.grad) <= 1e-5
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 

@@ -13,22 +13,17 @@ PyTorch in the low precision.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from elsa_vision import elsa_attention, elsa_attention_varlen  # noqa: E402
-from elsa_vision.kernels import elsa_fwd, elsa_fwd_varlen, plan  # noqa: E402
-from elsa_vision.kernels.monoid import merge_states  # noqa: E402
-from elsa_vision.kernels.reference import merge_depth, scan_attention, softmax_attention  # noqa: E402
-from tests.helpers import (  # noqa: E402
+from elsa_vision import elsa_attention, elsa_attention_varlen
+from elsa_vision.kernels import elsa_fwd, elsa_fwd_varlen, plan
+from elsa_vision.kernels.monoid import merge_states
+from elsa_vision.kernels.reference import merge_depth, softmax_attention
+from tests.helpers import (
     DEVICE,
     FP32_ACCURATE,
     LOW_ATOL,
@@ -38,18 +33,10 @@ from tests.helpers import (  # noqa: E402
     gen,
     qkv,
     randn,
+    ref64,
     relerr,
+    scan64,
 )
-
-
-def ref64(q, k, v, attn_bias=None, **kw):
-    bias = attn_bias.double() if attn_bias is not None else None
-    return softmax_attention(q.double(), k.double(), v.double(), attn_bias=bias, **kw)
-
-
-def lse64(q, k, v, attn_bias=None, **kw):
-    bias = attn_bias.double() if attn_bias is not None else None
-    return scan_attention(q.double(), k.double(), v.double(), attn_bias=bias, return_lse=True, **kw)[1]
 
 
 def assert_low_precision(out, q, k, v, **kw):
@@ -139,7 +126,7 @@ def test_fp32_matches_float64(shape, precision):
     out, lse = elsa_fwd(q, k, v, causal=causal, precision=precision)
     assert out.shape == (B, H, Nq, Dv) and out.dtype == torch.float32 and lse.shape == (B, H, Nq)
     assert relerr(out, ref64(q, k, v, causal=causal)) <= FP32_ACCURATE
-    assert_lse(lse, lse64(q, k, v, causal=causal))
+    assert_lse(lse, scan64(q, k, v, causal=causal)[1])
     if causal and Nq > Nk:
         assert bool((out[:, :, : Nq - Nk] == 0).all()) and bool((lse[:, :, : Nq - Nk] == -math.inf).all())
 
@@ -204,7 +191,7 @@ def test_bias_broadcast(bshape, precision):
     bias = randn(*bshape, seed=3)
     out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision=precision)
     assert relerr(out, ref64(q, k, v, attn_bias=bias)) <= FP32_ACCURATE
-    assert_lse(lse, lse64(q, k, v, attn_bias=bias))
+    assert_lse(lse, scan64(q, k, v, attn_bias=bias)[1])
 
 
 def test_bias_stride0_view_equals_contiguous():
@@ -230,7 +217,7 @@ def test_neg_inf_bias_bands_and_fully_masked_rows(precision):
     assert bool((out[:, :, 5] == 0).all()) and bool((out[:, 1, 20:23] == 0).all())
     assert bool((lse[:, :, 5] == -math.inf).all())
     assert relerr(out, ref64(q, k, v, attn_bias=bias)) <= FP32_ACCURATE
-    assert_lse(lse, lse64(q, k, v, attn_bias=bias))
+    assert_lse(lse, scan64(q, k, v, attn_bias=bias)[1])
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
@@ -259,7 +246,7 @@ def test_key_padding_mask_and_fully_masked_batch(precision):
     out, lse = elsa_fwd(q, k, v, key_padding_mask=kpm, precision=precision)
     assert bool((out[1] == 0).all()) and bool((lse[1] == -math.inf).all())
     assert relerr(out, ref64(q, k, v, key_padding_mask=kpm)) <= FP32_ACCURATE
-    assert_lse(lse, lse64(q, k, v, key_padding_mask=kpm))
+    assert_lse(lse, scan64(q, k, v, key_padding_mask=kpm)[1])
 
 
 @pytest.mark.parametrize("precision", ["auto", "tf32x3", "fp16x3"])
@@ -296,7 +283,7 @@ def test_large_magnitude_inputs(mult, precision):
     # Logits of size ~1e4 carry an fp32 rounding of ~1e-3 in the exponent: judge against fp32 torch math.
     base = relerr(softmax_attention(q, k, v), ref)
     assert relerr(out, ref) <= 2 * base + FP32_ACCURATE
-    assert_lse(lse, lse64(q, k, v))
+    assert_lse(lse, scan64(q, k, v)[1])
     const = torch.full((1, 1, 20, 64), 1e3, device=DEVICE)
     out_c, _ = elsa_fwd(const, const, randn(1, 1, 20, 64, seed=9), precision=precision)
     assert torch.isfinite(out_c).all()
@@ -377,7 +364,7 @@ def test_multi_partition_equals_fused(causal, partitions, precision):
     ref = ref64(q, k, v, attn_bias=bias, causal=causal)
     assert relerr(split, ref) <= FP32_ACCURATE and relerr(fused, ref) <= FP32_ACCURATE
     assert (split - fused).abs().max().item() <= 1e-6
-    assert_lse(ls, lse64(q, k, v, attn_bias=bias, causal=causal))
+    assert_lse(ls, scan64(q, k, v, attn_bias=bias, causal=causal)[1])
 
 
 def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
@@ -425,7 +412,7 @@ def test_varlen_matches_per_sequence(causal, precision):
         )
         ref = ref64(qi, ki, vi, causal=causal)[0].transpose(0, 1)
         assert relerr(out[cq[i] : cq[i + 1]], ref) <= FP32_ACCURATE
-        assert_lse(lse[:, cq[i] : cq[i + 1]], lse64(qi, ki, vi, causal=causal)[0])
+        assert_lse(lse[:, cq[i] : cq[i + 1]], scan64(qi, ki, vi, causal=causal)[1][0])
     public = elsa_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="triton",
                                    precision=precision)
     torch.testing.assert_close(public, out, rtol=0, atol=0)

@@ -96,6 +96,67 @@ def test_opcheck():
                           (q, k, v, None, None, False, 0.25, "ieee"))
 
 
+def test_eager_bypass_skips_the_dispatcher_only_when_nothing_can_intercept():
+    """``_library.eager_bypass(t, body, op)``: the operator's body for a plain tensor in plain eager code, the
+    operator for a tensor subclass, inside a dispatch or torch-function mode and under a functorch
+    transform."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from elsa_vision.ops._library import eager_bypass
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    t = torch.zeros(3)
+    assert eager_bypass(t, "body", "op") == "body"
+    assert eager_bypass(t.as_subclass(Sub), "body", "op") == "op"
+    with Dispatch():
+        assert eager_bypass(t, "body", "op") == "op"
+    with TorchFunctionMode():
+        assert eager_bypass(t, "body", "op") == "op"
+    seen = []
+    torch.func.vmap(lambda x: seen.append(eager_bypass(x, "body", "op")) or x)(torch.zeros(2, 3))
+    assert seen == ["op"]
+
+
+def test_every_operator_call_reaches_a_dispatch_mode():
+    """Each call site of the four operators (attention forward with and without autograd, its backward, the
+    window op's forward with and without autograd and its backward, ``ElsaAttention``'s planned inference)
+    gives the operator to a dispatch mode instead of running its body."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from elsa_vision.ops.window_attention import window_attention
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "elsa_vision":
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEV, requires_grad=True) for _ in range(3))
+    wq, wk, wv = (torch.randn(2, 2, 16, 8, device=DEV, requires_grad=True) for _ in range(3))
+    bias = torch.randn(2, 16, 16, device=DEV, requires_grad=True)
+    layer = ElsaAttention(32, num_heads=2, backend="triton").to(DEV).eval()
+    with Seen() as mode:
+        elsa_attention(q, k, v, backend="triton").sum().backward()
+        window_attention(wq, wk, wv, None, bias).sum().backward()
+        with torch.no_grad():
+            elsa_attention(q, k, v, backend="triton")
+            window_attention(wq, wk, wv, None, bias)
+            layer(torch.randn(2, 5, 32, device=DEV))
+    assert sorted(mode.ops) == sorted(["attention_fwd"] * 3 + ["attention_bwd"] + ["window_attention_fwd"] * 2
+                                      + ["window_attention_bwd"])
+
+
 def test_torch_compile_fullgraph_matches_eager():
     layer = ElsaAttention(dim=32, num_heads=2, qkv_bias=True, backend="triton").to(DEV)
     x = torch.randn(2, 17, 32, device=DEV, requires_grad=True)

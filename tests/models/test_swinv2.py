@@ -11,6 +11,7 @@ from timm.models.swin_transformer_v2 import SwinTransformerV2
 import elsa_vision  # noqa: F401  (registers the elsa_* names)
 from elsa_vision.models import ElsaSwinV2
 from elsa_vision.models.swinv2 import ElsaSwinV2Attention
+from tests.helpers import relerr
 
 # The fused W-ELSA op runs compiled on CUDA, else in the Triton interpreter (tests/conftest.py).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -26,10 +27,6 @@ NAMES = (
 )
 # Narrow and shallow for CPU speed; still 4 stages, shifted blocks (depth 2) and several head counts.
 SMALL = dict(embed_dim=24, depths=(2, 2, 2, 1), num_heads=(2, 3, 4, 6), num_classes=10, drop_path_rate=0.0)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _randomize(model: torch.nn.Module) -> None:
@@ -83,13 +80,13 @@ def test_forward_matches_timm(img_size, strict):
     x = torch.randn(2, 3, img_size, img_size)
     with torch.no_grad():
         want, got = ref(x), model(x)
-    assert _rel(got, want) <= 1e-5
+    assert relerr(got, want) <= 1e-5
     # The comparison is sensitive to the attention: dropping the ELSA path's logit-scale clamp changes it.
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, ElsaSwinV2Attention):
                 m.logit_scale.add_(0.5)
-        assert _rel(model(x), want) > 1e-3
+        assert relerr(model(x), want) > 1e-3
 
 
 def test_dynamic_size_other_resolution():
@@ -97,7 +94,7 @@ def test_dynamic_size_other_resolution():
     ref, model = _pair(64, strict_img_size=False)
     x = torch.randn(1, 3, 72, 104)
     with torch.no_grad():
-        assert _rel(model(x), ref(x)) <= 1e-5
+        assert relerr(model(x), ref(x)) <= 1e-5
 
 
 def test_one_by_one_window_stage_is_finite(monkeypatch):
@@ -139,7 +136,7 @@ def test_gradients_match_timm_float64():
     checked = 0
     for name, p in ref.named_parameters():
         assert p.grad is not None and got[name].grad is not None, name
-        assert _rel(got[name].grad, p.grad) <= 1e-10, name
+        assert relerr(got[name].grad, p.grad) <= 1e-10, name
         checked += ("logit_scale" in name) + ("cpb_mlp" in name)
     assert checked >= 3 * sum(SMALL["depths"])
 
@@ -157,13 +154,13 @@ def test_from_timm_instance_and_name(tmp_path):
     assert loaded.load_report.ok and not loaded.training
     x = torch.randn(1, 3, 256, 256)
     with torch.no_grad():
-        assert _rel(loaded(x), ref(x)) <= 1e-5
+        assert relerr(loaded(x), ref(x)) <= 1e-5
     # The same file through timm's registry with a local-file overlay (runs timm's checkpoint_filter_fn; the
     # overlay's num_classes keeps timm from dropping the 10-class head as a 1000-class mismatch).
     reg = timm.create_model("elsa_swinv2_tiny_window8_256", pretrained=True,
                             pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **SMALL).eval()
     with torch.no_grad():
-        assert _rel(reg(x), ref(x)) <= 1e-5
+        assert relerr(reg(x), ref(x)) <= 1e-5
 
 
 def test_pretrained_window_resizing(tmp_path):
@@ -184,7 +181,7 @@ def test_pretrained_window_resizing(tmp_path):
     assert attn.relative_coords_table.abs().max() > 1.05
     x = torch.randn(1, 3, 256, 256)
     with torch.no_grad():
-        assert _rel(model(x), ref(x)) <= 1e-5
+        assert relerr(model(x), ref(x)) <= 1e-5
 
 
 def test_features_only_matches_timm():
@@ -203,14 +200,14 @@ def test_features_only_matches_timm():
     shapes = [(1, 64, 64, 24), (1, 32, 32, 48), (1, 16, 16, 96), (1, 8, 8, 192)]
     assert [tuple(t.shape) for t in got] == shapes
     for g, w in zip(got, want):
-        assert _rel(g, w) <= 1e-5
+        assert relerr(g, w) <= 1e-5
 
 
 def test_set_attention_and_errors():
     ref, model = _pair(64)
     model.set_attention(backend="torch", precision="ieee")
     attns = [m for m in model.modules() if isinstance(m, ElsaSwinV2Attention)]
-    assert attns and all(m.elsa_backend == "torch" and m.elsa_precision == "ieee" for m in attns)
+    assert attns and all(m.backend == "torch" and m.precision == "ieee" for m in attns)
     with pytest.raises(ValueError, match="ElsaSwinV2.set_attention: unknown backend 'cuda'"):
         model.set_attention(backend="cuda")
     with pytest.raises(ValueError, match="attn_precision"):
@@ -243,16 +240,16 @@ def test_position_bias_cached_in_inference_only():
     with torch.no_grad():
         b1 = m.position_bias()
         assert m.position_bias() is b1  # cache hit
-        assert _rel(b1, _fresh_bias(m)) == 0.0
+        assert relerr(b1, _fresh_bias(m)) == 0.0
         m.cpb_mlp[0].weight.add_(0.5)  # in-place update (e.g. an optimizer step): version bump
         b2 = m.position_bias()
-        assert b2 is not b1 and _rel(b2, _fresh_bias(m)) == 0.0 and _rel(b2, b1) > 1e-3
+        assert b2 is not b1 and relerr(b2, _fresh_bias(m)) == 0.0 and relerr(b2, b1) > 1e-3
     with torch.inference_mode():
         assert m.position_bias() is b2
     m.cpb_mlp[2].weight = torch.nn.Parameter(m.cpb_mlp[2].weight.detach() * 2)  # a replaced parameter
     with torch.no_grad():
         b3 = m.position_bias()
-        assert b3 is not b2 and _rel(b3, _fresh_bias(m)) == 0.0
+        assert b3 is not b2 and relerr(b3, _fresh_bias(m)) == 0.0
         with torch.autocast("cpu", dtype=torch.bfloat16):
             b4 = m.position_bias()
             assert b4 is not b3 and b4.dtype == torch.bfloat16 and m.position_bias() is b4
@@ -270,9 +267,9 @@ def test_position_bias_cached_in_inference_only():
         _, model = _pair(64)
         m = next(a for a in model.modules() if isinstance(a, ElsaSwinV2Attention))
         b6 = m.position_bias()
-        assert m.position_bias() is not b6 and _rel(m.position_bias(), b6) == 0.0
+        assert m.position_bias() is not b6 and relerr(m.position_bias(), b6) == 0.0
         m.cpb_mlp[0].weight.add_(0.5)
-        assert _rel(m.position_bias(), _fresh_bias(m)) == 0.0 and _rel(m.position_bias(), b6) > 1e-3
+        assert relerr(m.position_bias(), _fresh_bias(m)) == 0.0 and relerr(m.position_bias(), b6) > 1e-3
         x = torch.randn(1, 3, 64, 64)
         assert torch.isfinite(model(x)).all()
 
@@ -281,12 +278,12 @@ def test_attention_dropout_in_training_only():
     ref, model = _pair(64, attn_drop_rate=0.5)
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
-        assert _rel(model(x), ref(x)) <= 1e-5  # eval: no dropout
+        assert relerr(model(x), ref(x)) <= 1e-5  # eval: no dropout
         model.train()
         torch.manual_seed(3)
         a = model(x)
         torch.manual_seed(4)
-        assert _rel(model(x), a) > 1e-4
+        assert relerr(model(x), a) > 1e-4
 
 
 def test_triton_backend_matches_timm():
@@ -315,7 +312,7 @@ def test_triton_backend_matches_timm():
         w = torch.randn(2, 10, device=DEVICE)
         got, want, want64 = model(x), ref(x), ref64(x.double())
         assert len(calls) == sum(SMALL["depths"])
-        assert _rel(got, want64) <= 1e-5
+        assert relerr(got, want64) <= 1e-5
         for out, ww in ((got, w), (want, w), (want64, w.double())):
             (out * ww).sum().backward()
     finally:
@@ -324,7 +321,7 @@ def test_triton_backend_matches_timm():
     checked = 0
     for name, p in ref64.named_parameters():
         if "attn." in name:
-            err, err32 = _rel(ours[name].grad, p.grad), _rel(timm32[name].grad, p.grad)
+            err, err32 = relerr(ours[name].grad, p.grad), relerr(timm32[name].grad, p.grad)
             bound = max(3 * err32, 3e-5)
             assert err <= bound, f"{name}: {err:.2e} > {bound:.1e} (timm float32 {err32:.2e})"
             checked += 1
@@ -341,7 +338,7 @@ def test_non_square_windows_and_image_triton():
     model = ElsaSwinV2.from_timm(ref, attn_backend="triton", attn_precision="ieee").eval()
     x = torch.randn(2, 3, 96, 160, device=DEVICE)
     with torch.no_grad():
-        assert _rel(model(x), ref(x)) <= 1e-5
+        assert relerr(model(x), ref(x)) <= 1e-5
 
 
 @pytest.mark.gpu
@@ -362,9 +359,9 @@ def test_gpu_full_model_matches_timm(name):
     try:
         with torch.no_grad():
             want = ref64(x.double())
-            assert _rel(model(x).double(), want) <= 1e-5
+            assert relerr(model(x).double(), want) <= 1e-5
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 got_bf, ref_bf = model(x), ref(x)
-            assert _rel(got_bf.double(), want) <= 3 * _rel(ref_bf.double(), want)
+            assert relerr(got_bf.double(), want) <= 3 * relerr(ref_bf.double(), want)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32

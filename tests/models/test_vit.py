@@ -20,7 +20,7 @@ from elsa_vision import ElsaViT
 from elsa_vision.layers import ElsaAttention, ElsaAttentionPoolLatent
 from elsa_vision.models import ElsaSwinV2, elsa_checkpoint_filter_fn
 from elsa_vision.models._builder import FromTimm
-from tests.helpers import relerr
+from tests.helpers import randomize_, relerr
 
 TOL = 1e-5
 
@@ -34,25 +34,6 @@ TIMM_TWINS = {
     "elsa_vit_large_patch14_clip_224": "vit_large_patch14_clip_224",
     "elsa_vit_base_patch14_reg4_dinov2": "vit_base_patch14_reg4_dinov2",
 }
-
-
-def randomize_(model: nn.Module) -> nn.Module:
-    """Give norms, layer scales and tokens non-trivial values so that every path shapes the output.
-
-    timm initialises layer scale at 1e-5 (DINOv2) and some norms/tokens to constants; with those values an
-    attention bug could hide below the tolerance.
-    """
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gamma") or (p.dim() == 1 and name.endswith("weight")):  # norms, layer scale
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            elif p.dim() == 1 and name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-            elif name.endswith(("cls_token", "reg_token", "pos_embed", "latent", "class_embedding",
-                                "positional_embedding")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return model
 
 
 class CountCalls:
