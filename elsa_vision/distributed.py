@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .kernels.precision import accumulation_dtype
 from .kernels.reference import finalize, merge_states, state_from_output
 from .ops.attention import resolve_backend
 from .ops.checks import check_options, check_triton_call
-from .ops.numerics import accumulation_dtype
 from .partial_attention import partial_attention, partial_attention_grads
 
 __all__ = [

@@ -2,14 +2,15 @@
 folds the results of one query shard against every key shard with the monoid.
 
 Each function computes one (query shard, key shard) pair through the Triton kernels or the torch reference,
-in ``ops.numerics.accumulation_dtype``; it sits beside ``distributed.py``, above ``ops``, which it builds on.
+in ``kernels.precision.accumulation_dtype``; it sits beside ``distributed.py``, above ``ops``, which it
+builds on.
 """
 
 from __future__ import annotations
 
+from .kernels.precision import accumulation_dtype
 from .kernels.reference import attention_backward, scan_attention
 from .ops.attention import TORCH_QUERY_CHUNK, attention_fwd
-from .ops.numerics import accumulation_dtype
 
 __all__ = ["partial_attention", "partial_attention_grads"]
 

@@ -290,7 +290,7 @@ def test_read_weights_errors_start_with_the_callers_name_for_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"^ckpt_path: 'x\.ckpt' holds no tensors"):
         unwrap_weights({"epoch": 3}, "x.ckpt", arg="ckpt_path")
     # an error class whose constructor takes other arguments comes through as it is, not as a TypeError
-    from elsa_vision.files import _named
+    from elsa_vision.files.checkpoints import _named
 
     with pytest.raises(UnicodeDecodeError):
         with _named("ckpt_path"):

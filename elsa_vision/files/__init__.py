@@ -26,9 +26,6 @@ from .checkpoints import (
     submodule_weights,
     unwrap_weights,
 )
-from .checkpoints import (
-    _named as _named,
-)
 from .limits import (
     DEFAULT_MAX_ARRAY_BYTES,
     FileTooLargeError,

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dots import matmul
-from .fwd import _bias4
+from .fwd import bias4
 from .host import FLOAT_DTYPES, LOG2E, cdiv, device_info, tile_size
 from .launch import AttentionProgram, Launch, ProgramCache
 from .monoid import ACCUMULATION, clamp_bias, finalize_state, fold_tile, merge_states
@@ -334,7 +334,7 @@ class _DecodeProgram(AttentionProgram):
         bh = B * H
         self.ws_sizes = ((bh, p.max_partials, Nq), (bh, p.max_partials, Nq, p.block_dv))
         has_bias, has_kpm = bias is not None, kpm is not None
-        sb = tuple(_bias4(bias).expand(B, H, Nq, Nk).stride()) if has_bias else (0, 0, 0, 0)
+        sb = tuple(bias4(bias).expand(B, H, Nq, Nk).stride()) if has_bias else (0, 0, 0, 0)
         skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
         self.main = Launch(
             _decode_kernel, (p.programs,),

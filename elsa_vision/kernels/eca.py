@@ -49,6 +49,8 @@ import re
 import torch
 from torch import Tensor
 
+from .precision import accumulation_dtype
+
 __all__ = [
     "eca_masked_matmul",
     "eca_tril_matmul",
@@ -454,7 +456,7 @@ def eca_attention(
             f"eca_attention: causal ECA needs Nq == Nk, got q {list(q.shape)}, k {list(k.shape)}")
     depth = _check_depth(depth, "eca_attention")
     dtype = q.dtype
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    compute = accumulation_dtype(q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     bias = attn_bias
     if key_padding_mask is not None:

@@ -493,7 +493,7 @@ def empty_output(B: int, H: int, Nq: int, Dv: int, like: Tensor) -> Tensor:
     return torch.empty((B, Nq, H, Dv), device=like.device, dtype=like.dtype).transpose(1, 2)
 
 
-def _bias4(attn_bias: Tensor) -> Tensor:
+def bias4(attn_bias: Tensor) -> Tensor:
     """``attn_bias`` with leading dims of size 1 up to rank 4 (a view)."""
     return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
 
@@ -543,7 +543,7 @@ class _FwdProgram(AttentionProgram):
             p = _force_plan(p, Nk, partitions, B * H * max(Nq, 1))
         self.plan = p
         bh = B * H
-        sb = tuple(_bias4(bias).expand(B, H, Nq, Nk).stride()) if has_bias else (0, 0, 0, 0)
+        sb = tuple(bias4(bias).expand(B, H, Nq, Nk).stride()) if has_bias else (0, 0, 0, 0)
         skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
         m_tiles = cdiv(grid_m, p.block_m)
         tps = cdiv(max(1, cdiv(Nk, p.block_n)), p.partitions)

@@ -23,7 +23,7 @@ import torch
 
 from .host import device_info, next_pow2
 
-__all__ = ["PRECISIONS", "FP16X3_TILES", "resolve_precision"]
+__all__ = ["PRECISIONS", "FP16X3_TILES", "accumulation_dtype", "resolve_precision"]
 
 PRECISIONS = ("auto", "ieee", "tf32x3", "fp16x3", "tf32")
 # The kernels a precision is resolved for, and the widest tile side (padded to a power of two) that each one's
@@ -57,3 +57,10 @@ def resolve_precision(precision: str, dtype: torch.dtype, device, kernel: str, w
     if precision == "fp16x3" and not f16_ok:
         precision = "tf32x3"
     return precision
+
+
+def accumulation_dtype(t) -> torch.dtype:
+    """The dtype every torch-side computation of ``t`` accumulates in (the reference scan, the torch
+    backend, the window op's dense backward, context parallelism's partial results): float64 for float64
+    inputs, else float32 (half precision is upcast)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -29,6 +29,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .precision import accumulation_dtype
+
 __all__ = [
     "ElsaState",
     "block_state",
@@ -374,7 +376,7 @@ def attention_bias_grad(
     B, H, Nq, _ = q.shape
     Nk = k.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q)
     q, k, v, do, out, lse = (t.to(acc) for t in (q, k, v, do, out, lse))
     shape4 = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
     bias4 = attn_bias.reshape(shape4)

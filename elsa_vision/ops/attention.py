@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..kernels.precision import PRECISIONS
+from ..kernels.precision import PRECISIONS, accumulation_dtype
 from ..kernels.reference import scan_attention
 from ._library import define_op, eager_bypass
 from .checks import (
@@ -34,7 +34,7 @@ from .checks import (
     check_triton_call,
     check_varlen_inputs,
 )
-from .numerics import accumulation_dtype, cuda_matmul_precision
+from .numerics import cuda_matmul_precision
 
 __all__ = [
     "elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES",

@@ -1,9 +1,10 @@
 """Input checks of the public ops, in one place: every entry (``elsa_attention``, ``elsa_attention_varlen``,
-``window_attention``, context parallelism, the ELSA layers' options) checks its inputs here once, with
-one-line errors naming the entry and the argument; the operators and kernels below trust them.
+``window_attention``, ``elsa_linear``, context parallelism, the ELSA layers' options) checks its inputs here
+once, with one-line errors naming the entry and the argument; the operators and kernels below trust them.
 
-The attention options' vocabulary lives here too: ``BACKENDS`` (what ``elsa_attention`` runs on), the
-float32 ``PRECISIONS`` (``kernels.precision``), ``SUPPORTED_DTYPES`` and ``TRITON_MAX_HEAD_DIM``.
+The options' vocabulary lives here too: ``BACKENDS`` (what ``elsa_attention`` runs on), ``LINEAR_BACKENDS``
+(``elsa_linear``), the float32 ``PRECISIONS`` (``kernels.precision``), ``SUPPORTED_DTYPES`` and
+``TRITON_MAX_HEAD_DIM``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from ..kernels import triton_runs_on
 from ..kernels.precision import PRECISIONS
 
 __all__ = [
-    "BACKENDS", "PRECISIONS", "SUPPORTED_DTYPES", "TRITON_MAX_HEAD_DIM", "check_attention_inputs",
+    "BACKENDS", "LINEAR_BACKENDS", "PRECISIONS", "SUPPORTED_DTYPES", "TRITON_MAX_HEAD_DIM",
+    "check_attention_inputs", "check_linear_inputs",
     "check_backend", "check_eca_call", "check_options", "check_precision", "check_triton_call",
     "check_triton_device", "check_varlen_inputs", "check_window_inputs", "format_shape",
 ]
 
 BACKENDS = ("auto", "torch", "triton", "eca")
+# What ``elsa_linear`` runs on: the split-precision GEMM where the precision asks for it, or ``F.linear``.
+LINEAR_BACKENDS = ("auto", "torch", "triton")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The widest head dim the Triton kernels take; ``backend="auto"`` runs wider heads on the torch backend.
@@ -50,13 +54,14 @@ def check_backend(who: str, backend: str, backends: tuple[str, ...] = BACKENDS, 
         raise ValueError(f"{who}: unknown {prefix}backend {backend!r}; expected one of {backends}")
 
 
-def check_triton_device(who: str, q: Tensor) -> None:
+def check_triton_device(who: str, q: Tensor, name: str = "q") -> None:
     """Refuse, naming ``who``, tensors the Triton kernels cannot read: they take CUDA tensors, and CPU
-    tensors only under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported)."""
+    tensors only under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported). ``name``:
+    the argument ``q`` is."""
     # (under torch.compile the check is left to eager calls: Dynamo cannot trace Triton's interpreter switch)
     if not q.is_cuda and not torch.compiler.is_compiling() and not triton_runs_on(q.device):
         raise ValueError(f"{who}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
-                         f"triton is imported), got q on {q.device}; use backend='auto' or 'torch'")
+                         f"triton is imported), got {name} on {q.device}; use backend='auto' or 'torch'")
 
 
 def check_triton_call(who: str, q: Tensor, v: Tensor, dropout_p: float = 0.0) -> None:
@@ -210,6 +215,38 @@ def check_window_inputs(q, k, v, logit_scale, bias, mask, precision, scale) -> N
     for name, t in (("k", k), ("v", v), ("logit_scale", logit_scale), ("bias", bias), ("mask", mask)):
         if t is not None:
             _check_device(fn, name, t, q)
+
+
+def check_linear_inputs(x, weight, bias, precision: str, backend: str) -> None:
+    """The checks of ``elsa_linear``: ``F.linear``'s shapes, one dtype and device, the options, and what
+    ``backend="triton"`` needs."""
+    who = "elsa_linear"
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{who}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{who}: `{name}` must be a floating-point tensor, got {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{who}: `weight` must have rank 2 [out_features, in_features], got "
+                         f"{format_shape(weight)}")
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{who}: `x` must end with in_features = {weight.shape[1]} (weight "
+                         f"{format_shape(weight)}), got x {format_shape(x)}")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise TypeError(f"{who}: x and weight must share dtype and device, got x {x.dtype} on {x.device}, "
+                        f"weight {weight.dtype} on {weight.device}")
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"{who}: `bias` must be a tensor or None, got {type(bias).__name__}")
+        if bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype or bias.device != weight.device:
+            raise ValueError(f"{who}: `bias` must be [{weight.shape[0]}] of {weight.dtype} on "
+                             f"{weight.device}, got {format_shape(bias)} of {bias.dtype} on {bias.device}")
+    check_options(who, backend, precision, backends=LINEAR_BACKENDS)
+    if backend == "triton":
+        if x.dtype != torch.float32:
+            raise TypeError(f"{who}: backend='triton' takes float32 tensors (half precisions and float64 run "
+                            f"on backend='torch'), got {x.dtype}")
+        check_triton_device(who, x, "x")
 
 
 def _check_qkv(fn: str, q, k, v, rank: int, layout: str) -> None:

@@ -22,14 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import triton_runs_on
-from ..kernels.precision import PRECISIONS
-from ._library import define_op
-from .attention import _cuda_matmul_precision, _shape, direct
+from ..kernels.precision import resolve_precision
+from ._library import define_op, eager_bypass
+from .checks import LINEAR_BACKENDS, check_linear_inputs
+from .numerics import cuda_matmul_precision
 
 __all__ = ["elsa_linear", "LINEAR_BACKENDS", "linear_route"]
-
-LINEAR_BACKENDS = ("auto", "torch", "triton")
 
 
 @functools.cache
@@ -50,47 +48,17 @@ def linear_route(x: Tensor, precision: str, backend: str) -> str:
         return "torch"  # autocast casts F.linear's operands to its dtype, as for nn.Linear
     if backend == "triton":
         return "triton"
-    if not x.is_cuda or precision in ("ieee", "tf32"):
+    if not x.is_cuda:
         return "torch"
-    from ..kernels.precision import resolve_precision
+    return _cuda_route(x.device, precision)
 
-    resolved = resolve_precision(precision, x.dtype, x.device, "gemm")
+
+@functools.lru_cache(maxsize=64)
+def _cuda_route(device: torch.device, precision: str) -> str:
+    """The route of a float32 call on CUDA ``device``: the GEMM where ``precision`` resolves to a tensor-core
+    FP32-accurate path there (``fp16x3`` on sm90, ``tf32x3`` on other sm80+ GPUs), else ``F.linear``."""
+    resolved = resolve_precision(precision, torch.float32, device, "gemm")
     return "triton" if resolved in ("fp16x3", "tf32x3") else "torch"
-
-
-def _check(x, weight, bias, precision, backend) -> None:
-    who = "elsa_linear"
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{who}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{who}: `{name}` must be a floating-point tensor, got {t.dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"{who}: `weight` must have rank 2 [out_features, in_features], got "
-                         f"{_shape(weight)}")
-    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{who}: `x` must end with in_features = {weight.shape[1]} (weight "
-                         f"{_shape(weight)}), got x {_shape(x)}")
-    if x.dtype != weight.dtype or x.device != weight.device:
-        raise TypeError(f"{who}: x and weight must share dtype and device, got x {x.dtype} on {x.device}, "
-                        f"weight {weight.dtype} on {weight.device}")
-    if bias is not None:
-        if not isinstance(bias, Tensor):
-            raise TypeError(f"{who}: `bias` must be a tensor or None, got {type(bias).__name__}")
-        if bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype or bias.device != weight.device:
-            raise ValueError(f"{who}: `bias` must be [{weight.shape[0]}] of {weight.dtype} on "
-                             f"{weight.device}, got {_shape(bias)} of {bias.dtype} on {bias.device}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"{who}: unknown precision {precision!r}; expected one of {PRECISIONS}")
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"{who}: unknown backend {backend!r}; expected one of {LINEAR_BACKENDS}")
-    if backend == "triton":
-        if x.dtype != torch.float32:
-            raise TypeError(f"{who}: backend='triton' takes float32 tensors (half precisions and float64 run "
-                            f"on backend='torch'), got {x.dtype}")
-        if not x.is_cuda and not torch.compiler.is_compiling() and not triton_runs_on(x.device):
-            raise ValueError(f"{who}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
-                             f"triton is imported), got x on {x.device}; use backend='auto' or 'torch'")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -140,14 +108,14 @@ class _ElsaLinear(torch.autograd.Function):
         args = (x, weight, bias, precision)
         ctx.save_for_backward(x, weight)
         ctx.precision, ctx.has_bias = precision, bias is not None
-        return _linear_fwd(*args) if direct(x) else _LINEAR_FWD(*args)
+        return eager_bypass(x, _linear_fwd, _LINEAR_FWD)(*args)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         args = (dy, x, weight, ctx.precision, need_x, need_w, need_b and ctx.has_bias)
-        dx, dw, db = _linear_bwd(*args) if direct(dy) else _LINEAR_BWD(*args)
+        dx, dw, db = eager_bypass(dy, _linear_bwd, _LINEAR_BWD)(*args)
         return (dx if need_x else None), (dw if need_w else None), (db if args[-1] else None), None
 
 
@@ -155,8 +123,7 @@ def _triton_linear(x2, weight, bias, precision):
     if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _ElsaLinear.apply(x2, weight, bias, precision)
-    args = (x2, weight, bias, precision)
-    return _linear_fwd(*args) if direct(x2) else _LINEAR_FWD(*args)
+    return eager_bypass(x2, _linear_fwd, _LINEAR_FWD)(x2, weight, bias, precision)
 
 
 def elsa_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, precision: str = "auto",
@@ -177,10 +144,10 @@ def elsa_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, precis
     Returns:
         ``[..., out_features]`` in x's dtype; gradients flow to x, weight and bias on every path.
     """
-    _check(x, weight, bias, precision, backend)
+    check_linear_inputs(x, weight, bias, precision, backend)
     if linear_route(x, precision, backend) == "torch":
         if x.dtype == torch.float32 and x.is_cuda and precision in ("ieee", "tf32"):
-            with _cuda_matmul_precision(precision == "tf32"):
+            with cuda_matmul_precision(precision == "tf32"):
                 return F.linear(x, weight, bias)
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]

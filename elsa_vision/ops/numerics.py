@@ -1,8 +1,5 @@
-"""How the torch paths compute: the dtype they accumulate in, and the precision of CUDA float32 matmuls.
-
-One rule for every torch-side computation of the ops (the torch backend, the window op's dense backward,
-context parallelism's partial results): float64 inputs are computed in float64, everything else in float32;
-float32 matmuls on CUDA run in IEEE float32 unless the caller asked for TF32.
+"""How the torch paths compute CUDA float32 matmuls: in IEEE float32 unless the caller asked for TF32. (The
+dtype they accumulate in is ``kernels.precision.accumulation_dtype``.)
 """
 
 from __future__ import annotations
@@ -10,9 +7,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import Tensor
 
-__all__ = ["accumulation_dtype", "cuda_matmul_precision"]
+__all__ = ["cuda_matmul_precision"]
 
 
 @contextlib.contextmanager
@@ -25,9 +21,3 @@ def cuda_matmul_precision(tf32: bool):
         yield
     finally:
         flag.allow_tf32 = old
-
-
-def accumulation_dtype(t: Tensor) -> torch.dtype:
-    """The dtype a torch path computes ``t``'s results in, and partial results are kept and merged in:
-    float64 for float64 inputs, else float32 (half precision is upcast)."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
