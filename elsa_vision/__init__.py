@@ -1,9 +1,9 @@
 """elsa_vision: a vision model zoo on ELSA, exact softmax attention as a parallel prefix scan."""
 
 from . import models  # noqa: F401  (registers the elsa_* names with timm)
-from .layers import ElsaAttention
+from .layers import ElsaAttention, ElsaLinear
 from .models import ElsaCLIPVision, ElsaHSIViT, ElsaSwinV2, ElsaVGGT, ElsaViT
-from .ops import elsa_attention, elsa_attention_varlen
+from .ops import elsa_attention, elsa_attention_varlen, elsa_linear
 from .patching import (
     PatchReport,
     patch_attention,
@@ -18,7 +18,9 @@ __version__ = "0.1.0"
 __all__ = [
     "elsa_attention",
     "elsa_attention_varlen",
+    "elsa_linear",
     "ElsaAttention",
+    "ElsaLinear",
     "ElsaViT",
     "ElsaSwinV2",
     "ElsaHSIViT",

@@ -1,7 +1,9 @@
 """Drop-in ELSA layers for existing models: ``patch_model``, ``patch_attention`` and ``sdpa_override``.
 
-``patch_attention(model)`` walks a model and swaps every attention module it knows for its ELSA layer
-(:mod:`elsa_vision.layers`), in place and keeping every parameter and buffer:
+``patch_model(model)`` walks a model and swaps every module it knows for its ELSA layer
+(:mod:`elsa_vision.layers`), in place and keeping every parameter, buffer and state-dict key: its attention
+and its linear layers, so that a float32 model on the GPU runs FP32-accurate on tensor cores throughout.
+``patch_attention(model)`` swaps the attention modules alone:
 
 ===============================================  ==========================================================
 module                                           how
@@ -21,6 +23,11 @@ timm ``EvaAttention``, ``AttentionRope``          become :class:`~elsa_vision.la
                                                  ``ElsaAttentionRope``: kept as they are (RoPE, q/k/v bias
                                                  layout, ``num_kv_heads``), their fused SDPA call routed to
                                                  ELSA (:func:`sdpa_override`)
+``nn.Linear`` (and timm's ``Linear``, the        become :class:`~elsa_vision.layers.ElsaLinear` (kind
+``out_proj`` of ``nn.MultiheadAttention``)       ``"linear"``): ``elsa_linear``, FP32-accurate split GEMMs
+                                                 for float32 on CUDA, ``F.linear`` otherwise
+patch-embedding ``nn.Conv2d`` (kernel = stride,  becomes :class:`~elsa_vision.layers.ElsaPatchConv2d` (kind
+no padding); other convolutions are left alone   ``"linear"``): one ``elsa_linear`` over the patches
 ===============================================  ==========================================================
 
 "Becomes" means the module object stays (same parameters, same hooks, same name) and only its class changes
@@ -38,13 +45,11 @@ attention kinds.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-
 from timm.layers import Attention, AttentionPoolLatent
 from torch import nn
 
 from .layers import (
+    LINEAR_SWAPS,
     ElsaAttention,
     ElsaAttentionModule,
     ElsaAttentionPoolLatent,
@@ -52,7 +57,8 @@ from .layers import (
     ElsaMultiheadAttention,
     ElsaSwinV2WindowAttention,
     ElsaSwinWindowAttention,
-    check_layer_options,
+    PatchReport,
+    swap_layers,
 )
 from .layers.sdpa import ElsaAttentionRope, ElsaEvaAttention, sdpa_override
 
@@ -80,6 +86,7 @@ SWAPS: dict[type, tuple[str, type]] = {
     nn.MultiheadAttention: ("mha", ElsaMultiheadAttention),
     ElsaEvaAttention._converts: ("sdpa_routed", ElsaEvaAttention),
     ElsaAttentionRope._converts: ("sdpa_routed", ElsaAttentionRope),
+    **{source: ("linear", layer) for source, layer in LINEAR_SWAPS.items()},
 }
 
 
@@ -91,25 +98,6 @@ def kinds_of(layers: type = ElsaModule) -> tuple[str, ...]:
 
 KINDS = kinds_of()  # every kind of the table
 ATTENTION_KINDS = kinds_of(ElsaAttentionModule)  # patch_attention's: ("vit", "swin", "mha", "sdpa_routed")
-
-
-@dataclass
-class PatchReport:
-    """What a patch walk did: modules swapped per source type, and known modules it had to skip."""
-
-    counts: Counter = field(default_factory=Counter)
-    skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def __str__(self) -> str:
-        parts = [f"{n} x {t}" for t, n in sorted(self.counts.items())]
-        s = f"patched {self.total} modules" + (f" ({', '.join(parts)})" if parts else "")
-        if self.skipped:
-            s += "; skipped " + ", ".join(f"{k} ({v})" for k, v in self.skipped.items())
-        return s
 
 
 def patch_model(
@@ -167,40 +155,18 @@ def patch_attention(
 
 def _walk(model: nn.Module, backend: str, precision: str, kinds: tuple[str, ...], known: tuple[str, ...],
           who: str) -> PatchReport:
-    """The one walk: every module whose exact class is in ``SWAPS`` with a kind of ``kinds`` is replaced by
-    what its layer's ``from_module`` returns."""
+    """``swap_layers`` over the ``SWAPS`` entries of ``kinds``; refuses unknown kinds and a model in which
+    nothing was swapped."""
     bad = [k for k in kinds if k not in known]
     if bad or not kinds:
         raise ValueError(f"{who}: unknown kinds {bad or kinds!r}; expected a subset of {known}")
-    layers = tuple(dict.fromkeys(layer for kind, layer in SWAPS.values() if kind in kinds))
-    accepted = tuple(b for b in layers[0].backends if all(b in layer.backends for layer in layers))
-    check_layer_options(who, backend, precision, accepted)
-    report = PatchReport()
-    # Materialise the list first: replacing children while iterating named_modules would skip some.
-    for name, module in list(model.named_modules()):
-        source = type(module)
-        kind, layer = SWAPS.get(source, (None, None))
-        if kind not in kinds:
-            continue
-        reason = layer.unsupported(module)
-        if reason is not None:
-            report.skipped[name] = f"{source.__name__} with {reason}"
-            continue
-        new = layer.from_module(module, backend=backend, precision=precision)
-        if new is not module:
-            if not name:
-                raise ValueError(f"{who}: the model itself is a {source.__name__}, which {layer.__name__} "
-                                 f"replaces; wrap it or use {layer.__name__}.from_module(model)")
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, new)
-        report.counts[source.__name__] += 1
+    table = {source: layer for source, (kind, layer) in SWAPS.items() if kind in kinds}
+    report = swap_layers(model, table, backend=backend, precision=precision, who=who)
     if report.total == 0:
         raise ValueError(
             f"{who}: no module of kinds {kinds} found in {type(model).__name__}"
             + (f"; skipped: {report.skipped}" if report.skipped else "")
         )
-    for layer in layers:
-        layer.after_patching(model)
     return report
 
 

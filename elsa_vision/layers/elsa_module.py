@@ -19,14 +19,18 @@ methods call them.
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+
 from torch import nn
 
 from ..kernels import triton_runs_on
 from ..ops import checks
-from ..ops.checks import BACKENDS
+from ..ops.checks import BACKENDS, LINEAR_BACKENDS
 
-__all__ = ["ElsaAttentionModule", "ElsaModel", "ElsaModule", "check_attention_options", "check_layer_options",
-           "refuse_torchscript", "set_attention", "set_elsa_options"]
+__all__ = ["ElsaAttentionModule", "ElsaModel", "ElsaModule", "PatchReport", "check_attention_options",
+           "check_layer_options", "check_linear_options", "refuse_torchscript", "set_attention",
+           "set_elsa_options", "swap_layers"]
 
 
 def refuse_torchscript(module: nn.Module):
@@ -58,6 +62,12 @@ def check_attention_options(who: str, backend: str, precision: str, prefix: str 
     """:func:`check_layer_options` for the attention options of a model (``attn_backend`` /
     ``attn_precision``): ``backend`` one of ``elsa_attention``'s backends."""
     check_layer_options(who, backend, precision, BACKENDS, prefix)
+
+
+def check_linear_options(who: str, backend: str, prefix: str = "linear_") -> None:
+    """:func:`check_layer_options` for the ``linear_backend`` of a model: one of ``elsa_linear``'s backends
+    (the linear layers take the model's float32 precision, checked with the attention's)."""
+    check_layer_options(who, backend, None, LINEAR_BACKENDS, prefix)
 
 
 class ElsaModule:
@@ -121,6 +131,13 @@ class ElsaModule:
         return cls.convert(module, backend=backend, precision=precision)
 
     @classmethod
+    def replaces(cls, module: nn.Module) -> bool:
+        """Whether this layer takes the place of ``module`` (an instance of the class the patch table maps
+        to it) at all; a walk leaves the others alone without a word (a convolution that does not cut an
+        image into patches is no patch embedding). Every module by default."""
+        return True
+
+    @classmethod
     def after_patching(cls, model: nn.Module) -> None:
         """What the layer adjusts elsewhere in ``model`` once a patch walk has put it in; nothing by
         default."""
@@ -169,10 +186,99 @@ def set_attention(model: nn.Module, backend: str | None = None, precision: str |
                             layers=ElsaAttentionModule)
 
 
+@dataclass
+class PatchReport:
+    """What a patch walk did: modules swapped per source type, and known modules it had to skip."""
+
+    counts: Counter = field(default_factory=Counter)
+    skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __str__(self) -> str:
+        parts = [f"{n} x {t}" for t, n in sorted(self.counts.items())]
+        s = f"patched {self.total} modules" + (f" ({', '.join(parts)})" if parts else "")
+        if self.skipped:
+            s += "; skipped " + ", ".join(f"{k} ({v})" for k, v in self.skipped.items())
+        return s
+
+
+def swap_layers(model: nn.Module, table: dict[type, type[ElsaModule]], *, backend: str = "auto",
+                precision: str = "auto", who: str = "swap_layers") -> PatchReport:
+    """The one walk that puts ELSA layers into a model, in place, weights kept: every module whose exact
+    class is a key of ``table`` (subclasses with their own forward are left alone) and that the layer
+    ``table[class]`` takes the place of (:meth:`ElsaModule.replaces`) is replaced by what the layer's
+    :meth:`~ElsaModule.from_module` returns, with ``backend`` (one every layer of the table accepts) and
+    ``precision``; ELSA layers the model already has keep their options. Each layer's
+    :meth:`~ElsaModule.after_patching` runs once the walk is done. Used by :mod:`elsa_vision.patching`
+    (any timm / torch model) and by the ELSA models for their own linear layers."""
+    layers = tuple(dict.fromkeys(table.values()))
+    accepted = tuple(b for b in layers[0].backends if all(b in layer.backends for layer in layers)) \
+        if layers else ()
+    check_layer_options(who, backend, precision, accepted)
+    report = PatchReport()
+    # Materialise the list first: replacing children while iterating named_modules would skip some. A module
+    # put in place of another brings its own submodules: they take the place of the old one's in the list.
+    pending = list(model.named_modules())
+    i = 0
+    while i < len(pending):
+        name, module = pending[i]
+        i += 1
+        source = type(module)
+        layer = table.get(source)
+        if layer is None or not layer.replaces(module):
+            continue
+        reason = layer.unsupported(module)
+        if reason is not None:
+            report.skipped[name] = f"{source.__name__} with {reason}"
+            continue
+        new = layer.from_module(module, backend=backend, precision=precision)
+        if new is not module:
+            if not name:
+                raise ValueError(f"{who}: the model itself is a {source.__name__}, which {layer.__name__} "
+                                 f"replaces; wrap it or use {layer.__name__}.from_module(model)")
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, new)
+            inside = name + "."
+            rest = [entry for entry in pending[i:] if not entry[0].startswith(inside)]
+            pending[i:] = [(inside + n, m) for n, m in new.named_modules() if n] + rest
+        report.counts[source.__name__] += 1
+    for layer in layers:
+        layer.after_patching(model)
+    return report
+
+
 class ElsaModel:
-    """Mixin of every ELSA model of :mod:`elsa_vision.models`: the ``set_attention`` and ``set_elsa_options``
-    methods. It holds no state and defines no ``__init__``; a model lists it before its ``nn.Module`` (or
-    timm model) base class, whose ``__init__`` then runs unchanged."""
+    """Mixin of every ELSA model of :mod:`elsa_vision.models`: the ``set_attention``, ``set_linear`` and
+    ``set_elsa_options`` methods, and the swap of the model's own linear layers. It holds no state and
+    defines no ``__init__``; a model lists it before its ``nn.Module`` (or timm model) base class, whose
+    ``__init__`` then runs unchanged."""
+
+    def _elsa_linears(self, backend: str = "auto", precision: str = "auto") -> None:
+        """Make every ``nn.Linear`` and patch-embedding convolution of the model an ELSA linear layer with
+        these options, in place (:data:`elsa_vision.layers.LINEAR_SWAPS`, one :func:`swap_layers` walk):
+        FP32-accurate tensor-core products wherever the attention has them. A model calls it once its
+        modules are built (and again for a new head: ``reset_classifier``); layers that are ELSA layers
+        already keep their options. The options are remembered for the layers a model adds later."""
+        from .linear import LINEAR_SWAPS
+
+        swap_layers(self, LINEAR_SWAPS, backend=backend, precision=precision, who=type(self).__name__)
+        self.__dict__["_linear_options"] = (backend, precision)
+
+    def reset_classifier(self, *args, **kwargs) -> None:
+        """The model's own ``reset_classifier`` (timm's), then its new head made an ELSA linear layer with
+        the model's linear options."""
+        super().reset_classifier(*args, **kwargs)
+        self._elsa_linears(*self.__dict__.get("_linear_options", ("auto", "auto")))
+
+    def set_linear(self, backend: str | None = None, precision: str | None = None) -> None:
+        """Choose the ``backend`` (``"torch"``: PyTorch's own float32 GEMM) and/or float32 ``precision``
+        (None: keep) of every ELSA linear layer of the model (:func:`elsa_vision.layers.set_linear`)."""
+        from .linear import set_linear
+
+        set_linear(self, backend, precision)
 
     def set_attention(self, backend: str | None = None, precision: str | None = None) -> None:
         """Choose the ELSA ``backend`` and/or float32 ``precision`` (None: keep) of every ELSA attention layer

@@ -10,13 +10,13 @@ and OpenAI CLIP load unchanged and ``isinstance(m, nn.MultiheadAttention)`` stay
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops.attention import elsa_attention
 from .attention import mask_to_bias
 from .elsa_module import ElsaAttentionModule
+from .linear import linear_of
 
 __all__ = ["ElsaMultiheadAttention"]
 
@@ -116,7 +116,7 @@ class ElsaMultiheadAttention(ElsaAttentionModule, nn.MultiheadAttention):
         H, hd = self.num_heads, self.head_dim
         if self_attn:
             # One GEMM; q, k, v are strided views [B, H, L, hd] of it (the kernels take any strides).
-            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).view(L, B, 3, H, hd)
+            qkv = linear_of(self.out_proj, query, self.in_proj_weight, self.in_proj_bias).view(L, B, 3, H, hd)
             q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)
         else:
             if self._qkv_same_embed_dim:
@@ -127,9 +127,10 @@ class ElsaMultiheadAttention(ElsaAttentionModule, nn.MultiheadAttention):
             if self.in_proj_bias is not None:
                 b_q, b_k, b_v = self.in_proj_bias.chunk(3)
             # [L, B, E] -> [B, H, L, hd]
-            q = F.linear(query, w_q, b_q).view(L, B, H, hd).permute(1, 2, 0, 3)
-            k = F.linear(key, w_k, b_k).view(S, B, H, hd).permute(1, 2, 0, 3)
-            v = F.linear(value, w_v, b_v).view(S, B, H, hd).permute(1, 2, 0, 3)
+            # (the input projections follow out_proj: FP32-accurate GEMMs once it is an ElsaLinear)
+            q = linear_of(self.out_proj, query, w_q, b_q).view(L, B, H, hd).permute(1, 2, 0, 3)
+            k = linear_of(self.out_proj, key, w_k, b_k).view(S, B, H, hd).permute(1, 2, 0, 3)
+            v = linear_of(self.out_proj, value, w_v, b_v).view(S, B, H, hd).permute(1, 2, 0, 3)
 
         bias, keep = None, None
         if attn_mask is not None:

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..ops.attention import elsa_attention, resolve_backend
 from ..ops.window_attention import window_attention
 from .elsa_module import ElsaAttentionModule
+from .linear import linear_of
 
 __all__ = ["ElsaSwinWindowAttention", "ElsaSwinV2WindowAttention", "window_attention_fallback"]
 
@@ -129,7 +130,7 @@ class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
             if getattr(self, "qkv_bias_separate", False):
                 qkv = self.qkv(x) + qkv_bias
             else:
-                qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+                qkv = linear_of(self.qkv, x, self.qkv.weight, qkv_bias)
         qkv = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         return qkv.unbind(0)
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor, nn
 
-from ..layers.elsa_module import check_attention_options
+from ..layers.elsa_module import check_attention_options, check_linear_options
 
 __all__ = ["FromTimm", "LoadReport", "check_attention_options", "read_state_dict", "check_shapes",
            "load_checkpoint"]
@@ -196,6 +196,7 @@ class FromTimm:
         *,
         attn_backend: str = "auto",
         attn_precision: str = "auto",
+        linear_backend: str = "auto",
         strict: bool = True,
         **kwargs: Any,
     ) -> _Model:
@@ -210,7 +211,8 @@ class FromTimm:
             checkpoint_path: only with a name: a local ``.safetensors`` / ``.pth`` / ``.bin`` file, read with
                 ``weights_only=True`` and converted by the class's ``_timm_filter_fn`` (the layouts it
                 handles: see the class).
-            attn_backend, attn_precision: the ELSA backend and float32 precision of every attention layer,
+            attn_backend, attn_precision, linear_backend: the ELSA backend of every attention layer, the
+                float32 precision of the attention and linear layers and the backend of the linear layers,
                 as the class's constructor takes them.
             strict: missing or unexpected checkpoint keys raise ``ValueError``; with ``strict=False`` they are
                 kept in ``model.load_report``. Shape mismatches always raise ``ValueError`` naming the key.
@@ -226,9 +228,11 @@ class FromTimm:
         """
         owner = f"{cls.__name__}.from_timm"
         check_attention_options(owner, attn_backend, attn_precision)
+        check_linear_options(owner, linear_backend)
         model, report = _timm_source(owner, src, cls._timm_class, cls, checkpoint_path, cls._timm_filter_fn,
                                      strict, kwargs)
         model.__class__ = cls  # a subclass of the timm class that adds no parameters
         model._elsa_convert(attn_backend, attn_precision)
+        model._elsa_linears(linear_backend, attn_precision)
         model.load_report = report
         return model

@@ -32,7 +32,7 @@ from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
-from ..layers.elsa_module import ElsaModel, check_attention_options
+from ..layers.elsa_module import ElsaModel, check_attention_options, check_linear_options
 
 __all__ = ["ElsaHSIViT", "HSIMAEDecoder", "HSI_PRESETS", "GLOBAL_POOLS"]
 
@@ -139,6 +139,7 @@ class ElsaHSIViT(ElsaModel, nn.Module):
         drop_path_rate: float = 0.0,
         attn_backend: str = "auto",
         attn_precision: str = "auto",
+        linear_backend: str = "auto",
         attn_layer: type[nn.Module] = ElsaAttention,
         attn_impl: str | None = None,
     ):
@@ -168,6 +169,7 @@ class ElsaHSIViT(ElsaModel, nn.Module):
             )
         _check_pool(global_pool)
         check_attention_options("ElsaHSIViT", attn_backend, attn_precision)
+        check_linear_options("ElsaHSIViT", linear_backend)
         if branch_depth + fusion_depth == 0:
             raise ValueError("ElsaHSIViT: branch_depth + fusion_depth must be >= 1")
         self.config = dict(
@@ -187,6 +189,7 @@ class ElsaHSIViT(ElsaModel, nn.Module):
             drop_path_rate=float(drop_path_rate),
             attn_backend=attn_backend,
             attn_precision=attn_precision,
+            linear_backend=linear_backend,
         )
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
@@ -220,6 +223,7 @@ class ElsaHSIViT(ElsaModel, nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.set_attention(attn_backend, attn_precision)
+        self._elsa_linears(linear_backend, attn_precision)
         self.init_weights()
 
     # -- init ----------------------------------------------------------------------------------------------
@@ -329,6 +333,7 @@ class ElsaHSIViT(ElsaModel, nn.Module):
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         if num_classes > 0:
             _init_weights(self.head)
+        self._elsa_linears(self.config["linear_backend"], self.config["attn_precision"])
 
 
 def _legacy_attn_layer(attn_impl: str, attn_layer: type[nn.Module]) -> type[nn.Module]:
@@ -363,11 +368,12 @@ def _init_weights(m: nn.Module) -> None:
         nn.init.zeros_(m.bias)
 
 
-class HSIMAEDecoder(nn.Module):
+class HSIMAEDecoder(ElsaModel, nn.Module):
     """MAE decoder: encoded tokens ``(B, T, D)`` and visible mask ``(B, T)`` -> pixels ``(B, T, out_dim)``.
 
     Masked positions are replaced by a learned mask token before position embeddings are added; ``depth``
-    timm ``Block``s with ``ElsaAttention`` attend over all ``T`` tokens.
+    timm ``Block``s with ``ElsaAttention`` attend over all ``T`` tokens; its linear layers are ELSA linear
+    layers, as the encoder's.
     """
 
     def __init__(
@@ -403,6 +409,7 @@ class HSIMAEDecoder(nn.Module):
         )
         self.norm = nn.LayerNorm(decoder_dim)
         self.pred = nn.Linear(decoder_dim, out_dim)
+        self._elsa_linears()
         trunc_normal_(self.mask_token, std=0.02)
         trunc_normal_(self.pos_embed, std=0.02)
         self.apply(_init_weights)

@@ -20,7 +20,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2, checkpoint_filter_fn
 
-from ..layers.elsa_module import ElsaModel, check_attention_options
+from ..layers.elsa_module import ElsaModel, check_attention_options, check_linear_options
 from ..layers.window_attention import ElsaSwinV2WindowAttention
 from ._builder import FromTimm
 
@@ -58,10 +58,13 @@ class ElsaSwinV2(ElsaModel, FromTimm, SwinTransformerV2):
     _timm_class = SwinTransformerV2
     _timm_filter_fn = staticmethod(checkpoint_filter_fn)
 
-    def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto", **kwargs):
+    def __init__(self, *args, attn_backend: str = "auto", attn_precision: str = "auto",
+                 linear_backend: str = "auto", **kwargs):
         check_attention_options("ElsaSwinV2", attn_backend, attn_precision)
+        check_linear_options("ElsaSwinV2", linear_backend)
         super().__init__(*args, **kwargs)
         self._elsa_convert(attn_backend, attn_precision)
+        self._elsa_linears(linear_backend, attn_precision)
 
     def _elsa_convert(self, backend: str, precision: str) -> None:
         n = 0

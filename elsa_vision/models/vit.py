@@ -26,7 +26,7 @@ from torch import Tensor
 from ..distributed import LAYOUTS, ContextParallel
 from ..layers.attention import ElsaAttention
 from ..layers.attention_pool import ElsaAttentionPoolLatent
-from ..layers.elsa_module import ElsaModel, check_attention_options
+from ..layers.elsa_module import ElsaModel, check_attention_options, check_linear_options
 from ._builder import FromTimm
 
 __all__ = ["ElsaViT", "elsa_checkpoint_filter_fn"]
@@ -65,7 +65,11 @@ class ElsaViT(ElsaModel, FromTimm, VisionTransformer):
 
     Args:
         attn_backend: ``elsa_attention`` backend for every block (``"auto"``, ``"torch"``, ``"triton"``).
-        attn_precision: float32 precision, one of ``ops.attention.PRECISIONS`` (``"auto"``: FP32-accurate).
+        attn_precision: float32 precision of the attention and of every linear layer, one of
+            ``kernels.precision.PRECISIONS`` (``"auto"``: FP32-accurate on tensor cores).
+        linear_backend: ``elsa_linear`` backend of every linear layer and of the patch embedding
+            (:class:`elsa_vision.layers.ElsaLinear`): ``"auto"`` (the split-precision GEMM for float32 on
+            CUDA), ``"torch"`` (PyTorch's own GEMM), ``"triton"``.
         context_parallel_group: a ``torch.distributed`` process group over which every image's tokens are
             split (context parallelism, see :meth:`set_context_parallel`); ``None`` runs on one process.
         context_parallel_layout: ``"contiguous"`` or ``"zigzag"`` shards (see
@@ -92,11 +96,13 @@ class ElsaViT(ElsaModel, FromTimm, VisionTransformer):
         *args,
         attn_backend: str = "auto",
         attn_precision: str = "auto",
+        linear_backend: str = "auto",
         context_parallel_group=None,
         context_parallel_layout: str = "contiguous",
         **kwargs,
     ):
         check_attention_options("ElsaViT", attn_backend, attn_precision)
+        check_linear_options("ElsaViT", linear_backend)
         for k in _OWN_KWARGS:
             if k in kwargs and kwargs[k] is not ElsaAttention:
                 raise ValueError(f"ElsaViT: `{k}` is fixed to ElsaAttention, got {kwargs[k]!r}")
@@ -108,6 +114,7 @@ class ElsaViT(ElsaModel, FromTimm, VisionTransformer):
             kwargs["attn_layer"] = ElsaAttention
         super().__init__(*args, **kwargs)
         self._elsa_convert(attn_backend, attn_precision)
+        self._elsa_linears(linear_backend, attn_precision)
         self.set_context_parallel(context_parallel_group, layout=context_parallel_layout)
 
     # ------------------------------------------------------------------------------- context parallelism

@@ -232,13 +232,15 @@ def check_linear_inputs(x, weight, bias, precision: str, backend: str) -> None:
     if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{who}: `x` must end with in_features = {weight.shape[1]} (weight "
                          f"{format_shape(weight)}), got x {format_shape(x)}")
-    if x.dtype != weight.dtype or x.device != weight.device:
+    autocast = torch.is_autocast_enabled(x.device.type)  # casts F.linear's operands: dtypes may differ
+    if x.device != weight.device or (x.dtype != weight.dtype and not autocast):
         raise TypeError(f"{who}: x and weight must share dtype and device, got x {x.dtype} on {x.device}, "
                         f"weight {weight.dtype} on {weight.device}")
     if bias is not None:
         if not isinstance(bias, Tensor):
             raise TypeError(f"{who}: `bias` must be a tensor or None, got {type(bias).__name__}")
-        if bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype or bias.device != weight.device:
+        if bias.shape != (weight.shape[0],) or bias.device != weight.device or (
+                bias.dtype != weight.dtype and not autocast):
             raise ValueError(f"{who}: `bias` must be [{weight.shape[0]}] of {weight.dtype} on "
                              f"{weight.device}, got {format_shape(bias)} of {bias.dtype} on {bias.device}")
     check_options(who, backend, precision, backends=LINEAR_BACKENDS)

@@ -531,6 +531,7 @@ _NET_CONFIG = {
     "drop_path_rate": (int, float),
     "attn_backend": str,
     "attn_precision": str,
+    "linear_backend": str,
 }
 _NET_REQUIRED = ("in_chans", "num_classes")
 

@@ -68,6 +68,8 @@ def test_routes_that_stay_f_linear():
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         assert linear_route(x, "auto", TRITON) == "torch"
         out = elsa_linear(x, w, b, backend=TRITON)
+        mixed = elsa_linear(x.bfloat16(), w, b)  # an earlier autocast op's output beside float32 weights
+        assert torch.equal(mixed, F.linear(x.bfloat16(), w, b))
     assert out.dtype == torch.bfloat16
     if DEVICE == "cpu":  # the CPU's float32 "auto" is F.linear itself
         assert linear_route(x, "auto", "auto") == "torch"

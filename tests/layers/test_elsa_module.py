@@ -110,16 +110,20 @@ def test_every_model_sets_its_attention_through_set_attention(who, monkeypatch):
     seen = []
     monkeypatch.setattr("elsa_vision.layers.elsa_module.set_attention",
                         lambda *a, **k: seen.append(1) or set_attention(*a, **k))
+    linears = [m for m in model.modules()
+               if isinstance(m, ElsaModule) and not isinstance(m, ElsaAttentionModule)]
+    before = [(m.backend, m.precision) for m in linears]
     model.set_attention(backend="torch", precision="ieee")
     assert seen == [1]
-    elsa = [m for m in model.modules() if isinstance(m, ElsaModule)]
+    elsa = [m for m in model.modules() if isinstance(m, ElsaAttentionModule)]
     assert elsa and all((m.backend, m.precision) == ("torch", "ieee") for m in elsa)
+    assert [(m.backend, m.precision) for m in linears] == before  # attention only
     model.set_attention(precision="tf32x3")
     assert all((m.backend, m.precision) == ("torch", "tf32x3") for m in elsa)
     with pytest.raises(ValueError, match=rf"^{who}\.set_attention: unknown backend 'cuda'"):
         model.set_attention(backend="cuda")
-    model.set_elsa_options(backend="auto", precision="ieee")  # every ELSA layer: all attention here
-    assert all((m.backend, m.precision) == ("auto", "ieee") for m in elsa)
+    model.set_elsa_options(backend="auto", precision="ieee")  # every ELSA layer: attention and linear
+    assert all((m.backend, m.precision) == ("auto", "ieee") for m in elsa + linears)
     with pytest.raises(ValueError, match=rf"^{who}\.set_elsa_options: unknown backend 'cuda'"):
         model.set_elsa_options(backend="cuda")
 
@@ -283,6 +287,7 @@ def test_patch_model_swaps_a_new_kind_from_one_table_entry(monkeypatch):
     assert type(model[2]) is timm.layers.Attention  # not a kind asked for
     x = torch.randn(2, 5, 4)
     assert torch.equal(model[1](model[0](x)), 6 * x)
-    assert patch_model(model).counts == {"Attention": 1}  # every kind: only the attention was left
+    # every kind: the attention (and its linear layers, new ones of the ElsaAttention put in its place)
+    assert patch_model(model).counts == {"Attention": 1, "Linear": 2}
     with pytest.raises(ValueError, match="^patch_model: the model itself is a Doubler"):
         patch_model(Doubler(), kinds=("double",))

@@ -1,0 +1,122 @@
+"""FP32-accurate linear layers: ``ElsaLinear`` (an ``nn.Linear``) and ``ElsaPatchConv2d`` (a patchifying
+``nn.Conv2d``), both computed by :func:`elsa_vision.ops.linear.elsa_linear`.
+
+Each *is* the torch module it replaces (same parameters and state-dict keys, ``isinstance`` stays true) and
+is made from one in place (:meth:`ElsaModule.convert`, or a model walk: :data:`LINEAR_SWAPS`) or built from
+the torch constructor. On CUDA float32 outside autocast its products run on tensor cores at the layer's
+``precision`` (``"auto"``: FP32-accurate); everything else -- half precisions, autocast, the CPU,
+``precision="ieee"`` / ``"tf32"``, ``backend="torch"`` -- is the torch module's own computation.
+:func:`set_linear` sets the options of every linear layer of a model.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from timm.layers import Linear as TimmLinear
+from timm.models import register_notrace_module
+from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+from ..ops.linear import LINEAR_BACKENDS, elsa_linear, linear_route
+from .elsa_module import ElsaModule, set_elsa_options
+
+__all__ = ["ElsaLinear", "ElsaLinearModule", "ElsaPatchConv2d", "LINEAR_SWAPS", "linear_of", "set_linear"]
+
+
+class ElsaLinearModule(ElsaModule):
+    """Mixin of the ELSA linear layers: they accept ``elsa_linear``'s backends."""
+
+    backends = LINEAR_BACKENDS
+
+
+@register_notrace_module  # an FX leaf: its forward routes on dtype and device
+class ElsaLinear(ElsaLinearModule, nn.Linear):
+    """``nn.Linear`` computed by ``elsa_linear`` (``backend`` / ``precision`` attributes, see there).
+
+    ``ElsaLinear(in_features, out_features, bias=True, device=None, dtype=None, *, backend="auto",
+    precision="auto")``; ``ElsaLinear.convert(linear)`` turns an ``nn.Linear`` into one in place.
+    """
+
+    _converts = nn.Linear
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 backend: str = "auto", precision: str = "auto") -> None:
+        self.check_options(backend, precision)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.backend, self.precision = backend, precision
+
+    def forward(self, x: Tensor) -> Tensor:
+        return elsa_linear(x, self.weight, self.bias, precision=self.precision, backend=self.backend)
+
+
+@register_notrace_module
+class ElsaPatchConv2d(ElsaLinearModule, nn.Conv2d):
+    """A patchifying ``nn.Conv2d`` (kernel size equal to its stride, no padding, dilation or groups: the patch
+    embedding of a ViT or Swin) computed as one ``elsa_linear`` over the flattened patches.
+
+    The image is cut into ``stride``-sized patches (rows and columns past the last whole patch are dropped,
+    as the convolution drops them), each patch flattened in the weight's (channel, row, column) order and
+    multiplied by the weight viewed as ``[out_channels, in_channels * kh * kw]``. The output is
+    ``[B, out_channels, H // kh, W // kw]``, stored channels-last (a view), which a patch embedding's
+    ``flatten(2).transpose(1, 2)`` turns into tokens without a copy. Other convolutions are no patch
+    embedding: a model walk leaves them alone (:meth:`replaces`).
+    """
+
+    _converts = nn.Conv2d
+
+    @classmethod
+    def unsupported(cls, module: nn.Module) -> str | None:
+        if tuple(module.kernel_size) != tuple(module.stride):
+            return f"kernel_size {tuple(module.kernel_size)} != stride {tuple(module.stride)}"
+        if module.padding not in ("valid", (0, 0)) or module.padding_mode != "zeros":
+            return f"padding {module.padding!r}"
+        if tuple(module.dilation) != (1, 1) or module.groups != 1:
+            return f"dilation {tuple(module.dilation)}, groups {module.groups}"
+        return None
+
+    @classmethod
+    def replaces(cls, module: nn.Module) -> bool:
+        return cls.unsupported(module) is None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or linear_route(x, self.precision, self.backend) == "torch":
+            return super().forward(x)
+        B, C, H, W = x.shape
+        kh, kw = self.kernel_size
+        ho, wo = H // kh, W // kw
+        patches = (x[:, :, :ho * kh, :wo * kw].reshape(B, C, ho, kh, wo, kw).permute(0, 2, 4, 1, 3, 5)
+                   .reshape(B * ho * wo, C * kh * kw))
+        out = elsa_linear(patches, self.weight.reshape(self.out_channels, -1), self.bias,
+                          precision=self.precision, backend=self.backend)
+        return out.view(B, ho, wo, self.out_channels).permute(0, 3, 1, 2)
+
+
+# The linear kind of a model walk (``layers.elsa_module.swap_layers``; ``patching.SWAPS``): the torch and timm
+# classes matched exactly (``NonDynamicallyQuantizableLinear`` is ``nn.MultiheadAttention.out_proj``; timm's
+# ``Linear`` differs from ``nn.Linear`` under TorchScript only).
+LINEAR_SWAPS: dict[type, type[ElsaModule]] = {
+    nn.Linear: ElsaLinear,
+    NonDynamicallyQuantizableLinear: ElsaLinear,
+    TimmLinear: ElsaLinear,
+    nn.Conv2d: ElsaPatchConv2d,
+}
+
+
+def linear_of(layer: nn.Linear, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T + bias`` computed as ``layer`` computes: with its options through ``elsa_linear`` when
+    it is an :class:`ElsaLinear`, by ``F.linear`` otherwise. For the projections a module forms from its
+    linear layer's parameters (Swin-v2's qkv with its own bias, ``nn.MultiheadAttention``'s ``in_proj``
+    beside its ``out_proj``): they follow the layer, swapped or not."""
+    if isinstance(layer, ElsaLinear):
+        return elsa_linear(x, weight, bias, precision=layer.precision, backend=layer.backend)
+    return F.linear(x, weight, bias)
+
+
+def set_linear(model: nn.Module, backend: str | None = None, precision: str | None = None,
+               who: str | None = None) -> int:
+    """Set ``backend`` and/or ``precision`` (None: keep) on every ELSA linear layer of ``model``
+    (:func:`set_elsa_options` for :class:`ElsaLinearModule`; errors naming ``who``, by default
+    ``"<model class>.set_linear"``). ``backend="torch"`` gives PyTorch's own float32 GEMM back. Returns how
+    many layers were set."""
+    return set_elsa_options(model, backend, precision, who or f"{type(model).__name__}.set_linear",
+                            layers=ElsaLinearModule)
