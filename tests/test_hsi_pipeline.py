@@ -225,6 +225,24 @@ def test_confusion_metrics_match_torchmetrics_and_sklearn():
     assert m["confusion"].sum() == 500
 
 
+def test_inference_linear_backend_reaches_the_network(trained, tmp_path, monkeypatch):
+    import elsa_vision.inference.hsi as hsi_cli
+    from elsa_vision.layers import ElsaLinearModule
+
+    seen = []
+    real = hsi_cli.predict_scene
+    monkeypatch.setattr(hsi_cli, "predict_scene", lambda net, *a, **k: seen.append(net) or real(net, *a, **k))
+    root = trained["root"]
+    for backend in ("auto", "torch"):
+        run(str(trained["ckpt"]), str(root / "scene.mat"), out=str(tmp_path / backend), progress=False,
+            linear_backend=backend)
+        linears = [m for m in seen[-1].modules() if isinstance(m, ElsaLinearModule)]
+        assert linears and all(m.backend == backend for m in linears)
+    with pytest.raises(ValueError, match="--linear-backend: unknown backend 'eca'"):
+        run(str(trained["ckpt"]), str(root / "scene.mat"), out=str(tmp_path / "eca"), progress=False,
+            linear_backend="eca")
+
+
 def test_inference_errors(trained, tmp_path):
     root = trained["root"]
     bad = tmp_path / "bad.ckpt"

@@ -132,6 +132,7 @@ def build_model(
     stock: bool = False,
     attn_backend: str = "auto",
     attn_precision: str = "auto",
+    linear_backend: str = "auto",
 ) -> nn.Module:
     """Build ``name`` (or its stock timm counterpart) for ``img_size`` and load ``state_dict``.
 
@@ -163,9 +164,8 @@ def build_model(
             if hasattr(blk.attn, "fused_attn"):
                 blk.attn.fused_attn = True  # F.scaled_dot_product_attention
     else:
-        model = timm.create_model(
-            full, pretrained=False, attn_backend=attn_backend, attn_precision=attn_precision, **kwargs
-        )
+        model = timm.create_model(full, pretrained=False, attn_backend=attn_backend,
+                                  attn_precision=attn_precision, linear_backend=linear_backend, **kwargs)
     if sd is not None:
         if sd["patch_embed.proj.weight"].shape[0] != model.embed_dim:
             raise ValueError(

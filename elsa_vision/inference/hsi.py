@@ -33,6 +33,7 @@ from torch import nn
 from ..data.hyperspectral import SpectralTransform, encode_labels, extract_patches, pad_cube
 from ..data.readers import load_cube, load_gt
 from ..files import add_max_input_argument, add_output_arguments, prepare_output_dir
+from ..layers import set_linear
 from ..utils.accelerator import add_device_argument, resolve_device
 
 __all__ = ["predict_scene", "confusion_metrics", "save_class_map", "run", "main"]
@@ -200,12 +201,14 @@ def run(
     nan_policy: str | None = None,
     overwrite: bool = False,
     max_bytes: int | None = None,
+    linear_backend: str = "auto",
 ) -> dict:
     """Classify a full scene with a ``HSIClassificationModule`` checkpoint; returns the JSON summary dict.
 
     ``out`` must be writable and must not hold the outputs of an earlier run unless ``overwrite``; this is
     checked first. ``max_bytes`` limits the declared size of the cube and ground-truth arrays
-    (default :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`).
+    (default :data:`elsa_vision.files.DEFAULT_MAX_ARRAY_BYTES`). ``linear_backend``: ``"auto"`` (the
+    network's linear layers as FP32-accurate split GEMMs on CUDA) or ``"torch"`` (PyTorch's own FP32 GEMMs).
     """
     from ..tasks.hsi import load_hsi_checkpoint
 
@@ -217,6 +220,7 @@ def run(
     if labelled_only and gt is None:
         raise ValueError("--labelled-only needs --gt")
     net, meta = load_hsi_checkpoint(checkpoint)
+    set_linear(net, backend=linear_backend, who="--linear-backend")
     transform = SpectralTransform.from_state_dict(meta["transform"])
     cube = load_cube(
         input,
@@ -304,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--nan-policy", choices=("raise", "fill"), default=None, help="non-finite values in the cube"
     )
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    ap.add_argument(
+        "--linear-backend", choices=("auto", "torch"), default="auto",
+        help="linear layers: auto = FP32-accurate split GEMMs on CUDA float32 (error below PyTorch FP32's), "
+        "torch = PyTorch's own FP32 GEMMs",
+    )
     a = ap.parse_args(argv)
     summary = run(
         a.checkpoint,
@@ -319,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         nan_policy=a.nan_policy,
         overwrite=a.overwrite,
         max_bytes=int(a.max_input_gib * 2**30),
+        linear_backend=a.linear_backend,
     )
     print(
         f"classified {summary['predicted_pixels']} pixels ({summary['height']}x{summary['width']}) in "

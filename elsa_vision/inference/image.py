@@ -3,7 +3,8 @@
 Usage::
 
     python -m elsa_vision.inference.image --model elsa_vit_b_patch16 --weights x.safetensors \\
-        --input scan.dcm --img-size 2048 [--precision fp32|tf32|bf16] [--device cuda] \\
+        --input scan.dcm --img-size 2048 [--precision fp32|tf32|bf16] [--linear-backend auto|torch] \\
+        [--device cuda] \\
         [--memory-budget-mb N | --query-chunk N] [--compare-sdpa] --out DIR
 
     torchrun --nproc-per-node 2 -m elsa_vision.inference.image --context-parallel \\
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         choices=PRECISIONS,
         default="fp32",
-        help="fp32: IEEE-accurate everywhere (TF32 off); tf32: TF32 matmuls and attention; bf16: autocast",
+        help="fp32: FP32-accurate everywhere (attention and linear layers on tensor cores, error below "
+        "PyTorch FP32's; TF32 off); tf32: TF32 matmuls and attention; bf16: autocast",
     )
     add_device_argument(p)
     p.add_argument(
@@ -156,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "torch", "triton"),
         default="auto",
         help="ELSA attention backend (auto: Triton on CUDA, torch otherwise)",
+    )
+    p.add_argument(
+        "--linear-backend",
+        choices=("auto", "torch"),
+        default="auto",
+        help="linear layers and patch embedding: auto = FP32-accurate split GEMMs on CUDA float32 (error "
+        "below PyTorch FP32's), torch = PyTorch's own FP32 GEMMs (the plain PyTorch result)",
     )
     mem = p.add_mutually_exclusive_group()
     mem.add_argument(
@@ -405,6 +414,7 @@ def _write_outputs(
         "peak_memory_mb": res.peak_memory_mb,
         "peak_memory_kind": res.peak_memory_kind,
         "precision": args.precision,
+        "linear_backend": args.linear_backend,
         "tiled": plan.mode == "tiled",
         "mode": plan.mode,
         "global_attention": plan.mode != "tiled",
@@ -551,6 +561,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
         gray_adapt=args.gray == "adapt" and source_chans == 1,
         attn_backend=args.attn_backend,
         attn_precision=attn_precision,
+        linear_backend=args.linear_backend,
     )
     with torch.device("meta"):  # the plan reads shapes only: a size that cannot fit is refused unbuilt
         shapes = build_model(name, None, size, **{**build, "gray_adapt": False})
@@ -681,7 +692,8 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
             summaries.append(
                 {
                     k: report[k]
-                    for k in ("tokens", "seconds", "peak_memory_mb", "precision", "tiled", "mode")
+                    for k in ("tokens", "seconds", "peak_memory_mb", "precision", "linear_backend", "tiled",
+                              "mode")
                     if k in report
                 }
                 | {"out": out_dir}

@@ -336,6 +336,22 @@ def test_cli_bf16_close_to_fp32(weights, tmp_path):
     assert 0 < err <= 5e-2  # bfloat16 (8-bit mantissa) through 12 blocks
 
 
+def test_linear_backend_reaches_every_linear_layer(weights, tmp_path):
+    from elsa_vision.layers import ElsaLinearModule
+
+    for backend in ("auto", "torch"):
+        model = build_model(TINY, None, (32, 32), linear_backend=backend)
+        linears = [m for m in model.modules() if isinstance(m, ElsaLinearModule)]
+        assert len(linears) == 4 * 12 + 2 and all(m.backend == backend for m in linears)  # + patch, head
+        assert not any(type(m) in (torch.nn.Linear, torch.nn.Conv2d) for m in model.modules())
+    base = ["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--img-size", "32"]
+    summary = main(base + ["--linear-backend", "torch", "--out", str(tmp_path / "torch")])
+    report = json.loads((tmp_path / "torch" / "report.json").read_text())
+    assert summary["linear_backend"] == report["linear_backend"] == "torch"
+    with pytest.raises(SystemExit):
+        main(base + ["--linear-backend", "eca", "--out", str(tmp_path / "eca")])
+
+
 def test_cli_nifti_all_slices(weights, tmp_path, monkeypatch):
     vol = np.random.default_rng(0).normal(size=(40, 36, 3)).astype(np.float32)
     p = tmp_path / "v.nii.gz"
