@@ -32,7 +32,8 @@ __all__ = [
 ]
 
 # model.net settings that do not change the network's parameters: a resume may change them
-_RUNTIME_NET_KEYS = ("attn_backend", "attn_precision", "drop_rate", "drop_path_rate", "pretrained_file")
+_RUNTIME_NET_KEYS = ("attn_backend", "attn_precision", "linear_backend", "drop_rate", "drop_path_rate",
+                     "pretrained_file")
 
 
 def _flat(tree: Any, prefix: str) -> dict[str, Any]:
@@ -46,8 +47,8 @@ def _flat(tree: Any, prefix: str) -> dict[str, Any]:
 
 def run_identity(cfg: Mapping) -> dict[str, Any] | None:
     """What a run's checkpoints depend on, as flat ``{dotted key: value}``: ``model._target_``, the network
-    (``model.net``, without settings that leave its parameters alone: attention backend and precision,
-    dropout rates, the initial weights file) and ``data._target_``. ``ckpt_path=last`` resumes only a run
+    (``model.net``, without settings that leave its parameters alone: attention backend and precision, the
+    linear layers' backend, dropout rates, the initial weights file) and ``data._target_``. ``ckpt_path=last`` resumes only a run
     whose saved ``config_resolved.yaml`` has the same identity. None when ``cfg`` has no model config or its
     values cannot be resolved here."""
     try:
