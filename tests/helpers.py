@@ -23,6 +23,22 @@ def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def assert_nonfinite_like(out: torch.Tensor, ref: torch.Tensor, tol: float, some_finite: bool = True) -> None:
+    """``out`` is NaN, ``+inf`` and ``-inf`` exactly where ``ref`` is (entry by entry) and within relerr
+    ``tol`` of ``ref`` on the entries where ``ref`` is finite (which must hold some, unless not
+    ``some_finite``)."""
+    out = out.double()
+    for name, f in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        got, want = f(out), f(ref)
+        assert torch.equal(got, want), (f"{name} at {int(got.sum())} entries, the reference at "
+                                        f"{int(want.sum())}; first differing index "
+                                        f"{(got != want).nonzero()[0].tolist()}")
+    fin = torch.isfinite(ref)
+    assert bool(fin.any()) or not some_finite, "the reference has no finite entry"
+    if fin.any():
+        assert relerr(out[fin], ref[fin]) <= tol
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
@@ -75,6 +91,56 @@ def randomize_(model: torch.nn.Module, seed: int = 1234) -> torch.nn.Module:
                                 "positional_embedding")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     return model
+
+
+NONFINITE_KINDS = ("causal", "bias", "bands", "kpm")
+
+
+def nonfinite_case(kind: str, B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32):
+    """``(q, k, v, kw)``: random inputs whose key and value rows hold NaN and infinities at keys that the
+    masks ``kw`` hide from some rows (the other rows see them: they become NaN, or non-finite in those value
+    columns) or from every row. ``kind``: ``"causal"`` (bottom-right; keys seen by the last rows only),
+    ``"bias"`` (``-inf`` bias columns: one key hidden from every row, one from the first half of the rows),
+    ``"bands"`` (``-inf`` bias bands hiding a block of keys from all rows but the last two) or ``"kpm"`` (the
+    padding mask hides the poisoned keys; causal too). A key some row sees holds NaN (not an infinity) in its
+    key row, so that its logits are NaN under every precision (but for the last of them, whose value alone is
+    non-finite: the rows that see only it are non-finite in three columns); the keys no row sees hold
+    infinities too."""
+    q, k, v = qkv(B, H, Nq, Nk, D, Dv, seed=seed, dtype=dtype)
+    kw = {}
+    some, every = [], []  # keys hidden from some rows / from every row
+    if kind in ("causal", "kpm"):
+        kw["causal"] = True
+        shift = Nk - Nq
+        some = [Nk - 1, Nk - 4, max(0, shift + (2 * Nq) // 3)]
+    if kind == "kpm":
+        every = [1, Nk // 2 + 1]
+        kpm = torch.ones(B, Nk, dtype=torch.bool, device=DEVICE)
+        kpm[:, every] = False
+        kw["key_padding_mask"] = kpm
+    if kind in ("bias", "bands"):
+        bias = randn(1, H, Nq, Nk, seed=seed + 7, dtype=dtype)
+        if kind == "bias":
+            every, some = [Nk // 3], [Nk - 2]
+            bias[..., every] = -math.inf
+            bias[..., : Nq // 2, some] = -math.inf
+        else:
+            lo, hi = Nk // 4, Nk // 4 + 9
+            bias[..., : Nq - 2, lo:hi] = -math.inf
+            # rows 5-8 see the band only
+            bias[..., 5:9, :] = torch.where(bias[..., 5:9, :] == -math.inf, 0.0, -math.inf)
+            some = [lo, lo + 4, hi - 1]
+        kw["attn_bias"] = bias
+    k[..., some[:-1], 0] = math.nan
+    for j, key in enumerate(every):
+        k[..., key, j % D] = math.inf
+        k[..., key, (j + 1) % D] = -math.inf
+        k[..., key, (j + 2) % D] = math.nan
+    for key in some + every:
+        v[..., key, 0] = math.nan
+        v[..., key, 1 % v.shape[-1]] = math.inf
+        v[..., key, 2 % v.shape[-1]] = -math.inf
+    return q, k, v, kw
 
 
 def assert_lse(lse: torch.Tensor, ref: torch.Tensor) -> None:

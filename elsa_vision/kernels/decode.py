@@ -37,7 +37,17 @@ from .dots import matmul
 from .fwd import bias4
 from .host import FLOAT_DTYPES, LOG2E, cdiv, device_info, tile_size
 from .launch import AttentionProgram, Launch, ProgramCache
-from .monoid import ACCUMULATION, clamp_bias, finalize_state, fold_tile, merge_states
+from .monoid import (
+    ACCUMULATION,
+    add_bias,
+    clamp_bias,
+    count_nonfinite,
+    finalize_state,
+    fold_tile,
+    fold_tile_exact,
+    merge_states,
+    nonfinite_values,
+)
 from .precision import resolve_precision
 
 __all__ = ["DecodePlan", "decode_plan", "elsa_decode", "choose_forward", "DECODE_MAX_QUERIES",
@@ -52,6 +62,57 @@ DECODE_MIN_KEYS = 4096
 
 
 # --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _decode_run(
+    m_i, s_i, s_c, acc, acc_c, code, q, offs_m, offs_n, offs_d, offs_dv, k_base, v_base, bias_base, kpm_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+    t0, t1, tile_base, Nk, causal_shift, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, EXACT: tl.constexpr,
+):
+    """Fold the key tiles ``[t0, t1)`` of one (batch, head) run into the state; tile ``tile`` starts at key
+    ``(tile - tile_base) * BLOCK_N``. ``EXACT``: the exact pass (``monoid.add_bias``,
+    ``monoid.fold_tile_exact``: a hidden key contributes nothing whatever it holds; the visible keys'
+    non-finite values go to ``code``); otherwise ``code`` is returned untouched."""
+    for tile in range(t0, t1):
+        start_n = (tile - tile_base) * BLOCK_N
+        cols = start_n + offs_n
+        row64 = tl.cast(start_n, tl.int64)
+        kt_ptrs = k_base + row64 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = v_base + row64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        if EVEN_N:
+            kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs, mask=(offs_d[:, None] < D) & (cols[None, :] < Nk), other=0.0)
+            v = tl.load(v_ptrs, mask=(cols[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
+        qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+        scores = qk * qk_scale
+        if HAS_BIAS:
+            b = tl.load(bias_base + cols[None, :].to(tl.int64) * stride_bn,
+                        mask=(offs_m[:, None] >= 0) & (cols[None, :] < Nk), other=0.0).to(tl.float32)
+            b = clamp_bias(b)
+            if EXACT:
+                scores = add_bias(scores, b)
+            else:
+                scores = scores + b * _LOG2E
+        valid = (cols[None, :] < Nk) & (offs_m[:, None] >= 0)
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None] + causal_shift)
+        scores = tl.where(valid, scores, float("-inf"))
+        if HAS_KPM:
+            keep = tl.load(kpm_base + cols.to(tl.int64) * stride_kpn, mask=cols < Nk, other=0) != 0
+            scores = tl.where(keep[None, :], scores, float("-inf"))
+            v = tl.where(keep[:, None], v, 0.0)
+        if EXACT:
+            m_i, s_i, s_c, acc, acc_c, code = fold_tile_exact(m_i, s_i, s_c, acc, acc_c, code, scores, v,
+                                                              PRECISION, ACCUMULATE)
+        else:
+            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
+    return m_i, s_i, s_c, acc, acc_c, code
 
 
 @triton.jit
@@ -96,6 +157,8 @@ def _decode_kernel(
         q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         k_base = K + off_b * stride_kb + off_h * stride_kh
         v_base = V + off_b * stride_vb + off_h * stride_vh
+        bias_base = Bias
+        kpm_base = Kpm
         if HAS_BIAS:
             bias_base = (Bias + off_b * stride_bb + off_h * stride_bh
                          + tl.minimum(offs_m, Nq - 1).to(tl.int64)[:, None] * stride_bm)
@@ -107,38 +170,34 @@ def _decode_kernel(
         s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        for tile in range(t, run_end):
-            start_n = (tile - bh * tiles_per_head) * BLOCK_N
-            cols = start_n + offs_n
-            row64 = tl.cast(start_n, tl.int64)
-            kt_ptrs = k_base + row64 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-            v_ptrs = v_base + row64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-            if EVEN_N:
-                kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
-                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
-            else:
-                kt = tl.load(kt_ptrs, mask=(offs_d[:, None] < D) & (cols[None, :] < Nk), other=0.0)
-                v = tl.load(v_ptrs, mask=(cols[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
-            qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
-            scores = qk * qk_scale
-            if HAS_BIAS:
-                b = tl.load(bias_base + cols[None, :].to(tl.int64) * stride_bn,
-                            mask=(offs_m[:, None] >= 0) & (cols[None, :] < Nk), other=0.0).to(tl.float32)
-                b = clamp_bias(b)
-                scores = scores + b * _LOG2E
-            valid = (cols[None, :] < Nk) & (offs_m[:, None] >= 0)
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + causal_shift)
-            scores = tl.where(valid, scores, float("-inf"))
-            if HAS_KPM:
-                keep = tl.load(kpm_base + cols.to(tl.int64) * stride_kpn, mask=cols < Nk, other=0) != 0
-                scores = tl.where(keep[None, :], scores, float("-inf"))
-                v = tl.where(keep[:, None], v, 0.0)
-            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
-                                                  ACCUMULATE)
+        m_i, s_i, s_c, acc, acc_c, _ = _decode_run(
+            m_i, s_i, s_c, acc, acc_c, 0.0, q, offs_m, offs_n, offs_d, offs_dv, k_base, v_base, bias_base,
+            kpm_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+            t, run_end, bh * tiles_per_head, Nk, causal_shift, qk_scale,
+            D, DV, BLOCK_M, BLOCK_N, PRECISION, CAUSAL, HAS_BIAS, HAS_KPM, EVEN_N, ACCUMULATE, False)
         if ACCUMULATE == "kahan":
             s_i = s_i - s_c
             acc = acc - acc_c
+        if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
+            # A NaN or an infinity reached the state: redo the run with the exact pass (see monoid), on key
+            # tiles half as wide (its registers stay below the fast pass's).
+            EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            per: tl.constexpr = BLOCK_N // EXACT_N
+            m_i, s_i, s_c, acc, acc_c, code = _decode_run(
+                m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), q, offs_m,
+                tl.arange(0, EXACT_N), offs_d, offs_dv, k_base, v_base, bias_base, kpm_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+                t * per, run_end * per, bh * tiles_per_head * per, Nk, causal_shift, qk_scale,
+                D, DV, BLOCK_M, EXACT_N, PRECISION, CAUSAL, HAS_BIAS, HAS_KPM, EVEN_N, ACCUMULATE, True)
+            if ACCUMULATE == "kahan":
+                s_i = s_i - s_c
+                acc = acc - acc_c
+            acc = acc + nonfinite_values(code)
 
         slot = pid - (bh * tiles_per_head) // tiles_per_program
         ws_rows = (bh.to(tl.int64) * max_partials + slot) * Nq + rows64

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from .precision import accumulation_dtype
+from .reference import inputs_finite, scan_attention
 
 __all__ = [
     "eca_masked_matmul",
@@ -450,6 +451,12 @@ def eca_attention(
     Query ``i`` sees key ``j`` iff ``j <= i``; rows with no visible key return 0. Half-precision inputs are
     computed in float32 and cast back. Materialises ``[B, H, L, L]`` scores and probabilities (saved for the
     backward): meant for CPU/edge devices where FLOPs, not memory, are the bottleneck.
+
+    Non-finite inputs follow the rule of ``reference.py`` (a hidden key contributes nothing whatever it
+    holds; a visible key's NaN logit makes its row NaN, its non-finite values reach their own columns). ECA's
+    block sums would mix a NaN or an infinity into rows and keys that never see it (``inf - inf``), so a call
+    whose ``q``, ``k``, ``v`` or bias hold one (other than ``-inf`` in the bias) runs the reference scan
+    instead (``reference.inputs_finite``: one host check per call).
     """
     if q.shape[-2] != k.shape[-2]:
         raise ValueError(
@@ -458,6 +465,10 @@ def eca_attention(
     dtype = q.dtype
     compute = accumulation_dtype(q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not inputs_finite(q, k, v, attn_bias):
+        out = scan_attention(q.to(compute), k.to(compute), v.to(compute), attn_bias=attn_bias,
+                             key_padding_mask=key_padding_mask, causal=True, scale=scale)
+        return out.to(dtype)
     bias = attn_bias
     if key_padding_mask is not None:
         hide = torch.zeros(key_padding_mask.shape, dtype=compute, device=q.device)

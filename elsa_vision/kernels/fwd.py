@@ -30,7 +30,18 @@ from torch import Tensor
 from .dots import matmul, matmul_f16x3, pow2, split_f16
 from .host import FLOAT_DTYPES, LOG2E, canonical_device, cdiv, device_info, next_pow2, tile_size
 from .launch import AttentionProgram, Launch, ProgramCache
-from .monoid import ACCUMULATION, clamp_bias, finalize_state, fold_tile, merge_states
+from .monoid import (
+    ACCUMULATION,
+    add_bias,
+    clamp_bias,
+    count_nonfinite,
+    finalize_state,
+    finite_part,
+    fold_tile,
+    fold_tile_exact,
+    merge_states,
+    nonfinite_values,
+)
 from .precision import resolve_precision
 from .reference import merge_depth
 
@@ -45,13 +56,13 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _attend(
-    m_i, s_i, s_c, acc, acc_c, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv,
+    m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv,
     k_ptr, v_ptr, bias_ptr, kpm_ptr,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
     lo, hi, seqlen_k, causal_shift, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, ACCUMULATE: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Fold the key tiles ``[lo, hi)`` into the state (``s_c``/``acc_c``: the Kahan compensations under
     ``ACCUMULATE == "kahan"``, see ``monoid.fold_tile``). ``MASKED`` adds the bounds and causal masks.
@@ -61,6 +72,14 @@ def _attend(
     ``q_lo``/``q_c`` unused otherwise). ``k_ptr``/``v_ptr`` point at key/value row 0 of this
     (batch, head); ``bias_ptr`` at the tile's ``[BLOCK_M, 1]`` bias rows (column 0); ``kpm_ptr`` at this
     batch's mask entry 0.
+
+    ``EXACT`` (with ``MASKED``): the exact pass of a program whose fast pass met a NaN or an infinity. A
+    ``-inf`` bias hides its key whatever the product (``monoid.add_bias``), the values fold with
+    ``monoid.fold_tile_exact`` (their visible non-finite entries go to ``code``), and under ``"fp16x3"`` a
+    key row holding a NaN or an infinity gets NaN logits instead of setting the tile's split scale. Without
+    ``EXACT``, ``code`` is returned untouched; under ``"fp16x3"`` the masks are then added (``-inf``), not
+    selected, so that a hidden key's NaN logit (a non-finite key row, which also spoils the tile's scale)
+    reaches the state and the check that sends the program to its exact pass.
     """
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -85,11 +104,16 @@ def _attend(
             if PRECISION == "fp16x3":
                 kt = tl.where(keep[None, :], kt, 0.0)  # a hidden key must not set the tile's scale
         if PRECISION == "fp16x3":
+            if EXACT:
+                k_bad = tl.max(tl.where(tl.abs(kt) < float("inf"), 0, 1), 0) != 0  # [BLOCK_N]
+                kt = finite_part(kt)
             kt_hi, kt_lo, k_c = split_f16(kt)
             qk = matmul_f16x3(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
             # q carries qk_scale (see the caller). Clamping the exponent only touches scores below ~1e-27
             # (their exp2 is 1 either way) or beyond float32 range (products of inputs past 2^154).
             scores = qk * pow2(-tl.minimum(tl.maximum(q_c + k_c, -126), 127))
+            if EXACT:
+                scores = tl.where(k_bad[None, :], float("nan"), scores)
         else:
             qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
             scores = qk * qk_scale
@@ -101,16 +125,27 @@ def _attend(
                 b = tl.load(bias_ptr + cols[None, :] * stride_bn)
             b = b.to(tl.float32)
             b = clamp_bias(b)
-            scores = scores + b * _LOG2E
+            if EXACT:
+                scores = add_bias(scores, b)
+            else:
+                scores = scores + b * _LOG2E
         if MASKED:
             valid = cols[None, :] < seqlen_k
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None] + causal_shift)
-            scores = tl.where(valid, scores, float("-inf"))
+            if PRECISION == "fp16x3" and not EXACT:
+                scores = scores + tl.where(valid, 0.0, float("-inf"))
+            else:
+                scores = tl.where(valid, scores, float("-inf"))
         if HAS_KPM:
             scores = tl.where(keep[None, :], scores, float("-inf"))
-        m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
-    return m_i, s_i, s_c, acc, acc_c
+        if EXACT:
+            m_i, s_i, s_c, acc, acc_c, code = fold_tile_exact(m_i, s_i, s_c, acc, acc_c, code, scores, v,
+                                                              PRECISION, ACCUMULATE)
+        else:
+            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
+                                                  ACCUMULATE)
+    return m_i, s_i, s_c, acc, acc_c, code
 
 
 @triton.jit
@@ -174,11 +209,14 @@ def _fwd_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q_lo = q
     q_c = 0
+    q_bad = offs_m < 0
     if PRECISION == "fp16x3":
         # qk_scale (not a power of two) goes into the query tile before its split, so that the scores are
         # the products times a power of two (one float32 rounding per query element, as the scaling of
-        # the products on the other paths).
-        q, q_lo, q_c = split_f16(q * qk_scale)
+        # the products on the other paths). A query row holding a NaN or an infinity is split as zeros (it
+        # must not set the tile's scale) and made NaN at the end.
+        q_bad = tl.max(tl.where(tl.abs(q) < float("inf"), 0, 1), 1) != 0
+        q, q_lo, q_c = split_f16(finite_part(q) * qk_scale)
 
     # Key range of this program: the partition, cut at the causal diagonal of the tile's last row.
     causal_shift = seqlen_k - seqlen_q
@@ -210,21 +248,50 @@ def _fwd_kernel(
     s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    m_i, s_i, s_c, acc, acc_c = _attend(
-        m_i, s_i, s_c, acc, acc_c, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
+    m_i, s_i, s_c, acc, acc_c, _ = _attend(
+        m_i, s_i, s_c, acc, acc_c, 0.0, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
         bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         lo, mid, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
+        False,
     )
-    m_i, s_i, s_c, acc, acc_c = _attend(
-        m_i, s_i, s_c, acc, acc_c, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
+    m_i, s_i, s_c, acc, acc_c, _ = _attend(
+        m_i, s_i, s_c, acc, acc_c, 0.0, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
         bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         mid, hi, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
+        False,
     )
     if ACCUMULATE == "kahan":
         s_i = s_i - s_c
         acc = acc - acc_c
+    if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
+        # A NaN or an infinity reached the state: from a visible key (kept), or a hidden key's value through
+        # its zero weight (0 * NaN), which the exact pass leaves out. Redo all of the program's keys with it,
+        # on key tiles half as wide (its registers stay below the fast pass's).
+        EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i, s_i, s_c, acc, acc_c, code = _attend(
+            m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), q, q_lo, q_c, offs_m,
+            tl.arange(0, EXACT_N), offs_d, offs_dv, K + k_off, V + v_off,
+            bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+            lo, hi, seqlen_k, causal_shift, qk_scale,
+            D, DV, BLOCK_M, EXACT_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM,
+            ACCUMULATE, True,
+        )
+        if ACCUMULATE == "kahan":
+            s_i = s_i - s_c
+            acc = acc - acc_c
+        acc = acc + nonfinite_values(code)
+    if PRECISION == "fp16x3":
+        # its logits are NaN wherever it sees a key (the split saw zeros)
+        nan_row = q_bad & (s_i != 0.0)
+        s_i = tl.where(nan_row, float("nan"), s_i)
+        acc = tl.where(nan_row[:, None], float("nan"), acc)
 
     if SPLIT:
         ws_rows = (pid_s.to(tl.int64) * BH + pid_bh) * Nq + rows64
@@ -631,8 +698,10 @@ def elsa_fwd(
     Returns:
         ``out [B, H, Nq, Dv]`` in q's dtype (rows with no visible key: 0; stored as ``[B, Nq, H, Dv]``, see
         ``empty_output``) and ``lse [B, H, Nq]`` float32, the natural-log log-sum-exp of each row's logits
-        (``-inf`` where no key is visible; None without ``need_lse``). A NaN among a row's visible logits
-        makes that row NaN.
+        (``-inf`` where no key is visible; None without ``need_lse``). Non-finite inputs follow
+        ``reference.py``'s rule: a key hidden from a row (causality, the padding mask, a ``-inf`` bias)
+        contributes nothing to it whatever its key and value rows hold; a visible key's NaN logit (or a
+        ``+inf`` bias) makes the row NaN, its NaN or infinite value entries reach their own columns only.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     program = fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, partitions)

@@ -10,6 +10,15 @@ materialised: its weights are taken directly relative to the merged maximum). Bo
 ``safe_shift``, which maps a ``-inf`` maximum (nothing visible yet) to 0 so that ``exp2(-inf - shift)`` is 0
 and never NaN. Every difference fed to ``exp2`` is ``x - max(...)`` of already rounded values, hence
 ``<= 0`` exactly: the exponentials cannot overflow whatever the magnitude of the logits.
+
+Non-finite inputs follow the rule of ``reference.py``: a hidden key (logit ``-inf``) contributes nothing to a
+row whatever its key and value rows hold, a visible key's non-finite value reaches its own column. A
+``fold_tile`` product ``P V`` breaks the first half where a hidden key's value is NaN or infinite
+(``0 * NaN``), so every kernel runs a fast pass with ``fold_tile`` and checks its result
+(``count_nonfinite``): only a program whose state holds a NaN or an infinity redoes its keys with
+``fold_tile_exact``, which folds the finite part of the values and records the visible non-finite entries
+apart (``fold_nonfinite``, added to ``W`` at the end by ``nonfinite_values``). ``merge_states`` carries
+non-finite entries of ``W`` unscaled.
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ import triton.language as tl
 
 from .dots import f16_pair, matmul, matmul_f16x3, pow2, split_f16
 
-__all__ = ["ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state",
-           "clamp_bias"]
+__all__ = [
+    "ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias",
+    "add_bias", "finite_part", "count_nonfinite", "fold_tile_exact", "fold_nonfinite", "nonfinite_values",
+]
 
 # How each float32 precision's running sums over the key tiles accumulate (``fold_tile``'s ``ACCUMULATE``, a
 # host-side choice of every launcher): "kahan" (compensated), "fma" (one rounding per tile), "plain" (the
@@ -32,6 +43,9 @@ ACCUMULATION = {"ieee": "kahan"}
 # (finfo(float32).min * log2(e) would overflow to -inf and turn a finite bias row into a masked row).
 _BIAS_CLAMP = tl.constexpr(2.0e38)
 _LN2 = tl.constexpr(0.6931471805599453)
+_LOG2E = tl.constexpr(1.4426950408889634)
+# fold_nonfinite's code: +1 per visible +inf (or NaN) value entry, +_NEG per visible -inf (or NaN) one.
+_NEG = tl.constexpr(512.0)
 
 
 @triton.jit
@@ -43,9 +57,31 @@ def safe_shift(m):
 @triton.jit
 def clamp_bias(b):
     """A float32 bias clamped to ``[-2e38, 2e38]`` so that ``log2(e) * b`` stays finite; ``-inf`` (a hidden
-    key) and NaN (which must reach the output, as in the reference) are kept."""
-    return tl.where(b < -_BIAS_CLAMP, tl.where(b == float("-inf"), b, -_BIAS_CLAMP),
-                    tl.where(b > _BIAS_CLAMP, _BIAS_CLAMP, b))
+    key), ``+inf`` (its row is NaN, as ``softmax`` makes it) and NaN (which must reach the output, as in
+    the reference) are kept."""
+    a = tl.abs(b)
+    return tl.where((a > _BIAS_CLAMP) & (a < float("inf")), tl.where(b > 0, _BIAS_CLAMP, -_BIAS_CLAMP), b)
+
+
+@triton.jit
+def add_bias(scores, b):
+    """``scores + log2(e) * b`` for a clamped bias ``b``, and ``-inf`` wherever ``b`` is ``-inf``: a key the
+    bias hides is hidden whatever its product with the query is (a NaN from a non-finite key row included).
+    The exact passes use it; the fast passes add the bias plainly (a NaN reaches the state and sends the
+    program to its exact pass)."""
+    return tl.where(b == float("-inf"), float("-inf"), scores + b * _LOG2E)
+
+
+@triton.jit
+def finite_part(x):
+    """``x`` with its NaN and infinite entries replaced by 0."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
+def count_nonfinite(x):
+    """How many entries of the block ``x`` (any rank) are NaN or infinite: an int32 scalar."""
+    return tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1))
 
 
 @triton.jit
@@ -66,13 +102,16 @@ def merge_states(ma, sa, wa, mb, sb, wb):
     """``(ma, sa, wa) (+) (mb, sb, wb)``; exact for the identity on either side.
 
     Shapes: ``m`` and ``S`` broadcast against ``W`` (e.g. ``[BM, 1, n]`` against ``[BM, Dv, n]``); the
-    level-two kernel applies it pairwise, level by level, as a log-depth merge tree.
+    level-two kernel applies it pairwise, level by level, as a log-depth merge tree. Non-finite entries of
+    ``W`` (visible non-finite values) are carried unscaled, as in ``reference.merge_states``: a factor that
+    underflows to 0 must not turn an infinity into NaN.
     """
     m = tl.maximum(ma, mb)
     shift = safe_shift(m)
     ca = tl.math.exp2(ma - shift)
     cb = tl.math.exp2(mb - shift)
-    return m, ca * sa + cb * sb, ca * wa + cb * wb
+    w = tl.where(tl.abs(wa) < float("inf"), ca * wa, wa) + tl.where(tl.abs(wb) < float("inf"), cb * wb, wb)
+    return m, ca * sa + cb * sb, w
 
 
 @triton.jit
@@ -131,3 +170,39 @@ def fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION: tl.constexpr, ACCUMULATE:
         else:
             w = matmul(p.to(v.dtype), v, w * alpha[:, None], PRECISION)
     return m_new, s, s_c, w, w_c
+
+
+@triton.jit
+def fold_nonfinite(code, visible, v):
+    """Record in ``code [BLOCK_M, BLOCK_DV]`` which infinities the visible keys' values hold, per row and
+    value column: ``visible [BLOCK_M, BLOCK_N]`` marks the visible (row, key) pairs, ``v [BLOCK_N, BLOCK_DV]``
+    the values. ``code`` starts at 0 and stays in ``{0, 1, 512, 513}``: 1 once a ``+inf`` was seen, 512 once a
+    ``-inf`` was, both for a NaN (which ``nonfinite_values`` turns into NaN, as two infinities of opposite
+    signs). The counts come from one product of 0/1 matrices on the float16 tensor cores (exact: every
+    operand is an integer below 2^11, every sum below 2^24), so a hidden key's value never meets a weight."""
+    tl.static_assert(visible.shape[1] <= 256)  # a count stays below _NEG
+    nan = v != v
+    ind = tl.where((v == float("inf")) | nan, 1.0, 0.0) + tl.where((v == float("-inf")) | nan, _NEG, 0.0)
+    code = tl.dot(tl.where(visible, 1.0, 0.0).to(tl.float16), ind.to(tl.float16), code)
+    neg = code >= _NEG
+    pos = code - tl.where(neg, _NEG, 0.0) >= 1.0
+    return tl.where(pos, 1.0, 0.0) + tl.where(neg, _NEG, 0.0)
+
+
+@triton.jit
+def nonfinite_values(code):
+    """The IEEE sum of the non-finite value entries ``fold_nonfinite`` recorded: 0, ``+inf``, ``-inf`` or
+    NaN per entry (added to the finite ``W``)."""
+    return tl.where(code == _NEG + 1.0, float("nan"),
+                    tl.where(code == 1.0, float("inf"), tl.where(code == _NEG, float("-inf"), 0.0)))
+
+
+@triton.jit
+def fold_tile_exact(m, s, s_c, w, w_c, code, scores, v, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """``fold_tile`` under the rule that a hidden key (score ``-inf``) contributes nothing whatever its value
+    holds: the finite part of ``v`` is folded (a hidden key's weight is an exact 0 and meets only finite
+    numbers), the non-finite entries of the visible keys' values go to ``code`` (``fold_nonfinite``). The
+    caller adds ``nonfinite_values(code)`` to ``W`` after its last tile. A NaN score is visible (the row is
+    NaN)."""
+    m, s, s_c, w, w_c = fold_tile(m, s, s_c, w, w_c, scores, finite_part(v), PRECISION, ACCUMULATE)
+    return m, s, s_c, w, w_c, fold_nonfinite(code, scores != float("-inf"), v)

@@ -9,7 +9,7 @@ tensor cores with float32 accumulation):
 * ``"ieee"``: plain FP32 FMA, no tensor cores;
 * ``"tf32x3"``: three TF32 tensor-core products per dot (Triton's split): FP32-accurate;
 * ``"fp16x3"``: three float16 tensor-core products of power-of-two-scaled two-part splits
-  (``monoid.split_f16``): FP32-accurate at twice the TF32 rate; the dense forward and backward have it for
+  (``dots.split_f16``): FP32-accurate at twice the TF32 rate; the dense forward and backward have it for
   padded head dims up to 128;
 * ``"tf32"``: one TF32 pass (~1e-3).
 

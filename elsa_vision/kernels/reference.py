@@ -17,6 +17,22 @@ visible). Because ``(+)`` is associative, any bracketing of any split of a row g
 rounding, which is what lets the scan run in parallel: key blocks of ``B`` tokens are folded into states
 (level one), then the block states are combined by a log-depth tree (level two).
 
+Non-finite inputs follow one rule, which every backend implements:
+
+* A key is *hidden* from a row when the row's logit for it is ``-inf``: masked by causality, by
+  ``key_padding_mask``, by a ``-inf`` bias (which hides the key whatever ``q . k`` is, NaN included) or a
+  ``-inf`` product. A hidden key contributes nothing to the row, neither to its output nor to any gradient,
+  whatever its key and value rows hold (NaN and infinities included): its weight is an exact 0 that never
+  meets them in a product (``0 * NaN`` would be NaN).
+* A visible key keeps IEEE semantics. A NaN logit makes the row NaN, and so does a ``+inf`` logit (as
+  ``softmax``: ``exp(inf - inf)``). A non-finite entry in column ``c`` of a visible key's value reaches
+  column ``c`` of the row's output, and only that column, as in ``softmax(S) @ V``: NaN for a NaN, the
+  infinity for infinities of one sign, NaN where both signs meet. The finite values are averaged as usual.
+
+In the monoid the non-finite values sit in ``W`` (``block_state``), and ``merge_states`` carries non-finite
+entries of ``W`` unscaled (a rescale by ``exp(-huge) = 0`` would turn an infinity into NaN), so the rule holds
+however the keys are split into blocks.
+
 Every other backend of this package (the Triton kernels, the window and decode kernels, context parallel
 attention) is tested against the functions in this file. Everything here is differentiable by autograd.
 """
@@ -45,6 +61,7 @@ __all__ = [
     "state_from_output",
     "attention_backward",
     "attention_bias_grad",
+    "inputs_finite",
 ]
 
 
@@ -63,6 +80,83 @@ class ElsaState(NamedTuple):
 def _finite_or_zero(m: Tensor) -> Tensor:
     # Rows whose max is -inf (nothing visible) use 0 as the shift: exp(-inf - 0) = 0, never NaN.
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _finite_part(x: Tensor) -> Tensor:
+    """``x`` with its NaN and infinite entries replaced by 0 (gradient 0 there)."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _nonfinite_sum(visible: Tensor, v: Tensor) -> Tensor:
+    """``[..., Nq, Dv]``: per row and value column, the IEEE sum of the non-finite entries of the values of
+    the keys ``visible [..., Nq, n]`` marks: 0 where there is none, ``+-inf`` where all are infinities of one
+    sign, NaN where one is NaN or both signs meet. Two products of 0/1 matrices (whose sums only need to be
+    told from 0, so any matmul precision is exact here); a hidden key's entries never enter a product."""
+    nan = torch.isnan(v)
+    vis = visible.to(v.dtype)
+    pos = (vis @ ((v == math.inf) | nan).to(v.dtype)) > 0
+    neg = (vis @ ((v == -math.inf) | nan).to(v.dtype)) > 0
+    out = torch.where(pos, math.inf, 0.0).to(v.dtype)
+    out = torch.where(neg, -math.inf, out)
+    return torch.where(pos & neg, math.nan, out)
+
+
+def inputs_finite(q: Tensor, k: Tensor, v: Tensor, attn_bias: Tensor | None) -> bool:
+    """Whether ``q``, ``k``, ``v`` are finite and ``attn_bias`` holds no NaN or ``+inf``: then every logit is
+    finite or a mask's ``-inf`` and every value finite, so the plain products (a hidden key's exact 0 weight
+    times a finite value) already follow the rule. One host synchronisation; while compiling or capturing a
+    CUDA graph the check is skipped and the rule applied in full (False)."""
+    if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    # One reduction pass per tensor: a NaN or an infinity makes its sum non-finite (so does an overflowing
+    # sum of huge finite entries, which only costs the exact path); the bias may hold -inf but not +inf.
+    sums = [t.sum().double() for t in (q, k, v) if t.numel()]
+    if attn_bias is not None and attn_bias.numel():
+        sums.append(torch.clamp(attn_bias.max().double(), min=0.0))
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+
+
+class _Logits(torch.autograd.Function):
+    """``q @ k^T`` (IEEE, non-finite entries included) whose gradients take the finite parts of the operands:
+    ``dq = dS @ finite(k)``, ``dk = dS^T @ finite(q)``. A hidden pair has ``dS = 0``, and ``0 * NaN`` of a
+    hidden key's (or a row's) non-finite entry must not reach the gradient of the other side; a visible
+    non-finite entry needs no product to propagate (its logit already makes the row's ``dS`` NaN, or 0 for a
+    ``-inf`` logit). The backward is made of differentiable operations (double backward works)."""
+
+    @staticmethod
+    def forward(ctx, q, k):
+        ctx.save_for_backward(q, k)
+        return q @ k.transpose(-2, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k = ctx.saved_tensors
+        dq = grad @ _finite_part(k) if ctx.needs_input_grad[0] else None
+        dk = grad.transpose(-2, -1) @ _finite_part(q) if ctx.needs_input_grad[1] else None
+        return dq, dk
+
+
+class _WeightedValues(torch.autograd.Function):
+    """``p @ finite(v) + _nonfinite_sum(visible, v)``: the values weighted over the visible pairs only.
+
+    The backward leaves the hidden pairs out as well: ``dv = p^T dW`` over the visible pairs (a row whose
+    ``dW`` is NaN, because it sees a NaN logit, never reaches the keys hidden from it through a zero weight),
+    ``dp = dW finite(v)^T``. Made of differentiable operations (double backward works)."""
+
+    @staticmethod
+    def forward(ctx, p, v, visible):
+        ctx.save_for_backward(p, v, visible)
+        return p @ _finite_part(v) + _nonfinite_sum(visible, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, v, visible = ctx.saved_tensors
+        dp = grad @ _finite_part(v).transpose(-2, -1) if ctx.needs_input_grad[0] else None
+        dv = None
+        if ctx.needs_input_grad[1]:
+            dv = (p.transpose(-2, -1) @ _finite_part(grad)
+                  + _nonfinite_sum(visible.transpose(-2, -1), grad)).sum_to_size(v.shape)
+        return dp, dv, None
 
 
 def identity_state(like: ElsaState | Tensor, dv: int | None = None) -> ElsaState:
@@ -88,32 +182,62 @@ def block_state(scores: Tensor, v: Tensor, keep: Tensor | None = None) -> ElsaSt
         scores: already scaled and biased logits ``[..., Nq, n]``; ``-inf`` marks an invisible key.
         v: values ``[..., n, Dv]`` (broadcastable against ``scores``' leading dims).
         keep: optional multiplier ``[..., Nq, n]`` applied to the weights of ``W`` only (attention dropout:
-            ``S`` keeps the undropped normaliser, so ``W / S`` equals ``dropout(softmax) @ v``).
+            ``S`` keeps the undropped normaliser, so ``W / S`` equals ``dropout(softmax) @ v``; a dropped key
+            contributes nothing to ``W``, as a hidden one).
 
-    A block with every score ``-inf`` returns the identity exactly.
+    A block with every score ``-inf`` returns the identity exactly. ``W`` is the weighted sum of the finite
+    values plus, where visible keys hold non-finite values, their IEEE sum (``_nonfinite_sum``): a key whose
+    score is ``-inf`` contributes nothing, whatever its value holds (see the module docstring).
     """
+    return _block_state(scores, v, keep, exact=True)
+
+
+def _block_state(scores: Tensor, v: Tensor, keep: Tensor | None, exact: bool) -> ElsaState:
+    """``block_state``; ``exact=False`` is the caller's promise that every value and logit is finite or a
+    mask's ``-inf`` (``inputs_finite``): the plain product ``P V`` then already follows the rule."""
     m = scores.amax(dim=-1).detach()  # the output is shift invariant: no gradient flows through m
     p = torch.exp(scores - _finite_or_zero(m).unsqueeze(-1))
     s = p.sum(dim=-1)
     if keep is not None:
         p = p * keep
-    w = p.to(v.dtype) @ v
-    return ElsaState(m, s, w)
+    if not exact:
+        return ElsaState(m, s, p.to(v.dtype) @ v)
+    visible = scores != -math.inf  # a NaN score is visible: the row is NaN
+    if keep is not None:
+        visible = visible & (keep != 0)
+    return ElsaState(m, s, _WeightedValues.apply(p.to(v.dtype), v, visible))
 
 
 def merge_states(a: ElsaState, b: ElsaState) -> ElsaState:
-    """``a (+) b`` in the symmetric max form; exact for the identity on either side."""
+    """``a (+) b`` in the symmetric max form; exact for the identity on either side.
+
+    Non-finite entries of ``W`` (visible non-finite values, see ``block_state``) are carried unscaled: the
+    factor of the side with the lower maximum may underflow to 0, and ``0 * inf`` would turn an infinity
+    into NaN."""
+    return _merge(a, b, exact=True)
+
+
+def _merge(a: ElsaState, b: ElsaState, exact: bool) -> ElsaState:
+    """``merge_states``; ``exact=False`` skips the carry (states whose ``W`` is finite or NaN)."""
     m = torch.maximum(a.m, b.m)
     shift = _finite_or_zero(m)
     ca = torch.exp(a.m - shift)
     cb = torch.exp(b.m - shift)
     # one new [..., Nq, Dv] tensor (the product, then b's term added in place), not three
-    return ElsaState(m, ca * a.s + cb * b.s, (ca.unsqueeze(-1) * a.w).addcmul_(cb.unsqueeze(-1), b.w))
+    w = (ca.unsqueeze(-1) * a.w).addcmul_(cb.unsqueeze(-1), b.w)
+    if exact:
+        # A factor that underflowed to 0 (its side's maximum far below the other's) made 0 * inf = NaN of an
+        # infinity: there the sum is that of the two sides' non-finite entries (a row whose S is NaN is NaN
+        # whatever its W holds).
+        lost = torch.isnan(w) & ((ca == 0) | (cb == 0)).unsqueeze(-1)
+        w = torch.where(lost, (a.w - _finite_part(a.w)) + (b.w - _finite_part(b.w)), w)
+    return ElsaState(m, ca * a.s + cb * b.s, w)
 
 
 def finalize(state: ElsaState) -> Tensor:
-    """``W / S`` with 0 where ``S == 0`` (rows with no visible key, never NaN there). A NaN in a row's state
-    (a NaN logit or value of a visible key) stays NaN, as in softmax."""
+    """``W / S`` with 0 where ``S == 0`` (rows with no visible key, never NaN there). Non-finite entries of a
+    row's state stay non-finite, as in softmax: a NaN logit of a visible key makes the row NaN, a visible
+    non-finite value its own column (see the module docstring)."""
     hidden = state.s == 0
     out = state.w / torch.where(hidden, 1.0, state.s).unsqueeze(-1)  # one new [..., Nq, Dv] tensor
     return out.masked_fill_(hidden.unsqueeze(-1), 0.0)
@@ -149,10 +273,15 @@ def attention_scores(
     ``attn_bias`` must already be sliced to the same query rows; ``causal`` is bottom-right aligned:
     query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq_total)`` where the caller folds the offset into
     ``q_offset`` (``q_offset = row0 + Nk - Nq``).
+
+    Every masked entry is ``-inf`` whatever ``q . k`` is: a ``-inf`` bias hides its key even where the
+    product is NaN (a non-finite key or query row), and the gradients of the product never multiply a hidden
+    pair's zero by a non-finite entry (``_Logits``).
     """
-    scores = (q @ k.transpose(-2, -1)) * scale
+    scores = _Logits.apply(q, k) * scale
     if attn_bias is not None:
-        scores = scores + attn_bias.to(scores.dtype)
+        bias = attn_bias.to(scores.dtype)
+        scores = torch.where(bias == -math.inf, -math.inf, scores + bias)
     if key_padding_mask is not None:
         scores = scores.masked_fill(~key_padding_mask[:, None, None, :], -math.inf)
     if causal:
@@ -163,23 +292,24 @@ def attention_scores(
     return scores
 
 
-def _tree_reduce(states: ElsaState) -> ElsaState:
-    """Blelloch up-sweep over the leading block axis: ceil(log2 nb) levels of pairwise merges."""
+def _tree_reduce(states: ElsaState, exact: bool = True) -> ElsaState:
+    """Blelloch up-sweep over the leading block axis: ceil(log2 nb) levels of pairwise merges (``exact``:
+    see ``_merge``)."""
     while states.m.shape[0] > 1:
         if states.m.shape[0] % 2:
             states = ElsaState(*(torch.cat([t, e]) for t, e in zip(states, identity_state(
                 ElsaState(*(t[:1] for t in states))))))
         left = ElsaState(*(t[0::2] for t in states))
         right = ElsaState(*(t[1::2] for t in states))
-        states = merge_states(left, right)
+        states = _merge(left, right, exact)
     return ElsaState(*(t[0] for t in states))
 
 
-def _exclusive_scan(states: ElsaState) -> ElsaState:
+def _exclusive_scan(states: ElsaState, exact: bool = True) -> ElsaState:
     """Blelloch exclusive prefix scan over the leading block axis (up-sweep, then down-sweep).
 
     Returns ``E_j = b_0 (+) ... (+) b_{j-1}`` (``E_0 = e``), the prefix every causal query tile merges with
-    its own diagonal block.
+    its own diagonal block (``exact``: see ``_merge``).
     """
     nb = states.m.shape[0]
     size = 1 << max(0, math.ceil(math.log2(nb)))
@@ -198,7 +328,7 @@ def _exclusive_scan(states: ElsaState) -> ElsaState:
     step = 1
     while step < size:  # up-sweep
         for i in range(2 * step - 1, size, 2 * step):
-            put(i, merge_states(get(i - step), get(i)))
+            put(i, _merge(get(i - step), get(i), exact))
         step *= 2
     put(size - 1, identity_state(get(size - 1)))
     step = size // 2
@@ -206,7 +336,7 @@ def _exclusive_scan(states: ElsaState) -> ElsaState:
         for i in range(2 * step - 1, size, 2 * step):
             left = get(i - step)
             put(i - step, get(i))
-            put(i, merge_states(get(i), left))
+            put(i, _merge(get(i), left, exact))
         step //= 2
     return ElsaState(*(torch.stack(c[:nb]) for c in tree))
 
@@ -236,9 +366,11 @@ def scan_attention(
     blocks whose entry at a row's diagonal block is merged with that block. Queries are processed in chunks
     of ``query_chunk`` rows (default: all), bounding the memory at ``O(query_chunk * Nk)``.
 
-    Arithmetic runs in the inputs' dtype (float32 or float64); callers upcast half precision first. Values of
-    keys the padding mask hides are taken as zeros (as the kernels load them): whatever they hold, NaN
-    included, never reaches the output.
+    Arithmetic runs in the inputs' dtype (float32 or float64); callers upcast half precision first. A key
+    hidden from a row (padding mask, causality, a ``-inf`` bias) contributes nothing to it, whatever its key
+    and value rows hold, NaN and infinities included, in the output and in every gradient; a visible key's
+    NaN logit makes the row NaN and its non-finite values reach their own columns (the rule of the module
+    docstring).
     Returns the output ``[B, H, Nq, Dv]`` (and the per-row log-sum-exp ``[B, H, Nq]`` with ``return_lse``).
     """
     if block_size < 1:
@@ -249,6 +381,8 @@ def scan_attention(
     chunk = Nq if query_chunk is None else max(1, int(query_chunk))
     nb = max(1, -(-Nk // block_size))
     pad = nb * block_size - Nk
+    # Finite inputs (the usual case) cannot break the rule: the plain product and merges are then exact.
+    exact = not inputs_finite(q, k, v, attn_bias)
     if key_padding_mask is not None:
         v = v.masked_fill(~key_padding_mask[:, None, :, None], 0.0)
     # Values padded with zeros: a padded key has score -inf, so it contributes exp(-inf) * 0 = 0.
@@ -273,10 +407,10 @@ def scan_attention(
             keep = torch.nn.functional.pad(keep, (0, pad)).unflatten(-1, (nb, block_size)).movedim(-2, 0)
         scores = torch.nn.functional.pad(scores, (0, pad), value=-math.inf)
         blocks = scores.unflatten(-1, (nb, block_size)).movedim(-2, 0)  # [nb, B, H, rows, block]
-        states = block_state(blocks, v_blocks, keep)
+        states = _block_state(blocks, v_blocks, keep, exact)
         if causal:
-            prefix = _exclusive_scan(states)
-            inclusive = merge_states(prefix, states)
+            prefix = _exclusive_scan(states, exact)
+            inclusive = _merge(prefix, states, exact)
             # The diagonal block of row i holds its last visible key; later blocks are fully masked.
             last = torch.arange(r0, r1, device=q.device) + (Nk - Nq)
             diag = (last.clamp(min=0) // block_size).clamp(max=nb - 1)
@@ -287,7 +421,7 @@ def scan_attention(
                 inclusive.w[diag, :, :, rows, :].movedim(0, -2),
             )
         else:
-            st = _tree_reduce(states)
+            st = _tree_reduce(states, exact)
         outs.append(finalize(st))
         if return_lse:
             lses.append(log_sum_exp(st))
@@ -327,6 +461,10 @@ def attention_backward(
 
     ``P = exp(S - lse)`` is recomputed from the scores, then ``Delta = rowsum(O * dO)``,
     ``dV = P^T dO``, ``dS = P * (dO V^T - Delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
+    A hidden pair (score ``-inf``) has ``P = dS = 0`` exactly, and ``dQ``, ``dK`` multiply ``dS`` by the
+    finite parts of ``K``, ``Q`` only: a hidden key's non-finite key or value row (or a non-finite query row
+    it is hidden from) never reaches a gradient. A visible non-finite value makes its row's ``Delta`` and so
+    its ``dS`` NaN; a visible non-finite key entry does so through the row's NaN ``lse``.
     ``out``/``lse`` may describe attention over a *superset* of the keys ``k`` (ring attention passes the
     global output and log-sum-exp with one key shard): the results are then that shard's contributions.
     Rows with ``lse = -inf`` get zero gradients. Returns ``(dq, dk, dv, dS)``; ``dS`` is the bias gradient
@@ -339,18 +477,22 @@ def attention_backward(
                               causal=causal, q_offset=offset)
     p, ds = _probs_and_score_grads(scores, do, v, out, lse, delta)
     dv = p.transpose(-2, -1) @ do
-    dq = (ds @ k) * scale
-    dk = (ds.transpose(-2, -1) @ q) * scale
+    dq = (ds @ _finite_part(k)) * scale
+    dk = (ds.transpose(-2, -1) @ _finite_part(q)) * scale
     return dq, dk, dv, (ds if attn_bias is not None else None)
 
 
 def _probs_and_score_grads(scores, do, v, out, lse, delta):
-    """``P = exp(S - lse)`` (0 on rows with ``lse = -inf``) and ``dS = P * (dO V^T - Delta)``."""
+    """``P = exp(S - lse)`` and ``dS = P * (dO V^T - Delta)``, both exactly 0 for a hidden pair (score
+    ``-inf``) and on rows with ``lse = -inf``: a NaN ``dP`` (a hidden key's NaN value) or ``lse`` (a row that
+    sees a NaN) never reaches them through a zero weight."""
+    hidden = scores == -math.inf
     p = torch.exp(scores - torch.where(lse == -math.inf, torch.zeros_like(lse), lse).unsqueeze(-1))
-    p = torch.where((lse == -math.inf).unsqueeze(-1), torch.zeros_like(p), p)  # a NaN lse stays NaN
+    p = torch.where(hidden | (lse == -math.inf).unsqueeze(-1), torch.zeros_like(p), p)  # a NaN lse stays NaN
     if delta is None:
         delta = (out * do).sum(-1)
-    return p, p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return p, torch.where(p == 0, torch.zeros_like(ds), ds)
 
 
 def attention_bias_grad(

@@ -15,6 +15,10 @@ window it folds the key tiles of ``BLOCK_N`` keys into per-row ``(m, S, W)`` sta
 ``monoid.fold_tile`` and finalises ``W / S`` (a window of at most 576 tokens is one partition: no split, no
 workspace). ``WINDOWS > 1`` keeps the program count near a few waves of the GPU when there are many small
 windows. Windows of any token count ``N`` (49, 64, 144, 256, 576, non-square) are covered by masked tiles.
+
+Non-finite inputs follow the rule of ``reference.py``: a ``-inf`` in the bias or mask hides its key from the
+row whatever the key holds (Swin's ``-100`` hides nothing); a window whose result comes out non-finite is
+redone with the exact rule (``_window_keys``, ``_window_grads``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from torch import Tensor
 from .dots import matmul
 from .host import LOG2E, cdiv, device_info, tile_size
 from .launch import Launch, Program, ProgramCache
-from .monoid import ACCUMULATION, finalize_state, fold_tile
+from .monoid import (
+    ACCUMULATION,
+    count_nonfinite,
+    finalize_state,
+    finite_part,
+    fold_tile,
+    fold_tile_exact,
+    nonfinite_values,
+)
 from .precision import resolve_precision
 
 __all__ = ["window_fwd", "window_plan", "window_bwd", "window_bwd_plan",
@@ -40,6 +52,53 @@ LOGIT_SCALE_MAX = math.log(1.0 / 0.01)  # timm's clamp of the per-head logit sca
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 _NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps: x / max(|x|, eps)
+
+
+@triton.jit
+def _window_keys(
+    m_i, s_i, s_c, acc, acc_c, code, qn, q_scale, row_in, offs_n, offs_d, offs_dv, k_base, v_base, bias_rows,
+    mask_rows, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, COSINE: tl.constexpr, ACCUMULATE: tl.constexpr, EXACT: tl.constexpr,
+):
+    """Fold the key tiles of one window into the state of one query tile (``qn``: its logit operand).
+    ``EXACT``: the exact pass (a ``-inf`` in the bias or mask hides its key whatever the product, and
+    ``monoid.fold_tile_exact``: the visible keys' non-finite values go to ``code``); otherwise ``code`` is
+    returned untouched. Swin's ``-100`` shift mask hides nothing: its keys keep a tiny weight."""
+    for start_n in range(0, N, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < N
+        cols64 = cols.to(tl.int64)
+        kt = tl.load(k_base + cols64[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=(offs_d[:, None] < D) & col_ok[None, :], other=0.0)
+        if COSINE:
+            kt = kt.to(tl.float32)
+            k_norm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 0)), _NORM_EPS)
+            kn = (kt / k_norm[None, :]).to(k_base.dtype.element_ty)
+        else:
+            kn = kt
+        v = tl.load(v_base + cols64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        scores = matmul(qn, kn, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+        if not COSINE:
+            scores = scores * q_scale
+        tile_ok = row_in[:, None] & col_ok[None, :]
+        add = tl.load(bias_rows + cols64[None, :] * stride_bn, mask=tile_ok, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            add += tl.load(mask_rows + cols64[None, :] * stride_mn, mask=tile_ok,
+                           other=0.0).to(tl.float32)
+        if EXACT:
+            scores = tl.where(add == float("-inf"), float("-inf"), scores + add * _LOG2E)
+        else:
+            scores = scores + add * _LOG2E
+        scores = tl.where(col_ok[None, :], scores, float("-inf"))
+        if EXACT:
+            m_i, s_i, s_c, acc, acc_c, code = fold_tile_exact(m_i, s_i, s_c, acc, acc_c, code, scores, v,
+                                                              PRECISION, ACCUMULATE)
+        else:
+            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
+                                                  ACCUMULATE)
+    return m_i, s_i, s_c, acc, acc_c, code
 
 
 @triton.jit
@@ -104,6 +163,7 @@ def _window_fwd_kernel(
 
         k_base = K + b64 * stride_kb + h64 * stride_kh
         v_base = V + b64 * stride_vb + h64 * stride_vh
+        mask_rows = Mask
         if HAS_MASK:
             mask_rows = Mask + (b64 % nW) * stride_mw + rows64[:, None] * stride_mm
 
@@ -112,40 +172,126 @@ def _window_fwd_kernel(
         s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        for start_n in range(0, N, BLOCK_N):
-            cols = start_n + offs_n
-            col_ok = cols < N
-            cols64 = cols.to(tl.int64)
-            kt = tl.load(k_base + cols64[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                         mask=(offs_d[:, None] < D) & col_ok[None, :], other=0.0)
-            if COSINE:
-                kt = kt.to(tl.float32)
-                k_norm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 0)), _NORM_EPS)
-                kn = (kt / k_norm[None, :]).to(K.dtype.element_ty)
-            else:
-                kn = kt
-            v = tl.load(v_base + cols64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                        mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            scores = matmul(qn, kn, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
-            if not COSINE:
-                scores = scores * q_scale
-            tile_ok = row_in[:, None] & col_ok[None, :]
-            add = tl.load(bias_rows + cols64[None, :] * stride_bn, mask=tile_ok, other=0.0).to(tl.float32)
-            if HAS_MASK:
-                add += tl.load(mask_rows + cols64[None, :] * stride_mn, mask=tile_ok,
-                               other=0.0).to(tl.float32)
-            scores = scores + add * _LOG2E
-            scores = tl.where(col_ok[None, :], scores, float("-inf"))
-            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
-                                                  ACCUMULATE)
+        m_i, s_i, s_c, acc, acc_c, _ = _window_keys(
+            m_i, s_i, s_c, acc, acc_c, 0.0, qn, q_scale, row_in, offs_n, offs_d, offs_dv, k_base, v_base,
+            bias_rows, mask_rows, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
+            D, DV, BLOCK_M, BLOCK_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, False)
         if ACCUMULATE == "kahan":
             s_i = s_i - s_c
             acc = acc - acc_c
+        if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
+            # A NaN or an infinity reached the state: redo the window with the exact pass (see monoid), on
+            # key tiles half as wide (its registers stay below the fast pass's).
+            EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            m_i, s_i, s_c, acc, acc_c, code = _window_keys(
+                m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), qn, q_scale,
+                row_in, tl.arange(0, EXACT_N), offs_d, offs_dv, k_base, v_base, bias_rows, mask_rows,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
+                D, DV, BLOCK_M, EXACT_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, True)
+            if ACCUMULATE == "kahan":
+                s_i = s_i - s_c
+                acc = acc - acc_c
+            acc = acc + nonfinite_values(code)
 
         out, _ = finalize_state(m_i, s_i, acc)
         o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + rows64[:, None] * stride_om
                   + offs_dv[None, :] * stride_od)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _window_grads(q, k, v, do, bias, mask, tok, row_ok, scale, PRECISION: tl.constexpr,
+                  HAS_MASK: tl.constexpr, COSINE: tl.constexpr, NEED_QKV: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EXACT: tl.constexpr):
+    """One window's ``(dS, rowsum dS (L - rowmax L), dv, dq, dk)`` (the last three 0 without ``NEED_QKV``)
+    from float32 tiles ``q, k [BLOCK, BLOCK_D]``, ``v, do [BLOCK, BLOCK_DV]``, the bias and (``HAS_MASK``)
+    the shift mask ``[BLOCK, BLOCK]``; ``tok`` marks the window's tokens, ``row_ok`` the rows to write.
+
+    ``EXACT``: the rule of ``reference.py``. A pair whose bias or mask is ``-inf`` has ``P = 0`` whatever its
+    logit (NaN included), a row that sees no key has zero gradients, ``dS`` is 0 where ``P`` is, and the
+    products take the finite parts of ``v``, of the normalised keys and of the scaled queries: a hidden key's
+    or query's NaN or infinity reaches no gradient (a key or query row holding one gets 0 where nothing
+    reaches it, NaN where a NaN does)."""
+    if COSINE:
+        # F.normalize: x / max(|x|, eps)
+        q_raw = tl.sqrt(tl.sum(q * q, 1))
+        k_raw = tl.sqrt(tl.sum(k * k, 1))
+        q_norm = tl.maximum(q_raw, _NORM_EPS)
+        k_norm = tl.maximum(k_raw, _NORM_EPS)
+        qhat = q / q_norm[:, None]
+        khat = k / k_norm[:, None]
+    else:
+        qhat = q
+        khat = k
+    qn = qhat * scale
+
+    logits = matmul(qn, tl.trans(khat), tl.zeros([BLOCK, BLOCK], dtype=tl.float32), PRECISION)
+    s = logits + bias
+    if HAS_MASK:
+        s += mask
+    if EXACT:
+        hidden = bias == float("-inf")
+        if HAS_MASK:
+            hidden = hidden | (mask == float("-inf"))
+        # rows past the window (or the batch) have zero queries, whose products with a NaN key are NaN
+        s = tl.where(hidden | ~(row_ok[:, None] & tok[None, :]), float("-inf"), s)
+        s_max = tl.max(s, 1)
+        shift = tl.where(s_max == float("-inf"), 0.0, s_max)
+        e = tl.where(s == float("-inf"), 0.0, tl.exp(s - shift[:, None]))
+        den = tl.sum(e, 1)
+        p = e / tl.where(den == 0.0, 1.0, den)[:, None]
+        v = finite_part(v)
+    else:
+        s = tl.where(tok[None, :], s, float("-inf"))
+        p = tl.exp(s - tl.max(s, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+    dp = matmul(do, tl.trans(v), tl.zeros([BLOCK, BLOCK], dtype=tl.float32), PRECISION)
+    ds = p * (dp - tl.sum(p * dp, 1)[:, None])
+    if EXACT:
+        ds = tl.where(p == 0.0, 0.0, ds)
+    ds = tl.where(row_ok[:, None], ds, 0.0)
+    dsc = tl.zeros([BLOCK], dtype=tl.float32)
+    if COSINE:
+        # sum_j dS_ij = 0: shifting each row's logits by their maximum removes a common offset of up to 100
+        if EXACT:
+            lmax = tl.max(tl.where(s != float("-inf"), logits, float("-inf")), 1)
+            dsc = tl.sum(tl.where(p == 0.0, 0.0, ds * (logits - lmax[:, None])), 1)
+        else:
+            lmax = tl.max(tl.where(tok[None, :], logits, float("-inf")), 1)
+            dsc = tl.sum(ds * tl.where(tok[None, :], logits - lmax[:, None], 0.0), 1)
+
+    dv = 0.0
+    dq = 0.0
+    dk = 0.0
+    if NEED_QKV:
+        if EXACT:
+            q_ok = tl.max(tl.where(tl.abs(q) < float("inf"), 0, 1), 1) == 0
+            k_ok = tl.max(tl.where(tl.abs(k) < float("inf"), 0, 1), 1) == 0
+            qhat = finite_part(qhat)
+            khat = finite_part(khat)
+            qn = finite_part(qn)
+        dv = matmul(tl.trans(p), do, tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32), PRECISION)
+        dqh = matmul(ds, khat, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), PRECISION) * scale
+        dkh = matmul(tl.trans(ds), qn, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), PRECISION)
+        if COSINE:
+            # through the normalisation: (dy - y (y . dy)) / |x|, or dy / eps where the norm is clamped
+            q_dot = tl.where(q_raw > _NORM_EPS, tl.sum(qhat * dqh, 1), 0.0)
+            k_dot = tl.where(k_raw > _NORM_EPS, tl.sum(khat * dkh, 1), 0.0)
+            dq = (dqh - qhat * q_dot[:, None]) / q_norm[:, None]
+            dk = (dkh - khat * k_dot[:, None]) / k_norm[:, None]
+            if EXACT:
+                # a non-finite row's norm is NaN: 0 where nothing reached it, NaN where a NaN did
+                dq = tl.where(q_ok[:, None], dq, tl.where(dqh == 0.0, 0.0, float("nan")))
+                dk = tl.where(k_ok[:, None], dk, tl.where(dkh == 0.0, 0.0, float("nan")))
+        else:
+            dq = dqh
+            dk = dkh
+    return ds, dsc, dv, dq, dk
 
 
 @triton.jit
@@ -209,51 +355,25 @@ def _window_bwd_kernel(
                     + offs_dv[None, :] * stride_vd, mask=row_ok[:, None] & dv_ok, other=0.0).to(tl.float32)
         do = tl.load(DO + b64 * stride_ob + h64 * stride_oh + tok64[:, None] * stride_om
                      + offs_dv[None, :] * stride_od, mask=row_ok[:, None] & dv_ok, other=0.0).to(tl.float32)
-        if COSINE:
-            # F.normalize: x / max(|x|, eps)
-            q_raw = tl.sqrt(tl.sum(q * q, 1))
-            k_raw = tl.sqrt(tl.sum(k * k, 1))
-            q_norm = tl.maximum(q_raw, _NORM_EPS)
-            k_norm = tl.maximum(k_raw, _NORM_EPS)
-            qhat = q / q_norm[:, None]
-            khat = k / k_norm[:, None]
-        else:
-            qhat = q
-            khat = k
-        qn = qhat * scale
-
-        logits = matmul(qn, tl.trans(khat), tl.zeros([BLOCK, BLOCK], dtype=tl.float32), PRECISION)
-        s = logits + bias
+        mask = bias
         if HAS_MASK:
             mask_ptrs = (Mask + (b64 % nW) * stride_mw + tok64[:, None] * stride_mm
                          + tok64[None, :] * stride_mn)
-            s += tl.load(mask_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
-        s = tl.where(tok[None, :], s, float("-inf"))
-        p = tl.exp(s - tl.max(s, 1)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
-        dp = matmul(do, tl.trans(v), tl.zeros([BLOCK, BLOCK], dtype=tl.float32), PRECISION)
-        ds = p * (dp - tl.sum(p * dp, 1)[:, None])
-        ds = tl.where(row_ok[:, None], ds, 0.0)
+            mask = tl.load(mask_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+        ds, dsc, dv, dq, dk = _window_grads(q, k, v, do, bias, mask, tok, row_ok, scale, PRECISION, HAS_MASK,
+                                            COSINE, NEED_QKV, BLOCK, BLOCK_D, BLOCK_DV, False)
+        bad = count_nonfinite(ds)
+        if NEED_QKV:
+            bad += count_nonfinite(dv) + count_nonfinite(dq) + count_nonfinite(dk)
+        if bad != 0:
+            # A NaN or an infinity reached the gradients: from a row that sees one (kept), or through a hidden
+            # pair's zero weight (0 * NaN), which the exact rule leaves out (see _window_grads).
+            ds, dsc, dv, dq, dk = _window_grads(q, k, v, do, bias, mask, tok, row_ok, scale, PRECISION,
+                                                HAS_MASK, COSINE, NEED_QKV, BLOCK, BLOCK_D, BLOCK_DV, True)
         dbias += ds
-        if COSINE:
-            # sum_j dS_ij = 0: shifting each row's logits by their maximum removes a common offset of up to
-            # 100
-            lmax = tl.max(tl.where(tok[None, :], logits, float("-inf")), 1)
-            dscale += tl.sum(ds * tl.where(tok[None, :], logits - lmax[:, None], 0.0), 1)
+        dscale += dsc
 
         if NEED_QKV:
-            dv = matmul(tl.trans(p), do, tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32), PRECISION)
-            dqh = matmul(ds, khat, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), PRECISION) * scale
-            dkh = matmul(tl.trans(ds), qn, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), PRECISION)
-            if COSINE:
-                # through the normalisation: (dy - y (y . dy)) / |x|, or dy / eps where the norm is clamped
-                q_dot = tl.where(q_raw > _NORM_EPS, tl.sum(qhat * dqh, 1), 0.0)
-                k_dot = tl.where(k_raw > _NORM_EPS, tl.sum(khat * dkh, 1), 0.0)
-                dq = (dqh - qhat * q_dot[:, None]) / q_norm[:, None]
-                dk = (dkh - khat * k_dot[:, None]) / k_norm[:, None]
-            else:
-                dq = dqh
-                dk = dkh
             qk_ok = row_ok[:, None] & d_ok
             tl.store(GradQ + b64 * stride_dqb + h64 * stride_dqh + tok64[:, None] * stride_dqm
                      + offs_d[None, :] * stride_dqd, dq.to(GradQ.dtype.element_ty), mask=qk_ok)

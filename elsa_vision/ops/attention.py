@@ -243,9 +243,13 @@ def elsa_attention(
 
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (empty when ``B``, ``H`` or ``Nq`` is 0). Rows with no
-        visible key are 0, never NaN; a NaN among the visible logits or values of a row makes that row NaN,
-        as in softmax. The Triton backend stores it as ``[B, Nq, H, Dv]`` (as SDPA's flash and efficient
-        backends do), so that ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is a view, not a copy.
+        visible key are 0, never NaN. A key hidden from a row (causality, the padding mask, a ``-inf`` bias)
+        contributes nothing to it, in the output and the gradients, whatever its key and value rows hold
+        (NaN and infinities included); as in softmax, a NaN logit (or a ``+inf`` bias) among a row's
+        visible keys makes the row NaN, and a NaN or an infinity in column ``c`` of a visible key's value
+        makes column ``c`` of the row non-finite (``kernels/reference.py``). The Triton backend stores it
+        as ``[B, Nq, H, Dv]`` (as SDPA's flash and efficient backends do), so that
+        ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is a view, not a copy.
     """
     check_attention_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
     chosen = resolve_backend(backend, q, dropout_p)

@@ -23,6 +23,8 @@ inputs and runs the backward, and the public function checks the inputs once (th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -79,21 +81,42 @@ def _dense_window_grads(dout: Tensor, qn: Tensor, kn: Tensor, v: Tensor, full: T
         dqn = torch.empty(qn.shape, dtype=torch.float32, device=qn.device)
         dkn = torch.empty(kn.shape, dtype=torch.float32, device=qn.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=qn.device)
+    def grads(qc, kc, vc, dc, exact):
+        logits = (qc @ kc.transpose(-2, -1)).view(b1 - b0, nW, H, N, N)
+        if not exact:
+            p = (logits + full5).softmax(-1)
+            dp = (dc @ vc.transpose(-2, -1)).view(b1 - b0, nW, H, N, N)
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+            return logits, p, ds, ds * (logits - logits.amax(-1, keepdim=True)), kc, qc
+        # The rule of kernels/reference.py: a -inf bias or mask entry hides its key whatever the logit (a
+        # hidden pair has P = dS = 0), a row that sees nothing has zero gradients, the products take the
+        # finite parts of the operands (a hidden key's or query's NaN or infinity reaches no gradient).
+        fin = lambda t: torch.where(torch.isfinite(t), t, 0.0)  # noqa: E731
+        s = torch.where(full5 == -math.inf, -math.inf, logits + full5)
+        p = torch.where(s == -math.inf, 0.0, s.softmax(-1))
+        dp = (dc @ fin(vc).transpose(-2, -1)).view(b1 - b0, nW, H, N, N)
+        ds = torch.where(p == 0, 0.0, p * (dp - (p * dp).sum(-1, keepdim=True)))
+        lmax = logits.masked_fill(s == -math.inf, -math.inf).amax(-1, keepdim=True)
+        return logits, p, ds, torch.where(p == 0, 0.0, ds * (logits - lmax)), fin(kc), fin(qc)
+
     for b0 in range(0, B, chunk):
         b1 = min(B, b0 + chunk)
         rows = slice(b0 * nW, b1 * nW)
         qc, kc, vc, dc = (t[rows].float() for t in (qn, kn, v, dout))
-        logits = (qc @ kc.transpose(-2, -1)).view(b1 - b0, nW, H, N, N)
-        p = (logits + full5).softmax(-1)
-        dp = (dc @ vc.transpose(-2, -1)).view(b1 - b0, nW, H, N, N)
-        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        # Finite inputs give finite gradients; a NaN or an infinity (or a row that sees no key) sends the
+        # chunk through the exact rule. The check is a host synchronisation: skipped (exact) while compiling
+        # or capturing a CUDA graph.
+        exact = torch.compiler.is_compiling() or (qc.is_cuda and torch.cuda.is_current_stream_capturing())
+        logits, p, ds, dsl, kf, qf = grads(qc, kc, vc, dc, exact)
+        if not exact and not bool(torch.isfinite(ds.sum()) & torch.isfinite(dsl.sum())):
+            logits, p, ds, dsl, kf, qf = grads(qc, kc, vc, dc, True)
         dfull += ds.sum(0)
-        dscale += (ds * (logits - logits.amax(-1, keepdim=True))).sum((0, 1, 3, 4))
+        dscale += dsl.sum((0, 1, 3, 4))
         if need_qkv:
             p4, ds4 = p.view(-1, H, N, N), ds.view(-1, H, N, N)
             dv[rows] = p4.transpose(-2, -1) @ dc
-            dqn[rows] = ds4 @ kc
-            dkn[rows] = ds4.transpose(-2, -1) @ qc
+            dqn[rows] = ds4 @ kf
+            dkn[rows] = ds4.transpose(-2, -1) @ qf
     return dqn, dkn, dv, dfull, dscale
 
 
@@ -153,6 +176,11 @@ def _dense_backward(dout, q, k, v, logit_scale, bias, mask, precision, qk_scale,
     dq = dk = None
     if need_qk:
         dq, dk = torch.autograd.grad((qn, kn), (qd, kd), (dqn.to(qn.dtype), dkn.to(kn.dtype)))
+        # Through the normalisation a non-finite query or key row turns even a zero gradient into NaN: it
+        # gets 0 where nothing reached it (hidden from, or seeing, no key), NaN where a NaN did.
+        for g, x, gx in ((dq, q, dqn), (dk, k, dkn)):
+            bad = ~torch.isfinite(x).all(-1, keepdim=True)
+            g.copy_(torch.where(bad, torch.where(gx == 0, 0.0, math.nan).to(g.dtype), g))
     return dq, dk, dv, dfull.sum(0), dscale
 
 

@@ -48,9 +48,9 @@ def _flat(tree: Any, prefix: str) -> dict[str, Any]:
 def run_identity(cfg: Mapping) -> dict[str, Any] | None:
     """What a run's checkpoints depend on, as flat ``{dotted key: value}``: ``model._target_``, the network
     (``model.net``, without settings that leave its parameters alone: attention backend and precision, the
-    linear layers' backend, dropout rates, the initial weights file) and ``data._target_``. ``ckpt_path=last`` resumes only a run
-    whose saved ``config_resolved.yaml`` has the same identity. None when ``cfg`` has no model config or its
-    values cannot be resolved here."""
+    linear layers' backend, dropout rates, the initial weights file) and ``data._target_``.
+    ``ckpt_path=last`` resumes only a run whose saved ``config_resolved.yaml`` has the same identity. None
+    when ``cfg`` has no model config or its values cannot be resolved here."""
     try:
         model, data = cfg.get("model"), cfg.get("data")
         if model is None:

@@ -1,5 +1,6 @@
 """Context-parallel ELSA over gloo with spawned CPU processes equals single-process attention."""
 
+import math
 import tempfile
 
 import pytest
@@ -26,9 +27,15 @@ def _run_case(rank, group, cfg):
         bias = torch.randn(B, 1, 1, N, dtype=torch.float64)
     elif cfg["bias"]:
         bias = torch.randn(1, H, N, N, dtype=torch.float64)
+    if cfg.get("poison"):
+        bias[..., 3] = -math.inf  # key 3 is hidden from every row
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = softmax_attention(*leaves, causal=cfg["causal"], key_padding_mask=kpm, attn_bias=bias)
     ref.backward(do)
+    if cfg.get("poison"):  # whatever the hidden key holds, the ring gives the clean result (its grads 0)
+        k, v = k.clone(), v.clone()
+        k[..., 3, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+        v[..., 3, :3] = torch.tensor([math.nan, math.inf, -math.inf])
 
     layout = cfg["layout"]
     shard = lambda t, dim=-2: shard_sequence(t, group, dim=dim, layout=layout)  # noqa: E731
@@ -69,6 +76,7 @@ CASES = [
     dict(world=3, N=29, causal=False, layout="zigzag", mask=True, bias=True),
     dict(world=3, N=31, causal=True, layout="zigzag", mask=True, bias="row"),
     dict(world=2, N=23, causal=False, layout="contiguous", mask=False, bias="row"),
+    dict(world=3, N=29, causal=True, layout="zigzag", mask=True, bias=True, poison=True),
 ]
 
 

@@ -26,9 +26,15 @@ pytest.importorskip("triton")
 
 from elsa_vision import elsa_attention  # noqa: E402
 from elsa_vision.kernels.bwd import BwdConfig, elsa_bwd  # noqa: E402
+from elsa_vision.kernels.fwd import elsa_fwd  # noqa: E402
 from elsa_vision.kernels.precision import resolve_precision  # noqa: E402
-from elsa_vision.kernels.reference import scan_attention, softmax_attention  # noqa: E402
-from tests.helpers import DEVICE, TF32_BOUND  # noqa: E402
+from elsa_vision.kernels.reference import (  # noqa: E402
+    attention_backward,
+    attention_bias_grad,
+    scan_attention,
+    softmax_attention,
+)
+from tests.helpers import DEVICE, NONFINITE_KINDS, TF32_BOUND, assert_nonfinite_like, nonfinite_case  # noqa: E402
 
 FP32_ACCURATE = 1e-5  # the gradients' bound (the forward's, tests.helpers.FP32_ACCURATE, is 1e-6)
 LOWP_FACTOR = 3.0
@@ -248,6 +254,62 @@ def test_nan_poisoned_keys_do_not_leak(precision):
         assert torch.equal(a, b)
 
 
+def _poison_hidden_keys(k, v, keys):
+    """NaN and infinities in the key and value rows of ``keys`` (a copy)."""
+    k, v = k.clone(), v.clone()
+    k[..., keys, 0], k[..., keys, 1], k[..., keys, 2] = math.inf, -math.inf, math.nan
+    v[..., keys, 0], v[..., keys, 1], v[..., keys, 2] = math.nan, math.inf, -math.inf
+    return k, v
+
+
+@pytest.mark.parametrize("case", ["causal_bias", "bands"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
+def test_hidden_nonfinite_keys_reach_no_gradient(case, precision):
+    """Keys hidden from every row by a -inf bias (causal too, or a band) whose key and value rows hold NaN
+    and infinities: every gradient is the clean run's (theirs 0), not 0 * NaN."""
+    B, H, Nq, Nk, D = 1, 2, 70, 83, 40
+    q, k, v, do, bias, _ = _problem(B, H, Nq, Nk, D, 24, bias_shape=(1, H, Nq, Nk), seed=31)
+    causal = case == "causal_bias"
+    keys = [7, 40, 41] if causal else list(range(50, 62))
+    bias[..., keys] = -math.inf
+    refs, o, lse = _reference(q, k, v, do, bias=bias, causal=causal)
+    kp, vp = _poison_hidden_keys(k, v, keys)
+    grads = _run(q, kp, vp, do, o, lse, torch.float32, attn_bias=bias, causal=causal, bias_requires_grad=True,
+                 precision=precision)
+    _check_fp32(grads, refs, FP32_ACCURATE)
+    assert (grads[1][..., keys, :] == 0).all() and (grads[2][..., keys, :] == 0).all()
+    # the forward of the poisoned inputs is the clean one, and so are the gradients through it
+    out, lse_p = elsa_fwd(q.float(), kp.float(), vp.float(), attn_bias=bias.float(), causal=causal,
+                          precision=precision)
+    assert torch.allclose(out.double(), o, rtol=0, atol=1e-5) and torch.equal(torch.isfinite(lse_p),
+                                                                              torch.isfinite(lse))
+
+
+@pytest.mark.parametrize("kind", NONFINITE_KINDS)
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+def test_nonfinite_inputs_follow_the_reference_rule(kind, precision):
+    """Non-finite keys and values some rows see (their rows NaN) and others do not: every gradient is
+    non-finite exactly where the float64 reference backward's is (a hidden pair contributes nothing, dS = 0
+    where P = 0), and matches it elsewhere."""
+    q, k, v, kw = nonfinite_case(kind, 1, 2, 45, 77, 24, Dv=40, seed=61)
+    out, lse = elsa_fwd(q, k, v, precision=precision, **kw)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    bias = kw.get("attn_bias")
+    dq, dk, dv, db = elsa_bwd(do, q, k, v, out, lse, precision=precision, bias_requires_grad=bias is not None,
+                              **kw)
+    kw64 = {n: t.double() if n == "attn_bias" else t for n, t in kw.items()}
+    q64, k64, v64, do64 = (t.double() for t in (q, k, v, do))
+    o64, l64 = scan_attention(q64, k64, v64, return_lse=True, **kw64)
+    refs = attention_backward(do64, q64, k64, v64, o64, l64, **kw64)[:3]
+    assert_nonfinite_like(dq, refs[0], FP32_ACCURATE)  # the rows that see no poisoned key are finite
+    assert_nonfinite_like(dk, refs[1], FP32_ACCURATE, some_finite=False)
+    assert_nonfinite_like(dv, refs[2], FP32_ACCURATE, some_finite=False)
+    if bias is not None:
+        ref_db = attention_bias_grad(do64, q64, k64, v64, o64, l64, bias.double(),
+                                     **{n: t for n, t in kw.items() if n != "attn_bias"})
+        assert_nonfinite_like(db, ref_db, FP32_ACCURATE)
+
+
 def test_noncontiguous_views_match_contiguous():
     """q, k, v as views of a fused qkv projection, dO and the bias transposed views: bitwise equal."""
     B, N, H, D = 2, 97, 3, 72
@@ -420,6 +482,34 @@ def test_gpu_fp16x3_head_dims(D, Dv):
         refs, o, lse = _reference(q, k, v, do, mask=mask, causal=causal)
         grads = _run(q, k, v, do, o, lse, torch.float32, key_padding_mask=mask, causal=causal)
         _check_fp32(grads, refs, FP32_ACCURATE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "fp16x3"])
+@pytest.mark.parametrize("N,D", [(197, 64), (785, 72), (785, 128)])
+def test_gpu_hidden_nonfinite_keys_reach_no_gradient(precision, N, D):
+    """Keys hidden from every row (a -inf bias, causal too, or a band) holding NaN and infinities: the
+    gradients are the clean inputs' at the GPU's tiles; and the reference rule with rows that see them."""
+    q, k, v, do, bias, _ = _problem(2, 3, N, N + 13, D, D, bias_shape=(1, 3, N, N + 13), seed=N + D)
+    for causal, keys in ((True, [7, N // 2, N // 2 + 1]), (False, list(range(100, 140)))):
+        b = bias.clone()
+        b[..., keys] = -math.inf
+        refs, o, lse = _reference(q, k, v, do, bias=b, causal=causal)
+        kp, vp = _poison_hidden_keys(k, v, keys)
+        grads = _run(q, kp, vp, do, o, lse, torch.float32, attn_bias=b, causal=causal,
+                     bias_requires_grad=True, precision=precision)
+        _check_fp32(grads, refs, FP32_ACCURATE)
+    for kind in NONFINITE_KINDS:
+        q2, k2, v2, kw = nonfinite_case(kind, 1, 2, N, N + 13, D, seed=N)
+        out, lse2 = elsa_fwd(q2, k2, v2, precision=precision, **kw)
+        do2 = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        got = elsa_bwd(do2, q2, k2, v2, out, lse2, precision=precision, **kw)[:3]
+        kw64 = {n: t.double() if n == "attn_bias" else t for n, t in kw.items()}
+        q64, k64, v64 = (t.double() for t in (q2, k2, v2))
+        o64, l64 = scan_attention(q64, k64, v64, return_lse=True, **kw64)
+        want = attention_backward(do2.double(), q64, k64, v64, o64, l64, **kw64)[:3]
+        for name, a, r in zip(("dq", "dk", "dv"), got, want):
+            assert_nonfinite_like(a, r, FP32_ACCURATE, some_finite=name == "dq")
 
 
 @pytest.mark.gpu

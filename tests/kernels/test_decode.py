@@ -27,6 +27,7 @@ from tests.helpers import (
     LOW_ATOL,
     TF32_BOUND,
     assert_lse,
+    assert_nonfinite_like,
     compile_for_sm90,
     gen,
     qkv,
@@ -242,6 +243,42 @@ def test_nan_in_masked_keys_and_tail_does_not_leak(causal):
     assert_matches(q, k_clean, v_clean, out_c, lse_c, key_padding_mask=kpm, causal=causal)
 
 
+@pytest.mark.parametrize("mask", ["causal", "bias"])
+@pytest.mark.parametrize("programs", [1, 3])
+def test_hidden_nonfinite_keys_and_values_contribute_nothing(mask, programs):
+    # A key a query cannot see (causal, or a -inf bias) contributes nothing whatever its rows hold; a visible
+    # key's NaN key row makes its rows NaN, a visible non-finite value only its own columns.
+    B, H, Nq, Nk, D = 1, 2, 4, 90, 24
+    q, k, v = qkv(B, H, Nq, Nk, D, seed=73)
+    if mask == "causal":  # query i sees the keys up to 86 + i
+        kw = dict(causal=True)
+        k[..., 89, 0] = math.nan  # the last row is NaN
+        v[..., 87, 0] = -math.inf  # rows 1-3, column 0
+    else:
+        bias = randn(1, H, Nq, Nk, seed=74)
+        bias[..., 20] = -math.inf  # key 20 hidden from every row
+        bias[..., :2, 88] = -math.inf  # key 88 from rows 0-1
+        kw = dict(attn_bias=bias)
+        k[..., 20, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+        v[..., 20, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    v[..., 88, 1] = math.inf  # rows 2-3, columns 1-2
+    v[..., 88, 2] = math.nan
+    out, lse = elsa_decode(q, k, v, block_n=32, programs=programs, **kw)
+    ref, _ = scan64(q, k, v, **kw)
+    assert_nonfinite_like(out, ref, FP32_ACCURATE)
+    assert torch.isfinite(out[..., 0, :]).all() and torch.isfinite(out[..., 2, 3:]).all()
+
+
+def test_plus_inf_bias_makes_its_row_nan():
+    q, k, v = qkv(1, 2, 3, 70, 16, seed=75)
+    bias = randn(1, 2, 3, 70, seed=76)
+    bias[..., 1, 33] = math.inf
+    out, lse = elsa_decode(q, k, v, attn_bias=bias, block_n=16, programs=3)
+    ref = softmax_attention(q.double(), k.double(), v.double(), attn_bias=bias.double())
+    assert bool(torch.isnan(ref[..., 1, :]).all())
+    assert_nonfinite_like(out, ref, FP32_ACCURATE)
+
+
 def test_large_magnitude_logits():
     q, k, v = qkv(1, 2, 2, 200, 16, seed=81, scale=30.0)
     out, lse = elsa_decode(q, k, v, block_n=16, programs=3)
@@ -384,6 +421,23 @@ def test_gpu_few_queries_masks(Nq):
     base = (out_lp.double() - ref).abs().max().item()
     assert err <= 2 * base + LOW_ATOL[torch.bfloat16], f"max err {err} vs low-precision torch {base}"
     assert_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_hidden_nonfinite_keys_and_values(dtype):
+    B, H, Nq, Nk, D = 2, 4, 4, 65536 + 77, 128
+    q, k, v = qkv(B, H, Nq, Nk, D, seed=11, dtype=dtype)
+    bias = randn(1, H, Nq, Nk, seed=12)
+    bias[..., 1000] = -math.inf  # hidden from every row
+    k[..., 1000, :3] = torch.tensor([math.inf, -math.inf, math.nan], dtype=dtype)
+    v[..., 1000, :3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype)
+    k[..., Nk - 1, 0] = math.nan  # causal: the last row sees it
+    v[..., Nk - 2, 1] = math.inf  # rows 2-3, column 1
+    out, _ = elsa_decode(q, k, v, attn_bias=bias, causal=True)
+    ref, _ = scan64(q, k, v, attn_bias=bias, causal=True)
+    assert_nonfinite_like(out, ref, FP32_ACCURATE if dtype == torch.float32 else 2e-2)
+    assert torch.isfinite(out[..., :2, :]).all()
 
 
 @pytest.mark.gpu

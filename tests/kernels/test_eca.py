@@ -13,8 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from elsa_vision.kernels import eca as eca_mod
 from elsa_vision.kernels import eca_masked_matmul, eca_tril_matmul, softmax_attention
 from elsa_vision.kernels.eca import eca_attention, eca_multiply_adds
+from elsa_vision.kernels.reference import attention_backward, scan_attention
 from elsa_vision.ops.attention import elsa_attention, resolve_backend
-from tests.helpers import relerr
+from tests.helpers import assert_nonfinite_like, relerr
 
 # ‖out − ref‖ / ‖ref‖ bounds of the products against the exact result (float64 inputs, float64 reference).
 REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -234,6 +235,46 @@ def test_rows_without_keys_are_zero_with_zero_grads():
         assert torch.isfinite(t.grad).all()
     assert (q.grad[:, :, 0] == 0).all() and (q.grad[:, :, 5] == 0).all()
     assert (k.grad[:, :, 0] == 0).all()
+
+
+@pytest.mark.parametrize("mask", ["causal", "bias", "kpm"])
+def test_nonfinite_inputs_follow_the_reference_rule(mask):
+    """A key a row cannot see (causality, a -inf bias, the padding mask) contributes nothing to it, forward
+    and backward, whatever its key and value rows hold; a visible key's NaN logit makes its row NaN, a visible
+    non-finite value its own column. ECA's block sums would spread them: such inputs take the reference
+    scan."""
+    g = _gen("nonfinite", mask)
+    B, H, N, D = 1, 2, 40, 8
+    q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
+    kw = {}
+    k[..., 30, 0] = math.nan  # rows 30-39 see it: NaN
+    v[..., 30, 1] = math.inf
+    v[..., 20, 2] = -math.inf  # rows 20-39: -inf in column 2
+    hidden = 5  # hidden from every row by the mask below
+    k[..., hidden, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+    v[..., hidden, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    if mask == "bias":
+        kw["attn_bias"] = torch.zeros(1, H, N, N).index_fill_(-1, torch.tensor([hidden]), -math.inf)
+    elif mask == "kpm":
+        kpm = torch.ones(B, N, dtype=torch.bool)
+        kpm[:, hidden] = False
+        kw["key_padding_mask"] = kpm
+    else:
+        k[..., hidden, :], v[..., hidden, :] = 1.0, 1.0  # causality alone: key 5 is visible to rows 5-39
+        k[..., 35, :3] = torch.tensor([math.inf, -math.inf, math.nan])  # hidden from rows 0-34
+        v[..., 35, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = elsa_attention(*leaves, causal=True, backend="eca", **kw)
+    kw64 = {n: t.double() if n == "attn_bias" else t for n, t in kw.items()}
+    ref, lse = scan_attention(*(t.double() for t in (q, k, v)), causal=True, return_lse=True, **kw64)
+    assert_nonfinite_like(out, ref, 1e-5)
+    assert torch.isfinite(out[..., :20, :]).all()
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    want = attention_backward(dout.double(), *(t.double() for t in (q, k, v)), ref, lse, causal=True, **kw64)
+    assert_nonfinite_like(leaves[0].grad, want[0], 1e-5)  # the rows before key 20 keep finite gradients
+    for got, ref_grad in zip((leaves[1].grad, leaves[2].grad), want[1:3]):
+        assert_nonfinite_like(got, ref_grad, 1e-5, some_finite=False)
 
 
 def test_gradcheck_float64():

@@ -27,16 +27,25 @@ from tests.helpers import (
     DEVICE,
     FP32_ACCURATE,
     LOW_ATOL,
+    NONFINITE_KINDS,
     TF32_BOUND,
     assert_lse,
+    assert_nonfinite_like,
     compile_for_sm90,
     gen,
+    nonfinite_case,
     qkv,
     randn,
     ref64,
     relerr,
     scan64,
 )
+
+
+def spec64(q, k, v, attn_bias=None, **kw):
+    """The reference scan in float64 (the rule for non-finite inputs; ``softmax_attention`` turns a hidden
+    key's NaN into a NaN row through ``0 * NaN``)."""
+    return scan64(q, k, v, attn_bias=attn_bias, **kw)[0]
 
 
 def assert_low_precision(out, q, k, v, **kw):
@@ -273,6 +282,78 @@ def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions, precision
     assert relerr(out_c, ref64(q, k_clean, v_clean, key_padding_mask=kpm, causal=causal)) <= FP32_ACCURATE
 
 
+# A hidden key contributes nothing, whatever its key and value rows hold; a visible key's NaN logit makes its
+# row NaN, its non-finite values reach their own columns (the rule of kernels/reference.py).
+
+
+@pytest.mark.parametrize("kind", NONFINITE_KINDS)
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_hidden_nonfinite_keys_and_values_contribute_nothing(kind, precision, partitions):
+    q, k, v, kw = nonfinite_case(kind, 1, 2, 45, 77, 24, Dv=40, seed=61)
+    out, lse = elsa_fwd(q, k, v, precision=precision, partitions=partitions, **kw)
+    assert_nonfinite_like(out, spec64(q, k, v, **kw), FP32_ACCURATE)
+    _, lse_ref = scan64(q, k, v, **kw)
+    assert torch.equal(torch.isnan(lse), torch.isnan(lse_ref))
+
+
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_visible_nonfinite_values_reach_only_their_columns(precision, partitions):
+    q, k, v = qkv(1, 2, 37, 70, 24, seed=63)
+    v[..., 3, 1] = math.nan
+    v[..., 5, 2] = math.inf
+    v[..., 66, 3] = -math.inf
+    v[..., 5, 4] = math.inf
+    v[..., 66, 4] = -math.inf  # both signs meet: NaN
+    out, _ = elsa_fwd(q, k, v, precision=precision, partitions=partitions)
+    ref = ref64(q, k, v)  # no hidden key: the textbook softmax is the reference
+    assert bool(torch.isnan(ref[..., [1, 4]]).all()) and bool(torch.isposinf(ref[..., 2]).all())
+    assert_nonfinite_like(out, ref, FP32_ACCURATE)
+    q2 = q.clone()
+    q2[..., 7, 0] = math.nan  # a NaN query: its row is NaN, the others are untouched
+    out, _ = elsa_fwd(q2, k, v, precision=precision, partitions=partitions)
+    assert_nonfinite_like(out, ref64(q2, k, v), FP32_ACCURATE)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
+def test_plus_inf_bias_makes_its_row_nan(precision):
+    # As softmax: a +inf logit gives exp(inf - inf) = NaN (it is not clamped to a finite bias).
+    q, k, v = qkv(1, 2, 29, 50, 16, seed=64)
+    bias = randn(1, 2, 29, 50, seed=65)
+    bias[..., 3, 7] = math.inf
+    bias[:, 1, 11, :] = math.inf
+    out, lse = elsa_fwd(q, k, v, attn_bias=bias, precision=precision)
+    ref = ref64(q, k, v, attn_bias=bias)
+    assert bool(torch.isnan(ref[..., 3, :]).all())
+    assert_nonfinite_like(out, ref, FP32_ACCURATE)
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref).any(-1))
+
+
+def test_fp16x3_nonfinite_key_hidden_from_a_whole_tile_keeps_the_scale():
+    # Nq > Nk, causal: the first query tile (64 rows) sees keys 0-3 only, so key 10 lies in its masked tile
+    # hidden from all of its rows; its infinities must not set that tile's split scale (which would flush
+    # the other keys' logits to 0 without any NaN to show for it). Under the float16 split a non-finite key
+    # entry gives NaN logits: the rows of the second tile that see key 10 are NaN, the others exact.
+    q, k, v = qkv(1, 1, 100, 40, 32, seed=66)
+    k[..., 10, 0] = math.inf
+    k[..., 10, 1] = -math.inf
+    out, _ = elsa_fwd(q, k, v, causal=True, precision="fp16x3")
+    ref = spec64(q, k, v, causal=True)
+    assert bool((out[..., :60, :] == 0).all())
+    assert relerr(out[..., 60:70, :], ref[..., 60:70, :]) <= FP32_ACCURATE
+    assert bool(torch.isnan(out[..., 70:, :]).all())
+
+
+def test_fp16x3_nonfinite_query_row_keeps_the_scale():
+    q, k, v = qkv(1, 2, 40, 50, 32, seed=67)
+    q[..., 6, 2] = math.inf
+    out, _ = elsa_fwd(q, k, v, precision="fp16x3")
+    assert bool(torch.isnan(out[..., 6, :]).all())
+    rows = [i for i in range(40) if i != 6]
+    assert relerr(out[..., rows, :], ref64(q, k, v)[..., rows, :]) <= FP32_ACCURATE
+
+
 @pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
 @pytest.mark.parametrize("mult", [30.0, 100.0])
 def test_large_magnitude_inputs(mult, precision):
@@ -422,6 +503,25 @@ def test_varlen_matches_per_sequence(causal, precision):
     assert relerr(out, torch_backend.double()) <= 2 * FP32_ACCURATE
 
 
+def test_varlen_hidden_nonfinite_values_contribute_nothing():
+    # Causal within each packed sequence: a later key of the same sequence, and the keys of the next
+    # sequence (read through the same tile), are hidden.
+    H, D = 2, 16
+    lq = lk = [20, 33]
+    q = randn(sum(lq), H, D, seed=96)
+    k = randn(sum(lk), H, D, seed=97)
+    v = randn(sum(lk), H, D, seed=98)
+    k[15, :, 0] = math.nan
+    v[15, :, :] = math.nan
+    v[30, :, 1] = math.inf
+    cu = torch.tensor([0, 20, 53], dtype=torch.int32, device=DEVICE)
+    out, _ = elsa_fwd_varlen(q, k, v, cu, cu, 33, 33, causal=True, precision="ieee")
+    for a, b in ((0, 20), (20, 53)):
+        qi, ki, vi = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        assert_nonfinite_like(out[a:b], spec64(qi, ki, vi, causal=True)[0].transpose(0, 1), FP32_ACCURATE)
+    assert torch.isfinite(out[:15]).all() and torch.isfinite(out[20:30]).all()
+
+
 def test_public_api_routes_to_kernel():
     q, k, v = qkv(2, 2, 31, 47, 32, seed=95)
     kpm = torch.ones(2, 47, dtype=torch.bool, device=DEVICE)
@@ -558,6 +658,37 @@ def test_gpu_default_plan_head_dims(D, Dv):
             out, _ = elsa_fwd(q, k, v, attn_bias=b, causal=causal)
             err = relerr(out, ref64(q, k, v, attn_bias=b, causal=causal))
             assert err <= FP32_ACCURATE, (D, Dv, N, causal, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "fp16x3", "tf32"])
+@pytest.mark.parametrize("D", [64, 72, 128])
+def test_gpu_hidden_nonfinite_keys_and_values(precision, D):
+    # The rule on the GPU's tiles, fused and split (a few rows: partitions), and the float16 split's scale
+    # guard at a real query tile: Nq - Nk = 300 leaves keys in the masked tile of rows 256-383 that none of
+    # those rows sees.
+    bound = TF32_BOUND if precision == "tf32" else FP32_ACCURATE
+    for kind in NONFINITE_KINDS:
+        for Nq, Nk in ((197, 197), (785, 798), (7, 785)):
+            q, k, v, kw = nonfinite_case(kind, 2, 3, Nq, Nk, D, seed=Nq + D)
+            out, _ = elsa_fwd(q, k, v, precision=precision, **kw)
+            assert_nonfinite_like(out, spec64(q, k, v, **kw), bound)
+    q, k, v = qkv(1, 2, 400, 100, D, seed=D)
+    k[..., 90, 0] = math.inf
+    k[..., 90, 1] = -math.inf
+    out, _ = elsa_fwd(q, k, v, causal=True, precision=precision)
+    ref = spec64(q, k, v, causal=True)
+    assert relerr(out[..., 300:390, :], ref[..., 300:390, :]) <= bound
+    assert not torch.isfinite(out[..., 390:, :]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_hidden_nonfinite_half_precision(dtype):
+    for kind in NONFINITE_KINDS:
+        q, k, v, kw = nonfinite_case(kind, 2, 3, 785, 798, 64, seed=7, dtype=dtype)
+        out, _ = elsa_fwd(q, k, v, **kw)
+        assert_nonfinite_like(out, spec64(q, k, v, **kw), 2e-2)
 
 
 @pytest.mark.gpu

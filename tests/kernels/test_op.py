@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from elsa_vision import ElsaAttention, elsa_attention, elsa_attention_varlen
-from elsa_vision.kernels.reference import softmax_attention
-from tests.helpers import relerr
+from elsa_vision.kernels.reference import scan_attention, softmax_attention
+from tests.helpers import NONFINITE_KINDS, assert_nonfinite_like, nonfinite_case, relerr
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -255,6 +255,43 @@ def test_nan_propagates_as_in_softmax(where, backend):
     assert torch.allclose(out.cpu()[ok], want[ok], rtol=1e-5, atol=1e-5)
 
 
+def _spec_grads(q, k, v, kw, dout):
+    """Output and gradients (q, k, v, bias) of the float64 reference scan: the rule every backend follows."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    bias = kw.get("attn_bias")
+    b = None if bias is None else bias.detach().double().requires_grad_()
+    out = scan_attention(*leaves, attn_bias=b, key_padding_mask=kw.get("key_padding_mask"),
+                         causal=kw.get("causal", False))
+    out.backward(dout.double())
+    return out.detach(), [t.grad for t in leaves] + [None if b is None else b.grad]
+
+
+def _check_backend_against_spec(q, k, v, kw, backend, precision, tol, grad_tol):
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(1)).to(q.device)
+    bias = kw.get("attn_bias")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    b = None if bias is None else bias.detach().clone().requires_grad_()
+    out = elsa_attention(*leaves, attn_bias=b, key_padding_mask=kw.get("key_padding_mask"),
+                         causal=kw.get("causal", False), backend=backend, precision=precision)
+    out.backward(dout.to(out.dtype))
+    ref, ref_grads = _spec_grads(q, k, v, kw, dout)
+    assert_nonfinite_like(out, ref, tol)
+    got_grads = [t.grad for t in leaves] + [None if b is None else b.grad]
+    for name, got, want in zip(("q", "k", "v", "bias"), got_grads, ref_grads):
+        if want is not None:
+            assert_nonfinite_like(got, want, grad_tol, some_finite=name in ("q", "bias"))
+
+
+@pytest.mark.parametrize("kind", NONFINITE_KINDS)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hidden_nonfinite_inputs_follow_the_reference_rule(kind, backend):
+    """NaN and infinities in key and value rows that the masks hide from some or every row: forward and
+    backward of the public op, per backend, are non-finite exactly where the float64 reference scan is and
+    match it elsewhere (``backend="eca"``: tests/kernels/test_eca.py)."""
+    q, k, v, kw = nonfinite_case(kind, 1, 2, 45, 77, 24, Dv=40, seed=81)
+    _check_backend_against_spec(q, k, v, kw, backend, "ieee", 1e-6, 1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", [(0, 2, 5, 7), (2, 0, 5, 7), (2, 2, 0, 7), (2, 2, 5, 0)],
                          ids=["B0", "H0", "Nq0", "Nk0"])
@@ -304,6 +341,23 @@ def test_cuda_graph_capture_and_replay_is_bitwise_stable():
     assert torch.equal(results[0][0], eager.detach())
     for got, t in zip(results[0][1:], eager_leaves):
         assert torch.equal(got, t.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", NONFINITE_KINDS)
+@pytest.mark.parametrize("N,D", [(197, 64), (197, 72), (785, 128)])
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "auto"), (torch.float32, "ieee"),
+                                             (torch.float32, "tf32x3"), (torch.float32, "fp16x3"),
+                                             (torch.bfloat16, "auto")])
+def test_gpu_hidden_nonfinite_inputs_follow_the_reference_rule(kind, N, D, dtype, precision):
+    """The rule at ViT sizes on the GPU's precisions, forward and backward of the public op, both backends;
+    bfloat16 against the float64 reference of the rounded inputs (relative error of the finite entries)."""
+    q, k, v, kw = nonfinite_case(kind, 2, 3, N, N + 13, D, seed=N + D, dtype=dtype)
+    fp32 = dtype == torch.float32
+    tol = 1e-6 if fp32 else 2e-2
+    _check_backend_against_spec(q, k, v, kw, "triton", precision, tol, 1e-5 if fp32 else 5e-2)
+    if precision == "auto":
+        _check_backend_against_spec(q, k, v, kw, "torch", precision, tol, 1e-5 if fp32 else 5e-2)
 
 
 @pytest.mark.gpu

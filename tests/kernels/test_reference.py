@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 from elsa_vision.kernels.reference import (
     ElsaState,
     _exclusive_scan,
+    attention_backward,
+    attention_scores,
     block_state,
     finalize,
     identity_state,
+    inputs_finite,
     log_sum_exp,
     merge_depth,
     merge_states,
@@ -243,6 +246,119 @@ def test_attention_backward_matches_autograd(causal):
     for got, leaf in zip((dq, dk, dv, ds.sum(0, keepdim=True)), leaves):
         assert torch.isfinite(got).all()
         assert relerr(got, leaf.grad) <= 1e-12
+
+
+# ------------------------------------------------------------------------ non-finite inputs: the rule
+
+
+def _poisoned(causal_rows=19, n=29, dv=5, seed=0):
+    """q, k, v (float64) with NaN/inf in keys 3 (hidden from every row by the bias below), 20 (hidden from
+    rows 0-9 by the bias) and, for causal rows 0-13 (Nq = 19, Nk = 29: row i sees j <= i + 10), key 24."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, 2, causal_rows, 8, generator=g, dtype=F64), torch.randn(1, 2, n, 8, generator=g,
+                                                                                  dtype=F64)
+    v = torch.randn(1, 2, n, dv, generator=g, dtype=F64)
+    bias = torch.randn(1, 2, causal_rows, n, generator=g, dtype=F64)
+    bias[..., 3] = -math.inf
+    bias[..., :10, 20] = -math.inf
+    kp, vp = k.clone(), v.clone()
+    kp[..., 3, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+    vp[..., 3, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    kp[..., 20, 0] = math.nan  # rows 10-18 see it: NaN rows
+    vp[..., 24, 1] = math.inf  # causal: rows 14-18 see it, +inf in column 1
+    vp[..., 24, 2] = math.nan
+    return q, k, v, kp, vp, bias
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 64])
+def test_hidden_keys_contribute_nothing_whatever_they_hold(block_size):
+    q, k, v, kp, vp, bias = _poisoned()
+    out = scan_attention(q, kp, vp, attn_bias=bias, causal=True, block_size=block_size, query_chunk=7)
+    clean = softmax_attention(q, k, v, attn_bias=bias, causal=True)  # keys 3 and 20 hidden from rows 0-9
+    assert torch.equal(torch.isnan(out).any(-1), torch.arange(19).ge(10).expand(1, 2, 19))
+    torch.testing.assert_close(out[..., :10, :], clean[..., :10, :], rtol=1e-13, atol=1e-13)
+    # the -inf bias hides key 3 even where q . k is NaN (the plain sum would give NaN there)
+    scores = attention_scores(q, kp, scale=8 ** -0.5, attn_bias=bias)
+    assert bool((scores[..., 3] == -math.inf).all())
+
+
+def test_visible_nonfinite_values_reach_only_their_columns():
+    q, k, v, _, _, _ = _poisoned()
+    v = v.clone()
+    v[..., 24, 1] = math.inf
+    v[..., 24, 2] = math.nan
+    v[..., 7, 3] = math.inf
+    v[..., 9, 3] = -math.inf  # both signs meet: NaN
+    for block_size in (4, 64):  # the infinities sit in blocks whose maximum is far below the row's
+        out = scan_attention(q, k * 30, v, causal=True, block_size=block_size)
+        ref = softmax_attention(q, k * 30, v)  # no hidden key: the textbook softmax agrees
+        ref_c = scan_attention(q, k * 30, v, causal=True, block_size=1000)
+        assert torch.equal(torch.isposinf(out), torch.isposinf(ref_c)) and torch.equal(torch.isnan(out),
+                                                                                         torch.isnan(ref_c))
+        assert bool(torch.isnan(out[..., 3]).all()) and bool(torch.isposinf(out[..., 14:, 1]).all())
+        assert bool(torch.isfinite(out[..., :14, :3]).all()) and bool(torch.isfinite(out[..., 4]).all())
+    assert bool(torch.isnan(ref[..., 3]).all())
+
+
+def test_merge_carries_infinities_past_an_underflowing_factor():
+    # b's maximum is 1000 above a's: exp(-1000) = 0, and a's +inf must not become 0 * inf = NaN.
+    t = lambda *x: torch.tensor(x, dtype=F64)  # noqa: E731
+    a = ElsaState(t(0.0, 0.0), t(1.0, 1.0), t([math.inf, 1.0], [-math.inf, 2.0]))
+    b = ElsaState(t(1000.0, 1000.0), t(2.0, 2.0), t([4.0, 6.0], [math.inf, 8.0]))
+    for merged in (merge_states(a, b), merge_states(b, a)):
+        out = finalize(merged)
+        assert out[0, 0] == math.inf and math.isnan(out[1, 0])  # +inf alone; +inf and -inf: NaN
+        torch.testing.assert_close(out[:, 1], torch.tensor([3.0, 4.0], dtype=F64))
+
+
+def test_plus_inf_bias_makes_its_row_nan():
+    q, k, v, _, _, bias = _poisoned()
+    bias = bias.clone()
+    bias[..., 12, 5] = math.inf
+    out = scan_attention(q, k, v, attn_bias=bias)
+    ref = softmax_attention(q, k, v, attn_bias=bias)
+    assert bool(torch.isnan(out[..., 12, :]).all()) and bool(torch.isnan(ref[..., 12, :]).all())
+    assert bool(torch.isfinite(out[..., :12, :]).all())
+
+
+def test_hidden_keys_reach_no_gradient_autograd_and_attention_backward():
+    """Autograd of the scan (the torch backend's training path) and ``attention_backward`` (the backward
+    kernels' specification) agree, and neither lets a hidden key's NaN reach a gradient: the rows that see
+    no poisoned key have the clean run's dq; keys hidden from a NaN row keep finite dk, dv."""
+    q, k, v, kp, vp, bias = _poisoned()
+    g = torch.Generator().manual_seed(5)
+    do = torch.randn(1, 2, 19, 5, generator=g, dtype=F64)
+    grads = []
+    for kk, vv in ((k, v), (kp, vp)):
+        leaves = [t.clone().requires_grad_() for t in (q, kk, vv, bias)]
+        out, lse = scan_attention(*leaves[:3], attn_bias=leaves[3], causal=True, block_size=8,
+                                  return_lse=True)
+        out.backward(do)
+        grads.append(([t.grad for t in leaves], out.detach(), lse.detach()))
+    (gc, _, _), (gp, out, lse) = grads
+    torch.testing.assert_close(gp[0][..., :10, :], gc[0][..., :10, :], rtol=1e-12, atol=1e-12)
+    assert bool(torch.isnan(gp[0][..., 10:, :]).all(-1).all())
+    dq, dk, dv, ds = attention_backward(do, q, kp, vp, out, lse, attn_bias=bias, causal=True)
+    for got, want in zip((dq, dk, dv, ds.sum(0, keepdim=True)), gp):
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        fin = torch.isfinite(want)
+        assert relerr(got[fin], want[fin]) <= 1e-12
+    # the backward of the hidden keys alone: keys 3 and 20 hidden from every row, with NaN rows elsewhere
+    q2 = q.clone()
+    q2[..., 15, 0] = math.nan  # row 15 is NaN; key 3 is hidden from it
+    leaves = [t.clone().requires_grad_() for t in (q2, kp, vp)]
+    out = scan_attention(*leaves, attn_bias=bias, block_size=8)
+    out.backward(do)
+    assert bool(torch.isfinite(leaves[1].grad[..., 3, :]).all())
+    assert bool((leaves[2].grad[..., 3, :] == 0).all())
+
+
+def test_inputs_finite():
+    q, k, v, kp, vp, bias = _poisoned()
+    assert inputs_finite(q, k, v, bias)  # a -inf bias is a mask, not a non-finite input
+    assert not inputs_finite(q, kp, v, None) and not inputs_finite(q, k, vp, None)
+    assert not inputs_finite(q, k, v, bias.clone().fill_(math.inf))
+    assert not inputs_finite(q, k, v, bias * math.nan)
 
 
 def test_states_from_partial_outputs_merge_to_the_whole():

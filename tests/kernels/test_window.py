@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
 
+from elsa_vision.kernels.reference import scan_attention  # noqa: E402
 from elsa_vision.kernels.window import (  # noqa: E402
     BWD_MAX_TOKENS,
     window_bwd,
@@ -37,7 +38,7 @@ from elsa_vision.kernels.window import (  # noqa: E402
 from elsa_vision.models.swinv2 import ElsaSwinV2Attention  # noqa: E402
 from elsa_vision.ops.window_attention import window_attention  # noqa: E402
 
-from ..helpers import DEVICE, relerr  # noqa: E402
+from ..helpers import DEVICE, assert_nonfinite_like, relerr  # noqa: E402
 
 FWD_BOUND = 5e-6
 GRAD_BOUND = 3e-5
@@ -146,6 +147,88 @@ def test_bfloat16_forward():
     assert relerr(out, ref) <= LOWP_FACTOR * relerr(lowp, ref)
 
 
+def _spec64(q, k, v, logit_scale, bias, mask):
+    """The window attention through the reference scan in float64 (its rule for non-finite inputs)."""
+    q, k, v, bias = (t.double() for t in (q, k, v, bias))
+    scale = torch.clamp(logit_scale.double(), max=math.log(100.0)).exp().view(1, -1, 1, 1)
+    qn = F.normalize(q, dim=-1) * scale
+    full = bias.unsqueeze(0).expand(q.shape[0], -1, -1, -1)
+    if mask is not None:
+        nW = mask.shape[0]
+        full = (full.reshape(-1, nW, *full.shape[1:]) + mask.double()[None, :, None]).reshape(full.shape)
+    return scan_attention(qn, F.normalize(k, dim=-1), v, attn_bias=full, scale=1.0)
+
+
+def _hiding_mask(N, nW):
+    """A user mask with ``-inf``: key 5 hidden from every row, key 20 from the first half of the rows, key
+    40 hidden by Swin's ``-100`` only (that hides nothing)."""
+    mask = torch.zeros(nW, N, N, device=DEVICE)
+    mask[..., 5] = -math.inf
+    mask[:, : N // 2, 20] = -math.inf
+    mask[..., 40] = -100.0
+    return mask
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_hidden_nonfinite_keys_and_values_contribute_nothing(precision):
+    q, k, v, ls, bias, _ = make_inputs(8, 8, 2, 16, 2, False)
+    mask = _hiding_mask(64, 1)
+    q, k, v = q.clone(), k.clone(), v.clone()
+    k[:, :, 5, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+    v[:, :, 5, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    v[:, :, 20, 1] = math.nan  # the rows of the second half see it: NaN in column 1
+    v[:, :, 40, 2] = math.inf  # every row sees it (-100 is a tiny weight, not a mask): +inf in column 2
+    out = window_attention(q, k, v, ls, bias, mask, precision=precision)
+    ref = _spec64(q, k, v, ls, bias, mask)
+    assert bool(torch.isposinf(ref[..., 2]).all()) and bool(torch.isnan(ref[..., 32:, 1]).all())
+    assert_nonfinite_like(out, ref, FWD_BOUND)
+    assert torch.isfinite(out[..., :32, :2]).all()
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_hidden_nonfinite_keys_reach_no_gradient(precision):
+    """Key rows hidden from every row by a -inf mask hold NaN and infinities: the fused backward's gradients
+    are the clean inputs' (theirs 0), a fully masked row has zero gradients."""
+    q, k, v, ls, bias, _ = make_inputs(7, 7, 2, 32, 2, True, grid=(1, 2))
+    mask = torch.zeros(2, 49, 49, device=DEVICE)
+    mask[..., [3, 30]] = -math.inf
+    mask[1, 7, :] = -math.inf  # row 7 of window 1 (of each image) sees nothing
+    dout = torch.randn(q.shape[0], 2, 49, 32, device=DEVICE)
+    clean = window_bwd(dout, q, k, v, ls, bias, mask, precision)
+    kp, vp = k.clone(), v.clone()
+    kp[:, :, [3, 30], :3] = torch.tensor([math.inf, -math.inf, math.nan], device=DEVICE)
+    vp[:, :, [3, 30], :3] = torch.tensor([math.nan, math.inf, -math.inf], device=DEVICE)
+    got = window_bwd(dout, q, kp, vp, ls, bias, mask, precision)
+    for name, a, b in zip(("q", "k", "v", "bias", "logit_scale"), got, clean):
+        assert torch.isfinite(a).all(), name
+        assert relerr(a, b) <= FUSED_GRAD_BOUND, f"{name}: {relerr(a, b):.3e}"
+    assert (got[1][:, :, [3, 30]] == 0).all() and (got[2][:, :, [3, 30]] == 0).all()
+    assert (got[0][1::2, :, 7] == 0).all()
+
+
+def test_dense_backward_hidden_nonfinite_keys_reach_no_gradient():
+    """Windows past the fused backward (12x12 = 144 tokens: PyTorch's dense chunks) follow the same rule."""
+    q, k, v, ls, bias, _ = make_inputs(12, 12, 2, 16, 1, False)
+    mask = torch.zeros(1, 144, 144, device=DEVICE)
+    mask[..., [9, 100]] = -math.inf
+    mask[..., 50, :] = -math.inf  # row 50 sees nothing
+    kp, vp = k.clone(), v.clone()
+    kp[:, :, [9, 100], :3] = torch.tensor([math.inf, -math.inf, math.nan], device=DEVICE)
+    vp[:, :, [9, 100], :3] = torch.tensor([math.nan, math.inf, -math.inf], device=DEVICE)
+    g = torch.randn(q.shape[0], 2, 144, 16, device=DEVICE)
+    grads = []
+    for kk, vv in ((k, v), (kp, vp)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, kk, vv, ls, bias)]
+        out = window_attention(*leaves, mask, precision="ieee")
+        grads.append(torch.autograd.grad(out, leaves, g))
+        assert bool((out[..., 50, :] == 0).all())
+    for name, a, b in zip(("q", "k", "v", "logit_scale", "bias"), grads[1], grads[0]):
+        assert torch.isfinite(a).all(), name
+        assert relerr(a, b) <= GRAD_BOUND, f"{name}: {relerr(a, b):.3e}"
+    assert (grads[1][1][:, :, [9, 100]] == 0).all() and (grads[1][2][:, :, [9, 100]] == 0).all()
+    assert (grads[1][0][:, :, 50] == 0).all()
+
+
 def test_bias_and_logit_scale_chain_gradcheck():
     """float64 gradcheck of the torch path: logit_scale, cpb_mlp weights (through 16 sigmoid and the index
     gather) and the input, with a shift mask on a 3x3 window."""
@@ -186,6 +269,36 @@ def test_bad_inputs():
         window_attention(q[0], k, v, ls, bias, mask)
     with pytest.raises(ValueError, match=r"head dims must be in \[1, 256\], got D=0"):  # not 0 ** -0.5
         window_attention(q[..., :0], k[..., :0], v, None, bias, mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [(7, 7), (8, 8), (16, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_hidden_nonfinite_keys(window, dtype):
+    """Swin shapes on CUDA (fused backward up to 8x8, dense above) with a shift mask that also holds -inf:
+    the forward follows the reference rule (the -100 entries hide nothing), the gradients of keys hidden
+    from every row holding NaN and infinities are the clean inputs'."""
+    wh, ww = window
+    N = wh * ww
+    q, k, v, ls, bias, mask = make_inputs(wh, ww, 4, 32, 4, True, dtype=dtype, grid=(2, 2))
+    mask = mask.clone()
+    mask[..., [3, N - 5]] = -math.inf
+    kp, vp = k.clone(), v.clone()
+    kp[:, :, [3, N - 5], :3] = torch.tensor([math.inf, -math.inf, math.nan], dtype=dtype, device=DEVICE)
+    vp[:, :, [3, N - 5], :3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype, device=DEVICE)
+    vp[:, :, 10, 4] = math.nan  # visible to every row (where the shift mask has -100, with a tiny weight)
+    out = window_attention(q, kp, vp, ls, bias, mask)
+    bound = FWD_BOUND if dtype == torch.float32 else 3e-2
+    assert_nonfinite_like(out, _spec64(q, kp, vp, ls, bias, mask), bound)
+    g = torch.randn(q.shape[0], 4, N, 32, device=DEVICE, dtype=dtype)
+    vp[:, :, 10, 4] = v[:, :, 10, 4]  # the gradients compare hidden keys only: the visible entry clean again
+    grads = []
+    for kk, vv in ((k, v), (kp, vp)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, kk, vv, ls, bias)]
+        grads.append(torch.autograd.grad(window_attention(*leaves, mask), leaves, g))
+    for name, a, b in zip(("q", "k", "v", "logit_scale", "bias"), grads[1], grads[0]):
+        assert torch.isfinite(a).all(), name
+        assert relerr(a, b) <= (GRAD_BOUND if dtype == torch.float32 else 1e-2), name
 
 
 @pytest.mark.gpu
