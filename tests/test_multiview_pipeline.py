@@ -147,10 +147,10 @@ def test_hydra_configs_instantiate():
     assert module.net.config["embed_dim"] == 48
     opt = module.configure_optimizers()
     assert isinstance(opt["optimizer"], torch.optim.AdamW)
-    # The configs name the registered timm models; the architecture is listed once, in the registry.
-    assert cfg.net._target_ == "timm.create_model" and cfg.net.model_name == "elsa_vggt_small"
+    # The configs name the configurations; the architecture is listed once, in VGGT_CONFIGS.
+    assert cfg.net._target_ == "elsa_vision.models.ElsaVGGT.from_config" and cfg.net.name == "elsa_vggt_small"
     big = OmegaConf.load(ROOT / "configs/model/elsa_vggt.yaml")
-    assert big.net._target_ == "timm.create_model" and big.net.model_name == "elsa_vggt"
+    assert big.net._target_ == "elsa_vision.models.ElsaVGGT.from_config" and big.net.name == "elsa_vggt"
     assert not set(big.net) & set(VGGT_CONFIGS["elsa_vggt"])
     with torch.device("meta"):
         net = instantiate(big.net)
