@@ -352,3 +352,26 @@ def test_inference_cli_checks_out_first(tmp_path, capsys, monkeypatch):
             infer_main(args + ["--out", str(out)])
         assert e.value.code == 2 and why in capsys.readouterr().err
     assert (tmp_path / "done" / "cameras.json").read_text() == "{}"
+
+
+def test_curves_plot_the_tasks_own_metrics(tmp_path, caplog):
+    """curves.png of a multi-view run draws its losses (``train/loss_epoch``: the training loss is logged per
+    step and per epoch), pose AUC and depth delta1 -- the module's ``curves`` -- where the classification
+    panels drew no training loss and an empty accuracy panel."""
+    from elsa_vision.utils.run import plot_curves
+
+    csv = tmp_path / "metrics.csv"
+    rows = ["epoch,step,train/loss_step,train/loss_epoch,val/loss,val/auc30,val/auc15,val/delta1"]
+    rows += [f"{e},{10 * e},,{2 - e / 4},{2.1 - e / 4},{0.1 * e},{0.05 * e},{0.5 + 0.1 * e}"
+             for e in range(3)]
+    csv.write_text("\n".join(rows) + "\n")
+    with caplog.at_level("WARNING"):
+        png = plot_curves(csv, tmp_path / "curves.png", MultiViewReconstructionModule.curves)
+    assert not caplog.records
+    with Image.open(png) as im:
+        assert im.width == 3 * 500  # three panels, 5 inches each at 100 dpi
+    with caplog.at_level("WARNING"):
+        png = plot_curves(csv, tmp_path / "classification.png")  # the classification panels
+    assert "no logged values for top-1 accuracy (train/acc, val/acc)" in caplog.text
+    with Image.open(png) as im:
+        assert im.width == 500  # only the loss panel (val/loss), no empty accuracy panel

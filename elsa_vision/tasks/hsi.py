@@ -392,6 +392,7 @@ class MaskedAutoencoderModule(_HSIBase):
     """
 
     net_attr = "encoder"
+    curves = {"reconstruction loss (masked tokens)": ("train/loss", "val/loss")}  # curves.png
 
     def __init__(
         self,

@@ -146,6 +146,13 @@ class MultiViewReconstructionModule(L.LightningModule):
         compile: ``torch.compile`` the net at fit start.
     """
 
+    # curves.png of a run (elsa_vision.utils.run.plot_curves): the losses and the validation metrics
+    curves = {
+        "loss": ("train/loss_epoch", "val/loss"),
+        "camera pose AUC (val)": ("val/auc30", "val/auc15"),
+        "depth δ<1.25 (val)": ("val/delta1",),
+    }
+
     def __init__(
         self,
         net: nn.Module,

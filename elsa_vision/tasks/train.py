@@ -167,7 +167,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
 
     if trainer.is_global_zero and fitted:
-        plot_curves(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "curves.png"))
+        plot_curves(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "curves.png"),
+                    getattr(model, "curves", None))  # the task's own metrics
 
     metrics["epochs"] = int(trainer.current_epoch)
     metrics["time_s"] = round(time.perf_counter() - start, 2)

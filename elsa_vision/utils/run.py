@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from ..files import atomic_torch_save, atomic_write, checkpoint_kind, read_check
 from .run_dirs import newest_last_checkpoint
 
 __all__ = [
+    "CLASSIFICATION_CURVES",
     "CheckpointPathError",
     "RunCSVLogger",
     "SafeCheckpointIO",
@@ -239,8 +240,22 @@ def _read_epoch_metrics(metrics_csv: str | os.PathLike) -> dict[str, dict[int, f
     return series
 
 
-def plot_curves(metrics_csv: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
-    """Plot per-epoch loss and accuracy (train/val) from a CSVLogger ``metrics.csv`` into ``png_path``."""
+# What a task's curves.png shows: panel title -> the metrics.csv columns drawn in it (one line per column, per
+# epoch). A LightningModule names its own in a class attribute ``curves``; this is the classification default.
+CLASSIFICATION_CURVES: Mapping[str, tuple[str, ...]] = {
+    "loss": ("train/loss", "val/loss"),
+    "top-1 accuracy": ("train/acc", "val/acc"),
+}
+
+
+def plot_curves(
+    metrics_csv: str | os.PathLike,
+    png_path: str | os.PathLike,
+    panels: Mapping[str, Sequence[str]] | None = None,
+) -> Path | None:
+    """Plot per-epoch curves from a CSVLogger ``metrics.csv`` into ``png_path``: one panel per entry of
+    ``panels`` (title -> metric columns, one line each; default :data:`CLASSIFICATION_CURVES`). A panel none
+    of whose columns were logged is left out (and named in a warning), not drawn empty."""
     if not os.path.isfile(metrics_csv):
         log.warning("no %s: learning curves not plotted", metrics_csv)
         return None
@@ -250,17 +265,23 @@ def plot_curves(metrics_csv: str | os.PathLike, png_path: str | os.PathLike) -> 
     import matplotlib.pyplot as plt
 
     series = _read_epoch_metrics(metrics_csv)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, kind in zip(axes, ("loss", "acc")):
-        for stage in ("train", "val"):
-            points = series.get(f"{stage}/{kind}")
-            if points:
-                epochs = sorted(points)
-                ax.plot(
-                    epochs, [points[e] for e in epochs], marker="o", markersize=3, label=f"{stage}/{kind}"
-                )
+    panels = dict(CLASSIFICATION_CURVES if panels is None else panels)
+    drawn = {title: [k for k in keys if series.get(k)] for title, keys in panels.items()}
+    empty = [title for title, keys in drawn.items() if not keys]
+    if empty:
+        log.warning("curves.png: no logged values for %s", ", ".join(
+            f"{title} ({', '.join(panels[title])})" for title in empty))
+    drawn = {title: keys for title, keys in drawn.items() if keys}
+    if not drawn:
+        return None
+    fig, axes = plt.subplots(1, len(drawn), figsize=(5 * len(drawn), 4), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], drawn.items()):
+        for key in keys:
+            points = series[key]
+            epochs = sorted(points)
+            ax.plot(epochs, [points[e] for e in epochs], marker="o", markersize=3, label=key)
         ax.set_xlabel("epoch")
-        ax.set_title("loss" if kind == "loss" else "top-1 accuracy")
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
