@@ -130,11 +130,57 @@ def test_lightning_fit_validate_test_logs_metrics(tmp_path):
     assert all(torch.equal(sd[k], v) for k, v in net.state_dict().items())
     from_ckpt = load_vggt_state_dict(tmp_path / "last.ckpt")
     assert from_ckpt.keys() == sd.keys() and all(torch.equal(from_ckpt[k], v) for k, v in sd.items())
-    # a checkpoint of an older run, with the optimizer factory pickled in: refused, pointing to export_net
+    # docs/vggt.md's export: the checkpoint rebuilds the module (the network from its recorded net_config,
+    # no optimizer: a module for inference or export), weights-only
+    loaded = MultiViewReconstructionModule.load_from_checkpoint(tmp_path / "last.ckpt", weights_only=True)
+    assert loaded.optimizer_factory is None and loaded.net.config == net.config
+    exported = load_vggt_state_dict(loaded.export_net(tmp_path / "exported.safetensors"))
+    assert exported.keys() == sd.keys() and all(torch.equal(exported[k], v) for k, v in sd.items())
+    with pytest.raises(ValueError, match="no optimizer to fit with"):
+        loaded.configure_optimizers()
+    # a checkpoint of an older run, with the optimizer factory pickled in (and no net_config): refused,
+    # with the export that works for it (trusted file: unpickled, the network named)
     ckpt["hyper_parameters"]["optimizer"] = functools.partial(torch.optim.AdamW, lr=1e-3)
+    del ckpt["hyper_parameters"]["net_config"]
     torch.save(ckpt, tmp_path / "old.ckpt")
-    with pytest.raises(ValueError, match=r"old\.ckpt.*functools\.partial.*export_net"):
+    with pytest.raises(ValueError, match=r"old\.ckpt.*functools\.partial.*load_from_checkpoint\(path, "
+                                         r"weights_only=False, net=ElsaVGGT\.from_config\(name\)\)"
+                                         r"\.export_net"):
         load_vggt_state_dict(tmp_path / "old.ckpt")
+    old = MultiViewReconstructionModule.load_from_checkpoint(
+        tmp_path / "old.ckpt", weights_only=False, net=ElsaVGGT.from_config("elsa_vggt_small"))
+    assert all(torch.equal(v, sd[k]) for k, v in old.net.state_dict().items())
+    with pytest.raises(ValueError, match="pass net .* or net_config"):
+        MultiViewReconstructionModule.load_from_checkpoint(tmp_path / "old.ckpt", weights_only=False)
+
+
+def test_synthetic_frames_command_writes_what_the_inference_cli_reads(tmp_path, capsys):
+    """docs/vggt.md's ``python -m elsa_vision.data.multiview --out frames/``: a validation sequence as PNG
+    frames (and its ground truth), read by the inference CLI; an existing output needs --overwrite."""
+    from elsa_vision.data.multiview import main as frames_main
+
+    frames = tmp_path / "frames"
+    paths = frames_main(["--out", str(frames), "--num-frames", "3"])
+    assert [p.name for p in paths] == ["frame_00.png", "frame_01.png", "frame_02.png"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["frames"] == 3
+    seq = SyntheticMultiViewDataset(1, 3, (56, 56), seed=1)[0]
+    with Image.open(paths[1]) as im:
+        assert im.size == (56, 56)
+        assert np.abs(np.asarray(im) / 255.0 - seq["images"][1].permute(1, 2, 0).numpy()).max() <= 0.5 / 255
+    truth = json.loads((frames / "ground_truth.json").read_text())
+    assert torch.equal(torch.tensor(truth["frames"][2]["extrinsics"]), seq["extrinsics"][2])
+    with pytest.raises(SystemExit):
+        frames_main(["--out", str(frames)])
+    assert "--overwrite" in capsys.readouterr().err
+    frames_main(["--out", str(frames), "--num-frames", "2", "--overwrite"])
+    assert sorted(p.name for p in frames.iterdir()) == ["frame_00.png", "frame_01.png", "ground_truth.json"]
+    torch.manual_seed(0)
+    from safetensors.torch import save_file
+
+    save_file(ElsaVGGT.from_config("elsa_vggt_small").state_dict(), str(tmp_path / "w.safetensors"))
+    summary = infer_main(["--frames", str(frames), "--weights", str(tmp_path / "w.safetensors"),
+                          "--out", str(tmp_path / "recon"), "--device", "cpu"])
+    assert summary["frames"] == 2 and summary["image_size_hw"] == [56, 56]
 
 
 def test_hydra_configs_instantiate():

@@ -8,7 +8,8 @@ Every sample is one sequence of ``S`` frames, a dict of tensors:
   integer column/row index).
 
 Sources: (1) :class:`SyntheticMultiViewDataset` -- procedurally textured planes, boxes and spheres rendered by
-exact ray casting from sampled look-at cameras, deterministic from a seed, no downloads; (2)
+exact ray casting from sampled look-at cameras, deterministic from a seed, no downloads (one sequence as PNG
+frames for the inference CLI: ``python -m elsa_vision.data.multiview --out frames/``, :func:`main`); (2)
 :func:`load_nerf_transforms` (NeRF/instant-ngp/nerfstudio ``transforms.json``) and :func:`load_colmap_text`
 (COLMAP ``cameras.txt`` + ``images.txt``, optional depth maps) feeding :class:`MultiViewSequenceDataset`,
 which samples frames per sequence and resizes keeping the intrinsics consistent.
@@ -35,6 +36,7 @@ from .readers.images import read_rgb
 from .samplers import epoch_loader
 
 __all__ = [
+    "write_synthetic_frames",
     "render_scene",
     "sample_scene",
     "sample_cameras",
@@ -663,3 +665,77 @@ class MultiViewDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", False)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Frames of a synthetic sequence on disk
+# --------------------------------------------------------------------------------------------------------
+
+FRAME_OUTPUTS = ("frame_*", "ground_truth.json")  # files.prepare_output_dir: a trailing * is a prefix
+
+
+def write_synthetic_frames(
+    out: str | Path,
+    num_frames: int = 8,
+    image_size: tuple[int, int] = (56, 56),
+    seed: int = 1,
+    index: int = 0,
+) -> list[Path]:
+    """Write sequence ``index`` of ``SyntheticMultiViewDataset(seed=seed)`` as ``out/frame_NN.png`` (8-bit
+    RGB, frame 0 the reference) and its ground truth as ``out/ground_truth.json`` (per frame:
+    camera-from-world extrinsics, intrinsics; the depth maps are not written). Seed 1 is the validation
+    split of ``data=multiview_synthetic``: scenes a model trained on it did not see. Returns the frame
+    paths."""
+    from PIL import Image
+
+    seq = SyntheticMultiViewDataset(index + 1, num_frames, image_size, seed=seed)[index]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, img in enumerate(seq["images"]):
+        path = out / f"frame_{i:02d}.png"
+        Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(path)
+        paths.append(path)
+    truth = {
+        "convention": "extrinsics: camera-from-world [R|t], OpenCV axes; intrinsics: pixel (u, v) = "
+        "column/row index",
+        "source": f"SyntheticMultiViewDataset(seed={seed})[{index}]",
+        "image_size_hw": list(image_size),
+        "frames": [{"name": p.stem, "extrinsics": seq["extrinsics"][i].tolist(),
+                    "intrinsics": seq["intrinsics"][i].tolist()} for i, p in enumerate(paths)],
+    }
+    (out / "ground_truth.json").write_text(json.dumps(truth, indent=1))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    """``python -m elsa_vision.data.multiview --out frames/``: one synthetic sequence as PNG frames (what
+    ``python -m elsa_vision.inference.multiview --frames`` reads). Errors end the run with one line."""
+    import argparse
+
+    from ..files import add_output_arguments, prepare_output_dir, remove_outputs
+
+    ap = argparse.ArgumentParser(prog="python -m elsa_vision.data.multiview",
+                                 description=write_synthetic_frames.__doc__.split(".")[0])
+    add_output_arguments(ap, "directory of the frames", required=True, type=Path)
+    ap.add_argument("--num-frames", type=int, default=8, help="frames of the sequence (default 8)")
+    ap.add_argument("--size", type=int, nargs=2, default=[56, 56], metavar=("H", "W"),
+                    help="frame height and width (default 56 56, what elsa_vggt_small trains on)")
+    ap.add_argument("--seed", type=int, default=1, help="dataset seed (default 1: the validation scenes)")
+    ap.add_argument("--index", type=int, default=0, help="which sequence of that dataset (default 0)")
+    args = ap.parse_args(argv)
+    if args.num_frames < 1 or min(args.size) < 1 or args.index < 0:
+        ap.error("--num-frames and --size must be >= 1, --index >= 0")
+    try:
+        prepare_output_dir(args.out, FRAME_OUTPUTS, overwrite=args.overwrite)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.overwrite:
+        remove_outputs(args.out, FRAME_OUTPUTS)
+    paths = write_synthetic_frames(args.out, args.num_frames, tuple(args.size), args.seed, args.index)
+    print(json.dumps({"frames": len(paths), "out": str(args.out), "size_hw": list(args.size)}), flush=True)
+    return paths
+
+
+if __name__ == "__main__":
+    main()

@@ -838,7 +838,9 @@ def load_vggt_state_dict(path: str | Path, *, arg: str = "checkpoint") -> dict[s
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(
             f"{exc} (as a Lightning .ckpt of an older multiview run does: its hyper-parameters hold the "
-            "optimizer factory); export the network with MultiViewReconstructionModule.export_net(path)"
+            "optimizer factory); if you trust the file, export its network with "
+            "MultiViewReconstructionModule.load_from_checkpoint(path, weights_only=False, "
+            "net=ElsaVGGT.from_config(name)).export_net('net.safetensors')"
         ) from None
 
 
