@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["EpochShuffleSampler", "epoch_loader"]
+__all__ = ["EpochShuffleSampler", "epoch_loader", "usable_workers"]
+
+_logger = logging.getLogger(__name__)
+_lowered: set[tuple[int, int]] = set()
+
+
+def usable_workers(num_workers: int) -> int:
+    """``num_workers`` data-loading processes, at most as many as this process may run on
+    (``os.sched_getaffinity``): more only contend for the same cores, and torch warns about them at every
+    loader it starts. A lowered count is logged once."""
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if num_workers <= cpus:
+        return num_workers
+    if (num_workers, cpus) not in _lowered:
+        _lowered.add((num_workers, cpus))
+        _logger.info("num_workers=%d lowered to %d: this process may run on %d CPUs", num_workers, cpus, cpus)
+    return cpus
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -49,8 +69,9 @@ def epoch_loader(ds: Dataset, train: bool, *, batch_size: int, seed: int, num_wo
     ``drop_last`` the last batch is dropped when it is not the only one) or evaluation split (in order,
     every sample): an epoch's order and its workers' seeds depend only on ``(seed, epoch)``, so that a
     resumed run replays it exactly. ``drop_last=False`` for small training sets where every sample counts
-    (a few labelled pixels per class)."""
+    (a few labelled pixels per class). ``num_workers`` is capped by :func:`usable_workers`."""
     sampler = EpochShuffleSampler(len(ds), seed) if train else None
+    num_workers = usable_workers(num_workers)
     return DataLoader(
         ds,
         batch_size=batch_size,

@@ -20,6 +20,7 @@ from typing import Any
 
 import hydra
 import lightning as L
+import torch
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
@@ -29,6 +30,7 @@ from ..files import read_checkpoint
 from ..utils.accelerator import check_accelerator
 from ..utils.run import (
     CheckpointPathError,
+    describe_net,
     extras,
     find_last_checkpoint,
     instantiate_callbacks,
@@ -131,8 +133,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule = instantiate_data(cfg)
     save_resolved_config(cfg, run_dir)
 
-    log.info("Instantiating model <%s> (net %s)", cfg.model._target_, cfg.model.net.get("model_name"))
+    log.info("Instantiating model <%s>", cfg.model._target_)
     model: LightningModule = hydra.utils.instantiate(cfg.model, _convert_="partial")
+    if isinstance(getattr(model, "net", None), torch.nn.Module):
+        log.info("Network: %s", describe_net(cfg.model.get("net"), model.net))
 
     callbacks: list[Callback] = instantiate_callbacks(cfg.get("callbacks"))
     loggers: list[Logger] = instantiate_loggers(cfg.get("logger"))

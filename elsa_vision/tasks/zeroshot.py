@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..data.samplers import usable_workers
 from ..files import add_output_arguments, prepare_output_dir, remove_outputs
 from ..utils.accelerator import add_device_argument, resolve_device
 
@@ -53,6 +55,8 @@ __all__ = [
 ]
 
 TASKS = ("zeroshot", "embed")
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------- class names, templates
@@ -360,14 +364,28 @@ def _from_file(open_clip, model_name: str, path: str):
 
     from ..models.clip_vision import load_clip_state_dict
 
-    model = open_clip.create_model(model_name, device="cpu")
+    # open_clip warns that the model it builds without `pretrained` is "initialized randomly": the file's
+    # weights are loaded next, so that record is dropped (and the load is logged instead)
+    random_init = f"No pretrained weights loaded for model '{model_name}'"
+
+    def dropped(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(random_init)
+
+    root = logging.getLogger()
+    root.addFilter(dropped)
+    try:
+        model = open_clip.create_model(model_name, device="cpu")
+    finally:
+        root.removeFilter(dropped)
     transient = {n for n, _ in model.named_buffers()} - set(model.state_dict())
+    source = path
     sd = {k: v for k, v in load_clip_state_dict(path).items() if k not in transient}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "weights.pt")
         torch.save(sd, path)
         del sd
         open_clip.load_checkpoint(model, path)
+    log.info("%s: weights loaded from %s", model_name, source)
     return model
 
 
@@ -473,7 +491,8 @@ def run(
     )
     dataset = ImageFolderWithPaths(data, transform=transform)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=dev.type == "cuda"
+        dataset, batch_size=batch_size, shuffle=False, num_workers=usable_workers(num_workers),
+        pin_memory=dev.type == "cuda"
     )
     result: dict[str, Any] = {
         "task": task,

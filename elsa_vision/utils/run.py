@@ -33,12 +33,14 @@ __all__ = [
     "CheckpointPathError",
     "RunCSVLogger",
     "SafeCheckpointIO",
+    "describe_net",
     "extras",
     "find_last_checkpoint",
     "instantiate_callbacks",
     "instantiate_loggers",
     "plot_curves",
     "print_json_line",
+    "quiet_logs",
     "save_resolved_config",
     "training_checkpoint_kind",
     "trim_metrics_csv",
@@ -47,12 +49,69 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+class _DropMessages(logging.Filter):
+    """Drops the records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+_LIGHTNING_TIPS = _DropMessages("💡 Tip:")
+
+
+def quiet_logs() -> None:
+    """Every log line once, and none that is not about the run (called by :func:`extras`).
+
+    * ``lightning/__init__.py`` gives the ``lightning`` logger a stderr handler of its own, and its records
+      also reach the root logger's handlers (Hydra's console and the run's log file): in a terminal every
+      Lightning line showed twice. Where the application configured the root logger, Lightning's own
+      handler is removed and its records go through the root logger only.
+    * Lightning's advertisements for its cloud packages (``💡 Tip: ... litlogger`` / ``litmodels``) are
+      dropped.
+    * Lightning 2.6 calls torch's deprecated ``isinstance(treespec, LeafSpec)`` on every run (torch's
+      deprecation warning, nothing the run can act on): that one warning is ignored.
+    """
+    if logging.getLogger().handlers:
+        lightning = logging.getLogger("lightning")
+        for handler in list(lightning.handlers):
+            if type(handler) is logging.StreamHandler:
+                lightning.removeHandler(handler)
+        lightning.propagate = True
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _LIGHTNING_TIPS not in rank_zero.filters:
+        rank_zero.addFilter(_LIGHTNING_TIPS)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+def describe_net(net_cfg: DictConfig | Mapping[str, Any] | None, net: Any) -> str:
+    """What a run's network is, for its log: the class, the parameter count and the configuration it was
+    built from (the registered name and every argument that overrides it, resolved), e.g. ``ElsaViT,
+    308,362 parameters: elsa_vit_tiny_patch16_224 with img_size=32, patch_size=8, embed_dim=96, depth=4``
+    -- the registered name alone would name another architecture."""
+    n_params = sum(p.numel() for p in net.parameters()) if hasattr(net, "parameters") else 0
+    what = f"{type(net).__name__}, {n_params:,} parameters"
+    if not net_cfg:
+        return what
+    conf = OmegaConf.to_container(net_cfg, resolve=True) if isinstance(net_cfg, DictConfig) else dict(net_cfg)
+    conf.pop("_target_", None)
+    name = conf.pop("model_name", None) or conf.pop("name", None)
+    args = ", ".join(f"{k}={v}" for k, v in conf.items())
+    if name is None:
+        return f"{what}: {args}" if args else what
+    return f"{what}: {name} with {args}" if args else f"{what}: {name}"
+
+
 def extras(cfg: DictConfig) -> None:
     """Optional run-wide settings from ``cfg.extras``: warning filters, float32 matmul precision, the
     number of CPU threads torch uses for this process and the largest image (``PIL.Image.MAX_IMAGE_PIXELS``)
-    read before decoding is refused."""
+    read before decoding is refused; and :func:`quiet_logs`."""
     import torch
 
+    quiet_logs()
     ex = cfg.get("extras") or {}
     if ex.get("ignore_warnings"):
         warnings.filterwarnings("ignore")
