@@ -29,6 +29,12 @@ from elsa_vision.tasks.multiview import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _umask() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def _batch(n=2, frames=3, size=(56, 56), seed=0):
     ds = SyntheticMultiViewDataset(n, frames, size, seed=seed)
     items = [ds[i] for i in range(n)]
@@ -135,6 +141,7 @@ def test_lightning_fit_validate_test_logs_metrics(tmp_path):
     loaded = MultiViewReconstructionModule.load_from_checkpoint(tmp_path / "last.ckpt", weights_only=True)
     assert loaded.optimizer_factory is None and loaded.net.config == net.config
     exported = load_vggt_state_dict(loaded.export_net(tmp_path / "exported.safetensors"))
+    assert os.stat(tmp_path / "exported.safetensors").st_mode & 0o777 == 0o666 & ~_umask()
     assert exported.keys() == sd.keys() and all(torch.equal(exported[k], v) for k, v in sd.items())
     with pytest.raises(ValueError, match="no optimizer to fit with"):
         loaded.configure_optimizers()

@@ -31,6 +31,7 @@ from ..data.geometry import (
     pose_encoding_to_extri_intri,
     relative_pose_errors,
 )
+from ..files import save_safetensors
 
 __all__ = ["MultiViewReconstructionModule", "normalize_ground_truth", "camera_loss", "depth_loss"]
 
@@ -289,12 +290,8 @@ class MultiViewReconstructionModule(L.LightningModule):
 
     def export_net(self, path: str | Path) -> Path:
         """Write the network's state_dict as safetensors (what ``--weights`` of the inference CLI reads)."""
-        from safetensors.torch import save_file
-
         net = getattr(self.net, "_orig_mod", self.net)
-        path = Path(path)
-        save_file({k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}, str(path))
-        return path
+        return save_safetensors({k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}, path)
 
     def setup(self, stage: str) -> None:
         if self.hparams.compile and stage == "fit":

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.samplers import usable_workers
-from ..files import add_output_arguments, prepare_output_dir, remove_outputs
+from ..files import add_output_arguments, prepare_output_dir, remove_outputs, save_safetensors
 from ..utils.accelerator import add_device_argument, resolve_device
 
 __all__ = [
@@ -312,11 +312,9 @@ def export_embeddings(
     emb, lab = torch.cat(embs), torch.cat(labels)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     if out_path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file(
+        save_safetensors(
             {"embeddings": emb.contiguous(), "labels": lab.contiguous()},
-            str(out_path),
+            out_path,
             metadata={"paths": json.dumps(paths), "normalized": str(bool(normalize))},
         )
     else:
