@@ -3,6 +3,7 @@ loss, Lightning fit/validate/test with the logged metric keys, Hydra configs, th
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -428,3 +429,25 @@ def test_curves_plot_the_tasks_own_metrics(tmp_path, caplog):
     assert "no logged values for top-1 accuracy (train/acc, val/acc)" in caplog.text
     with Image.open(png) as im:
         assert im.width == 500  # only the loss panel (val/loss), no empty accuracy panel
+
+
+def test_per_step_warmup_cosine_schedule(tmp_path):
+    """scheduler_interval="step": the scheduler is built as classification's is (total and per-epoch
+    optimizer steps), e.g. elsa_vision.tasks.cosine_warmup_schedule, and stepped every optimizer step."""
+    from elsa_vision.tasks import cosine_warmup_schedule
+
+    torch.manual_seed(0)
+    module = MultiViewReconstructionModule(
+        ElsaVGGT.from_config("elsa_vggt_small"), functools.partial(torch.optim.AdamW, lr=1e-3),
+        functools.partial(cosine_warmup_schedule, warmup_epochs=1, warmup_lr_ratio=0.1, min_lr_ratio=0.0),
+        scheduler_interval="step",
+    )
+    dm = MultiViewDataModule(train_size=4, val_size=2, test_size=2, batch_size=2, num_frames=2)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, dm)
+    config = trainer.lr_scheduler_configs[0]
+    assert config.interval == "step" and config.scheduler.last_epoch == 4  # 2 epochs x 2 steps
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi)))
+    with pytest.raises(ValueError, match="scheduler_interval must be 'epoch' or 'step'"):
+        MultiViewReconstructionModule(ElsaVGGT.from_config("elsa_vggt_small"), scheduler_interval="batch")

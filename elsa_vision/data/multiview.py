@@ -244,6 +244,11 @@ class SyntheticMultiViewDataset(Dataset):
     Args:
         length: number of sequences; num_frames: frames per sequence; image_size: ``(H, W)``.
         seed: base seed (use different seeds for train/val/test); num_boxes, num_spheres: scene content.
+        fresh: index ``e·length + i`` (what ``EpochShuffleSampler(per_epoch_indices=True)`` yields in epoch
+            ``e``) renders a scene seeded by ``(seed, e, i)`` (numpy's ``SeedSequence``, mapped into
+            ``[2**31, 2**32)``; torch's generator keeps 32 bits of a seed): new scenes every epoch, the same
+            ones when an epoch is replayed, and never a scene of a fixed split (those seeds stay below
+            ``2**31``). ``length`` is then the number of sequences per epoch.
     """
 
     def __init__(
@@ -254,6 +259,7 @@ class SyntheticMultiViewDataset(Dataset):
         seed: int = 0,
         num_boxes: int = 2,
         num_spheres: int = 2,
+        fresh: bool = False,
     ) -> None:
         if length < 1:
             raise ValueError(f"SyntheticMultiViewDataset: `length` must be >= 1, got {length}")
@@ -261,14 +267,21 @@ class SyntheticMultiViewDataset(Dataset):
             raise ValueError(f"SyntheticMultiViewDataset: `num_frames` must be >= 1, got {num_frames}")
         self.length, self.num_frames, self.image_size = length, num_frames, tuple(int(s) for s in image_size)
         self.seed, self.num_boxes, self.num_spheres = seed, num_boxes, num_spheres
+        self.fresh = fresh
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        if not 0 <= index < self.length:
+        if index < 0 or (index >= self.length and not self.fresh):
             raise IndexError(f"index {index} out of range for {self.length} sequences")
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        if self.fresh:
+            epoch, item = divmod(index, self.length)
+            mixed = int(np.random.SeedSequence([self.seed, epoch, item]).generate_state(1)[0])
+            scene_seed = 2**31 + mixed % 2**31
+        else:
+            scene_seed = self.seed * 1_000_003 + index
+        g = torch.Generator().manual_seed(scene_seed)
         scene = sample_scene(g, self.num_boxes, self.num_spheres)
         ext, intr = sample_cameras(g, self.num_frames, self.image_size)
         img, depth, _ = render_scene(scene, ext, intr, self.image_size)
@@ -608,6 +621,10 @@ class MultiViewDataModule(L.LightningDataModule):
         train_size, val_size, test_size: sequences per split (synthetic: rendered with seeds ``seed``,
             ``seed + 1``, ``seed + 2``; real: samples drawn per split from all scenes with different seeds --
             real captures carry no split, so hold scenes out by pointing ``root`` elsewhere).
+        fresh_train_scenes: synthetic source: ``train_size`` new scenes every epoch (a function of ``seed``
+            and the epoch: a resumed run replays them), instead of the same ``train_size`` scenes each epoch,
+            which a model memorises (validation loss rose after a few epochs). Validation and test scenes
+            stay fixed.
     """
 
     def __init__(
@@ -623,6 +640,7 @@ class MultiViewDataModule(L.LightningDataModule):
         test_size: int = 8,
         seed: int = 0,
         pin_memory: bool = False,
+        fresh_train_scenes: bool = True,
     ) -> None:
         super().__init__()
         if source not in ("synthetic", "nerf", "colmap"):
@@ -638,7 +656,9 @@ class MultiViewDataModule(L.LightningDataModule):
         sizes = {"train": hp.train_size, "val": hp.val_size, "test": hp.test_size}
         if hp.source == "synthetic":
             for i, (split, n) in enumerate(sizes.items()):
-                self.datasets[split] = SyntheticMultiViewDataset(n, hp.num_frames, size, seed=hp.seed + i)
+                fresh = split == "train" and hp.fresh_train_scenes
+                self.datasets[split] = SyntheticMultiViewDataset(n, hp.num_frames, size, seed=hp.seed + i,
+                                                                 fresh=fresh)
             return
         root = Path(hp.root)
         if hp.source == "nerf":
@@ -653,9 +673,10 @@ class MultiViewDataModule(L.LightningDataModule):
         if split not in self.datasets:
             self.setup()
         # each epoch's order depends on (seed, epoch) only: a resumed run replays it
+        fresh = bool(getattr(self.datasets[split], "fresh", False))
         return epoch_loader(self.datasets[split], shuffle, batch_size=self.hparams.batch_size,
                             seed=self.hparams.seed, num_workers=self.hparams.num_workers,
-                            pin_memory=self.hparams.pin_memory, drop_last=False)
+                            pin_memory=self.hparams.pin_memory, drop_last=False, per_epoch_indices=fresh)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

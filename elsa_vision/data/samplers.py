@@ -37,13 +37,17 @@ class EpochShuffleSampler(Sampler[int]):
     from a generator seeded then. ``generator`` (reseeded by ``set_epoch`` too) is meant for the DataLoader:
     its worker base seeds then come from an epoch-seeded stream instead of the global torch RNG. An epoch
     therefore replays identically after a restart, whatever the process consumed before.
+
+    ``per_epoch_indices``: epoch ``e`` yields ``e * num_samples + i`` instead of ``i``, for a procedural
+    dataset that draws new samples every epoch from the index (``SyntheticMultiViewDataset(fresh=True)``).
     """
 
-    def __init__(self, num_samples: int, seed: int = 0) -> None:
+    def __init__(self, num_samples: int, seed: int = 0, per_epoch_indices: bool = False) -> None:
         if num_samples < 1:
             raise ValueError(f"EpochShuffleSampler: num_samples must be >= 1, got {num_samples}")
         self.num_samples = int(num_samples)
         self.seed = int(seed)
+        self.per_epoch_indices = per_epoch_indices
         self.epoch = 0
         self.generator = torch.Generator()
         self.set_epoch(0)
@@ -57,20 +61,23 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self._epoch_seed())
-        yield from torch.randperm(self.num_samples, generator=g).tolist()
+        offset = self.epoch * self.num_samples if self.per_epoch_indices else 0
+        yield from (offset + i for i in torch.randperm(self.num_samples, generator=g).tolist())
 
     def __len__(self) -> int:
         return self.num_samples
 
 
 def epoch_loader(ds: Dataset, train: bool, *, batch_size: int, seed: int, num_workers: int, pin_memory: bool,
-                 persistent_workers: bool = True, drop_last: bool = True) -> DataLoader:
+                 persistent_workers: bool = True, drop_last: bool = True,
+                 per_epoch_indices: bool = False) -> DataLoader:
     """The DataLoader of a training (``train``: shuffled by an :class:`EpochShuffleSampler`; with
     ``drop_last`` the last batch is dropped when it is not the only one) or evaluation split (in order,
     every sample): an epoch's order and its workers' seeds depend only on ``(seed, epoch)``, so that a
     resumed run replays it exactly. ``drop_last=False`` for small training sets where every sample counts
-    (a few labelled pixels per class). ``num_workers`` is capped by :func:`usable_workers`."""
-    sampler = EpochShuffleSampler(len(ds), seed) if train else None
+    (a few labelled pixels per class). ``num_workers`` is capped by :func:`usable_workers`.
+    ``per_epoch_indices``: see :class:`EpochShuffleSampler` (training split only)."""
+    sampler = EpochShuffleSampler(len(ds), seed, per_epoch_indices) if train else None
     num_workers = usable_workers(num_workers)
     return DataLoader(
         ds,

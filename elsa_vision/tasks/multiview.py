@@ -32,6 +32,7 @@ from ..data.geometry import (
     relative_pose_errors,
 )
 from ..files import save_safetensors
+from .classification import schedule_steps
 
 __all__ = ["MultiViewReconstructionModule", "normalize_ground_truth", "camera_loss", "depth_loss"]
 
@@ -145,6 +146,9 @@ class MultiViewReconstructionModule(L.LightningModule):
             hyperparameters as ``net_config``, so that ``load_from_checkpoint(path)`` rebuilds it.
         optimizer: partial optimizer (``optimizer(params=...)``), needed to fit only (a module loaded from a
             checkpoint for inference or export has none); scheduler: partial scheduler or None.
+        scheduler_interval: ``"epoch"``: ``scheduler(optimizer=...)`` stepped every epoch (``val/loss``
+            monitored); ``"step"``: ``scheduler(optimizer=..., total_steps=..., steps_per_epoch=...)``
+            stepped every optimizer step (``elsa_vision.tasks.cosine_warmup_schedule``'s convention).
         camera_weight, depth_weight: loss weights; depth_alpha, depth_gamma, grad_weight: depth loss terms.
         compile: ``torch.compile`` the net at fit start.
         net_config: ``ElsaVGGT`` arguments to build the network from when ``net`` is None (what
@@ -174,8 +178,12 @@ class MultiViewReconstructionModule(L.LightningModule):
         grad_weight: float = 1.0,
         compile: bool = False,
         net_config: dict | None = None,
+        scheduler_interval: str = "epoch",
     ) -> None:
         super().__init__()
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"MultiViewReconstructionModule: scheduler_interval must be 'epoch' or 'step', "
+                             f"got {scheduler_interval!r}")
         if net is None:
             if net_config is None:
                 raise ValueError("MultiViewReconstructionModule: pass net (a network) or net_config "
@@ -305,6 +313,12 @@ class MultiViewReconstructionModule(L.LightningModule):
         optimizer = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
+        if self.hparams.scheduler_interval == "step":
+            total, per_epoch = schedule_steps(self.trainer)
+            scheduler = self.scheduler_factory(optimizer=optimizer, total_steps=total,
+                                               steps_per_epoch=per_epoch)
+            return {"optimizer": optimizer,
+                    "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
         scheduler = self.scheduler_factory(optimizer=optimizer)
         return {
             "optimizer": optimizer,
