@@ -116,10 +116,13 @@ def sample_cameras(
     image_size: tuple[int, int],
     fov_range: tuple[float, float] = (45.0, 70.0),
 ) -> tuple[Tensor, Tensor]:
-    """``num_frames`` look-at cameras on an arc -> (extrinsics ``[S,3,4]``, intrinsics ``[S,3,3]``).
+    """One camera moving along an arc around the scene -> (extrinsics ``[S,3,4]``, intrinsics ``[S,3,3]``).
 
-    Azimuths spread over up to 90°, elevations 15–40°, radii 3.5–5, targets jittered near the origin, FoV
-    (vertical) in ``fov_range`` degrees; square pixels, principal point at the image centre.
+    What a capture circling an object gives: the sequence draws its elevation (15–40°), distance (3.5–5),
+    look-at point (within 0.4 of the origin, at most 0.4 high) and vertical field of view (``fov_range``
+    degrees) once, and the frames follow each other at evenly spaced azimuths over an arc of 0.3–1.2 rad
+    (either direction) centred within ±0.9 rad of the view straight at the wall (cameras on the −y side, the
+    wall at +y). Square pixels, principal point at the image centre.
     """
     g = generator
     h, w = image_size
@@ -127,34 +130,30 @@ def sample_cameras(
     def u(*shape, lo=0.0, hi=1.0):
         return lo + (hi - lo) * torch.rand(tuple(shape), generator=g, dtype=torch.float64)
 
-    az0 = u(lo=-math.pi, hi=math.pi)
-    az = (
-        az0
-        + torch.linspace(0, 1, num_frames, dtype=torch.float64) * u(lo=0.3, hi=1.6)
-        + u(num_frames, lo=-0.05, hi=0.05)
-    )
-    el = torch.deg2rad(u(num_frames, lo=15.0, hi=40.0))
-    r = u(num_frames, lo=3.5, hi=5.0)
-    # cameras on the -y side (the wall is at +y), looking towards it
-    center = torch.stack(
-        [
-            r * torch.cos(el) * torch.sin(az) * 0.9,
-            -r * torch.cos(el) * torch.cos(az).abs().clamp_min(0.5),
-            r * torch.sin(el),
-        ],
-        dim=-1,
-    )
-    target = torch.cat([u(num_frames, 2, lo=-0.4, hi=0.4), u(num_frames, 1, lo=0.0, hi=0.4)], 1)
-    ext = look_at(center, target)
-    fov = torch.deg2rad(u(num_frames, lo=fov_range[0], hi=fov_range[1]))
-    f = (h / 2) / torch.tan(fov / 2)
+    centre, span = u(lo=-0.9, hi=0.9), u(lo=0.3, hi=1.2)
+    if float(u()) < 0.5:
+        span = -span
+    steps = torch.linspace(-0.5, 0.5, num_frames, dtype=torch.float64) if num_frames > 1 else torch.zeros(1)
+    az = centre + span * steps.double()
+    el = torch.deg2rad(u(lo=15.0, hi=40.0))
+    r = u(lo=3.5, hi=5.0)
+    ground, height = r * torch.cos(el), r * torch.sin(el)
+    eye = torch.stack([ground * torch.sin(az), -ground * torch.cos(az), height.expand_as(az)], -1)
+    target = torch.cat([u(2, lo=-0.4, hi=0.4), u(1, lo=0.0, hi=0.4)]).expand(num_frames, 3)
+    ext = look_at(eye, target)
+    f = (h / 2) / torch.tan(torch.deg2rad(u(lo=fov_range[0], hi=fov_range[1])) / 2)
     intr = torch.zeros(num_frames, 3, 3, dtype=torch.float64)
     intr[:, 0, 0], intr[:, 1, 1], intr[:, 0, 2], intr[:, 1, 2], intr[:, 2, 2] = f, f, w / 2, h / 2, 1.0
     return ext, intr
 
 
 def _texture(points: Tensor, obj: Tensor, scene: Scene) -> Tensor:
-    """Solid (3D) procedural texture: a checkerboard of the object's two colours modulated by stripes."""
+    """Solid (3D) procedural texture: a checkerboard of the object's two colours modulated by stripes; on the
+    ground plane and the wall (objects 0 and 1) mostly a smooth colour field fixed in the world.
+
+    The field (period ~7–10 units) gives a view's large-scale colours by where it looks, which a small
+    model reads at 56 px; the checkerboards alone alias into moiré there, and carry no such cue.
+    """
     freq = scene.freqs[obj][..., None]
     p = points * freq
     checker = (torch.floor(p[..., 0]) + torch.floor(p[..., 1]) + torch.floor(p[..., 2])).remainder(2)[
@@ -163,7 +162,11 @@ def _texture(points: Tensor, obj: Tensor, scene: Scene) -> Tensor:
     cols = scene.colors[obj]  # [..., 2, 3]
     base = cols[..., 0, :] * (1 - checker) + cols[..., 1, :] * checker
     stripes = 0.85 + 0.15 * torch.sin(3.1 * p.sum(-1, keepdim=True) + 2.0 * obj[..., None].double())
-    return (base * stripes).clamp(0.0, 1.0)
+    x, y = points[..., 0], points[..., 1]
+    field = 0.5 + 0.45 * torch.stack([torch.sin(0.9 * x), torch.sin(0.9 * y + 1.0), torch.cos(0.6 * (x - y))],
+                                     dim=-1)
+    plane = (obj <= 1)[..., None]
+    return torch.where(plane, 0.35 * base * stripes + 0.65 * field, base * stripes).clamp(0.0, 1.0)
 
 
 def render_scene(
