@@ -376,14 +376,13 @@ def _from_file(open_clip, model_name: str, path: str):
     finally:
         root.removeFilter(dropped)
     transient = {n for n, _ in model.named_buffers()} - set(model.state_dict())
-    source = path
     sd = {k: v for k, v in load_clip_state_dict(path).items() if k not in transient}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "weights.pt")
-        torch.save(sd, path)
+        tmp_file = os.path.join(tmp, "weights.pt")
+        torch.save(sd, tmp_file)
         del sd
-        open_clip.load_checkpoint(model, path)
-    log.info("%s: weights loaded from %s", model_name, source)
+        open_clip.load_checkpoint(model, tmp_file)
+    log.info("%s: weights loaded from %s", model_name, path)
     return model
 
 
