@@ -242,3 +242,23 @@ def test_decompression_bomb_is_skipped_and_named(tmp_path, caplog):
     assert "bomb.png" in caplog.text and "declares 10,000,000,000 pixels" in caplog.text
     verified = RobustImageFolder(root / "train", verify=True)
     assert str(bomb) not in [p for p, _ in verified.samples] and len(verified) == 6
+
+
+def test_loaders_start_no_more_workers_than_usable_cpus(monkeypatch, caplog):
+    """num_workers above the CPUs this process may use (4 on a 2-core machine) is lowered to them, logged
+    once: torch warned at every loader it started (twice per zero-shot run)."""
+    import elsa_vision.data.samplers as samplers
+    from elsa_vision.data.samplers import epoch_loader, usable_workers
+
+    monkeypatch.setattr(samplers.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(samplers, "_lowered", set())
+    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
+    with caplog.at_level(logging.INFO, logger="elsa_vision.data.samplers"):
+        loaders = [epoch_loader(ds, train, batch_size=2, seed=0, num_workers=4, pin_memory=False)
+                   for train in (True, False)]
+    assert [loader.num_workers for loader in loaders] == [2, 2]
+    assert [r.getMessage() for r in caplog.records] == [
+        "num_workers=4 lowered to 2: this process may run on 2 CPUs"]
+    assert usable_workers(0) == 0 and usable_workers(2) == 2
+    with pytest.raises(ValueError, match="num_workers must be >= 0"):
+        usable_workers(-1)

@@ -660,3 +660,35 @@ def test_deeply_nested_torchscript_archive_is_refused_in_one_line(tmp_path):
         zf.writestr("deep/constants.pkl", pickle.dumps((), protocol=2))
     with pytest.raises(ValueError, match=r"deep\.pt'.*nested more than 100 levels deep"):
         read_checkpoint(tmp_path / "deep.pt", torchscript=True)
+
+
+def test_safetensors_outputs_get_the_mode_of_every_other_output(tmp_path):
+    """safetensors writes 0600 (a temporary file renamed over the target): features, embeddings and exported
+    weights were readable by their owner only, next to 0644 checkpoints, images and JSON files.
+    save_safetensors gives them the mode a plain open() gives, and it is the package's only safetensors
+    writer."""
+    import ast
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from elsa_vision.files import save_safetensors
+
+    umask = os.umask(0o022)  # the usual one, whatever the test runner's
+    try:
+        (tmp_path / "plain.json").write_text("{}")
+        atomic_torch_save({"a": torch.ones(2)}, tmp_path / "c.ckpt")
+        out = save_safetensors({"a": torch.arange(3.0)}, tmp_path / "w.safetensors", metadata={"k": "v"})
+    finally:
+        os.umask(umask)
+    modes = {p.name: os.stat(p).st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"plain.json": 0o644, "c.ckpt": 0o644, "w.safetensors": 0o644}, modes
+    assert torch.equal(load_file(out)["a"], torch.arange(3.0))
+    package = Path(__file__).resolve().parents[1] / "elsa_vision"
+    writers = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
+                    "save_file", "save_model"):
+                writers.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert len(writers) == 1 and writers[0].startswith("files.py:"), writers

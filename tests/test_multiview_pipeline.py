@@ -3,6 +3,7 @@ loss, Lightning fit/validate/test with the logged metric keys, Hydra configs, th
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,6 +28,12 @@ from elsa_vision.tasks.multiview import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _umask() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def _batch(n=2, frames=3, size=(56, 56), seed=0):
@@ -130,11 +137,58 @@ def test_lightning_fit_validate_test_logs_metrics(tmp_path):
     assert all(torch.equal(sd[k], v) for k, v in net.state_dict().items())
     from_ckpt = load_vggt_state_dict(tmp_path / "last.ckpt")
     assert from_ckpt.keys() == sd.keys() and all(torch.equal(from_ckpt[k], v) for k, v in sd.items())
-    # a checkpoint of an older run, with the optimizer factory pickled in: refused, pointing to export_net
+    # docs/vggt.md's export: the checkpoint rebuilds the module (the network from its recorded net_config,
+    # no optimizer: a module for inference or export), weights-only
+    loaded = MultiViewReconstructionModule.load_from_checkpoint(tmp_path / "last.ckpt", weights_only=True)
+    assert loaded.optimizer_factory is None and loaded.net.config == net.config
+    exported = load_vggt_state_dict(loaded.export_net(tmp_path / "exported.safetensors"))
+    assert os.stat(tmp_path / "exported.safetensors").st_mode & 0o777 == 0o666 & ~_umask()
+    assert exported.keys() == sd.keys() and all(torch.equal(exported[k], v) for k, v in sd.items())
+    with pytest.raises(ValueError, match="no optimizer to fit with"):
+        loaded.configure_optimizers()
+    # a checkpoint of an older run, with the optimizer factory pickled in (and no net_config): refused,
+    # with the export that works for it (trusted file: unpickled, the network named)
     ckpt["hyper_parameters"]["optimizer"] = functools.partial(torch.optim.AdamW, lr=1e-3)
+    del ckpt["hyper_parameters"]["net_config"]
     torch.save(ckpt, tmp_path / "old.ckpt")
-    with pytest.raises(ValueError, match=r"old\.ckpt.*functools\.partial.*export_net"):
+    with pytest.raises(ValueError, match=r"old\.ckpt.*functools\.partial.*load_from_checkpoint\(path, "
+                                         r"weights_only=False, net=ElsaVGGT\.from_config\(name\)\)"
+                                         r"\.export_net"):
         load_vggt_state_dict(tmp_path / "old.ckpt")
+    old = MultiViewReconstructionModule.load_from_checkpoint(
+        tmp_path / "old.ckpt", weights_only=False, net=ElsaVGGT.from_config("elsa_vggt_small"))
+    assert all(torch.equal(v, sd[k]) for k, v in old.net.state_dict().items())
+    with pytest.raises(ValueError, match="pass net .* or net_config"):
+        MultiViewReconstructionModule.load_from_checkpoint(tmp_path / "old.ckpt", weights_only=False)
+
+
+def test_synthetic_frames_command_writes_what_the_inference_cli_reads(tmp_path, capsys):
+    """docs/vggt.md's ``python -m elsa_vision.data.multiview --out frames/``: a validation sequence as PNG
+    frames (and its ground truth), read by the inference CLI; an existing output needs --overwrite."""
+    from elsa_vision.data.multiview import main as frames_main
+
+    frames = tmp_path / "frames"
+    paths = frames_main(["--out", str(frames), "--num-frames", "3"])
+    assert [p.name for p in paths] == ["frame_00.png", "frame_01.png", "frame_02.png"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["frames"] == 3
+    seq = SyntheticMultiViewDataset(1, 3, (56, 56), seed=1)[0]
+    with Image.open(paths[1]) as im:
+        assert im.size == (56, 56)
+        assert np.abs(np.asarray(im) / 255.0 - seq["images"][1].permute(1, 2, 0).numpy()).max() <= 0.5 / 255
+    truth = json.loads((frames / "ground_truth.json").read_text())
+    assert torch.equal(torch.tensor(truth["frames"][2]["extrinsics"]), seq["extrinsics"][2])
+    with pytest.raises(SystemExit):
+        frames_main(["--out", str(frames)])
+    assert "--overwrite" in capsys.readouterr().err
+    frames_main(["--out", str(frames), "--num-frames", "2", "--overwrite"])
+    assert sorted(p.name for p in frames.iterdir()) == ["frame_00.png", "frame_01.png", "ground_truth.json"]
+    torch.manual_seed(0)
+    from safetensors.torch import save_file
+
+    save_file(ElsaVGGT.from_config("elsa_vggt_small").state_dict(), str(tmp_path / "w.safetensors"))
+    summary = infer_main(["--frames", str(frames), "--weights", str(tmp_path / "w.safetensors"),
+                          "--out", str(tmp_path / "recon"), "--device", "cpu"])
+    assert summary["frames"] == 2 and summary["image_size_hw"] == [56, 56]
 
 
 def test_hydra_configs_instantiate():
@@ -147,10 +201,10 @@ def test_hydra_configs_instantiate():
     assert module.net.config["embed_dim"] == 48
     opt = module.configure_optimizers()
     assert isinstance(opt["optimizer"], torch.optim.AdamW)
-    # The configs name the registered timm models; the architecture is listed once, in the registry.
-    assert cfg.net._target_ == "timm.create_model" and cfg.net.model_name == "elsa_vggt_small"
+    # The configs name the configurations; the architecture is listed once, in VGGT_CONFIGS.
+    assert cfg.net._target_ == "elsa_vision.models.ElsaVGGT.from_config" and cfg.net.name == "elsa_vggt_small"
     big = OmegaConf.load(ROOT / "configs/model/elsa_vggt.yaml")
-    assert big.net._target_ == "timm.create_model" and big.net.model_name == "elsa_vggt"
+    assert big.net._target_ == "elsa_vision.models.ElsaVGGT.from_config" and big.net.name == "elsa_vggt"
     assert not set(big.net) & set(VGGT_CONFIGS["elsa_vggt"])
     with torch.device("meta"):
         net = instantiate(big.net)
@@ -377,3 +431,48 @@ def test_inference_cli_frames_sharing_a_stem_keep_their_own_outputs(tmp_path, ca
     monkeypatch.setattr(mv, "build_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(ValueError, match=r"^--frames: 'A\.png' and 'a\.png' would write the same depth map"):
         _run_cli(tmp_path, frames, tmp_path / "w.safetensors", "--max-frames", "3", "--overwrite")
+
+
+def test_curves_plot_the_tasks_own_metrics(tmp_path, caplog):
+    """curves.png of a multi-view run draws its losses (``train/loss_epoch``: the training loss is logged per
+    step and per epoch), pose AUC and depth delta1 -- the module's ``curves`` -- where the classification
+    panels drew no training loss and an empty accuracy panel."""
+    from elsa_vision.utils.run import plot_curves
+
+    csv = tmp_path / "metrics.csv"
+    rows = ["epoch,step,train/loss_step,train/loss_epoch,val/loss,val/auc30,val/auc15,val/delta1"]
+    rows += [f"{e},{10 * e},,{2 - e / 4},{2.1 - e / 4},{0.1 * e},{0.05 * e},{0.5 + 0.1 * e}"
+             for e in range(3)]
+    csv.write_text("\n".join(rows) + "\n")
+    with caplog.at_level("WARNING"):
+        png = plot_curves(csv, tmp_path / "curves.png", MultiViewReconstructionModule.curves)
+    assert not caplog.records
+    with Image.open(png) as im:
+        assert im.width == 3 * 500  # three panels, 5 inches each at 100 dpi
+    with caplog.at_level("WARNING"):
+        png = plot_curves(csv, tmp_path / "classification.png")  # the classification panels
+    assert "no logged values for top-1 accuracy (train/acc, val/acc)" in caplog.text
+    with Image.open(png) as im:
+        assert im.width == 500  # only the loss panel (val/loss), no empty accuracy panel
+
+
+def test_per_step_warmup_cosine_schedule(tmp_path):
+    """scheduler_interval="step": the scheduler is built as classification's is (total and per-epoch
+    optimizer steps), e.g. elsa_vision.tasks.cosine_warmup_schedule, and stepped every optimizer step."""
+    from elsa_vision.tasks import cosine_warmup_schedule
+
+    torch.manual_seed(0)
+    module = MultiViewReconstructionModule(
+        ElsaVGGT.from_config("elsa_vggt_small"), functools.partial(torch.optim.AdamW, lr=1e-3),
+        functools.partial(cosine_warmup_schedule, warmup_epochs=1, warmup_lr_ratio=0.1, min_lr_ratio=0.0),
+        scheduler_interval="step",
+    )
+    dm = MultiViewDataModule(train_size=4, val_size=2, test_size=2, batch_size=2, num_frames=2)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, dm)
+    config = trainer.lr_scheduler_configs[0]
+    assert config.interval == "step" and config.scheduler.last_epoch == 4  # 2 epochs x 2 steps
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi)))
+    with pytest.raises(ValueError, match="scheduler_interval must be 'epoch' or 'step'"):
+        MultiViewReconstructionModule(ElsaVGGT.from_config("elsa_vggt_small"), scheduler_interval="batch")

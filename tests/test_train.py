@@ -262,6 +262,31 @@ def test_cli_last_line_is_json_and_bad_names_exit_nonzero(tmp_path):
     assert "elsa_vit_xl" in bad.stderr and "elsa_vit_s" in bad.stderr and "elsa_vit_digits" in bad.stderr
 
 
+def test_cli_logs_each_line_once_and_keeps_stdout_for_results(tmp_path):
+    """``python train.py`` with stdout and stderr redirected, as a terminal shows both: every log line once
+    (Lightning's own stderr handler no longer repeats what Hydra's console prints), no advertisement for
+    Lightning's cloud packages, no torch deprecation about Lightning's internals, no "Total FLOPs: 0" (nothing
+    was counted), the network named as it is built (the default is patch 8, width 96, depth 4, not the
+    registered elsa_vit_tiny_patch16_224), and the progress bar on stderr: stdout holds the logs, the tables
+    and, last, the JSON line."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "train.py", *FAST, "trainer.max_epochs=1", f"paths.log_dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    both = out.stdout + out.stderr
+    assert both.count("Seed set to 12345") == 1 and both.count("`Trainer.fit` stopped") == 1, both[-3000:]
+    assert "Tip:" not in both and "litlogger" not in both and "litmodels" not in both
+    assert "LeafSpec" not in both and "FLOPs" not in both and "Total params" in out.stdout
+    network = next(line for line in out.stdout.splitlines() if "Network: " in line)
+    assert "ElsaViT" in network and "elsa_vit_tiny_patch16_224 with" in network
+    assert all(f"{k}={v}" in network for k, v in (("patch_size", 8), ("embed_dim", 96), ("depth", 4)))
+    assert "it/s" not in out.stdout and "Epoch 0: 100%" in out.stderr  # the bar: on stderr only
+    payload = json.loads(out.stdout.strip().splitlines()[-1])
+    assert payload["metrics"]["epochs"] == 1
+
+
 def test_unknown_backbone_name_lists_registered_models(tmp_path):
     cfg = compose_cfg("train", ["model.net.model_name=elsa_vit_huge_patch16_224"], tmp_path / "r")
     # Hydra wraps errors raised while instantiating; the message is create_backbone's

@@ -378,3 +378,26 @@ def test_an_image_size_that_cannot_fit_is_refused_before_the_model_is_built(tiny
         run(model=tiny_name, data=str(image_folder), task="embed", image_size=100000, batch_size=4,
             num_workers=0, device="cpu", out=str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+
+
+def test_a_pretrained_file_is_not_reported_as_random_init(tiny_name, tmp_path, caplog):
+    """open_clip builds the model without weights and warns that it is "initialized randomly"; the file's
+    weights are loaded right after, so that record is dropped and the load is logged instead."""
+    import logging
+
+    from elsa_vision.tasks.zeroshot import _from_file
+
+    torch.manual_seed(0)
+    ref = open_clip.create_model(tiny_name)
+    torch.save(ref.state_dict(), tmp_path / "tiny.pt")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        model = _from_file(open_clip, tiny_name, str(tmp_path / "tiny.pt"))
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("initialized randomly" in m for m in messages), messages
+    assert f"{tiny_name}: weights loaded from {tmp_path / 'tiny.pt'}" in messages
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # without a file open_clip's warning stays: it is true then
+        open_clip.create_model(tiny_name)
+    assert any("initialized randomly" in r.getMessage() for r in caplog.records)

@@ -175,11 +175,18 @@ def rotation_angle_deg(rot_a: Tensor, rot_b: Tensor) -> Tensor:
 
 
 def translation_angle_deg(t_a: Tensor, t_b: Tensor, sign_ambiguous: bool = True) -> Tensor:
-    """Angle (degrees) between translation directions ``[..., 3]``; with ``sign_ambiguous`` min(θ, 180−θ)."""
-    a = t_a / t_a.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    b = t_b / t_b.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    """Angle (degrees) between translation directions ``[..., 3]``; with ``sign_ambiguous`` min(θ, 180−θ).
+
+    A zero translation has no direction: its error is the largest there is (90° sign-ambiguous, else 180°),
+    as in VGGT's evaluation (``t / (|t| + eps)`` then ``acos``), never 0° -- a prediction of no motion is not
+    a correct direction.
+    """
+    na, nb = t_a.norm(dim=-1, keepdim=True), t_b.norm(dim=-1, keepdim=True)
+    a, b = t_a / na.clamp_min(1e-12), t_b / nb.clamp_min(1e-12)
     ang = torch.rad2deg(torch.atan2(torch.linalg.cross(a, b).norm(dim=-1), (a * b).sum(-1)))
-    return torch.minimum(ang, 180.0 - ang) if sign_ambiguous else ang
+    ang = torch.minimum(ang, 180.0 - ang) if sign_ambiguous else ang
+    undefined = (na[..., 0] <= 1e-12) | (nb[..., 0] <= 1e-12)
+    return torch.where(undefined, torch.full_like(ang, 90.0 if sign_ambiguous else 180.0), ang)
 
 
 def relative_pose_errors(pred_extrinsics: Tensor, gt_extrinsics: Tensor) -> tuple[Tensor, Tensor]:

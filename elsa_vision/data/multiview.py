@@ -8,7 +8,8 @@ Every sample is one sequence of ``S`` frames, a dict of tensors:
   integer column/row index).
 
 Sources: (1) :class:`SyntheticMultiViewDataset` -- procedurally textured planes, boxes and spheres rendered by
-exact ray casting from sampled look-at cameras, deterministic from a seed, no downloads; (2)
+exact ray casting from sampled look-at cameras, deterministic from a seed, no downloads (one sequence as PNG
+frames for the inference CLI: ``python -m elsa_vision.data.multiview --out frames/``, :func:`main`); (2)
 :func:`load_nerf_transforms` (NeRF/instant-ngp/nerfstudio ``transforms.json``) and :func:`load_colmap_text`
 (COLMAP ``cameras.txt`` + ``images.txt``, optional depth maps) feeding :class:`MultiViewSequenceDataset`,
 which samples frames per sequence and resizes keeping the intrinsics consistent.
@@ -36,6 +37,7 @@ from .readers.images import read_rgb
 from .samplers import epoch_loader
 
 __all__ = [
+    "write_synthetic_frames",
     "render_scene",
     "sample_scene",
     "sample_cameras",
@@ -115,10 +117,13 @@ def sample_cameras(
     image_size: tuple[int, int],
     fov_range: tuple[float, float] = (45.0, 70.0),
 ) -> tuple[Tensor, Tensor]:
-    """``num_frames`` look-at cameras on an arc -> (extrinsics ``[S,3,4]``, intrinsics ``[S,3,3]``).
+    """One camera moving along an arc around the scene -> (extrinsics ``[S,3,4]``, intrinsics ``[S,3,3]``).
 
-    Azimuths spread over up to 90°, elevations 15–40°, radii 3.5–5, targets jittered near the origin, FoV
-    (vertical) in ``fov_range`` degrees; square pixels, principal point at the image centre.
+    What a capture circling an object gives: the sequence draws its elevation (15–40°), distance (3.5–5),
+    look-at point (within 0.4 of the origin, at most 0.4 high) and vertical field of view (``fov_range``
+    degrees) once, and the frames follow each other at evenly spaced azimuths over an arc of 0.3–1.2 rad
+    (either direction) centred within ±0.9 rad of the view straight at the wall (cameras on the −y side, the
+    wall at +y). Square pixels, principal point at the image centre.
     """
     g = generator
     h, w = image_size
@@ -126,34 +131,30 @@ def sample_cameras(
     def u(*shape, lo=0.0, hi=1.0):
         return lo + (hi - lo) * torch.rand(tuple(shape), generator=g, dtype=torch.float64)
 
-    az0 = u(lo=-math.pi, hi=math.pi)
-    az = (
-        az0
-        + torch.linspace(0, 1, num_frames, dtype=torch.float64) * u(lo=0.3, hi=1.6)
-        + u(num_frames, lo=-0.05, hi=0.05)
-    )
-    el = torch.deg2rad(u(num_frames, lo=15.0, hi=40.0))
-    r = u(num_frames, lo=3.5, hi=5.0)
-    # cameras on the -y side (the wall is at +y), looking towards it
-    center = torch.stack(
-        [
-            r * torch.cos(el) * torch.sin(az) * 0.9,
-            -r * torch.cos(el) * torch.cos(az).abs().clamp_min(0.5),
-            r * torch.sin(el),
-        ],
-        dim=-1,
-    )
-    target = torch.cat([u(num_frames, 2, lo=-0.4, hi=0.4), u(num_frames, 1, lo=0.0, hi=0.4)], 1)
-    ext = look_at(center, target)
-    fov = torch.deg2rad(u(num_frames, lo=fov_range[0], hi=fov_range[1]))
-    f = (h / 2) / torch.tan(fov / 2)
+    centre, span = u(lo=-0.9, hi=0.9), u(lo=0.3, hi=1.2)
+    if float(u()) < 0.5:
+        span = -span
+    steps = torch.linspace(-0.5, 0.5, num_frames, dtype=torch.float64) if num_frames > 1 else torch.zeros(1)
+    az = centre + span * steps.double()
+    el = torch.deg2rad(u(lo=15.0, hi=40.0))
+    r = u(lo=3.5, hi=5.0)
+    ground, height = r * torch.cos(el), r * torch.sin(el)
+    eye = torch.stack([ground * torch.sin(az), -ground * torch.cos(az), height.expand_as(az)], -1)
+    target = torch.cat([u(2, lo=-0.4, hi=0.4), u(1, lo=0.0, hi=0.4)]).expand(num_frames, 3)
+    ext = look_at(eye, target)
+    f = (h / 2) / torch.tan(torch.deg2rad(u(lo=fov_range[0], hi=fov_range[1])) / 2)
     intr = torch.zeros(num_frames, 3, 3, dtype=torch.float64)
     intr[:, 0, 0], intr[:, 1, 1], intr[:, 0, 2], intr[:, 1, 2], intr[:, 2, 2] = f, f, w / 2, h / 2, 1.0
     return ext, intr
 
 
 def _texture(points: Tensor, obj: Tensor, scene: Scene) -> Tensor:
-    """Solid (3D) procedural texture: a checkerboard of the object's two colours modulated by stripes."""
+    """Solid (3D) procedural texture: a checkerboard of the object's two colours modulated by stripes; on the
+    ground plane and the wall (objects 0 and 1) mostly a smooth colour field fixed in the world.
+
+    The field (period ~7–10 units) gives a view's large-scale colours by where it looks, which a small
+    model reads at 56 px; the checkerboards alone alias into moiré there, and carry no such cue.
+    """
     freq = scene.freqs[obj][..., None]
     p = points * freq
     checker = (torch.floor(p[..., 0]) + torch.floor(p[..., 1]) + torch.floor(p[..., 2])).remainder(2)[
@@ -162,7 +163,11 @@ def _texture(points: Tensor, obj: Tensor, scene: Scene) -> Tensor:
     cols = scene.colors[obj]  # [..., 2, 3]
     base = cols[..., 0, :] * (1 - checker) + cols[..., 1, :] * checker
     stripes = 0.85 + 0.15 * torch.sin(3.1 * p.sum(-1, keepdim=True) + 2.0 * obj[..., None].double())
-    return (base * stripes).clamp(0.0, 1.0)
+    x, y = points[..., 0], points[..., 1]
+    field = 0.5 + 0.45 * torch.stack([torch.sin(0.9 * x), torch.sin(0.9 * y + 1.0), torch.cos(0.6 * (x - y))],
+                                     dim=-1)
+    plane = (obj <= 1)[..., None]
+    return torch.where(plane, 0.35 * base * stripes + 0.65 * field, base * stripes).clamp(0.0, 1.0)
 
 
 def render_scene(
@@ -243,6 +248,11 @@ class SyntheticMultiViewDataset(Dataset):
     Args:
         length: number of sequences; num_frames: frames per sequence; image_size: ``(H, W)``.
         seed: base seed (use different seeds for train/val/test); num_boxes, num_spheres: scene content.
+        fresh: index ``e·length + i`` (what ``EpochShuffleSampler(per_epoch_indices=True)`` yields in epoch
+            ``e``) renders a scene seeded by ``(seed, e, i)`` (numpy's ``SeedSequence``, mapped into
+            ``[2**31, 2**32)``; torch's generator keeps 32 bits of a seed): new scenes every epoch, the same
+            ones when an epoch is replayed, and never a scene of a fixed split (those seeds stay below
+            ``2**31``). ``length`` is then the number of sequences per epoch.
     """
 
     def __init__(
@@ -253,6 +263,7 @@ class SyntheticMultiViewDataset(Dataset):
         seed: int = 0,
         num_boxes: int = 2,
         num_spheres: int = 2,
+        fresh: bool = False,
     ) -> None:
         if length < 1:
             raise ValueError(f"SyntheticMultiViewDataset: `length` must be >= 1, got {length}")
@@ -260,14 +271,21 @@ class SyntheticMultiViewDataset(Dataset):
             raise ValueError(f"SyntheticMultiViewDataset: `num_frames` must be >= 1, got {num_frames}")
         self.length, self.num_frames, self.image_size = length, num_frames, tuple(int(s) for s in image_size)
         self.seed, self.num_boxes, self.num_spheres = seed, num_boxes, num_spheres
+        self.fresh = fresh
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        if not 0 <= index < self.length:
+        if index < 0 or (index >= self.length and not self.fresh):
             raise IndexError(f"index {index} out of range for {self.length} sequences")
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        if self.fresh:
+            epoch, item = divmod(index, self.length)
+            mixed = int(np.random.SeedSequence([self.seed, epoch, item]).generate_state(1)[0])
+            scene_seed = 2**31 + mixed % 2**31
+        else:
+            scene_seed = self.seed * 1_000_003 + index
+        g = torch.Generator().manual_seed(scene_seed)
         scene = sample_scene(g, self.num_boxes, self.num_spheres)
         ext, intr = sample_cameras(g, self.num_frames, self.image_size)
         img, depth, _ = render_scene(scene, ext, intr, self.image_size)
@@ -619,6 +637,10 @@ class MultiViewDataModule(L.LightningDataModule):
         train_size, val_size, test_size: sequences per split (synthetic: rendered with seeds ``seed``,
             ``seed + 1``, ``seed + 2``; real: samples drawn per split from all scenes with different seeds --
             real captures carry no split, so hold scenes out by pointing ``root`` elsewhere).
+        fresh_train_scenes: synthetic source: ``train_size`` new scenes every epoch (a function of ``seed``
+            and the epoch: a resumed run replays them), instead of the same ``train_size`` scenes each epoch,
+            which a model memorises (validation loss rose after a few epochs). Validation and test scenes
+            stay fixed.
     """
 
     def __init__(
@@ -634,6 +656,7 @@ class MultiViewDataModule(L.LightningDataModule):
         test_size: int = 8,
         seed: int = 0,
         pin_memory: bool = False,
+        fresh_train_scenes: bool = True,
     ) -> None:
         super().__init__()
         if source not in ("synthetic", "nerf", "colmap"):
@@ -649,7 +672,9 @@ class MultiViewDataModule(L.LightningDataModule):
         sizes = {"train": hp.train_size, "val": hp.val_size, "test": hp.test_size}
         if hp.source == "synthetic":
             for i, (split, n) in enumerate(sizes.items()):
-                self.datasets[split] = SyntheticMultiViewDataset(n, hp.num_frames, size, seed=hp.seed + i)
+                fresh = split == "train" and hp.fresh_train_scenes
+                self.datasets[split] = SyntheticMultiViewDataset(n, hp.num_frames, size, seed=hp.seed + i,
+                                                                 fresh=fresh)
             return
         root = Path(hp.root)
         if hp.source == "nerf":
@@ -664,9 +689,10 @@ class MultiViewDataModule(L.LightningDataModule):
         if split not in self.datasets:
             self.setup()
         # each epoch's order depends on (seed, epoch) only: a resumed run replays it
+        fresh = bool(getattr(self.datasets[split], "fresh", False))
         return epoch_loader(self.datasets[split], shuffle, batch_size=self.hparams.batch_size,
                             seed=self.hparams.seed, num_workers=self.hparams.num_workers,
-                            pin_memory=self.hparams.pin_memory, drop_last=False)
+                            pin_memory=self.hparams.pin_memory, drop_last=False, per_epoch_indices=fresh)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)
@@ -676,3 +702,77 @@ class MultiViewDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", False)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Frames of a synthetic sequence on disk
+# --------------------------------------------------------------------------------------------------------
+
+FRAME_OUTPUTS = ("frame_*", "ground_truth.json")  # files.prepare_output_dir: a trailing * is a prefix
+
+
+def write_synthetic_frames(
+    out: str | Path,
+    num_frames: int = 8,
+    image_size: tuple[int, int] = (56, 56),
+    seed: int = 1,
+    index: int = 0,
+) -> list[Path]:
+    """Write sequence ``index`` of ``SyntheticMultiViewDataset(seed=seed)`` as ``out/frame_NN.png`` (8-bit
+    RGB, frame 0 the reference) and its ground truth as ``out/ground_truth.json`` (per frame:
+    camera-from-world extrinsics, intrinsics; the depth maps are not written). Seed 1 is the validation
+    split of ``data=multiview_synthetic``: scenes a model trained on it did not see. Returns the frame
+    paths."""
+    from PIL import Image
+
+    seq = SyntheticMultiViewDataset(index + 1, num_frames, image_size, seed=seed)[index]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, img in enumerate(seq["images"]):
+        path = out / f"frame_{i:02d}.png"
+        Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(path)
+        paths.append(path)
+    truth = {
+        "convention": "extrinsics: camera-from-world [R|t], OpenCV axes; intrinsics: pixel (u, v) = "
+        "column/row index",
+        "source": f"SyntheticMultiViewDataset(seed={seed})[{index}]",
+        "image_size_hw": list(image_size),
+        "frames": [{"name": p.stem, "extrinsics": seq["extrinsics"][i].tolist(),
+                    "intrinsics": seq["intrinsics"][i].tolist()} for i, p in enumerate(paths)],
+    }
+    (out / "ground_truth.json").write_text(json.dumps(truth, indent=1))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    """``python -m elsa_vision.data.multiview --out frames/``: one synthetic sequence as PNG frames (what
+    ``python -m elsa_vision.inference.multiview --frames`` reads). Errors end the run with one line."""
+    import argparse
+
+    from ..files import add_output_arguments, prepare_output_dir, remove_outputs
+
+    ap = argparse.ArgumentParser(prog="python -m elsa_vision.data.multiview",
+                                 description=write_synthetic_frames.__doc__.split(".")[0])
+    add_output_arguments(ap, "directory of the frames", required=True, type=Path)
+    ap.add_argument("--num-frames", type=int, default=8, help="frames of the sequence (default 8)")
+    ap.add_argument("--size", type=int, nargs=2, default=[56, 56], metavar=("H", "W"),
+                    help="frame height and width (default 56 56, what elsa_vggt_small trains on)")
+    ap.add_argument("--seed", type=int, default=1, help="dataset seed (default 1: the validation scenes)")
+    ap.add_argument("--index", type=int, default=0, help="which sequence of that dataset (default 0)")
+    args = ap.parse_args(argv)
+    if args.num_frames < 1 or min(args.size) < 1 or args.index < 0:
+        ap.error("--num-frames and --size must be >= 1, --index >= 0")
+    try:
+        prepare_output_dir(args.out, FRAME_OUTPUTS, overwrite=args.overwrite)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.overwrite:
+        remove_outputs(args.out, FRAME_OUTPUTS)
+    paths = write_synthetic_frames(args.out, args.num_frames, tuple(args.size), args.seed, args.index)
+    print(json.dumps({"frames": len(paths), "out": str(args.out), "size_hw": list(args.size)}), flush=True)
+    return paths
+
+
+if __name__ == "__main__":
+    main()

@@ -45,6 +45,7 @@ from .outputs import (
     record_outputs,
     remove_outputs,
     remove_stale_temp_files,
+    save_safetensors,
 )
 from .torchscript import read_torchscript_state_dict
 
@@ -75,6 +76,7 @@ __all__ = [
     "record_outputs",
     "remove_outputs",
     "remove_stale_temp_files",
+    "save_safetensors",
     "strip_prefixes",
     "submodule_weights",
     "unwrap_weights",

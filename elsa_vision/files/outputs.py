@@ -14,7 +14,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,6 +29,7 @@ __all__ = [
     "record_outputs",
     "remove_outputs",
     "remove_stale_temp_files",
+    "save_safetensors",
 ]
 
 # The record of what a command-line tool wrote into its --out: names relative to --out, one per file. With
@@ -229,6 +230,25 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     never a partial one."""
     with atomic_write(path) as f:
         torch.save(obj, f)
+
+
+def save_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
+) -> Path:
+    """``safetensors.torch.save_file`` with the file mode every other output gets.
+
+    safetensors writes through a temporary file of mode 0600 that it renames over ``path``: weights and
+    features were readable by their owner only while checkpoints, images and JSON files are ``0o666`` less
+    the process umask (0644 usually). The file gets that mode after the write. Returns ``Path(path)``.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    save_file(dict(tensors), os.fspath(path), metadata=dict(metadata) if metadata is not None else None)
+    umask = os.umask(0o022)  # read the process umask (os has no getter) and put it back
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    return path
 
 
 def link_atomically(source: str | os.PathLike, path: str | os.PathLike) -> bool:

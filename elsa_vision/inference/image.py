@@ -55,6 +55,7 @@ from ..files import (
     prepare_output_dir,
     record_outputs,
     remove_outputs,
+    save_safetensors,
 )
 from ..utils.accelerator import add_device_argument, resolve_device
 from .highres import (
@@ -270,7 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
 def save_random_weights(path: str, model_name: str, *, num_classes: int | None, in_chans: int | None) -> dict:
     """Randomly initialised weights of ``model_name`` saved with safetensors; returns their shape info."""
     import timm
-    from safetensors.torch import save_file
 
     name = resolve_model_name(model_name)
     model = timm.create_model(
@@ -281,7 +281,7 @@ def save_random_weights(path: str, model_name: str, *, num_classes: int | None, 
     )
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file(sd, path, metadata={"model": name, "init": "random"})
+    save_safetensors(sd, path, metadata={"model": name, "init": "random"})
     return dict(weights_shape_info(sd), model=name, path=path)
 
 
@@ -367,7 +367,6 @@ def _write_outputs(
     out_dir: str, res, model, img: torch.Tensor, args, extra: dict[str, Any]
 ) -> dict[str, Any]:
     from PIL import Image
-    from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
     feats = res.features.cpu().contiguous()
@@ -376,7 +375,7 @@ def _write_outputs(
         tensors["cls"] = res.prefix[0].cpu().clone()
     if res.cls_attention is not None:
         tensors["cls_attention"] = res.cls_attention.cpu().contiguous()
-    save_file(
+    save_safetensors(
         tensors,
         os.path.join(out_dir, "features.safetensors"),
         metadata={

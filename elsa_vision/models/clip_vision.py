@@ -19,6 +19,12 @@ as strided views of the fused ``in_proj`` output in SDPA layout ``[B, H, N, Dh]`
 Inputs larger (or smaller) than ``image_size`` are accepted: the patch-grid positional embedding is resampled
 bicubically (antialiased), as open_clip's ``resize_pos_embed`` does when loading a checkpoint at another
 resolution. :meth:`ElsaCLIPVision.set_image_size` makes such a resize permanent.
+
+The registered towers (``elsa_clip_b16``, ``elsa_clip_l14``, ``elsa_clip_l14_336``) are timm models that
+behave as timm's own CLIP ViTs (``vit_base_patch16_clip_224`` ...): the projection ``proj`` is the head, so
+``num_classes`` is its width (the CLIP embedding width by default), ``num_classes=0`` or
+``reset_classifier(0)`` gives the pooled ``width``-wide features, ``features_only=True`` and
+``forward_intermediates`` give every block's patch tokens, and the model traces with torch.fx.
 """
 
 from __future__ import annotations
@@ -34,7 +40,15 @@ import torch
 import torch.nn.functional as F
 from timm.data import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from timm.layers import LayerScale, QuickGELU
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import (
+    adapt_input_conv,
+    build_model_with_cfg,
+    generate_default_cfgs,
+    register_model,
+    register_notrace_function,
+    register_notrace_module,
+)
+from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
 from ..layers.elsa_module import ElsaModel, check_attention_options
@@ -78,6 +92,7 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps).to(dtype)
 
 
+@register_notrace_module  # an FX leaf: how many tokens it keeps depends on the input's length
 class PatchDropout(nn.Module):
     """Drops random patch tokens while training (https://arxiv.org/abs/2212.00794); keeps token 0."""
 
@@ -245,6 +260,40 @@ def resample_positional_embedding(
     return torch.cat([prefix, grid], 0)
 
 
+@register_notrace_function  # an FX leaf, called on the real input (FX skips names with a leading "_")
+def check_clip_images(x: Tensor, in_chans: int, patch_size: tuple[int, int]) -> Tensor:
+    """``x``, which must be images ``[B, in_chans, H, W]`` with ``H, W`` multiples of ``patch_size``
+    (returned, so that the check is a node the traced graph depends on)."""
+    if x.dim() != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"ElsaCLIPVision: expected images [B, {in_chans}, H, W], got {list(x.shape)}")
+    H, W = x.shape[-2:]
+    if H % patch_size[0] or W % patch_size[1]:
+        raise ValueError(
+            f"ElsaCLIPVision: input size ({H}, {W}) must be a multiple of patch_size {tuple(patch_size)}"
+        )
+    return x
+
+
+@register_notrace_function  # an FX leaf: the grid is read from the patch map's shape
+def clip_positional_embedding(pos: Tensor, grid_size: tuple[int, int], patches: Tensor) -> Tensor:
+    """``pos (1 + gh*gw, D)`` of the stored ``grid_size``, resampled to the grid of ``patches [B, D, h, w]``
+    when it differs (:func:`resample_positional_embedding`)."""
+    grid = (patches.shape[-2], patches.shape[-1])
+    if grid == tuple(grid_size):
+        return pos
+    return resample_positional_embedding(pos, grid_size, grid)
+
+
+# timm's global_pool names -> open_clip's pool_type
+_TIMM_POOL = {"token": "tok", "avg": "avg", "": "none"}
+
+
+def _pool_type(who: str, global_pool: str) -> str:
+    if global_pool not in _TIMM_POOL:
+        raise ValueError(f"{who}: global_pool must be one of {sorted(_TIMM_POOL)}, got {global_pool!r}")
+    return _TIMM_POOL[global_pool]
+
+
 # ------------------------------------------------------------------------------------------------ model
 
 
@@ -257,7 +306,8 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         attentional_pool: False; True (CoCa: ``attn_pool`` then ``ln_post`` then ``pool_type``); or
             ``"parallel"`` / ``"cascade"`` (``attn_pool`` + ``attn_pool_contrastive`` with one query).
         attn_pooler_queries, attn_pooler_heads: pooler shape.
-        output_dim: embedding width E (``proj`` is ``(D, E)``, or ``(E, E)`` with an attentional pooler).
+        output_dim: embedding width E (``proj`` is ``(D, E)``, or ``(E, E)`` with an attentional pooler; the
+            pooler's width is E).
         patch_dropout: training-time patch drop fraction. no_ln_pre: drop ``ln_pre``.
         pos_embed_type: ``"learnable"`` or ``"sin_cos_2d"`` (fixed).
         pool_type: ``"tok"``, ``"avg"``, ``"none"``.
@@ -265,11 +315,28 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         act_layer: ``"gelu"``, ``"quick_gelu"`` or an ``nn.Module`` class. norm_eps: LayerNorm eps.
         norm_fp32: LayerNorm in float32 for half inputs (open_clip's ``LayerNormFp32``).
         output_tokens: ``forward`` returns ``(pooled, tokens)``.
+        num_classes: timm's name for the width of the head, which is the projection ``proj``: None (default)
+            is ``output_dim`` (the CLIP embedding); another width builds a new projection
+            ``(pool width, num_classes)``; 0 builds none (``forward`` returns the pooled features,
+            ``head_hidden_size`` wide).
+        in_chans: input channels of ``conv1`` (3 for every CLIP checkpoint; a checkpoint's RGB ``conv1`` is
+            adapted to another count by :func:`clip_checkpoint_filter_fn`, timm's ``adapt_input_conv``).
+        global_pool: timm's name for ``pool_type``: ``"token"`` (``"tok"``), ``"avg"``, ``""`` (``"none"``);
+            overrides ``pool_type`` when given.
         attn_backend, attn_precision: ``elsa_attention`` backend / float32 precision of every attention.
 
-    Shapes: ``forward(x [B, 3, H, W]) -> [B, E]`` (``[B, 1, E]`` for ``"parallel"``/``"cascade"``), tokens
-    ``[B, gh*gw, D]`` (``[B, n_queries - 1, E]`` with CoCa pooling). ``H, W`` must be multiples of the patch
-    size; other than ``image_size`` they use a resampled positional embedding.
+    Shapes: ``forward(x [B, in_chans, H, W]) -> [B, num_classes]`` (``[B, 1, E]`` for
+    ``"parallel"``/``"cascade"``), tokens ``[B, gh*gw, D]`` (``[B, n_queries - 1, E]`` with CoCa pooling).
+    ``H, W`` must be multiples of the patch size; other than ``image_size`` they use a resampled positional
+    embedding.
+
+    timm's model API: ``num_classes``, ``num_features`` (``width``: the tokens of ``forward_features``),
+    ``head_hidden_size`` (the pooled features, ``width`` or E with an attentional pooler),
+    ``forward_features`` (tokens after the last block and, when ``ln_post`` normalises tokens -- no
+    attentional pooler, no ``final_ln_after_pool`` -- after ``ln_post``, timm's ``norm``),
+    ``forward_head(x, pre_logits=False)``, ``get_classifier`` / ``reset_classifier``,
+    ``forward_intermediates``, ``prune_intermediate_layers``, ``feature_info`` (one entry per block) and
+    ``set_grad_checkpointing``.
     """
 
     def __init__(
@@ -295,11 +362,21 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         norm_fp32: bool = False,
         output_tokens: bool = False,
         *,
+        num_classes: int | None = None,
+        in_chans: int = 3,
+        global_pool: str | None = None,
         attn_backend: str = "auto",
         attn_precision: str = "auto",
     ) -> None:
         super().__init__()
         check_attention_options("ElsaCLIPVision", attn_backend, attn_precision)
+        if global_pool is not None:
+            pool_type = _pool_type("ElsaCLIPVision", global_pool)
+        num_classes = output_dim if num_classes is None else num_classes
+        if num_classes < 0:
+            raise ValueError(f"ElsaCLIPVision: num_classes must be >= 0 or None, got {num_classes}")
+        if in_chans < 1:
+            raise ValueError(f"ElsaCLIPVision: in_chans must be >= 1, got {in_chans}")
         if pool_type not in ("tok", "avg", "none"):
             raise ValueError(f"ElsaCLIPVision: pool_type must be 'tok', 'avg' or 'none', got {pool_type!r}")
         if pos_embed_type not in ("learnable", "sin_cos_2d"):
@@ -337,7 +414,9 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         def norm_layer(d):
             return LayerNorm(d, eps=norm_eps, fp32=norm_fp32)
 
-        self.conv1 = nn.Conv2d(3, width, kernel_size=self.patch_size, stride=self.patch_size, bias=False)
+        self.in_chans = in_chans
+        self.conv1 = nn.Conv2d(in_chans, width, kernel_size=self.patch_size, stride=self.patch_size,
+                               bias=False)
         scale = width**-0.5
         self.class_embedding = nn.Parameter(scale * torch.randn(width))
         n_pos = self.grid_size[0] * self.grid_size[1] + 1
@@ -384,7 +463,16 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
             self.pool_type = pool_type
             pool_dim = width
         self.ln_post = norm_layer(pool_dim)
-        self.proj = nn.Parameter(scale * torch.randn(pool_dim, output_dim))
+        # ln_post normalises the tokens (timm's `norm`) unless it follows a pooler or the pooling
+        self._token_norm = self.attn_pool is None and not final_ln_after_pool
+        self.num_classes = num_classes
+        self.num_features = self.embed_dim = width
+        self.head_hidden_size = pool_dim
+        self.num_prefix_tokens = 1
+        self.proj = nn.Parameter(scale * torch.randn(pool_dim, num_classes)) if num_classes else None
+        reduction = self.patch_size[0] if self.patch_size[0] == self.patch_size[1] else self.patch_size
+        self.feature_info = [dict(module=f"transformer.resblocks.{i}", num_chs=width, reduction=reduction)
+                             for i in range(layers)]
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.transformer.grad_checkpointing = enable
@@ -410,6 +498,8 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         ]
         for group in groups[-unlocked_groups:]:
             for item in group:
+                if item is None:  # no projection (num_classes=0)
+                    continue
                 params = [item] if isinstance(item, nn.Parameter) else list(item.parameters())
                 for p in params:
                     p.requires_grad = True
@@ -430,31 +520,113 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         self.positional_embedding = nn.Parameter(new, requires_grad=self.positional_embedding.requires_grad)
         self.image_size, self.grid_size = image_size, grid
 
-    # -- forward ---------------------------------------------------------------------------------------
-    def _pos_embed(self, grid: tuple[int, int]) -> Tensor:
-        if grid == self.grid_size:
-            return self.positional_embedding
-        return resample_positional_embedding(self.positional_embedding, self.grid_size, grid)
+    # -- timm's classifier API -------------------------------------------------------------------------
+    def get_classifier(self) -> nn.Parameter | None:
+        """The head: the projection ``proj`` ``(head_hidden_size, num_classes)``; None with
+        ``num_classes=0``."""
+        return self.proj
 
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new projection of width ``num_classes`` (0: none, ``forward`` returns the pooled features);
+        ``global_pool`` (timm's names ``"token"``, ``"avg"``, ``""``) changes the pooling of a tower without
+        an attentional pooler."""
+        if num_classes < 0:
+            raise ValueError(f"reset_classifier: num_classes must be >= 0, got {num_classes}")
+        if global_pool is not None:
+            pool_type = _pool_type("reset_classifier", global_pool)
+            if self.attn_pool is not None:
+                raise ValueError("reset_classifier: the pooling of a tower with an attentional pooler is "
+                                 "fixed; pass global_pool=None")
+            self.pool_type = pool_type
+        self.num_classes = num_classes
+        w = self.conv1.weight
+        self.proj = (nn.Parameter(self.width**-0.5 * torch.randn(self.head_hidden_size, num_classes,
+                                                                  device=w.device, dtype=w.dtype))
+                     if num_classes else None)
+
+    # -- forward ---------------------------------------------------------------------------------------
     def _embeds(self, x: Tensor) -> Tensor:
-        if x.dim() != 4 or x.shape[1] != 3:
-            raise ValueError(f"ElsaCLIPVision: expected images [B, 3, H, W], got {list(x.shape)}")
-        H, W = x.shape[-2:]
-        if H % self.patch_size[0] or W % self.patch_size[1]:
-            raise ValueError(
-                f"ElsaCLIPVision: input size ({H}, {W}) must be a multiple of patch_size {self.patch_size}"
-            )
-        x = self.conv1(x)
-        grid = (x.shape[-2], x.shape[-1])
+        x = self.conv1(check_clip_images(x, self.in_chans, self.patch_size))
+        pos = clip_positional_embedding(self.positional_embedding, self.grid_size, x)
         x = x.flatten(2).transpose(1, 2)
         cls_tok = self.class_embedding.to(x.dtype).view(1, 1, -1).expand(x.shape[0], -1, -1)
-        x = torch.cat([cls_tok, x], dim=1) + self._pos_embed(grid).to(x.dtype)
+        x = torch.cat([cls_tok, x], dim=1) + pos.to(x.dtype)
         x = self.patch_dropout(x)
         return self.ln_pre(x)
 
     def forward_features(self, x: Tensor) -> Tensor:
-        """Trunk tokens ``[B, 1 + gh*gw, width]`` after the last block (before ``ln_post``)."""
-        return self.transformer(self._embeds(x))
+        """Tokens ``[B, 1 + gh*gw, width]`` after the last block, normalised by ``ln_post`` when it
+        normalises tokens (no attentional pooler, no ``final_ln_after_pool``: timm's ``norm``)."""
+        x = self.transformer(self._embeds(x))
+        return self.ln_post(x) if self._token_norm else x
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """timm's ``forward_intermediates``: the patch tokens after the blocks ``indices`` selects (the last
+        ``n`` for an int, all for None), as ``[B, width, gh, gw]`` (``"NCHW"``) or ``[B, gh*gw, width]``
+        (``"NLC"``); ``norm`` applies ``ln_post`` (towers whose ``ln_post`` normalises tokens);
+        ``return_prefix_tokens`` pairs each with its class token. Returns ``(forward_features(x),
+        intermediates)``, or the intermediates alone with ``intermediates_only``."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"forward_intermediates: output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        if norm and not self._token_norm:
+            raise ValueError("forward_intermediates: norm=True needs a tower whose ln_post normalises tokens "
+                             "(no attentional pooler, no final_ln_after_pool)")
+        blocks = self.transformer.resblocks
+        take_indices, max_index = feature_take_indices(len(blocks), indices)
+        B, _, H, W = x.shape
+        x = self._embeds(x)
+        if stop_early:
+            blocks = blocks[: max_index + 1]
+        intermediates = []
+        for i, blk in enumerate(blocks):
+            if self.transformer.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+            if i in take_indices:
+                intermediates.append(self.ln_post(x) if norm else x)
+        prefix = [y[:, :1] for y in intermediates]
+        intermediates = [y[:, 1:] for y in intermediates]
+        if output_fmt == "NCHW":
+            gh, gw = H // self.patch_size[0], W // self.patch_size[1]
+            intermediates = [y.reshape(B, gh, gw, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if return_prefix_tokens:
+            intermediates = list(zip(intermediates, prefix))
+        if intermediates_only:
+            return intermediates
+        return (self.ln_post(x) if self._token_norm else x), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """timm's ``prune_intermediate_layers``: drop the blocks after the last of ``indices``; ``prune_norm``
+        drops ``ln_post``; ``prune_head`` drops the poolers and the projection (pooling off). Returns the
+        kept indices."""
+        take_indices, max_index = feature_take_indices(len(self.transformer.resblocks), indices)
+        self.transformer.resblocks = self.transformer.resblocks[: max_index + 1]
+        self.transformer.layers = len(self.transformer.resblocks)
+        self.feature_info = self.feature_info[: max_index + 1]
+        if prune_head:
+            if self.attn_pool is not None:
+                self.attn_pool = self.attn_pool_contrastive = None
+                self.attn_pool_type = ""
+                self.ln_post = nn.Identity()  # it normalised the pooler's output
+            self.final_ln_after_pool = False
+            self._token_norm = True
+            self.head_hidden_size = self.width
+            self.reset_classifier(0, "")
+        if prune_norm:
+            self.ln_post = nn.Identity()
+        return take_indices
 
     def _global_pool(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if self.pool_type == "avg":
@@ -475,11 +647,14 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         if self.final_ln_after_pool:
             pooled, tokens = self._global_pool(x)
             return self.ln_post(pooled), tokens
-        return self._global_pool(self.ln_post(x))
+        return self._global_pool(x)  # forward_features applied ln_post
 
-    def forward_head(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Pool the tokens of :meth:`forward_features` and project them (``pre_logits``: not projected);
+        ``(pooled, tokens)`` with ``output_tokens``."""
         pooled, tokens = self._pool(x)
-        pooled = pooled @ self.proj
+        if not pre_logits and self.proj is not None:
+            pooled = pooled @ self.proj
         return (pooled, tokens) if self.output_tokens else pooled
 
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
@@ -821,16 +996,27 @@ CLIP_VISION_ARCHITECTURES = MappingProxyType({k: MappingProxyType(v) for k, v in
 
 
 def clip_checkpoint_filter_fn(state_dict: Mapping[str, Tensor], model: ElsaCLIPVision) -> dict[str, Tensor]:
-    """The image tower of a CLIP state_dict (:func:`vision_state_dict`) as float32, its positional embedding
-    resampled to the model's grid when the checkpoint's is another square grid (timm's filter-function
-    convention: ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path))``)."""
+    """The image tower of a CLIP state_dict (:func:`vision_state_dict`) fitted to ``model``
+    (:func:`_adapt_tower`: float32, positional embedding resampled, ``conv1`` adapted to ``in_chans``, the
+    projection kept only when the model's head is the checkpoint's), timm's filter-function convention:
+    ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path))``."""
     return _adapt_tower(vision_state_dict(state_dict), model)
 
 
 def _adapt_tower(vis: Mapping[str, Tensor], model: ElsaCLIPVision) -> dict[str, Tensor]:
-    """An image tower's state_dict as float32, its positional embedding resampled to the model's grid when
-    the checkpoint's is another square grid."""
+    """An image tower's state_dict fitted to ``model``, as float32: the positional embedding resampled to the
+    model's grid when the checkpoint's is another square grid; an RGB ``conv1`` adapted to the model's
+    ``in_chans`` (timm's ``adapt_input_conv``); and where the model's head is not the CLIP embedding
+    (``num_classes`` other than ``output_dim``, as timm re-initialises a head of another width) the
+    checkpoint's ``proj`` left out: the model keeps its own new projection, or none with ``num_classes=0``."""
     vis = dict(vis)
+    if model.num_classes != model.output_dim and "proj" in vis:
+        del vis["proj"]
+        if model.proj is not None:
+            vis["proj"] = model.proj.detach().clone()
+    conv = vis.get("conv1.weight")
+    if conv is not None and conv.dim() == 4 and conv.shape[1] != model.in_chans:
+        vis["conv1.weight"] = adapt_input_conv(model.in_chans, conv)
     pos = vis.get("positional_embedding")
     if (
         pos is not None
@@ -843,11 +1029,17 @@ def _adapt_tower(vis: Mapping[str, Tensor], model: ElsaCLIPVision) -> dict[str, 
     return {k: v.float() if v.is_floating_point() else v for k, v in vis.items()}
 
 
-def _cfg(open_clip_name: str, **kwargs):
+def _cfg(open_clip_name: str, patch: int, **kwargs):
     return {
-        "url": "", "num_classes": 0, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 1.0,
-        "interpolation": "bicubic", "mean": OPENAI_CLIP_MEAN, "std": OPENAI_CLIP_STD, "first_conv": "conv1",
-        "classifier": None, "license": "mit",
+        # The head is the projection `proj`, a parameter of open_clip's layout and not a module, so no
+        # `classifier` module is named; num_classes None leaves its width to the architecture (output_dim,
+        # the CLIP embedding), and clip_checkpoint_filter_fn handles a head of another width.
+        "url": "", "num_classes": None, "classifier": None,
+        # any multiple of the patch runs (the positional embedding is resampled); the smallest size timm's
+        # tests and tools should pick is 8 x 8 patches, not an arbitrary side that is no multiple of the patch
+        "input_size": (3, 224, 224), "min_input_size": (3, 8 * patch, 8 * patch), "fixed_input_size": False,
+        "pool_size": None, "crop_pct": 1.0, "interpolation": "bicubic", "mean": OPENAI_CLIP_MEAN,
+        "std": OPENAI_CLIP_STD, "first_conv": "conv1", "license": "mit",
         "description": f"the image tower of open_clip's {open_clip_name}",
         **kwargs,
     }
@@ -856,19 +1048,17 @@ def _cfg(open_clip_name: str, **kwargs):
 # Weights are local files: create_elsa_clip_vision(name, pretrained=path), or timm's
 # timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path)).
 default_cfgs = generate_default_cfgs({
-    "elsa_clip_b16": _cfg("ViT-B-16"),
-    "elsa_clip_l14": _cfg("ViT-L-14"),
-    "elsa_clip_l14_336": _cfg("ViT-L-14-336", input_size=(3, 336, 336)),
+    "elsa_clip_b16": _cfg("ViT-B-16", 16),
+    "elsa_clip_l14": _cfg("ViT-L-14", 14),
+    "elsa_clip_l14_336": _cfg("ViT-L-14-336", 14, input_size=(3, 336, 336)),
 })
 
 
 def _create_elsa_clip_vision(variant: str, pretrained: bool = False, **kwargs) -> ElsaCLIPVision:
-    if kwargs.get("features_only"):
-        raise ValueError(f"{variant}: features_only=True is not supported: ElsaCLIPVision is an embedding "
-                         f"tower; output_tokens=True gives its tokens")
+    out_indices = kwargs.pop("out_indices", 3)
     return build_model_with_cfg(
-        ElsaCLIPVision, variant, pretrained, pretrained_filter_fn=clip_checkpoint_filter_fn, feature_cfg=None,
-        kwargs_filter=("num_classes", "in_chans"), **{**_model_cfgs[variant], **kwargs},
+        ElsaCLIPVision, variant, pretrained, pretrained_filter_fn=clip_checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **{**_model_cfgs[variant], **kwargs},
     )
 
 

@@ -19,7 +19,11 @@ head with ``inv_log`` activation for world points. Parameter names equal faceboo
 (``aggregator.*``, ``camera_head.*``, ``depth_head.*``, ``point_head.*``), so a VGGT state_dict loads with
 ``strict=True`` (:meth:`ElsaVGGT.from_vggt_checkpoint`; the tracking head's keys are dropped and reported).
 
-The configurations are timm models: ``timm.create_model("elsa_vggt")`` (VGGT-1B), ``"elsa_vggt_small"``.
+The configurations (:data:`VGGT_CONFIGS`: ``"elsa_vggt"``, VGGT-1B, and ``"elsa_vggt_small"``) are built by
+:meth:`ElsaVGGT.from_config` and loaded by :meth:`ElsaVGGT.from_vggt_checkpoint`. They are not registered in
+timm's model registry: ElsaVGGT takes sequences ``[B, S, 3, H, W]`` and returns cameras and depth maps, not
+the ``[B, num_classes]`` of an image model that timm's tools and tests (``features_only``, ``num_classes``,
+``reset_classifier``) expect of every registered name.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 from timm.layers import LayerScale, Mlp
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
@@ -46,10 +49,8 @@ __all__ = [
     "CameraHead",
     "DPTHead",
     "VGGT_CONFIGS",
-    "elsa_vggt",
     "find_vggt_config",
     "vggt_config_mismatch",
-    "elsa_vggt_small",
     "RotaryPositionEmbedding2D",
     "load_vggt_state_dict",
     "vggt_checkpoint_filter_fn",
@@ -792,13 +793,12 @@ class ElsaVGGT(ElsaModel, nn.Module):
 
     @classmethod
     def from_config(cls, name: str, **overrides) -> ElsaVGGT:
-        """``timm.create_model(name, **overrides)`` of a registered configuration (``"elsa_vggt"``,
-        ``"elsa_vggt_small"``: :data:`VGGT_CONFIGS`)."""
-        import timm
-
+        """The model of a named configuration (``"elsa_vggt"``, ``"elsa_vggt_small"``: :data:`VGGT_CONFIGS`)
+        with ``overrides`` of its arguments (``enable_point=True``, ``merge_ratio=0.9``, ``attn_backend``,
+        ``img_size`` ...); random weights (:meth:`from_vggt_checkpoint` loads a file)."""
         if name not in VGGT_CONFIGS:
             raise ValueError(f"unknown ElsaVGGT config {name!r}; expected one of {sorted(VGGT_CONFIGS)}")
-        return timm.create_model(name, **overrides)
+        return cls(**{**VGGT_CONFIGS[name], **overrides})
 
     @classmethod
     def from_vggt_checkpoint(cls, path: str | Path, config: str | None = None, **overrides) -> ElsaVGGT:
@@ -838,7 +838,9 @@ def load_vggt_state_dict(path: str | Path, *, arg: str = "checkpoint") -> dict[s
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(
             f"{exc} (as a Lightning .ckpt of an older multiview run does: its hyper-parameters hold the "
-            "optimizer factory); export the network with MultiViewReconstructionModule.export_net(path)"
+            "optimizer factory); if you trust the file, export its network with "
+            "MultiViewReconstructionModule.load_from_checkpoint(path, weights_only=False, "
+            "net=ElsaVGGT.from_config(name)).export_net('net.safetensors')"
         ) from None
 
 
@@ -898,7 +900,7 @@ def vggt_checkpoint_filter_fn(
 
 
 # --------------------------------------------------------------------------------------------------------
-# Registry
+# Configurations
 # --------------------------------------------------------------------------------------------------------
 
 # The 1B configuration of the VGGT release and a tiny one that trains on a CPU.
@@ -934,58 +936,16 @@ _model_cfgs: dict[str, dict] = {
         intermediate_layer_idx=(0, 1, 2, 3),
     ),
 }
-# Read-only view of the registered configurations: name -> ElsaVGGT arguments.
+# Read-only view of the named configurations: name -> ElsaVGGT arguments (ElsaVGGT.from_config builds them).
 VGGT_CONFIGS = MappingProxyType({k: MappingProxyType(v) for k, v in _model_cfgs.items()})
 
 
 def _filter_fn(state_dict: dict[str, Tensor], model: ElsaVGGT) -> dict[str, Tensor]:
-    """:func:`vggt_checkpoint_filter_fn` for timm's loader (``pretrained_cfg_overlay=dict(file=path)``) and
-    :meth:`ElsaVGGT.from_vggt_checkpoint`: the dropped keys are logged and kept in
-    ``model.dropped_checkpoint_keys``."""
+    """:func:`vggt_checkpoint_filter_fn` of :meth:`ElsaVGGT.from_vggt_checkpoint`: the dropped keys are logged
+    and kept in ``model.dropped_checkpoint_keys``."""
     sd, dropped = vggt_checkpoint_filter_fn(state_dict, model)
     model.dropped_checkpoint_keys = dropped
     if dropped:
         _logger.warning("dropped %d checkpoint keys without a module here (%s)", len(dropped),
                         ", ".join(sorted({k.split(".")[0] for k in dropped})))
     return sd
-
-
-def _cfg(**kwargs):
-    # Images in [0, 1], normalised inside the model (mean 0, std 1 here).
-    return {
-        "url": "", "num_classes": 0, "input_size": (3, 518, 518), "pool_size": None, "crop_pct": 1.0,
-        "interpolation": "bicubic", "mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0),
-        "first_conv": "aggregator.patch_embed.patch_embed.proj", "classifier": None, "license": "other",
-        **kwargs,
-    }
-
-
-# Weights are local files: ElsaVGGT.from_vggt_checkpoint(path), or timm's
-# timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path)).
-default_cfgs = generate_default_cfgs({
-    "elsa_vggt": _cfg(),
-    "elsa_vggt_small": _cfg(
-        input_size=(3, 56, 56), first_conv="aggregator.patch_embed.proj", license="apache-2.0"),
-})
-
-
-def _create_elsa_vggt(variant: str, pretrained: bool = False, **kwargs) -> ElsaVGGT:
-    if kwargs.get("features_only"):
-        raise ValueError(f"{variant}: features_only=True is not supported: ElsaVGGT returns cameras and "
-                         f"depth maps; model.aggregator(images) gives every layer's tokens")
-    return build_model_with_cfg(
-        ElsaVGGT, variant, pretrained, pretrained_filter_fn=_filter_fn, feature_cfg=None,
-        kwargs_filter=("num_classes", "in_chans"), **{**_model_cfgs[variant], **kwargs},
-    )
-
-
-@register_model
-def elsa_vggt(pretrained: bool = False, **kwargs) -> ElsaVGGT:
-    """VGGT-1B on ELSA: ViT-L DINOv2 patch embed, 24 frame + 24 global blocks of dim 1024, 518 px."""
-    return _create_elsa_vggt("elsa_vggt", pretrained, **kwargs)
-
-
-@register_model
-def elsa_vggt_small(pretrained: bool = False, **kwargs) -> ElsaVGGT:
-    """A tiny ElsaVGGT (dim 48, depth 4, conv patch embed, 56 px) for CPU training and tests."""
-    return _create_elsa_vggt("elsa_vggt_small", pretrained, **kwargs)

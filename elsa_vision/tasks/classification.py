@@ -145,6 +145,15 @@ def cosine_warmup_schedule(
     return LambdaLR(optimizer, factor)
 
 
+def schedule_steps(trainer) -> tuple[int, int]:
+    """``(total_steps, steps_per_epoch)`` of a fit, what a per-step schedule (:func:`cosine_warmup_schedule`)
+    is built with: Lightning's estimate of the optimizer steps, spread over ``max_epochs``."""
+    total = int(trainer.estimated_stepping_batches)
+    epochs = trainer.max_epochs
+    per_epoch = max(1, math.ceil(total / epochs)) if epochs is not None and epochs > 0 else max(1, total)
+    return total, per_epoch
+
+
 class ClassificationModule(LightningModule):
     """Supervised image classification.
 
@@ -279,9 +288,7 @@ class ClassificationModule(LightningModule):
         optimizer = self.optimizer_factory(self.net)
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
-        total = int(self.trainer.estimated_stepping_batches)
-        epochs = self.trainer.max_epochs
-        per_epoch = max(1, math.ceil(total / epochs)) if epochs is not None and epochs > 0 else max(1, total)
+        total, per_epoch = schedule_steps(self.trainer)
         scheduler = self.scheduler_factory(optimizer, total_steps=total, steps_per_epoch=per_epoch)
         return {
             "optimizer": optimizer,

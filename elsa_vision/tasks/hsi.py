@@ -417,6 +417,7 @@ class MaskedAutoencoderModule(_HSIBase):
     """
 
     net_attr = "encoder"
+    curves = {"reconstruction loss (masked tokens)": ("train/loss", "val/loss")}  # curves.png
 
     def __init__(
         self,

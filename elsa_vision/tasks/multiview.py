@@ -31,6 +31,8 @@ from ..data.geometry import (
     pose_encoding_to_extri_intri,
     relative_pose_errors,
 )
+from ..files import save_safetensors
+from .classification import schedule_steps
 
 __all__ = ["MultiViewReconstructionModule", "normalize_ground_truth", "camera_loss", "depth_loss"]
 
@@ -140,16 +142,34 @@ class MultiViewReconstructionModule(L.LightningModule):
 
     Args:
         net: the network; ``net(images [B,S,3,H,W])`` -> dict with ``pose_enc_list`` / ``pose_enc``,
-            ``depth``, ``depth_conf``.
-        optimizer: partial optimizer (``optimizer(params=...)``); scheduler: partial scheduler or None.
+            ``depth``, ``depth_conf``. Its architecture (``ElsaVGGT.config``) is recorded in the
+            hyperparameters as ``net_config``, so that ``load_from_checkpoint(path)`` rebuilds it.
+        optimizer: partial optimizer (``optimizer(params=...)``), needed to fit only (a module loaded from a
+            checkpoint for inference or export has none); scheduler: partial scheduler or None.
+        scheduler_interval: ``"epoch"``: ``scheduler(optimizer=...)`` stepped every epoch (``val/loss``
+            monitored); ``"step"``: ``scheduler(optimizer=..., total_steps=..., steps_per_epoch=...)``
+            stepped every optimizer step (``elsa_vision.tasks.cosine_warmup_schedule``'s convention).
         camera_weight, depth_weight: loss weights; depth_alpha, depth_gamma, grad_weight: depth loss terms.
         compile: ``torch.compile`` the net at fit start.
+        net_config: ``ElsaVGGT`` arguments to build the network from when ``net`` is None (what
+            ``load_from_checkpoint`` passes back from the checkpoint).
+
+    A run's checkpoint holds tensors and plain values only (``torch.load(weights_only=True)``):
+    ``MultiViewReconstructionModule.load_from_checkpoint("last.ckpt").export_net("net.safetensors")`` writes
+    the network alone; ``python -m elsa_vision.inference.multiview --weights`` reads either file.
     """
+
+    # curves.png of a run (elsa_vision.utils.run.plot_curves): the losses and the validation metrics
+    curves = {
+        "loss": ("train/loss_epoch", "val/loss"),
+        "camera pose AUC (val)": ("val/auc30", "val/auc15"),
+        "depth δ<1.25 (val)": ("val/delta1",),
+    }
 
     def __init__(
         self,
-        net: nn.Module,
-        optimizer: Callable,
+        net: nn.Module | None = None,
+        optimizer: Callable | None = None,
         scheduler: Callable | None = None,
         camera_weight: float = 1.0,
         depth_weight: float = 1.0,
@@ -157,8 +177,23 @@ class MultiViewReconstructionModule(L.LightningModule):
         depth_gamma: float = 1.0,
         grad_weight: float = 1.0,
         compile: bool = False,
+        net_config: dict | None = None,
+        scheduler_interval: str = "epoch",
     ) -> None:
         super().__init__()
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"MultiViewReconstructionModule: scheduler_interval must be 'epoch' or 'step', "
+                             f"got {scheduler_interval!r}")
+        if net is None:
+            if net_config is None:
+                raise ValueError("MultiViewReconstructionModule: pass net (a network) or net_config "
+                                 "(ElsaVGGT arguments); a checkpoint of an older run records neither: "
+                                 "load_from_checkpoint(path, net=ElsaVGGT.from_config(name))")
+            from ..models.vggt import ElsaVGGT
+
+            net = ElsaVGGT(**net_config)
+        config = getattr(net, "config", None)
+        net_config = dict(config) if isinstance(config, dict) else None
         # Only plain values go to the checkpoint (it must load with torch.load(weights_only=True)); the
         # optimizer/scheduler factories (Hydra partials) live in the run's resolved config.
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
@@ -263,21 +298,27 @@ class MultiViewReconstructionModule(L.LightningModule):
 
     def export_net(self, path: str | Path) -> Path:
         """Write the network's state_dict as safetensors (what ``--weights`` of the inference CLI reads)."""
-        from safetensors.torch import save_file
-
         net = getattr(self.net, "_orig_mod", self.net)
-        path = Path(path)
-        save_file({k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}, str(path))
-        return path
+        return save_safetensors({k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}, path)
 
     def setup(self, stage: str) -> None:
         if self.hparams.compile and stage == "fit":
             self.net = torch.compile(self.net)
 
     def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise ValueError("MultiViewReconstructionModule: no optimizer to fit with (a module loaded from "
+                             "a checkpoint has none); pass optimizer=functools.partial(torch.optim.AdamW, "
+                             "lr=...)")
         optimizer = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
+        if self.hparams.scheduler_interval == "step":
+            total, per_epoch = schedule_steps(self.trainer)
+            scheduler = self.scheduler_factory(optimizer=optimizer, total_steps=total,
+                                               steps_per_epoch=per_epoch)
+            return {"optimizer": optimizer,
+                    "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
         scheduler = self.scheduler_factory(optimizer=optimizer)
         return {
             "optimizer": optimizer,

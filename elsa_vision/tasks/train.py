@@ -30,6 +30,7 @@ from ..files import read_checkpoint
 from ..utils.accelerator import available_memory_mb, check_accelerator
 from ..utils.run import (
     CheckpointPathError,
+    describe_net,
     extras,
     find_last_checkpoint,
     instantiate_callbacks,
@@ -275,8 +276,10 @@ def prepare_training(cfg: DictConfig) -> dict[str, Any]:
     log.info("Instantiated datamodule <%s>", cfg.data._target_)
     save_resolved_config(cfg, run_dir)
 
-    log.info("Instantiating model <%s> (net %s)", cfg.model._target_, cfg.model.net.get("model_name"))
+    log.info("Instantiating model <%s>", cfg.model._target_)
     model: LightningModule = hydra.utils.instantiate(cfg.model, _convert_="partial")
+    if isinstance(getattr(model, "net", None), torch.nn.Module):
+        log.info("Network: %s", describe_net(cfg.model.get("net"), model.net))
 
     callbacks: list[Callback] = instantiate_callbacks(cfg.get("callbacks"))
     loggers: list[Logger] = instantiate_loggers(cfg.get("logger"))
@@ -334,7 +337,8 @@ def fit_and_test(prepared: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
 
     if trainer.is_global_zero and fitted:
-        plot_curves(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "curves.png"))
+        plot_curves(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "curves.png"),
+                    getattr(model, "curves", None))  # the task's own metrics
 
     metrics["epochs"] = int(trainer.current_epoch)
     metrics["time_s"] = round(time.perf_counter() - prepared["start"], 2)

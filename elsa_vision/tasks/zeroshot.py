@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -38,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..files import add_output_arguments, prepare_output_dir, record_outputs, remove_outputs
+from ..data.samplers import usable_workers
+from ..files import add_output_arguments, prepare_output_dir, record_outputs, remove_outputs, save_safetensors
 from ..utils.accelerator import add_device_argument, resolve_device
 
 __all__ = [
@@ -55,6 +57,8 @@ __all__ = [
 ]
 
 TASKS = ("zeroshot", "embed")
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------- class names, templates
@@ -310,11 +314,9 @@ def export_embeddings(
     emb, lab = torch.cat(embs), torch.cat(labels)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     if out_path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file(
+        save_safetensors(
             {"embeddings": emb.contiguous(), "labels": lab.contiguous()},
-            str(out_path),
+            out_path,
             metadata={"paths": json.dumps(paths), "normalized": str(bool(normalize))},
         )
     else:
@@ -363,14 +365,27 @@ def _from_file(open_clip, model_name: str, path: str):
     from ..models.clip_vision import load_clip_state_dict
 
     sd = load_clip_state_dict(path)  # a refused file ends the run before the model is built
-    model = open_clip.create_model(model_name, device="cpu")
+    # open_clip warns that the model it builds without `pretrained` is "initialized randomly": the file's
+    # weights are loaded next, so that record is dropped (and the load is logged instead)
+    random_init = f"No pretrained weights loaded for model '{model_name}'"
+
+    def dropped(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(random_init)
+
+    root = logging.getLogger()
+    root.addFilter(dropped)
+    try:
+        model = open_clip.create_model(model_name, device="cpu")
+    finally:
+        root.removeFilter(dropped)
     transient = {n for n, _ in model.named_buffers()} - set(model.state_dict())
     sd = {k: v for k, v in sd.items() if k not in transient}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "weights.pt")
-        torch.save(sd, path)
+        tmp_file = os.path.join(tmp, "weights.pt")
+        torch.save(sd, tmp_file)
         del sd
-        open_clip.load_checkpoint(model, path)
+        open_clip.load_checkpoint(model, tmp_file)
+    log.info("%s: weights loaded from %s", model_name, path)
     return model
 
 
@@ -536,7 +551,8 @@ def run(
     )
     dataset.folder.transform = transform
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=dev.type == "cuda"
+        dataset, batch_size=batch_size, shuffle=False, num_workers=usable_workers(num_workers),
+        pin_memory=dev.type == "cuda"
     )
     result: dict[str, Any] = {
         "task": task,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -9,12 +10,13 @@ from typing import Any
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, RichModelSummary, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
 
 from ..files import link_atomically, remove_stale_temp_files
 
-__all__ = ["EpochSeed", "RunCheckpoint", "progress_bar"]
+__all__ = ["EpochSeed", "RunCheckpoint", "RunModelSummary", "StderrTQDMProgressBar", "progress_bar"]
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -122,8 +124,79 @@ class EpochSeed(Callback):
         seed_everything(epoch_seed, workers=True, verbose=False)
 
 
+def _on_stderr(init):
+    def init_on_stderr(self):
+        with contextlib.redirect_stdout(sys.stderr):  # Lightning passes file=sys.stdout to every bar
+            return init(self)
+
+    init_on_stderr.__doc__ = f"{init.__doc__} (On stderr.)"
+    return init_on_stderr
+
+
+class StderrTQDMProgressBar(TQDMProgressBar):
+    """Lightning's ``TQDMProgressBar`` writing its bars to stderr instead of stdout: progress is not a result.
+    With stdout redirected, the bar's carriage-return updates (half a megabyte for the digits default) no
+    longer fill the file, whose last line stays the run's JSON line."""
+
+    init_sanity_tqdm = _on_stderr(TQDMProgressBar.init_sanity_tqdm)
+    init_train_tqdm = _on_stderr(TQDMProgressBar.init_train_tqdm)
+    init_predict_tqdm = _on_stderr(TQDMProgressBar.init_predict_tqdm)
+    init_validation_tqdm = _on_stderr(TQDMProgressBar.init_validation_tqdm)
+    init_test_tqdm = _on_stderr(TQDMProgressBar.init_test_tqdm)
+
+
 def progress_bar(refresh_rate: int = 1, leave: bool = False):
-    """``RichProgressBar`` on an interactive terminal, ``TQDMProgressBar`` when stdout is a file or a pipe."""
+    """``RichProgressBar`` on an interactive terminal, otherwise (stdout a file or a pipe) the TQDM bar on
+    stderr (:class:`StderrTQDMProgressBar`)."""
     if sys.stdout.isatty():
         return RichProgressBar(refresh_rate=refresh_rate, leave=leave)
-    return TQDMProgressBar(refresh_rate=refresh_rate, leave=leave)
+    return StderrTQDMProgressBar(refresh_rate=refresh_rate, leave=leave)
+
+
+class RunModelSummary(RichModelSummary):
+    """Lightning's ``RichModelSummary`` without a FLOPs column and total when no FLOPs were counted.
+
+    Lightning counts FLOPs on a forward of the module's ``example_input_array``; without one (none of the
+    task modules sets it: ELSA's attention operator has no FLOP formula, so a count would leave attention
+    out) every count is 0 and the summary printed ``Total FLOPs: 0``, which reads as a measurement. With
+    counted FLOPs the summary is Lightning's.
+    """
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        if total_flops:
+            RichModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
+                                       total_training_modes, total_flops, **summarize_kwargs)
+            return
+        from rich import get_console
+        from rich.table import Table
+
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+        for name, _ in columns:
+            table.add_column(name, style="dim" if name == " " else None,
+                             justify="left" if name in (" ", "Name", "Type", "Mode") else "right")
+        for row in zip(*(values for _, values in columns)):
+            table.add_row(*row)
+        grid = Table.grid(expand=True)
+        grid.add_column()
+        for label, value in (
+            ("Trainable params", get_human_readable_count(int(trainable_parameters))),
+            ("Non-trainable params", get_human_readable_count(int(total_parameters - trainable_parameters))),
+            ("Total params", get_human_readable_count(int(total_parameters))),
+            ("Total estimated model params size (MB)", get_formatted_model_size(model_size)),
+            ("Modules in train mode", total_training_modes["train"]),
+            ("Modules in eval mode", total_training_modes["eval"]),
+        ):
+            grid.add_row(f"[bold]{label}[/]: {value}")
+        console = get_console()
+        console.print(table)
+        console.print(grid)

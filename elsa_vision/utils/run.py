@@ -16,7 +16,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,12 @@ from ..files import atomic_torch_save, atomic_write, checkpoint_kind, read_check
 from .run_dirs import config_mismatch, newest_last_checkpoint
 
 __all__ = [
+    "CLASSIFICATION_CURVES",
     "CheckpointPathError",
     "REFUSALS",
     "RunCSVLogger",
     "SafeCheckpointIO",
+    "describe_net",
     "extras",
     "find_last_checkpoint",
     "instantiate_callbacks",
@@ -43,6 +45,7 @@ __all__ = [
     "last_logged_metrics",
     "plot_curves",
     "print_json_line",
+    "quiet_logs",
     "refusal_message",
     "save_resolved_config",
     "training_checkpoint_kind",
@@ -52,12 +55,69 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+class _DropMessages(logging.Filter):
+    """Drops the records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+_LIGHTNING_TIPS = _DropMessages("💡 Tip:")
+
+
+def quiet_logs() -> None:
+    """Every log line once, and none that is not about the run (called by :func:`extras`).
+
+    * ``lightning/__init__.py`` gives the ``lightning`` logger a stderr handler of its own, and its records
+      also reach the root logger's handlers (Hydra's console and the run's log file): in a terminal every
+      Lightning line showed twice. Where the application configured the root logger, Lightning's own
+      handler is removed and its records go through the root logger only.
+    * Lightning's advertisements for its cloud packages (``💡 Tip: ... litlogger`` / ``litmodels``) are
+      dropped.
+    * Lightning 2.6 calls torch's deprecated ``isinstance(treespec, LeafSpec)`` on every run (torch's
+      deprecation warning, nothing the run can act on): that one warning is ignored.
+    """
+    if logging.getLogger().handlers:
+        lightning = logging.getLogger("lightning")
+        for handler in list(lightning.handlers):
+            if type(handler) is logging.StreamHandler:
+                lightning.removeHandler(handler)
+        lightning.propagate = True
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _LIGHTNING_TIPS not in rank_zero.filters:
+        rank_zero.addFilter(_LIGHTNING_TIPS)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+def describe_net(net_cfg: DictConfig | Mapping[str, Any] | None, net: Any) -> str:
+    """What a run's network is, for its log: the class, the parameter count and the configuration it was
+    built from (the registered name and every argument that overrides it, resolved), e.g. ``ElsaViT,
+    308,362 parameters: elsa_vit_tiny_patch16_224 with img_size=32, patch_size=8, embed_dim=96, depth=4``
+    -- the registered name alone would name another architecture."""
+    n_params = sum(p.numel() for p in net.parameters()) if hasattr(net, "parameters") else 0
+    what = f"{type(net).__name__}, {n_params:,} parameters"
+    if not net_cfg:
+        return what
+    conf = OmegaConf.to_container(net_cfg, resolve=True) if isinstance(net_cfg, DictConfig) else dict(net_cfg)
+    conf.pop("_target_", None)
+    name = conf.pop("model_name", None) or conf.pop("name", None)
+    args = ", ".join(f"{k}={v}" for k, v in conf.items())
+    if name is None:
+        return f"{what}: {args}" if args else what
+    return f"{what}: {name} with {args}" if args else f"{what}: {name}"
+
+
 def extras(cfg: DictConfig) -> None:
     """Optional run-wide settings from ``cfg.extras``: warning filters, float32 matmul precision, the
     number of CPU threads torch uses for this process and the largest image (``PIL.Image.MAX_IMAGE_PIXELS``)
-    read before decoding is refused."""
+    read before decoding is refused; and :func:`quiet_logs`."""
     import torch
 
+    quiet_logs()
     ex = cfg.get("extras") or {}
     if ex.get("ignore_warnings"):
         warnings.filterwarnings("ignore")
@@ -301,8 +361,22 @@ def _read_epoch_metrics(metrics_csv: str | os.PathLike) -> dict[str, dict[int, f
     return series
 
 
-def plot_curves(metrics_csv: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
-    """Plot per-epoch loss and accuracy (train/val) from a CSVLogger ``metrics.csv`` into ``png_path``."""
+# What a task's curves.png shows: panel title -> the metrics.csv columns drawn in it (one line per column, per
+# epoch). A LightningModule names its own in a class attribute ``curves``; this is the classification default.
+CLASSIFICATION_CURVES: Mapping[str, tuple[str, ...]] = {
+    "loss": ("train/loss", "val/loss"),
+    "top-1 accuracy": ("train/acc", "val/acc"),
+}
+
+
+def plot_curves(
+    metrics_csv: str | os.PathLike,
+    png_path: str | os.PathLike,
+    panels: Mapping[str, Sequence[str]] | None = None,
+) -> Path | None:
+    """Plot per-epoch curves from a CSVLogger ``metrics.csv`` into ``png_path``: one panel per entry of
+    ``panels`` (title -> metric columns, one line each; default :data:`CLASSIFICATION_CURVES`). A panel none
+    of whose columns were logged is left out (and named in a warning), not drawn empty."""
     if not os.path.isfile(metrics_csv):
         log.warning("no %s: learning curves not plotted", metrics_csv)
         return None
@@ -312,17 +386,23 @@ def plot_curves(metrics_csv: str | os.PathLike, png_path: str | os.PathLike) -> 
     import matplotlib.pyplot as plt
 
     series = _read_epoch_metrics(metrics_csv)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, kind in zip(axes, ("loss", "acc")):
-        for stage in ("train", "val"):
-            points = series.get(f"{stage}/{kind}")
-            if points:
-                epochs = sorted(points)
-                ax.plot(
-                    epochs, [points[e] for e in epochs], marker="o", markersize=3, label=f"{stage}/{kind}"
-                )
+    panels = dict(CLASSIFICATION_CURVES if panels is None else panels)
+    drawn = {title: [k for k in keys if series.get(k)] for title, keys in panels.items()}
+    empty = [title for title, keys in drawn.items() if not keys]
+    if empty:
+        log.warning("curves.png: no logged values for %s", ", ".join(
+            f"{title} ({', '.join(panels[title])})" for title in empty))
+    drawn = {title: keys for title, keys in drawn.items() if keys}
+    if not drawn:
+        return None
+    fig, axes = plt.subplots(1, len(drawn), figsize=(5 * len(drawn), 4), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], drawn.items()):
+        for key in keys:
+            points = series[key]
+            epochs = sorted(points)
+            ax.plot(epochs, [points[e] for e in epochs], marker="o", markersize=3, label=key)
         ax.set_xlabel("epoch")
-        ax.set_title("loss" if kind == "loss" else "top-1 accuracy")
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()

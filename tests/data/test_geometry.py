@@ -160,6 +160,21 @@ def test_relative_pose_errors_and_auc():
         relative_pose_errors(ext[:1], ext[:1])
 
 
+def test_zero_translation_is_no_correct_direction():
+    """A zero translation has no direction: the largest error (VGGT's 90° sign-ambiguous), never 0°. Cameras
+    predicted at one point (identity extrinsics, no motion) used to score a perfect translation and an AUC@30
+    of a third on the synthetic scenes."""
+    zero, x = torch.zeros(3, dtype=torch.float64), torch.tensor([1.0, 0, 0], dtype=torch.float64)
+    assert float(translation_angle_deg(zero, x)) == 90.0 and float(translation_angle_deg(x, zero)) == 90.0
+    assert float(translation_angle_deg(zero, x, sign_ambiguous=False)) == 180.0
+    ext, _ = _random_cameras(4, seed=4)
+    still = torch.zeros_like(ext)
+    still[:, :3, :3] = ext[:, :3, :3]  # exact rotations, every camera at the origin
+    r, t = relative_pose_errors(still, ext)
+    assert r.max() <= 1e-5 and torch.equal(t, torch.full_like(t, 90.0))
+    assert camera_metrics(still[None], ext[None])["auc30"] == 0.0
+
+
 def test_pose_auc_values():
     zeros = torch.zeros(10)
     assert pose_auc(zeros, zeros, 30) == pytest.approx(1.0)

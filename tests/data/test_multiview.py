@@ -311,7 +311,8 @@ def test_datamodule_synthetic_and_nerf(tmp_path):
     again.setup("fit")
     replay = again.train_dataloader().sampler
     replay.set_epoch(5)
-    assert list(sampler) == list(replay) and sorted(sampler) == [0, 1, 2, 3]
+    # fresh scenes every epoch (the default): epoch 5 draws the indices 5 * 4 + 0..3
+    assert list(sampler) == list(replay) and sorted(sampler) == [20, 21, 22, 23]
     seq, names = _write_capture(tmp_path)
     frames = [{"file_path": f"images/{n}", "transform_matrix": np.eye(4).tolist()} for n in names]
     (tmp_path / "transforms.json").write_text(json.dumps({"frames": frames, "camera_angle_x": 1.0}))
@@ -332,6 +333,37 @@ def test_datamodule_synthetic_and_nerf(tmp_path):
         MultiViewDataModule(source="scannet")
     with pytest.raises(ValueError, match="root"):
         MultiViewDataModule(source="colmap")
+
+
+def test_synthetic_training_scenes_are_new_every_epoch_and_replay():
+    """The synthetic training split draws new scenes every epoch (a model memorised the same 256: validation
+    loss rose after epoch 3), a function of (seed, epoch) only, so that a resumed run replays them; validation
+    and test scenes stay the same; fresh_train_scenes=False keeps the old fixed set."""
+    dm = MultiViewDataModule(train_size=3, val_size=2, test_size=2, batch_size=3, num_frames=2,
+                             image_size=(28, 28))
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    seen = []
+    for epoch in (0, 1, 1):
+        loader.sampler.set_epoch(epoch)
+        seen.append(next(iter(loader))["images"])
+    assert not torch.equal(seen[0], seen[1]) and torch.equal(seen[1], seen[2])  # new, then replayed
+    ds = dm.datasets["train"]
+    assert ds.fresh and len(ds) == 3 and sorted(loader.sampler) == [3, 4, 5]
+    # epoch 1's scenes are none of epoch 0's, nor of the validation seed's
+    first = {float(ds[i]["images"].sum()) for i in range(3)}
+    assert not first & {float(ds[3 + i]["images"].sum()) for i in range(3)}
+    val = dm.datasets["val"]
+    assert not val.fresh
+    assert torch.equal(val[0]["images"], SyntheticMultiViewDataset(2, 2, (28, 28), seed=1)[0]["images"])
+    fixed = MultiViewDataModule(train_size=3, val_size=2, test_size=2, batch_size=3, num_frames=2,
+                                image_size=(28, 28), fresh_train_scenes=False)
+    fixed.setup("fit")
+    sampler = fixed.train_dataloader().sampler
+    sampler.set_epoch(4)
+    assert sorted(sampler) == [0, 1, 2]
+    with pytest.raises(IndexError):
+        fixed.datasets["train"][3]
 
 
 def test_forged_depth_and_frame_bombs_are_refused(tmp_path):

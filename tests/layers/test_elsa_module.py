@@ -96,7 +96,7 @@ BUILDS = {
     "ElsaHSIViT": lambda: ElsaHSIViT(8, 3, embed_dim=32, num_heads=2, branch_depth=1, fusion_depth=1),
     "ElsaCLIPVision": lambda: ElsaCLIPVision(image_size=32, patch_size=16, width=32, layers=1, heads=2,
                                              output_dim=16, attentional_pool=True, attn_pooler_queries=4),
-    "ElsaVGGT": lambda: timm.create_model("elsa_vggt_small"),
+    "ElsaVGGT": lambda: ElsaVGGT.from_config("elsa_vggt_small"),
 }
 
 
@@ -129,12 +129,16 @@ def test_every_model_sets_its_attention_through_set_attention(who, monkeypatch):
 
 
 def test_every_registered_model_has_the_one_set_attention():
-    """Every ``elsa_*`` name of timm's registry builds (on the meta device: no memory, no init) a model whose
-    ``set_attention`` is ``ElsaModel.set_attention``; the five model classes are all reached."""
+    """Every ``elsa_*`` name of timm's registry and every VGGT configuration (``ElsaVGGT.from_config``, not
+    in timm's registry) builds (on the meta device: no memory, no init) a model whose ``set_attention`` is
+    ``ElsaModel.set_attention``; the five model classes are all reached."""
+    from elsa_vision.models.vggt import VGGT_CONFIGS
+
     classes = set()
-    for name in timm.list_models("elsa_*"):
+    builds = [(name, timm.create_model) for name in timm.list_models("elsa_*")]
+    for name, build in builds + [(name, ElsaVGGT.from_config) for name in VGGT_CONFIGS]:
         with torch.device("meta"):
-            model = timm.create_model(name)
+            model = build(name)
         assert type(model).set_attention is ElsaModel.set_attention, name
         classes.add(type(model))
     assert classes == {ElsaViT, ElsaSwinV2, ElsaHSIViT, ElsaCLIPVision, ElsaVGGT}

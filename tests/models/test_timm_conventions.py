@@ -1,12 +1,13 @@
-"""Every registered ``elsa_*`` classifier keeps timm's conventions, checked as timm's own
+"""Every model in timm's registry under ``elsa_*`` keeps timm's conventions, checked as timm's own
 ``tests/test_models.py`` checks timm's models: forward and backward, FX tracing (torchvision's feature
 extraction with timm's leaf registries: forward equal to eager, backward reaching every parameter), timm's
-FX feature wrapper, the classifier API, ``forward_intermediates`` and the pretrained cfg; ``torch.export``
-of every model (and of the CLIP image tower and the VGGT encoder) with the exported program equal to eager;
-``torch.jit.script`` refused in one error (TorchScript is not a goal). The registered models without a
-classifier (the CLIP image towers, VGGT) are kept out of the classifier tests by name, as timm's tests keep
-its non-standard models out (``NON_STD_FILTERS``); they build through ``timm.create_model`` with a pretrained
-cfg naming their modules, refuse ``features_only``, and are exported and refused by TorchScript as ``TOWERS``.
+FX feature wrapper and ``features_only``, the classifier API (``num_classes``, ``num_classes=0`` features,
+``reset_classifier``), ``forward_intermediates`` and the pretrained cfg (input sizes timm's tests and tools
+pick fit the model); ``torch.export`` of every model (and of the VGGT encoder) with the exported program equal
+to eager; ``torch.jit.script`` refused in one error (TorchScript is not a goal). The CLIP image towers are
+timm models as timm's CLIP ViTs are: their head is the projection ``proj``. The multi-frame VGGT is not an
+image model and is not registered (``ElsaVGGT.from_config`` builds it); it is exported and refused by
+TorchScript here as ``TOWERS``.
 
 CPU budget: every model is built shallow (a depth override through ``timm.create_model``) for a small input,
 once per process (``_model``); tests that change a model work on a copy.
@@ -21,6 +22,7 @@ import pytest
 import timm
 import torch
 from timm.models import get_notrace_functions, get_notrace_modules
+from timm.models._features import FeatureGetterNet
 from torchvision.models.feature_extraction import (
     NodePathTracer,
     create_feature_extractor,
@@ -29,14 +31,14 @@ from torchvision.models.feature_extraction import (
 
 import elsa_vision  # noqa: F401  (registers the elsa_* names)
 from elsa_vision.models import ElsaCLIPVision, ElsaVGGT
+from elsa_vision.models.clip_vision import CLIP_VISION_ARCHITECTURES
 from elsa_vision.ops.attention import resolve_backend
 
 # torchvision notes that train- and eval-mode graphs differ (dropout, drop-path); timm's FX tests get it too.
 pytestmark = pytest.mark.filterwarnings("ignore:NOTE. The nodes obtained by tracing the model in eval mode")
 
-NON_CLASSIFIERS = ["elsa_clip_*", "elsa_vggt*"]  # image embedding towers, multi-view reconstruction
-NAMES = timm.list_models("elsa_*", exclude_filters=NON_CLASSIFIERS)
-TOWER_NAMES = timm.list_models(NON_CLASSIFIERS)
+NAMES = timm.list_models("elsa_*")
+CLIP_NAMES = timm.list_models("elsa_clip_*")
 NUM_CLASSES = 42  # timm's backward test: a head other than the default
 
 
@@ -50,6 +52,9 @@ def _small(name: str) -> tuple[dict, tuple[int, ...]]:
         return dict(img_size=64, depths=(2, 1, 1, 1)), (3, 64, 64)
     if name.startswith("elsa_hsi_vit_"):
         return dict(branch_depth=1, fusion_depth=1), tuple(timm.get_pretrained_cfg_value(name, "input_size"))
+    if name.startswith("elsa_clip_"):
+        side = 2 * (14 if "_l14" in name else 16)  # 2 x 2 patches plus the class token
+        return dict(image_size=side, layers=2), (3, side, side)
     raise AssertionError(f"{name}: no small build here; add one for the new model family")
 
 
@@ -62,6 +67,14 @@ def _model(name: str) -> torch.nn.Module:
 
 def _input(name: str, batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, *_small(name)[1], generator=torch.Generator().manual_seed(1))
+
+
+def _head(model: torch.nn.Module):
+    """The head ``get_classifier`` returns: a module named by the cfg's ``classifier``, or, for a CLIP
+    tower, the projection ``proj`` (a parameter of open_clip's layout)."""
+    if isinstance(model, ElsaCLIPVision):
+        return model.proj
+    return model.get_submodule(model.pretrained_cfg["classifier"])
 
 
 def _assert_all_params_have_grads(model: torch.nn.Module) -> None:
@@ -125,8 +138,8 @@ def test_fx_backward(name):
 def test_fx_feature_wrapper_equals_hook_wrapper(name):
     """``features_only=True, feature_cls="fx"`` (timm's FeatureGraphNet) returns the hook wrapper's maps."""
     kw = dict(_small(name)[0], features_only=True)
-    if name.startswith("elsa_vit_"):
-        kw["out_indices"] = kw["depth"]  # the last blocks (the default, 3, exceeds the shallow build)
+    if name.startswith(("elsa_vit_", "elsa_clip_")):
+        kw["out_indices"] = kw.get("depth", kw.get("layers"))  # the last blocks (the default 3 exceeds them)
     nets = []
     for feature_cls in ("fx", "hook"):
         torch.manual_seed(0)  # the same weights in both
@@ -153,7 +166,7 @@ def test_classifier_api(name):
     model = copy.deepcopy(_model(name))
     x = _input(name, 2)
     assert model.num_classes == NUM_CLASSES and model.num_features > 0 and model.head_hidden_size > 0
-    assert model.get_classifier() is model.get_submodule(model.pretrained_cfg["classifier"])
+    assert model.get_classifier() is _head(model)
     with torch.no_grad():
         feats = model.forward_features(x)
         pre = model.forward_head(feats, pre_logits=True)
@@ -162,7 +175,9 @@ def test_classifier_api(name):
         assert pre.shape == (2, model.head_hidden_size) and logits.shape == (2, NUM_CLASSES)
         assert torch.equal(model(x), logits)
         model.reset_classifier(0)
-        assert model.num_classes == 0 and isinstance(model.get_classifier(), torch.nn.Identity)
+        head = model.get_classifier()
+        assert model.num_classes == 0
+        assert head is None if isinstance(model, ElsaCLIPVision) else isinstance(head, torch.nn.Identity)
         assert torch.equal(model(x), pre)
         model.reset_classifier(7)
         assert model.num_classes == 7 and model(x).shape == (2, 7)
@@ -191,17 +206,73 @@ def test_forward_intermediates(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_pretrained_cfg(name):
-    """The cfg keys timm's tests read, naming modules the model has."""
+    """The cfg keys timm's tests read, naming modules the model has (timm checks ``<classifier>.weight`` when
+    the cfg's ``num_classes`` is set: the CLIP towers' head, ``proj``, is a parameter, so they name none)."""
     model = _model(name)
     cfg = model.pretrained_cfg
     assert model.default_cfg == cfg
-    for key in ("input_size", "num_classes", "first_conv", "classifier"):
+    tower = isinstance(model, ElsaCLIPVision)
+    for key in ("input_size", "first_conv") + (() if tower else ("num_classes", "classifier")):
         assert key in cfg, key
     assert len(cfg["input_size"]) == 3
     params = dict(model.named_parameters())
-    assert cfg["first_conv"] + ".weight" in params and cfg["classifier"] + ".weight" in params
+    assert cfg["first_conv"] + ".weight" in params
+    if tower:  # None values are left out of timm's cfg dict
+        assert cfg.get("num_classes") is None and cfg.get("classifier") is None and "proj" in params
+    else:
+        assert cfg["classifier"] + ".weight" in params
     assert cfg["input_size"][0] == params[cfg["first_conv"] + ".weight"].shape[1] or name.startswith(
         "elsa_hsi_vit_")  # Conv3d over one channel: the bands are its depth
+
+
+@pytest.mark.parametrize("name", CLIP_NAMES)
+def test_clip_towers_at_full_size(name):
+    """A registered CLIP tower as ``timm.create_model`` builds it (on the meta device: ViT-L is large): the
+    CLIP embedding by default, ``num_classes=0`` the pooled ``width`` features, ``in_chans`` honoured; the
+    sizes timm's tests and tools pick (the input size, the minimum they fall back to below their target, never
+    an arbitrary side) are multiples of the patch, and the cfg's input size is the tower's own."""
+    with torch.device("meta"):
+        model = timm.create_model(name)
+        features = timm.create_model(name, num_classes=0)
+        grey = timm.create_model(name, in_chans=1)
+    arch = CLIP_VISION_ARCHITECTURES[name]
+    assert model.num_classes == arch["output_dim"] and tuple(model.proj.shape) == (arch["width"],
+                                                                                   arch["output_dim"])
+    assert features.num_classes == 0 and features.proj is None and features.head_hidden_size == arch["width"]
+    assert grey.conv1.weight.shape[1] == 1
+    cfg, patch = model.pretrained_cfg, arch["patch_size"]
+    assert not cfg["fixed_input_size"] and cfg["input_size"] == (3, arch["image_size"], arch["image_size"])
+    for size in (cfg["input_size"], cfg["min_input_size"]):
+        assert size[1] % patch == 0 and size[2] % patch == 0, size
+    assert max(cfg["min_input_size"]) <= 128  # what timm's backward / FX / feature tests fall back to
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith(("elsa_vit_", "elsa_clip_"))])
+def test_features_only_getter_equals_forward_intermediates(name):
+    """``features_only=True`` of a token model (timm's ``FeatureGetterNet``, as for timm's ViTs) returns the
+    maps ``forward_intermediates`` gives for its ``out_indices``, with the channels and reductions of
+    ``feature_info``. (Swin's hook-based feature maps are checked against FX above.)"""
+    kw = dict(_small(name)[0])
+    torch.manual_seed(0)
+    features = timm.create_model(name, features_only=True, out_indices=(0, 1), **kw).eval()
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kw).eval()
+    x = _input(name, 1)
+    with torch.inference_mode():
+        maps = features(x)
+        expected = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+    assert isinstance(features, FeatureGetterNet) and len(maps) == len(expected) == 2
+    info = features.feature_info
+    for m, e, ch, red in zip(maps, expected, info.channels(), info.reduction(), strict=True):
+        assert torch.equal(m, e)
+        assert m.shape[1] == ch and m.shape[-1] == x.shape[-1] // red
+
+
+def test_vggt_is_not_in_timms_registry():
+    """ElsaVGGT (multi-frame input, cameras and depth out) is no image model: timm's registry does not list
+    it; ``ElsaVGGT.from_config`` builds its configurations."""
+    assert not [n for n in timm.list_models() if "vggt" in n]
+    assert isinstance(_vggt("auto"), ElsaVGGT)
 
 
 def test_features_only_refused_for_hsi_vit():
@@ -249,23 +320,7 @@ def _clip_tower(backend: str) -> ElsaCLIPVision:
 
 
 def _vggt(backend: str) -> ElsaVGGT:
-    return timm.create_model("elsa_vggt_small", attn_backend=backend)
-
-
-@pytest.mark.parametrize("name", TOWER_NAMES)
-def test_towers_are_timm_models(name):
-    """A registered model without a classifier: built by ``timm.create_model`` (on the meta device: VGGT-1B
-    and the CLIP ViT-L towers are large) with the pretrained cfg keys timm reads, naming its patch embedding;
-    ``features_only`` refused in one line."""
-    with torch.device("meta"):
-        model = timm.create_model(name)
-    assert isinstance(model, (ElsaCLIPVision, ElsaVGGT))
-    cfg = model.pretrained_cfg
-    assert model.default_cfg == cfg and len(cfg["input_size"]) == 3 and cfg["classifier"] is None
-    weight = dict(model.named_parameters())[cfg["first_conv"] + ".weight"]
-    assert weight.shape[1] == cfg["input_size"][0]
-    with pytest.raises(ValueError, match=f"{name}: features_only=True is not supported"):
-        timm.create_model(name, features_only=True)
+    return ElsaVGGT.from_config("elsa_vggt_small", attn_backend=backend)
 
 
 TOWERS = {  # builder, input [B, ...]
