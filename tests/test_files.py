@@ -691,4 +691,4 @@ def test_safetensors_outputs_get_the_mode_of_every_other_output(tmp_path):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
                     "save_file", "save_model"):
                 writers.append(f"{path.relative_to(package)}:{node.lineno}")
-    assert len(writers) == 1 and writers[0].startswith("files.py:"), writers
+    assert len(writers) == 1 and writers[0].startswith("files/outputs.py:"), writers

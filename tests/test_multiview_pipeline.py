@@ -181,7 +181,8 @@ def test_synthetic_frames_command_writes_what_the_inference_cli_reads(tmp_path, 
         frames_main(["--out", str(frames)])
     assert "--overwrite" in capsys.readouterr().err
     frames_main(["--out", str(frames), "--num-frames", "2", "--overwrite"])
-    assert sorted(p.name for p in frames.iterdir()) == ["frame_00.png", "frame_01.png", "ground_truth.json"]
+    assert sorted(p.name for p in frames.iterdir()) == [
+        "frame_00.png", "frame_01.png", "ground_truth.json", "outputs.json"]
     torch.manual_seed(0)
     from safetensors.torch import save_file
 

@@ -401,3 +401,24 @@ def test_a_pretrained_file_is_not_reported_as_random_init(tiny_name, tmp_path, c
     with caplog.at_level(logging.INFO):  # without a file open_clip's warning stays: it is true then
         open_clip.create_model(tiny_name)
     assert any("initialized randomly" in r.getMessage() for r in caplog.records)
+
+
+def test_linear_backend_reaches_the_image_tower(tiny_name, image_folder, tmp_path, monkeypatch):
+    """The ELSA image tower's linear layers run the FP32-accurate split GEMMs by default; --linear-backend
+    torch gives PyTorch's own back (checked before anything is built)."""
+    from elsa_vision.layers import ElsaLinearModule
+    from elsa_vision.tasks import zeroshot
+
+    built = []
+    real = zeroshot._build_model
+    monkeypatch.setattr(zeroshot, "_build_model", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    for backend in ("auto", "torch"):
+        run(model=tiny_name, data=str(image_folder), task="embed", num_workers=0, device="cpu",
+            out=str(tmp_path / backend), linear_backend=backend)
+        linears = [m for m in built[-1][0].visual.modules() if isinstance(m, ElsaLinearModule)]
+        assert linears and all(m.backend == backend for m in linears)
+    with pytest.raises(ValueError, match="unknown linear_backend 'eca'"):
+        run(model=tiny_name, data=str(image_folder), task="embed", num_workers=0, device="cpu",
+            out=str(tmp_path / "eca"), linear_backend="eca")
+    assert len(built) == 2
+

@@ -750,7 +750,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ``python -m elsa_vision.inference.multiview --frames`` reads). Errors end the run with one line."""
     import argparse
 
-    from ..files import add_output_arguments, prepare_output_dir, remove_outputs
+    from ..files import add_output_arguments, prepare_output_dir, record_outputs, remove_outputs
 
     ap = argparse.ArgumentParser(prog="python -m elsa_vision.data.multiview",
                                  description=write_synthetic_frames.__doc__.split(".")[0])
@@ -764,13 +764,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if args.num_frames < 1 or min(args.size) < 1 or args.index < 0:
         ap.error("--num-frames and --size must be >= 1, --index >= 0")
     try:
-        prepare_output_dir(args.out, FRAME_OUTPUTS, overwrite=args.overwrite)
+        out = prepare_output_dir(args.out, FRAME_OUTPUTS, overwrite=args.overwrite)
     except ValueError as e:
         ap.error(str(e))
     if args.overwrite:
-        remove_outputs(args.out, FRAME_OUTPUTS)
-    paths = write_synthetic_frames(args.out, args.num_frames, tuple(args.size), args.seed, args.index)
-    print(json.dumps({"frames": len(paths), "out": str(args.out), "size_hw": list(args.size)}), flush=True)
+        remove_outputs(out, FRAME_OUTPUTS)  # what an earlier run recorded (a longer sequence's frames too)
+    record_outputs(out, [f"frame_{i:02d}.png" for i in range(args.num_frames)] + ["ground_truth.json"])
+    paths = write_synthetic_frames(out, args.num_frames, tuple(args.size), args.seed, args.index)
+    print(json.dumps({"frames": len(paths), "out": str(out), "size_hw": list(args.size)}), flush=True)
     return paths
 
 

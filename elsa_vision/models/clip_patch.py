@@ -2,14 +2,18 @@
 
 ``elsa_clip(model)`` replaces every ``nn.MultiheadAttention`` inside ``model.visual`` (the blocks'
 self-attention and the CoCa attentional poolers' cross-attention) by
-:class:`elsa_vision.layers.ElsaMultiheadAttention` in place (same module objects and parameters), so the
-state dict, optimiser references and ``encode_image`` / ``encode_text`` / ``forward`` keep working unchanged.
+:class:`elsa_vision.layers.ElsaMultiheadAttention` and its linear layers and patch embedding by the
+FP32-accurate ELSA linear layers (:data:`elsa_vision.layers.LINEAR_SWAPS`), in place (same module objects and
+parameters), so the state dict, optimiser references and ``encode_image`` / ``encode_text`` / ``forward``
+keep working unchanged.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from ..layers.elsa_module import swap_layers
+from ..layers.linear import LINEAR_SWAPS
 from ..layers.multihead_attention import ElsaMultiheadAttention
 from ..ops.attention import check_options
 
@@ -22,12 +26,14 @@ def elsa_clip(model: nn.Module, *, backend: str = "auto", precision: str = "auto
     Args:
         model: an open_clip ``CLIP`` / ``CustomTextCLIP`` / ``CoCa`` (anything with a ``visual`` module whose
             attention is ``nn.MultiheadAttention``), or an image tower itself.
-        backend, precision: ``elsa_attention`` settings of the new modules.
+        backend, precision: ``elsa_attention`` settings of the new modules (``precision`` is the linear
+            layers' too).
 
     Returns:
-        ``{"replaced": n, "modules": [qualified names under visual], "skipped": [(name, type)], "text_tower":
-        "unchanged"}``. ``skipped`` lists attention modules that are not ``nn.MultiheadAttention``
-        (open_clip's custom ``Attention`` of qk-norm / scaled-cosine towers), left as they are.
+        ``{"replaced": n, "modules": [qualified names under visual], "skipped": [(name, type)], "linear": m,
+        "text_tower": "unchanged"}``. ``skipped`` lists attention modules that are not
+        ``nn.MultiheadAttention`` (open_clip's custom ``Attention`` of qk-norm / scaled-cosine towers), left
+        as they are; ``linear``: the linear layers and patch embeddings made ELSA linear layers.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"elsa_clip: model must be an nn.Module, got {type(model).__name__}")
@@ -53,4 +59,6 @@ def elsa_clip(model: nn.Module, *, backend: str = "auto", precision: str = "auto
             f"elsa_clip: found no nn.MultiheadAttention in the image tower "
             f"({type(visual).__name__}); expected an open_clip ViT tower"
         )
-    return {"replaced": len(replaced), "modules": replaced, "skipped": skipped, "text_tower": "unchanged"}
+    linear = swap_layers(visual, LINEAR_SWAPS, precision=precision, who="elsa_clip").total
+    return {"replaced": len(replaced), "modules": replaced, "skipped": skipped, "linear": linear,
+            "text_tower": "unchanged"}

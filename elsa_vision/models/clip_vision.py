@@ -51,7 +51,7 @@ from timm.models import (
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
-from ..layers.elsa_module import ElsaModel, check_attention_options
+from ..layers.elsa_module import ElsaModel, check_attention_options, check_linear_options
 from ..layers.multihead_attention import ElsaMultiheadAttention
 
 __all__ = [
@@ -323,7 +323,10 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
             adapted to another count by :func:`clip_checkpoint_filter_fn`, timm's ``adapt_input_conv``).
         global_pool: timm's name for ``pool_type``: ``"token"`` (``"tok"``), ``"avg"``, ``""`` (``"none"``);
             overrides ``pool_type`` when given.
-        attn_backend, attn_precision: ``elsa_attention`` backend / float32 precision of every attention.
+        attn_backend, attn_precision: ``elsa_attention`` backend of every attention / float32 precision of
+            the attention and linear layers.
+        linear_backend: ``elsa_linear`` backend of the linear layers and ``conv1`` (``"auto"``: FP32-accurate
+            split GEMMs for float32 on CUDA; ``"torch"``: PyTorch's own GEMMs).
 
     Shapes: ``forward(x [B, in_chans, H, W]) -> [B, num_classes]`` (``[B, 1, E]`` for
     ``"parallel"``/``"cascade"``), tokens ``[B, gh*gw, D]`` (``[B, n_queries - 1, E]`` with CoCa pooling).
@@ -367,9 +370,11 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         global_pool: str | None = None,
         attn_backend: str = "auto",
         attn_precision: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         super().__init__()
         check_attention_options("ElsaCLIPVision", attn_backend, attn_precision)
+        check_linear_options("ElsaCLIPVision", linear_backend)
         if global_pool is not None:
             pool_type = _pool_type("ElsaCLIPVision", global_pool)
         num_classes = output_dim if num_classes is None else num_classes
@@ -473,6 +478,7 @@ class ElsaCLIPVision(ElsaModel, nn.Module):
         reduction = self.patch_size[0] if self.patch_size[0] == self.patch_size[1] else self.patch_size
         self.feature_info = [dict(module=f"transformer.resblocks.{i}", num_chs=width, reduction=reduction)
                              for i in range(layers)]
+        self._elsa_linears(linear_backend, attn_precision)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.transformer.grad_checkpointing = enable

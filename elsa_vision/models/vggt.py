@@ -40,7 +40,7 @@ from timm.layers import LayerScale, Mlp
 from torch import Tensor, nn
 
 from ..layers.attention import ElsaAttention
-from ..layers.elsa_module import ElsaModel, check_attention_options
+from ..layers.elsa_module import ElsaModel, check_attention_options, check_linear_options
 from ..layers.rope import RotaryPositionEmbedding2D
 
 __all__ = [
@@ -681,7 +681,11 @@ class ElsaVGGT(ElsaModel, nn.Module):
         camera_trunk_depth, camera_num_heads: camera head trunk.
         dpt_features, dpt_out_channels, intermediate_layer_idx: DPT heads.
         enable_point: also build ``point_head`` (VGGT's world-point DPT head).
-        attn_backend, attn_precision: ``elsa_attention`` backend / float32 precision for every attention.
+        attn_backend, attn_precision: ``elsa_attention`` backend of every attention / float32 precision of
+            the attention and linear layers.
+        linear_backend: ``elsa_linear`` backend of every linear layer, the patch embedding and the heads'
+            1x1 convolutions (``"auto"``: FP32-accurate split GEMMs for float32 on CUDA; ``"torch"``:
+            PyTorch's own).
 
     ``forward(images [B, S, 3, H, W] or [S, 3, H, W], in [0, 1])`` returns a dict: ``pose_enc [B, S, 9]``,
     ``pose_enc_list`` (per refinement iteration), ``depth [B, S, H, W, 1]``, ``depth_conf [B, S, H, W]``
@@ -711,9 +715,11 @@ class ElsaVGGT(ElsaModel, nn.Module):
         merge_ratio: float = 0.0,
         attn_backend: str = "auto",
         attn_precision: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         super().__init__()
         check_attention_options("ElsaVGGT", attn_backend, attn_precision)
+        check_linear_options("ElsaVGGT", linear_backend)
         for i in intermediate_layer_idx:
             if not 0 <= int(i) < depth:
                 raise ValueError(
@@ -779,6 +785,7 @@ class ElsaVGGT(ElsaModel, nn.Module):
         )
         self.point_head = DPTHead(output_dim=4, activation="inv_log", **dpt) if enable_point else None
         self.depth_head = DPTHead(output_dim=2, activation="exp", **dpt)
+        self._elsa_linears(linear_backend, attn_precision)
 
     def forward(self, images: Tensor, num_iterations: int = 4) -> dict[str, Tensor | list[Tensor]]:
         if images.dim() == 4:

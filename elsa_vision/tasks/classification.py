@@ -169,6 +169,7 @@ class ClassificationModule(LightningModule):
             ``switch_prob``, ``mode``); the loss becomes ``SoftTargetCrossEntropy``.
         compile: ``torch.compile`` the backbone in place for fitting (state_dict keys are unchanged).
         attention: the ``{backend, precision}`` the backbone was built with (recorded in the hyperparameters).
+        linear: the ``{backend}`` of the backbone's linear layers (recorded in the hyperparameters).
         pretrained_file: the weights file the backbone started from (recorded in the hyperparameters).
     """
 
@@ -182,6 +183,7 @@ class ClassificationModule(LightningModule):
         mixup: Mapping[str, Any] | None = None,
         compile: bool = False,
         attention: Mapping[str, Any] | None = None,
+        linear: Mapping[str, Any] | None = None,
         pretrained_file: str | None = None,
     ) -> None:
         super().__init__()

@@ -41,6 +41,8 @@ from torch import Tensor, nn
 
 from ..data.samplers import usable_workers
 from ..files import add_output_arguments, prepare_output_dir, record_outputs, remove_outputs, save_safetensors
+from ..layers import set_linear
+from ..layers.elsa_module import check_linear_options
 from ..utils.accelerator import add_device_argument, resolve_device
 
 __all__ = [
@@ -498,6 +500,7 @@ def run(
     attn_precision: str = "auto",
     embed_format: str = "safetensors",
     overwrite: bool = False,
+    linear_backend: str = "auto",
 ) -> dict[str, Any]:
     """Zero-shot evaluation (``task="zeroshot"``) or embedding export (``task="embed"``) on an image folder.
 
@@ -512,6 +515,8 @@ def run(
         image_size: run the image tower at this size (ElsaCLIPVision with resampled positional embedding).
         elsa: False keeps open_clip's stock attention (reference runs).
         overwrite: replace the outputs of an earlier run in ``out`` (otherwise refused before any work).
+        linear_backend: the ELSA image tower's linear layers: ``"auto"`` (FP32-accurate split GEMMs for
+            float32 on CUDA) or ``"torch"`` (PyTorch's own GEMMs).
     Returns the metrics / export summary plus timing.
     """
     if task not in TASKS:
@@ -520,6 +525,7 @@ def run(
         raise ValueError(f"embed_format must be 'safetensors' or 'npz', got {embed_format!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_linear_options("run", linear_backend)
     if task == "embed" and out is None:
         raise ValueError("run: task='embed' writes files: pass out=DIR (the CLI defaults to a fresh run "
                          "directory under logs/zeroshot/runs)")
@@ -549,6 +555,7 @@ def run(
     net, tokenizer, transform, report = _build_model(
         model, pretrained, dev, image_size, elsa, attn_backend, attn_precision
     )
+    set_linear(net, backend=linear_backend, who="--linear-backend")
     dataset.folder.transform = transform
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=batch_size, shuffle=False, num_workers=usable_workers(num_workers),
@@ -623,6 +630,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--attn-backend", default="auto")
     p.add_argument("--attn-precision", default="auto", choices=PRECISIONS,
                    help="ELSA float32 precision (auto: FP32-accurate)")
+    p.add_argument("--linear-backend", default="auto", choices=("auto", "torch"),
+                   help="the image tower's linear layers: auto = FP32-accurate split GEMMs on CUDA float32 "
+                   "(error below PyTorch FP32's), torch = PyTorch's own FP32 GEMMs")
     p.add_argument("--embed-format", default="safetensors", choices=("safetensors", "npz"))
     a = p.parse_args(argv)
     fresh = None if a.out else fresh_run_dir()
@@ -657,6 +667,7 @@ def _run_args(a: argparse.Namespace, out: str) -> dict[str, Any]:
         attn_backend=a.attn_backend,
         attn_precision=a.attn_precision,
         embed_format=a.embed_format,
+        linear_backend=a.linear_backend,
     )
 
 
