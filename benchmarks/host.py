@@ -117,7 +117,6 @@ def breakdown_rows(dtype, calls):
     from elsa_vision import elsa_attention
     from elsa_vision.kernels import bwd as kbwd
     from elsa_vision.kernels import fwd as kfwd
-    from elsa_vision.kernels.launch import signature
     from elsa_vision.ops import attention as ops
     from elsa_vision.ops._library import eager_bypass
     from elsa_vision.ops.checks import check_attention_inputs
@@ -127,8 +126,7 @@ def breakdown_rows(dtype, calls):
     dout = torch.randn_like(q)
     scale = SHAPE[-1] ** -0.5
     out, lse = kfwd.elsa_fwd(q, k, v, None, None, False, scale, "auto")
-    key = signature((q, k, v, None, None), (False, scale, "auto", None, None))
-    program = kfwd._PROGRAMS.get(key)
+    program = kfwd.fwd_program(q, k, v, None, None, False, scale, "auto")
     p = program.plan
     main = program.main[0]
 
@@ -148,8 +146,7 @@ def breakdown_rows(dtype, calls):
                                                             0.0)),
         "backend_choice": nograd(lambda: ops.resolve_backend("auto", q)),
         "eager_bypass_check": nograd(lambda: eager_bypass(q, ops.attention_fwd, ops._ATTENTION_FWD)),
-        "program_lookup": nograd(lambda: kfwd._PROGRAMS.get(signature((q, k, v, None, None),
-                                                                       (False, scale, "auto", None, None)))),
+        "program_lookup": nograd(lambda: kfwd.fwd_program(q, k, v, None, None, False, scale, "auto")),
         "allocation_out_lse": nograd(lambda: (torch.empty_strided(program.out_size, program.out_stride,
                                                                   dtype=dtype, device=q.device),
                                               torch.empty(program.lse_size, dtype=torch.float32,

@@ -79,6 +79,7 @@ def run_peer(peer: str, spec: dict, root: Path, device: torch.device) -> dict:
             f"model.net.model_name={spec['timm']}",
             "~model.net.attn_backend",
             "~model.net.attn_precision",
+            "~model.net.linear_backend",
         ]
     else:
         overrides += [f"model.net.model_name={spec['elsa']}"]

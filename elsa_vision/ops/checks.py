@@ -270,16 +270,18 @@ def _check_qkv(fn: str, q, k, v, rank: int, layout: str) -> None:
 
 def _check_heads(fn: str, q: Tensor, k: Tensor, v: Tensor, key_axis: int, keys: str) -> None:
     """Heads (axis 1) and head dims (last axis) agree, k and v hold as many keys (``key_axis``, named
-    ``keys`` in the error), head dims are >= 1."""
-    shapes = f"q {format_shape(q)}, k {format_shape(k)}, v {format_shape(v)}"
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        raise ValueError(f"{fn}: head count H must match: {shapes}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"{fn}: head dim D of k must equal q's ({q.shape[-1]}), got k {format_shape(k)}")
-    if v.shape[key_axis] != k.shape[key_axis]:
+    ``keys`` in the error), head dims are >= 1. (Each shape read once, messages formed only when raised:
+    this runs at every call.)"""
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if ks[1] != qs[1] or vs[1] != qs[1]:
+        raise ValueError(f"{fn}: head count H must match: q {format_shape(q)}, k {format_shape(k)}, "
+                         f"v {format_shape(v)}")
+    if ks[-1] != qs[-1]:
+        raise ValueError(f"{fn}: head dim D of k must equal q's ({qs[-1]}), got k {format_shape(k)}")
+    if vs[key_axis] != ks[key_axis]:
         raise ValueError(
             f"{fn}: k and v must have the same {keys}, got k {format_shape(k)}, v {format_shape(v)}")
-    if q.shape[-1] == 0 or v.shape[-1] == 0:
+    if qs[-1] == 0 or vs[-1] == 0:
         raise ValueError(f"{fn}: head dims must be >= 1, got q {format_shape(q)}, v {format_shape(v)}")
 
 
@@ -288,7 +290,8 @@ def _check_call_options(fn: str, causal, scale, precision: str, backend: str) ->
         raise TypeError(f"{fn}: `causal` must be a bool, got {type(causal).__name__}")
     if scale is not None and not _finite_number(scale):
         raise TypeError(f"{fn}: `scale` must be a finite float or None, got {scale!r}")
-    check_options(fn, backend, precision)
+    if precision not in PRECISIONS or backend not in BACKENDS:  # (the one call of the common case: hot path)
+        check_options(fn, backend, precision)
 
 
 def _check_device(fn: str, name: str, t: Tensor, q: Tensor) -> None:
