@@ -7,12 +7,11 @@ with one ``error: ...`` line and no run directory left behind.
 """
 
 import os
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from elsa_vision.utils.run_dirs import discard_new_run_dir, register_resolvers
+from elsa_vision.utils.run_dirs import register_resolvers
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 register_resolvers()  # hydra.run.dir: a new directory per run
@@ -21,11 +20,11 @@ register_resolvers()  # hydra.run.dir: a new directory per run
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
     from elsa_vision.tasks.evaluate import TASKS, evaluate_zeroshot, prepare_evaluation, run_evaluation
-    from elsa_vision.utils.run import print_json_line, refusal_message
+    from elsa_vision.utils.run import no_empty_run_dir, print_json_line, refused_in_one_line
 
     run_dir = str(cfg.paths.output_dir)  # the directory Hydra made for this invocation
     task = cfg.get("task", "classification")
-    try:
+    with refused_in_one_line(run_dir):
         if task not in TASKS:
             raise ValueError(f"unknown task={task!r}; expected one of {', '.join(TASKS)}")
         if task != "classification":  # zero-shot checks its inputs before it builds anything
@@ -33,17 +32,8 @@ def main(cfg: DictConfig) -> None:
             print_json_line({"metrics": result, "run_dir": run_dir})
             return
         prepared = prepare_evaluation(cfg)
-    except Exception as e:  # a refused setting or file: one line, and no run directory left behind
-        discard_new_run_dir(run_dir)
-        message = refusal_message(e)
-        if message is None:
-            raise
-        sys.exit(f"error: {message}")
-    try:
+    with no_empty_run_dir(run_dir):
         metrics, objects = run_evaluation(prepared)
-    except BaseException:
-        discard_new_run_dir(run_dir)  # only while it holds nothing but Hydra's files
-        raise
     if objects["trainer"].is_global_zero:
         print_json_line(
             {

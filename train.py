@@ -7,12 +7,11 @@ in memory ...) ends the run before any work with one ``error: ...`` line and no 
 """
 
 import os
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from elsa_vision.utils.run_dirs import discard_new_run_dir, register_resolvers
+from elsa_vision.utils.run_dirs import register_resolvers
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 register_resolvers()  # hydra.run.dir: a new directory per run, or the resumed run's own
@@ -21,22 +20,13 @@ register_resolvers()  # hydra.run.dir: a new directory per run, or the resumed r
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     from elsa_vision.tasks.train import fit_and_test, prepare_training
-    from elsa_vision.utils.run import print_json_line, refusal_message
+    from elsa_vision.utils.run import no_empty_run_dir, print_json_line, refused_in_one_line
 
     run_dir = str(cfg.paths.output_dir)  # the directory Hydra made for this invocation
-    try:
+    with refused_in_one_line(run_dir):
         prepared = prepare_training(cfg)
-    except Exception as e:  # a refused setting or file: one line, and no run directory left behind
-        discard_new_run_dir(run_dir)
-        message = refusal_message(e)
-        if message is None:
-            raise
-        sys.exit(f"error: {message}")
-    try:
+    with no_empty_run_dir(run_dir):
         metrics, objects = fit_and_test(prepared)
-    except BaseException:
-        discard_new_run_dir(run_dir)  # only while it holds nothing but Hydra's files
-        raise
     if objects["trainer"].is_global_zero:
         print_json_line(
             {

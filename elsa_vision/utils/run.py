@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
 from ..files import atomic_torch_save, atomic_write, checkpoint_kind, read_checkpoint
-from .run_dirs import config_mismatch, newest_last_checkpoint
+from .run_dirs import config_mismatch, discard_new_run_dir, newest_last_checkpoint
 
 __all__ = [
     "CLASSIFICATION_CURVES",
@@ -43,10 +44,12 @@ __all__ = [
     "instantiate_callbacks",
     "instantiate_loggers",
     "last_logged_metrics",
+    "no_empty_run_dir",
     "plot_curves",
     "print_json_line",
     "quiet_logs",
     "refusal_message",
+    "refused_in_one_line",
     "save_resolved_config",
     "training_checkpoint_kind",
     "trim_metrics_csv",
@@ -415,6 +418,32 @@ def plot_curves(
 # What a refused setting or input raises before a run does any work (a config value, a missing or refused
 # file, a device the machine lacks): reported in one line by train.py / evaluate.py.
 REFUSALS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+@contextlib.contextmanager
+def refused_in_one_line(run_dir: str | os.PathLike):
+    """Around a command's preparation (``train.py``, ``evaluate.py``): a refused setting or file
+    (:func:`refusal_message`) ends the process with one ``error: ...`` line (exit status 1) and no run
+    directory left behind (``run_dirs.discard_new_run_dir``); any other error keeps its traceback."""
+    try:
+        yield
+    except Exception as e:
+        discard_new_run_dir(run_dir)
+        message = refusal_message(e)
+        if message is None:
+            raise
+        sys.exit(f"error: {message}")
+
+
+@contextlib.contextmanager
+def no_empty_run_dir(run_dir: str | os.PathLike):
+    """Around a command's work: whatever stops it, the run directory goes if it holds nothing but Hydra's
+    files (``run_dirs.discard_new_run_dir``)."""
+    try:
+        yield
+    except BaseException:
+        discard_new_run_dir(run_dir)
+        raise
 
 
 def refusal_message(error: BaseException) -> str | None:

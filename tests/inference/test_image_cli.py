@@ -634,12 +634,8 @@ def test_cli_checks_out_before_computing(weights, tmp_path, monkeypatch):
     assert r.stderr.strip().splitlines()[-1].startswith("error: --out") and "--overwrite" in r.stderr
 
 
-def test_cli_refuses_a_size_that_cannot_fit_before_building_the_model(weights, tmp_path, monkeypatch):
-    """--img-size 100000 asked for a 30 GB position embedding before any plan: the plan is made on the meta
-    device and a size no mode fits is refused in one line naming --img-size and the estimate; so is one
-    context-parallel rank's share (a one-rank gloo group here) and an explicit --query-chunk."""
-    import socket
-
+def _build_on_meta_only(monkeypatch):
+    """The image CLI may build its model on the meta device only (to plan): a real build fails the test."""
     import elsa_vision.inference.image as image_cli
 
     real_build = image_cli.build_model
@@ -650,6 +646,16 @@ def test_cli_refuses_a_size_that_cannot_fit_before_building_the_model(weights, t
         return real_build(*a, **k)
 
     monkeypatch.setattr(image_cli, "build_model", meta_only)
+    return image_cli
+
+
+def test_cli_refuses_a_size_that_cannot_fit_before_building_the_model(weights, tmp_path, monkeypatch):
+    """--img-size 100000 asked for a 30 GB position embedding before any plan: the plan is made on the meta
+    device and a size no mode fits is refused in one line naming --img-size and the estimate; so is one
+    context-parallel rank's share (a one-rank gloo group here) and an explicit --query-chunk."""
+    import socket
+
+    image_cli = _build_on_meta_only(monkeypatch)
     monkeypatch.setattr(image_cli, "default_budget_mb", lambda device: 16_000.0)
     base = ["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--out",
             str(tmp_path / "o")]
@@ -679,16 +685,7 @@ def test_cli_refuses_a_size_that_cannot_fit_before_building_the_model(weights, t
 def test_gpu_cli_refuses_a_size_that_cannot_fit_the_gpu(weights, tmp_path, monkeypatch):
     """On CUDA the plan is made against 90% of the free GPU memory, on the meta device: --img-size 200000
     (a 114 GB position embedding) is refused in one line and no model is built."""
-    import elsa_vision.inference.image as image_cli
-
-    real_build = image_cli.build_model
-
-    def meta_only(*a, **k):
-        if torch.empty(0).device.type != "meta":
-            raise AssertionError("a model was built for a size that cannot fit")
-        return real_build(*a, **k)
-
-    monkeypatch.setattr(image_cli, "build_model", meta_only)
+    _build_on_meta_only(monkeypatch)
     with pytest.raises(ValueError, match=r"^--img-size 200000 200000 \(12500x12500 patches of 16px\): memory "
                                          r"budget [\d,.]+ MiB is too small"):
         main(["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--img-size", "200000",
