@@ -45,8 +45,10 @@ from .monoid import (
     finalize_state,
     fold_tile,
     fold_tile_exact,
+    identity_state,
     merge_states,
     nonfinite_values,
+    settle_sums,
 )
 from .precision import resolve_precision
 
@@ -111,7 +113,8 @@ def _decode_run(
             m_i, s_i, s_c, acc, acc_c, code = fold_tile_exact(m_i, s_i, s_c, acc, acc_c, code, scores, v,
                                                               PRECISION, ACCUMULATE)
         else:
-            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
+            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
+                                                  ACCUMULATE)
     return m_i, s_i, s_c, acc, acc_c, code
 
 
@@ -165,28 +168,18 @@ def _decode_kernel(
         if HAS_KPM:
             kpm_base = Kpm + off_b * stride_kpb
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
         m_i, s_i, s_c, acc, acc_c, _ = _decode_run(
             m_i, s_i, s_c, acc, acc_c, 0.0, q, offs_m, offs_n, offs_d, offs_dv, k_base, v_base, bias_base,
             kpm_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
             t, run_end, bh * tiles_per_head, Nk, causal_shift, qk_scale,
             D, DV, BLOCK_M, BLOCK_N, PRECISION, CAUSAL, HAS_BIAS, HAS_KPM, EVEN_N, ACCUMULATE, False)
-        if ACCUMULATE == "kahan":
-            s_i = s_i - s_c
-            acc = acc - acc_c
+        s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
         if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
             # A NaN or an infinity reached the state: redo the run with the exact pass (see monoid), on key
             # tiles half as wide (its registers stay below the fast pass's).
             EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-            acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
             per: tl.constexpr = BLOCK_N // EXACT_N
             m_i, s_i, s_c, acc, acc_c, code = _decode_run(
                 m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), q, offs_m,
@@ -194,9 +187,7 @@ def _decode_kernel(
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
                 t * per, run_end * per, bh * tiles_per_head * per, Nk, causal_shift, qk_scale,
                 D, DV, BLOCK_M, EXACT_N, PRECISION, CAUSAL, HAS_BIAS, HAS_KPM, EVEN_N, ACCUMULATE, True)
-            if ACCUMULATE == "kahan":
-                s_i = s_i - s_c
-                acc = acc - acc_c
+            s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
             acc = acc + nonfinite_values(code)
 
         slot = pid - (bh * tiles_per_head) // tiles_per_program

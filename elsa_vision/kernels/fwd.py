@@ -39,8 +39,10 @@ from .monoid import (
     finite_part,
     fold_tile,
     fold_tile_exact,
+    identity_state,
     merge_states,
     nonfinite_values,
+    settle_sums,
 )
 from .precision import resolve_precision
 from .reference import merge_depth
@@ -243,11 +245,7 @@ def _fwd_kernel(
     if HAS_KPM:
         kpm_ptr = Kpm + off_b.to(tl.int64) * stride_kpb
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
     m_i, s_i, s_c, acc, acc_c, _ = _attend(
         m_i, s_i, s_c, acc, acc_c, 0.0, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
         bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
@@ -262,19 +260,13 @@ def _fwd_kernel(
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
         False,
     )
-    if ACCUMULATE == "kahan":
-        s_i = s_i - s_c
-        acc = acc - acc_c
+    s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
     if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
         # A NaN or an infinity reached the state: from a visible key (kept), or a hidden key's value through
         # its zero weight (0 * NaN), which the exact pass leaves out. Redo all of the program's keys with it,
         # on key tiles half as wide (its registers stay below the fast pass's).
         EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
         m_i, s_i, s_c, acc, acc_c, code = _attend(
             m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), q, q_lo, q_c, offs_m,
             tl.arange(0, EXACT_N), offs_d, offs_dv, K + k_off, V + v_off,
@@ -283,9 +275,7 @@ def _fwd_kernel(
             D, DV, BLOCK_M, EXACT_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM,
             ACCUMULATE, True,
         )
-        if ACCUMULATE == "kahan":
-            s_i = s_i - s_c
-            acc = acc - acc_c
+        s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
         acc = acc + nonfinite_values(code)
     if PRECISION == "fp16x3":
         # its logits are NaN wherever it sees a key (the split saw zeros)

@@ -31,6 +31,7 @@ from .dots import f16_pair, matmul, matmul_f16x3, pow2, split_f16
 __all__ = [
     "ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias",
     "add_bias", "finite_part", "count_nonfinite", "fold_tile_exact", "fold_nonfinite", "nonfinite_values",
+    "identity_state", "settle_sums",
 ]
 
 # How each float32 precision's running sums over the key tiles accumulate (``fold_tile``'s ``ACCUMULATE``, a
@@ -82,6 +83,25 @@ def finite_part(x):
 def count_nonfinite(x):
     """How many entries of the block ``x`` (any rank) are NaN or infinite: an int32 scalar."""
     return tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1))
+
+
+@triton.jit
+def identity_state(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The identity ``(-inf, 0, 0)`` for ``BLOCK_M`` rows as a kernel's running state ``(m, S, S_c, W, W_c)``
+    (``S_c`` / ``W_c``: the Kahan compensations, 0)."""
+    return (tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+            tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32))
+
+
+@triton.jit
+def settle_sums(s, s_c, w, w_c, ACCUMULATE: tl.constexpr):
+    """``(S, W)`` of a running state once its last tile is folded: the Kahan compensations taken off under
+    ``ACCUMULATE == "kahan"``, as they are otherwise."""
+    if ACCUMULATE == "kahan":
+        s = s - s_c
+        w = w - w_c
+    return s, w
 
 
 @triton.jit
@@ -206,3 +226,4 @@ def fold_tile_exact(m, s, s_c, w, w_c, code, scores, v, PRECISION: tl.constexpr,
     NaN)."""
     m, s, s_c, w, w_c = fold_tile(m, s, s_c, w, w_c, scores, finite_part(v), PRECISION, ACCUMULATE)
     return m, s, s_c, w, w_c, fold_nonfinite(code, scores != float("-inf"), v)
+

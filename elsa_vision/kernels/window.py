@@ -41,7 +41,9 @@ from .monoid import (
     finite_part,
     fold_tile,
     fold_tile_exact,
+    identity_state,
     nonfinite_values,
+    settle_sums,
 )
 from .precision import resolve_precision
 
@@ -167,35 +169,23 @@ def _window_fwd_kernel(
         if HAS_MASK:
             mask_rows = Mask + (b64 % nW) * stride_mw + rows64[:, None] * stride_mm
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
         m_i, s_i, s_c, acc, acc_c, _ = _window_keys(
             m_i, s_i, s_c, acc, acc_c, 0.0, qn, q_scale, row_in, offs_n, offs_d, offs_dv, k_base, v_base,
             bias_rows, mask_rows, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
             D, DV, BLOCK_M, BLOCK_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, False)
-        if ACCUMULATE == "kahan":
-            s_i = s_i - s_c
-            acc = acc - acc_c
+        s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
         if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
             # A NaN or an infinity reached the state: redo the window with the exact pass (see monoid), on
             # key tiles half as wide (its registers stay below the fast pass's).
             EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            s_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-            acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
             m_i, s_i, s_c, acc, acc_c, code = _window_keys(
                 m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), qn, q_scale,
                 row_in, tl.arange(0, EXACT_N), offs_d, offs_dv, k_base, v_base, bias_rows, mask_rows,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
                 D, DV, BLOCK_M, EXACT_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, True)
-            if ACCUMULATE == "kahan":
-                s_i = s_i - s_c
-                acc = acc - acc_c
+            s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
             acc = acc + nonfinite_values(code)
 
         out, _ = finalize_state(m_i, s_i, acc)
