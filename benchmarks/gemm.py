@@ -9,6 +9,11 @@ Every case is one product ``C = A @ B^T (+ bias)`` of a linear layer at a model'
 * ``elsa``       -- ``elsa_vision.kernels.gemm.gemm`` at ``--precision`` (default ``auto``: ``fp16x3`` on
   sm90), the operand splits included (what ``elsa_linear`` runs).
 
+The ``*_mlp`` cases are a whole GELU MLP, ``fc2(gelu(fc1(x)))`` (timm's ``Mlp``; FLOPs of both products):
+the torch peers run ``F.linear``, ``F.gelu``, ``F.linear``; ``elsa`` the fused operator of ``elsa_mlp``
+without gradients (GELU in the first product's epilogue, the hidden activation kept as float16 parts), and
+``elsa_unfused`` the two ``elsa_linear`` products around ``F.gelu`` (what runs with gradients).
+
 Reported per peer: eager ms (``do_bench`` median) and CUDA-graph ms, TFLOP/s (``2 M N K``) and the relative
 error ``||C - C64|| / ||C64||`` against float64 on the same inputs. The summary prints, per case, the speed
 over ``torch_fp32`` (goal ``--goal``, default 3) and whether ``elsa``'s error is at most ``torch_fp32``'s.
@@ -42,6 +47,7 @@ class Case:
     K: int
     transpose_a: bool = False  # A is a transposed view (the weight gradient's dy.T)
     bias: bool = True
+    mlp: bool = False  # fc2(gelu(fc1(x))): x [M, K], fc1 [N, K], fc2 [K, N]
 
 
 def _layer_cases(model: str, tokens: int, width: int, hidden: int) -> list[Case]:
@@ -55,6 +61,7 @@ def _layer_cases(model: str, tokens: int, width: int, hidden: int) -> list[Case]
         Case(f"{model}_qkv_dx", tokens, width, 3 * width, bias=False),
         Case(f"{model}_qkv_dw", 3 * width, width, tokens, transpose_a=True, bias=False),
         Case(f"{model}_fc2_dw", width, hidden, tokens, transpose_a=True, bias=False),
+        Case(f"{model}_mlp", tokens, hidden, width, mlp=True),
     ]
 
 
@@ -63,8 +70,11 @@ CASES = [
     *_layer_cases("vit_l_224_b32", 32 * 197, 1024, 4096),
     Case("square_8192", 8192, 8192, 8192, bias=False),
     Case("head_b64", 64, 1000, 768),
+    Case("swin_t_stage1_b32_mlp", 32 * 64 * 64, 384, 96, mlp=True),
+    Case("vit_s_1024_b2_mlp", 2 * 4097, 1536, 384, mlp=True),
 ]
-QUICK_CASES = [Case("quick", 37, 29, 45), Case("quick_dw", 29, 23, 70, transpose_a=True)]
+QUICK_CASES = [Case("quick", 37, 29, 45), Case("quick_dw", 29, 23, 70, transpose_a=True),
+               Case("quick_mlp", 37, 70, 45, mlp=True)]
 
 
 def _operands(case: Case, device):
@@ -78,22 +88,51 @@ def _operands(case: Case, device):
     return a, b, bias
 
 
-def _torch(a, b, bias, tf32: bool):
+def _tf32(tf32: bool, fn):
     def call():
         old = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
-            return torch.addmm(bias, a, b.t()) if bias is not None else a @ b.t()
+            return fn()
         finally:
             torch.backends.cuda.matmul.allow_tf32 = old
 
     return call
 
 
-def run_case(case: Case, device: torch.device, precision: str, peers: tuple[str, ...]) -> list[dict]:
-    from elsa_vision.kernels.gemm import gemm, gemm_plan
+def _torch(a, b, bias, tf32: bool):
+    return _tf32(tf32, lambda: torch.addmm(bias, a, b.t()) if bias is not None else a @ b.t())
+
+
+def _torch_mlp(x, w1, b1, w2, b2, tf32: bool):
+    F = torch.nn.functional
+    return _tf32(tf32, lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2))
+
+
+def _calls(case: Case, device, precision: str, peers: tuple[str, ...]):
+    """``(calls by peer, float64 reference, FLOPs)`` of one case."""
+    from elsa_vision.kernels.gemm import gemm
+    from elsa_vision.ops.linear import _mlp_fwd, elsa_linear
 
     a, b, bias = _operands(case, device)
+    if case.mlp:
+        F = torch.nn.functional
+        g = torch.Generator(device="cpu").manual_seed(case.N * 13 + case.K)
+        w2 = torch.randn(case.K, case.N, generator=g).to(device) / case.N ** 0.5
+        b2 = torch.randn(case.K, generator=g).to(device)
+        ops = (a, b / case.K ** 0.5, bias, w2, b2)
+        ref = F.linear(F.gelu(F.linear(*(t.double() for t in ops[:3]))), w2.double(), b2.double())
+        calls = {
+            "torch_fp32": _torch_mlp(*ops, False),
+            "torch_tf32": _torch_mlp(*ops, True),
+            "elsa": lambda: _mlp_fwd(*ops, precision),
+            "elsa_unfused": lambda: elsa_linear(F.gelu(elsa_linear(*ops[:3], precision=precision)), w2, b2,
+                                                precision=precision),
+        }
+        if "torch_bf16" in peers:  # cast once, outside the timed call
+            half = [t.bfloat16() for t in ops]
+            calls["torch_bf16"] = _torch_mlp(*half, False)
+        return calls, ref, 4 * case.M * case.N * case.K
     ref = a.double() @ b.double().t()
     if bias is not None:
         ref += bias.double()
@@ -106,18 +145,26 @@ def run_case(case: Case, device: torch.device, precision: str, peers: tuple[str,
         ab, bb = a.bfloat16(), b.bfloat16()
         biasb = bias.bfloat16() if bias is not None else None
         calls["torch_bf16"] = _torch(ab, bb, biasb, False)
-    flops = 2 * case.M * case.N * case.K
+    return calls, ref, 2 * case.M * case.N * case.K
+
+
+def run_case(case: Case, device: torch.device, precision: str, peers: tuple[str, ...]) -> list[dict]:
+    from elsa_vision.kernels.gemm import gemm_plan
+
+    calls, ref, flops = _calls(case, device, precision, peers)
+    if case.mlp:
+        peers = (*peers, "elsa_unfused")
     rows = []
     for peer in peers:
         call = calls[peer]
         out = call()
         err = relerr(out.float(), ref)
         t = timings(call, device)
-        resolved = gemm_plan(case.M, case.N, case.K, device, precision).precision if peer == "elsa" else ""
+        resolved = gemm_plan(case.M, case.N, case.K, device, precision).precision if "elsa" in peer else ""
         rows.append(dict(case=case.name, M=case.M, N=case.N, K=case.K, peer=peer, ms=t["ms"],
                          graph_ms=t["graph_ms"], tflops=flops / t["ms"] / 1e9, relerr=err,
                          precision=resolved))
-        print(f"  {peer:11s} {t['ms']:9.4f} ms  graph {t['graph_ms']:9.4f} ms  {flops / t['ms'] / 1e9:7.1f} "
+        print(f"  {peer:12s} {t['ms']:9.4f} ms  graph {t['graph_ms']:9.4f} ms  {flops / t['ms'] / 1e9:7.1f} "
               f"TFLOP/s  relerr {err:.2e}", flush=True)
     del ref
     return rows
@@ -145,7 +192,9 @@ def main(argv: list[str] | None = None) -> str:
     results = []
     with Results(args.out / f"gemm_{device_tag(device)}.csv", COLUMNS, meta) as out:
         for case in cases:
-            print(f"{case.name}: [{case.M}, {case.K}] @ [{case.K}, {case.N}]", flush=True)
+            shape = f"[{case.M}, {case.K}] @ [{case.K}, {case.N}]"
+            shape += f" @ [{case.N}, {case.K}]" if case.mlp else ""
+            print(f"{case.name}: {shape}", flush=True)
             rows = run_case(case, device, args.precision, peers)
             for r in rows:
                 out.write({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
@@ -160,7 +209,8 @@ def main(argv: list[str] | None = None) -> str:
                                          ("error", not e["relerr"] <= f["relerr"])) if bad]
         print(f"{case.name:24s} {speed:7.2f} {graph:7.2f} "
               f"{e['tflops']:8.1f} {e['relerr']:9.2e} {f['relerr']:9.2e}  "
-              f"{'below goal (' + ', '.join(misses) + ')' if misses else 'meets goal'}")
+              f"{'below goal (' + ', '.join(misses) + ')' if misses else 'meets goal'}"
+              + (f"; unfused {f['ms'] / r['elsa_unfused']['ms']:.2f}x" if "elsa_unfused" in r else ""))
     print(f"\nwrote {out.path}")
     return str(out.path)
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "matmul", "split_f16", "matmul_f16x3", "mm_f16x3", "unscale", "pow2", "f16_pair",
+    "matmul", "split_f16", "matmul_f16x3", "mm_f16x3", "unscale", "pow2", "f16_pair", "scale_exponent",
 ]
 
 
@@ -21,6 +21,15 @@ __all__ = [
 def pow2(c):
     """``2 ** c`` as float32 for an int32 ``c`` in ``[-126, 127]`` (built from the exponent bits: exact)."""
     return ((c + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_exponent(amax):
+    """The int32 ``c`` that scales a float32 largest magnitude ``amax`` (any shape) into ``[2^14, 2^15)``,
+    clamped to ``[-112, 126]`` so that ``pow2(c)`` and ``pow2(-c)`` are normal floats (zeros stay zero,
+    NaN stays NaN, an infinite ``amax`` gives -112). The one scale rule of every float16 split."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.minimum(tl.maximum(14 - e, -112), 126)
 
 
 @triton.jit
@@ -46,9 +55,7 @@ def split_f16(x):
     subnormals to ``2^127`` is scaled into float16 range (a block of zeros stays zero; NaN stays NaN). The
     scaling by ``2**c`` is exact, so callers undo it exactly with ``pow2(-c)``.
     """
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    c = tl.minimum(tl.maximum(14 - e, -112), 126)
+    c = scale_exponent(tl.max(tl.max(tl.abs(x), 1), 0))
     hi, lo = f16_pair(x * pow2(c))
     return hi, lo, c
 

@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dots import f16_pair, matmul_f16x3, pow2
+from .dots import f16_pair, matmul_f16x3, pow2, scale_exponent
 from .host import canonical_device, cdiv, device_info, next_pow2
 from .launch import Launch, Program, ProgramCache
 from .precision import resolve_precision
 
-__all__ = ["GemmPlan", "gemm", "gemm_plan", "split_rows", "ACTIVATIONS"]
+__all__ = ["GemmPlan", "SplitOperand", "gemm", "gemm_plan", "split_rows", "ACTIVATIONS"]
 
 ACTIVATIONS = (None, "gelu")
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
@@ -51,19 +52,25 @@ _SQRT1_2 = tl.constexpr(0.7071067811865476)
 
 @triton.jit
 def _gemm_kernel(
-    A, A_EXP, B, B_EXP, Bias, C,
-    M, N, K, k_per_slice, a_lo, b_lo,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_bias, stride_cs, stride_cm, stride_cn,
+    A, A_EXP, B, B_EXP, Bias, C, C_EXP,
+    M, N, K, k_per_slice, a_lo, b_lo, c_lo,
+    stride_am, stride_ak, stride_ae, stride_bn, stride_bk, stride_bias, stride_cs, stride_cm, stride_cn,
+    stride_ce,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr,
+    A_GROUP: tl.constexpr, SPLIT_OUT: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``C = A @ B^T`` over K-slice ``program_id(1)`` (``stride_cs``
     apart).
 
-    ``"fp16x3"``: ``A`` and ``B`` hold the float16 parts of the operands (``split_rows``: high parts, the low
-    parts ``a_lo`` / ``b_lo`` elements further) and ``A_EXP [M]`` / ``B_EXP [N]`` the int32 exponents of their
-    row scales; otherwise ``A`` and ``B`` are float32 and the exponent pointers unused. Grouped program
-    order: ``GROUP_M`` row-tiles share each column-tile while it sits in L2.
+    ``"fp16x3"``: ``A`` and ``B`` hold the float16 parts of the operands (high parts, the low parts ``a_lo``
+    / ``b_lo`` elements further) and ``A_EXP`` / ``B_EXP`` the int32 exponents of their scales: one per row
+    (``split_rows``; ``A_GROUP == 0``), or for ``A`` one per row and ``A_GROUP`` columns (``A_EXP [M, K /
+    A_GROUP]``, ``stride_ae`` apart: a ``SplitOperand`` that a product wrote), undone per K-step; otherwise
+    ``A`` and ``B`` are float32 and the exponent pointers unused. ``SPLIT_OUT``: the tile is stored as a
+    ``SplitOperand`` (float16 parts in ``C``, the low ones ``c_lo`` further, one exponent per row in
+    ``C_EXP``, column ``pid_n`` of ``stride_ce``). Grouped program order: ``GROUP_M`` row-tiles share each
+    column-tile while it sits in L2.
     """
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -101,7 +108,11 @@ def _gemm_kernel(
             else:
                 a2 = tl.load(A + a_lo + a_off, mask=(k0 + offs_k)[None, :] < k_end, other=0.0)
                 b2 = tl.load(B + b_lo + b_off, mask=(k0 + offs_k)[:, None] < k_end, other=0.0)
-            acc += matmul_f16x3(a, a2, b, b2, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+            fresh = matmul_f16x3(a, a2, b, b2, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+            if A_GROUP > 0:  # BLOCK_K divides A_GROUP: one exponent per row over this K-step
+                acc += fresh * pow2(-tl.load(A_EXP + rows * stride_ae + k0 // A_GROUP))[:, None]
+            else:
+                acc += fresh
         elif PRECISION == "ieee":
             # a plain add would be folded back into the FMA dot (every product added to the running sum)
             acc = tl.fma(tl.dot(a, b, tl.zeros_like(acc), input_precision="ieee"), 1.0, acc)
@@ -111,25 +122,46 @@ def _gemm_kernel(
         b_off += BLOCK_K * stride_bk
 
     if PRECISION == "fp16x3":
-        acc = acc * pow2(-tl.load(A_EXP + rows))[:, None] * pow2(-tl.load(B_EXP + cols))[None, :]
+        if A_GROUP == 0:
+            acc = acc * pow2(-tl.load(A_EXP + rows))[:, None]
+        acc = acc * pow2(-tl.load(B_EXP + cols))[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + cols * stride_bias)[None, :].to(tl.float32)
     if ACTIVATION == "gelu":
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
-    c_ptrs = C + pid_s.to(tl.int64) * stride_cs + offs_m[:, None].to(tl.int64) * stride_cm \
-        + offs_n[None, :].to(tl.int64) * stride_cn
-    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    if SPLIT_OUT:
+        _store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, pid_n)
+    else:
+        c_ptrs = C + pid_s.to(tl.int64) * stride_cs + offs_m[:, None].to(tl.int64) * stride_cm \
+            + offs_n[None, :].to(tl.int64) * stride_cn
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _store_split(P, E, x, offs_m, offs_n, M, N, lo, stride_e, group):
+    """Store float32 tile ``x`` (rows ``offs_m``, columns ``offs_n`` of ``[M, N]``) as float16 parts
+    ``P [2, M, N]`` (the low parts ``lo`` elements after the high ones) with one scale per row of the tile:
+    its exponent at column ``group`` of ``E`` (rows ``stride_e`` apart). A tile's rows are scaled apart, so a
+    non-finite element reaches its own row and column group only."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.where(mask, x, 0.0)
+    c = scale_exponent(tl.max(tl.abs(x), 1))
+    hi, low = f16_pair(x * pow2(c)[:, None])
+    out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(P + out, hi, mask=mask)
+    tl.store(P + lo + out, low, mask=mask)
+    tl.store(E + offs_m.to(tl.int64) * stride_e + group, c, mask=offs_m < M)
 
 
 @triton.jit
 def _sum_slices_kernel(
-    P, Bias, C,
-    M, N, stride_ps, stride_pm, stride_bias, stride_cm, stride_cn,
+    P, Bias, C, C_EXP,
+    M, N, stride_ps, stride_pm, stride_bias, stride_cm, stride_cn, c_lo, stride_ce,
     SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
+    ACTIVATION: tl.constexpr, SPLIT_OUT: tl.constexpr,
 ):
     """``C = act(sum_s P[s] + bias)``, the slices added in order (``P`` float32 ``[SLICES, M, N]``, rows
-    contiguous)."""
+    contiguous); ``SPLIT_OUT``: stored as ``_gemm_kernel`` stores it (``BLOCK_N`` columns per exponent)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -141,8 +173,11 @@ def _sum_slices_kernel(
         acc += tl.load(Bias + offs_n * stride_bias, mask=offs_n < N, other=0.0)[None, :].to(tl.float32)
     if ACTIVATION == "gelu":
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
-    tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn,
-             acc.to(C.dtype.element_ty), mask=mask)
+    if SPLIT_OUT:
+        _store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, tl.program_id(1))
+    else:
+        tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn,
+                 acc.to(C.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -170,8 +205,7 @@ def _split_rows_kernel(
         for l0 in range(0, L, BLOCK_L):
             x = tl.load(x_ptrs + l0 * stride_xl, mask=r_ok[:, None] & ((l0 + offs_l)[None, :] < L), other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    c = tl.minimum(tl.maximum(14 - e, -112), 126)
+    c = scale_exponent(amax)
     tl.store(EXP + offs_r, c, mask=r_ok)
     scale = pow2(c)[:, None]
     if ONE_PASS:
@@ -224,9 +258,8 @@ def _split_columns_kernel(
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     r_ok = offs_r < R
     chunks = tl.arange(0, CHUNKS)
-    amax = tl.max(tl.load(PARTIAL + chunks[:, None] * R + offs_r[None, :], mask=r_ok[None, :], other=0.0), 0)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    c = tl.minimum(tl.maximum(14 - e, -112), 126)
+    c = scale_exponent(tl.max(tl.load(PARTIAL + chunks[:, None] * R + offs_r[None, :], mask=r_ok[None, :],
+                                      other=0.0), 0))
     if tl.program_id(1) == 0:
         tl.store(EXP + offs_r, c, mask=r_ok)
     mask = (offs_l[:, None] < L) & r_ok[None, :]
@@ -377,54 +410,87 @@ def split_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return _Split(x.shape, x.stride(), x.device, not x.is_cuda)(x)
 
 
-class _GemmProgram(Program):
-    """The launches of one product signature, planned once (``launch``): the two splits (``"fp16x3"``), the
-    product loop and, with K slices, their sum."""
+class SplitOperand(NamedTuple):
+    """A float32 ``[R, L]`` matrix held as the float16 parts a product's epilogue wrote
+    (``gemm(..., split_output=True)``), which the next product reads as its ``a`` with no split pass:
+    ``x[r, l] * 2**exp[r, l // group] == parts[0, r, l] + parts[1, r, l]`` to 22 bits, float16
+    ``parts [2, R, L]`` (contiguous) and int32 ``exp [R, cdiv(L, group)]``: one scale per row and ``group``
+    columns (finer than ``split_rows``' one per row, so no less accurate)."""
 
-    def __init__(self, a, b, bias, precision, activation, slices):
-        M, K = a.shape
+    parts: Tensor
+    exp: Tensor
+    group: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    def dense(self) -> Tensor:
+        """The float32 matrix ``[R, L]`` (each element to 22 bits)."""
+        L = self.parts.shape[2]
+        exp = self.exp.repeat_interleave(self.group, 1)[:, :L]
+        return torch.ldexp(self.parts[0].float() + self.parts[1].float(), -exp.float())
+
+
+class _GemmProgram(Program):
+    """The launches of one product signature, planned once (``launch``): the two splits (``"fp16x3"``; none
+    for an ``a`` given as parts, ``a_group`` columns per exponent), the product loop and, with K slices,
+    their sum; the output float32 or, with ``split_output``, float16 parts (``SplitOperand``)."""
+
+    def __init__(self, a, b, bias, precision, activation, slices, a_group, split_output):
+        M, K = a.shape[-2:]
         N = b.shape[0]
         dev = a.device
         self.device, self.device_index = dev, (dev.index if a.is_cuda else None)
         self.sizes = (M, N, K)
         p = gemm_plan(M, N, K, dev, precision, slices)
-        self.plan, self.activation = p, activation
+        self.plan, self.activation, self.a_group = p, activation, a_group
         self.empty = M == 0 or N == 0
         self.zero = K == 0
         self.bias_cast = bias is not None and bias.dtype != torch.float32
+        self.split = p.precision == "fp16x3"
+        self.split_output = split_output and self.split and not (self.empty or self.zero)
         if self.empty or self.zero:
             return
         has_bias = bias is not None
-        self.split = p.precision == "fp16x3"
+        stride_ae = 0
         if self.split:
             interpreted = not a.is_cuda
-            self.split_a = _Split(a.shape, a.stride(), dev, interpreted)
+            self.split_a = None if a_group else _Split(a.shape, a.stride(), dev, interpreted)
             self.split_b = _Split(b.shape, b.stride(), dev, interpreted)
             sa, sb, lo = (K, 1), (K, 1), (M * K, N * K)
+            stride_ae = cdiv(K, a_group) if a_group else 0
         else:
             sa, sb, lo = a.stride(), b.stride(), (0, 0)
         per = cdiv(cdiv(K, p.block_k), p.slices) * p.block_k
         even_k = K % p.block_k == 0 and per % p.block_k == 0
         sbias = bias.stride(0) if has_bias else 0
         one = p.slices == 1
+        groups = cdiv(N, p.block_n)  # output exponents per row (split_output)
         self.main = Launch(
             _gemm_kernel, (cdiv(M, p.block_m) * cdiv(N, p.block_n), p.slices),
-            (M, N, K, per, *lo, *sa, *sb, sbias, M * N, N, 1),
+            (M, N, K, per, *lo, M * N, sa[0], sa[1], stride_ae, sb[0], sb[1], sbias, M * N, N, 1, groups),
             dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
                  PRECISION=p.precision, HAS_BIAS=has_bias and one, ACTIVATION=activation if one else None,
-                 EVEN_K=even_k),
+                 EVEN_K=even_k, A_GROUP=a_group, SPLIT_OUT=self.split_output and one),
             p.num_warps, p.num_stages)
         self.sum = None
         if not one:
-            bm2, bn2 = 32, 128
-            self.sum = Launch(_sum_slices_kernel, (cdiv(M, bm2), cdiv(N, bn2)), (M, N, M * N, N, sbias, N, 1),
+            bm2, bn2 = 32, p.block_n
+            self.sum = Launch(_sum_slices_kernel, (cdiv(M, bm2), cdiv(N, bn2)),
+                              (M, N, M * N, N, sbias, N, 1, M * N, groups),
                               dict(SLICES=p.slices, BLOCK_M=bm2, BLOCK_N=bn2, HAS_BIAS=has_bias,
-                                   ACTIVATION=activation), 4)
+                                   ACTIVATION=activation, SPLIT_OUT=self.split_output), 4)
 
-    def run(self, a, b, bias):
+    def run(self, a, b, bias, a_exp=None):
         M, N, K = self.sizes
         dev = self.device
-        out = torch.empty((M, N), dtype=torch.float32, device=dev)
+        if self.split_output:
+            parts = torch.empty((2, M, N), dtype=torch.float16, device=dev)
+            out_exp = torch.empty((M, cdiv(N, self.plan.block_n)), dtype=torch.int32, device=dev)
+            out = parts
+        else:
+            out = out_exp = torch.empty((M, N), dtype=torch.float32, device=dev)
         if self.empty:
             return out
         if self.zero:  # an empty sum: the bias (and its activation) alone
@@ -433,34 +499,48 @@ class _GemmProgram(Program):
                 out += bias.to(torch.float32)
             return torch.nn.functional.gelu(out) if self.activation == "gelu" else out
         if bias is None:
-            bias = out
+            bias = out_exp
         elif self.bias_cast:
             bias = bias.to(torch.float32)
         if self.split:
-            a, a_exp = self.split_a(a)
+            if self.split_a is not None:
+                a, a_exp = self.split_a(a)
             b, b_exp = self.split_b(b)
         else:
-            a_exp = b_exp = out
+            a_exp = b_exp = out_exp
         if self.sum is None:
-            self.main(a, a_exp, b, b_exp, bias, out)
+            self.main(a, a_exp, b, b_exp, bias, out, out_exp)
         else:
             work = torch.empty((self.plan.slices, M, N), dtype=torch.float32, device=dev)
-            self.main(a, a_exp, b, b_exp, bias, work)
-            self.sum(work, bias, out)
-        return out
+            self.main(a, a_exp, b, b_exp, bias, work, work)
+            self.sum(work, bias, out, out_exp)
+        return SplitOperand(out, out_exp, self.plan.block_n) if self.split_output else out
 
 
 _PROGRAMS = ProgramCache()
 
 
-def gemm(a: Tensor, b: Tensor, bias: Tensor | None = None, *, precision: str = "auto",
-         activation: str | None = None, slices: int | None = None) -> Tensor:
+def gemm(a: Tensor | SplitOperand, b: Tensor, bias: Tensor | None = None, *, precision: str = "auto",
+         activation: str | None = None, slices: int | None = None, split_output: bool = False,
+         ) -> Tensor | SplitOperand:
     """``act(a @ b.T + bias)`` in float32 for float32 ``a [M, K]``, ``b [N, K]`` (any strides: ``b`` is a
     linear layer's weight as stored; pass ``w.t()`` for ``x @ w``) and ``bias [N]``.
 
     A trusted launcher (``elsa_vision.ops.linear`` checks the inputs). ``precision``: a float32 precision of
     ``kernels.precision``; ``activation``: None or ``"gelu"`` (exact, erf); ``slices``: K slices (None: the
-    planner decides). Returns a new contiguous ``[M, N]`` float32 tensor.
+    planner decides). Returns a new contiguous ``[M, N]`` float32 tensor, or with ``split_output`` where the
+    product runs ``"fp16x3"`` (and has work to do) a :class:`SplitOperand` of it: the output written as the
+    float16 parts the next product reads without a split pass (a layer whose output feeds one product only,
+    an MLP's hidden activation). ``a`` may be such a ``SplitOperand`` (read as parts where this product runs
+    ``"fp16x3"`` with K-tiles that divide its groups, else made dense first).
     """
-    program = _PROGRAMS(_GemmProgram, (a, b, bias), (precision, activation, slices))
-    return program(a, b, bias)
+    a_group = 0
+    if isinstance(a, SplitOperand):
+        M, K = a.shape
+        p = gemm_plan(M, b.shape[0], K, a.parts.device, precision, slices)
+        if p.precision == "fp16x3" and a.group % p.block_k == 0 and M and K:
+            a_group, a_exp, a = a.group, a.exp, a.parts
+        else:
+            a = a.dense()
+    program = _PROGRAMS(_GemmProgram, (a, b, bias), (precision, activation, slices, a_group, split_output))
+    return program(a, b, bias, a_exp) if a_group else program(a, b, bias)

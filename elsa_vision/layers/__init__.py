@@ -22,7 +22,15 @@ from .elsa_module import (
     set_elsa_options,
     swap_layers,
 )
-from .linear import LINEAR_SWAPS, ElsaLinear, ElsaLinearModule, ElsaPatchConv2d, linear_of, set_linear
+from .linear import (
+    LINEAR_SWAPS,
+    ElsaLinear,
+    ElsaLinearModule,
+    ElsaMlp,
+    ElsaPatchConv2d,
+    linear_of,
+    set_linear,
+)
 from .multihead_attention import ElsaMultiheadAttention
 from .rope import RotaryPositionEmbedding2D
 from .sdpa import ElsaAttentionRope, ElsaEvaAttention, sdpa_override
@@ -30,7 +38,8 @@ from .window_attention import ElsaSwinV2WindowAttention, ElsaSwinWindowAttention
 
 __all__ = [
     "LINEAR_SWAPS", "ElsaAttention", "ElsaAttentionModule", "ElsaAttentionPoolLatent", "ElsaAttentionRope",
-    "ElsaEvaAttention", "ElsaLinear", "ElsaLinearModule", "ElsaModel", "ElsaModule", "ElsaMultiheadAttention",
+    "ElsaEvaAttention", "ElsaLinear", "ElsaLinearModule", "ElsaMlp", "ElsaModel", "ElsaModule",
+    "ElsaMultiheadAttention",
     "ElsaPatchConv2d", "ElsaSwinWindowAttention", "ElsaSwinV2WindowAttention", "PatchReport",
     "RotaryPositionEmbedding2D", "check_attention_options", "check_layer_options", "linear_of",
     "mask_to_bias", "sdpa_override", "set_attention", "set_elsa_options", "set_linear", "swap_layers",

@@ -1,5 +1,6 @@
 """FP32-accurate linear layers: ``ElsaLinear`` (an ``nn.Linear``) and ``ElsaPatchConv2d`` (a patchifying
-``nn.Conv2d``), both computed by :func:`elsa_vision.ops.linear.elsa_linear`.
+``nn.Conv2d``), both computed by :func:`elsa_vision.ops.linear.elsa_linear`, and ``ElsaMlp`` (timm's GELU
+``Mlp``, computed by :func:`elsa_vision.ops.linear.elsa_mlp`).
 
 Each *is* the torch module it replaces (same parameters and state-dict keys, ``isinstance`` stays true) and
 is made from one in place (:meth:`ElsaModule.convert`, or a model walk: :data:`LINEAR_SWAPS`) or built from
@@ -13,20 +14,29 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from timm.layers import Linear as TimmLinear
+from timm.layers import Mlp
+from timm.layers.activations import GELU as TimmGELU
 from timm.models import register_notrace_module
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..ops.linear import LINEAR_BACKENDS, elsa_linear, linear_route
+from ..ops.linear import LINEAR_BACKENDS, elsa_linear, elsa_mlp, linear_route
 from .elsa_module import ElsaModule, set_elsa_options
 
-__all__ = ["ElsaLinear", "ElsaLinearModule", "ElsaPatchConv2d", "LINEAR_SWAPS", "linear_of", "set_linear"]
+__all__ = ["ElsaLinear", "ElsaLinearModule", "ElsaMlp", "ElsaPatchConv2d", "LINEAR_SWAPS", "linear_of",
+           "set_linear"]
 
 
 class ElsaLinearModule(ElsaModule):
-    """Mixin of the ELSA linear layers: they accept ``elsa_linear``'s backends."""
+    """Mixin of the ELSA linear layers: they accept ``elsa_linear``'s backends, and a model walk leaves alone,
+    without a word, the modules of their class they do not compute (:meth:`unsupported`: a convolution that
+    is no patch embedding, an MLP with another activation)."""
 
     backends = LINEAR_BACKENDS
+
+    @classmethod
+    def replaces(cls, module: nn.Module) -> bool:
+        return cls.unsupported(module) is None
 
 
 @register_notrace_module  # an FX leaf: its forward routes on dtype and device
@@ -59,7 +69,7 @@ class ElsaPatchConv2d(ElsaLinearModule, nn.Conv2d):
     multiplied by the weight viewed as ``[out_channels, in_channels * kh * kw]``. The output is
     ``[B, out_channels, H // kh, W // kw]``, stored channels-last (a view), which a patch embedding's
     ``flatten(2).transpose(1, 2)`` turns into tokens without a copy. Other convolutions are no patch
-    embedding: a model walk leaves them alone (:meth:`replaces`).
+    embedding: a model walk leaves them alone (:meth:`ElsaLinearModule.replaces`).
     """
 
     _converts = nn.Conv2d
@@ -74,10 +84,6 @@ class ElsaPatchConv2d(ElsaLinearModule, nn.Conv2d):
             return f"dilation {tuple(module.dilation)}, groups {module.groups}"
         return None
 
-    @classmethod
-    def replaces(cls, module: nn.Module) -> bool:
-        return cls.unsupported(module) is None
-
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4 or linear_route(x, self.precision, self.backend) == "torch":
             return super().forward(x)
@@ -91,14 +97,50 @@ class ElsaPatchConv2d(ElsaLinearModule, nn.Conv2d):
         return out.view(B, ho, wo, self.out_channels).permute(0, 3, 1, 2)
 
 
+@register_notrace_module
+class ElsaMlp(ElsaLinearModule, Mlp):
+    """timm's ``Mlp`` with exact GELU and no norm: ``fc2(drop1(gelu(fc1(x))))`` then ``drop2``, its two
+    products as one :func:`elsa_mlp` call (fused on CUDA float32 where nothing needs a gradient: the hidden
+    activation never written in float32) when ``fc1`` and ``fc2`` are :class:`ElsaLinear` layers with this
+    layer's options and dropout is off; otherwise timm's forward, layer by layer. Made from an ``Mlp`` in
+    place (same submodules and state-dict keys); a model walk converts its ``fc1`` / ``fc2`` too. MLPs with
+    another activation (tanh GELU, QuickGELU, ...), a hidden norm or 1x1 convolutions are left alone
+    (:meth:`ElsaLinearModule.replaces`)."""
+
+    _converts = Mlp
+
+    @classmethod
+    def unsupported(cls, module: nn.Module) -> str | None:
+        act = module.act
+        if not (type(act) is TimmGELU or (type(act) is nn.GELU and act.approximate == "none")):
+            return f"activation {act!r}"
+        if not isinstance(module.norm, nn.Identity):
+            return f"hidden norm {type(module.norm).__name__}"
+        if not (isinstance(module.fc1, nn.Linear) and isinstance(module.fc2, nn.Linear)):
+            return f"{type(module.fc1).__name__} layers"
+        return None
+
+    def forward(self, x: Tensor) -> Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        options = (self.backend, self.precision)
+        if (type(fc1) is ElsaLinear and type(fc2) is ElsaLinear
+                and (fc1.backend, fc1.precision) == options == (fc2.backend, fc2.precision)
+                and (not self.training or (self.drop1.p == 0 and self.drop2.p == 0))):
+            return elsa_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, precision=self.precision,
+                            backend=self.backend)
+        return super().forward(x)
+
+
 # The linear kind of a model walk (``layers.elsa_module.swap_layers``; ``patching.SWAPS``): the torch and timm
 # classes matched exactly (``NonDynamicallyQuantizableLinear`` is ``nn.MultiheadAttention.out_proj``; timm's
-# ``Linear`` differs from ``nn.Linear`` under TorchScript only).
+# ``Linear`` differs from ``nn.Linear`` under TorchScript only). An ``Mlp`` comes before its ``fc1`` / ``fc2``
+# in the walk: it becomes an ``ElsaMlp``, then they become ``ElsaLinear`` layers.
 LINEAR_SWAPS: dict[type, type[ElsaModule]] = {
     nn.Linear: ElsaLinear,
     NonDynamicallyQuantizableLinear: ElsaLinear,
     TimmLinear: ElsaLinear,
     nn.Conv2d: ElsaPatchConv2d,
+    Mlp: ElsaMlp,
 }
 
 

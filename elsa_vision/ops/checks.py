@@ -19,7 +19,7 @@ from ..kernels.precision import PRECISIONS
 
 __all__ = [
     "BACKENDS", "LINEAR_BACKENDS", "PRECISIONS", "SUPPORTED_DTYPES", "TRITON_MAX_HEAD_DIM",
-    "check_attention_inputs", "check_linear_inputs",
+    "check_attention_inputs", "check_linear_inputs", "check_mlp_inputs",
     "check_backend", "check_eca_call", "check_options", "check_precision", "check_triton_call",
     "check_triton_device", "check_varlen_inputs", "check_window_inputs", "format_shape",
 ]
@@ -217,38 +217,63 @@ def check_window_inputs(q, k, v, logit_scale, bias, mask, precision, scale) -> N
             _check_device(fn, name, t, q)
 
 
-def check_linear_inputs(x, weight, bias, precision: str, backend: str) -> None:
+def check_linear_inputs(x, weight, bias, precision: str, backend: str, who: str = "elsa_linear",
+                        prefix: str = "") -> None:
     """The checks of ``elsa_linear``: ``F.linear``'s shapes, one dtype and device, the options, and what
-    ``backend="triton"`` needs."""
-    who = "elsa_linear"
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{who}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{who}: `{name}` must be a floating-point tensor, got {t.dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"{who}: `weight` must have rank 2 [out_features, in_features], got "
-                         f"{format_shape(weight)}")
-    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{who}: `x` must end with in_features = {weight.shape[1]} (weight "
-                         f"{format_shape(weight)}), got x {format_shape(x)}")
-    autocast = torch.is_autocast_enabled(x.device.type)  # casts F.linear's operands: dtypes may differ
-    if x.device != weight.device or (x.dtype != weight.dtype and not autocast):
-        raise TypeError(f"{who}: x and weight must share dtype and device, got x {x.dtype} on {x.device}, "
-                        f"weight {weight.dtype} on {weight.device}")
-    if bias is not None:
-        if not isinstance(bias, Tensor):
-            raise TypeError(f"{who}: `bias` must be a tensor or None, got {type(bias).__name__}")
-        if bias.shape != (weight.shape[0],) or bias.device != weight.device or (
-                bias.dtype != weight.dtype and not autocast):
-            raise ValueError(f"{who}: `bias` must be [{weight.shape[0]}] of {weight.dtype} on "
-                             f"{weight.device}, got {format_shape(bias)} of {bias.dtype} on {bias.device}")
+    ``backend="triton"`` needs. Errors name ``who`` and the arguments ``prefix + "weight"`` / ``"bias"``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{who}: `x` must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{who}: `x` must be a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{who}: `x` must have rank >= 1 [..., in_features], got a scalar")
+    _check_weight_and_bias(who, x, x.shape[-1], weight, bias, prefix, "x")
     check_options(who, backend, precision, backends=LINEAR_BACKENDS)
     if backend == "triton":
         if x.dtype != torch.float32:
             raise TypeError(f"{who}: backend='triton' takes float32 tensors (half precisions and float64 run "
                             f"on backend='torch'), got {x.dtype}")
         check_triton_device(who, x, "x")
+
+
+def check_mlp_inputs(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision: str, backend: str) -> None:
+    """The checks of ``elsa_mlp``: ``fc1`` as ``elsa_linear`` checks it, ``fc2`` taking ``fc1``'s
+    out_features, every tensor of x's dtype and device."""
+    who = "elsa_mlp"
+    check_linear_inputs(x, fc1_weight, fc1_bias, precision, backend, who, "fc1_")
+    _check_weight_and_bias(who, x, fc1_weight.shape[0], fc2_weight, fc2_bias, "fc2_",
+                           f"fc1's out_features {fc1_weight.shape[0]} (fc1_weight)")
+
+
+def _check_weight_and_bias(who, x, in_features, weight, bias, prefix, source) -> None:
+    """``weight [out_features, in_features]`` and ``bias [out_features]`` (or None), floating point, of x's
+    dtype (autocast aside: it casts the operands) and device; ``source`` names where in_features came
+    from."""
+    w = f"{prefix}weight"
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{who}: `{w}` must be a torch.Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"{who}: `{w}` must be a floating-point tensor, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{who}: `{w}` must have rank 2 [out_features, in_features], got "
+                         f"{format_shape(weight)}")
+    if weight.shape[1] != in_features:
+        if source == "x":
+            raise ValueError(f"{who}: `x` must end with in_features = {weight.shape[1]} ({w} "
+                             f"{format_shape(weight)}), got x {format_shape(x)}")
+        raise ValueError(f"{who}: `{w}` {format_shape(weight)} must take {source} as in_features")
+    autocast = torch.is_autocast_enabled(x.device.type)  # casts F.linear's operands: dtypes may differ
+    if x.device != weight.device or (x.dtype != weight.dtype and not autocast):
+        raise TypeError(f"{who}: x and {w} must share dtype and device, got x {x.dtype} on {x.device}, "
+                        f"{w} {weight.dtype} on {weight.device}")
+    if bias is not None:
+        b = f"{prefix}bias"
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"{who}: `{b}` must be a tensor or None, got {type(bias).__name__}")
+        if bias.shape != (weight.shape[0],) or bias.device != weight.device or (
+                bias.dtype != weight.dtype and not autocast):
+            raise ValueError(f"{who}: `{b}` must be [{weight.shape[0]}] of {weight.dtype} on "
+                             f"{weight.device}, got {format_shape(bias)} of {bias.dtype} on {bias.device}")
 
 
 def _check_qkv(fn: str, q, k, v, rank: int, layout: str) -> None:

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from elsa_vision.kernels.gemm import gemm, gemm_plan, split_rows  # noqa: E402
+from elsa_vision.kernels.gemm import SplitOperand, gemm, gemm_plan, split_rows  # noqa: E402
 from tests.helpers import DEVICE, FP32_ACCURATE, TF32_BOUND, randn, relerr  # noqa: E402
 
 SIZES = [(37, 29, 45), (1, 70, 130), (65, 33, 257), (2, 3, 1)]  # (M, N, K), none a multiple of a tile
@@ -126,6 +126,70 @@ def test_split_rows_reconstructs_each_row(layout):
     # the largest magnitude of every row scaled into [2^14, 2^15)
     top = (x.double().abs().amax(1) * torch.pow(2.0, exp.double()))
     assert ((top >= 2.0 ** 14) & (top < 2.0 ** 15)).all()
+
+
+def _groups_hold(split: SplitOperand, x):
+    """Each row and ``group`` columns of ``split`` hold ``x`` to 22 bits (elements below ``2^-18`` of the
+    group's largest magnitude: to half a float16 subnormal step of the scaled value), the largest magnitude
+    scaled into ``[2^14, 2^15)`` (GELU gives groups of zeros too: any scale)."""
+    R, L = x.shape
+    exp = split.exp.double().repeat_interleave(split.group, 1)[:, :L]
+    back = (split.parts[0].double() + split.parts[1].double()) * torch.pow(2.0, -exp)
+    top = torch.zeros(R, split.exp.shape[1], dtype=torch.float64, device=x.device)
+    for g in range(split.exp.shape[1]):
+        cols = slice(g * split.group, (g + 1) * split.group)
+        top[:, g] = x[:, cols].double().abs().amax(1)
+    scaled = top * torch.pow(2.0, split.exp.double())
+    bound = 2.0 ** -22 * x.double().abs() + 2.0 ** -25 * torch.pow(2.0, -exp)
+    return (((back - x.double()).abs() <= bound).all()
+            and ((scaled >= 2.0 ** 14) & (scaled < 2.0 ** 15) | (top == 0)).all())  # a group of zeros
+
+
+@pytest.mark.parametrize("M,H,N,K", [(37, 70, 29, 45), (65, 33, 40, 130), (1, 97, 3, 5)])
+def test_split_output_feeds_the_next_product(M, H, N, K):
+    # an MLP's two products: act(x @ w1.T + b1) written as float16 parts, read by the second without a split
+    x, w1, b1 = randn(M, K, seed=1), randn(H, K, seed=2), randn(H, seed=3)
+    w2, b2 = randn(N, H, seed=4), randn(N, seed=5)
+    hidden_ref = _ref(x, w1, b1, gelu=True)
+    ref = _ref(hidden_ref.float(), w2, b2)
+    for slices in (1, 2, 3):
+        hidden = gemm(x, w1, b1, precision="fp16x3", activation="gelu", split_output=True, slices=slices)
+        assert isinstance(hidden, SplitOperand) and hidden.shape == (M, H)
+        assert hidden.parts.dtype == torch.float16 and hidden.exp.shape == (M, -(-H // hidden.group))
+        dense = gemm(x, w1, b1, precision="fp16x3", activation="gelu", slices=slices)
+        assert _groups_hold(hidden, dense)  # the float32 output, to 22 bits per row and group
+        assert relerr(hidden.dense(), hidden_ref) <= FP32_ACCURATE
+        for slices2 in (1, 2):
+            out = gemm(hidden, w2, b2, precision="fp16x3", slices=slices2)
+            assert out.shape == (M, N) and relerr(out, ref) <= FP32_ACCURATE, (slices, slices2)
+
+
+def test_split_operand_read_dense_where_its_groups_do_not_fit():
+    x, w1, w2 = randn(37, 45, seed=1), randn(70, 45, seed=2), randn(29, 70, seed=3)
+    hidden = gemm(x, w1, precision="fp16x3", split_output=True)
+    ref = _ref(_ref(x, w1).float(), w2)
+    for precision in ("tf32x3", "ieee"):  # no parts for these precisions: the dense matrix
+        assert relerr(gemm(hidden, w2, precision=precision), ref) <= FP32_ACCURATE
+    assert isinstance(gemm(x, w1, precision="ieee", split_output=True), torch.Tensor)
+    odd = SplitOperand(hidden.parts, hidden.exp[:, :1].repeat(1, 70 // 7 + 1), 7)  # 7 is no K-tile multiple
+    torch.testing.assert_close(gemm(odd, w2, precision="fp16x3"), gemm(odd.dense(), w2, precision="fp16x3"),
+                               rtol=0, atol=0)
+    empty = gemm(randn(0, 45, seed=1), w1, precision="fp16x3", split_output=True)
+    assert empty.shape == (0, 70)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_split_output_keeps_non_finite_values_in_their_rows(value):
+    x, w1, w2 = randn(37, 45, seed=1), randn(70, 45, seed=2), randn(29, 70, seed=3)
+    x[5, 3] = value
+    hidden = gemm(x, w1, precision="fp16x3", activation="gelu", split_output=True)
+    out = gemm(hidden, w2, precision="fp16x3")
+    assert not torch.isfinite(out[5]).any()
+    keep = torch.arange(37, device=out.device) != 5
+    x2 = x.clone()
+    x2[5, 3] = 0.0
+    assert torch.isfinite(out[keep]).all()
+    assert relerr(out[keep], _ref(_ref(x2, w1, gelu=True).float(), w2)[keep]) <= FP32_ACCURATE
 
 
 def test_reruns_are_bitwise_equal():

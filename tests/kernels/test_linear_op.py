@@ -1,5 +1,6 @@
 """``elsa_linear``: ``F.linear``'s contract, FP32-accurate on tensor cores, forward and backward, against
-float64; the paths that stay ``F.linear``; refusals; the operators under opcheck, compile and CUDA graphs."""
+float64; the paths that stay ``F.linear``; refusals; the operators under opcheck, compile and CUDA graphs.
+``elsa_mlp`` (timm's GELU MLP as one operator without gradients) the same way."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from elsa_vision.ops.linear import elsa_linear, linear_route  # noqa: E402
+from elsa_vision.ops.linear import elsa_linear, elsa_mlp, linear_route  # noqa: E402
 from tests.helpers import DEVICE, FP32_ACCURATE, randn, relerr  # noqa: E402
 
 # the Triton path on this machine: CUDA, or the interpreter on CPU tensors (backend="triton" asks for it)
@@ -112,6 +113,73 @@ def test_empty_batch_and_zero_in_features():
     torch.testing.assert_close(out, b.expand(3, 5), rtol=0, atol=0)
 
 
+def _mlp_inputs(shape, hidden, out_features, bias=True):
+    x = randn(*shape, seed=1)
+    w1, w2 = randn(hidden, shape[-1], seed=2), randn(out_features, hidden, seed=4)
+    b1, b2 = (randn(hidden, seed=3), randn(out_features, seed=5)) if bias else (None, None)
+    return x, w1, b1, w2, b2
+
+
+def _mlp64(x, w1, b1, w2, b2):
+    d = [t.double() if t is not None else None for t in (x, w1, b1, w2, b2)]
+    return F.linear(F.gelu(F.linear(d[0], d[1], d[2])), d[3], d[4])
+
+
+@pytest.mark.parametrize("shape,hidden,out_features", [((3, 7, 45), 70, 29), ((1, 130), 33, 40),
+                                                      ((2, 5, 3, 33), 97, 17)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_without_gradients_against_float64(shape, hidden, out_features, bias):
+    args = _mlp_inputs(shape, hidden, out_features, bias)
+    out = elsa_mlp(*args, precision="fp16x3", backend=TRITON)
+    assert out.shape == (*shape[:-1], out_features) and out.dtype == torch.float32
+    assert relerr(out, _mlp64(*args)) <= FP32_ACCURATE
+    # the same products as the two elsa_linear calls, up to the hidden activation's 22 bits
+    unfused = elsa_linear(F.gelu(elsa_linear(args[0], args[1], args[2], backend=TRITON)), args[3], args[4],
+                          backend=TRITON)
+    assert relerr(out, unfused.double()) <= FP32_ACCURATE
+
+
+def test_mlp_with_gradients_is_the_two_linear_layers():
+    x, w1, b1, w2, b2 = (t.requires_grad_() for t in _mlp_inputs((4, 9, 45), 70, 29))
+    out = elsa_mlp(x, w1, b1, w2, b2, backend=TRITON)
+    out.square().sum().backward()
+    grads = [t.grad for t in (x, w1, b1, w2, b2)]
+    d = [t.detach().double().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    ref = _mlp64(*d)
+    ref.square().sum().backward()
+    assert relerr(out, ref) <= FP32_ACCURATE
+    for g, r in zip(grads, d):
+        assert relerr(g, r.grad) <= FP32_ACCURATE
+
+
+def test_mlp_routes_that_stay_torch():
+    x, w1, b1, w2, b2 = _mlp_inputs((4, 16), 24, 8)
+    for dtype in (torch.bfloat16, torch.float64):  # F.linear, F.gelu, F.linear bit for bit
+        t = [a.to(dtype) for a in (x, w1, b1, w2, b2)]
+        assert torch.equal(elsa_mlp(*t), F.linear(F.gelu(F.linear(t[0], t[1], t[2])), t[3], t[4]))
+    assert torch.equal(elsa_mlp(x, w1, b1, w2, b2, backend="torch"),
+                       F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2))
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda a: elsa_mlp(a[0], a[1], a[2], a[3][:, :5], a[4]), ValueError, "`fc2_weight` .* must take fc1's"),
+    (lambda a: elsa_mlp(a[0], a[1][:, :3], a[2], a[3], a[4]), ValueError, "in_features = 3"),
+    (lambda a: elsa_mlp(a[0], a[1], a[2], a[3], a[4][:3]), ValueError, "`fc2_bias` must be"),
+    (lambda a: elsa_mlp(a[0], a[1], a[2], a[3].double(), a[4]), TypeError, "x and fc2_weight must share"),
+    (lambda a: elsa_mlp(a[0], a[1], a[2][:2], a[3], a[4]), ValueError, "`fc1_bias` must be"),
+    (lambda a: elsa_mlp(a[0], a[1], a[2], a[3], a[4], precision="fp8"), ValueError, "unknown precision"),
+])
+def test_mlp_refusals_name_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call(_mlp_inputs((4, 16), 24, 8))
+
+
+def test_mlp_operator_passes_opcheck():
+    x, w1, b1, w2, b2 = _mlp_inputs((9, 20), 33, 7)
+    torch.library.opcheck(torch.ops.elsa_vision.mlp_fwd.default, (x, w1, b1, w2, b2, "fp16x3"),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 
 
@@ -159,3 +227,36 @@ def test_gpu_error_at_most_torch_fp32(M, K, N):
         torch.backends.cuda.matmul.allow_tf32 = old
     assert linear_route(x, "auto", "auto") == "triton"
     assert relerr(elsa_linear(x, w, b), ref) <= max(theirs, 2e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,H", [(12608, 768, 3072), (785, 384, 1536), (4096, 96, 384)])
+def test_gpu_mlp_error_at_most_torch_fp32(M, K, H):
+    args = _mlp_inputs((M, K), H, K)
+    ref = _mlp64(*args)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        theirs = relerr(F.linear(F.gelu(F.linear(args[0], args[1], args[2])), args[3], args[4]), ref)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert relerr(elsa_mlp(*args), ref) <= max(theirs, 2e-7)
+
+
+@pytest.mark.gpu
+def test_gpu_mlp_compiles_and_replays_in_a_cuda_graph():
+    args = _mlp_inputs((197, 768), 3072, 768)
+    eager = elsa_mlp(*args)
+    compiled = torch.compile(lambda *a: elsa_mlp(*a), fullgraph=True)
+    torch.testing.assert_close(compiled(*args), eager, rtol=0, atol=0)
+    static = args[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        elsa_mlp(static, *args[1:])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = elsa_mlp(static, *args[1:])
+    graph.replay()
+    assert torch.equal(replayed, eager)

@@ -17,6 +17,7 @@ from elsa_vision.layers import (
     ElsaAttention,
     ElsaLinear,
     ElsaLinearModule,
+    ElsaMlp,
     ElsaMultiheadAttention,
     ElsaPatchConv2d,
     set_elsa_options,
@@ -80,6 +81,38 @@ def test_convolutions_that_are_no_patch_embedding_are_left_alone():
     assert [type(m).__name__ for m in model] == ["ElsaPatchConv2d", "Conv2d", "Conv2d", "Conv2d"]
     with pytest.raises(ValueError, match="kernel_size"):
         ElsaPatchConv2d.convert(nn.Conv2d(3, 8, 3))
+
+
+def test_elsa_mlp_is_timms_gelu_mlp():
+    from timm.layers import Mlp, QuickGELU
+
+    mlp = Mlp(45, 70, 29).to(DEVICE).eval()
+    ref_mlp = copy.deepcopy(mlp)
+    keys = list(mlp.state_dict())
+    model = nn.Sequential(mlp)
+    report = patch_model(model, kinds=("linear",), backend=TRITON, precision="fp16x3")
+    assert model[0] is mlp and type(mlp) is ElsaMlp and isinstance(mlp, Mlp)
+    assert type(mlp.fc1) is ElsaLinear and type(mlp.fc2) is ElsaLinear and report.counts["Mlp"] == 1
+    assert list(mlp.state_dict()) == keys
+    x = randn(3, 7, 45, seed=1)
+    with torch.no_grad():
+        ref = copy.deepcopy(ref_mlp).double()(x.double())
+        assert relerr(mlp(x), ref) <= FP32_ACCURATE
+    # with gradients, and in training with dropout: timm's forward, layer by layer
+    xg = x.clone().requires_grad_()
+    mlp(xg).sum().backward()
+    assert xg.grad is not None and mlp.fc1.weight.grad is not None
+    mlp.drop1.p = 1.0  # drops the whole hidden activation: only fc2's bias is left
+    mlp.train()
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), mlp.fc2.bias.expand(3, 7, 29), rtol=0, atol=0)
+    # MLPs that are not exact-GELU MLPs stay timm's (and their linear layers are still swapped)
+    others = nn.ModuleList([Mlp(8, 16, act_layer=nn.GELU), Mlp(8, 16, act_layer=QuickGELU),
+                            Mlp(8, 16, norm_layer=nn.LayerNorm), Mlp(8, 16, use_conv=True)])
+    others[0].act = nn.GELU(approximate="tanh")
+    patch_model(others, kinds=("linear",))
+    assert all(type(m) is Mlp for m in others)
+    assert type(others[0].fc1) is ElsaLinear and type(others[3].fc1) is ElsaPatchConv2d  # 1x1: a GEMM
 
 
 def test_patch_model_makes_a_timm_vit_fp32_accurate_with_its_keys():
