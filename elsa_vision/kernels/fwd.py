@@ -83,7 +83,7 @@ def _attend(
     selected, so that a hidden key's NaN logit (a non-finite key row, which also spoils the tile's scale)
     reaches the state and the check that sends the program to its exact pass.
     """
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if EXACT else None):  # the exact pass: no buffers
         cols = start_n + offs_n
         row64 = tl.cast(start_n, tl.int64)
         kt_ptrs = k_ptr + row64 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
