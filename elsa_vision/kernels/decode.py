@@ -43,8 +43,9 @@ from .monoid import (
     clamp_bias,
     count_nonfinite,
     finalize_state,
+    finite_part,
+    fold_nonfinite,
     fold_tile,
-    fold_tile_exact,
     identity_state,
     merge_states,
     nonfinite_values,
@@ -77,7 +78,7 @@ def _decode_run(
 ):
     """Fold the key tiles ``[t0, t1)`` of one (batch, head) run into the state; tile ``tile`` starts at key
     ``(tile - tile_base) * BLOCK_N``. ``EXACT``: the exact pass (``monoid.add_bias``,
-    ``monoid.fold_tile_exact``: a hidden key contributes nothing whatever it holds; the visible keys'
+    the exact fold of ``monoid``: a hidden key contributes nothing whatever it holds; the visible keys'
     non-finite values go to ``code``); otherwise ``code`` is returned untouched."""
     for tile in range(t0, t1):
         start_n = (tile - tile_base) * BLOCK_N
@@ -109,12 +110,10 @@ def _decode_run(
             keep = tl.load(kpm_base + cols.to(tl.int64) * stride_kpn, mask=cols < Nk, other=0) != 0
             scores = tl.where(keep[None, :], scores, float("-inf"))
             v = tl.where(keep[:, None], v, 0.0)
-        if EXACT:
-            m_i, s_i, s_c, acc, acc_c, code = fold_tile_exact(m_i, s_i, s_c, acc, acc_c, code, scores, v,
-                                                              PRECISION, ACCUMULATE)
-        else:
-            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
-                                                  ACCUMULATE)
+        if EXACT:  # the exact fold (monoid): non-finite values to `code`, the finite part to the state
+            code = fold_nonfinite(code, scores != float("-inf"), v)
+            v = finite_part(v)
+        m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
     return m_i, s_i, s_c, acc, acc_c, code
 
 

@@ -37,8 +37,8 @@ from .monoid import (
     count_nonfinite,
     finalize_state,
     finite_part,
+    fold_nonfinite,
     fold_tile,
-    fold_tile_exact,
     identity_state,
     merge_states,
     nonfinite_values,
@@ -77,7 +77,7 @@ def _attend(
 
     ``EXACT`` (with ``MASKED``): the exact pass of a program whose fast pass met a NaN or an infinity. A
     ``-inf`` bias hides its key whatever the product (``monoid.add_bias``), the values fold with
-    ``monoid.fold_tile_exact`` (their visible non-finite entries go to ``code``), and under ``"fp16x3"`` a
+    the exact fold of ``monoid`` (their visible non-finite entries go to ``code``), and under ``"fp16x3"`` a
     key row holding a NaN or an infinity gets NaN logits instead of setting the tile's split scale. Without
     ``EXACT``, ``code`` is returned untouched; under ``"fp16x3"`` the masks are then added (``-inf``), not
     selected, so that a hidden key's NaN logit (a non-finite key row, which also spoils the tile's scale)
@@ -141,12 +141,10 @@ def _attend(
                 scores = tl.where(valid, scores, float("-inf"))
         if HAS_KPM:
             scores = tl.where(keep[None, :], scores, float("-inf"))
-        if EXACT:
-            m_i, s_i, s_c, acc, acc_c, code = fold_tile_exact(m_i, s_i, s_c, acc, acc_c, code, scores, v,
-                                                              PRECISION, ACCUMULATE)
-        else:
-            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
-                                                  ACCUMULATE)
+        if EXACT:  # the exact fold (monoid): non-finite values to `code`, the finite part to the state
+            code = fold_nonfinite(code, scores != float("-inf"), v)
+            v = finite_part(v)
+        m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
     return m_i, s_i, s_c, acc, acc_c, code
 
 

@@ -15,9 +15,10 @@ Non-finite inputs follow the rule of ``reference.py``: a hidden key (logit ``-in
 row whatever its key and value rows hold, a visible key's non-finite value reaches its own column. A
 ``fold_tile`` product ``P V`` breaks the first half where a hidden key's value is NaN or infinite
 (``0 * NaN``), so every kernel runs a fast pass with ``fold_tile`` and checks its result
-(``count_nonfinite``): only a program whose state holds a NaN or an infinity redoes its keys with
-``fold_tile_exact``, which folds the finite part of the values and records the visible non-finite entries
-apart (``fold_nonfinite``, added to ``W`` at the end by ``nonfinite_values``). ``merge_states`` carries
+(``count_nonfinite``): only a program whose state holds a NaN or an infinity redoes its keys in an exact
+pass, which records the visible keys' non-finite value entries apart (``fold_nonfinite``, added to ``W`` at
+the end by ``nonfinite_values``) and folds the finite part of the values (``finite_part``): a hidden key's
+weight is an exact 0 and meets only finite numbers. ``merge_states`` carries
 non-finite entries of ``W`` unscaled.
 """
 
@@ -30,7 +31,7 @@ from .dots import f16_pair, matmul, matmul_f16x3, pow2, split_f16
 
 __all__ = [
     "ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias",
-    "add_bias", "finite_part", "count_nonfinite", "fold_tile_exact", "fold_nonfinite", "nonfinite_values",
+    "add_bias", "finite_part", "count_nonfinite", "fold_nonfinite", "nonfinite_values",
     "identity_state", "settle_sums",
 ]
 
@@ -215,15 +216,3 @@ def nonfinite_values(code):
     NaN per entry (added to the finite ``W``)."""
     return tl.where(code == _NEG + 1.0, float("nan"),
                     tl.where(code == 1.0, float("inf"), tl.where(code == _NEG, float("-inf"), 0.0)))
-
-
-@triton.jit
-def fold_tile_exact(m, s, s_c, w, w_c, code, scores, v, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """``fold_tile`` under the rule that a hidden key (score ``-inf``) contributes nothing whatever its value
-    holds: the finite part of ``v`` is folded (a hidden key's weight is an exact 0 and meets only finite
-    numbers), the non-finite entries of the visible keys' values go to ``code`` (``fold_nonfinite``). The
-    caller adds ``nonfinite_values(code)`` to ``W`` after its last tile. A NaN score is visible (the row is
-    NaN)."""
-    m, s, s_c, w, w_c = fold_tile(m, s, s_c, w, w_c, scores, finite_part(v), PRECISION, ACCUMULATE)
-    return m, s, s_c, w, w_c, fold_nonfinite(code, scores != float("-inf"), v)
-

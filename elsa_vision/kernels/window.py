@@ -39,8 +39,8 @@ from .monoid import (
     count_nonfinite,
     finalize_state,
     finite_part,
+    fold_nonfinite,
     fold_tile,
-    fold_tile_exact,
     identity_state,
     nonfinite_values,
     settle_sums,
@@ -65,7 +65,7 @@ def _window_keys(
 ):
     """Fold the key tiles of one window into the state of one query tile (``qn``: its logit operand).
     ``EXACT``: the exact pass (a ``-inf`` in the bias or mask hides its key whatever the product, and
-    ``monoid.fold_tile_exact``: the visible keys' non-finite values go to ``code``); otherwise ``code`` is
+    the exact fold of ``monoid``: the visible keys' non-finite values go to ``code``); otherwise ``code`` is
     returned untouched. Swin's ``-100`` shift mask hides nothing: its keys keep a tiny weight."""
     for start_n in range(0, N, BLOCK_N):
         cols = start_n + offs_n
@@ -94,12 +94,10 @@ def _window_keys(
         else:
             scores = scores + add * _LOG2E
         scores = tl.where(col_ok[None, :], scores, float("-inf"))
-        if EXACT:
-            m_i, s_i, s_c, acc, acc_c, code = fold_tile_exact(m_i, s_i, s_c, acc, acc_c, code, scores, v,
-                                                              PRECISION, ACCUMULATE)
-        else:
-            m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION,
-                                                  ACCUMULATE)
+        if EXACT:  # the exact fold (monoid): non-finite values to `code`, the finite part to the state
+            code = fold_nonfinite(code, scores != float("-inf"), v)
+            v = finite_part(v)
+        m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
     return m_i, s_i, s_c, acc, acc_c, code
 
 
