@@ -170,7 +170,12 @@ def elsa_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, precis
         ``[..., out_features]`` in x's dtype; gradients flow to x, weight and bias on every path.
     """
     check_linear_inputs(x, weight, bias, precision, backend)
-    if linear_route(x, precision, backend) == "torch":
+    return _linear(x, weight, bias, precision, linear_route(x, precision, backend))
+
+
+def _linear(x, weight, bias, precision: str, route: str) -> Tensor:
+    """``elsa_linear`` of checked inputs on its ``route`` (``linear_route``)."""
+    if route == "torch":
         if x.dtype == torch.float32 and x.is_cuda and precision in ("ieee", "tf32"):
             with cuda_matmul_precision(precision == "tf32"):
                 return F.linear(x, weight, bias)
@@ -179,7 +184,6 @@ def elsa_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, precis
     x2 = x.reshape(lead.numel(), x.shape[-1])
     out = _triton_linear(x2, weight, bias, precision)
     return out.view(*lead, weight.shape[0])
-
 
 
 def elsa_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Tensor | None, fc2_weight: Tensor,
@@ -201,10 +205,10 @@ def elsa_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Tensor | None, fc2_weight:
         ``[..., out_features]`` in x's dtype.
     """
     check_mlp_inputs(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision, backend)
-    if (linear_route(x, precision, backend) == "torch"
-            or _needs_grad(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)):
-        hidden = F.gelu(elsa_linear(x, fc1_weight, fc1_bias, precision=precision, backend=backend))
-        return elsa_linear(hidden, fc2_weight, fc2_bias, precision=precision, backend=backend)
+    route = linear_route(x, precision, backend)  # the hidden activation's too: x's dtype and device
+    if route == "torch" or _needs_grad(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+        hidden = F.gelu(_linear(x, fc1_weight, fc1_bias, precision, route))
+        return _linear(hidden, fc2_weight, fc2_bias, precision, route)
     lead = x.shape[:-1]
     x2 = x.reshape(lead.numel(), x.shape[-1])
     out = eager_bypass(x2, _mlp_fwd, _MLP_FWD)(x2, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision)
