@@ -433,9 +433,11 @@ class SplitOperand(NamedTuple):
 
 
 class _GemmProgram(Program):
-    """The launches of one product signature, planned once (``launch``): the two splits (``"fp16x3"``; none
-    for an ``a`` given as parts, ``a_group`` columns per exponent), the product loop and, with K slices,
-    their sum; the output float32 or, with ``split_output``, float16 parts (``SplitOperand``)."""
+    """The launches of one product signature, planned once (``launch``): the two splits (``"fp16x3"``), the
+    product loop and, with K slices, their sum; the output float32 or, with ``split_output``, float16 parts
+    (``SplitOperand``). ``a_group``: ``a`` is a ``SplitOperand``'s parts (``a_group`` columns per exponent),
+    read as they are where the loop runs ``"fp16x3"`` on K-tiles that divide the groups, else made dense
+    first (``dense_a``)."""
 
     def __init__(self, a, b, bias, precision, activation, slices, a_group, split_output):
         M, K = a.shape[-2:]
@@ -444,24 +446,27 @@ class _GemmProgram(Program):
         self.device, self.device_index = dev, (dev.index if a.is_cuda else None)
         self.sizes = (M, N, K)
         p = gemm_plan(M, N, K, dev, precision, slices)
+        self.split = p.precision == "fp16x3"
+        self.dense_a = a_group if a_group and not (self.split and a_group % p.block_k == 0) else 0
+        a_group = 0 if self.dense_a else a_group
         self.plan, self.activation, self.a_group = p, activation, a_group
         self.empty = M == 0 or N == 0
         self.zero = K == 0
         self.bias_cast = bias is not None and bias.dtype != torch.float32
-        self.split = p.precision == "fp16x3"
         self.split_output = split_output and self.split and not (self.empty or self.zero)
         if self.empty or self.zero:
             return
         has_bias = bias is not None
         stride_ae = 0
+        a_shape, a_strides = ((M, K), (K, 1)) if a.dim() == 3 else (a.shape, a.stride())  # parts: dense rows
         if self.split:
             interpreted = not a.is_cuda
-            self.split_a = None if a_group else _Split(a.shape, a.stride(), dev, interpreted)
+            self.split_a = None if a_group else _Split(a_shape, a_strides, dev, interpreted)
             self.split_b = _Split(b.shape, b.stride(), dev, interpreted)
             sa, sb, lo = (K, 1), (K, 1), (M * K, N * K)
             stride_ae = cdiv(K, a_group) if a_group else 0
         else:
-            sa, sb, lo = a.stride(), b.stride(), (0, 0)
+            sa, sb, lo = a_strides, b.stride(), (0, 0)
         per = cdiv(cdiv(K, p.block_k), p.slices) * p.block_k
         even_k = K % p.block_k == 0 and per % p.block_k == 0
         sbias = bias.stride(0) if has_bias else 0
@@ -502,6 +507,8 @@ class _GemmProgram(Program):
             bias = out_exp
         elif self.bias_cast:
             bias = bias.to(torch.float32)
+        if self.dense_a:
+            a = SplitOperand(a, a_exp, self.dense_a).dense()
         if self.split:
             if self.split_a is not None:
                 a, a_exp = self.split_a(a)
@@ -534,13 +541,9 @@ def gemm(a: Tensor | SplitOperand, b: Tensor, bias: Tensor | None = None, *, pre
     an MLP's hidden activation). ``a`` may be such a ``SplitOperand`` (read as parts where this product runs
     ``"fp16x3"`` with K-tiles that divide its groups, else made dense first).
     """
-    a_group = 0
     if isinstance(a, SplitOperand):
-        M, K = a.shape
-        p = gemm_plan(M, b.shape[0], K, a.parts.device, precision, slices)
-        if p.precision == "fp16x3" and a.group % p.block_k == 0 and M and K:
-            a_group, a_exp, a = a.group, a.exp, a.parts
-        else:
-            a = a.dense()
-    program = _PROGRAMS(_GemmProgram, (a, b, bias), (precision, activation, slices, a_group, split_output))
-    return program(a, b, bias, a_exp) if a_group else program(a, b, bias)
+        program = _PROGRAMS(_GemmProgram, (a.parts, b, bias),
+                            (precision, activation, slices, a.group, split_output))
+        return program(a.parts, b, bias, a.exp)
+    program = _PROGRAMS(_GemmProgram, (a, b, bias), (precision, activation, slices, 0, split_output))
+    return program(a, b, bias)
