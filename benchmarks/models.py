@@ -359,20 +359,32 @@ def run_fp32_case(case: Case, device: torch.device, warmup: int, reps: int, prec
     return rows
 
 
-def main_fp32(args, device, argv) -> str:
-    cases = _select(QUICK_FP32_CASES if args.quick else FP32_CASES, args.cases)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
-    reps = args.reps if args.reps is not None else (3 if args.quick else 20)
+def _run_cases(args, device, argv, cases, name: str, columns, run, defaults: tuple[int, int], fp32: bool):
+    """Run ``run(case, device, warmup, reps, precision)`` for every case (``defaults``: warmup and reps
+    unless given), writing its rows to ``<out>/<name>_<gpu>.csv``. Returns ``(meta, path, [(case, rows by
+    peer)])``."""
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else defaults[0])
+    reps = args.reps if args.reps is not None else (3 if args.quick else defaults[1])
     meta = run_info(device, __file__, argv)
     results = []
-    with Results(args.out / f"models_fp32_{device_tag(device)}.csv", FP32_COLUMNS, meta) as out:
+    with Results(args.out / f"{name}_{device_tag(device)}.csv", columns, meta) as out:
         for case in cases:
-            print(f"{case.model} img {case.img} batch {case.batch} fp32 {_mode(case)}", flush=True)
-            rows = run_fp32_case(case, device, warmup, reps, args.precision)
+            dtype = "fp32" if fp32 else case.dtype
+            print(f"{case.model} img {case.img} batch {case.batch} {dtype} {_mode(case)}", flush=True)
+            rows = run(case, device, warmup, reps, args.precision)
+            fields = dict(model=case.model, img=case.img, batch=case.batch, mode=_mode(case))
+            if not fp32:
+                fields["dtype"] = case.dtype
             for r in rows:
-                out.write({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()},
-                          model=case.model, img=case.img, batch=case.batch, mode=_mode(case))
+                out.write({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}, **fields)
             results.append((case, {r["peer"]: r for r in rows}))
+    return meta, out.path, results
+
+
+def main_fp32(args, device, argv) -> str:
+    cases = _select(QUICK_FP32_CASES if args.quick else FP32_CASES, args.cases)
+    meta, path, results = _run_cases(args, device, argv, cases, "models_fp32", FP32_COLUMNS, run_fp32_case,
+                                     (5, 20), fp32=True)
     print(f"\nFP32 table (speed over timm_fp32; relerr vs float64), {meta['device']}, torch {meta['torch']}, "
           f"triton {meta['triton']}")
     print(f"{'case':44s} {'tf32':>6s} {'bf16':>6s} {'elsa':>6s} {'graph':>6s} {'goal':>5s} {'err fp32':>9s} "
@@ -388,8 +400,8 @@ def main_fp32(args, device, argv) -> str:
               f"{graph:6.2f} {case.goal:5.2f} {f['relerr']:9.2e} {r['timm_tf32']['relerr']:9.2e} "
               f"{r['timm_bf16']['relerr']:9.2e} {r['elsa']['relerr']:9.2e}  "
               f"{'below goal (' + ', '.join(misses) + ')' if misses else 'meets goal'}")
-    print(f"\nwrote {out.path}")
-    return str(out.path)
+    print(f"\nwrote {path}")
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -417,20 +429,8 @@ def main(argv: list[str] | None = None) -> str:
     if args.fp32:
         return main_fp32(args, device, argv)
     cases = _select(QUICK_CASES if args.quick else CASES, args.cases)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
-    reps = args.reps if args.reps is not None else (3 if args.quick else 30)
-
-    meta = run_info(device, __file__, argv)
-    results = []
-    with Results(args.out / f"models_{device_tag(device)}.csv", COLUMNS, meta) as out:
-        for case in cases:
-            print(f"{case.model} img {case.img} batch {case.batch} {case.dtype} {_mode(case)}", flush=True)
-            rows = run_case(case, device, warmup, reps, args.precision)
-            for r in rows:
-                values = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}
-                out.write(values, model=case.model, img=case.img, batch=case.batch, dtype=case.dtype,
-                          mode=_mode(case))
-            results.append((case, {r["peer"]: r for r in rows}))
+    meta, path, results = _run_cases(args, device, argv, cases, "models", COLUMNS, run_case, (10, 30),
+                                     fp32=False)
 
     print(f"\nratios (elsa vs timm), {meta['device']}, torch {meta['torch']}, triton {meta['triton']}")
     print(f"{'case':46s} {'vs timm':>8s} {'goal':>6s} {'vs math':>8s} {'mem/timm':>9s} {'ceiling':>8s}"
@@ -448,8 +448,8 @@ def main(argv: list[str] | None = None) -> str:
         print(f"{name:46s} {speed:8.3f} {case.goal:6.2f} {e['img_per_s'] / m['img_per_s']:8.3f} {mem:9.4f} "
               f"{ceiling:8.3f} {s['gpu_ms'] / e['gpu_ms']:9.3f} {graph:7.3f} {speed / graph:11.3f}  "
               f"{'below goal (' + ', '.join(misses) + ')' if misses else 'meets goal'}")
-    print(f"\nwrote {out.path}")
-    return str(out.path)
+    print(f"\nwrote {path}")
+    return str(path)
 
 
 if __name__ == "__main__":
