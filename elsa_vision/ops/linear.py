@@ -192,10 +192,10 @@ def elsa_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Tensor | None, fc2_weight:
     as :func:`elsa_linear` computes it, with the same ``precision`` / ``backend`` (see there).
 
     Where the products run on the split-precision GEMM and nothing needs a gradient (inference), the two
-    products are one operator that keeps the hidden activation as float16 parts (module docstring): the
-    result differs from the unfused one by the rounding of the hidden activation to 22 bits per row of 128
-    columns instead of float32. Otherwise, and on every other route, it is the two ``elsa_linear`` calls
-    around ``F.gelu``.
+    products are one operator that keeps the hidden activation as float16 parts (module docstring): it is
+    rounded once to 22 bits with one scale per row and 128 columns, where the unfused products round it to
+    float32 and then to 22 bits with one scale per row. Otherwise, and on every other route, it is the two
+    ``elsa_linear`` calls around ``F.gelu``.
 
     Args:
         x: ``[..., in_features]``; fc1_weight ``[hidden, in_features]``, fc1_bias ``[hidden]`` or None;
