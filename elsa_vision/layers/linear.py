@@ -19,6 +19,7 @@ from timm.layers.activations import GELU as TimmGELU
 from timm.models import register_notrace_module
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from ..ops.linear import LINEAR_BACKENDS, elsa_linear, elsa_mlp, linear_route
 from .elsa_module import ElsaModule, set_elsa_options
@@ -102,10 +103,10 @@ class ElsaMlp(ElsaLinearModule, Mlp):
     """timm's ``Mlp`` with exact GELU and no norm: ``fc2(drop1(gelu(fc1(x))))`` then ``drop2``, its two
     products as one :func:`elsa_mlp` call (fused on CUDA float32 where nothing needs a gradient: the hidden
     activation never written in float32) when ``fc1`` and ``fc2`` are :class:`ElsaLinear` layers with this
-    layer's options and dropout is off; otherwise timm's forward, layer by layer. Made from an ``Mlp`` in
-    place (same submodules and state-dict keys); a model walk converts its ``fc1`` / ``fc2`` too. MLPs with
-    another activation (tanh GELU, QuickGELU, ...), a hidden norm or 1x1 convolutions are left alone
-    (:meth:`ElsaLinearModule.replaces`)."""
+    layer's options, dropout is off and no forward hook waits on ``fc1``, ``act`` or ``fc2``; otherwise timm's
+    forward, layer by layer. Made from an ``Mlp`` in place (same submodules and state-dict keys); a model walk
+    converts its ``fc1`` / ``fc2`` too. MLPs with another activation (tanh GELU, QuickGELU, ...), a hidden
+    norm or 1x1 convolutions are left alone (:meth:`ElsaLinearModule.replaces`)."""
 
     _converts = Mlp
 
@@ -125,10 +126,18 @@ class ElsaMlp(ElsaLinearModule, Mlp):
         options = (self.backend, self.precision)
         if (type(fc1) is ElsaLinear and type(fc2) is ElsaLinear
                 and (fc1.backend, fc1.precision) == options == (fc2.backend, fc2.precision)
-                and (not self.training or (self.drop1.p == 0 and self.drop2.p == 0))):
+                and (not self.training or (self.drop1.p == 0 and self.drop2.p == 0))
+                and not _hooked(fc1, self.act, fc2)):
             return elsa_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, precision=self.precision,
                             backend=self.backend)
         return super().forward(x)
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    """Whether calling any of ``modules`` would run a forward hook (their own or a global one): a layer that
+    computes them in one operator must call them one by one then, as the hooks' owner expects."""
+    return bool(_global_forward_hooks or _global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 # The linear kind of a model walk (``layers.elsa_module.swap_layers``; ``patching.SWAPS``): the torch and timm

@@ -337,12 +337,13 @@ def test_cli_bf16_close_to_fp32(weights, tmp_path):
 
 
 def test_linear_backend_reaches_every_linear_layer(weights, tmp_path):
-    from elsa_vision.layers import ElsaLinearModule
+    from elsa_vision.layers import ElsaLinear, ElsaLinearModule, ElsaPatchConv2d
 
     for backend in ("auto", "torch"):
         model = build_model(TINY, None, (32, 32), linear_backend=backend)
-        linears = [m for m in model.modules() if isinstance(m, ElsaLinearModule)]
+        linears = [m for m in model.modules() if isinstance(m, (ElsaLinear, ElsaPatchConv2d))]
         assert len(linears) == 4 * 12 + 2 and all(m.backend == backend for m in linears)  # + patch, head
+        assert all(m.backend == backend for m in model.modules() if isinstance(m, ElsaLinearModule))  # MLPs
         assert not any(type(m) in (torch.nn.Linear, torch.nn.Conv2d) for m in model.modules())
     base = ["--model", TINY, "--weights", weights["gray"], "--input", _ct_small(), "--img-size", "32"]
     summary = main(base + ["--linear-backend", "torch", "--out", str(tmp_path / "torch")])

@@ -98,6 +98,11 @@ def test_elsa_mlp_is_timms_gelu_mlp():
     with torch.no_grad():
         ref = copy.deepcopy(ref_mlp).double()(x.double())
         assert relerr(mlp(x), ref) <= FP32_ACCURATE
+        # a forward hook on one of its layers: the layers run one by one and the hook sees its call
+        seen = []
+        hook = mlp.fc1.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+        assert relerr(mlp(x), ref) <= FP32_ACCURATE and seen == [(3, 7, 70)]
+        hook.remove()
     # with gradients, and in training with dropout: timm's forward, layer by layer
     xg = x.clone().requires_grad_()
     mlp(xg).sum().backward()
