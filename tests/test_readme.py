@@ -128,4 +128,4 @@ def test_readme_python_blocks_import_what_they_use():
 
 def test_readme_states_the_suite_time_and_parallel_run():
     readme = (ROOT / "README.md").read_text()
-    assert "about 16 minutes" in readme and "`pytest -n 2`" in readme
+    assert "about 23 minutes" in readme and "`pytest -n 2`" in readme
