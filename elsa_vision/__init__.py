@@ -16,21 +16,12 @@ from .patching import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "elsa_attention",
-    "elsa_attention_varlen",
-    "elsa_linear",
-    "ElsaAttention",
-    "ElsaLinear",
-    "ElsaViT",
-    "ElsaSwinV2",
-    "ElsaHSIViT",
-    "ElsaCLIPVision",
-    "ElsaVGGT",
-    "PatchReport",
-    "patch_attention",
-    "patch_model",
-    "patch_vit_attention",
-    "patch_swin_attention",
+    # operators
+    "elsa_attention", "elsa_attention_varlen", "elsa_linear",
+    # layers and models
+    "ElsaAttention", "ElsaLinear", "ElsaViT", "ElsaSwinV2", "ElsaHSIViT", "ElsaCLIPVision", "ElsaVGGT",
+    # swapping ELSA layers into other models
+    "PatchReport", "patch_attention", "patch_model", "patch_vit_attention", "patch_swin_attention",
     "sdpa_override",
     "__version__",
 ]

@@ -43,9 +43,7 @@ from .monoid import (
     clamp_bias,
     count_nonfinite,
     finalize_state,
-    finite_part,
-    fold_nonfinite,
-    fold_tile,
+    fold_keys,
     identity_state,
     merge_states,
     nonfinite_values,
@@ -78,7 +76,7 @@ def _decode_run(
 ):
     """Fold the key tiles ``[t0, t1)`` of one (batch, head) run into the state; tile ``tile`` starts at key
     ``(tile - tile_base) * BLOCK_N``. ``EXACT``: the exact pass (``monoid.add_bias``,
-    the exact fold of ``monoid``: a hidden key contributes nothing whatever it holds; the visible keys'
+    ``monoid.fold_keys``: a hidden key contributes nothing whatever it holds; the visible keys'
     non-finite values go to ``code``); otherwise ``code`` is returned untouched."""
     for tile in range(t0, t1):
         start_n = (tile - tile_base) * BLOCK_N
@@ -110,10 +108,8 @@ def _decode_run(
             keep = tl.load(kpm_base + cols.to(tl.int64) * stride_kpn, mask=cols < Nk, other=0) != 0
             scores = tl.where(keep[None, :], scores, float("-inf"))
             v = tl.where(keep[:, None], v, 0.0)
-        if EXACT:  # the exact fold (monoid): non-finite values to `code`, the finite part to the state
-            code = fold_nonfinite(code, scores != float("-inf"), v)
-            v = finite_part(v)
-        m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
+        m_i, s_i, s_c, acc, acc_c, code = fold_keys(m_i, s_i, s_c, acc, acc_c, code, scores, v, PRECISION,
+                                                    ACCUMULATE, EXACT)
     return m_i, s_i, s_c, acc, acc_c, code
 
 
@@ -168,8 +164,9 @@ def _decode_kernel(
             kpm_base = Kpm + off_b * stride_kpb
 
         m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
-        m_i, s_i, s_c, acc, acc_c, _ = _decode_run(
-            m_i, s_i, s_c, acc, acc_c, 0.0, q, offs_m, offs_n, offs_d, offs_dv, k_base, v_base, bias_base,
+        code = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fold_keys: only an exact pass writes it
+        m_i, s_i, s_c, acc, acc_c, code = _decode_run(
+            m_i, s_i, s_c, acc, acc_c, code, q, offs_m, offs_n, offs_d, offs_dv, k_base, v_base, bias_base,
             kpm_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
             t, run_end, bh * tiles_per_head, Nk, causal_shift, qk_scale,
             D, DV, BLOCK_M, BLOCK_N, PRECISION, CAUSAL, HAS_BIAS, HAS_KPM, EVEN_N, ACCUMULATE, False)
@@ -181,7 +178,7 @@ def _decode_kernel(
             m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
             per: tl.constexpr = BLOCK_N // EXACT_N
             m_i, s_i, s_c, acc, acc_c, code = _decode_run(
-                m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), q, offs_m,
+                m_i, s_i, s_c, acc, acc_c, code, q, offs_m,
                 tl.arange(0, EXACT_N), offs_d, offs_dv, k_base, v_base, bias_base, kpm_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
                 t * per, run_end * per, bh * tiles_per_head * per, Nk, causal_shift, qk_scale,

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .dots import matmul, matmul_f16x3, pow2, split_f16
 from .host import FLOAT_DTYPES, LOG2E, canonical_device, cdiv, device_info, next_pow2, tile_size
-from .launch import AttentionProgram, Launch, ProgramCache
+from .launch import AttentionProgram, Launch, ProgramCache, install_config
 from .monoid import (
     ACCUMULATION,
     add_bias,
@@ -37,8 +37,7 @@ from .monoid import (
     count_nonfinite,
     finalize_state,
     finite_part,
-    fold_nonfinite,
-    fold_tile,
+    fold_keys,
     identity_state,
     merge_states,
     nonfinite_values,
@@ -77,7 +76,7 @@ def _attend(
 
     ``EXACT`` (with ``MASKED``): the exact pass of a program whose fast pass met a NaN or an infinity. A
     ``-inf`` bias hides its key whatever the product (``monoid.add_bias``), the values fold with
-    the exact fold of ``monoid`` (their visible non-finite entries go to ``code``), and under ``"fp16x3"`` a
+    ``monoid.fold_keys`` (their visible non-finite entries go to ``code``), and under ``"fp16x3"`` a
     key row holding a NaN or an infinity gets NaN logits instead of setting the tile's split scale. Without
     ``EXACT``, ``code`` is returned untouched; under ``"fp16x3"`` the masks are then added (``-inf``), not
     selected, so that a hidden key's NaN logit (a non-finite key row, which also spoils the tile's scale)
@@ -141,10 +140,8 @@ def _attend(
                 scores = tl.where(valid, scores, float("-inf"))
         if HAS_KPM:
             scores = tl.where(keep[None, :], scores, float("-inf"))
-        if EXACT:  # the exact fold (monoid): non-finite values to `code`, the finite part to the state
-            code = fold_nonfinite(code, scores != float("-inf"), v)
-            v = finite_part(v)
-        m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
+        m_i, s_i, s_c, acc, acc_c, code = fold_keys(m_i, s_i, s_c, acc, acc_c, code, scores, v, PRECISION,
+                                                    ACCUMULATE, EXACT)
     return m_i, s_i, s_c, acc, acc_c, code
 
 
@@ -244,15 +241,16 @@ def _fwd_kernel(
         kpm_ptr = Kpm + off_b.to(tl.int64) * stride_kpb
 
     m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
-    m_i, s_i, s_c, acc, acc_c, _ = _attend(
-        m_i, s_i, s_c, acc, acc_c, 0.0, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
+    code = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fold_keys: only an exact pass writes it
+    m_i, s_i, s_c, acc, acc_c, code = _attend(
+        m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
         bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         lo, mid, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
         False,
     )
-    m_i, s_i, s_c, acc, acc_c, _ = _attend(
-        m_i, s_i, s_c, acc, acc_c, 0.0, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
+    m_i, s_i, s_c, acc, acc_c, code = _attend(
+        m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
         bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         mid, hi, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
@@ -266,7 +264,7 @@ def _fwd_kernel(
         EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
         m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
         m_i, s_i, s_c, acc, acc_c, code = _attend(
-            m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), q, q_lo, q_c, offs_m,
+            m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m,
             tl.arange(0, EXACT_N), offs_d, offs_dv, K + k_off, V + v_off,
             bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
             lo, hi, seqlen_k, causal_shift, qk_scale,
@@ -497,13 +495,7 @@ plan.__doc__ = _plan.__doc__
 
 def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
     """Install (or with None remove) a tuned (BLOCK_M, BLOCK_N, warps, stages) for a tuning key."""
-    if config is None:
-        _TUNED.pop(key, None)
-    else:
-        _TUNED[key] = tuple(config)
-    _plan_cached.cache_clear()
-    _PROGRAMS.clear()
-    _VARLEN_PROGRAMS.clear()
+    install_config(_TUNED, key, config, _plan_cached, _PROGRAMS, _VARLEN_PROGRAMS)
 
 
 def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .dots import f16_pair, matmul_f16x3, pow2, scale_exponent
 from .host import canonical_device, cdiv, device_info, next_pow2
-from .launch import Launch, Program, ProgramCache
+from .launch import Launch, Program, ProgramCache, install_config
 from .precision import resolve_precision
 
 __all__ = ["GemmPlan", "SplitOperand", "gemm", "gemm_plan", "split_rows", "ACTIVATIONS"]
@@ -303,12 +303,7 @@ _TUNED: dict = {}
 def set_config(precision: str, config: tuple | None) -> None:
     """Install (or with None remove) the (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a resolved precision
     (the benchmarks' sweeps use it)."""
-    if config is None:
-        _TUNED.pop(precision, None)
-    else:
-        _TUNED[precision] = tuple(config)
-    _plan.cache_clear()
-    _PROGRAMS.clear()
+    install_config(_TUNED, precision, config, _plan, _PROGRAMS)
 
 
 def gemm_plan(M: int, N: int, K: int, device=None, precision: str = "auto", slices: int | None = None,

@@ -31,7 +31,9 @@ from collections import OrderedDict
 import torch
 import triton
 
-__all__ = ["AttentionProgram", "Launch", "Program", "ProgramCache", "signature", "interpreting"]
+__all__ = [
+    "AttentionProgram", "Launch", "Program", "ProgramCache", "signature", "interpreting", "install_config",
+]
 
 _JIT = triton.runtime.JITFunction
 
@@ -198,3 +200,15 @@ class ProgramCache:
 
     def __len__(self) -> int:
         return len(self._programs)
+
+
+def install_config(table: dict, key, config, *planned) -> None:
+    """Install a tuned launch config under ``key`` in ``table`` (with ``config=None``: remove it), and empty
+    what was planned from the table: each of ``planned`` is a ``functools`` cache or a
+    :class:`ProgramCache`."""
+    if config is None:
+        table.pop(key, None)
+    else:
+        table[key] = tuple(config)
+    for cache in planned:
+        cache.cache_clear() if hasattr(cache, "cache_clear") else cache.clear()

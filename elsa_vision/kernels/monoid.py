@@ -16,10 +16,10 @@ row whatever its key and value rows hold, a visible key's non-finite value reach
 ``fold_tile`` product ``P V`` breaks the first half where a hidden key's value is NaN or infinite
 (``0 * NaN``), so every kernel runs a fast pass with ``fold_tile`` and checks its result
 (``count_nonfinite``): only a program whose state holds a NaN or an infinity redoes its keys in an exact
-pass, which records the visible keys' non-finite value entries apart (``fold_nonfinite``, added to ``W`` at
-the end by ``nonfinite_values``) and folds the finite part of the values (``finite_part``): a hidden key's
-weight is an exact 0 and meets only finite numbers. ``merge_states`` carries
-non-finite entries of ``W`` unscaled.
+pass (``fold_keys`` with ``EXACT``), which records the visible keys' non-finite value entries apart
+(``fold_nonfinite``, added to ``W`` at the end by ``nonfinite_values``) and folds the finite part of the
+values (``finite_part``): a hidden key's weight is an exact 0 and meets only finite numbers.
+``merge_states`` carries non-finite entries of ``W`` unscaled.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .dots import f16_pair, matmul, matmul_f16x3, pow2, split_f16
 __all__ = [
     "ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias",
     "add_bias", "finite_part", "count_nonfinite", "fold_nonfinite", "nonfinite_values",
-    "identity_state", "settle_sums",
+    "identity_state", "settle_sums", "fold_keys",
 ]
 
 # How each float32 precision's running sums over the key tiles accumulate (``fold_tile``'s ``ACCUMULATE``, a
@@ -208,6 +208,21 @@ def fold_nonfinite(code, visible, v):
     neg = code >= _NEG
     pos = code - tl.where(neg, _NEG, 0.0) >= 1.0
     return tl.where(pos, 1.0, 0.0) + tl.where(neg, _NEG, 0.0)
+
+
+@triton.jit
+def fold_keys(m, s, s_c, w, w_c, code, scores, v, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+              EXACT: tl.constexpr):
+    """One key tile into a running state: ``fold_tile``, and under ``EXACT`` (a kernel's exact pass) the rule
+    that a hidden key (score ``-inf``) adds nothing whatever its value holds: the visible keys' non-finite
+    value entries go to ``code`` (``fold_nonfinite``) and the finite part of ``v`` is folded. Without
+    ``EXACT``, ``code`` comes back untouched: a kernel's fast pass carries a zero code through its loop (the
+    compiler drops it) and hands it, still zero, to the exact pass."""
+    if EXACT:
+        code = fold_nonfinite(code, scores != float("-inf"), v)
+        v = finite_part(v)
+    m, s, s_c, w, w_c = fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION, ACCUMULATE)
+    return m, s, s_c, w, w_c, code
 
 
 @triton.jit

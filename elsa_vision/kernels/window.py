@@ -39,8 +39,7 @@ from .monoid import (
     count_nonfinite,
     finalize_state,
     finite_part,
-    fold_nonfinite,
-    fold_tile,
+    fold_keys,
     identity_state,
     nonfinite_values,
     settle_sums,
@@ -65,7 +64,7 @@ def _window_keys(
 ):
     """Fold the key tiles of one window into the state of one query tile (``qn``: its logit operand).
     ``EXACT``: the exact pass (a ``-inf`` in the bias or mask hides its key whatever the product, and
-    the exact fold of ``monoid``: the visible keys' non-finite values go to ``code``); otherwise ``code`` is
+    ``monoid.fold_keys``: the visible keys' non-finite values go to ``code``); otherwise ``code`` is
     returned untouched. Swin's ``-100`` shift mask hides nothing: its keys keep a tiny weight."""
     for start_n in range(0, N, BLOCK_N):
         cols = start_n + offs_n
@@ -94,10 +93,8 @@ def _window_keys(
         else:
             scores = scores + add * _LOG2E
         scores = tl.where(col_ok[None, :], scores, float("-inf"))
-        if EXACT:  # the exact fold (monoid): non-finite values to `code`, the finite part to the state
-            code = fold_nonfinite(code, scores != float("-inf"), v)
-            v = finite_part(v)
-        m_i, s_i, s_c, acc, acc_c = fold_tile(m_i, s_i, s_c, acc, acc_c, scores, v, PRECISION, ACCUMULATE)
+        m_i, s_i, s_c, acc, acc_c, code = fold_keys(m_i, s_i, s_c, acc, acc_c, code, scores, v, PRECISION,
+                                                    ACCUMULATE, EXACT)
     return m_i, s_i, s_c, acc, acc_c, code
 
 
@@ -168,8 +165,9 @@ def _window_fwd_kernel(
             mask_rows = Mask + (b64 % nW) * stride_mw + rows64[:, None] * stride_mm
 
         m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
-        m_i, s_i, s_c, acc, acc_c, _ = _window_keys(
-            m_i, s_i, s_c, acc, acc_c, 0.0, qn, q_scale, row_in, offs_n, offs_d, offs_dv, k_base, v_base,
+        code = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fold_keys: only an exact pass writes it
+        m_i, s_i, s_c, acc, acc_c, code = _window_keys(
+            m_i, s_i, s_c, acc, acc_c, code, qn, q_scale, row_in, offs_n, offs_d, offs_dv, k_base, v_base,
             bias_rows, mask_rows, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
             D, DV, BLOCK_M, BLOCK_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, False)
         s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
@@ -179,7 +177,7 @@ def _window_fwd_kernel(
             EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
             m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
             m_i, s_i, s_c, acc, acc_c, code = _window_keys(
-                m_i, s_i, s_c, acc, acc_c, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), qn, q_scale,
+                m_i, s_i, s_c, acc, acc_c, code, qn, q_scale,
                 row_in, tl.arange(0, EXACT_N), offs_d, offs_dv, k_base, v_base, bias_rows, mask_rows,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
                 D, DV, BLOCK_M, EXACT_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, True)
