@@ -1,18 +1,22 @@
-"""Context-parallel ELSA: one sequence over several GPUs vs one GPU, FP32.
+"""Context-parallel ELSA: one sequence over several GPUs vs one GPU, FP32 (FP32-accurate) and bf16.
 
 Launched with torchrun, one process per device; every case is measured twice in the same job: on rank 0 alone
 (the one-device baseline, the other ranks wait at a barrier) and split over all ranks
 (:func:`elsa_vision.distributed.context_parallel_attention`, ring of K/V shards). Reported per case: median
 seconds (forward, and forward + backward for attention), the speed-up (one device / all ranks), the peak
 allocated memory of every rank and of the baseline, and the relative error of the context-parallel output
-against the one-device output (gathered on rank 0).
+against the one-device output (gathered on rank 0). Attention cases above ``--one-device-max-tokens`` (the
+``long`` sweep's 512K and 1M tokens) are not run on one device: its time is extrapolated from the largest
+measured case of the same kind (work as ``H * N^2``, memory as ``H * N``; column ``one_device``).
 
-    torchrun --nproc-per-node 2 -m benchmarks.context_parallel                    # GPUs: both cases
-    torchrun --nproc-per-node 2 -m benchmarks.context_parallel --cases attention  # one case per call
+    torchrun --nproc-per-node 2 -m benchmarks.context_parallel                    # GPUs: attention and vit
+    torchrun --nproc-per-node 2 -m benchmarks.context_parallel --cases attention  # one sweep per call
+    torchrun --nproc-per-node 4 -m benchmarks.context_parallel --cases long       # 256K, 512K, 1M tokens
     torchrun --nproc-per-node 2 -m benchmarks.context_parallel --device cpu --quick  # gloo smoke run
 
-Goals (2x H200): 256K-token FP32 attention (B=1, H=16, D=64) with per-GPU peak memory about half of one GPU's
-and a speed-up >= 1.7x; ViT-B/16 forward on an 8192 x 8192 image (262,145 tokens) split over 2 GPUs.
+Goals: 256K-token FP32 attention (B=1, H=16, D=64) forward+backward on 2 GPUs >= 1.9x one GPU with a per-GPU
+peak <= 0.55 of one GPU's; 1M tokens on 4 GPUs >= 3.5x one GPU's (extrapolated) time with a per-GPU peak
+<= 0.3 of its memory; ViT-B/16 forward on an 8192 x 8192 image (262,145 tokens) split over 2 GPUs.
 """
 
 from __future__ import annotations
@@ -54,11 +58,19 @@ class AttentionCase:
     causal: bool = False
     layout: str = "contiguous"
     backward: bool = True
+    dtype: str = "float32"
 
     @property
     def name(self) -> str:
         causal = " causal" if self.causal else ""
-        return f"attention B{self.B} H{self.H} N{self.N} D{self.D}{causal} {self.layout}"
+        dtype = "" if self.dtype == "float32" else f" {self.dtype}"
+        return f"attention B{self.B} H{self.H} N{self.N} D{self.D}{causal} {self.layout}{dtype}"
+
+    def scale_to(self, other: AttentionCase) -> tuple[float, float]:
+        """The factors from this case's one-device time and memory to ``other``'s: work grows as
+        ``B * H * N^2`` (``N^2 / 2`` causal, for both), memory as ``B * H * N``."""
+        heads = (other.B * other.H) / (self.B * self.H)
+        return heads * (other.N / self.N) ** 2, heads * other.N / self.N
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,23 +84,31 @@ class ViTCase:
         return f"{self.model} {self.img_size}x{self.img_size} forward"
 
 
-# The declared sweeps (goal cases last).
+# The declared sweeps. `long` starts with the one-device reference of its larger cases, which one device
+# is not run on (see --one-device-max-tokens): their one-device time and memory are extrapolated from it.
 FULL = {
     "attention": [
         AttentionCase(1, 16, 65536, 64),
         AttentionCase(1, 16, 65536, 64, causal=True, layout="zigzag"),
         AttentionCase(1, 16, 262144, 64),
+        AttentionCase(1, 16, 262144, 64, dtype="bfloat16"),
+    ],
+    "long": [
+        *(AttentionCase(1, 8, n, 64, dtype=dtype)
+          for dtype in ("float32", "bfloat16") for n in (262144, 524288, 1048576)),  # fmt: skip
     ],
     "vit": [ViTCase("elsa_vit_base_patch16_224", 4096), ViTCase("elsa_vit_base_patch16_224", 8192)],
 }
 QUICK = {
     "attention": [AttentionCase(1, 2, 1031, 16), AttentionCase(1, 2, 1031, 16, causal=True, layout="zigzag")],
+    "long": [AttentionCase(1, 2, n, 16, dtype=d) for d in ("float32", "bfloat16") for n in (1031, 2062)],
     "vit": [ViTCase("elsa_vit_tiny_patch16_224", 112)],
 }
+ONE_DEVICE_MAX_TOKENS = {"full": 262144, "quick": 1031}
 GOAL = {"attention_tokens": 262144, "peak_fraction": 0.5, "speed_up": 1.7, "vit_img_size": 8192}
-COLUMNS = columns("case", "world", "precision", "tokens", "fwd_s_1dev", "fwd_s_cp", "fwd_speed_up",
-                  "fwdbwd_s_1dev", "fwdbwd_s_cp", "fwdbwd_speed_up", "peak_mb_1dev", "peak_mb_cp_per_rank",
-                  "peak_fraction", "relerr_vs_1dev", "host")
+COLUMNS = columns("case", "world", "precision", "dtype", "tokens", "one_device", "fwd_s_1dev", "fwd_s_cp",
+                  "fwd_speed_up", "fwdbwd_s_1dev", "fwdbwd_s_cp", "fwdbwd_speed_up", "peak_mb_1dev",
+                  "peak_mb_cp_per_rank", "peak_fraction", "relerr_vs_1dev", "host")
 
 
 def _peak_mb(device: torch.device) -> float | None:
@@ -109,19 +129,23 @@ def _all_peaks(value: float | None, device: torch.device) -> list[float | None]:
     return [None if float(b) < 0 else round(float(b), 1) for b in bufs]
 
 
-def run_attention(case: AttentionCase, device: torch.device, precision: str, repeats: int) -> dict:
+def run_attention(case: AttentionCase, device: torch.device, precision: str, repeats: int,
+                  one_device: bool = True) -> dict:
+    """One case on all ranks, and first (``one_device``) on rank 0 alone."""
     rank = dist.get_rank()
     gen = torch.Generator(device="cpu").manual_seed(0)
     shape = (case.B, case.H, case.N, case.D)
+    dtype = getattr(torch, case.dtype)
 
     def full(seed_offset: int) -> torch.Tensor:
         gen.manual_seed(seed_offset)
-        return torch.randn(shape, generator=gen).to(device)
+        return torch.randn(shape, generator=gen).to(device, dtype)
 
-    row: dict = {"case": case.name, "tokens": case.N}
+    row: dict = {"case": case.name, "tokens": case.N, "dtype": case.dtype,
+                 "one_device": "measured" if one_device else None}  # fmt: skip
     # One device: rank 0 alone.
     out_1 = None
-    if rank == 0:
+    if rank == 0 and one_device:
         q, k, v, do = (full(i) for i in range(4))
         reset_peak(device)
 
@@ -146,7 +170,9 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
     local = []
     for i in range(4):
         gen.manual_seed(i)
-        local.append(shard_sequence(torch.randn(shape, generator=gen), None, layout=case.layout).to(device))
+        whole = torch.randn(shape, generator=gen)
+        local.append(shard_sequence(whole, None, layout=case.layout).to(device, dtype))
+        del whole
     q, k, v, do = local
     reset_peak(device)
 
@@ -169,9 +195,28 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
     out = fwd()
     row["peak_mb_cp_per_rank"] = _all_peaks(_peak_mb(device), device)
     gathered = gather_sequence(out, case.N, None, layout=case.layout)
-    if rank == 0:
-        row["relerr_vs_1dev"] = float((gathered.cpu() - out_1).norm() / out_1.norm())
+    if rank == 0 and out_1 is not None:
+        ref = out_1.double()
+        row["relerr_vs_1dev"] = float((gathered.cpu().double() - ref).norm() / ref.norm())
     return row
+
+
+def extrapolate(row: dict, case: AttentionCase, measured: dict[AttentionCase, dict]) -> None:
+    """Fill the one-device columns of ``row`` (a case one device did not run) from the largest measured case
+    of the same kind (batch, head dim, causality, dtype), scaled by :meth:`AttentionCase.scale_to`."""
+    same = [c for c in measured if (c.B, c.D, c.causal, c.dtype) == (case.B, case.D, case.causal, case.dtype)]
+    if not same:
+        row["one_device"] = "not run"
+        return
+    ref = max(same, key=lambda c: (c.N, c.H))
+    work, memory = ref.scale_to(case)
+    base = measured[ref]
+    for what in ("fwd", "fwdbwd"):
+        if base.get(f"{what}_s_1dev") is not None:
+            row[f"{what}_s_1dev"] = base[f"{what}_s_1dev"] * work
+    if base.get("peak_mb_1dev") is not None:
+        row["peak_mb_1dev"] = base["peak_mb_1dev"] * memory
+    row["one_device"] = f"extrapolated from N{ref.N} H{ref.H}"
 
 
 def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -> dict:
@@ -196,7 +241,8 @@ def run_vit(case: ViTCase, device: torch.device, precision: str, repeats: int) -
     gen = torch.Generator().manual_seed(1)
     img = torch.randn(case.in_chans, case.img_size, case.img_size, generator=gen).to(device)
     p = model.patch_embed.patch_size[0]
-    row: dict = {"case": case.name, "tokens": (case.img_size // p) ** 2 + model.num_prefix_tokens}
+    row: dict = {"case": case.name, "tokens": (case.img_size // p) ** 2 + model.num_prefix_tokens,
+                 "dtype": "float32", "one_device": "measured"}  # fmt: skip
     feats_1 = None
     if rank == 0:
         reset_peak(device)
@@ -231,7 +277,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="small CPU-sized cases (smoke run)")
-    ap.add_argument("--cases", default="attention,vit", help="comma list of: attention, vit")
+    ap.add_argument("--cases", default="attention,vit", help="comma list of: attention, long, vit")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="attention cases of these dtypes only (comma list of float32, bfloat16)")
+    ap.add_argument(
+        "--one-device-max-tokens",
+        type=int,
+        default=None,
+        help="attention cases above this many tokens are not run on one device: its time and memory are "
+        "extrapolated from the largest measured case of the same kind (default 262144; 1031 with --quick)",
+    )
     ap.add_argument("--precision", default="auto", help="ELSA float32 precision (auto, ieee, tf32x3, tf32)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (median; one warm-up)")
     ap.add_argument(
@@ -241,7 +296,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     kinds = [c.strip() for c in args.cases.split(",") if c.strip()]
     for kind in kinds:
         if kind not in FULL:
-            raise SystemExit(f"--cases: unknown case kind {kind!r}; expected attention and/or vit")
+            raise SystemExit(f"--cases: unknown case kind {kind!r}; expected some of {', '.join(FULL)}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
+        raise SystemExit(f"--dtypes: expected some of float32, bfloat16, got {args.dtypes!r}")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -264,12 +322,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 device_id=device if args.device == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     sweep = QUICK if args.quick else FULL
+    max_tokens = args.one_device_max_tokens or ONE_DEVICE_MAX_TOKENS["quick" if args.quick else "full"]
     rows = []
+    measured: dict[AttentionCase, dict] = {}  # rank 0: the attention cases one device ran
     try:
         for kind in kinds:
             for case in sweep[kind]:
-                fn = run_attention if kind == "attention" else run_vit
-                row = fn(case, device, args.precision, args.repeats)
+                if isinstance(case, AttentionCase):
+                    if case.dtype not in dtypes:
+                        continue
+                    one = case.N <= max_tokens
+                    row = run_attention(case, device, args.precision, args.repeats, one_device=one)
+                    if rank == 0:
+                        if one:
+                            measured[case] = row
+                        else:
+                            extrapolate(row, case, measured)
+                else:
+                    row = run_vit(case, device, args.precision, args.repeats)
                 if rank == 0:
                     row.update(world=world, precision=args.precision)
                     for what in ("fwd", "fwdbwd"):

@@ -1,28 +1,42 @@
-"""Training throughput of the ImageNet recipe: ElsaViT-B/16 vs timm's stock ViT-B/16, same recipe, one run.
+"""Training throughput of the ImageNet recipe on 1..N devices: ElsaViT vs timm's ViT, same recipe, one run.
 
 Both peers are built from the project's Hydra configs (`configs/`): `data=imagefolder` (timm transforms,
-workers, batch size), `model=elsa_vit_b` (ClassificationModule, AdamW, cosine warm-up schedule, label
-smoothing, drop path). The only difference is the backbone: `elsa_vit_base_patch16_224` (ELSA attention) or
-timm's `vit_base_patch16_224` (`F.scaled_dot_product_attention`). FP32 (`precision=32-true`, TF32 off) on one
-device. The data is a synthetic ImageFolder of ImageNet-sized JPEGs (500 x 375 px noise images) written to a
-temporary folder, or an existing `root/{train,val}/<class>/*` tree given with `--root`.
+workers, batch size per device), `model=elsa_vit_b` or `model=elsa_vit_l` (ClassificationModule, AdamW,
+cosine warm-up schedule, label smoothing, drop path) and, on several devices, `trainer=ddp` or `trainer=fsdp`
+(the strategy those configs instantiate). The only difference is the backbone: `elsa_vit_base_patch16_224`
+(ELSA attention, FP32-accurate split GEMMs in float32) or timm's `vit_base_patch16_224`
+(`F.scaled_dot_product_attention`, PyTorch's GEMMs). Precisions are Lightning's (`32-true` with TF32 off,
+`bf16-mixed`). The data is a synthetic ImageFolder of ImageNet-sized JPEGs (500 x 375 px noise images) written
+once to a temporary folder, or an existing `root/{train,val}/<class>/*` tree given with `--root`.
 
-Per peer: the median time of one training step (forward, backward, optimiser; device-synchronised, after
-`--warmup` steps) as `compute` images/s, and images over wall time from the first timed step to the last as
-`end_to_end` images/s (includes waiting for the data loader). Rows go to
-`logs/benchmarks/train_throughput_<device>.csv` (or `--out`); the ratio elsa / timm is printed.
+`--devices 1,2,4` runs every world size in turn: one device in this process, N devices as N processes of
+`torchrun` (one per GPU, NCCL; gloo processes with `--device cpu`), each rank with the per-device batch size.
+Per world size, precision and peer: the median time of one training step on rank 0 (forward, backward,
+gradient reduction, optimiser; device-synchronised, after `--warmup` steps) as `img_per_s_compute` (all
+ranks' images per step over it) and `img_per_s_per_device`; images over the wall time from the first timed
+step to the last as `img_per_s_end_to_end` (includes waiting for the data loaders); the largest peak of
+allocated memory over the ranks; `scaling` (images/s over the world size times the one-device images/s of the
+same peer and precision) and `vs_timm` (ELSA over timm at the same world size and precision). Rows go to
+`logs/benchmarks/train_throughput_<device>.csv` (or `--out`).
 
-    python -m benchmarks.train_throughput                       # CUDA: ViT-B/16, 224 px, batch 64
-    python -m benchmarks.train_throughput --quick --device cpu  # smoke run: ViT-Ti, 64 px, a few steps
+    python -m benchmarks.train_throughput                                 # one GPU: ViT-B/16 224 px b64 FP32
+    python -m benchmarks.train_throughput --devices 1,2,4 --precisions 32-true,bf16-mixed   # DDP scaling
+    python -m benchmarks.train_throughput --devices 1,2,4 --model elsa_vit_l --strategy fsdp --batch-size 32
+    python -m benchmarks.train_throughput --quick --device cpu              # smoke run: ViT-Ti, 64 px
+    python -m benchmarks.train_throughput --quick --device cpu --devices 1,2  # the DDP path on gloo processes
 
-Goal (H100): ElsaViT-B fp32 training images/s >= 1.1x timm's stock ViT-B with the same recipe.
+Goals (H100): ElsaViT-B FP32 images/s >= 1.1x timm's with the same recipe; DDP on 2 / 4 GPUs >= 1.9x / 3.7x
+one GPU's images/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,39 +45,74 @@ import torch
 
 from benchmarks.common import ROOT, Results, add_out_dir, columns, device_tag, run_info, step_timer
 
-COLUMNS = columns("peer", "backbone", "img_size", "batch", "steps", "step_ms", "img_per_s_compute",
-                  "img_per_s_end_to_end")
-# The recipe (model config, backbones, data geometry) and the step counts of the full and the smoke run.
-FULL = dict(model="elsa_vit_b", elsa="elsa_vit_base_patch16_224", timm="vit_base_patch16_224",
-            img_size=224, batch=64, classes=10, per_class=160, steps=30, warmup=5, workers=8)  # fmt: skip
-QUICK = dict(model="elsa_vit_t", elsa="elsa_vit_tiny_patch16_224", timm="vit_tiny_patch16_224",
-             img_size=64, batch=4, classes=2, per_class=8, steps=3, warmup=1, workers=0)  # fmt: skip
+COLUMNS = columns("world", "strategy", "precision", "peer", "backbone", "img_size", "batch_per_device",
+                  "steps", "step_ms", "img_per_s_compute", "img_per_s_per_device", "img_per_s_end_to_end",
+                  "peak_mb_per_rank", "scaling", "vs_timm")  # fmt: skip
+# The timm peer of each ELSA backbone (same architecture, stock attention and GEMMs).
+TIMM_PEER = {
+    "elsa_vit_tiny_patch16_224": "vit_tiny_patch16_224",
+    "elsa_vit_base_patch16_224": "vit_base_patch16_224",
+    "elsa_vit_large_patch16_224": "vit_large_patch16_224",
+}
+# The recipe (model config, data geometry) and the step counts of the full and the smoke run.
+FULL = dict(model="elsa_vit_b", img_size=224, batch=64, classes=10, steps=20, warmup=5, workers=8)
+QUICK = dict(model="elsa_vit_t", img_size=64, batch=4, classes=2, steps=3, warmup=1, workers=0)
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+STRATEGIES = ("ddp", "fsdp")
+UNIQUE_IMAGES = 64  # distinct JPEGs per split; the rest of the tree links to them (decoded all the same)
 
 
 def make_imagefolder(root: Path, classes: int, per_class: int, size=(500, 375), seed: int = 0) -> Path:
-    """``root/{train,val}/class_<i>/<n>.jpg`` of random-noise JPEGs (quality 90), decoded like ImageNet's."""
+    """``root/{train,val}/class_<i>/<n>.jpg`` of random-noise JPEGs (quality 90), decoded like ImageNet's.
+    At most ``UNIQUE_IMAGES`` files per split are encoded; the others are hard links to them (a copy where
+    the file system has none), so that a tree of thousands of images is written in seconds."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     for split, n in (("train", per_class), ("val", max(2, per_class // 8))):
+        written: list[Path] = []
         for c in range(classes):
             folder = root / split / f"class_{c}"
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.jpg", quality=90)
+                path = folder / f"{i}.jpg"
+                if len(written) < UNIQUE_IMAGES:
+                    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+                    Image.fromarray(pixels).save(path, quality=90)
+                    written.append(path)
+                    continue
+                source = written[(c * n + i) % len(written)]
+                try:
+                    os.link(source, path)
+                except OSError:
+                    shutil.copyfile(source, path)
     return root
 
 
-def run_peer(peer: str, spec: dict, root: Path, device: torch.device) -> dict:
-    """Fit ``warmup + steps`` steps of the recipe with one backbone; return the timing row."""
+def _backbone(spec: dict, peer: str) -> str:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        elsa = compose(config_name="train", overrides=[f"model={spec['model']}"]).model.net.model_name
+    if peer == "elsa":
+        return elsa
+    if elsa not in TIMM_PEER:
+        raise SystemExit(f"no timm peer for {elsa} (known: {', '.join(TIMM_PEER)})")
+    return TIMM_PEER[elsa]
+
+
+def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.device) -> dict:
+    """Fit ``warmup + steps`` steps of the recipe with one backbone on this process's share of the world
+    (every rank calls it); return rank 0's timing row, with the largest peak memory over the ranks."""
     import hydra
     import lightning as L
+    import torch.distributed as dist
     from hydra import compose, initialize_config_dir
 
     from elsa_vision.tasks.train import instantiate_data
 
+    world = dist.get_world_size() if dist.is_initialized() else 1
     overrides = [
         "data=imagefolder",
         f"data.root={root}",
@@ -73,26 +122,27 @@ def run_peer(peer: str, spec: dict, root: Path, device: torch.device) -> dict:
         f"data.pin_memory={device.type == 'cuda'}",
         f"data.img_size={spec['img_size']}",
         f"model={spec['model']}",
+        f"trainer={spec['strategy']}",
+        f"model.net.model_name={_backbone(spec, peer)}",
     ]
     if peer == "timm":
-        overrides += [
-            f"model.net.model_name={spec['timm']}",
-            "~model.net.attn_backend",
-            "~model.net.attn_precision",
-            "~model.net.linear_backend",
-        ]
-    else:
-        overrides += [f"model.net.model_name={spec['elsa']}"]
+        overrides += ["~model.net.attn_backend", "~model.net.attn_precision", "~model.net.linear_backend"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     L.seed_everything(0, workers=True)
     datamodule = instantiate_data(cfg)
     model = hydra.utils.instantiate(cfg.model, _convert_="partial")
+    # One device: Lightning's plain single-device loop; several: the strategy of trainer=ddp|fsdp.
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy) if world > 1 else "auto"
     timer = step_timer(spec["warmup"])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
-        precision="32-true",
+        devices=world,
+        num_nodes=1,
+        strategy=strategy,
+        precision=precision,
         max_steps=spec["warmup"] + spec["steps"],
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -106,69 +156,173 @@ def run_peer(peer: str, spec: dict, root: Path, device: torch.device) -> dict:
     if len(timer.steps) < spec["steps"]:
         raise RuntimeError(
             f"{peer}: {len(timer.steps)} timed steps, expected {spec['steps']} (too few images "
-            f"for warmup + steps at batch {spec['batch']}?)"
+            f"for warmup + steps at batch {spec['batch']} on {world} device(s)?)"
         )
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    peaks = [peak]
+    if world > 1:
+        peaks = [None] * world
+        dist.all_gather_object(peaks, peak)
     step = statistics.median(timer.steps)
     wall = timer.last - timer.first
+    del trainer, model, datamodule
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return {
+        "world": world,
+        "strategy": spec["strategy"] if world > 1 else "single",
+        "precision": precision,
         "peer": peer,
         "backbone": cfg.model.net.model_name,
         "img_size": spec["img_size"],
-        "batch": spec["batch"],
+        "batch_per_device": spec["batch"],
         "steps": len(timer.steps),
         "step_ms": round(step * 1e3, 3),
-        "img_per_s_compute": round(spec["batch"] / step, 2),
-        "img_per_s_end_to_end": round(spec["batch"] * len(timer.steps) / wall, 2),
+        "img_per_s_compute": round(world * spec["batch"] / step, 2),
+        "img_per_s_per_device": round(spec["batch"] / step, 2),
+        "img_per_s_end_to_end": round(world * spec["batch"] * len(timer.steps) / wall, 2),
+        "peak_mb_per_rank": None if peaks[0] is None else round(max(peaks), 1),
     }
 
 
-def main(argv: list[str] | None = None) -> str:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def run_world(spec: dict, precisions: list[str], root: Path, device: torch.device) -> list[dict]:
+    """Every precision and peer on this process (one device, or one rank of a torchrun world)."""
+    return [run_peer(peer, precision, spec, root, device)
+            for precision in precisions for peer in ("timm", "elsa")]  # fmt: skip
+
+
+def _worker(a, spec: dict) -> None:
+    """One rank of a ``torchrun`` world: join the group, run every case, rank 0 writes the rows as JSON."""
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    if a.device == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        rows = run_world(spec, a.precisions, Path(a.root), device)
+        if dist.get_rank() == 0:
+            Path(a.worker_json).write_text(json.dumps(rows))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world: int, argv: list[str], root: Path, tmp: Path, device: str) -> list[dict]:
+    """Run this script as ``world`` torchrun processes on the same arguments; return rank 0's rows."""
+    out = tmp / f"rows_{world}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "benchmarks.train_throughput", *argv,
+           "--root", str(root), "--worker-json", str(out)]  # fmt: skip
+    env = dict(os.environ, PROJECT_ROOT=str(ROOT))
+    if device == "cuda" and "CUDA_VISIBLE_DEVICES" not in env:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
+    done = subprocess.run(cmd, cwd=ROOT, env=env)
+    if done.returncode != 0 or not out.exists():
+        raise SystemExit(f"{world} processes: torchrun exited with {done.returncode} ({' '.join(cmd)})")
+    return json.loads(out.read_text())
+
+
+def _ratios(rows: list[dict]) -> None:
+    """``scaling`` against the one-device row and ``vs_timm`` against timm's row, in place."""
+    one = {(r["precision"], r["peer"]): r for r in rows if r["world"] == 1}
+    timm = {(r["world"], r["precision"]): r for r in rows if r["peer"] == "timm"}
+    for r in rows:
+        base = one.get((r["precision"], r["peer"]))
+        if base is not None:
+            r["scaling"] = round(r["img_per_s_compute"] / (r["world"] * base["img_per_s_compute"]), 3)
+        peer = timm.get((r["world"], r["precision"]))
+        if peer is not None and r["peer"] == "elsa":
+            r["vs_timm"] = round(r["img_per_s_compute"] / peer["img_per_s_compute"], 3)
+
+
+def _parse(argv: list[str]):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="ViT-Ti at 64 px, a few steps (any device)")
+    p.add_argument("--devices", default="1",
+                   help="comma list of world sizes, run in turn (N > 1: N torchrun processes; default 1)")
+    p.add_argument("--precisions", default="32-true",
+                   help=f"comma list of Lightning precisions ({', '.join(PRECISIONS)}; default 32-true)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="trainer config of N > 1 devices")
+    p.add_argument("--model", default=None,
+                   help="model config (elsa_vit_t/b/l; default elsa_vit_b, elsa_vit_t with --quick)")
     p.add_argument(
         "--root", default=None, help="existing root/{train,val}/<class>/* tree (default: synthetic)"
     )
-    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="images per device and step")
     p.add_argument("--steps", type=int, default=None, help="timed steps per peer")
-    p.add_argument("--workers", type=int, default=None, help="data loader workers")
+    p.add_argument("--workers", type=int, default=None, help="data loader workers per device")
+    p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)  # a torchrun rank of _launch
     add_out_dir(p)
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    spec = dict(QUICK if a.quick else FULL)
-    for key, val in (("batch", a.batch_size), ("steps", a.steps), ("workers", a.workers)):
+    try:
+        a.devices = sorted({int(n) for n in a.devices.split(",") if n.strip()})
+    except ValueError:
+        raise SystemExit(f"--devices: expected a comma list of integers, got {a.devices!r}") from None
+    if not a.devices or a.devices[0] < 1:
+        raise SystemExit(f"--devices: world sizes must be >= 1, got {a.devices}")
+    a.precisions = [s.strip() for s in a.precisions.split(",") if s.strip()]
+    bad = [s for s in a.precisions if s not in PRECISIONS]
+    if bad or not a.precisions:
+        raise SystemExit(f"--precisions: expected some of {', '.join(PRECISIONS)}, got {bad or a.precisions}")
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device (use --device cpu)")
+        if a.devices[-1] > torch.cuda.device_count() and a.worker_json is None:
+            raise SystemExit(f"--devices {a.devices[-1]}: only {torch.cuda.device_count()} GPU(s) visible")
+    return a
+
+
+def main(argv: list[str] | None = None) -> str | None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = _parse(argv)
+    spec = dict(QUICK if a.quick else FULL, strategy=a.strategy)
+    for key, val in (("model", a.model), ("batch", a.batch_size), ("steps", a.steps), ("workers", a.workers)):
         if val is not None:
             spec[key] = val
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+    if a.worker_json is not None:
+        _worker(a, spec)
+        return None
+    device = torch.device(a.device)
     with tempfile.TemporaryDirectory() as tmp:
         if a.root is None:
-            per_class = max(
-                spec["per_class"], -(-spec["batch"] * (spec["warmup"] + spec["steps"]) // spec["classes"])
-            )
+            # enough training images for every rank of the largest world to reach its last step in one epoch
+            need = a.devices[-1] * spec["batch"] * (spec["warmup"] + spec["steps"])
+            per_class = -(-need // spec["classes"])
             size = (96, 72) if a.quick else (500, 375)
             root = make_imagefolder(Path(tmp) / "imagefolder", spec["classes"], per_class, size=size)
         else:
             root = Path(a.root)
             if not (root / "train").is_dir():
                 raise SystemExit(f"--root {root}: expected a train/ folder of class folders")
-        rows = [run_peer(peer, spec, root, device) for peer in ("timm", "elsa")]
+        rows: list[dict] = []
+        for world in a.devices:
+            if world == 1:
+                rows += run_world(spec, a.precisions, root, device)
+            else:
+                rows += _launch(world, argv, root, Path(tmp), a.device)
+    _ratios(rows)
     meta = run_info(device, __file__, argv)
     path = a.out / f"train_throughput_{device_tag(device)}{'_quick' if a.quick else ''}.csv"
     with Results(path, COLUMNS, meta) as out:
         out.write_all(rows)
     for r in rows:
         print(
-            f"{r['peer']:5s} {r['backbone']:28s} {r['img_per_s_compute']:9.2f} img/s compute "
-            f"({r['step_ms']} ms/step), {r['img_per_s_end_to_end']:9.2f} img/s end to end"
+            f"{r['world']} x {r['precision']:10s} {r['peer']:5s} {r['backbone']:28s} "
+            f"{r['img_per_s_compute']:9.2f} img/s ({r['img_per_s_per_device']:.2f} per device, "
+            f"{r['step_ms']} ms/step), {r['img_per_s_end_to_end']:9.2f} end to end, "
+            f"peak {r['peak_mb_per_rank']} MB/rank, scaling {r.get('scaling')}, vs timm {r.get('vs_timm')}"
         )
-    t, e = rows
-    print(
-        f"elsa / timm: {e['img_per_s_compute'] / t['img_per_s_compute']:.3f}x compute, "
-        f"{e['img_per_s_end_to_end'] / t['img_per_s_end_to_end']:.3f}x end to end (goal 1.1x); wrote {path}"
-    )
+    print(f"wrote {path}")
     return str(path)
 
 

@@ -20,7 +20,8 @@ FLAGS = {
     "attention_bwd": ["--shapes", "--dtypes", "--peers", "--tiles", "--save-best", "--config-json",
                       "--append", "--out"],
     "clip": ["--device", "--quick", "--warmup", "--reps", "--backend", "--precision", "--tf32", "--out"],
-    "context_parallel": ["--device", "--quick", "--cases", "--precision", "--repeats", "--out"],
+    "context_parallel": ["--device", "--quick", "--cases", "--dtypes", "--one-device-max-tokens",
+                         "--precision", "--repeats", "--out"],
     "decode": ["--device", "--quick", "--nk", "--dtype", "--heads", "--dim", "--nq", "--reps", "--out"],
     "gemm": ["--device", "--quick", "--cases", "--precision", "--goal", "--out"],
     "eca": ["--devices", "--depths", "--lengths", "--dims", "--reps", "--out"],
@@ -28,7 +29,8 @@ FLAGS = {
     "host": ["--calls", "--dtypes", "--breakdown", "--label", "--profile", "--out"],
     "hsi": ["--quick", "--device", "--mode", "--reps", "--json", "--part", "--scene-reps", "--out"],
     "models": ["--device", "--quick", "--cases", "--precision", "--fp32", "--warmup", "--reps", "--out"],
-    "train_throughput": ["--device", "--quick", "--root", "--batch-size", "--steps", "--workers", "--out"],
+    "train_throughput": ["--device", "--quick", "--devices", "--precisions", "--strategy", "--model",
+                         "--root", "--batch-size", "--steps", "--workers", "--out"],
     "vggt": ["--quick", "--full", "--device", "--reps", "--out"],
 }
 
