@@ -412,6 +412,22 @@ def test_refusals_come_before_the_data_or_the_model_is_built(tmp_path, monkeypat
         train_mod.check_training_memory(cfg, available_mb=10)
 
 
+def test_memory_check_counts_a_context_parallel_ranks_share_of_the_tokens(tmp_path):
+    """Under trainer=cp each rank keeps the activations of 1/cp_size of an image's tokens: the estimate's
+    activation part shrinks by cp_size (the parameters, optimizer state and input image stay whole)."""
+    base = TINY_NET + ["data.img_size=512", "trainer.accelerator=cpu"]
+    one = train_mod.check_training_memory(compose_cfg("train", base, tmp_path / "r"), available_mb=1e9)
+    est = {}
+    for cp in (1, 2, 4):
+        cfg = compose_cfg("train", base + ["trainer=cp", "trainer.accelerator=cpu", f"trainer.devices={cp}",
+                                           f"trainer.strategy.cp_size={cp}"], tmp_path / "r")
+        est[cp] = train_mod.check_training_memory(cfg, available_mb=1e9)
+    assert est[1] == pytest.approx(one)
+    fixed = 2 * est[2] - est[1]  # parameters, state and input: what does not shrink
+    assert 0 < fixed < est[2] < est[1]
+    assert est[4] == pytest.approx(fixed + (est[1] - fixed) / 4, rel=1e-3)  # tokens 1025: ceil per rank
+
+
 def test_cli_refusals_are_one_line_and_leave_no_run_directory(tmp_path):
     """A GPU setting on a machine without one and a missing HSI data file: one `error:` line on stderr, no
     traceback, no run directory left in the log directory (evaluate.py: tests/test_evaluate.py)."""

@@ -149,7 +149,8 @@ def check_training_memory(cfg: DictConfig, available_mb: float | None = None) ->
     parameters four times (weights, gradients, AdamW's two moments; divided over the devices under FSDP),
     its buffers, one batch of input images (``data.batch_size x data.in_chans x data.img_size^2`` float32)
     and, for a ViT, the activations one batch keeps for the backward pass (``(6 + 2 mlp_ratio) N C`` floats
-    per block and image, ``N`` tokens of width ``C``). Compared with ``available_mb`` (default: the memory
+    per block and image, ``N`` tokens of width ``C``; under ``trainer=cp`` each rank keeps those of its
+    ``1 / cp_size`` of the tokens). Compared with ``available_mb`` (default: the memory
     of the device that trains, :func:`elsa_vision.utils.accelerator.available_memory_mb`). Returns the
     estimate in MiB (None when the network is built later by the task, from the data).
 
@@ -163,10 +164,13 @@ def check_training_memory(cfg: DictConfig, available_mb: float | None = None) ->
     params = {name: p.numel() * p.element_size() for name, p in net.named_parameters()}
     buffers = sum(b.numel() * b.element_size() for b in net.buffers())
     trainer = cfg.trainer
-    shards = 1
+    shards = context = 1
     strategy = trainer.get("strategy")
-    if isinstance(strategy, DictConfig) and "fsdp" in str(strategy.get("_target_", "")).lower():
+    target = str(strategy.get("_target_", "")).lower() if isinstance(strategy, DictConfig) else ""
+    if "fsdp" in target:
         shards = trainer.get("devices") if isinstance(trainer.get("devices"), int) else 1
+    elif "contextparallel" in target and isinstance(strategy.get("cp_size"), int):
+        context = max(1, strategy.cp_size)  # every rank of a group holds 1/cp_size of an image's tokens
     state = 4 * sum(params.values()) / max(1, shards) + buffers
     data = cfg.get("data") or {}
     batch = int(data.get("batch_size") or 1)
@@ -179,7 +183,7 @@ def check_training_memory(cfg: DictConfig, available_mb: float | None = None) ->
         width = int(net.embed_dim)
         fc1 = getattr(getattr(blocks[0], "mlp", None), "fc1", None) if len(blocks) else None
         ratio = fc1.out_features / width if fc1 is not None else 4.0
-        activations = batch * len(blocks) * (6 + 2 * ratio) * tokens * width * 4
+        activations = batch * len(blocks) * (6 + 2 * ratio) * -(-tokens // context) * width * 4
     total_mb = (state + inputs + activations) / 2**20
     if available_mb is None:
         available_mb, where = available_memory_mb(str(trainer.get("accelerator", "cpu")))
