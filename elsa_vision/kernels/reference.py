@@ -39,6 +39,7 @@ attention) is tested against the functions in this file. Everything here is diff
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -63,6 +64,21 @@ __all__ = [
     "attention_bias_grad",
     "inputs_finite",
 ]
+
+
+def _without_autocast(fn):
+    """``fn`` with autocast off on CPU and CUDA: the reference computes in its inputs' dtype, and autocast
+    would run its products (``@``) in half precision (and hand its custom functions' backward half-precision
+    gradients against float32 operands)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+            return fn(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 class ElsaState(NamedTuple):
@@ -341,6 +357,7 @@ def _exclusive_scan(states: ElsaState, exact: bool = True) -> ElsaState:
     return ElsaState(*(torch.stack(c[:nb]) for c in tree))
 
 
+@_without_autocast
 def scan_attention(
     q: Tensor,
     k: Tensor,
@@ -442,6 +459,7 @@ def state_from_output(out: Tensor, lse: Tensor) -> ElsaState:
     return ElsaState(lse, visible.to(out.dtype), w)
 
 
+@_without_autocast
 def attention_backward(
     do: Tensor,
     q: Tensor,
@@ -495,6 +513,7 @@ def _probs_and_score_grads(scores, do, v, out, lse, delta):
     return p, torch.where(p == 0, torch.zeros_like(ds), ds)
 
 
+@_without_autocast
 def attention_bias_grad(
     do: Tensor,
     q: Tensor,
@@ -542,6 +561,7 @@ def attention_bias_grad(
     return grad.reshape(attn_bias.shape).to(attn_bias.dtype)
 
 
+@_without_autocast
 def softmax_attention(
     q: Tensor,
     k: Tensor,

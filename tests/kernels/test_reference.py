@@ -392,3 +392,40 @@ def test_attention_bias_grad_reduces_broadcast_dims(bias_shape, causal):
                                   max_elements=max_elements)
         assert got.shape == bias.shape
         assert relerr(got, bias.grad) <= 1e-12
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_ignores_autocast(causal):
+    """Under CPU bf16 autocast the reference still computes in its inputs' dtype (float32): the output and
+    the gradients equal those computed outside autocast, and the backward runs (autocast used to round the
+    products to bf16, and the custom functions' backward then met bf16 gradients against float32 operands)."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 37, 16, generator=gen, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 2, 37, 37, generator=gen)
+    do = torch.randn(1, 2, 37, 16, generator=gen)
+    outs, grads = [], []
+    for enabled in (False, True):
+        with torch.autocast("cpu", torch.bfloat16, enabled=enabled):
+            out = scan_attention(q, k, v, attn_bias=bias, causal=causal, block_size=8)
+        assert out.dtype == torch.float32
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), do))
+    assert relerr(outs[1], outs[0]) < 1e-7
+    for g1, g0 in zip(grads[1], grads[0]):
+        assert relerr(g1, g0) < 1e-7
+
+
+def test_elsa_vit_trains_under_cpu_bf16_autocast():
+    """Lightning's bf16-mixed on CPU: an ElsaViT step under autocast runs forward and backward, with finite
+    gradients."""
+    import timm
+
+    import elsa_vision  # noqa: F401  (registers the elsa_* models)
+
+    torch.manual_seed(0)
+    model = timm.create_model("elsa_vit_tiny_patch16_224", img_size=32, num_classes=3).train()
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([0, 2]))
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
