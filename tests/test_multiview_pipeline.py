@@ -477,3 +477,28 @@ def test_per_step_warmup_cosine_schedule(tmp_path):
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi)))
     with pytest.raises(ValueError, match="scheduler_interval must be 'epoch' or 'step'"):
         MultiViewReconstructionModule(ElsaVGGT.from_config("elsa_vggt_small"), scheduler_interval="batch")
+
+
+def test_inference_cli_chunks_give_the_same_outputs_and_show_progress(tmp_path, capsys):
+    """--frames-chunk / --token-chunk bound what one forward holds without changing the outputs (FP32 CPU,
+    1e-6); the progress bar follows reading, the aggregator's layers and writing, on stderr only, and
+    --no-progress hides it; a negative chunk is refused."""
+    frames, _ = _frames_and_weights(tmp_path)
+    common = ["--frames", str(frames), "--weights", str(tmp_path / "w.safetensors"), "--device", "cpu"]
+    infer_main([*common, "--out", str(tmp_path / "a"), "--frames-chunk", "0", "--token-chunk", "0"])
+    err = capsys.readouterr().err
+    for what in ("reading frames", "aggregator", "writing depth maps"):
+        assert what in err
+    infer_main([*common, "--out", str(tmp_path / "b"), "--frames-chunk", "1", "--token-chunk", "5",
+                "--no-progress"])
+    assert capsys.readouterr().err == ""
+    for name in ("00", "01", "02"):
+        a, b = (np.load(tmp_path / run / "depth" / f"{name}.npy") for run in ("a", "b"))
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+    cams_a = json.loads((tmp_path / "a" / "cameras.json").read_text())["frames"]
+    cams_b = json.loads((tmp_path / "b" / "cameras.json").read_text())["frames"]
+    for fa, fb in zip(cams_a, cams_b):
+        assert np.allclose(fa["extrinsics"], fb["extrinsics"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(SystemExit):
+        infer_main([*common, "--out", str(tmp_path / "c"), "--token-chunk", "-1"])
+    assert "--token-chunk must be >= 0" in capsys.readouterr().err

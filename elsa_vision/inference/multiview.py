@@ -2,6 +2,7 @@
 
     python -m elsa_vision.inference.multiview --frames DIR --weights FILE [--config elsa_vggt_small|elsa_vggt]
         --out OUT [--width 518] [--conf-percentile 50] [--device cpu|cuda] [--dtype float32]
+        [--frames-chunk 32] [--token-chunk 65536] [--no-progress]
 
 ``--weights``: a VGGT checkpoint (``model.safetensors``/``model.pt``) or an ElsaVGGT/Lightning state_dict
 (``.safetensors``/``.pt``/``.ckpt`` read with ``weights_only=True``); the architecture (``--config``) is read
@@ -15,6 +16,11 @@ Writes ``OUT/depth/<frame>.npy`` (float32 depth), ``OUT/depth/<frame>.png`` (16-
 depth_png_scale`` from ``cameras.json``), ``OUT/cameras.json`` (camera-from-world extrinsics, intrinsics,
 confidence statistics) and ``OUT/points.ply`` (binary, world points of the pixels whose depth confidence is
 above the given percentile, coloured by the frames). The last stdout line is a JSON summary. FP32 by default.
+Long sequences: the model's per-frame parts run ``--frames-chunk`` frames at a time and its MLPs
+``--token-chunk`` tokens at a time (``ElsaVGGT.set_chunks``; the results are the same, 0 turns a chunking
+off), so that what one forward holds at once grows with the frames only through the global attention's
+inputs and the kept layer outputs. A progress bar on stderr follows the reading of the frames, the
+aggregator's layers and the writing of the depth maps (``--no-progress`` hides it).
 ``--out`` is checked before the model is built: it must be writable, and the outputs of an earlier run there
 are replaced only with ``--overwrite`` (which, once the reconstruction is done, removes what the earlier
 run wrote: the depth maps of the frames its ``cameras.json`` lists, that file and ``points.ply``).
@@ -52,9 +58,10 @@ _EXTS = (".png", ".jpg", ".jpeg")
 
 
 def load_frames(
-    frames_dir: Path, width: int, patch_size: int, max_frames: int | None = None
+    frames_dir: Path, width: int, patch_size: int, max_frames: int | None = None, progress: bool = False
 ) -> tuple[list[str], torch.Tensor]:
-    """Images of ``frames_dir`` -> (names (:func:`frame_names`), ``[S, 3, H, W]`` in [0, 1])."""
+    """Images of ``frames_dir`` -> (names (:func:`frame_names`), ``[S, 3, H, W]`` in [0, 1]), read one by
+    one into one preallocated tensor (``progress``: a bar on stderr)."""
     paths = list_frames(frames_dir, max_frames)
     names = frame_names(paths)
     if width % patch_size:
@@ -63,10 +70,22 @@ def load_frames(
     h0, w0 = first.shape[1:]
     height = min(width, max(patch_size, round(h0 * width / w0 / patch_size) * patch_size))
     eye = torch.eye(3, dtype=torch.float64)
-    imgs = [
-        resize_frame(read_rgb(p) if i else first, eye, (height, width))[0] for i, p in enumerate(paths)
-    ]
-    return names, torch.stack(imgs)
+    imgs = None
+    for i, p in enumerate(_bar(paths, progress, "reading frames", "frame")):
+        img = resize_frame(read_rgb(p) if i else first, eye, (height, width))[0]
+        if imgs is None:
+            imgs = img.new_empty((len(paths), *img.shape))
+        imgs[i] = img
+    return names, imgs
+
+
+def _bar(items, progress: bool, desc: str, unit: str, total: int | None = None):
+    """``items`` under a tqdm bar on stderr when ``progress``."""
+    if not progress:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, total=total, file=sys.stderr)
 
 
 def list_frames(frames_dir: Path, max_frames: int | None = None) -> list[Path]:
@@ -122,11 +141,22 @@ def build_model(
 
 @torch.no_grad()
 def reconstruct(
-    model: ElsaVGGT, images: torch.Tensor, dtype: torch.dtype = torch.float32
+    model: ElsaVGGT, images: torch.Tensor, dtype: torch.dtype = torch.float32, progress: bool = False
 ) -> dict[str, torch.Tensor]:
-    """``images [S, 3, H, W]`` -> depth ``[S, H, W]``, conf, extrinsics ``[S, 3, 4]``, intrinsics, points."""
+    """``images [S, 3, H, W]`` -> depth ``[S, H, W]``, conf, extrinsics ``[S, 3, 4]``, intrinsics, points
+    (``progress``: a bar on stderr over the aggregator's layers)."""
     H, W = images.shape[-2:]
-    out = model(images[None].to(dtype))
+    hooks = []
+    if progress:
+        bar = _bar(None, True, "aggregator", "layer", total=len(model.aggregator.global_blocks))
+        hooks = [b.register_forward_hook(lambda *_: bar.update()) for b in model.aggregator.global_blocks]
+    try:
+        out = model(images[None].to(dtype))
+    finally:
+        for h in hooks:
+            h.remove()
+        if progress:
+            bar.close()
     ext, intr = pose_encoding_to_extri_intri(out["pose_enc"][0].double(), (H, W))
     depth = out["depth"][0, ..., 0].double()
     pts = depth_to_world_points(depth, ext, intr)
@@ -179,6 +209,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     add_device_argument(ap)
     ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    ap.add_argument("--frames-chunk", type=int, default=32,
+                    help="frames at a time through the per-frame parts of the model (0: all at once)")
+    ap.add_argument("--token-chunk", type=int, default=65536,
+                    help="tokens at a time through every MLP (0: all at once)")
+    ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     ap.add_argument(
         "--merge-ratio",
         type=float,
@@ -191,6 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     if not 0.0 <= args.merge_ratio < 1.0:
         ap.error(f"--merge-ratio must be in [0, 1), got {args.merge_ratio}")
+    for flag in ("frames_chunk", "token_chunk"):
+        if getattr(args, flag) < 0:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 0 (0: all at once), got {getattr(args, flag)}")
+    progress = not args.no_progress
     try:  # before anything is read or computed
         args.out = prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
         device = resolve_device(args.device)
@@ -200,10 +239,11 @@ def main(argv: list[str] | None = None) -> dict:
     model, dropped, config = build_model(args.weights, args.config, args.merge_ratio)
     cfg = VGGT_CONFIGS[config]
     model = model.to(device=device, dtype=_DTYPES[args.dtype])
+    model.set_chunks(frames=args.frames_chunk or None, tokens=args.token_chunk or None)
     names, images = load_frames(
-        args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames
+        args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames, progress
     )
-    res = reconstruct(model, images.to(device), _DTYPES[args.dtype])
+    res = reconstruct(model, images.to(device), _DTYPES[args.dtype], progress)
     res = {k: v.cpu() for k, v in res.items()}
     out = args.out
     if args.overwrite:  # no depth map of a longer earlier sequence stays beside the new ones
@@ -214,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     png_scale = dmax / 65535.0 if dmax > 0 else 1.0
     from PIL import Image
 
-    for i, name in enumerate(names):
+    for i, name in enumerate(_bar(names, progress, "writing depth maps", "frame")):
         np.save(out / "depth" / f"{name}.npy", depth[i])
         Image.fromarray(np.clip(np.rint(depth[i] / png_scale), 0, 65535).astype(np.uint16)).save(
             out / "depth" / f"{name}.png"

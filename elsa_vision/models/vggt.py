@@ -134,7 +134,13 @@ class Block(nn.Module):
     """Pre-norm transformer block ``x + ls1(attn(norm1(x))); x + ls2(mlp(norm2(x)))`` (VGGT's / DINOv2's
     names): :class:`~elsa_vision.layers.ElsaAttention` with per-head q/k LayerNorm and the ``rope`` option,
     timm's ``LayerScale`` and ``Mlp``. ``forward(x, pos=None, merge=None)``: ``pos`` for RoPE, ``merge`` a
-    :class:`TokenMerge` (global blocks)."""
+    :class:`TokenMerge` (global blocks).
+
+    ``token_chunk`` (None: off): without autograd, the MLP half runs over ``token_chunk`` tokens at a time,
+    so its ``[tokens, mlp_ratio * dim]`` hidden activation is never whole; every token's result is the same
+    (the MLP is token-wise)."""
+
+    token_chunk: int | None = None
 
     def __init__(
         self,
@@ -168,7 +174,14 @@ class Block(nn.Module):
             hm, pm, assign = merge.merge(h, pos)
             h = merge.unmerge(self.attn(hm, pos=pm), assign, x.shape[1])
         x = x + self.ls1(h)
-        return x + self.ls2(self.mlp(self.norm2(x)))
+        chunk = self.token_chunk
+        if chunk is None or torch.is_grad_enabled() or x.shape[1] <= chunk:
+            return x + self.ls2(self.mlp(self.norm2(x)))
+        out = torch.empty_like(x)
+        for s in range(0, x.shape[1], chunk):
+            xs = x[:, s : s + chunk]
+            out[:, s : s + chunk] = xs + self.ls2(self.mlp(self.norm2(xs)))
+        return out
 
 
 class PatchEmbed(nn.Module):
@@ -288,7 +301,13 @@ class Aggregator(nn.Module):
 
     ``forward(images [B, S, 3, H, W] in [0, 1]) -> (list of depth x [B, S, P, 2C] or None, patch_start_idx)``;
     entry ``i`` is ``cat(frame_block_i output, global_block_i output)``; ``P = 1 + R + (H/p)(W/p)``.
+
+    ``frames_chunk`` (None: off): without autograd, the per-frame parts (the patch embedding and the frame
+    blocks) run over ``frames_chunk`` frames of the ``B * S`` at a time, so that their activations are never
+    those of every frame at once; the results are the same (each frame is computed alone either way).
     """
+
+    frames_chunk: int | None = None
 
     def __init__(
         self,
@@ -366,10 +385,10 @@ class Aggregator(nn.Module):
         B, S, _, H, W = images.shape
         if H % self.patch_size or W % self.patch_size:
             raise ValueError(f"Aggregator: H, W ({H}, {W}) must be multiples of patch_size {self.patch_size}")
-        x = (images - self._resnet_mean.to(images.dtype)) / self._resnet_std.to(images.dtype)
-        patch = self.patch_embed(x.reshape(B * S, 3, H, W))
-        if isinstance(patch, dict):
-            patch = patch["x_norm_patchtokens"]
+        x = ((images - self._resnet_mean.to(images.dtype)) / self._resnet_std.to(images.dtype)).reshape(
+            B * S, 3, H, W
+        )
+        patch = self._per_frame(self._embed, x)
         tokens = torch.cat(
             [
                 _slice_expand_and_flatten(self.camera_token, B, S),
@@ -393,12 +412,31 @@ class Aggregator(nn.Module):
         keep = set(range(self.depth)) if self.keep_layers is None else set(self.keep_layers)
         outputs: list[Tensor | None] = []
         for i in range(self.depth):
-            tokens = self.frame_blocks[i](tokens.reshape(B * S, P, C), pos)
+            tokens = self._per_frame(self.frame_blocks[i], tokens.reshape(B * S, P, C), pos)
             frame_out = tokens.reshape(B, S, P, C)
             gpos = pos.reshape(B, S * P, 2) if pos is not None else None
             tokens = self.global_blocks[i](tokens.reshape(B, S * P, C), gpos, merge)
             outputs.append(torch.cat([frame_out, tokens.reshape(B, S, P, C)], dim=-1) if i in keep else None)
         return outputs, self.patch_start_idx
+
+    def _embed(self, x: Tensor) -> Tensor:
+        patch = self.patch_embed(x)
+        return patch["x_norm_patchtokens"] if isinstance(patch, dict) else patch
+
+    def _per_frame(self, fn, x: Tensor, pos: Tensor | None = None) -> Tensor:
+        """``fn(x[, pos])`` of frames ``x [frames, ...]`` (``pos [frames, P, 2]``), ``frames_chunk`` frames
+        at a time without autograd."""
+        chunk = self.frames_chunk
+        call = (lambda a, p: fn(a)) if pos is None else fn
+        if chunk is None or torch.is_grad_enabled() or x.shape[0] <= chunk:
+            return call(x, pos)
+        out = None
+        for s in range(0, x.shape[0], chunk):
+            y = call(x[s : s + chunk], None if pos is None else pos[s : s + chunk])
+            if out is None:
+                out = y.new_empty((x.shape[0], *y.shape[1:]))
+            out[s : s + y.shape[0]] = y
+        return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -786,6 +824,19 @@ class ElsaVGGT(ElsaModel, nn.Module):
         self.point_head = DPTHead(output_dim=4, activation="inv_log", **dpt) if enable_point else None
         self.depth_head = DPTHead(output_dim=2, activation="exp", **dpt)
         self._elsa_linears(linear_backend, attn_precision)
+
+    def set_chunks(self, frames: int | None = None, tokens: int | None = None) -> None:
+        """Bound what inference (no autograd) holds at once, with the same results: the aggregator's patch
+        embedding and frame blocks run over ``frames`` frames at a time (``Aggregator.frames_chunk``), every
+        block's MLP over ``tokens`` tokens at a time (``Block.token_chunk``); None: all at once. The depth and
+        point heads always run ``DPTHead.frames_chunk_size`` frames at a time."""
+        for name, value in (("frames", frames), ("tokens", tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ElsaVGGT.set_chunks: `{name}` must be None or an int >= 1, got {value!r}")
+        self.aggregator.frames_chunk = frames
+        for m in self.modules():
+            if isinstance(m, Block):
+                m.token_chunk = tokens
 
     def forward(self, images: Tensor, num_iterations: int = 4) -> dict[str, Tensor | list[Tensor]]:
         if images.dim() == 4:

@@ -518,3 +518,38 @@ def test_configurations_are_named_and_not_timm_models(tmp_path):
     loaded = ElsaVGGT.from_vggt_checkpoint(tmp_path / "w.safetensors")
     assert loaded.dropped_checkpoint_keys == ["track_head.w"]
     assert all(torch.equal(v, src.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_chunked_inference_equals_the_plain_forward():
+    """Frames chunked through the patch embedding and frame blocks, MLPs over token chunks, heads over frame
+    chunks: every output of an FP32 no-grad forward is within 1e-6 of the plain forward, whichever the chunk
+    sizes (odd ones included); with autograd the chunks are not used."""
+    model = _randomize(_small())
+    x = torch.rand(2, 5, 3, 28, 42, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(x)
+        for frames, tokens, heads in ((1, None, 8), (3, 7, 2), (4, 1, 1), (None, 11, 3), (64, 4096, 64)):
+            model.set_chunks(frames=frames, tokens=tokens)
+            for h in (model.depth_head, model.point_head):
+                h.frames_chunk_size = heads
+            out = model(x)
+            for key in ("pose_enc", "depth", "depth_conf", "world_points", "world_points_conf"):
+                err = ((out[key] - ref[key]).norm() / ref[key].norm()).item()
+                assert err < 1e-6, (frames, tokens, heads, key, err)
+            for a, b in zip(out["pose_enc_list"], ref["pose_enc_list"]):
+                assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    # gradients: the chunked paths step aside (in-place writes would not be differentiable)
+    model.set_chunks(frames=1, tokens=3)
+    model(x[:, :2])["depth"].sum().backward()
+    assert model.aggregator.frame_blocks[0].mlp.fc1.weight.grad is not None
+    model.set_chunks()
+    assert model.aggregator.frames_chunk is None
+    assert all(b.token_chunk is None for b in model.aggregator.global_blocks)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_set_chunks_refuses_bad_sizes(bad):
+    with pytest.raises(ValueError, match="set_chunks"):
+        _small().set_chunks(frames=bad)
+    with pytest.raises(ValueError, match="set_chunks"):
+        _small().set_chunks(tokens=bad)
