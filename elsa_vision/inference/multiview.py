@@ -149,7 +149,10 @@ def reconstruct(
     hooks = []
     if progress:
         bar = _bar(None, True, "aggregator", "layer", total=len(model.aggregator.global_blocks))
-        hooks = [b.register_forward_hook(lambda *_: bar.update()) for b in model.aggregator.global_blocks]
+        def tick(*_) -> None:  # a forward hook that returns something replaces the block's output
+            bar.update()
+
+        hooks = [b.register_forward_hook(tick) for b in model.aggregator.global_blocks]
     try:
         out = model(images[None].to(dtype))
     finally:
