@@ -12,11 +12,22 @@ Two declared sweeps (``SWEEPS``):
   100 frames of 518×392 -- the small config with ``img_size = 518`` (target < 40 GB) and, with ``--full``,
   VGGT-1B (``elsa_vggt``, random weights).
 
+With ``--scale``, the sweep at the sizes VGGT's users ask for instead: VGGT-1B (``elsa_vggt``, random FP32
+weights) on 336×518 frames (VGGT's own timing table), ``torch.no_grad``, at 1, 20, 100, 200, 500 and 1000
+frames (``--frames`` picks some), in bf16 autocast (every frame count) and FP32 (FP32-accurate, 100 frames):
+the aggregator alone and the whole model (camera and depth heads), each with ELSA attention and with the
+same model's attention swapped for ``F.scaled_dot_product_attention`` (cuDNN / flash / memory-efficient
+backends: PyTorch's fastest exact attention), both chunked alike (``ElsaVGGT.set_chunks(32, 65536)``). Per
+run: seconds (median of the repeats after a warm-up; one cold run at 200 frames and more), the peak of
+allocated memory (weights and inputs included) and the weights' share; a run that does not fit says so.
+
 TF32 matmuls are disabled for the whole run (FP32 means IEEE-accurate FP32 here).
 
     python -m benchmarks.vggt                 # CUDA: the targets above
     python -m benchmarks.vggt --full          # also VGGT-1B at 100 frames
+    python -m benchmarks.vggt --scale --frames 1,20,100   # VGGT-1B at scale (split the frames over runs)
     python -m benchmarks.vggt --quick         # CPU smoke run: tiny shapes, torch backend
+    python -m benchmarks.vggt --scale --quick # CPU smoke run of the scale sweep
 
 Rows go to ``logs/benchmarks/vggt_<device>.csv`` (or ``--out``); the last stdout line is a JSON summary.
 """
@@ -25,7 +36,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +59,14 @@ from benchmarks.common import (
     run_info,
     sdpa,
 )
+from elsa_vision.layers import ElsaAttention
 from elsa_vision.models.vggt import ElsaVGGT
 from elsa_vision.ops.attention import elsa_attention
 
 TOKENS_PER_FRAME = 1041  # 1 camera + 4 register + 37·28 patches (518×392)
 COLUMNS = columns("kind", "frames", "tokens", "heads", "head_dim", "provider", "ms", "tflops", "relerr",
                   "extra_mb", "speedup_vs_sdpa_efficient", "config", "hw", "backend", "params_m", "peak_gb",
-                  "finite", "error")
+                  "finite", "error", "part", "dtype", "weights_gb")
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,124 @@ SWEEPS = {
     ],
     "model_quick": [ModelCase("elsa_vggt_small", 2, 56, 56), ModelCase("elsa_vggt_small", 4, 56, 70)],
 }
+
+
+@dataclass(frozen=True)
+class ScaleCase:
+    frames: int
+    dtype: str  # "bf16" (autocast over FP32 weights) or "fp32" (FP32-accurate)
+    part: str  # "aggregator" or "model" (aggregator, camera and depth heads)
+    attention: str  # "elsa" or "sdpa" (the same model, attention through F.scaled_dot_product_attention)
+    config: str = "elsa_vggt"
+    height: int = 336
+    width: int = 518
+    repeats: int = 2  # timed runs after one warm-up; 1: one cold run
+
+
+def _scale_sweep() -> list[ScaleCase]:
+    cases = []
+    for f in (1, 20, 100, 200, 500, 1000):
+        repeats = 2 if f <= 100 else 1
+        for part in ("aggregator", "model"):
+            for attention in ("elsa", "sdpa"):
+                if f >= 500 and part == "model" and attention == "sdpa":
+                    continue  # the aggregator already compares the attention at these sizes
+                cases.append(ScaleCase(f, "bf16", part, attention, repeats=repeats))
+    cases += [ScaleCase(100, "fp32", "aggregator", a) for a in ("elsa", "sdpa")]
+    cases.append(ScaleCase(100, "fp32", "model", "elsa"))
+    return cases
+
+
+SCALE = {
+    "scale": _scale_sweep(),
+    "scale_quick": [ScaleCase(f, d, part, a, config="elsa_vggt_small", height=56, width=70)
+                    for f in (1, 3) for d in ("bf16", "fp32") for part in ("aggregator", "model")
+                    for a in ("elsa", "sdpa")],  # fmt: skip
+}
+SCALE_CHUNKS = {"frames": 32, "tokens": 65536}
+
+
+def _sdpa_attend(self, x, q, k, v, attn_mask, causal, rotated):
+    """``ElsaAttention._attend`` through ``F.scaled_dot_product_attention`` (the peer of the scale sweep);
+    on CUDA restricted to the cuDNN, flash and memory-efficient backends (no ``N^2`` score matrix)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                              scale=self.scale)
+
+    if q.is_cuda:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                          SDPBackend.EFFICIENT_ATTENTION]):  # fmt: skip
+            return call()
+    return call()
+
+
+@contextmanager
+def sdpa_attention(model: torch.nn.Module):
+    """Every ``ElsaAttention`` of ``model`` attends through SDPA inside the block (same weights, same
+    projections, norms and RoPE)."""
+    layers = [m for m in model.modules() if isinstance(m, ElsaAttention)]
+    for m in layers:
+        m._attend = types.MethodType(_sdpa_attend, m)
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m._attend
+
+
+def bench_scale(case: ScaleCase, model: ElsaVGGT, device: str) -> dict:
+    """One run of the scale sweep on ``model`` (built once per config)."""
+    p = model.patch_size
+    per_frame = model.aggregator.patch_start_idx + (case.height // p) * (case.width // p)
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    row = {"kind": "scale", "config": case.config, "frames": case.frames, "hw": f"{case.height}x{case.width}",
+           "part": case.part, "dtype": case.dtype, "provider": case.attention,
+           "tokens": case.frames * per_frame, "weights_gb": round(weights / 2**30, 3)}  # fmt: skip
+    cuda = device == "cuda"
+    attention = sdpa_attention(model) if case.attention == "sdpa" else _nothing()
+    autocast = torch.autocast(device, torch.bfloat16, enabled=case.dtype == "bf16")
+    x = None
+    try:
+        x = torch.rand(1, case.frames, 3, case.height, case.width, device=device)
+
+        def run():
+            out = model.aggregator(x)[0] if case.part == "aggregator" else model(x)
+            if cuda:
+                torch.cuda.synchronize()
+            return out
+
+        with torch.no_grad(), attention, autocast:
+            if case.repeats > 1:
+                run()  # warm-up: compilation and the allocator's blocks
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times, out = [], None
+            for _ in range(case.repeats):
+                out = None
+                t0 = time.perf_counter()
+                out = run()
+                times.append(time.perf_counter() - t0)
+        row["ms"] = round(statistics.median(times) * 1e3, 2)
+        if cuda:
+            row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        last = [t for t in out if t is not None][-1] if case.part == "aggregator" else out["depth"]
+        row["finite"] = bool(torch.isfinite(last).all())
+    except torch.OutOfMemoryError as exc:
+        row["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
+    except (RuntimeError, ValueError) as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    finally:
+        out = x = None
+        if cuda:
+            torch.cuda.empty_cache()
+    return row
+
+
+@contextmanager
+def _nothing():
+    yield
 
 
 def _attention_fn(provider: str, q, k, v, device: str):
@@ -195,6 +329,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run with tiny shapes")
     ap.add_argument("--full", action="store_true", help="also VGGT-1B at 100 frames")
+    ap.add_argument("--scale", action="store_true",
+                    help="only the scale sweep: VGGT-1B at 1-1000 frames of 336x518, ELSA vs SDPA")
+    ap.add_argument("--frames", default=None, help="scale sweep: comma list of frame counts (default all)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--reps", type=int, default=None)
     add_out_dir(ap)
@@ -204,6 +341,10 @@ def main(argv=None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
+    if args.scale:
+        return _main_scale(args, device, argv)
+    if args.frames is not None:
+        raise SystemExit("--frames goes with --scale")
     attn_cases = SWEEPS["attention_quick" if args.quick else "attention"]
     model_cases = SWEEPS["model_quick" if args.quick else "model"] + (
         SWEEPS["model_full"] if args.full else []
@@ -236,6 +377,39 @@ def main(argv=None) -> dict:
             if r["kind"] == "model"
         ],
     }
+    print(json.dumps(summary))
+    return summary
+
+
+
+def _main_scale(args, device: str, argv: list[str]) -> dict:
+    cases = SCALE["scale_quick" if args.quick else "scale"]
+    if args.frames is not None:
+        try:
+            wanted = {int(f) for f in args.frames.split(",") if f.strip()}
+        except ValueError:
+            raise SystemExit(f"--frames: expected a comma list of integers, got {args.frames!r}") from None
+        known = sorted({c.frames for c in cases})
+        if not wanted or not wanted <= set(known):
+            raise SystemExit(f"--frames: expected some of {known}, got {args.frames!r}")
+        cases = [c for c in cases if c.frames in wanted]
+    rows, models = [], {}
+    for case in cases:
+        if case.config not in models:
+            torch.manual_seed(0)
+            model = ElsaVGGT.from_config(case.config)
+            model.set_attention(backend="triton" if device == "cuda" else "torch")
+            model.set_chunks(**SCALE_CHUNKS)
+            models = {case.config: model.to(device).eval()}  # one model on the device at a time
+        row = bench_scale(case, models[case.config], device)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    meta = run_info(device, __file__, argv)
+    path = args.out / f"vggt_scale_{device_tag(device)}{'_quick' if args.quick else ''}.csv"
+    with Results(path, COLUMNS, meta) as out:
+        out.write_all(rows)
+    failed = [f"{r['frames']} {r['dtype']} {r['part']} {r['provider']}" for r in rows if "error" in r]
+    summary = {**meta, "csv": str(path), "runs": len(rows), "failed": failed}
     print(json.dumps(summary))
     return summary
 

@@ -31,7 +31,7 @@ FLAGS = {
     "models": ["--device", "--quick", "--cases", "--precision", "--fp32", "--warmup", "--reps", "--out"],
     "train_throughput": ["--device", "--quick", "--devices", "--precisions", "--strategy", "--model",
                          "--root", "--batch-size", "--steps", "--workers", "--out"],
-    "vggt": ["--quick", "--full", "--device", "--reps", "--out"],
+    "vggt": ["--quick", "--full", "--scale", "--frames", "--device", "--reps", "--out"],
 }
 
 
