@@ -347,8 +347,10 @@ class _RingAttention(torch.autograd.Function):
         world, rank = ring.world, ring.rank
         ranges = [shard_ranges(n, world, r, layout) for r in range(world)]
         longest = max(sum(b - a for a, b in rr) for rr in ranges)
-        do = dout.to(out.dtype)
-        delta = (out * do).sum(-1)
+        # dO stays in the inputs' dtype (in bf16 it travels at half the size of a float32 copy; the kernels
+        # read it so either way); Delta = rowsum(O dO) is formed in the accumulation dtype.
+        do = dout.to(q.dtype)
+        delta = (out * do.to(out.dtype)).sum(-1)
 
         # Turn 1, dQ: the key/value shards travel as in the forward; each rank adds its queries' dQ blocks.
         dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
@@ -369,6 +371,7 @@ class _RingAttention(torch.autograd.Function):
                 _Ring.wait(reqs)
                 kb, vb, mb = recv if masked else (*recv, None)
         del kb, vb, mb, recv
+        dq = dq.to(q.dtype)  # complete: in the inputs' dtype during turn 2 (half the memory in bf16)
 
         # Turn 2, dK/dV: the query side travels (q, dO, lse, Delta, and the bias rows where they differ
         # between ranks); each rank adds the dK/dV blocks of its own keys in place.
@@ -398,7 +401,7 @@ class _RingAttention(torch.autograd.Function):
             if reqs:
                 _Ring.wait(reqs)
                 side = recv
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+        return (dq, dk.to(k.dtype), dv.to(v.dtype),
                 None, None, None, None, None, None, None, None, None)
 
 
