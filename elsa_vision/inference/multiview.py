@@ -149,6 +149,7 @@ def reconstruct(
     hooks = []
     if progress:
         bar = _bar(None, True, "aggregator", "layer", total=len(model.aggregator.global_blocks))
+
         def tick(*_) -> None:  # a forward hook that returns something replaces the block's output
             bar.update()
 
