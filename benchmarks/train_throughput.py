@@ -271,6 +271,8 @@ def _parse(argv: list[str]):
     bad = [s for s in a.precisions if s not in PRECISIONS]
     if bad or not a.precisions:
         raise SystemExit(f"--precisions: expected some of {', '.join(PRECISIONS)}, got {bad or a.precisions}")
+    if a.strategy == "fsdp" and a.device == "cpu" and a.devices[-1] > 1:
+        raise SystemExit("--strategy fsdp runs on CUDA devices only (Lightning's FSDP); use ddp on the CPU")
     if a.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device (use --device cpu)")

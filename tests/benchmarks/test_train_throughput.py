@@ -43,6 +43,7 @@ def test_ratios_against_one_device_and_timm():
     (["--devices", "0"], "world sizes must be >= 1"),
     (["--devices", "two"], "comma list of integers"),
     (["--precisions", "fp32"], "--precisions"),
+    (["--devices", "1,2", "--strategy", "fsdp"], "--strategy fsdp runs on CUDA devices only"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
