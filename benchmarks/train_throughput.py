@@ -90,18 +90,6 @@ def make_imagefolder(root: Path, classes: int, per_class: int, size=(500, 375), 
     return root
 
 
-def _backbone(spec: dict, peer: str) -> str:
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        elsa = compose(config_name="train", overrides=[f"model={spec['model']}"]).model.net.model_name
-    if peer == "elsa":
-        return elsa
-    if elsa not in TIMM_PEER:
-        raise SystemExit(f"no timm peer for {elsa} (known: {', '.join(TIMM_PEER)})")
-    return TIMM_PEER[elsa]
-
-
 def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.device) -> dict:
     """Fit ``warmup + steps`` steps of the recipe with one backbone on this process's share of the world
     (every rank calls it); return rank 0's timing row, with the largest peak memory over the ranks."""
@@ -109,6 +97,7 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
     import lightning as L
     import torch.distributed as dist
     from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
 
     from elsa_vision.tasks.train import instantiate_data
 
@@ -123,12 +112,17 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
         f"data.img_size={spec['img_size']}",
         f"model={spec['model']}",
         f"trainer={spec['strategy']}",
-        f"model.net.model_name={_backbone(spec, peer)}",
     ]
-    if peer == "timm":
-        overrides += ["~model.net.attn_backend", "~model.net.attn_precision", "~model.net.linear_backend"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
+    if peer == "timm":  # the same recipe around timm's stock model of the ELSA backbone's architecture
+        net = cfg.model.net
+        if net.model_name not in TIMM_PEER:
+            raise SystemExit(f"no timm peer for {net.model_name} (known: {', '.join(TIMM_PEER)})")
+        with open_dict(cfg):
+            net.model_name = TIMM_PEER[net.model_name]
+            for key in ("attn_backend", "attn_precision", "linear_backend"):
+                net.pop(key)
     L.seed_everything(0, workers=True)
     datamodule = instantiate_data(cfg)
     model = hydra.utils.instantiate(cfg.model, _convert_="partial")

@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -180,7 +180,7 @@ def bench_scale(case: ScaleCase, model: ElsaVGGT, device: str) -> dict:
            "part": case.part, "dtype": case.dtype, "provider": case.attention,
            "tokens": case.frames * per_frame, "weights_gb": round(weights / 2**30, 3)}  # fmt: skip
     cuda = device == "cuda"
-    attention = sdpa_attention(model) if case.attention == "sdpa" else _nothing()
+    attention = sdpa_attention(model) if case.attention == "sdpa" else nullcontext()
     autocast = torch.autocast(device, torch.bfloat16, enabled=case.dtype == "bf16")
     x = None
     try:
@@ -217,11 +217,6 @@ def bench_scale(case: ScaleCase, model: ElsaVGGT, device: str) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     return row
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def _attention_fn(provider: str, q, k, v, device: str):
