@@ -20,12 +20,15 @@ same model's attention swapped for ``F.scaled_dot_product_attention`` (cuDNN / f
 backends: PyTorch's fastest exact attention), both chunked alike (``ElsaVGGT.set_chunks(32, 65536)``). Per
 run: seconds (median of the repeats after a warm-up; one cold run at 200 frames and more), the peak of
 allocated memory (weights and inputs included) and the weights' share; a run that does not fit says so.
+``--frames``, ``--parts``, ``--providers`` and ``--dtypes`` pick cases (a 1000-frame pass takes minutes); each
+row is written as it is measured.
 
 TF32 matmuls are disabled for the whole run (FP32 means IEEE-accurate FP32 here).
 
     python -m benchmarks.vggt                 # CUDA: the targets above
     python -m benchmarks.vggt --full          # also VGGT-1B at 100 frames
     python -m benchmarks.vggt --scale --frames 1,20,100   # VGGT-1B at scale (split the frames over runs)
+    python -m benchmarks.vggt --scale --frames 1000 --parts aggregator --providers elsa   # one run of it
     python -m benchmarks.vggt --quick         # CPU smoke run: tiny shapes, torch backend
     python -m benchmarks.vggt --scale --quick # CPU smoke run of the scale sweep
 
@@ -210,7 +213,7 @@ def bench_scale(case: ScaleCase, model: ElsaVGGT, device: str) -> dict:
         row["finite"] = bool(torch.isfinite(last).all())
     except torch.OutOfMemoryError as exc:
         row["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
-    except (RuntimeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure of one case is recorded, the sweep goes on
         row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     finally:
         out = x = None
@@ -327,6 +330,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--scale", action="store_true",
                     help="only the scale sweep: VGGT-1B at 1-1000 frames of 336x518, ELSA vs SDPA")
     ap.add_argument("--frames", default=None, help="scale sweep: comma list of frame counts (default all)")
+    ap.add_argument("--parts", default=None,
+                    help="scale sweep: comma list of aggregator, model (default both)")
+    ap.add_argument("--providers", default=None, help="scale sweep: comma list of elsa, sdpa (default both)")
+    ap.add_argument("--dtypes", default=None, help="scale sweep: comma list of bf16, fp32 (default both)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--reps", type=int, default=None)
     add_out_dir(ap)
@@ -338,8 +345,9 @@ def main(argv=None) -> dict:
     torch.set_float32_matmul_precision("highest")
     if args.scale:
         return _main_scale(args, device, argv)
-    if args.frames is not None:
-        raise SystemExit("--frames goes with --scale")
+    for flag in ("frames", "parts", "providers", "dtypes"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(f"--{flag} goes with --scale")
     attn_cases = SWEEPS["attention_quick" if args.quick else "attention"]
     model_cases = SWEEPS["model_quick" if args.quick else "model"] + (
         SWEEPS["model_full"] if args.full else []
@@ -377,32 +385,43 @@ def main(argv=None) -> dict:
 
 
 
+def _pick(cases: list[ScaleCase], flag: str, field: str, value: str | None) -> list[ScaleCase]:
+    """The ``cases`` whose ``field`` is in the comma list ``value`` of ``--flag`` (None: all)."""
+    if value is None:
+        return cases
+    known = sorted({getattr(c, field) for c in cases})
+    try:
+        wanted = {type(known[0])(v.strip()) for v in value.split(",") if v.strip()}
+    except ValueError:
+        raise SystemExit(f"--{flag}: expected a comma list of integers, got {value!r}") from None
+    if not wanted or not wanted <= set(known):
+        raise SystemExit(f"--{flag}: expected some of {known}, got {value!r}")
+    return [c for c in cases if getattr(c, field) in wanted]
+
+
 def _main_scale(args, device: str, argv: list[str]) -> dict:
     cases = SCALE["scale_quick" if args.quick else "scale"]
-    if args.frames is not None:
-        try:
-            wanted = {int(f) for f in args.frames.split(",") if f.strip()}
-        except ValueError:
-            raise SystemExit(f"--frames: expected a comma list of integers, got {args.frames!r}") from None
-        known = sorted({c.frames for c in cases})
-        if not wanted or not wanted <= set(known):
-            raise SystemExit(f"--frames: expected some of {known}, got {args.frames!r}")
-        cases = [c for c in cases if c.frames in wanted]
-    rows, models = [], {}
-    for case in cases:
-        if case.config not in models:
-            torch.manual_seed(0)
-            model = ElsaVGGT.from_config(case.config)
-            model.set_attention(backend="triton" if device == "cuda" else "torch")
-            model.set_chunks(**SCALE_CHUNKS)
-            models = {case.config: model.to(device).eval()}  # one model on the device at a time
-        row = bench_scale(case, models[case.config], device)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    picks = (("frames", "frames"), ("parts", "part"), ("providers", "attention"), ("dtypes", "dtype"))
+    for flag, field in picks:
+        cases = _pick(cases, flag, field, getattr(args, flag))
+    if not cases:
+        raise SystemExit("no case of the scale sweep has these --frames, --parts, --providers and --dtypes")
     meta = run_info(device, __file__, argv)
     path = args.out / f"vggt_scale_{device_tag(device)}{'_quick' if args.quick else ''}.csv"
-    with Results(path, COLUMNS, meta) as out:
-        out.write_all(rows)
+    models = {}
+    with Results(path, COLUMNS, meta) as out:  # each row written as it is measured
+        for case in cases:
+            if case.config not in models:
+                models = {}
+                torch.manual_seed(0)
+                model = ElsaVGGT.from_config(case.config)
+                model.set_attention(backend="triton" if device == "cuda" else "torch")
+                model.set_chunks(**SCALE_CHUNKS)
+                models = {case.config: model.to(device).eval()}  # one model on the device at a time
+            row = bench_scale(case, models[case.config], device)
+            out.write(row)
+            print(json.dumps(row), flush=True)
+        rows = out.rows
     failed = [f"{r['frames']} {r['dtype']} {r['part']} {r['provider']}" for r in rows if "error" in r]
     summary = {**meta, "csv": str(path), "runs": len(rows), "failed": failed}
     print(json.dumps(summary))

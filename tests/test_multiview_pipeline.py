@@ -502,3 +502,17 @@ def test_inference_cli_chunks_give_the_same_outputs_and_show_progress(tmp_path, 
     with pytest.raises(SystemExit):
         infer_main([*common, "--out", str(tmp_path / "c"), "--token-chunk", "-1"])
     assert "--token-chunk must be >= 0" in capsys.readouterr().err
+
+
+def test_confidence_threshold_is_torch_quantile_and_takes_any_size():
+    """The --conf-percentile threshold equals torch.quantile's (linear interpolation) and is taken of more
+    than 2^24 values too (1,000 frames of 336x518 are 174M; torch.quantile refuses them)."""
+    from elsa_vision.inference.multiview import confidence_threshold
+
+    conf = 1 + torch.rand(7, 5, 9, generator=torch.Generator().manual_seed(0)).exp()
+    for p in (0.0, 12.5, 50.0, 99.0):
+        assert confidence_threshold(conf, p) == pytest.approx(torch.quantile(conf.double(), p / 100).item(),
+                                                              rel=1e-12)
+    assert confidence_threshold(conf[:0], 50.0) == 0.0
+    big = torch.arange(2**24 + 1, dtype=torch.float32)
+    assert confidence_threshold(big, 50.0) == 2**23

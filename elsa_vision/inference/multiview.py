@@ -55,6 +55,7 @@ from ..utils.accelerator import add_device_argument, resolve_device
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OUTPUTS = ("depth", "cameras.json", "points.ply")
 _EXTS = (".png", ".jpg", ".jpeg")
+_POINTS_CHUNK = 32  # frames at a time from depth to world points (float64 temporaries of that many frames)
 
 
 def load_frames(
@@ -162,15 +163,27 @@ def reconstruct(
         if progress:
             bar.close()
     ext, intr = pose_encoding_to_extri_intri(out["pose_enc"][0].double(), (H, W))
-    depth = out["depth"][0, ..., 0].double()
-    pts = depth_to_world_points(depth, ext, intr)
+    depth = out["depth"][0, ..., 0]
+    pts = depth.new_empty((*depth.shape, 3), dtype=torch.float32)
+    for s in range(0, depth.shape[0], _POINTS_CHUNK):  # float64 products, a chunk of frames at a time
+        e = s + _POINTS_CHUNK
+        pts[s:e] = depth_to_world_points(depth[s:e].double(), ext[s:e], intr[s:e])
     return {
         "depth": depth.float(),
         "conf": out["depth_conf"][0].float(),
         "extrinsics": ext.float(),
         "intrinsics": intr.float(),
-        "points": pts.float(),
+        "points": pts,
     }
+
+
+def confidence_threshold(conf: torch.Tensor, percentile: float) -> float:
+    """The ``percentile`` (0-100) of ``conf``, linearly interpolated as ``torch.quantile``, in float64, of any
+    size (``torch.quantile`` has refused inputs of more than 2^24 elements; 1,000 frames of 336x518 are
+    174M)."""
+    if not conf.numel():
+        return 0.0
+    return float(np.quantile(conf.detach().cpu().reshape(-1).double().numpy(), percentile / 100.0))
 
 
 def _remove_earlier_outputs(out: Path) -> None:
@@ -247,7 +260,13 @@ def main(argv: list[str] | None = None) -> dict:
     names, images = load_frames(
         args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames, progress
     )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t_model = time.perf_counter()
     res = reconstruct(model, images.to(device), _DTYPES[args.dtype], progress)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t_model = time.perf_counter() - t_model
     res = {k: v.cpu() for k, v in res.items()}
     out = args.out
     if args.overwrite:  # no depth map of a longer earlier sequence stays beside the new ones
@@ -279,8 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         ],
     }
     (out / "cameras.json").write_text(json.dumps(cams, indent=1))
-    conf = res["conf"].reshape(-1)
-    thresh = float(torch.quantile(conf.double(), args.conf_percentile / 100.0)) if conf.numel() else 0.0
+    thresh = confidence_threshold(res["conf"], args.conf_percentile)
     keep = (res["conf"] >= thresh) & torch.isfinite(res["points"]).all(-1)
     colors = (images.permute(0, 2, 3, 1)[keep].numpy() * 255).round().clip(0, 255).astype(np.uint8)
     write_ply(out / "points.ply", res["points"][keep], colors)
@@ -294,8 +312,11 @@ def main(argv: list[str] | None = None) -> dict:
         "points": int(keep.sum()),
         "out": str(out),
         "dropped_checkpoint_keys": len(dropped),
+        "reconstruct_seconds": round(t_model, 3),
         "seconds": round(time.perf_counter() - t0, 3),
     }
+    if device.type == "cuda":  # weights, frames and every activation: the largest amount allocated at once
+        summary["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     print(json.dumps(summary))
     sys.stdout.flush()
     return summary

@@ -56,7 +56,20 @@ def test_scale_sweep_declares_the_issue_sizes():
     (["--scale", "--quick", "--frames", "2"], "expected some of"),
     (["--scale", "--quick", "--frames", "x"], "comma list of integers"),
     (["--quick", "--frames", "1"], "--frames goes with --scale"),
+    (["--quick", "--providers", "elsa"], "--providers goes with --scale"),
+    (["--scale", "--quick", "--providers", "flash"], "expected some of"),
+    (["--scale", "--quick", "--parts", "heads"], "expected some of"),
+    (["--scale", "--quick", "--dtypes", "fp16"], "expected some of"),
 ])
 def test_frames_refusals(argv, message):
     with pytest.raises(SystemExit, match=message):
         bench.main(argv)
+
+
+def test_scale_sweep_picks_parts_providers_and_dtypes(tmp_path):
+    summary = bench.main(["--scale", "--quick", "--frames", "3", "--parts", "model", "--providers", "elsa",
+                          "--dtypes", "bf16,fp32", "--out", str(tmp_path)])
+    rows = list(csv.DictReader(open(summary["csv"])))
+    assert [(r["frames"], r["dtype"], r["part"], r["provider"]) for r in rows] == [
+        ("3", "bf16", "model", "elsa"), ("3", "fp32", "model", "elsa")]
+    assert summary["failed"] == [] and all(r["finite"] == "True" for r in rows)

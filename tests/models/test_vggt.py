@@ -553,3 +553,44 @@ def test_set_chunks_refuses_bad_sizes(bad):
         _small().set_chunks(frames=bad)
     with pytest.raises(ValueError, match="set_chunks"):
         _small().set_chunks(tokens=bad)
+
+
+def test_bf16_autocast_with_float32_layer_norm(monkeypatch):
+    """CUDA autocast computes ``layer_norm`` in float32 and returns float32 (the CPU's keeps bfloat16): the
+    q/k norms must still hand ``elsa_attention`` q, k, v of one dtype. The CUDA policy is emulated on the CPU
+    by a float32 ``F.layer_norm``; the forward runs, every attention sees bfloat16 q, k, v, outputs are
+    finite and near the FP32 forward."""
+    import torch.nn.functional as F
+
+    from elsa_vision.ops import attention as ops_attention
+
+    layer_norm = F.layer_norm
+
+    def layer_norm_fp32(x, shape, weight=None, bias=None, eps=1e-5):
+        weight, bias = (None if t is None else t.float() for t in (weight, bias))
+        return layer_norm(x.float(), shape, weight, bias, eps)
+
+    model = _randomize(_small())
+    model.set_attention(backend="torch")
+    x = torch.rand(1, 3, 3, 28, 42, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = model(x)
+    seen = []
+    check = ops_attention.check_attention_inputs
+
+    def record(q, k, v, *a):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return check(q, k, v, *a)
+
+    monkeypatch.setattr(ops_attention, "check_attention_inputs", record)
+    monkeypatch.setattr(F, "layer_norm", layer_norm_fp32)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert model.aggregator.frame_blocks[0].attn.q_norm(torch.ones(2, 16, dtype=torch.bfloat16)).dtype \
+            == torch.bfloat16
+        out = model(x)
+    assert seen and all(len(set(d)) == 1 for d in seen), seen
+    assert any(d == (torch.bfloat16,) * 3 for d in seen)
+    for key in ("pose_enc", "depth", "depth_conf"):
+        assert torch.isfinite(out[key]).all(), key
+        err = ((out[key].float() - ref[key]).norm() / ref[key].norm()).item()
+        assert err < 0.1, (key, err)
