@@ -41,6 +41,11 @@ from .host import canonical_device, cdiv, device_info, next_pow2
 from .launch import Launch, Program, ProgramCache, install_config
 from .precision import resolve_precision
 
+try:  # Gluon (Triton 3.5 and later): the warp-specialised Hopper loop
+    from . import gemm_sm90
+except ImportError:  # pragma: no cover - an older Triton: the generic loop everywhere
+    gemm_sm90 = None
+
 __all__ = ["GemmPlan", "SplitOperand", "gemm", "gemm_plan", "split_rows", "ACTIVATIONS"]
 
 ACTIVATIONS = (None, "gelu")
@@ -277,7 +282,8 @@ def _split_columns_kernel(
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
     """How one product runs: the product loop's tiles, warps and stages, its K slices (1: the epilogue writes
-    ``C``), and the resolved precision."""
+    ``C``), the resolved precision, and whether the loop is the warp-specialised Hopper kernel
+    (``kernels.gemm_sm90``: ``"fp16x3"`` on sm90 with ``K % 8 == 0``, the TMA row alignment)."""
 
     block_m: int
     block_n: int
@@ -287,6 +293,7 @@ class GemmPlan:
     group_m: int
     slices: int
     precision: str
+    warp_specialized: bool = False
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by resolved precision (H100 measurements: docs/kernel_notes.md,
@@ -319,10 +326,15 @@ def _plan(M, N, K, device, precision, slices) -> GemmPlan:
     sms, cc, _ = device_info(device)
     prec = resolve_precision(precision, torch.float32, device, "gemm")
     bm, bn, bk, warps, stages = _TUNED.get(prec) or _CONFIGS[prec]
+    ws = prec == "fp16x3" and cc == (9, 0) and K % 8 == 0 and gemm_sm90 is not None and "fp16x3" not in _TUNED
+    if ws:  # H100 measurements: docs/kernel_notes.md, "FP32-accurate GEMM"
+        bm, bn, bk, warps, stages = 128, 128, 64, gemm_sm90.NUM_WARPS, 3
     if cc == (0, 0):  # the CPU interpreter: small tiles, no pipelining
         bm, bn, bk, warps, stages = 32, 32, 16, 4, 1
     tiles = max(1, cdiv(M, bm) * cdiv(N, bn))
     k_tiles = max(1, cdiv(K, bk))
+    if slices is None and ws:
+        slices = _balanced_slices(tiles, k_tiles, M * N, sms)
     if slices is None:
         # Fewer output tiles than half the SMs: cut K so that tiles x slices fills the machine (partial
         # products summed after), as long as each slice keeps at least 4 K-tiles.
@@ -331,7 +343,25 @@ def _plan(M, N, K, device, precision, slices) -> GemmPlan:
             slices = max(1, min(cdiv(sms, tiles), k_tiles // 4, 16))
     slices = max(1, min(int(slices), k_tiles))
     slices = cdiv(k_tiles, cdiv(k_tiles, slices))  # no empty slice
-    return GemmPlan(bm, bn, bk, warps, stages, 8, slices, prec)
+    return GemmPlan(bm, bn, bk, warps, stages, 8, slices, prec, ws)
+
+
+def _balanced_slices(tiles: int, k_tiles: int, outputs: int, sms: int) -> int:
+    """K slices for the persistent Hopper loop: the fewest K-steps on the busiest SM (work items over SMs,
+    rounded up, times K-steps per item; 144 tiles on 132 SMs would take two full rounds for 1.09 rounds of
+    work), counting the partial sums' float32 round trip (``8 * slices`` bytes per output) in K-steps of
+    1.46 us at 2.5 TB/s (H100: a 128x128x64 step at ~190 TFLOP/s). Each slice keeps at least 4 K-tiles.
+    Slices must save a tenth: the ViT-B qkv weight gradient (108 tiles, 197 K-steps), predicted 5% faster
+    in 6 slices, measured 5% slower."""
+    whole = cdiv(tiles, sms) * k_tiles
+    best, best_cost = 1, 0.9 * whole
+    for s in range(2, 17):
+        if k_tiles // s < 4:
+            break
+        cost = cdiv(tiles * s, sms) * cdiv(k_tiles, s) + 8 * s * outputs / 2.5e12 / 1.46e-6
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def _split_config(R: int, L: int, interpreted: bool) -> tuple[int, int, bool, int]:
@@ -434,6 +464,9 @@ class _GemmProgram(Program):
     read as they are where the loop runs ``"fp16x3"`` on K-tiles that divide the groups, else made dense
     first (``dense_a``)."""
 
+    ws = False
+    descs = None
+
     def __init__(self, a, b, bias, precision, activation, slices, a_group, split_output):
         M, K = a.shape[-2:]
         N = b.shape[0]
@@ -467,13 +500,24 @@ class _GemmProgram(Program):
         sbias = bias.stride(0) if has_bias else 0
         one = p.slices == 1
         groups = cdiv(N, p.block_n)  # output exponents per row (split_output)
-        self.main = Launch(
-            _gemm_kernel, (cdiv(M, p.block_m) * cdiv(N, p.block_n), p.slices),
-            (M, N, K, per, *lo, M * N, sa[0], sa[1], stride_ae, sb[0], sb[1], sbias, M * N, N, 1, groups),
-            dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
-                 PRECISION=p.precision, HAS_BIAS=has_bias and one, ACTIVATION=activation if one else None,
-                 EVEN_K=even_k, A_GROUP=a_group, SPLIT_OUT=self.split_output and one),
-            p.num_warps, p.num_stages)
+        self.ws = p.warp_specialized  # the parts go in as TMA descriptors (run)
+        if self.ws:
+            work = cdiv(M, p.block_m) * cdiv(N, p.block_n) * p.slices
+            self.main = Launch(
+                gemm_sm90.gemm_ws_kernel, (min(work, device_info(dev)[0]),),
+                (M, N, K, per, work, stride_ae, sbias, M * N, N, groups, M * N),
+                dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
+                     STAGES=p.num_stages, HAS_BIAS=has_bias and one, ACTIVATION=activation if one else None,
+                     A_GROUP=a_group, SPLIT_OUT=self.split_output and one),
+                p.num_warps)
+        else:
+            self.main = Launch(
+                _gemm_kernel, (cdiv(M, p.block_m) * cdiv(N, p.block_n), p.slices),
+                (M, N, K, per, *lo, M * N, sa[0], sa[1], stride_ae, sb[0], sb[1], sbias, M * N, N, 1, groups),
+                dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
+                     PRECISION=p.precision, HAS_BIAS=has_bias and one, ACTIVATION=activation if one else None,
+                     EVEN_K=even_k, A_GROUP=a_group, SPLIT_OUT=self.split_output and one),
+                p.num_warps, p.num_stages)
         self.sum = None
         if not one:
             bm2, bn2 = 32, p.block_n
@@ -510,6 +554,14 @@ class _GemmProgram(Program):
             b, b_exp = self.split_b(b)
         else:
             a_exp = b_exp = out_exp
+        if self.ws:  # descriptors built (and checked) once, then pointed at each call's parts
+            if self.descs is None:
+                p = self.plan
+                self.descs = (gemm_sm90.parts_descriptor(a, p.block_m, p.block_k),
+                              gemm_sm90.parts_descriptor(b, p.block_n, p.block_k))
+            da, db = self.descs
+            da.base, db.base = a, b
+            a, b = da, db
         if self.sum is None:
             self.main(a, a_exp, b, b_exp, bias, out, out_exp)
         else:

@@ -95,7 +95,8 @@ class Launch:
                     self._compiled.launch_metadata(grid, stream, *args), enter, leave, *args)
             return
         kernel = self.fn[self.grid](*tensors, *self.scalars, **self.options)
-        if kernel is not None and not interpreting(self.fn) and tensors[0].is_cuda:
+        first = tensors[0]  # a tensor, or a TMA descriptor over one (the Hopper GEMM)
+        if kernel is not None and not interpreting(self.fn) and getattr(first, "base", first).is_cuda:
             self._keep(kernel, len(tensors))
 
     def _keep(self, kernel, n_tensors: int) -> None:

@@ -1,7 +1,9 @@
 """The FP32-accurate GEMM (``kernels.gemm``) against float64: odd sizes, every float32 precision, K slices,
 bias and GELU epilogues, transposed views, tiny / huge / subnormal magnitudes and non-finite elements. CPU
 runs go through Triton's interpreter at small sizes; the ``gpu`` tests take the ViT shapes and K up to 8192
-and hold the kernel to PyTorch FP32's own error on the same inputs."""
+and hold the kernel to PyTorch FP32's own error on the same inputs. On an H100 the products with
+``K % 8 == 0`` run the warp-specialised Hopper loop (``kernels.gemm_sm90``), the others the generic one: the
+checks below take K of both kinds."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from elsa_vision.kernels.gemm import SplitOperand, gemm, gemm_plan, split_rows  # noqa: E402
-from tests.helpers import DEVICE, FP32_ACCURATE, TF32_BOUND, randn, relerr  # noqa: E402
+from elsa_vision.kernels.gemm import SplitOperand, gemm, gemm_plan, gemm_sm90, split_rows  # noqa: E402
+from tests.helpers import DEVICE, FP32_ACCURATE, TF32_BOUND, compile_for_sm90, randn, relerr  # noqa: E402
 
-SIZES = [(37, 29, 45), (1, 70, 130), (65, 33, 257), (2, 3, 1)]  # (M, N, K), none a multiple of a tile
+# (M, N, K), none a multiple of a tile; the last three have K % 8 == 0 (the Hopper loop's TMA rows)
+SIZES = [(37, 29, 45), (1, 70, 130), (65, 33, 257), (2, 3, 1), (37, 29, 48), (1, 70, 136), (65, 33, 264)]
+KS = (45, 48)  # the reduction width of the smaller checks: generic loop / Hopper loop on sm90
 
 
 def _ref(a, b, bias=None, gelu=False):
@@ -43,8 +47,9 @@ def test_tf32_is_one_pass():
         assert err > 10 * FP32_ACCURATE  # really one TF32 pass on tensor cores
 
 
-def test_gelu_epilogue_and_no_bias():
-    a, b, bias = randn(37, 45, seed=1), randn(29, 45, seed=2), randn(29, seed=3)
+@pytest.mark.parametrize("K", KS)
+def test_gelu_epilogue_and_no_bias(K):
+    a, b, bias = randn(37, K, seed=1), randn(29, K, seed=2), randn(29, seed=3)
     for slices in (1, 2):
         assert relerr(gemm(a, b, bias, precision="fp16x3", activation="gelu", slices=slices),
                       _ref(a, b, bias, gelu=True)) <= FP32_ACCURATE
@@ -67,16 +72,18 @@ def test_empty_and_zero_k():
 
 @pytest.mark.parametrize("scale_a,scale_b", [(1e-30, 1.0), (1.0, 1e-30), (1e25, 1e-20), (1e28, 1.0),
                                              (1e-38, 1e3)])
-def test_tiny_and_huge_magnitudes(scale_a, scale_b):
-    a, b = randn(37, 45, seed=1, scale=scale_a), randn(29, 45, seed=2, scale=scale_b)
+@pytest.mark.parametrize("K", KS)
+def test_tiny_and_huge_magnitudes(scale_a, scale_b, K):
+    a, b = randn(37, K, seed=1, scale=scale_a), randn(29, K, seed=2, scale=scale_b)
     ref = _ref(a, b)
     assert torch.isfinite(ref).all()
     assert relerr(gemm(a, b, precision="fp16x3"), ref) <= FP32_ACCURATE
 
 
-def test_rows_of_very_different_magnitude_keep_their_own_precision():
+@pytest.mark.parametrize("K", KS)
+def test_rows_of_very_different_magnitude_keep_their_own_precision(K):
     # one scale per row: a row of 1e-20 next to a row of 1e20 (and a weight row of 1e15) stays exact
-    a, b = randn(9, 45, seed=1), randn(7, 45, seed=2)
+    a, b = randn(9, K, seed=1), randn(7, K, seed=2)
     a[3] *= 1e-20
     a[5] *= 1e20
     b[2] *= 1e15
@@ -97,8 +104,9 @@ def test_subnormal_operand():
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
-def test_non_finite_elements_stay_in_their_row_and_column(value):
-    a, b, bias = randn(37, 45, seed=1), randn(29, 45, seed=2), randn(29, seed=3)
+@pytest.mark.parametrize("K", KS)
+def test_non_finite_elements_stay_in_their_row_and_column(value, K):
+    a, b, bias = randn(37, K, seed=1), randn(29, K, seed=2), randn(29, seed=3)
     a[4, 7] = value
     b[11, 30] = value
     out = gemm(a, b, bias, precision="fp16x3")
@@ -145,7 +153,7 @@ def _groups_hold(split: SplitOperand, x):
             and ((scaled >= 2.0 ** 14) & (scaled < 2.0 ** 15) | (top == 0)).all())  # a group of zeros
 
 
-@pytest.mark.parametrize("M,H,N,K", [(37, 70, 29, 45), (65, 33, 40, 130), (1, 97, 3, 5)])
+@pytest.mark.parametrize("M,H,N,K", [(37, 70, 29, 45), (65, 33, 40, 130), (1, 97, 3, 5), (37, 72, 29, 48)])
 def test_split_output_feeds_the_next_product(M, H, N, K):
     # an MLP's two products: act(x @ w1.T + b1) written as float16 parts, read by the second without a split
     x, w1, b1 = randn(M, K, seed=1), randn(H, K, seed=2), randn(H, seed=3)
@@ -179,8 +187,9 @@ def test_split_operand_read_dense_where_its_groups_do_not_fit():
 
 
 @pytest.mark.parametrize("value", [math.inf, math.nan])
-def test_split_output_keeps_non_finite_values_in_their_rows(value):
-    x, w1, w2 = randn(37, 45, seed=1), randn(70, 45, seed=2), randn(29, 70, seed=3)
+@pytest.mark.parametrize("K,H", [(45, 70), (48, 72)])
+def test_split_output_keeps_non_finite_values_in_their_rows(value, K, H):
+    x, w1, w2 = randn(37, K, seed=1), randn(H, K, seed=2), randn(29, H, seed=3)
     x[5, 3] = value
     hidden = gemm(x, w1, precision="fp16x3", activation="gelu", split_output=True)
     out = gemm(hidden, w2, precision="fp16x3")
@@ -192,8 +201,9 @@ def test_split_output_keeps_non_finite_values_in_their_rows(value):
     assert relerr(out[keep], _ref(_ref(x2, w1, gelu=True).float(), w2)[keep]) <= FP32_ACCURATE
 
 
-def test_reruns_are_bitwise_equal():
-    a, b, bias = randn(65, 45, seed=1), randn(33, 45, seed=2), randn(33, seed=3)
+@pytest.mark.parametrize("K", KS)
+def test_reruns_are_bitwise_equal(K):
+    a, b, bias = randn(65, K, seed=1), randn(33, K, seed=2), randn(33, seed=3)
     first = gemm(a, b, bias, precision="fp16x3", slices=3)
     for _ in range(3):
         assert torch.equal(gemm(a, b, bias, precision="fp16x3", slices=3), first)
@@ -215,6 +225,62 @@ def test_plan_cuts_k_only_when_tiles_do_not_fill_the_gpu(monkeypatch):
         assert gemm_plan(12608, 2304, 768, "cpu", precision="tf32x3").precision == "tf32x3"
     finally:
         g._plan.cache_clear()
+
+
+@pytest.mark.skipif(gemm_sm90 is None, reason="this Triton has no Gluon")
+def test_plan_takes_the_hopper_loop_where_tma_can_load_the_parts(monkeypatch):
+    from elsa_vision.kernels import gemm as g
+    from elsa_vision.kernels import host
+
+    for cc, K, precision, expected in [((9, 0), 768, "auto", True), ((9, 0), 8192, "fp16x3", True),
+                                       ((9, 0), 775, "auto", False),  # rows of 1550 bytes: no TMA
+                                       ((9, 0), 768, "tf32x3", False), ((8, 0), 768, "fp16x3", False)]:
+        monkeypatch.setattr(host, "_device_info", lambda device=None, cc=cc: (132, cc, 232448))
+        g._plan.cache_clear()
+        try:
+            plan = gemm_plan(12608, 2304, K, "cpu", precision=precision)
+        finally:
+            g._plan.cache_clear()
+        assert plan.warp_specialized is expected, (cc, K, precision)
+        if expected:
+            assert (plan.block_m, plan.block_n, plan.block_k, plan.num_stages) == (128, 128, 64, 3)
+
+
+_HOPPER_COMPILE = """
+import json
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from elsa_vision.kernels import gemm_sm90
+
+fn = gemm_sm90.gemm_ws_kernel
+desc = mangle_type(gemm_sm90.parts_descriptor(torch.empty((2, 256, 128), dtype=torch.float16), 128, 64))
+report = []
+for flags in [dict(HAS_BIAS=True, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False),
+              dict(HAS_BIAS=True, ACTIVATION="gelu", A_GROUP=128, SPLIT_OUT=True)]:
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(a_desc=desc, A_EXP="*i32", b_desc=desc, B_EXP="*i32", Bias="*fp32",
+               C="*fp16" if flags["SPLIT_OUT"] else "*fp32", C_EXP="*i32")
+    consts = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=3, **flags)
+    sig.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": gemm_sm90.NUM_WARPS})
+    ptx = kernel.asm["ptx"]
+    report.append(dict(wgmma=ptx.count("wgmma.mma_async"), setmaxnreg="setmaxnreg" in ptx,
+                       tma="cp.async.bulk.tensor" in ptx, shared=kernel.metadata.shared))
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(gemm_sm90 is None, reason="this Triton has no Gluon")
+def test_hopper_loop_compiles_for_sm90_warp_specialised():
+    # Built for sm90 on any machine (no GPU needed): partitions with their own register budgets (setmaxnreg),
+    # TMA loads, the three products of both consumer warpgroups as wgmma (3 x 4 K-steps of 16 each), the
+    # stages within the H100's shared memory. The GPU tests run it.
+    for variant in compile_for_sm90(_HOPPER_COMPILE):
+        assert variant["setmaxnreg"] and variant["tma"], variant
+        assert variant["wgmma"] == 2 * 3 * 4 and variant["shared"] <= 232448, variant
 
 
 # ------------------------------------------------------------------------------------------------- GPU

@@ -1,0 +1,207 @@
+"""The ``"fp16x3"`` product loop of ``kernels.gemm`` for Hopper (sm90), warp-specialised, in Gluon.
+
+The same product as ``gemm._gemm_kernel`` at ``"fp16x3"`` (float16 parts of both operands, three tensor-core
+products per K-tile into a fresh float32 accumulator added to the running sum in IEEE float32, the row scales
+undone in the epilogue, bias / GELU / split output / K slices), laid out the way Hopper runs matrix products
+fastest, which Triton 3.6's own pipeliner does not generate for it (``docs/kernel_notes.md``, "FP32-accurate
+GEMM"):
+
+* one *producer* warp issues the TMA loads of the four float16 tiles of each K-step (``A`` high and low,
+  ``B`` high and low: a descriptor over each operand's ``[2 * rows, K]`` parts, the low rows ``rows`` after
+  the high ones) into a ring of ``STAGES`` shared-memory stages, each completing on its ``ready`` mbarrier;
+* two *consumer* warpgroups each own 64 rows of the 128-row tile: they wait for a stage, issue the three
+  asynchronous wgmma products from shared memory, wait for them, release the stage (``empty`` mbarrier, one
+  arrival per consumer) and add the fresh products to their running sum. The two warpgroups synchronise
+  only through the mbarriers, so one's additions and epilogue overlap the other's products;
+* the grid is persistent (at most one program per SM, each looping over work items), so the producer loads
+  the next tile's first stages while the consumers finish the last one's epilogue.
+
+TMA needs rows of 16-byte multiples (``K % 8 == 0``) and zero-fills reads past ``K``; rows past ``M`` (``N``)
+read the low parts or zeros and are never stored. The planner (``gemm._plan``) sends other products to the
+generic kernel.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .dots import f16_pair, pow2, scale_exponent
+
+__all__ = ["gemm_ws_kernel", "parts_descriptor", "NUM_WARPS"]
+
+NUM_WARPS = 4  # the kernel's num_warps: its default partition, the first consumer warpgroup
+_SQRT1_2 = gl.constexpr(0.7071067811865476)
+
+
+def parts_descriptor(parts, block_rows: int, block_k: int) -> TensorDescriptor:
+    """The TMA descriptor of float16 parts ``[2, R, K]`` (contiguous, ``K % 8 == 0``) seen as ``[2R, K]``,
+    in tiles of ``[block_rows, block_k]``."""
+    _, R, K = parts.shape
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, block_k], gl.float16)
+    return TensorDescriptor(parts, [2 * R, K], [K, 1], [block_rows, block_k], layout)
+
+
+@gluon.jit
+def _work_tile(w, M, N, K, k_per_slice, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               GROUP_M: gl.constexpr):
+    """``(off_m, off_n, pid_n, pid_s, k_start, n_steps)`` of work item ``w``: the output tiles of K-slice 0
+    in grouped order (``GROUP_M`` row-tiles share each column-tile while it sits in L2), then slice 1's..."""
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    tiles = tiles_m * tiles_n
+    pid_s = w // tiles
+    pid = w % tiles
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    k_start = pid_s * k_per_slice
+    n_steps = gl.cdiv(gl.minimum(K, k_start + k_per_slice) - k_start, BLOCK_K)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N, pid_n, pid_s, k_start, n_steps
+
+
+# The partitions share one signature (Gluon's rule for worker partitions); each reads what it needs.
+
+
+@gluon.jit
+def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+             STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
+             SPLIT_OUT: gl.constexpr):
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        off_m, off_n, pid_n, pid_s, k_start, n_steps = _work_tile(w, M, N, K, k_per_slice, BLOCK_M, BLOCK_N,
+                                                                  BLOCK_K, GROUP_M)
+        for i in range(n_steps):
+            s = step % STAGES
+            mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            k = k_start + i * BLOCK_K
+            tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [M + off_m, k], bar, a_bufs.index(2 * s + 1))
+            tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(b_desc, [N + off_n, k], bar, b_bufs.index(2 * s + 1))
+            step += 1
+
+
+@gluon.jit
+def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+             STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
+             SPLIT_OUT: gl.constexpr, HALF: gl.constexpr):
+    """Rows ``HALF * BLOCK_M / 2`` onwards of each tile: the products, then the epilogue of
+    ``gemm._gemm_kernel`` (row and column scales, bias, GELU, float32 or split store)."""
+    HM: gl.constexpr = BLOCK_M // 2
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        off_m, off_n, pid_n, pid_s, k_start, n_steps = _work_tile(w, M, N, K, k_per_slice, BLOCK_M, BLOCK_N,
+                                                                  BLOCK_K, GROUP_M)
+        offs_m = off_m + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, layout))
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        rows = gl.where(offs_m < M, offs_m, 0).to(gl.int64)
+        cols = gl.where(offs_n < N, offs_n, 0).to(gl.int64)
+        acc = gl.zeros([HM, BLOCK_N], gl.float32, layout)
+        for i in range(n_steps):
+            s = step % STAGES
+            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            a_hi = a_bufs.index(2 * s).slice(HALF * HM, HM)
+            a_lo = a_bufs.index(2 * s + 1).slice(HALF * HM, HM)
+            b_hi = b_bufs.index(2 * s).permute((1, 0))
+            b_lo = b_bufs.index(2 * s + 1).permute((1, 0))
+            fresh = warpgroup_mma(a_hi, b_lo, acc, use_acc=False, is_async=True)  # the small terms first
+            fresh = warpgroup_mma(a_lo, b_hi, fresh, is_async=True)
+            fresh = warpgroup_mma(a_hi, b_hi, fresh, is_async=True)
+            fresh = warpgroup_mma_wait(0, deps=(fresh,))
+            mbarrier.arrive(empty.index(s), count=1)
+            if A_GROUP > 0:  # BLOCK_K divides A_GROUP: one exponent per row over this K-step
+                group = (k_start + i * BLOCK_K) // A_GROUP
+                fresh = fresh * pow2(-gl.load(A_EXP + rows * stride_ae + group))[:, None]
+            acc += fresh
+            step += 1
+        if A_GROUP == 0:
+            acc = acc * pow2(-gl.load(A_EXP + rows))[:, None]
+        acc = acc * pow2(-gl.load(B_EXP + cols))[None, :]
+        if HAS_BIAS:
+            acc += gl.load(Bias + cols * stride_bias)[None, :].to(gl.float32)
+        if ACTIVATION == "gelu":
+            acc = 0.5 * acc * (1.0 + gl.erf(acc * _SQRT1_2))
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        if SPLIT_OUT:  # as gemm._store_split: one scale per row of the tile
+            x = gl.where(mask, acc, 0.0)
+            c = scale_exponent(gl.max(gl.abs(x), 1))
+            hi, low = f16_pair(x * pow2(c)[:, None])
+            out = offs_m[:, None].to(gl.int64) * N + offs_n[None, :]
+            gl.store(C + out, hi, mask=mask)
+            gl.store(C + c_lo + out, low, mask=mask)
+            gl.store(C_EXP + offs_m.to(gl.int64) * stride_ce + pid_n, c, mask=offs_m < M)
+        else:
+            ptrs = C + pid_s.to(gl.int64) * stride_cs + offs_m[:, None].to(gl.int64) * stride_cm \
+                + offs_n[None, :].to(gl.int64)
+            gl.store(ptrs, acc, mask=mask)
+
+
+@gluon.jit
+def _consume_top(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+                 M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+                 A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr):
+    _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
+             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, 0)
+
+
+@gluon.jit
+def _consume_bottom(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr):
+    _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
+             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, 1)
+
+
+@gluon.jit
+def gemm_ws_kernel(
+    a_desc, A_EXP, b_desc, B_EXP, Bias, C, C_EXP,
+    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
+    SPLIT_OUT: gl.constexpr,
+):
+    """``work`` items (output tiles x K slices, ``k_per_slice`` apart) of ``C = A @ B^T`` from the
+    descriptors of the float16 parts (``parts_descriptor``), over a persistent grid. The other arguments are
+    those of ``gemm._gemm_kernel`` at ``"fp16x3"`` (C's columns contiguous)."""
+    a_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    # One tuple literal per partition: a tuple bound to a name would turn its constexprs into tensors.
+    gl.warp_specialize([
+        (_consume_top, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+                        M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce,
+                        c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP,
+                        SPLIT_OUT)),
+        (_consume_bottom, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+                           M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm,
+                           stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
+                           A_GROUP, SPLIT_OUT)),
+        (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce,
+                    c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP,
+                    SPLIT_OUT)),
+    ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers
