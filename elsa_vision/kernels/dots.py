@@ -14,6 +14,7 @@ import triton.language as tl
 
 __all__ = [
     "matmul", "split_f16", "matmul_f16x3", "mm_f16x3", "unscale", "pow2", "f16_pair", "scale_exponent",
+    "store_split",
 ]
 
 
@@ -105,3 +106,19 @@ def mm_f16x3(a_hi, a_lo, a_c, b_hi, b_lo, b_c, shape: tl.constexpr):
     tensor-core products into a fresh float32 accumulator of ``shape``, then the scales undone exactly.
     The caller adds the result to its running sum in IEEE float32 (see ``matmul_f16x3``)."""
     return unscale(matmul_f16x3(a_hi, a_lo, b_hi, b_lo, tl.zeros(shape, dtype=tl.float32)), a_c + b_c)
+
+
+@triton.jit
+def store_split(P, E, x, offs_m, offs_n, M, N, lo, stride_e, group):
+    """Store float32 tile ``x`` (rows ``offs_m``, columns ``offs_n`` of ``[M, N]``) as float16 parts
+    ``P [2, M, N]`` (the low parts ``lo`` elements after the high ones) with one scale per row of the tile:
+    its exponent at column ``group`` of ``E`` (rows ``stride_e`` apart). A tile's rows are scaled apart, so a
+    non-finite element reaches its own row and column group only."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.where(mask, x, 0.0)
+    c = scale_exponent(tl.max(tl.abs(x), 1))
+    hi, low = f16_pair(x * pow2(c)[:, None])
+    out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(P + out, hi, mask=mask)
+    tl.store(P + lo + out, low, mask=mask)
+    tl.store(E + offs_m.to(tl.int64) * stride_e + group, c, mask=offs_m < M)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dots import f16_pair, matmul_f16x3, pow2, scale_exponent
+from .dots import f16_pair, matmul_f16x3, pow2, scale_exponent, store_split
 from .host import canonical_device, cdiv, device_info, next_pow2
 from .launch import Launch, Program, ProgramCache, install_config
 from .precision import resolve_precision
@@ -135,27 +135,11 @@ def _gemm_kernel(
     if ACTIVATION == "gelu":
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
     if SPLIT_OUT:
-        _store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, pid_n)
+        store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, pid_n)
     else:
         c_ptrs = C + pid_s.to(tl.int64) * stride_cs + offs_m[:, None].to(tl.int64) * stride_cm \
             + offs_n[None, :].to(tl.int64) * stride_cn
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _store_split(P, E, x, offs_m, offs_n, M, N, lo, stride_e, group):
-    """Store float32 tile ``x`` (rows ``offs_m``, columns ``offs_n`` of ``[M, N]``) as float16 parts
-    ``P [2, M, N]`` (the low parts ``lo`` elements after the high ones) with one scale per row of the tile:
-    its exponent at column ``group`` of ``E`` (rows ``stride_e`` apart). A tile's rows are scaled apart, so a
-    non-finite element reaches its own row and column group only."""
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    x = tl.where(mask, x, 0.0)
-    c = scale_exponent(tl.max(tl.abs(x), 1))
-    hi, low = f16_pair(x * pow2(c)[:, None])
-    out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(P + out, hi, mask=mask)
-    tl.store(P + lo + out, low, mask=mask)
-    tl.store(E + offs_m.to(tl.int64) * stride_e + group, c, mask=offs_m < M)
 
 
 @triton.jit
@@ -179,7 +163,7 @@ def _sum_slices_kernel(
     if ACTIVATION == "gelu":
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
     if SPLIT_OUT:
-        _store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, tl.program_id(1))
+        store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, tl.program_id(1))
     else:
         tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn,
                  acc.to(C.dtype.element_ty), mask=mask)

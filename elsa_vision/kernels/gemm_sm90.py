@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .dots import f16_pair, pow2, scale_exponent
+from .dots import pow2, store_split
 
 __all__ = ["gemm_ws_kernel", "parts_descriptor", "NUM_WARPS"]
 
@@ -135,19 +135,12 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
             acc += gl.load(Bias + cols * stride_bias)[None, :].to(gl.float32)
         if ACTIVATION == "gelu":
             acc = 0.5 * acc * (1.0 + gl.erf(acc * _SQRT1_2))
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        if SPLIT_OUT:  # as gemm._store_split: one scale per row of the tile
-            x = gl.where(mask, acc, 0.0)
-            c = scale_exponent(gl.max(gl.abs(x), 1))
-            hi, low = f16_pair(x * pow2(c)[:, None])
-            out = offs_m[:, None].to(gl.int64) * N + offs_n[None, :]
-            gl.store(C + out, hi, mask=mask)
-            gl.store(C + c_lo + out, low, mask=mask)
-            gl.store(C_EXP + offs_m.to(gl.int64) * stride_ce + pid_n, c, mask=offs_m < M)
+        if SPLIT_OUT:
+            store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, pid_n)
         else:
             ptrs = C + pid_s.to(gl.int64) * stride_cs + offs_m[:, None].to(gl.int64) * stride_cm \
                 + offs_n[None, :].to(gl.int64)
-            gl.store(ptrs, acc, mask=mask)
+            gl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @gluon.jit
