@@ -14,8 +14,10 @@ import triton.language as tl
 
 __all__ = [
     "matmul", "split_f16", "matmul_f16x3", "mm_f16x3", "unscale", "pow2", "f16_pair", "scale_exponent",
-    "store_split",
+    "store_split", "gemm_epilogue",
 ]
+
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
 
 
 @triton.jit
@@ -122,3 +124,21 @@ def store_split(P, E, x, offs_m, offs_n, M, N, lo, stride_e, group):
     tl.store(P + out, hi, mask=mask)
     tl.store(P + lo + out, low, mask=mask)
     tl.store(E + offs_m.to(tl.int64) * stride_e + group, c, mask=offs_m < M)
+
+
+@triton.jit
+def gemm_epilogue(acc, A_EXP, B_EXP, Bias, rows, cols, stride_bias, UNSCALE_ROWS: tl.constexpr,
+                  UNSCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The epilogue of an FP32-accurate product tile ``acc [rows, cols]``: the parts' power-of-two row scales
+    undone (int32 exponents ``A_EXP[rows]`` where ``UNSCALE_ROWS``, ``B_EXP[cols]`` where ``UNSCALE_COLS``;
+    exact), the bias added (``Bias[cols]``, any float dtype) and the activation applied (None or ``"gelu"``,
+    exact erf)."""
+    if UNSCALE_ROWS:
+        acc = acc * pow2(-tl.load(A_EXP + rows))[:, None]
+    if UNSCALE_COLS:
+        acc = acc * pow2(-tl.load(B_EXP + cols))[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols * stride_bias)[None, :].to(tl.float32)
+    if ACTIVATION == "gelu":
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
+    return acc

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dots import f16_pair, matmul_f16x3, pow2, scale_exponent, store_split
+from .dots import f16_pair, gemm_epilogue, matmul_f16x3, pow2, scale_exponent, store_split
 from .host import canonical_device, cdiv, device_info, next_pow2
 from .launch import Launch, Program, ProgramCache, install_config
 from .precision import resolve_precision
@@ -49,7 +49,6 @@ except ImportError:  # pragma: no cover - an older Triton: the generic loop ever
 __all__ = ["GemmPlan", "SplitOperand", "gemm", "gemm_plan", "split_rows", "ACTIVATIONS"]
 
 ACTIVATIONS = (None, "gelu")
-_SQRT1_2 = tl.constexpr(0.7071067811865476)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -126,14 +125,8 @@ def _gemm_kernel(
         a_off += BLOCK_K * stride_ak
         b_off += BLOCK_K * stride_bk
 
-    if PRECISION == "fp16x3":
-        if A_GROUP == 0:
-            acc = acc * pow2(-tl.load(A_EXP + rows))[:, None]
-        acc = acc * pow2(-tl.load(B_EXP + cols))[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols * stride_bias)[None, :].to(tl.float32)
-    if ACTIVATION == "gelu":
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
+    acc = gemm_epilogue(acc, A_EXP, B_EXP, Bias, rows, cols, stride_bias,
+                        PRECISION == "fp16x3" and A_GROUP == 0, PRECISION == "fp16x3", HAS_BIAS, ACTIVATION)
     if SPLIT_OUT:
         store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, pid_n)
     else:
@@ -158,10 +151,9 @@ def _sum_slices_kernel(
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, SLICES):
         acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n * stride_bias, mask=offs_n < N, other=0.0)[None, :].to(tl.float32)
-    if ACTIVATION == "gelu":
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT1_2))
+    cols = tl.where(offs_n < N, offs_n, 0)  # columns past the edge read column 0's bias; not stored
+    acc = gemm_epilogue(acc, C_EXP, C_EXP, Bias, offs_m, cols, stride_bias, False, False, HAS_BIAS,
+                        ACTIVATION)
     if SPLIT_OUT:
         store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, tl.program_id(1))
     else:

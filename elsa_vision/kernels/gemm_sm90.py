@@ -28,12 +28,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .dots import pow2, store_split
+from .dots import gemm_epilogue, pow2, store_split
 
 __all__ = ["gemm_ws_kernel", "parts_descriptor", "NUM_WARPS"]
 
 NUM_WARPS = 4  # the kernel's num_warps: its default partition, the first consumer warpgroup
-_SQRT1_2 = gl.constexpr(0.7071067811865476)
 
 
 def parts_descriptor(parts, block_rows: int, block_k: int) -> TensorDescriptor:
@@ -128,13 +127,8 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
                 fresh = fresh * pow2(-gl.load(A_EXP + rows * stride_ae + group))[:, None]
             acc += fresh
             step += 1
-        if A_GROUP == 0:
-            acc = acc * pow2(-gl.load(A_EXP + rows))[:, None]
-        acc = acc * pow2(-gl.load(B_EXP + cols))[None, :]
-        if HAS_BIAS:
-            acc += gl.load(Bias + cols * stride_bias)[None, :].to(gl.float32)
-        if ACTIVATION == "gelu":
-            acc = 0.5 * acc * (1.0 + gl.erf(acc * _SQRT1_2))
+        acc = gemm_epilogue(acc, A_EXP, B_EXP, Bias, rows, cols, stride_bias, A_GROUP == 0, True, HAS_BIAS,
+                            ACTIVATION)
         if SPLIT_OUT:
             store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, pid_n)
         else:
