@@ -8,7 +8,8 @@ The GEMM family sibling of the attention kernels, at the same float32 precisions
   (``dots.matmul_f16x3``) into a fresh float32 accumulator that is added to the running sum in IEEE float32.
   The tensor core's own accumulation is not IEEE-rounded and its error grows with K (measured: 1e-5 at
   K = 8192 when every K-tile accumulates through it); one fresh accumulator per K-tile keeps the result
-  below PyTorch's FP32 GEMM error at any K. The row scales are undone exactly in the epilogue;
+  below PyTorch's FP32 GEMM error at any K. The row scales are undone exactly in the epilogue. On sm90,
+  products with ``K % 8 == 0`` run this loop warp-specialised (``kernels.gemm_sm90``), the others here;
 * ``"tf32x3"`` (``"auto"`` on other sm80+ GPUs): Triton's three-product TF32 split of float32 tiles;
 * ``"ieee"``: plain FP32 FMA (no tensor cores); ``"tf32"``: one TF32 pass (~1e-3).
 
