@@ -130,6 +130,8 @@ class ElsaAttention(ElsaAttentionModule, nn.Module):
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
+        if q.dtype != v.dtype:  # CUDA autocast runs layer_norm in float32: q, k back to the projection's
+            q, k = q.to(v.dtype), k.to(v.dtype)  # dtype, as SDPA's autocast does
         rotated = self.rope is not None and pos is not None
         if rotated:
             q, k = self.rope.rotate(q, k, pos)

@@ -130,16 +130,6 @@ class TokenMerge:
         return out
 
 
-class _HeadNorm(nn.LayerNorm):
-    """The per-head q/k LayerNorm of :class:`Block`, in the dtype of its input. CUDA autocast computes
-    ``layer_norm`` in float32 and returns float32, which would give float32 q, k beside the projection's
-    bfloat16 v (``elsa_attention`` takes one dtype; SDPA's autocast casts all three): the norm is computed as
-    autocast says and rounded back, so that q, k, v arrive in one dtype, as in the pure-bfloat16 model."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x).to(x.dtype)
-
-
 class Block(nn.Module):
     """Pre-norm transformer block ``x + ls1(attn(norm1(x))); x + ls2(mlp(norm2(x)))`` (VGGT's / DINOv2's
     names): :class:`~elsa_vision.layers.ElsaAttention` with per-head q/k LayerNorm and the ``rope`` option,
@@ -170,7 +160,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = ElsaAttention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, proj_bias=proj_bias,
-                                  norm_layer=_HeadNorm, backend=backend, precision=precision, rope=rope)
+                                  norm_layer=nn.LayerNorm, backend=backend, precision=precision, rope=rope)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), bias=ffn_bias)

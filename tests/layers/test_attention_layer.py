@@ -159,6 +159,41 @@ def test_inference_plan_follows_autocast():
     assert relerr(low.float(), general.double()) <= 2e-2
 
 
+def test_qk_norm_in_float32_under_autocast_attends_in_one_dtype(monkeypatch):
+    """CUDA autocast computes ``layer_norm`` in float32 and returns float32 (the CPU's keeps bfloat16), so the
+    q/k norms give float32 q, k beside the projection's bfloat16 v; the layer hands the kernels q, k, v of v's
+    dtype (as SDPA's autocast does). The CUDA policy is emulated on the CPU by a float32 ``F.layer_norm``."""
+    import torch.nn.functional as F
+
+    from elsa_vision.ops import attention as ops_attention
+
+    layer_norm = F.layer_norm
+
+    def layer_norm_fp32(x, shape, weight=None, bias=None, eps=1e-5):
+        weight, bias = (None if t is None else t.float() for t in (weight, bias))
+        return layer_norm(x.float(), shape, weight, bias, eps)
+
+    torch.manual_seed(0)
+    attn = ElsaAttention(32, num_heads=2, qk_norm=True, norm_layer=torch.nn.LayerNorm, backend="torch")
+    x = torch.randn(2, 19, 32)
+    with torch.no_grad():
+        ref = attn(x)
+    seen = []
+    check = ops_attention.check_attention_inputs
+
+    def record(q, k, v, *a):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return check(q, k, v, *a)
+
+    monkeypatch.setattr(ops_attention, "check_attention_inputs", record)
+    monkeypatch.setattr(F, "layer_norm", layer_norm_fp32)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert attn.q_norm(torch.ones(2, 16, dtype=torch.bfloat16)).dtype == torch.float32  # the emulation
+        out = attn(x)
+    assert seen and all(d == (torch.bfloat16,) * 3 for d in seen), seen
+    assert out.dtype == torch.bfloat16 and relerr(out.float(), ref.double()) <= 2e-2
+
+
 @pytest.mark.parametrize("cfg", [dict(qkv_bias=True), dict(qk_norm=True, scale_norm=True,
                                                            norm_layer=torch.nn.LayerNorm, gated=True)],
                          ids=["plain", "norms-gate"])
