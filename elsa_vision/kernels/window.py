@@ -10,11 +10,10 @@ kernel, ``bias [H, N, N]`` (``16 sigmoid(cpb_mlp(coords))[index]``) is shared by
 stride (never expanded per window), the shifted-window mask ``[nW, N, N]`` (0 / -100) is read at window
 index ``b % nW`` (timm's layout ``B*nW`` with the window index fastest).
 
-Each program owns one query tile of ``BLOCK_M`` rows of one head and ``WINDOWS`` consecutive windows; for each
-window it folds the key tiles of ``BLOCK_N`` keys into per-row ``(m, S, W)`` states with
-``monoid.fold_tile`` and finalises ``W / S`` (a window of at most 576 tokens is one partition: no split, no
-workspace). ``WINDOWS > 1`` keeps the program count near a few waves of the GPU when there are many small
-windows. Windows of any token count ``N`` (49, 64, 144, 256, 576, non-square) are covered by masked tiles.
+Each program owns one query tile of ``BLOCK_M`` rows of one head of one window; it folds the key tiles of
+``BLOCK_N`` keys into per-row ``(m, S, W)`` states with ``monoid.fold_tile`` and finalises ``W / S`` (a window
+of at most 576 tokens is one partition: no split, no workspace). Windows of any token count ``N`` (49, 64,
+144, 256, 576, non-square) are covered by masked tiles.
 
 Non-finite inputs follow the rule of ``reference.py``: a ``-inf`` in the bias or mask hides its key from the
 row whatever the key holds (Swin's ``-100`` hides nothing); a window whose result comes out non-finite is
@@ -108,21 +107,20 @@ def _window_fwd_kernel(
     stride_bh, stride_bm, stride_bn,
     stride_mw, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    Bw, H, N, nW, m_tiles, logit_max, qk_scale,
+    N, nW, m_tiles, logit_max, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOWS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
     HAS_MASK: tl.constexpr, COSINE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """Grid ``(cdiv(Bw, WINDOWS), m_tiles * H)``: axis 0 = a group of ``WINDOWS`` windows (the long axis:
-    no 65535 limit; consecutive programs are consecutive windows of one head and query tile, so they read
-    the same bias rows from L2), axis 1 = (head, query tile).
+    """Grid ``(Bw, m_tiles * H)``: axis 0 = the window (the long axis: no 65535 limit; consecutive programs
+    are consecutive windows of one head and query tile, so they read the same bias rows from L2), axis 1 =
+    (head, query tile).
 
     ``COSINE`` (Swin v2): the logits are ``cos(q, k) * exp(min(logit_scale, logit_max))``; otherwise (Swin v1)
     ``q . k * qk_scale`` (``LogitScale`` unread).
 
     Writes ``Out [Bw, H, N, DV]`` (input dtype); the backward recomputes the softmax, no log-sum-exp is kept.
     """
-    pid_w = tl.program_id(0)
     pid = tl.program_id(1)
     pid_m = pid % m_tiles
     off_h = pid // m_tiles
@@ -143,51 +141,46 @@ def _window_fwd_kernel(
         q_scale = qk_scale * _LOG2E  # applied to the float32 products
     bias_rows = Bias + h64 * stride_bh + rows64[:, None] * stride_bm
 
-    for w in range(WINDOWS):
-        b = pid_w * WINDOWS + w
-        b_ok = b < Bw
-        b64 = tl.minimum(b, Bw - 1).to(tl.int64)
-        row_ok = row_in & b_ok
+    b64 = tl.program_id(0).to(tl.int64)
+    q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
+    if COSINE:
+        q = tl.load(q_ptrs, mask=row_in[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+        q_norm = tl.maximum(tl.sqrt(tl.sum(q * q, 1)), _NORM_EPS)
+        qn = (q * (q_scale / q_norm)[:, None]).to(Q.dtype.element_ty)
+    else:
+        qn = tl.load(q_ptrs, mask=row_in[:, None] & (offs_d[None, :] < D), other=0.0)
 
-        q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm
-                  + offs_d[None, :] * stride_qd)
-        if COSINE:
-            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-            q_norm = tl.maximum(tl.sqrt(tl.sum(q * q, 1)), _NORM_EPS)
-            qn = (q * (q_scale / q_norm)[:, None]).to(Q.dtype.element_ty)
-        else:
-            qn = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    mask_rows = Mask
+    if HAS_MASK:
+        mask_rows = Mask + (b64 % nW) * stride_mw + rows64[:, None] * stride_mm
 
-        k_base = K + b64 * stride_kb + h64 * stride_kh
-        v_base = V + b64 * stride_vb + h64 * stride_vh
-        mask_rows = Mask
-        if HAS_MASK:
-            mask_rows = Mask + (b64 % nW) * stride_mw + rows64[:, None] * stride_mm
-
+    m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
+    code = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fold_keys: only an exact pass writes it
+    m_i, s_i, s_c, acc, acc_c, code = _window_keys(
+        m_i, s_i, s_c, acc, acc_c, code, qn, q_scale, row_in, offs_n, offs_d, offs_dv, k_base, v_base,
+        bias_rows, mask_rows, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
+        D, DV, BLOCK_M, BLOCK_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, False)
+    s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
+    if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
+        # A NaN or an infinity reached the state: redo the window with the exact pass (see monoid), on
+        # key tiles half as wide (its registers stay below the fast pass's).
+        EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
         m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
-        code = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fold_keys: only an exact pass writes it
         m_i, s_i, s_c, acc, acc_c, code = _window_keys(
-            m_i, s_i, s_c, acc, acc_c, code, qn, q_scale, row_in, offs_n, offs_d, offs_dv, k_base, v_base,
-            bias_rows, mask_rows, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
-            D, DV, BLOCK_M, BLOCK_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, False)
+            m_i, s_i, s_c, acc, acc_c, code, qn, q_scale,
+            row_in, tl.arange(0, EXACT_N), offs_d, offs_dv, k_base, v_base, bias_rows, mask_rows,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
+            D, DV, BLOCK_M, EXACT_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, True)
         s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
-        if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
-            # A NaN or an infinity reached the state: redo the window with the exact pass (see monoid), on
-            # key tiles half as wide (its registers stay below the fast pass's).
-            EXACT_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
-            m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
-            m_i, s_i, s_c, acc, acc_c, code = _window_keys(
-                m_i, s_i, s_c, acc, acc_c, code, qn, q_scale,
-                row_in, tl.arange(0, EXACT_N), offs_d, offs_dv, k_base, v_base, bias_rows, mask_rows,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_mn, N,
-                D, DV, BLOCK_M, EXACT_N, PRECISION, HAS_MASK, COSINE, ACCUMULATE, True)
-            s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
-            acc = acc + nonfinite_values(code)
+        acc = acc + nonfinite_values(code)
 
-        out, _ = finalize_state(m_i, s_i, acc)
-        o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + rows64[:, None] * stride_om
-                  + offs_dv[None, :] * stride_od)
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    out, _ = finalize_state(m_i, s_i, acc)
+    o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + rows64[:, None] * stride_om
+              + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_in[:, None] & (offs_dv[None, :] < DV))
 
 
 @triton.jit
@@ -384,17 +377,18 @@ def _windows_per_program(Bw: int, programs_per_window: int, device) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def window_plan(Bw: int, H: int, N: int, D: int, Dv: int, dtype: torch.dtype, device) -> dict:
-    """Launch options of :func:`window_fwd`: tiles, windows per program, warps.
+def window_plan(N: int) -> dict:
+    """Launch options of :func:`window_fwd`: tiles, warps, pipeline stages (one program per window, head and
+    query tile).
 
-    ``BLOCK_M`` covers a 49/64-token window in one tile (larger windows take 64-row tiles); ``WINDOWS`` is the
-    largest power of two <= 8 that still leaves at least four programs per SM.
+    ``BLOCK_M`` covers a 49/64-token window in one tile (larger windows take 64-row tiles), keys go in tiles
+    of 32. Measured on H100 (``docs/kernel_notes.md``, "Window attention (W-ELSA)"): one window per program,
+    four warps and no software pipelining (``num_stages=1``) ran 1.6-2.2x faster on the Swin-v2-T/W8 stages
+    than several windows per program with two stages, whose buffers held the registers and shared memory a
+    second resident program needs; 32-key tiles are within 2% of the best at 49-576 tokens in float32 and
+    bfloat16, where 64-key tiles lose 2.5x on Swin v1's 49-token bfloat16 windows.
     """
-    block_m = 64 if N > 32 else 32
-    big = max(tile_size(D), tile_size(Dv))
-    block_n = 32 if big > 64 or dtype == torch.float32 and big > 32 else 64
-    windows = _windows_per_program(Bw, cdiv(N, block_m) * H, device)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, WINDOWS=windows, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64 if N > 32 else 32, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
 class _WindowFwdProgram(Program):
@@ -412,17 +406,17 @@ class _WindowFwdProgram(Program):
         prec = resolve_precision(precision, q.dtype, q.device, "window")
         if q.device.type == "cpu" and q.dtype != torch.float32:
             prec = "upcast"  # the interpreter has no half dot
-        cfg = window_plan(Bw, H, N, D, Dv, q.dtype, q.device)
+        cfg = window_plan(N)
         m_tiles = cdiv(N, cfg["BLOCK_M"])
         has_mask = mask is not None
         cosine = logit_scale is not None
         self.launch = Launch(
-            _window_fwd_kernel, (cdiv(Bw, cfg["WINDOWS"]), m_tiles * H),
+            _window_fwd_kernel, (Bw, m_tiles * H),
             (*q.stride(), *k.stride(), *v.stride(), logit_scale.stride(0) if cosine else 0, *bias.stride(),
              *(mask.stride() if has_mask else (0, 0, 0)), *self.out_stride,
-             Bw, H, N, mask.shape[0] if has_mask else 1, m_tiles, LOGIT_SCALE_MAX, float(scale)),
+             N, mask.shape[0] if has_mask else 1, m_tiles, LOGIT_SCALE_MAX, float(scale)),
             dict(D=D, DV=Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=tile_size(D),
-                 BLOCK_DV=tile_size(Dv), WINDOWS=cfg["WINDOWS"], PRECISION=prec, HAS_MASK=has_mask,
+                 BLOCK_DV=tile_size(Dv), PRECISION=prec, HAS_MASK=has_mask,
                  COSINE=cosine, ACCUMULATE=ACCUMULATION.get(prec, "plain")),
             cfg["num_warps"], cfg["num_stages"])
 
