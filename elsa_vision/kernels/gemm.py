@@ -4,12 +4,14 @@ The GEMM family sibling of the attention kernels, at the same float32 precisions
 
 * ``"fp16x3"`` (what ``"auto"`` picks on sm90): each operand is first split (``split_rows``, one
   memory-bound pass) into two float16 parts scaled by a power of two per row, ``x * 2**c == hi + lo`` to 22
-  bits; the product loop then runs on half-precision tensor cores alone: three products per K-tile
-  (``dots.matmul_f16x3``) into a fresh float32 accumulator that is added to the running sum in IEEE float32.
-  The tensor core's own accumulation is not IEEE-rounded and its error grows with K (measured: 1e-5 at
-  K = 8192 when every K-tile accumulates through it); one fresh accumulator per K-tile keeps the result
-  below PyTorch's FP32 GEMM error at any K. The row scales are undone exactly in the epilogue. On sm90,
-  products with ``K % 8 == 0`` run this loop warp-specialised (``kernels.gemm_sm90``), the others here;
+  bits (the Hopper loop splits a row-contiguous ``A`` of a product at most ``A_F32_MAX_N`` wide in its own
+  registers instead, one scale per row and K-step); the product loop then runs on half-precision tensor
+  cores alone: three products per K-tile (``dots.matmul_f16x3``) into a fresh float32 accumulator that is
+  added to the running sum in IEEE float32. The tensor core's own accumulation is not IEEE-rounded and its
+  error grows with K (measured: 1e-5 at K = 8192 when every K-tile accumulates through it); one fresh
+  accumulator per K-tile keeps the result below PyTorch's FP32 GEMM error at any K. The row scales are
+  undone exactly in the epilogue. On sm90, products with ``K % 8 == 0`` run this loop warp-specialised
+  (``kernels.gemm_sm90``), the others here;
 * ``"tf32x3"`` (``"auto"`` on other sm80+ GPUs): Triton's three-product TF32 split of float32 tiles;
 * ``"ieee"``: plain FP32 FMA (no tensor cores); ``"tf32"``: one TF32 pass (~1e-3).
 
@@ -22,7 +24,9 @@ summed in a fixed order (``_sum_slices_kernel``, which adds the bias): reruns ar
 Range (``"fp16x3"``): a row's largest magnitude is scaled into ``[2^14, 2^15)``; the other elements of the row
 keep 22 significant bits down to ``2^-25`` of it, and an absolute ``2^-39`` of it below that. A K-tile's
 partial product of scaled rows is at most ``2^30 * BLOCK_K`` and is added unscaled by the row scales, so
-operands up to about ``1e30`` in magnitude are exact. A non-finite element makes its output row (of ``A``)
+operands up to about ``1e30`` in magnitude are exact (where the Hopper loop splits ``A`` itself, each K-step's
+row scales are undone at once and the running sum holds ``|A| * 2^15`` per term: ``|A|`` up to about ``1e30``
+at K = 3072, ``3e29`` at K = 8192). A non-finite element makes its output row (of ``A``)
 or column (of ``B``) non-finite and leaves the others untouched.
 """
 
@@ -273,6 +277,13 @@ class GemmPlan:
     warp_specialized: bool = False
 
 
+# The Hopper loop reads a float32 ``a`` (rows contiguous, 16-byte aligned) through TMA and splits it in its
+# consumers' registers, one scale per row and K-step (``A_F32``: no split pass), for products at most this
+# wide. H100, against the split pass (docs/kernel_notes.md, "FP32-accurate GEMM"): 1.22-1.28x at Swin-v2's
+# first stage (N = 288, 384; K = 96), 1.07-1.08x at N = 576-768, 0.98-1.00x at N = 768-1152 with K >= 384,
+# 0.81-0.91x at N >= 2304, where the products are compute-bound and the split lengthens each consumer's step.
+A_F32_MAX_N = 768
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by resolved precision (H100 measurements: docs/kernel_notes.md,
 # "FP32-accurate GEMM"); the interpreter takes small tiles.
 _CONFIGS = {
@@ -442,6 +453,7 @@ class _GemmProgram(Program):
     first (``dense_a``)."""
 
     ws = False
+    a_f32 = False
     descs = None
 
     def __init__(self, a, b, bias, precision, activation, slices, a_group, split_output):
@@ -464,9 +476,11 @@ class _GemmProgram(Program):
         has_bias = bias is not None
         stride_ae = 0
         a_shape, a_strides = ((M, K), (K, 1)) if a.dim() == 3 else (a.shape, a.stride())  # parts: dense rows
+        self.a_f32 = (p.warp_specialized and not a_group and N <= A_F32_MAX_N and a.dim() == 2
+                      and a.stride(1) == 1 and a.stride(0) % 4 == 0 and a.data_ptr() % 16 == 0)
         if self.split:
             interpreted = not a.is_cuda
-            self.split_a = None if a_group else _Split(a_shape, a_strides, dev, interpreted)
+            self.split_a = None if a_group or self.a_f32 else _Split(a_shape, a_strides, dev, interpreted)
             self.split_b = _Split(b.shape, b.stride(), dev, interpreted)
             sa, sb, lo = (K, 1), (K, 1), (M * K, N * K)
             stride_ae = cdiv(K, a_group) if a_group else 0
@@ -485,7 +499,7 @@ class _GemmProgram(Program):
                 (M, N, K, per, work, stride_ae, sbias, M * N, N, groups, M * N),
                 dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
                      STAGES=p.num_stages, HAS_BIAS=has_bias and one, ACTIVATION=activation if one else None,
-                     A_GROUP=a_group, SPLIT_OUT=self.split_output and one),
+                     A_GROUP=a_group, SPLIT_OUT=self.split_output and one, A_F32=self.a_f32),
                 p.num_warps)
         else:
             self.main = Launch(
@@ -528,13 +542,16 @@ class _GemmProgram(Program):
         if self.split:
             if self.split_a is not None:
                 a, a_exp = self.split_a(a)
+            elif self.a_f32:
+                a_exp = out_exp  # unread: the loop scales A per K-step itself
             b, b_exp = self.split_b(b)
         else:
             a_exp = b_exp = out_exp
         if self.ws:  # descriptors built (and checked) once, then pointed at each call's parts
             if self.descs is None:
                 p = self.plan
-                self.descs = (gemm_sm90.parts_descriptor(a, p.block_m, p.block_k),
+                a_desc = gemm_sm90.f32_descriptor if self.a_f32 else gemm_sm90.parts_descriptor
+                self.descs = (a_desc(a, p.block_m, p.block_k),
                               gemm_sm90.parts_descriptor(b, p.block_n, p.block_k))
             da, db = self.descs
             da.base, db.base = a, b

@@ -13,6 +13,10 @@ GEMM"):
   asynchronous wgmma products from shared memory, wait for them, release the stage (``empty`` mbarrier, one
   arrival per consumer) and add the fresh products to their running sum. The two warpgroups synchronise
   only through the mbarriers, so one's additions and epilogue overlap the other's products;
+* with ``A_F32`` (a float32 ``A`` with rows contiguous, for products at most ``gemm.A_F32_MAX_N`` wide) the
+  producer loads ``A`` itself, each K-step in two float32 halves, and each consumer splits its rows in
+  registers (one power-of-two scale per row and K-step, undone on the fresh product) and issues six wgmma
+  products with ``A`` from registers: no split pass over ``A`` in memory;
 * the grid is persistent (at most one program per SM, each looping over work items), so the producer loads
   the next tile's first stages while the consumers finish the last one's epilogue.
 
@@ -28,9 +32,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .dots import gemm_epilogue, pow2, store_split
+from .dots import f16_pair, gemm_epilogue, pow2, scale_exponent, store_split
 
-__all__ = ["gemm_ws_kernel", "parts_descriptor", "NUM_WARPS"]
+__all__ = ["gemm_ws_kernel", "parts_descriptor", "f32_descriptor", "NUM_WARPS"]
 
 NUM_WARPS = 4  # the kernel's num_warps: its default partition, the first consumer warpgroup
 
@@ -41,6 +45,13 @@ def parts_descriptor(parts, block_rows: int, block_k: int) -> TensorDescriptor:
     _, R, K = parts.shape
     layout = gl.NVMMASharedLayout.get_default_for([block_rows, block_k], gl.float16)
     return TensorDescriptor(parts, [2 * R, K], [K, 1], [block_rows, block_k], layout)
+
+
+def f32_descriptor(x, block_rows: int, block_k: int) -> TensorDescriptor:
+    """The TMA descriptor of a float32 ``x [R, K]`` (rows contiguous, 16-byte aligned rows and base) in
+    tiles of ``[block_rows, block_k // 2]``: the ``A_F32`` loop loads each K-step in two halves."""
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, block_k // 2], gl.float32)
+    return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [block_rows, block_k // 2], layout)
 
 
 @gluon.jit
@@ -63,6 +74,37 @@ def _work_tile(w, M, N, K, k_per_slice, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
     return pid_m * BLOCK_M, pid_n * BLOCK_N, pid_n, pid_s, k_start, n_steps
 
 
+@gluon.jit
+def _f32_step(a_bufs, b_bufs, s, acc, layout: gl.constexpr, row0: gl.constexpr, HM: gl.constexpr,
+              HK: gl.constexpr):
+    """One K-step of the ``A_F32`` loop for rows ``row0 : row0 + HM`` of stage ``s``: the two float32 halves
+    of A's tile (``HK`` columns each) loaded into registers, scaled by one power of two per row (the row's
+    largest magnitude over the K-step into ``[2^14, 2^15)``: ``dots.scale_exponent``) and split into float16
+    parts (``dots.f16_pair``); six wgmma products with A from registers, B's parts sliced along K. Returns the
+    fresh float32 product with the row scales undone (exact)."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    a0 = a_bufs.index(2 * s).slice(row0, HM).load(a_layout)
+    a1 = a_bufs.index(2 * s + 1).slice(row0, HM).load(a_layout)
+    c = scale_exponent(gl.maximum(gl.max(gl.abs(a0), 1), gl.max(gl.abs(a1), 1)))
+    scale = pow2(c)[:, None]
+    a0_hi, a0_lo = f16_pair(a0 * scale)
+    a1_hi, a1_lo = f16_pair(a1 * scale)
+    b_hi = b_bufs.index(2 * s)
+    b_lo = b_bufs.index(2 * s + 1)
+    b_hi0 = b_hi.slice(0, HK, dim=1).permute((1, 0))
+    b_hi1 = b_hi.slice(HK, HK, dim=1).permute((1, 0))
+    b_lo0 = b_lo.slice(0, HK, dim=1).permute((1, 0))
+    b_lo1 = b_lo.slice(HK, HK, dim=1).permute((1, 0))
+    fresh = warpgroup_mma(a0_hi, b_lo0, acc, use_acc=False, is_async=True)  # the small terms first
+    fresh = warpgroup_mma(a1_hi, b_lo1, fresh, is_async=True)
+    fresh = warpgroup_mma(a0_lo, b_hi0, fresh, is_async=True)
+    fresh = warpgroup_mma(a1_lo, b_hi1, fresh, is_async=True)
+    fresh = warpgroup_mma(a0_hi, b_hi0, fresh, is_async=True)
+    fresh = warpgroup_mma(a1_hi, b_hi1, fresh, is_async=True)
+    fresh, _, _, _, _ = warpgroup_mma_wait(0, deps=(fresh, a0_hi, a0_lo, a1_hi, a1_lo))  # A kept alive
+    return fresh * gl.convert_layout(pow2(-c), gl.SliceLayout(1, layout))[:, None]
+
+
 # The partitions share one signature (Gluon's rule for worker partitions); each reads what it needs.
 
 
@@ -71,7 +113,7 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
              M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
-             SPLIT_OUT: gl.constexpr):
+             SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr):
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
@@ -84,7 +126,11 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
             mbarrier.expect(bar, nbytes)
             k = k_start + i * BLOCK_K
             tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
-            tma.async_copy_global_to_shared(a_desc, [M + off_m, k], bar, a_bufs.index(2 * s + 1))
+            if A_F32:  # the float32 tile in two halves of K (a swizzled TMA box row holds 128 bytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, k + BLOCK_K // 2], bar,
+                                                a_bufs.index(2 * s + 1))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [M + off_m, k], bar, a_bufs.index(2 * s + 1))
             tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_bufs.index(2 * s))
             tma.async_copy_global_to_shared(b_desc, [N + off_n, k], bar, b_bufs.index(2 * s + 1))
             step += 1
@@ -95,7 +141,7 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
              M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
-             SPLIT_OUT: gl.constexpr, HALF: gl.constexpr):
+             SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, HALF: gl.constexpr):
     """Rows ``HALF * BLOCK_M / 2`` onwards of each tile: the products, then the epilogue of
     ``gemm._gemm_kernel`` (row and column scales, bias, GELU, float32 or split store)."""
     HM: gl.constexpr = BLOCK_M // 2
@@ -113,21 +159,25 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
         for i in range(n_steps):
             s = step % STAGES
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            a_hi = a_bufs.index(2 * s).slice(HALF * HM, HM)
-            a_lo = a_bufs.index(2 * s + 1).slice(HALF * HM, HM)
-            b_hi = b_bufs.index(2 * s).permute((1, 0))
-            b_lo = b_bufs.index(2 * s + 1).permute((1, 0))
-            fresh = warpgroup_mma(a_hi, b_lo, acc, use_acc=False, is_async=True)  # the small terms first
-            fresh = warpgroup_mma(a_lo, b_hi, fresh, is_async=True)
-            fresh = warpgroup_mma(a_hi, b_hi, fresh, is_async=True)
-            fresh = warpgroup_mma_wait(0, deps=(fresh,))
+            if A_F32:
+                fresh = _f32_step(a_bufs, b_bufs, s, acc, layout, HALF * HM, HM, BLOCK_K // 2)
+            else:
+                a_hi = a_bufs.index(2 * s).slice(HALF * HM, HM)
+                a_lo = a_bufs.index(2 * s + 1).slice(HALF * HM, HM)
+                b_hi = b_bufs.index(2 * s).permute((1, 0))
+                b_lo = b_bufs.index(2 * s + 1).permute((1, 0))
+                fresh = warpgroup_mma(a_hi, b_lo, acc, use_acc=False, is_async=True)  # the small terms first
+                fresh = warpgroup_mma(a_lo, b_hi, fresh, is_async=True)
+                fresh = warpgroup_mma(a_hi, b_hi, fresh, is_async=True)
+                fresh = warpgroup_mma_wait(0, deps=(fresh,))
             mbarrier.arrive(empty.index(s), count=1)
             if A_GROUP > 0:  # BLOCK_K divides A_GROUP: one exponent per row over this K-step
                 group = (k_start + i * BLOCK_K) // A_GROUP
                 fresh = fresh * pow2(-gl.load(A_EXP + rows * stride_ae + group))[:, None]
             acc += fresh
             step += 1
-        acc = gemm_epilogue(acc, A_EXP, B_EXP, Bias, rows, cols, stride_bias, A_GROUP == 0, True, HAS_BIAS,
+        unscale_rows: gl.constexpr = A_GROUP == 0 and not A_F32  # A_F32: undone at every K-step
+        acc = gemm_epilogue(acc, A_EXP, B_EXP, Bias, rows, cols, stride_bias, unscale_rows, True, HAS_BIAS,
                             ACTIVATION)
         if SPLIT_OUT:
             store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, pid_n)
@@ -142,10 +192,10 @@ def _consume_top(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bia
                  M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                  STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-                 A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr):
+                 A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr):
     _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
              M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
-             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, 0)
+             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, A_F32, 0)
 
 
 @gluon.jit
@@ -153,10 +203,11 @@ def _consume_bottom(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, 
                     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr):
+                    ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr,
+                    A_F32: gl.constexpr):
     _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
              M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
-             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, 1)
+             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, A_F32, 1)
 
 
 @gluon.jit
@@ -165,12 +216,14 @@ def gemm_ws_kernel(
     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
-    SPLIT_OUT: gl.constexpr,
+    SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr,
 ):
     """``work`` items (output tiles x K slices, ``k_per_slice`` apart) of ``C = A @ B^T`` from the
-    descriptors of the float16 parts (``parts_descriptor``), over a persistent grid. The other arguments are
+    descriptors of the float16 parts (``parts_descriptor``), or with ``A_F32`` of A itself in float32
+    (``f32_descriptor``, split in the consumers' registers), over a persistent grid. The other arguments are
     those of ``gemm._gemm_kernel`` at ``"fp16x3"`` (C's columns contiguous)."""
-    a_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    A_K: gl.constexpr = BLOCK_K // 2 if A_F32 else BLOCK_K
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, BLOCK_M, A_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -182,13 +235,13 @@ def gemm_ws_kernel(
         (_consume_top, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                         M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce,
                         c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP,
-                        SPLIT_OUT)),
+                        SPLIT_OUT, A_F32)),
         (_consume_bottom, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                            M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm,
                            stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
-                           A_GROUP, SPLIT_OUT)),
+                           A_GROUP, SPLIT_OUT, A_F32)),
         (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce,
                     c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP,
-                    SPLIT_OUT)),
+                    SPLIT_OUT, A_F32)),
     ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers

@@ -246,6 +246,32 @@ def test_plan_takes_the_hopper_loop_where_tma_can_load_the_parts(monkeypatch):
             assert (plan.block_m, plan.block_n, plan.block_k, plan.num_stages) == (128, 128, 64, 3)
 
 
+@pytest.mark.skipif(gemm_sm90 is None, reason="this Triton has no Gluon")
+def test_hopper_loop_splits_a_in_registers_for_narrow_products(monkeypatch):
+    """A float32 ``a`` with rows contiguous and 16-byte aligned goes to the Hopper loop whole (no split pass)
+    for products at most ``A_F32_MAX_N`` wide; wider products, transposed or misaligned ``a`` and the generic
+    loop take the split pass."""
+    from elsa_vision.kernels import gemm as g
+    from elsa_vision.kernels import host
+
+    def program(a, b):
+        return g._GemmProgram(a, b, None, "auto", None, None, 0, False)
+
+    monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
+    g._plan.cache_clear()
+    try:
+        x = torch.empty(256, 96)
+        narrow, wide = torch.empty(g.A_F32_MAX_N, 96), torch.empty(g.A_F32_MAX_N + 8, 96)
+        p = program(x, narrow)
+        assert p.ws and p.a_f32 and p.split_a is None
+        assert not program(x, wide).a_f32
+        assert not program(x.t().contiguous().t(), narrow).a_f32  # columns contiguous
+        assert not program(torch.empty(256 * 96 + 1)[1:].view(256, 96), narrow).a_f32  # 4-byte aligned
+        assert not program(torch.empty(256, 100), torch.empty(64, 100)).a_f32  # K % 8: the generic loop
+    finally:
+        g._plan.cache_clear()
+
+
 _HOPPER_COMPILE = """
 import json
 import torch, triton
@@ -256,11 +282,13 @@ from elsa_vision.kernels import gemm_sm90
 
 fn = gemm_sm90.gemm_ws_kernel
 desc = mangle_type(gemm_sm90.parts_descriptor(torch.empty((2, 256, 128), dtype=torch.float16), 128, 64))
+f32 = mangle_type(gemm_sm90.f32_descriptor(torch.empty((256, 128), dtype=torch.float32), 128, 64))
 report = []
-for flags in [dict(HAS_BIAS=True, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False),
-              dict(HAS_BIAS=True, ACTIVATION="gelu", A_GROUP=128, SPLIT_OUT=True)]:
+for flags in [dict(HAS_BIAS=True, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A_F32=False),
+              dict(HAS_BIAS=True, ACTIVATION="gelu", A_GROUP=128, SPLIT_OUT=True, A_F32=False),
+              dict(HAS_BIAS=False, ACTIVATION="gelu", A_GROUP=0, SPLIT_OUT=True, A_F32=True)]:
     sig = {name: "i32" for name in fn.arg_names}
-    sig.update(a_desc=desc, A_EXP="*i32", b_desc=desc, B_EXP="*i32", Bias="*fp32",
+    sig.update(a_desc=f32 if flags["A_F32"] else desc, A_EXP="*i32", b_desc=desc, B_EXP="*i32", Bias="*fp32",
                C="*fp16" if flags["SPLIT_OUT"] else "*fp32", C_EXP="*i32")
     consts = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=3, **flags)
     sig.update({name: "constexpr" for name in consts})
@@ -276,9 +304,12 @@ print(json.dumps(report))
 @pytest.mark.skipif(gemm_sm90 is None, reason="this Triton has no Gluon")
 def test_hopper_loop_compiles_for_sm90_warp_specialised():
     # Built for sm90 on any machine (no GPU needed): partitions with their own register budgets (setmaxnreg),
-    # TMA loads, the three products of both consumer warpgroups as wgmma (3 x 4 K-steps of 16 each), the
-    # stages within the H100's shared memory. The GPU tests run it.
-    for variant in compile_for_sm90(_HOPPER_COMPILE):
+    # TMA loads, the three products of both consumer warpgroups as wgmma (3 x 4 K-steps of 16 each; with A
+    # split in registers, six products of two K-steps each), the stages within the H100's shared memory,
+    # for the float16 parts of A and for A in float32. The GPU tests run it.
+    variants = compile_for_sm90(_HOPPER_COMPILE)
+    assert len(variants) == 3
+    for variant in variants:
         assert variant["setmaxnreg"] and variant["tma"], variant
         assert variant["wgmma"] == 2 * 3 * 4 and variant["shared"] <= 232448, variant
 
