@@ -477,7 +477,8 @@ class _GemmProgram(Program):
         stride_ae = 0
         a_shape, a_strides = ((M, K), (K, 1)) if a.dim() == 3 else (a.shape, a.stride())  # parts: dense rows
         self.a_f32 = (p.warp_specialized and not a_group and N <= A_F32_MAX_N and a.dim() == 2
-                      and a.stride(1) == 1 and a.stride(0) % 4 == 0 and a.data_ptr() % 16 == 0)
+                      and a.stride(1) == 1 and a.stride(0) >= K and a.stride(0) % 4 == 0
+                      and a.data_ptr() % 16 == 0)
         if self.split:
             interpreted = not a.is_cuda
             self.split_a = None if a_group or self.a_f32 else _Split(a_shape, a_strides, dev, interpreted)

@@ -267,6 +267,7 @@ def test_hopper_loop_splits_a_in_registers_for_narrow_products(monkeypatch):
         assert not program(x, wide).a_f32
         assert not program(x.t().contiguous().t(), narrow).a_f32  # columns contiguous
         assert not program(torch.empty(256 * 96 + 1)[1:].view(256, 96), narrow).a_f32  # 4-byte aligned
+        assert not program(torch.empty(1, 96).expand(256, 96), narrow).a_f32  # rows overlap: no TMA
         assert not program(torch.empty(256, 100), torch.empty(64, 100)).a_f32  # K % 8: the generic loop
     finally:
         g._plan.cache_clear()
