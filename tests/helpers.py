@@ -231,3 +231,28 @@ def _rank_main(rank, work, world, backend, out_dir, args):
         torch.save(work(rank, out_dir, *args), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def emulate_cuda_autocast_layer_norm(monkeypatch) -> list:
+    """Emulate on the CPU CUDA autocast's ``layer_norm`` policy (computed in float32, returned as float32; the
+    CPU's keeps bfloat16) by a float32 ``F.layer_norm``, and record the dtypes of the q, k, v every
+    ``elsa_attention`` call checks. Returns the list the ``(q, k, v)`` dtypes go to."""
+    import torch.nn.functional as F
+
+    from elsa_vision.ops import attention as ops_attention
+
+    layer_norm = F.layer_norm
+    check = ops_attention.check_attention_inputs
+    seen = []
+
+    def layer_norm_fp32(x, shape, weight=None, bias=None, eps=1e-5):
+        weight, bias = (None if t is None else t.float() for t in (weight, bias))
+        return layer_norm(x.float(), shape, weight, bias, eps)
+
+    def record(q, k, v, *a):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return check(q, k, v, *a)
+
+    monkeypatch.setattr(ops_attention, "check_attention_inputs", record)
+    monkeypatch.setattr(F, "layer_norm", layer_norm_fp32)
+    return seen

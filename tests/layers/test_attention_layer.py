@@ -7,7 +7,7 @@ import torch
 from timm.layers import Attention
 
 from elsa_vision import ElsaAttention
-from tests.helpers import relerr
+from tests.helpers import emulate_cuda_autocast_layer_norm, relerr
 
 CONFIGS = [
     dict(dim=64, num_heads=4),
@@ -163,30 +163,12 @@ def test_qk_norm_in_float32_under_autocast_attends_in_one_dtype(monkeypatch):
     """CUDA autocast computes ``layer_norm`` in float32 and returns float32 (the CPU's keeps bfloat16), so the
     q/k norms give float32 q, k beside the projection's bfloat16 v; the layer hands the kernels q, k, v of v's
     dtype (as SDPA's autocast does). The CUDA policy is emulated on the CPU by a float32 ``F.layer_norm``."""
-    import torch.nn.functional as F
-
-    from elsa_vision.ops import attention as ops_attention
-
-    layer_norm = F.layer_norm
-
-    def layer_norm_fp32(x, shape, weight=None, bias=None, eps=1e-5):
-        weight, bias = (None if t is None else t.float() for t in (weight, bias))
-        return layer_norm(x.float(), shape, weight, bias, eps)
-
     torch.manual_seed(0)
     attn = ElsaAttention(32, num_heads=2, qk_norm=True, norm_layer=torch.nn.LayerNorm, backend="torch")
     x = torch.randn(2, 19, 32)
     with torch.no_grad():
         ref = attn(x)
-    seen = []
-    check = ops_attention.check_attention_inputs
-
-    def record(q, k, v, *a):
-        seen.append((q.dtype, k.dtype, v.dtype))
-        return check(q, k, v, *a)
-
-    monkeypatch.setattr(ops_attention, "check_attention_inputs", record)
-    monkeypatch.setattr(F, "layer_norm", layer_norm_fp32)
+    seen = emulate_cuda_autocast_layer_norm(monkeypatch)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         assert attn.q_norm(torch.ones(2, 16, dtype=torch.bfloat16)).dtype == torch.float32  # the emulation
         out = attn(x)

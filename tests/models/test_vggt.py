@@ -13,6 +13,7 @@ from elsa_vision.models.vggt import (
     TokenMerge,
     load_vggt_state_dict,
 )
+from tests.helpers import emulate_cuda_autocast_layer_norm
 
 # The test configuration: dim 32, depth 2, 2 heads, 4 registers, 28 px / patch 14, a 1-block DINOv2 patch
 # embed, camera trunk depth 1, DPT features 16 with out_channels (8, 16, 32, 32), point head enabled.
@@ -560,30 +561,12 @@ def test_bf16_autocast_with_float32_layer_norm(monkeypatch):
     q/k norms must still hand ``elsa_attention`` q, k, v of one dtype. The CUDA policy is emulated on the CPU
     by a float32 ``F.layer_norm``; the forward runs, every attention sees bfloat16 q, k, v, outputs are
     finite and near the FP32 forward."""
-    import torch.nn.functional as F
-
-    from elsa_vision.ops import attention as ops_attention
-
-    layer_norm = F.layer_norm
-
-    def layer_norm_fp32(x, shape, weight=None, bias=None, eps=1e-5):
-        weight, bias = (None if t is None else t.float() for t in (weight, bias))
-        return layer_norm(x.float(), shape, weight, bias, eps)
-
     model = _randomize(_small())
     model.set_attention(backend="torch")
     x = torch.rand(1, 3, 3, 28, 42, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = model(x)
-    seen = []
-    check = ops_attention.check_attention_inputs
-
-    def record(q, k, v, *a):
-        seen.append((q.dtype, k.dtype, v.dtype))
-        return check(q, k, v, *a)
-
-    monkeypatch.setattr(ops_attention, "check_attention_inputs", record)
-    monkeypatch.setattr(F, "layer_norm", layer_norm_fp32)
+    seen = emulate_cuda_autocast_layer_norm(monkeypatch)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         # the emulated policy holds: a q/k norm returns float32 (ElsaAttention casts q, k back to v's dtype)
         assert model.aggregator.frame_blocks[0].attn.q_norm(torch.ones(2, 16, dtype=torch.bfloat16)).dtype \
