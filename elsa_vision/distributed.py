@@ -28,10 +28,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .kernels.precision import accumulation_dtype
-from .kernels.reference import finalize, merge_states, state_from_output
 from .ops.attention import resolve_backend
 from .ops.checks import check_options, check_triton_call
-from .partial_attention import partial_attention, partial_attention_grads
+from .partial_attention import merge_partial, partial_attention, partial_attention_grads
 
 __all__ = [
     "ContextParallel",
@@ -304,33 +303,35 @@ class _RingAttention(torch.autograd.Function):
         masked = kpm is not None or min(lengths) != longest
         kb, vb = _pad_rows(k, longest), _pad_rows(v, longest)
         mb = _pad_rows(valid, longest, dim=-1, value=False) if masked else None
-        state = [None] * len(ranges[rank])  # one running state per local query chunk
+        # One running (out, lse) per local query chunk: the first key shard's result, into which every
+        # later one is merged (in place on the Triton path: one output-sized tensor per step, the step's own).
+        state = [None] * len(ranges[rank])
         for step in range(world):
             src = (rank - step) % world
             reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
             k_ranges = ranges[src]
             for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
                 out_b, lse_b = partial_attention(q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
-                                             mb[:, ks] if masked else None,
-                                             _bias_block(bias, qs, None, k_ranges, ks),
-                                             blk_causal, scale, precision, backend)
-                st = state_from_output(out_b, lse_b)
-                del out_b  # the state holds its own copy (rows with no visible key zeroed)
+                                                 mb[:, ks] if masked else None,
+                                                 _bias_block(bias, qs, None, k_ranges, ks),
+                                                 blk_causal, scale, precision, backend)
                 idx = _chunk_index(ranges[rank], qs)
-                state[idx] = st if state[idx] is None else merge_states(state[idx], st)
+                state[idx] = ((out_b, lse_b) if state[idx] is None else
+                              merge_partial(*state[idx], out_b, lse_b, backend))
+                del out_b, lse_b
             if reqs:
                 _Ring.wait(reqs)
                 kb, vb, mb = recv if masked else (*recv, mb)
         outs, lses = [], []
         for i, (a, b) in enumerate(ranges[rank]):
-            st, state[i] = state[i], None  # a chunk's state goes once it is finalized
+            st, state[i] = state[i], None
             if st is None:  # nothing visible for this chunk (cannot happen for self-attention; kept exact)
                 shape = q.shape[:-2] + (b - a,)
                 outs.append(q.new_zeros(shape + (v.shape[-1],), dtype=accumulation_dtype(q)))
                 lses.append(torch.full(shape, float("-inf"), dtype=accumulation_dtype(q), device=q.device))
                 continue
-            outs.append(finalize(st))
-            lses.append(torch.where(st.s > 0, st.m + torch.log(st.s), torch.full_like(st.m, float("-inf"))))
+            outs.append(st[0])
+            lses.append(st[1])
         if len(outs) == 1:
             out, lse = outs[0], lses[0]
         else:

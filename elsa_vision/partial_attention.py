@@ -9,10 +9,10 @@ builds on.
 from __future__ import annotations
 
 from .kernels.precision import accumulation_dtype
-from .kernels.reference import attention_backward, scan_attention
+from .kernels.reference import attention_backward, merge_outputs, scan_attention
 from .ops.attention import TORCH_QUERY_CHUNK, attention_fwd
 
-__all__ = ["partial_attention", "partial_attention_grads"]
+__all__ = ["partial_attention", "partial_attention_grads", "merge_partial"]
 
 
 def partial_attention(q, k, v, key_padding_mask, attn_bias, causal, scale, precision, backend):
@@ -27,6 +27,18 @@ def partial_attention(q, k, v, key_padding_mask, attn_bias, causal, scale, preci
     return scan_attention(q.to(acc), k.to(acc), v.to(acc), attn_bias=attn_bias,
                           key_padding_mask=key_padding_mask, causal=causal, scale=scale,
                           query_chunk=TORCH_QUERY_CHUNK, return_lse=True)
+
+
+def merge_partial(out, lse, out_b, lse_b, backend):
+    """``(out, lse)`` of the same queries over the keys of two results, ``(out, lse)`` and ``(out_b,
+    lse_b)``. ``"triton"``: merged into ``out`` and ``lse`` in place (``kernels.monoid.merge_outputs_``: no
+    temporary), which are returned; else the reference's new tensors (``kernels.reference.merge_outputs``)."""
+    if backend == "triton":
+        from .kernels.monoid import merge_outputs_
+
+        merge_outputs_(out, lse, out_b, lse_b)
+        return out, lse
+    return merge_outputs(out, lse, out_b, lse_b)
 
 
 def partial_attention_grads(do, q, k, v, lse, delta, key_padding_mask, attn_bias, causal, scale, precision,

@@ -28,11 +28,12 @@ import triton
 import triton.language as tl
 
 from .dots import f16_pair, matmul, matmul_f16x3, pow2, split_f16
+from .host import cdiv, next_pow2
 
 __all__ = [
     "ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias",
     "add_bias", "finite_part", "count_nonfinite", "fold_nonfinite", "nonfinite_values",
-    "identity_state", "settle_sums", "fold_keys",
+    "identity_state", "settle_sums", "fold_keys", "merge_outputs_",
 ]
 
 # How each float32 precision's running sums over the key tiles accumulate (``fold_tile``'s ``ACCUMULATE``, a
@@ -231,3 +232,66 @@ def nonfinite_values(code):
     NaN per entry (added to the finite ``W``)."""
     return tl.where(code == _NEG + 1.0, float("nan"),
                     tl.where(code == 1.0, float("inf"), tl.where(code == _NEG, float("-inf"), 0.0)))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Merging finished partial results in place (context parallelism's ring: one result per visiting key shard).
+
+
+@triton.jit
+def _merge_outputs_kernel(
+    O, L, OB, LB,
+    R, H, N, Dv,
+    so_b, so_h, so_n, so_d, sl_b, sl_h, sl_n, sob_b, sob_h, sob_n, sob_d, slb_b, slb_h, slb_n,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``(O, L) <- (O, L) (+) (OB, LB)`` for ``BLOCK_R`` of the ``R = B * H * N`` rows: two attention results
+    ``(out [B, H, N, Dv], natural-log lse [B, H, N])`` of the same queries over disjoint key sets, merged
+    into the result over both (``reference.merge_outputs``). The product is ``merge_states``' in the
+    natural-log, normalised form: ``lse = log(e^la + e^lb)`` and ``out = e^(la - lse) oa + e^(lb - lse) ob``
+    (shifted by the larger lse, so no exponential overflows), non-finite output entries carried unscaled (a
+    factor that underflows to 0 must not turn an infinity into NaN), 0 and ``-inf`` for a row that sees no
+    key on either side, NaN for a row with a NaN lse."""
+    offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = offs < R
+    r = tl.where(ok, offs, 0).to(tl.int64)
+    n = r % N
+    h = (r // N) % H
+    b = r // N // H
+    d = tl.arange(0, BLOCK_D)
+    mask = ok[:, None] & (d[None, :] < Dv)
+    l_ptrs = L + b * sl_b + h * sl_h + n * sl_n
+    la = tl.load(l_ptrs, mask=ok, other=float("-inf")).to(tl.float32)
+    lb = tl.load(LB + b * slb_b + h * slb_h + n * slb_n, mask=ok, other=float("-inf")).to(tl.float32)
+    o_ptrs = O + (b * so_b + h * so_h + n * so_n)[:, None] + d[None, :].to(tl.int64) * so_d
+    oa = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    ob = tl.load(OB + (b * sob_b + h * sob_h + n * sob_n)[:, None] + d[None, :].to(tl.int64) * sob_d,
+                 mask=mask, other=0.0).to(tl.float32)
+    shift = safe_shift(tl.maximum(la, lb))  # a NaN lse makes its factor, hence its row, NaN
+    ca = tl.exp(la - shift)
+    cb = tl.exp(lb - shift)
+    s = ca + cb
+    hidden = s == 0.0
+    denom = tl.where(hidden, 1.0, s)
+    fa = (ca / denom)[:, None]
+    fb = (cb / denom)[:, None]
+    out = tl.where(tl.abs(oa) < float("inf"), fa * oa, oa) + tl.where(tl.abs(ob) < float("inf"), fb * ob, ob)
+    out = tl.where(hidden[:, None], 0.0, out)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
+    tl.store(l_ptrs, tl.where(hidden, float("-inf"), shift + tl.log(denom)).to(L.dtype.element_ty), mask=ok)
+
+
+def merge_outputs_(out, lse, out_b, lse_b) -> None:
+    """Merge the attention result ``(out_b, lse_b)`` of the same queries over other keys into ``(out, lse)``,
+    in place (``_merge_outputs_kernel``; ``reference.merge_outputs`` is the same product, out of place):
+    ``out [B, H, N, Dv]`` and natural-log ``lse [B, H, N]``, any strides, the pair ``(out, lse)`` written
+    once per element and nothing allocated. CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``."""
+    B, H, N, Dv = out.shape
+    R = B * H * N
+    if R == 0:
+        return
+    block_d = next_pow2(max(Dv, 1))
+    block_r = max(1, min(64, 4096 // block_d))
+    _merge_outputs_kernel[(cdiv(R, block_r),)](
+        out, lse, out_b, lse_b, R, H, N, Dv, *out.stride(), *lse.stride(), *out_b.stride(), *lse_b.stride(),
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)

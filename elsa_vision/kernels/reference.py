@@ -60,6 +60,7 @@ __all__ = [
     "scan_attention",
     "softmax_attention",
     "state_from_output",
+    "merge_outputs",
     "attention_backward",
     "attention_bias_grad",
     "inputs_finite",
@@ -457,6 +458,14 @@ def state_from_output(out: Tensor, lse: Tensor) -> ElsaState:
     visible = lse != -math.inf  # NaN stays visible: it propagates
     w = torch.where(visible.unsqueeze(-1), out, 0.0)
     return ElsaState(lse, visible.to(out.dtype), w)
+
+
+def merge_outputs(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of attention over two disjoint key sets from each set's ``(out, lse)``: the states
+    (:func:`state_from_output`) merged and finalized. ``kernels.monoid.merge_outputs_`` is the same product in
+    place."""
+    state = merge_states(state_from_output(out_a, lse_a), state_from_output(out_b, lse_b))
+    return finalize(state), log_sum_exp(state)
 
 
 @_without_autocast
