@@ -45,6 +45,9 @@ LAYOUTS = ("contiguous", "zigzag")
 # The backward's dK/dV blocks of a key block longer than this are formed and added a piece of this many keys
 # at a time: the blocks of a whole shard would be two more shard-sized tensors at the backward's peak.
 KEY_PIECE = 16384
+# Each ring step's transfer goes in this many pieces of rows (``_visits``): a rank holds about three pieces
+# of the travelling tensors at a time, where whole shards were one (two ranks) or two (more) full sets.
+RING_PIECES = 8
 
 
 def _even_cuts(n: int, parts: int) -> list[tuple[int, int]]:
@@ -287,6 +290,41 @@ def _bias_rows_travel(bias: Tensor, group) -> bool:
     return bool(flag.item())
 
 
+def _clip(block: slice, rows: slice) -> slice | None:
+    """The part of ``block`` inside ``rows`` (both slices of one shard's rows), or None if they miss."""
+    a, b = max(block.start, rows.start), min(block.stop, rows.stop)
+    return slice(a, b) if b > a else None
+
+
+def _visits(ring: _Ring, own: list[Tensor], dims: list[int], rows: int):
+    """Every other rank's travelling tensors, a piece of rows at a time: yields ``(src, cut, bufs)``, the
+    owner's rank, the ``slice`` of its ``rows`` padded rows that ``bufs`` hold, and those pieces (``own``:
+    this rank's tensors, each ``rows`` long along its entry of ``dims``).
+
+    Each piece goes once around the ring before the next one starts (``RING_PIECES`` pieces): a rank
+    forwards the piece it is handed to the next rank while the caller computes on it, and the next transfer
+    is under way meanwhile, so besides its own tensors a rank holds about three pieces of the travelling
+    ones (the one computed on, the one arriving, its own next piece), not one or two whole shards. The
+    caller works on its own rows first; the first piece's transfer is the only one not overlapped."""
+    world, rank = ring.world, ring.rank
+    cuts = [c for c in _even_cuts(rows, max(1, min(RING_PIECES, rows))) if c[1] > c[0]]
+    order = [(a, b, step) for a, b in cuts for step in range(1, world)]
+    if not order:
+        return
+
+    def own_piece(a: int, b: int) -> list[Tensor]:
+        return [t.narrow(d, a, b - a).contiguous() for t, d in zip(own, dims)]
+
+    pending = ring.start(own_piece(*order[0][:2]))
+    for i, (a, b, step) in enumerate(order):
+        reqs, bufs = pending
+        _Ring.wait(reqs)
+        if i + 1 < len(order):
+            na, nb, nstep = order[i + 1]
+            pending = ring.start(bufs if nstep > 1 else own_piece(na, nb))
+        yield (rank - step) % world, slice(a, b), bufs
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kpm, bias, group, n, causal, scale, precision, backend, layout):
@@ -303,25 +341,30 @@ class _RingAttention(torch.autograd.Function):
         masked = kpm is not None or min(lengths) != longest
         kb, vb = _pad_rows(k, longest), _pad_rows(v, longest)
         mb = _pad_rows(valid, longest, dim=-1, value=False) if masked else None
-        # One running (out, lse) per local query chunk: the first key shard's result, into which every
-        # later one is merged (in place on the Triton path: one output-sized tensor per step, the step's own).
+        # One running (out, lse) per local query chunk: the first result, into which every later one is
+        # merged (in place on the Triton path: one output-sized tensor per block, the block's own).
         state = [None] * len(ranges[rank])
-        for step in range(world):
-            src = (rank - step) % world
-            reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
-            k_ranges = ranges[src]
-            for qs, ks, blk_causal in _pairs(ranges[rank], k_ranges, causal):
-                out_b, lse_b = partial_attention(q[..., qs, :], kb[..., ks, :], vb[..., ks, :],
-                                                 mb[:, ks] if masked else None,
-                                                 _bias_block(bias, qs, None, k_ranges, ks),
+
+        def attend(src, keys, kb, vb, mb):
+            """Merge in this rank's queries against rows ``keys`` of ``src``'s keys (held from
+            ``keys.start``)."""
+            for qs, ks, blk_causal in _pairs(ranges[rank], ranges[src], causal):
+                ks = _clip(ks, keys)
+                if ks is None:
+                    continue
+                loc = slice(ks.start - keys.start, ks.stop - keys.start)
+                out_b, lse_b = partial_attention(q[..., qs, :], kb[..., loc, :], vb[..., loc, :],
+                                                 mb[:, loc] if masked else None,
+                                                 _bias_block(bias, qs, None, ranges[src], ks),
                                                  blk_causal, scale, precision, backend)
                 idx = _chunk_index(ranges[rank], qs)
                 state[idx] = ((out_b, lse_b) if state[idx] is None else
                               merge_partial(*state[idx], out_b, lse_b, backend))
                 del out_b, lse_b
-            if reqs:
-                _Ring.wait(reqs)
-                kb, vb, mb = recv if masked else (*recv, mb)
+
+        attend(rank, slice(0, longest), kb, vb, mb)
+        for src, cut, bufs in _visits(ring, [kb, vb, mb] if masked else [kb, vb], [-2, -2, -1], longest):
+            attend(src, cut, *(bufs if masked else (*bufs, None)))
         outs, lses = [], []
         for i, (a, b) in enumerate(ranges[rank]):
             st, state[i] = state[i], None
@@ -357,21 +400,25 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
         kb, vb = _pad_rows(k, longest), _pad_rows(v, longest)
         mb = _pad_rows(valid, longest, dim=-1, value=False) if masked else None
-        for step in range(world):
-            src = (rank - step) % world
-            reqs, recv = ring.start([kb, vb, mb] if masked else [kb, vb]) if step < world - 1 else ([], None)
+
+        def add_dq(src, keys, kb, vb, mb):
             for qs, ks, blk_causal in _pairs(ranges[rank], ranges[src], causal):
+                ks = _clip(ks, keys)
+                if ks is None:
+                    continue
+                loc = slice(ks.start - keys.start, ks.stop - keys.start)
                 (gq,) = partial_attention_grads(
-                    do[..., qs, :], q[..., qs, :], kb[..., ks, :], vb[..., ks, :], lse[..., qs],
-                    delta[..., qs], mb[:, ks] if masked else None,
+                    do[..., qs, :], q[..., qs, :], kb[..., loc, :], vb[..., loc, :], lse[..., qs],
+                    delta[..., qs], mb[:, loc] if masked else None,
                     _bias_block(bias, qs, None, ranges[src], ks), blk_causal, scale, precision, backend,
                     want_dq=True)
                 dq[..., qs, :] += gq
                 del gq
-            if reqs:
-                _Ring.wait(reqs)
-                kb, vb, mb = recv if masked else (*recv, None)
-        del kb, vb, mb, recv
+
+        add_dq(rank, slice(0, longest), kb, vb, mb)
+        for src, cut, bufs in _visits(ring, [kb, vb, mb] if masked else [kb, vb], [-2, -2, -1], longest):
+            add_dq(src, cut, *(bufs if masked else (*bufs, None)))
+        del kb, vb, mb
         dq = dq.to(q.dtype)  # complete: in the inputs' dtype during turn 2 (half the memory in bf16)
 
         # Turn 2, dK/dV: the query side travels (q, dO, lse, Delta, and the bias rows where they differ
@@ -379,29 +426,35 @@ class _RingAttention(torch.autograd.Function):
         travel_bias = bias is not None and _bias_rows_travel(bias, group)
         side = [_pad_rows(q, longest), _pad_rows(do, longest), _pad_rows(lse, longest, dim=-1),
                 _pad_rows(delta, longest, dim=-1)] + ([_pad_rows(bias, longest)] if travel_bias else [])
+        dims = [-2, -2, -1, -1, -2][:len(side)]
         kpm = valid if has_kpm else None
         dk = torch.zeros(k.shape, dtype=out.dtype, device=k.device)
         dv = torch.zeros(v.shape, dtype=out.dtype, device=v.device)
-        for step in range(world):
-            src = (rank - step) % world  # owner of the visiting query rows
-            reqs, recv = ring.start(side) if step < world - 1 else ([], None)
-            qb, dob, lseb, deltab = side[:4]
+
+        def add_dkdv(src, queries, qb, dob, lseb, deltab, biasb=None):
+            """Add the dK/dV blocks of rows ``queries`` of ``src``'s queries (held from
+            ``queries.start``)."""
             for qs, block, blk_causal in _pairs(ranges[src], ranges[rank], causal):
+                qs = _clip(qs, queries)
+                if qs is None:
+                    continue
+                loc = slice(qs.start - queries.start, qs.stop - queries.start)
                 # dK/dV of a key depend on that key alone: a visible block is cut into pieces of keys (a
                 # causal diagonal block is not: its mask is aligned to the whole block)
                 for ks in [block] if blk_causal else _pieces(block, KEY_PIECE):
-                    bias_blk = (_bias_block(side[4], qs, None, ranges[rank], ks) if travel_bias else
+                    bias_blk = (_bias_block(biasb, loc, None, ranges[rank], ks) if travel_bias else
                                 _bias_block(bias, None, qs.stop - qs.start, ranges[rank], ks))
                     gk, gv = partial_attention_grads(
-                        dob[..., qs, :], qb[..., qs, :], k[..., ks, :], v[..., ks, :], lseb[..., qs],
-                        deltab[..., qs], None if kpm is None else kpm[:, ks], bias_blk, blk_causal, scale,
+                        dob[..., loc, :], qb[..., loc, :], k[..., ks, :], v[..., ks, :], lseb[..., loc],
+                        deltab[..., loc], None if kpm is None else kpm[:, ks], bias_blk, blk_causal, scale,
                         precision, backend, want_dq=False)
                     dk[..., ks, :] += gk
                     dv[..., ks, :] += gv
                     del gk, gv
-            if reqs:
-                _Ring.wait(reqs)
-                side = recv
+
+        add_dkdv(rank, slice(0, longest), *side)
+        for src, cut, bufs in _visits(ring, side, dims, longest):
+            add_dkdv(src, cut, *bufs)
         return (dq, dk.to(k.dtype), dv.to(v.dtype),
                 None, None, None, None, None, None, None, None, None)
 
