@@ -45,9 +45,13 @@ LAYOUTS = ("contiguous", "zigzag")
 # The backward's dK/dV blocks of a key block longer than this are formed and added a piece of this many keys
 # at a time: the blocks of a whole shard would be two more shard-sized tensors at the backward's peak.
 KEY_PIECE = 16384
-# Each ring step's transfer goes in this many pieces of rows (``_visits``): a rank holds about three pieces
-# of the travelling tensors at a time, where whole shards were one (two ranks) or two (more) full sets.
+# Each ring step's transfer goes in pieces of rows (``_visits``), at most RING_PIECES of them and none shorter
+# than RING_PIECE_ROWS: a rank holds three pieces of the travelling tensors at a time (the one computed on,
+# the one arriving, its own next one), where whole shards are one (two ranks) or two (more) full sets.
+# Shards that make fewer than four pieces travel whole: on two ranks three pieces of a third would hold no
+# less, their memory is small, and each piece costs a launch per block and a merge (or dQ addition).
 RING_PIECES = 8
+RING_PIECE_ROWS = 16384
 
 
 def _even_cuts(n: int, parts: int) -> list[tuple[int, int]]:
@@ -301,13 +305,15 @@ def _visits(ring: _Ring, own: list[Tensor], dims: list[int], rows: int):
     owner's rank, the ``slice`` of its ``rows`` padded rows that ``bufs`` hold, and those pieces (``own``:
     this rank's tensors, each ``rows`` long along its entry of ``dims``).
 
-    Each piece goes once around the ring before the next one starts (``RING_PIECES`` pieces): a rank
+    Each piece goes once around the ring before the next one starts (up to ``RING_PIECES`` pieces of at
+    least ``RING_PIECE_ROWS`` rows, or the whole shard where that makes fewer than four): a rank
     forwards the piece it is handed to the next rank while the caller computes on it, and the next transfer
     is under way meanwhile, so besides its own tensors a rank holds about three pieces of the travelling
     ones (the one computed on, the one arriving, its own next piece), not one or two whole shards. The
     caller works on its own rows first; the first piece's transfer is the only one not overlapped."""
     world, rank = ring.world, ring.rank
-    cuts = [c for c in _even_cuts(rows, max(1, min(RING_PIECES, rows))) if c[1] > c[0]]
+    pieces = min(RING_PIECES, rows // max(1, RING_PIECE_ROWS))
+    cuts = [c for c in _even_cuts(rows, pieces if pieces >= 4 else 1) if c[1] > c[0]]
     order = [(a, b, step) for a, b in cuts for step in range(1, world)]
     if not order:
         return

@@ -59,8 +59,10 @@ def _run_case(rank, group, cfg):
 def _work(rank, out_dir, cases):
     import elsa_vision.distributed
 
-    # the backward's dK/dV in pieces of 5 keys (whole blocks: test_context_parallel_models.py)
+    # the backward's dK/dV in pieces of 5 keys (whole blocks: test_context_parallel_models.py), and every
+    # ring pass's transfers in 5-8 pieces of 2-3 rows (the shards hold 10-21)
     elsa_vision.distributed.KEY_PIECE = 5
+    elsa_vision.distributed.RING_PIECE_ROWS = 2
     results = {}
     for i, case in enumerate(cases):
         w = case["world"]

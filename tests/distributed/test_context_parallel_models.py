@@ -174,6 +174,7 @@ def _load_benchmark():
 
 def _triton_ring_case(group):
     """The ring with the Triton kernels (interpreted on CPU): FP32 'ieee' vs a float64 reference."""
+    import elsa_vision.distributed
     from elsa_vision.distributed import context_parallel_attention, gather_sequence, shard_sequence
     from elsa_vision.kernels.reference import softmax_attention
 
@@ -186,9 +187,14 @@ def _triton_ring_case(group):
     ref.backward(do.double())
     shard = lambda t, dim=-2: shard_sequence(t, group, dim=dim, layout="zigzag")  # noqa: E731
     local = [shard(t).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, seq_len=N, group=group, causal=True, layout="zigzag",
-                                     backend="triton", precision="ieee", key_padding_mask=shard(kpm, dim=-1))
-    out.backward(shard(do))
+    rows, elsa_vision.distributed.RING_PIECE_ROWS = elsa_vision.distributed.RING_PIECE_ROWS, 4
+    try:  # the transfers in pieces of 4-5 rows (18-19 rows per rank)
+        out = context_parallel_attention(*local, seq_len=N, group=group, causal=True, layout="zigzag",
+                                         backend="triton", precision="ieee",
+                                         key_padding_mask=shard(kpm, dim=-1))
+        out.backward(shard(do))
+    finally:
+        elsa_vision.distributed.RING_PIECE_ROWS = rows
     errs = {"out": relerr(gather_sequence(out.detach(), N, group, layout="zigzag").double(), ref.detach())}
     for name, loc, leaf in zip("qkv", local, leaves):
         errs["d" + name] = relerr(gather_sequence(loc.grad, N, group, layout="zigzag").double(), leaf.grad)

@@ -85,6 +85,7 @@ def _work(rank, out_dir):
 
     # the backward's dK/dV of blocks over 512 keys in pieces (1031 and 3137 tokens), smaller blocks whole
     elsa_vision.distributed.KEY_PIECE = 512
+    elsa_vision.distributed.RING_PIECE_ROWS = 128  # the ring's transfers in pieces at 1031 and 3137 tokens
     group = dist.group.WORLD
     return {"ring_fp32": [_ring_case(group, c, torch.float32, "ieee") for c in RING_CASES],
             "ring_bf16": [_ring_case(group, c, torch.bfloat16, "auto") for c in RING_CASES],
