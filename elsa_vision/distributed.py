@@ -294,10 +294,17 @@ def _bias_rows_travel(bias: Tensor, group) -> bool:
     return bool(flag.item())
 
 
-def _clip(block: slice, rows: slice) -> slice | None:
-    """The part of ``block`` inside ``rows`` (both slices of one shard's rows), or None if they miss."""
-    a, b = max(block.start, rows.start), min(block.stop, rows.stop)
-    return slice(a, b) if b > a else None
+def _held_pairs(q_ranges, k_ranges, causal, held: slice, keys_held: bool):
+    """``_pairs`` with one side -- the keys (``keys_held``) or the queries -- clipped to the rows ``held`` of
+    a visiting piece: yields ``(qs, ks, loc, causal flag)``, ``loc`` the clipped side's rows within the
+    piece; blocks outside the piece are skipped."""
+    for qs, ks, blk_causal in _pairs(q_ranges, k_ranges, causal):
+        side = ks if keys_held else qs
+        a, b = max(side.start, held.start), min(side.stop, held.stop)
+        if b <= a:
+            continue
+        loc = slice(a - held.start, b - held.start)
+        yield (qs, slice(a, b), loc, blk_causal) if keys_held else (slice(a, b), ks, loc, blk_causal)
 
 
 def _visits(ring: _Ring, own: list[Tensor], dims: list[int], rows: int):
@@ -354,11 +361,7 @@ class _RingAttention(torch.autograd.Function):
         def attend(src, keys, kb, vb, mb):
             """Merge in this rank's queries against rows ``keys`` of ``src``'s keys (held from
             ``keys.start``)."""
-            for qs, ks, blk_causal in _pairs(ranges[rank], ranges[src], causal):
-                ks = _clip(ks, keys)
-                if ks is None:
-                    continue
-                loc = slice(ks.start - keys.start, ks.stop - keys.start)
+            for qs, ks, loc, blk_causal in _held_pairs(ranges[rank], ranges[src], causal, keys, True):
                 out_b, lse_b = partial_attention(q[..., qs, :], kb[..., loc, :], vb[..., loc, :],
                                                  mb[:, loc] if masked else None,
                                                  _bias_block(bias, qs, None, ranges[src], ks),
@@ -408,11 +411,7 @@ class _RingAttention(torch.autograd.Function):
         mb = _pad_rows(valid, longest, dim=-1, value=False) if masked else None
 
         def add_dq(src, keys, kb, vb, mb):
-            for qs, ks, blk_causal in _pairs(ranges[rank], ranges[src], causal):
-                ks = _clip(ks, keys)
-                if ks is None:
-                    continue
-                loc = slice(ks.start - keys.start, ks.stop - keys.start)
+            for qs, ks, loc, blk_causal in _held_pairs(ranges[rank], ranges[src], causal, keys, True):
                 (gq,) = partial_attention_grads(
                     do[..., qs, :], q[..., qs, :], kb[..., loc, :], vb[..., loc, :], lse[..., qs],
                     delta[..., qs], mb[:, loc] if masked else None,
@@ -440,11 +439,7 @@ class _RingAttention(torch.autograd.Function):
         def add_dkdv(src, queries, qb, dob, lseb, deltab, biasb=None):
             """Add the dK/dV blocks of rows ``queries`` of ``src``'s queries (held from
             ``queries.start``)."""
-            for qs, block, blk_causal in _pairs(ranges[src], ranges[rank], causal):
-                qs = _clip(qs, queries)
-                if qs is None:
-                    continue
-                loc = slice(qs.start - queries.start, qs.stop - queries.start)
+            for qs, block, loc, blk_causal in _held_pairs(ranges[src], ranges[rank], causal, queries, False):
                 # dK/dV of a key depend on that key alone: a visible block is cut into pieces of keys (a
                 # causal diagonal block is not: its mask is aligned to the whole block)
                 for ks in [block] if blk_causal else _pieces(block, KEY_PIECE):
