@@ -285,7 +285,9 @@ def merge_outputs_(out, lse, out_b, lse_b) -> None:
     """Merge the attention result ``(out_b, lse_b)`` of the same queries over other keys into ``(out, lse)``,
     in place (``_merge_outputs_kernel``; ``reference.merge_outputs`` is the same product, out of place):
     ``out [B, H, N, Dv]`` and natural-log ``lse [B, H, N]``, any strides, the pair ``(out, lse)`` written
-    once per element and nothing allocated. CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``."""
+    once per element and nothing allocated. CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``. A trusted
+    launcher: its caller (context parallelism's ring) passes two results of the same queries, whose shapes
+    agree and whose lse are float32."""
     B, H, N, Dv = out.shape
     R = B * H * N
     if R == 0:
