@@ -4,8 +4,10 @@ Launched with torchrun, one process per device; every case is measured twice in 
 (the one-device baseline, the other ranks wait at a barrier) and split over all ranks
 (:func:`elsa_vision.distributed.context_parallel_attention`, ring of K/V shards). Reported per case: median
 seconds (forward, and forward + backward for attention), the speed-up (one device / all ranks), the peak
-allocated memory of every rank and of the baseline, and the relative error of the context-parallel output
-against the one-device output (gathered on rank 0). Attention cases above ``--one-device-max-tokens`` (the
+allocated memory of every rank and of the baseline, the relative error of the context-parallel output
+against the one-device output (gathered on rank 0), and of both against float64 on ``REF_ROWS`` query rows
+(``reference_rows``; at lengths one device does not run, the context-parallel output's only). Attention
+cases above ``--one-device-max-tokens`` (the
 ``long`` sweep's 512K and 1M tokens) are not run on one device: its time is extrapolated from the largest
 measured case of the same kind (work as ``H * N^2``, memory as ``H * N``; column ``one_device``).
 
@@ -105,10 +107,12 @@ QUICK = {
     "vit": [ViTCase("elsa_vit_tiny_patch16_224", 112)],
 }
 ONE_DEVICE_MAX_TOKENS = {"full": 262144, "quick": 1031}
+REF_ROWS = 256  # query rows of each attention case checked against float64 (reference_rows)
 GOAL = {"attention_tokens": 262144, "peak_fraction": 0.5, "speed_up": 1.7, "vit_img_size": 8192}
 COLUMNS = columns("case", "world", "precision", "dtype", "tokens", "one_device", "fwd_s_1dev", "fwd_s_cp",
                   "fwd_speed_up", "fwdbwd_s_1dev", "fwdbwd_s_cp", "fwdbwd_speed_up", "peak_mb_1dev",
-                  "peak_mb_cp_per_rank", "peak_fraction", "relerr_vs_1dev", "host")
+                  "peak_mb_cp_per_rank", "peak_fraction", "relerr_vs_1dev", "relerr_1dev_vs_f64",
+                  "relerr_cp_vs_f64", "host")
 
 
 def _peak_mb(device: torch.device) -> float | None:
@@ -195,10 +199,45 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
     out = fwd()
     row["peak_mb_cp_per_rank"] = _all_peaks(_peak_mb(device), device)
     gathered = gather_sequence(out, case.N, None, layout=case.layout)
-    if rank == 0 and out_1 is not None:
-        ref = out_1.double()
-        row["relerr_vs_1dev"] = float((gathered.cpu().double() - ref).norm() / ref.norm())
+    del out
+    if rank == 0:
+        gathered = gathered.cpu().double()
+        if out_1 is not None:
+            ref = out_1.double()
+            row["relerr_vs_1dev"] = float((gathered - ref).norm() / ref.norm())
+        rows, ref_rows = reference_rows(case, device)
+        row["relerr_cp_vs_f64"] = _relerr(gathered[..., rows, :], ref_rows)
+        if out_1 is not None:
+            row["relerr_1dev_vs_f64"] = _relerr(out_1.double()[..., rows, :], ref_rows)
     return row
+
+
+def _relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).norm() / ref.norm())
+
+
+def reference_rows(case: AttentionCase, device: torch.device, count: int = REF_ROWS) -> tuple:
+    """``(rows, out)``: ``count`` query rows of the case (a quarter of them at each end of the sequence, the
+    rest spread over it) and their attention over every key in float64, from the same inputs
+    as ``run_attention`` (rounded to the case's dtype), one head at a time on ``device``."""
+    gen = torch.Generator(device="cpu")
+    shape = (case.B, case.H, case.N, case.D)
+    dtype = getattr(torch, case.dtype)
+    q, k, v = (torch.randn(shape, generator=gen.manual_seed(i)).to(dtype) for i in range(3))
+    end = min(count // 4, case.N)
+    rows = torch.cat([torch.arange(end), torch.randint(0, case.N, (count - 2 * end,), generator=gen),
+                      torch.arange(case.N - end, case.N)]).unique()
+    out = torch.empty(case.B, case.H, len(rows), case.D, dtype=torch.float64)
+    for b in range(case.B):
+        for h in range(case.H):
+            qh = q[b, h, rows].to(device, torch.float64)
+            s = (qh @ k[b, h].to(device, torch.float64).T) * case.D ** -0.5
+            if case.causal:
+                later = torch.arange(case.N, device=device)[None, :] > rows.to(device)[:, None]
+                s.masked_fill_(later, -torch.inf)
+            out[b, h] = (torch.softmax(s, -1) @ v[b, h].to(device, torch.float64)).cpu()
+            del s
+    return rows, out
 
 
 def extrapolate(row: dict, case: AttentionCase, measured: dict[AttentionCase, dict]) -> None:
@@ -287,6 +326,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="attention cases above this many tokens are not run on one device: its time and memory are "
         "extrapolated from the largest measured case of the same kind (default 262144; 1031 with --quick)",
     )
+    ap.add_argument("--tokens", default=None,
+                    help="attention cases of these sequence lengths only (comma list, e.g. 262144,1048576)")
     ap.add_argument("--precision", default="auto", help="ELSA float32 precision (auto, ieee, tf32x3, tf32)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (median; one warm-up)")
     ap.add_argument(
@@ -300,6 +341,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
         raise SystemExit(f"--dtypes: expected some of float32, bfloat16, got {args.dtypes!r}")
+    try:
+        tokens = {int(t) for t in args.tokens.split(",") if t.strip()} if args.tokens else None
+    except ValueError:
+        raise SystemExit(f"--tokens: expected a comma list of integers, got {args.tokens!r}") from None
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -329,7 +374,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for kind in kinds:
             for case in sweep[kind]:
                 if isinstance(case, AttentionCase):
-                    if case.dtype not in dtypes:
+                    if case.dtype not in dtypes or (tokens is not None and case.N not in tokens):
                         continue
                     one = case.N <= max_tokens
                     row = run_attention(case, device, args.precision, args.repeats, one_device=one)

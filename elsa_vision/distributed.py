@@ -383,7 +383,7 @@ class _RingAttention(torch.autograd.Function):
                 lses.append(torch.full(shape, float("-inf"), dtype=accumulation_dtype(q), device=q.device))
                 continue
             outs.append(st[0])
-            lses.append(st[1])
+            lses.append(st[1].to(accumulation_dtype(q)))  # the Triton path's float64 lse: merges only
         if len(outs) == 1:
             out, lse = outs[0], lses[0]
         else:

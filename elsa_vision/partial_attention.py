@@ -10,20 +10,24 @@ from __future__ import annotations
 
 from .kernels.precision import accumulation_dtype
 from .kernels.reference import attention_backward, merge_outputs, scan_attention
-from .ops.attention import TORCH_QUERY_CHUNK, attention_fwd
+from .ops.attention import TORCH_QUERY_CHUNK
 
 __all__ = ["partial_attention", "partial_attention_grads", "merge_partial"]
 
 
 def partial_attention(q, k, v, key_padding_mask, attn_bias, causal, scale, precision, backend):
-    """``(out, lse)`` of ``q`` against one key shard, in ``accumulation_dtype(q)``, through ``backend``
-    (``"triton"``: the forward kernels; else the reference scan). Inputs are trusted (checked by the caller's
-    public entry)."""
+    """``(out, lse)`` of ``q`` against one key shard, ``out`` in ``accumulation_dtype(q)``, through
+    ``backend`` (``"triton"``: the dense forward kernel writing a partial result, ``lse`` in float64 for the
+    merges: ``kernels.fwd.fwd_program``'s ``partial``; else the reference scan, ``lse`` in the accumulation
+    dtype). Inputs are trusted (checked by the caller's public entry)."""
     acc = accumulation_dtype(q)
     if backend == "triton":
+        from .kernels.fwd import fwd_program  # on first use: the package imports without Triton
+
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        out, lse = attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
-        return out.to(acc), lse.to(acc)
+        program = fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, partial=True)
+        out, lse = program(q, k, v, attn_bias, key_padding_mask)
+        return out.to(acc), lse
     return scan_attention(q.to(acc), k.to(acc), v.to(acc), attn_bias=attn_bias,
                           key_padding_mask=key_padding_mask, causal=causal, scale=scale,
                           query_chunk=TORCH_QUERY_CHUNK, return_lse=True)

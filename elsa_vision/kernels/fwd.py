@@ -32,6 +32,7 @@ from .host import FLOAT_DTYPES, LOG2E, canonical_device, cdiv, device_info, next
 from .launch import AttentionProgram, Launch, ProgramCache, install_config
 from .monoid import (
     ACCUMULATION,
+    SEGMENT_KEYS,
     add_bias,
     clamp_bias,
     count_nonfinite,
@@ -39,9 +40,11 @@ from .monoid import (
     finite_part,
     fold_keys,
     identity_state,
+    merge_row_states,
     merge_states,
     nonfinite_values,
     settle_sums,
+    store_lse,
 )
 from .precision import resolve_precision
 from .reference import merge_depth
@@ -159,7 +162,7 @@ def _fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
-    ACCUMULATE: tl.constexpr, STORE_LSE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, SEGMENT: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Level one. Grid ``(m_tiles * B * H, partitions)`` with ``m_tiles = cdiv(Nq, BLOCK_M)`` (query tiles of
     one head adjacent, so that they share its keys in L2; one flat axis: no 65535 limit on ``B * H``).
@@ -167,6 +170,9 @@ def _fwd_kernel(
     ``SPLIT`` = False: one partition, the epilogue writes ``out`` and ``lse``. ``SPLIT`` = True: writes the
     states of partition ``program_id(2)`` to the workspace ``WsM/WsS [P, BH, Nq]``, ``WsW [P, BH, Nq,
     BLOCK_DV]`` (the identity where the partition holds no visible key).
+
+    ``SEGMENT`` > 0 (a multiple of ``BLOCK_N``; ``monoid.SEGMENT_KEYS``): the unmasked key tiles fold in
+    segments of ``SEGMENT`` keys, each into a fresh state merged into the running one (a two-level sum).
     """
     pid = tl.program_id(0)
     pid_m = pid % m_tiles
@@ -242,13 +248,25 @@ def _fwd_kernel(
 
     m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
     code = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fold_keys: only an exact pass writes it
-    m_i, s_i, s_c, acc, acc_c, code = _attend(
-        m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
-        bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
-        lo, mid, seqlen_k, causal_shift, qk_scale,
-        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
-        False,
-    )
+    if SEGMENT > 0:
+        for seg in range(lo, mid, SEGMENT):
+            m_b, s_b, s_cb, acc_b, acc_cb = identity_state(BLOCK_M, BLOCK_DV)
+            m_b, s_b, s_cb, acc_b, acc_cb, code = _attend(
+                m_b, s_b, s_cb, acc_b, acc_cb, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv,
+                K + k_off, V + v_off, bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
+                stride_bn, stride_kpn, seg, tl.minimum(seg + SEGMENT, mid), seqlen_k, causal_shift, qk_scale,
+                D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
+                ACCUMULATE, False,
+            )
+            m_i, s_i, acc = merge_row_states(m_i, s_i, acc, m_b, s_b, acc_b)
+    else:
+        m_i, s_i, s_c, acc, acc_c, code = _attend(
+            m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off,
+            V + v_off, bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+            lo, mid, seqlen_k, causal_shift, qk_scale,
+            D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
+            ACCUMULATE, False,
+        )
     m_i, s_i, s_c, acc, acc_c, code = _attend(
         m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
         bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
@@ -289,7 +307,7 @@ def _fwd_kernel(
         o_ptrs = Out + o_off + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         if STORE_LSE:
-            tl.store(Lse + l_off + rows64 * stride_lm, lse, mask=row_ok)
+            store_lse(Lse + l_off + rows64 * stride_lm, m_i, s_i, lse, row_ok)
 
 
 @triton.jit
@@ -334,8 +352,8 @@ def _merge_kernel(
               + rows64[:, None] * stride_om + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     if STORE_LSE:
-        tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows64 * stride_lm,
-                 lse, mask=row_ok)
+        store_lse(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows64 * stride_lm,
+                  m_row, s_row, lse, row_ok)
 
 
 # --------------------------------------------------------------------------------------------- planner
@@ -498,6 +516,15 @@ def set_config(key: tuple, config: tuple[int, int, int, int] | None) -> None:
     install_config(_TUNED, key, config, _plan_cached, _PROGRAMS, _VARLEN_PROGRAMS)
 
 
+def segment_keys(precision: str, block_n: int, nk: int) -> int:
+    """``_fwd_kernel``'s ``SEGMENT`` for ``nk`` keys: the keys of one segment of its two-level sum
+    (``monoid.SEGMENT_KEYS``, rounded down to whole key tiles) where ``nk`` holds more than two of them, else
+    0, a plain running sum (whose rounding is still below the segments' there; the nested loop costs
+    3-5% at 4K-16K keys on an H100)."""
+    keys = SEGMENT_KEYS.get(precision, 0) // block_n * block_n
+    return keys if keys > 0 and nk > 2 * keys else 0
+
+
 def tuning_key(dtype, D: int, Dv: int, causal: bool, has_bias: bool, device, precision: str) -> tuple:
     """The key of a tuned config: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision), with the
     precision the dense forward runs (``resolve_precision`` given the padded head dim; bfloat16 under the
@@ -552,8 +579,11 @@ class _FwdProgram(AttentionProgram):
     (``q [total_q, H, D]``; outputs ``[total_q, H, Dv]`` and ``lse [H, total_q]``).
     """
 
-    def __init__(self, q, k, v, bias, kpm, causal, scale, precision, partitions=None, varlen=None):
+    def __init__(self, q, k, v, bias, kpm, causal, scale, precision, partitions=None, varlen=None,
+                 partial=False):
         self.device = q.device
+        if partial:  # context parallelism's partial results: float32 out, float64 lse (monoid.store_lse)
+            self.out_dtype, self.lse_dtype = torch.float32, torch.float64
         self.dtype = q.dtype
         self.device_index = q.device.index if q.is_cuda else None
         self.bias_cast = bias is not None and bias.dtype == torch.float64
@@ -599,7 +629,8 @@ class _FwdProgram(AttentionProgram):
         main = dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
                     PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm,
                     IS_VARLEN=varlen is not None, SPLIT=p.partitions > 1,
-                    ACCUMULATE=ACCUMULATION.get(p.precision, "plain"))
+                    ACCUMULATE=ACCUMULATION.get(p.precision, "plain"),
+                    SEGMENT=segment_keys(p.precision, p.block_n, Nk))
         # [with lse, without]: inference calls need no log-sum-exp (one allocation and store fewer)
         self.main = [Launch(_fwd_kernel, (m_tiles * bh, p.partitions), scalars, dict(main, STORE_LSE=store),
                             p.num_warps, p.num_stages) for store in (True, False)]
@@ -689,11 +720,14 @@ def elsa_fwd(
 
 
 def fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, partitions=None,
-                ) -> _FwdProgram:
+                partial=False) -> _FwdProgram:
     """The cached launch program of this forward signature (``scale`` resolved): ``program(q, k, v, bias,
-    kpm, need_lse=...) -> (out, lse)`` for any tensors of the same signature."""
+    kpm, need_lse=...) -> (out, lse)`` for any tensors of the same signature. ``partial``: the outputs of a
+    partial result that will be merged with others (context parallelism): ``out`` in float32 whatever q's
+    dtype (one rounding, at the end of the merges) and ``lse`` in float64, formed from the row's state
+    (``monoid.store_lse``), so that the merges' weights keep float32 accuracy."""
     return _PROGRAMS(_FwdProgram, (q, k, v, attn_bias, key_padding_mask),
-                     (causal, scale, precision, partitions))
+                     (causal, scale, precision, partitions, None, partial))
 
 
 def elsa_fwd_varlen(

@@ -141,9 +141,10 @@ class Program:
 
 
 class AttentionProgram(Program):
-    """A program that writes ``out`` (``out_size`` / ``out_stride``, the program's dtype) and, when asked, the
-    float32 ``lse`` (``lse_size``). ``empty``: no rows (nothing to launch); ``zero``: rows that see no key
-    (``out`` 0, ``lse`` -inf, nothing to launch)."""
+    """A program that writes ``out`` (``out_size`` / ``out_stride``; ``out_dtype``, default the program's
+    dtype) and, when asked, ``lse`` (``lse_size``, ``lse_dtype``: float32, or float64 where a program is
+    built to write it so, ``monoid.store_lse``). ``empty``: no rows (nothing to launch); ``zero``: rows that
+    see no key (``out`` 0, ``lse`` -inf, nothing to launch)."""
 
     out_size: tuple
     out_stride: tuple
@@ -151,10 +152,14 @@ class AttentionProgram(Program):
     empty: bool = False
     zero: bool = False
 
+    out_dtype: torch.dtype | None = None
+    lse_dtype: torch.dtype = torch.float32
+
     def outputs(self, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """``(out, lse or None, done)``, allocated; ``done``: already final (``empty`` or ``zero``)."""
-        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device) if need_lse else None
+        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.out_dtype or self.dtype,
+                                  device=self.device)
+        lse = torch.empty(self.lse_size, dtype=self.lse_dtype, device=self.device) if need_lse else None
         if self.empty:
             return out, lse, True
         if self.zero:

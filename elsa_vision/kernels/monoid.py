@@ -33,7 +33,8 @@ from .host import cdiv, next_pow2
 __all__ = [
     "ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias",
     "add_bias", "finite_part", "count_nonfinite", "fold_nonfinite", "nonfinite_values",
-    "identity_state", "settle_sums", "fold_keys", "merge_outputs_",
+    "identity_state", "settle_sums", "fold_keys", "merge_outputs_", "merge_row_states", "SEGMENT_KEYS",
+    "store_lse",
 ]
 
 # How each float32 precision's running sums over the key tiles accumulate (``fold_tile``'s ``ACCUMULATE``, a
@@ -41,6 +42,14 @@ __all__ = [
 # default). "ieee", the strictest path, is compensated: its error stays flat in the key count
 # (docs/kernel_notes.md, "Exact FP32").
 ACCUMULATION = {"ieee": "kahan"}
+
+# Keys per segment of the dense forward's key loop (``_fwd_kernel``'s ``SEGMENT``) for the float32 precisions
+# that accumulate plainly, used where a program's keys are longer than two segments: each segment's tiles fold
+# into a fresh state, which is then merged into the running one (``merge_row_states``). That two-level sum
+# keeps the rounding of the running sums to about sqrt(tiles per segment) + sqrt(segments) roundings instead
+# of sqrt(tiles). H100, 1 x 2 x 262,144 x 64, fp16x3: relerr 1.52e-6 -> 4.0e-7 for 2.8% more time
+# (docs/kernel_notes.md, "Long key ranges").
+SEGMENT_KEYS = {"fp16x3": 8192, "tf32x3": 8192}
 
 # |bias| is clamped to this before the base-2 conversion so that log2(e) * bias stays finite in fp32
 # (finfo(float32).min * log2(e) would overflow to -inf and turn a finite bias row into a masked row).
@@ -120,6 +129,26 @@ def finalize_state(m, s, w):
 
 
 @triton.jit
+def store_lse(ptrs, m, s, lse, mask):
+    """Store a row's natural-log ``lse`` (``finalize_state``'s) at ``ptrs``; into a float64 tensor it is
+    formed again from the state ``(m, S)`` in float64, so that it carries the state's own accuracy instead of
+    a float32 rounding of a number near ``ln N`` (``~5e-7`` absolute at 2^17 keys, which becomes a relative
+    error of every later merge's weights: context parallelism's ring merges partial results by their lse).
+    ``log2 S = e + log2(f)`` with ``S = f 2^e``, ``f`` in ``[1, 2)``: the float32 logarithm of ``f`` is within
+    ``6e-8`` (absolute), and the sum is formed in float64. Rows whose ``S`` is not a normal float (no visible
+    key, non-finite states) keep ``lse``."""
+    if ptrs.dtype.element_ty == tl.float64:
+        bits = s.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127
+        f = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+        fine = (s >= 1.1754943508222875e-38) & (s < float("inf"))
+        exact = (m.to(tl.float64) + e.to(tl.float64) + tl.math.log2(f).to(tl.float64)) * 0.6931471805599453
+        tl.store(ptrs, tl.where(fine, exact, lse.to(tl.float64)), mask=mask)
+    else:
+        tl.store(ptrs, lse, mask=mask)
+
+
+@triton.jit
 def merge_states(ma, sa, wa, mb, sb, wb):
     """``(ma, sa, wa) (+) (mb, sb, wb)``; exact for the identity on either side.
 
@@ -134,6 +163,14 @@ def merge_states(ma, sa, wa, mb, sb, wb):
     cb = tl.math.exp2(mb - shift)
     w = tl.where(tl.abs(wa) < float("inf"), ca * wa, wa) + tl.where(tl.abs(wb) < float("inf"), cb * wb, wb)
     return m, ca * sa + cb * sb, w
+
+
+@triton.jit
+def merge_row_states(ma, sa, wa, mb, sb, wb):
+    """``merge_states`` of two running states of a kernel's rows: ``m``, ``S`` ``[BLOCK_M]``, ``W``
+    ``[BLOCK_M, BLOCK_DV]``."""
+    m, s, w = merge_states(ma[:, None], sa[:, None], wa, mb[:, None], sb[:, None], wb)
+    return tl.max(m, 1), tl.sum(s, 1), w
 
 
 @triton.jit
@@ -261,15 +298,17 @@ def _merge_outputs_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = ok[:, None] & (d[None, :] < Dv)
     l_ptrs = L + b * sl_b + h * sl_h + n * sl_n
-    la = tl.load(l_ptrs, mask=ok, other=float("-inf")).to(tl.float32)
-    lb = tl.load(LB + b * slb_b + h * slb_h + n * slb_n, mask=ok, other=float("-inf")).to(tl.float32)
+    # The lse are read in their own dtype: float64 ones (``store_lse``) keep the shifts exact; only the
+    # differences (<= 0) go to the float32 exponentials.
+    la = tl.load(l_ptrs, mask=ok, other=float("-inf"))
+    lb = tl.load(LB + b * slb_b + h * slb_h + n * slb_n, mask=ok, other=float("-inf")).to(la.dtype)
     o_ptrs = O + (b * so_b + h * so_h + n * so_n)[:, None] + d[None, :].to(tl.int64) * so_d
     oa = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     ob = tl.load(OB + (b * sob_b + h * sob_h + n * sob_n)[:, None] + d[None, :].to(tl.int64) * sob_d,
                  mask=mask, other=0.0).to(tl.float32)
     shift = safe_shift(tl.maximum(la, lb))  # a NaN lse makes its factor, hence its row, NaN
-    ca = tl.exp(la - shift)
-    cb = tl.exp(lb - shift)
+    ca = tl.exp((la - shift).to(tl.float32))
+    cb = tl.exp((lb - shift).to(tl.float32))
     s = ca + cb
     hidden = s == 0.0
     denom = tl.where(hidden, 1.0, s)
@@ -278,7 +317,7 @@ def _merge_outputs_kernel(
     out = tl.where(tl.abs(oa) < float("inf"), fa * oa, oa) + tl.where(tl.abs(ob) < float("inf"), fb * ob, ob)
     out = tl.where(hidden[:, None], 0.0, out)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
-    tl.store(l_ptrs, tl.where(hidden, float("-inf"), shift + tl.log(denom)).to(L.dtype.element_ty), mask=ok)
+    tl.store(l_ptrs, tl.where(hidden, float("-inf"), shift + tl.log(denom).to(la.dtype)), mask=ok)
 
 
 def merge_outputs_(out, lse, out_b, lse_b) -> None:
@@ -287,7 +326,8 @@ def merge_outputs_(out, lse, out_b, lse_b) -> None:
     ``out [B, H, N, Dv]`` and natural-log ``lse [B, H, N]``, any strides, the pair ``(out, lse)`` written
     once per element and nothing allocated. CUDA tensors, or the CPU under ``TRITON_INTERPRET=1``. A trusted
     launcher: its caller (context parallelism's ring) passes two results of the same queries, whose shapes
-    agree and whose lse are float32."""
+    agree and whose lse are float32 or float64 (the arithmetic on the lse is in ``lse``'s dtype; the
+    forward's float64 lse, ``store_lse``, keep each merge's weights to float32 accuracy)."""
     B, H, N, Dv = out.shape
     R = B * H * N
     if R == 0:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from elsa_vision import elsa_attention, elsa_attention_varlen
 from elsa_vision.kernels import elsa_fwd, elsa_fwd_varlen, plan
+from elsa_vision.kernels.fwd import fwd_program, segment_keys
 from elsa_vision.kernels.monoid import merge_states
 from elsa_vision.kernels.reference import merge_depth, softmax_attention
 from tests.helpers import (
@@ -448,6 +449,57 @@ def test_multi_partition_equals_fused(causal, partitions, precision):
     assert_lse(ls, scan64(q, k, v, attn_bias=bias, causal=causal)[1])
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "fp16x3"])
+def test_long_key_range_folds_in_segments(precision):
+    # Past two segments' keys (monoid.SEGMENT_KEYS) the unmasked tiles fold in segments merged into the
+    # running state (a two-level sum): two full segments, a short one, then the masked tail; with a bias and
+    # a padding mask, causal, and two key partitions (each a segment and a bit).
+    seg = segment_keys(precision, 64, 10**9)
+    Nk = 2 * seg + 700
+    assert seg > 0 and segment_keys(precision, 64, Nk) == seg and segment_keys(precision, 64, 2 * seg) == 0
+    q, k, v = qkv(1, 2, 21, Nk, 32, seed=41)
+    bias = randn(1, 2, 21, Nk, seed=42)
+    kpm = torch.rand(1, Nk, generator=gen(43)).to(DEVICE) > 0.2
+    for kw, partitions in ((dict(attn_bias=bias, key_padding_mask=kpm), None), (dict(causal=True), None),
+                           (dict(attn_bias=bias), 2)):
+        out, lse = elsa_fwd(q, k, v, precision=precision, partitions=partitions, **kw)
+        assert relerr(out, ref64(q, k, v, **kw)) <= FP32_ACCURATE, (kw.keys(), partitions)
+        assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("partitions", [None, 3])
+def test_partial_program_float32_out_float64_lse(partitions):
+    # Context parallelism's partial results (fwd_program(partial=True)): the output in float32 whatever the
+    # inputs' dtype, the lse in float64 formed from the row state. Under the interpreter (exact exponentials)
+    # it is within 1e-7 of float64 on average where a float32 lse near ln(4500) = 8.4 is off by ~2.4e-7
+    # (measured: 5e-8 against 2.4e-7). On a GPU the state's own normaliser carries the approximate exp2 of
+    # every score (measured on an H100: 2.3e-7 against 3.3e-7 for the float32 lse), which the merges of the
+    # ring transport unchanged; tests/kernels/test_merge.py checks the transport itself.
+    q, k, v = qkv(1, 2, 21, 4500, 64, seed=44)
+    lse_ref = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * 0.125, -1)
+    program = fwd_program(q, k, v, None, None, False, 0.125, "fp16x3", partitions, partial=True)
+    out, lse = program(q, k, v, None, None)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float64
+    assert relerr(out, ref64(q, k, v)) <= FP32_ACCURATE
+    _, lse32 = elsa_fwd(q, k, v, precision="fp16x3", partitions=partitions)
+    err64, err32 = (lse - lse_ref).abs().mean().item(), (lse32.double() - lse_ref).abs().mean().item()
+    if DEVICE == "cpu":
+        assert err64 <= 1e-7 and err64 < err32 / 2, (err64, err32)
+    else:
+        assert err64 <= 3e-7 and err64 < err32, (err64, err32)
+    # hidden rows: lse -inf, out 0
+    kpm = torch.zeros(1, 4500, dtype=torch.bool, device=DEVICE)
+    program = fwd_program(q, k, v, None, kpm, False, 0.125, "fp16x3", partitions, partial=True)
+    out, lse = program(q, k, v, None, kpm)
+    assert torch.isneginf(lse).all() and (out == 0).all()
+    # bfloat16 inputs: one rounding of the output, into float32
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    program = fwd_program(qb, kb, vb, None, None, False, 0.125, "auto", partitions, partial=True)
+    out, lse = program(qb, kb, vb, None, None)
+    assert out.dtype == torch.float32
+    assert relerr(out, ref64(qb, kb, vb)) <= relerr(elsa_fwd(qb, kb, vb)[0], ref64(qb, kb, vb))
+
+
 def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
     # The planner as it runs on an H100 (132 SMs, sm90, 227 KiB shared memory per block), without one.
     from elsa_vision.kernels import fwd, host
@@ -748,6 +800,18 @@ def test_gpu_large_lengths(N, dtype, causal):
     else:
         assert (out[..., rows, :].double() - ref).abs().max().item() <= 2e-2
     assert torch.isfinite(lse).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16x3", "tf32x3"])
+def test_gpu_error_flat_in_the_key_count(precision):
+    # The segments' two-level sum (monoid.SEGMENT_KEYS) keeps the running sums' rounding from growing with
+    # the tile count: one running sum over 4,096 key tiles would measure ~1.5e-6 at 262,144 keys.
+    Nk = 2**18
+    q, k, v = qkv(1, 2, 256, Nk, 64, seed=108)
+    out, _ = elsa_fwd(q, k, v, precision=precision)
+    rows = torch.arange(256, device=DEVICE)
+    assert relerr(out, _rows_ref(q, k, v, rows)) <= 5e-7
 
 
 @pytest.mark.gpu
