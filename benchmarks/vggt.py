@@ -44,7 +44,7 @@ import sys
 import time
 import types
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -335,7 +335,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--providers", default=None, help="scale sweep: comma list of elsa, sdpa (default both)")
     ap.add_argument("--dtypes", default=None, help="scale sweep: comma list of bf16, fp32 (default both)")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed repetitions; with --scale: timed runs after one warm-up at every size "
+                    "(default 2 up to 100 frames, one cold run above)")
     add_out_dir(ap)
     args = ap.parse_args(argv)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
@@ -406,6 +408,10 @@ def _main_scale(args, device: str, argv: list[str]) -> dict:
         cases = _pick(cases, flag, field, getattr(args, flag))
     if not cases:
         raise SystemExit("no case of the scale sweep has these --frames, --parts, --providers and --dtypes")
+    if args.reps is not None:  # timed runs after one warm-up at every size (1: one cold run)
+        if args.reps < 1:
+            raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+        cases = [replace(c, repeats=args.reps) for c in cases]
     meta = run_info(device, __file__, argv)
     path = args.out / f"vggt_scale_{device_tag(device)}{'_quick' if args.quick else ''}.csv"
     models = {}

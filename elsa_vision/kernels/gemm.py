@@ -563,6 +563,8 @@ class _GemmProgram(Program):
             work = torch.empty((self.plan.slices, M, N), dtype=torch.float32, device=dev)
             self.main(a, a_exp, b, b_exp, bias, work, work)
             self.sum(work, bias, out, out_exp)
+        if self.ws:  # the cached descriptors must not keep this call's operands alive
+            da.base = db.base = None
         return SplitOperand(out, out_exp, self.plan.block_n) if self.split_output else out
 
 
