@@ -353,9 +353,9 @@ def test_gpu_split_and_strided_inputs_match_contiguous():
 @pytest.mark.parametrize("M,N,K", [(12611, 768, 768), (12611, 3072, 768), (12611, 768, 3072)])
 def test_gpu_programs_keep_no_operand_alive(M, N, K):
     # A cached program (its TMA descriptors on sm90) must not hold a call's operands or their float16 parts
-    # once the call returns: with the result dropped, the allocated memory is back where it was (the FP32
-    # VGGT aggregator held ~3.4 GB of such operands at 100 frames before this was fixed). M = 12611 keeps the
-    # signature unique in the test process, so the first call builds the program.
+    # once the call returns: with the result dropped, the allocated memory is back where it was (such held
+    # operands are the likely cause of 3.4 GB more peak in the FP32 VGGT aggregator at 100 frames). M = 12611
+    # keeps the signature unique in the test process, so the first call builds the program.
     a, b = randn(M, K, seed=10), randn(N, K, seed=11)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
