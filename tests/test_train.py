@@ -306,6 +306,47 @@ def test_unknown_backbone_name_lists_registered_models(tmp_path):
         train(cfg)
 
 
+def test_grad_checkpointing_keeps_the_gradients():
+    """create_backbone(grad_checkpointing=True): timm's checkpointing of the blocks, the same loss and
+    gradients as without (CPU, float64: bitwise); a model that cannot checkpoint is refused by name."""
+    from elsa_vision.tasks import create_backbone
+
+    kw = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, attn_backend="torch")
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(2)
+        net = create_backbone("elsa_vit_tiny_patch16_224", num_classes=3, grad_checkpointing=ckpt, **kw)
+        assert net.grad_checkpointing is ckpt
+        net = net.double().train()
+        net(x).square().sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+    assert grads[1].abs().sum() > 0 and torch.equal(grads[0], grads[1])
+    refused = r"^create_backbone: grad_checkpointing: convit_tiny does not support"
+    with pytest.raises(ValueError, match=refused):
+        create_backbone("convit_tiny", num_classes=2, grad_checkpointing=True)
+
+
+def test_memory_check_counts_checkpointed_blocks_and_advises_it(tmp_path):
+    """With model.net.grad_checkpointing=true a ViT keeps each block's input and one block's activations
+    instead of every block's (``(6 + 2 r) N C`` floats each): the estimate drops by exactly that; a run that
+    fits only with checkpointing is refused with that advice, and fits with it."""
+    base = TINY_NET + ["data.img_size=512", "trainer.accelerator=cpu", "model.net.depth=4"]
+    cfgs = {ckpt: compose_cfg("train", base + [f"model.net.grad_checkpointing={ckpt}"], tmp_path / "r")
+            for ckpt in ("false", "true")}
+    est = {ckpt: train_mod.check_training_memory(cfg, available_mb=1e9) for ckpt, cfg in cfgs.items()}
+    net = train_mod._meta_network(cfgs["false"])
+    tokens = net.patch_embed.num_patches + net.num_prefix_tokens
+    kept = cfgs["false"].data.batch_size * tokens * net.embed_dim * 4 / 2**20  # one block's input, MiB
+    per_block = (6 + 2 * 2.0) * kept  # TINY_NET's mlp_ratio 2
+    assert est["false"] - est["true"] == pytest.approx(4 * per_block - (4 * kept + per_block), rel=1e-6)
+    limit = (est["true"] + est["false"]) / 2
+    with pytest.raises(ValueError, match=r"or set model\.net\.grad_checkpointing=true \(then about "):
+        train_mod.check_training_memory(compose_cfg("train", base, tmp_path / "r"), available_mb=limit)
+    with_ckpt = compose_cfg("train", base + ["model.net.grad_checkpointing=true"], tmp_path / "r")
+    assert train_mod.check_training_memory(with_ckpt, available_mb=limit)
+
+
 def test_pretrained_file_loads_through_timm_without_copying_the_weights(tmp_path, monkeypatch):
     """create_backbone(pretrained_file=...) hands the file's tensors to timm's loader (its filter fn drops a
     head of another width) without timm's pretrained cfg deep-copying them (twice the weights at peak)."""

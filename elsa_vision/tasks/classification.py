@@ -51,6 +51,7 @@ def create_backbone(
     num_classes: int,
     pretrained_file: str | None = None,
     checkpoint_path: str | None = None,
+    grad_checkpointing: bool = False,
     **kwargs: Any,
 ) -> nn.Module:
     """``timm.create_model`` for ``elsa_*`` (or any timm) names, with local weights only.
@@ -63,12 +64,16 @@ def create_backbone(
             (pos-embed resampling, ``in_chans`` adaptation, a head of another width dropped).
         checkpoint_path: a raw state_dict with exactly this model's keys, loaded strictly after building
             (:func:`elsa_vision.models.load_checkpoint`).
+        grad_checkpointing: recompute each block's activations in the backward pass (timm's
+            ``set_grad_checkpointing``, as timm's ``train.py --grad-checkpointing``): training keeps one
+            block's activations at a time instead of every block's, for high resolutions (with
+            ``trainer=cp`` too). Results are unchanged.
         **kwargs: model arguments (``img_size``, ``patch_size``, ``in_chans``, ``attn_backend``, ...).
 
     Raises:
         FileNotFoundError, ValueError: a weights file that is missing or not a checkpoint, before the model
             is built; the message starts with ``create_backbone: pretrained_file:`` (``checkpoint_path``)
-            and names the file.
+            and names the file. ValueError: ``grad_checkpointing`` for a model that does not support it.
     """
     import elsa_vision.models  # noqa: F401  (registers the elsa_* names with timm)
 
@@ -95,6 +100,12 @@ def create_backbone(
         net.pretrained_cfg.pop("state_dict", None)  # the cfg would keep the file's tensors alive
     if checkpoint_path is not None:
         load_checkpoint(net, checkpoint_path, strict=True)
+    if grad_checkpointing:
+        try:
+            net.set_grad_checkpointing(True)
+        except (AttributeError, AssertionError):  # timm models without it assert `not enable`
+            raise ValueError(f"create_backbone: grad_checkpointing: {model_name} does not support gradient "
+                             f"checkpointing") from None
     return net
 
 

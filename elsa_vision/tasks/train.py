@@ -149,9 +149,12 @@ def check_training_memory(cfg: DictConfig, available_mb: float | None = None) ->
     parameters four times (weights, gradients, AdamW's two moments; divided over the devices under FSDP),
     its buffers, one batch of input images (``data.batch_size x data.in_chans x data.img_size^2`` float32)
     and, for a ViT, the activations one batch keeps for the backward pass (``(6 + 2 mlp_ratio) N C`` floats
-    per block and image, ``N`` tokens of width ``C``; under ``trainer=cp`` each rank keeps those of its
-    ``1 / cp_size`` of the tokens). Compared with ``available_mb`` (default: the memory
-    of the device that trains, :func:`elsa_vision.utils.accelerator.available_memory_mb`). Returns the
+    per block and image, ``N`` tokens of width ``C``; with gradient checkpointing ``N C`` per block, its
+    input, and one block's ``(6 + 2 mlp_ratio) N C`` while it is recomputed; under ``trainer=cp`` each rank
+    keeps those of its ``1 / cp_size`` of the tokens). A configuration that fits only with gradient
+    checkpointing is refused with that advice (``model.net.grad_checkpointing=true``). Compared with
+    ``available_mb`` (default: the memory of the device that trains,
+    :func:`elsa_vision.utils.accelerator.available_memory_mb`). Returns the
     estimate in MiB (None when the network is built later by the task, from the data).
 
     Raises:
@@ -176,14 +179,19 @@ def check_training_memory(cfg: DictConfig, available_mb: float | None = None) ->
     batch = int(data.get("batch_size") or 1)
     img, chans = data.get("img_size"), data.get("in_chans")
     inputs = batch * int(chans) * int(img) ** 2 * 4 if isinstance(img, int) and isinstance(chans, int) else 0
-    activations = 0
+    activations = checkpointed = 0
     blocks, embed = getattr(net, "blocks", None), getattr(net, "patch_embed", None)
     if blocks is not None and hasattr(embed, "num_patches") and hasattr(net, "embed_dim"):
         tokens = int(embed.num_patches) + int(getattr(net, "num_prefix_tokens", 0))
         width = int(net.embed_dim)
         fc1 = getattr(getattr(blocks[0], "mlp", None), "fc1", None) if len(blocks) else None
         ratio = fc1.out_features / width if fc1 is not None else 4.0
-        activations = batch * len(blocks) * (6 + 2 * ratio) * -(-tokens // context) * width * 4
+        per_block = (6 + 2 * ratio) * -(-tokens // context) * width * 4 * batch  # one block's activations
+        kept = -(-tokens // context) * width * 4 * batch  # a checkpointed block's input
+        activations = per_block * len(blocks)
+        checkpointed = kept * len(blocks) + per_block
+        if getattr(net, "grad_checkpointing", False):
+            activations = checkpointed
     total_mb = (state + inputs + activations) / 2**20
     if available_mb is None:
         available_mb, where = available_memory_mb(str(trainer.get("accelerator", "cpu")))
@@ -196,6 +204,9 @@ def check_training_memory(cfg: DictConfig, available_mb: float | None = None) ->
         culprit = _source_key(cfg, "img_size") if "img_size" in cfg.model.net else "data.img_size"
         value = OmegaConf.select(cfg, culprit)
         hint = f"lower {culprit}" + (" or data.batch_size" if activations + inputs > state else "")
+        with_ckpt = (state + inputs + checkpointed) / 2**20
+        if activations > checkpointed and with_ckpt <= available_mb and "grad_checkpointing" in cfg.model.net:
+            hint += f", or set model.net.grad_checkpointing=true (then about {_size(with_ckpt * 2**20)})"
     else:
         culprit, value, hint = "model.net", None, "choose a smaller model.net"
     named = f"{culprit}={value}" if value is not None else culprit

@@ -30,6 +30,9 @@ VIT_CASES = [
     dict(
         world=3, layout="contiguous", class_token=True, reg_tokens=0, global_pool="avg", no_embed_class=True
     ),
+    # gradient checkpointing: every block's forward, ring included, runs again in the backward pass
+    dict(world=2, layout="zigzag", class_token=True, reg_tokens=0, global_pool="token",
+         grad_checkpointing=True),
 ]
 
 
@@ -69,6 +72,7 @@ def _vit_case(group, case):
     F.mse_loss(ref_logits, target).backward()
 
     model = _tiny_vit(case, context_parallel_group=group, context_parallel_layout=case["layout"])
+    model.set_grad_checkpointing(case.get("grad_checkpointing", False))
     local = model.forward_features(x)
     logits = model.forward_head(local)
     F.mse_loss(logits, target).backward()
