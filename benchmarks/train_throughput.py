@@ -301,23 +301,23 @@ def main(argv: list[str] | None = None) -> str | None:
             if not (root / "train").is_dir():
                 raise SystemExit(f"--root {root}: expected a train/ folder of class folders")
         rows: list[dict] = []
-        for world in a.devices:
-            if world == 1:
-                rows += run_world(spec, a.precisions, root, device)
-            else:
-                rows += _launch(world, argv, root, Path(tmp), a.device)
-    _ratios(rows)
-    meta = run_info(device, __file__, argv)
-    path = a.out / f"train_throughput_{device_tag(device)}{'_quick' if a.quick else ''}.csv"
-    with Results(path, COLUMNS, meta) as out:
-        out.write_all(rows)
-    for r in rows:
-        print(
-            f"{r['world']} x {r['precision']:10s} {r['peer']:5s} {r['backbone']:28s} "
-            f"{r['img_per_s_compute']:9.2f} img/s ({r['img_per_s_per_device']:.2f} per device, "
-            f"{r['step_ms']} ms/step), {r['img_per_s_end_to_end']:9.2f} end to end, "
-            f"peak {r['peak_mb_per_rank']} MB/rank, scaling {r.get('scaling')}, vs timm {r.get('vs_timm')}"
-        )
+        meta = run_info(device, __file__, argv)
+        path = a.out / f"train_throughput_{device_tag(device)}{'_quick' if a.quick else ''}.csv"
+        # each world size's rows are written once it is done: a run cut off keeps the world sizes it measured
+        with Results(path, COLUMNS, meta) as out:
+            for world in a.devices:
+                new = (run_world(spec, a.precisions, root, device) if world == 1
+                       else _launch(world, argv, root, Path(tmp), a.device))
+                rows += new
+                _ratios(rows)  # one device's rows come first (--devices is sorted)
+                out.write_all(new)
+                for r in new:
+                    print(
+                        f"{r['world']} x {r['precision']:10s} {r['peer']:5s} {r['backbone']:28s} "
+                        f"{r['img_per_s_compute']:9.2f} img/s ({r['img_per_s_per_device']:.2f} per device, "
+                        f"{r['step_ms']} ms/step), {r['img_per_s_end_to_end']:9.2f} end to end, "
+                        f"peak {r['peak_mb_per_rank']} MB/rank, scaling {r.get('scaling')}, "
+                        f"vs timm {r.get('vs_timm')}", flush=True)
     print(f"wrote {path}")
     return str(path)
 

@@ -74,3 +74,25 @@ def test_quick_cpu_run_on_two_gloo_processes(tmp_path):
         # two ranks of the per-device batch per step
         assert float(r["img_per_s_compute"]) == pytest.approx(2 * float(r["img_per_s_per_device"]), rel=1e-3)
         assert float(r["scaling"]) > 0 and int(r["steps"]) == bench.QUICK["steps"]
+
+
+def test_a_run_cut_off_keeps_the_world_sizes_it_measured(tmp_path, monkeypatch):
+    # Each world size's rows are written when it is done: a later world that fails (a torchrun error, a
+    # time limit) leaves the one-device rows, with their ratios, in the CSV.
+    def one_device(spec, precisions, root, device):
+        return [dict(world=1, strategy="single", precision="32-true", peer=peer, backbone=peer, img_size=64,
+                     batch_per_device=2, steps=3, step_ms=10.0, img_per_s_compute=speed,
+                     img_per_s_per_device=speed, img_per_s_end_to_end=speed, peak_mb_per_rank=None)
+                for peer, speed in (("timm", 100.0), ("elsa", 150.0))]
+
+    def cut_off(world, argv, root, tmp, device):
+        raise SystemExit(f"{world} processes: torchrun exited with 1")
+
+    monkeypatch.setattr(bench, "run_world", one_device)
+    monkeypatch.setattr(bench, "_launch", cut_off)
+    with pytest.raises(SystemExit, match="2 processes"):
+        bench.main(["--quick", "--device", "cpu", "--devices", "1,2", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("train_throughput_*.csv")
+    rows = list(csv.DictReader(open(path)))
+    assert [(r["world"], r["peer"], r["scaling"], r["vs_timm"]) for r in rows] == [
+        ("1", "timm", "1.0", ""), ("1", "elsa", "1.0", "1.5")]
