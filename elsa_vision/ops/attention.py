@@ -89,7 +89,8 @@ def _forward_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precis
 
 def attention_fwd(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
     """The body of ``elsa_vision::attention_fwd``: ``(out, lse)`` of trusted inputs through the Triton
-    forward's launch program. Context parallelism's partial attention calls it directly."""
+    forward's launch program. (Context parallelism's partial results use the dense forward's program built
+    for merging instead: ``kernels.fwd.fwd_program(..., partial=True)``.)"""
     program = _forward_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
     return program(q, k, v, attn_bias, key_padding_mask)
 
