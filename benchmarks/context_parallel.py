@@ -133,24 +133,24 @@ def _all_peaks(value: float | None, device: torch.device) -> list[float | None]:
     return [None if float(b) < 0 else round(float(b), 1) for b in bufs]
 
 
+def whole_input(case: AttentionCase, i: int) -> torch.Tensor:
+    """Input ``i`` of the case (0-3: q, k, v, dO), whole, on the host, in the case's dtype: the same tensor
+    for the one-device run, every rank's shard and the float64 reference."""
+    shape = (case.B, case.H, case.N, case.D)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(getattr(torch, case.dtype))
+
+
 def run_attention(case: AttentionCase, device: torch.device, precision: str, repeats: int,
                   one_device: bool = True) -> dict:
     """One case on all ranks, and first (``one_device``) on rank 0 alone."""
     rank = dist.get_rank()
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    shape = (case.B, case.H, case.N, case.D)
-    dtype = getattr(torch, case.dtype)
-
-    def full(seed_offset: int) -> torch.Tensor:
-        gen.manual_seed(seed_offset)
-        return torch.randn(shape, generator=gen).to(device, dtype)
 
     row: dict = {"case": case.name, "tokens": case.N, "dtype": case.dtype,
                  "one_device": "measured" if one_device else None}  # fmt: skip
     # One device: rank 0 alone.
     out_1 = None
     if rank == 0 and one_device:
-        q, k, v, do = (full(i) for i in range(4))
+        q, k, v, do = (whole_input(case, i).to(device) for i in range(4))
         reset_peak(device)
 
         def fwd1():
@@ -170,14 +170,8 @@ def run_attention(case: AttentionCase, device: torch.device, precision: str, rep
         del q, k, v, do
     dist.barrier()
     # All ranks: this rank's shards only (generated whole on the host, sharded, then moved).
-    gen.manual_seed(0)
-    local = []
-    for i in range(4):
-        gen.manual_seed(i)
-        whole = torch.randn(shape, generator=gen)
-        local.append(shard_sequence(whole, None, layout=case.layout).to(device, dtype))
-        del whole
-    q, k, v, do = local
+    q, k, v, do = (shard_sequence(whole_input(case, i), None, layout=case.layout).to(device)
+                   for i in range(4))
     reset_peak(device)
 
     def fwd():
@@ -219,13 +213,11 @@ def _relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
 def reference_rows(case: AttentionCase, device: torch.device, count: int = REF_ROWS) -> tuple:
     """``(rows, out)``: ``count`` query rows of the case (a quarter of them at each end of the sequence, the
     rest spread over it) and their attention over every key in float64, from the same inputs
-    as ``run_attention`` (rounded to the case's dtype), one head at a time on ``device``."""
-    gen = torch.Generator(device="cpu")
-    shape = (case.B, case.H, case.N, case.D)
-    dtype = getattr(torch, case.dtype)
-    q, k, v = (torch.randn(shape, generator=gen.manual_seed(i)).to(dtype) for i in range(3))
+    as ``run_attention`` (``whole_input``), one head at a time on ``device``."""
+    q, k, v = (whole_input(case, i) for i in range(3))
     end = min(count // 4, case.N)
-    rows = torch.cat([torch.arange(end), torch.randint(0, case.N, (count - 2 * end,), generator=gen),
+    spread = torch.randint(0, case.N, (count - 2 * end,), generator=torch.Generator().manual_seed(4))
+    rows = torch.cat([torch.arange(end), spread,
                       torch.arange(case.N - end, case.N)]).unique()
     out = torch.empty(case.B, case.H, len(rows), case.D, dtype=torch.float64)
     for b in range(case.B):
