@@ -60,6 +60,7 @@ def test_scale_sweep_declares_the_issue_sizes():
     (["--scale", "--quick", "--providers", "flash"], "expected some of"),
     (["--scale", "--quick", "--parts", "heads"], "expected some of"),
     (["--scale", "--quick", "--dtypes", "fp16"], "expected some of"),
+    (["--scale", "--quick", "--frames", "1", "--reps", "0"], "--reps must be >= 1"),
 ])
 def test_frames_refusals(argv, message):
     with pytest.raises(SystemExit, match=message):
@@ -73,3 +74,18 @@ def test_scale_sweep_picks_parts_providers_and_dtypes(tmp_path):
     assert [(r["frames"], r["dtype"], r["part"], r["provider"]) for r in rows] == [
         ("3", "bf16", "model", "elsa"), ("3", "fp32", "model", "elsa")]
     assert summary["failed"] == [] and all(r["finite"] == "True" for r in rows)
+
+
+def test_scale_reps_sets_every_sizes_timed_runs(tmp_path, monkeypatch):
+    # --reps with --scale: that many timed runs after one warm-up at every size (the sweep's default is one
+    # cold run above 100 frames)
+    seen = []
+
+    def record(case, model, device):
+        seen.append(case.repeats)
+        return {"kind": "scale", "frames": case.frames}
+
+    monkeypatch.setattr(bench, "bench_scale", record)
+    bench.main(["--scale", "--quick", "--frames", "1,3", "--parts", "aggregator", "--providers", "elsa",
+                "--dtypes", "bf16", "--reps", "3", "--out", str(tmp_path)])
+    assert seen == [3, 3]
