@@ -64,7 +64,8 @@ def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, s
     key = fwd.tuning_key(q.dtype, D, Dv, causal, attn_bias is not None, q.device, precision)
     _, cc, smem = device_info(q.device)
     prec, bd, bdv = key[-1], key[1], key[2]
-    default = fwd._default_config(q.dtype, prec, bd, bdv, Nq, cc, smem)
+    default = fwd._default_config(q.dtype, prec, bd, bdv, Nq, cc, smem, k.shape[2],
+                                  fwd.presplits(prec, k.shape[2]), attn_bias is not None)
     if interpreting(fwd._fwd_kernel) or q.device.type != "cuda":
         return default
     cands = candidates(q.dtype, prec, bd, bdv, smem)

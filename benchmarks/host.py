@@ -130,9 +130,17 @@ def breakdown_rows(dtype, calls):
     p = program.plan
     main = program.main[0]
 
+    parts = (out,) * 4
+    if program.split is not None:  # fp16x3: the keys and values split beforehand, a launch of its own
+        parts = tuple(torch.empty(size, dtype=dtype, device="cuda")
+                      for size, dtype in zip(program.parts_sizes, (torch.float16,) * 2 + (torch.int32,) * 2))
+
     def jit_launch():
-        kfwd._fwd_kernel[main.grid](q, k, v, out, out, out, lse, lse, lse, lse, out, out, *main.scalars,
-                                    **main.options)
+        if program.split is not None:
+            split = program.split
+            kfwd._split_kv_kernel[split.grid](k, v, out, *parts, *split.scalars, **split.options)
+        kfwd._fwd_kernel[main.grid](q, k, v, out, out, out, lse, lse, lse, lse, out, out, *parts,
+                                    *main.scalars, **main.options)
 
     def nograd(fn):
         def call():

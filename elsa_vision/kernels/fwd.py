@@ -6,6 +6,10 @@ one *partition* of the keys; it folds the partition's key tiles of ``BLOCK_N`` k
 (``_merge_kernel``): the partition states of a row are combined by a pairwise log-depth tree of
 ``monoid.merge_states`` and normalised to ``W / S``.
 
+At ``"fp16x3"`` (FP32-accurate from float16 tensor cores) a pre-pass (``_split_kv_kernel``) splits the keys
+and values into float16 parts once, so that the key loop of every query tile only loads parts and issues
+tensor-core products (the varlen layout and the exact pass split in the loop).
+
 When the query tiles alone fill the GPU the planner picks one partition and the level-one kernel finalises
 in its epilogue (the fused path: no workspace round trip). Otherwise the keys are cut into partitions so
 that ``query tiles x partitions`` fills the machine; the workspace holds ``partitions x B x H x Nq`` states.
@@ -27,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dots import matmul, matmul_f16x3, pow2, split_f16
+from .dots import f16_pair, matmul, matmul_f16x3, pow2, scale_exponent, split_f16, store_split
 from .host import FLOAT_DTYPES, LOG2E, canonical_device, cdiv, device_info, next_pow2, tile_size
 from .launch import AttentionProgram, Launch, ProgramCache, install_config
 from .monoid import (
@@ -39,6 +43,7 @@ from .monoid import (
     finalize_state,
     finite_part,
     fold_keys,
+    fold_parts,
     identity_state,
     merge_row_states,
     merge_states,
@@ -59,14 +64,144 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _load_tile(
+    q, q_lo, q_c, cols, row64, offs_n, offs_d, offs_dv, k_ptr, v_ptr, keep,
+    stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, HAS_KPM: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """``(scores, v)`` of the key tile at ``cols`` (``_attend``): the base-2 logits before bias and masks
+    and the value tile (hidden keys' rows zeroed), from the keys and values as given."""
+    kt_ptrs = k_ptr + row64 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    v_ptrs = v_ptr + row64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if MASKED:
+        kt = tl.load(kt_ptrs, mask=(offs_d[:, None] < D) & (cols[None, :] < seqlen_k), other=0.0)
+        v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < DV), other=0.0)
+    else:
+        if D == BLOCK_D:
+            kt = tl.load(kt_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
+        if DV == BLOCK_DV:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+    if HAS_KPM:
+        v = tl.where(keep[:, None], v, 0.0)
+        if PRECISION == "fp16x3":
+            kt = tl.where(keep[None, :], kt, 0.0)  # a hidden key must not set the tile's scale
+    if PRECISION == "fp16x3":
+        if EXACT:
+            k_bad = tl.max(tl.where(tl.abs(kt) < float("inf"), 0, 1), 0) != 0  # [BLOCK_N]
+            kt = finite_part(kt)
+        kt_hi, kt_lo, k_c = split_f16(kt)
+        qk = matmul_f16x3(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+        # q carries qk_scale (see the caller). Clamping the exponent only touches scores below ~1e-27
+        # (their exp2 is 1 either way) or beyond float32 range (products of inputs past 2^154).
+        scores = qk * pow2(-tl.minimum(tl.maximum(q_c + k_c, -126), 127))
+        if EXACT:
+            scores = tl.where(k_bad[None, :], float("nan"), scores)
+    else:
+        qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+        scores = qk * qk_scale
+    return scores, v
+
+
+@triton.jit
+def _load_parts(
+    q, q_lo, q_c, cols, offs_d, offs_dv, kp_ptr, vp_ptr, ke_ptr, ve_ptr, kp_lo, vp_lo, tile, seqlen_k,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    """``(scores, v_hi, v_lo, v_scale)`` of key tile number ``tile`` (keys ``cols``) from
+    ``_split_kv_kernel``'s parts (``_attend``'s ``PRESPLIT``): the base-2 logits before bias and masks, and
+    the value tile's float16 parts with the power of two of each column (``v = (v_hi + v_lo) * v_scale``)."""
+    kt_ptrs = kp_ptr + cols.to(tl.int64)[None, :] * D + offs_d[:, None]
+    v_ptrs = vp_ptr + cols.to(tl.int64)[:, None] * DV + offs_dv[None, :]
+    d_ok = offs_d[:, None] < D
+    dv_ok = offs_dv < DV
+    if MASKED:
+        col_ok = cols < seqlen_k
+        kt_hi = tl.load(kt_ptrs, mask=d_ok & col_ok[None, :], other=0.0)
+        kt_lo = tl.load(kt_ptrs + kp_lo, mask=d_ok & col_ok[None, :], other=0.0)
+        k_c = tl.load(ke_ptr + cols, mask=col_ok, other=0)
+        v_hi = tl.load(v_ptrs, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+        v_lo = tl.load(v_ptrs + vp_lo, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+    else:
+        kt_hi = tl.load(kt_ptrs, mask=d_ok, other=0.0)
+        kt_lo = tl.load(kt_ptrs + kp_lo, mask=d_ok, other=0.0)
+        k_c = tl.load(ke_ptr + cols)
+        v_hi = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+        v_lo = tl.load(v_ptrs + vp_lo, mask=dv_ok[None, :], other=0.0)
+    v_c = tl.load(ve_ptr + tile * DV + offs_dv, mask=dv_ok, other=0)
+    qk = matmul_f16x3(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+    # q carries qk_scale; each key row its own power of two (see _load_tile on the clamp)
+    scores = qk * pow2(-tl.minimum(tl.maximum(q_c + k_c, -126), 127))[None, :]
+    return scores, v_hi, v_lo, pow2(-v_c)[None, :]
+
+
+@triton.jit
+def _split_kv_kernel(
+    K, V, Kpm, KP, VP, KE, VE,
+    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_kpb, stride_kpn, H, Nk, key_tiles, kp_lo, vp_lo,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+):
+    """The ``"fp16x3"`` forward's keys and values as float16 parts, split once instead of in every query
+    tile's loop. Grid ``(key_tiles * B * H,)``, one tile of ``BLOCK_N`` keys of one (batch, head) each.
+
+    Keys: ``KP [2, BH, Nk, D]`` (high parts, then low) with one power of two per key row, its exponent in
+    ``KE [BH, Nk]`` (``dots.store_split``): the logits' columns are scaled apart, so a key row's magnitude
+    or a non-finite entry touches its own logits only. Values: ``VP [2, BH, Nk, DV]`` with one power of two
+    per key tile and value column (the product's reduction runs over the keys, so the scale must be
+    shared along them), exponents ``VE [BH, key_tiles, DV]``. ``kp_lo``/``vp_lo``: the elements of one
+    part (``BH * Nk * D`` / ``BH * Nk * DV``). A column of a tile that holds a NaN or an
+    infinity is stored as NaN: the fast pass's state turns NaN and its program redoes the keys exactly.
+    Keys hidden by ``key_padding_mask`` are split as zeros (keys and values), as the loop's own split does:
+    what they hold never reaches a scale or the state.
+    """
+    pid = tl.program_id(0)
+    tile = pid % key_tiles
+    bh = pid // key_tiles
+    off_b = bh // H
+    off_h = bh % H
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Nk
+    if HAS_KPM:
+        row_ok = row_ok & (tl.load(Kpm + off_b.to(tl.int64) * stride_kpb + rows * stride_kpn, mask=row_ok,
+                                   other=0) != 0)
+    rows64 = rows.to(tl.int64)
+    k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
+                + rows64[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    head_rows = bh.to(tl.int64) * Nk
+    store_split(KP + head_rows * D, KE + head_rows, k, rows, offs_d, Nk, D, kp_lo, 1, 0)
+    v_ok = (rows < Nk)[:, None] & (offs_dv[None, :] < DV)
+    v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
+                + rows64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=row_ok[:, None] & v_ok, other=0.0)
+    bad = tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), 0) != 0  # [BLOCK_DV]: a NaN or an infinity
+    c = scale_exponent(tl.max(tl.abs(v), 0))
+    hi, lo = f16_pair(tl.where(bad[None, :], float("nan"), v * pow2(c)[None, :]))
+    out = (head_rows + rows64)[:, None] * DV + offs_dv[None, :]
+    tl.store(VP + out, hi, mask=v_ok)
+    tl.store(VP + vp_lo + out, lo, mask=v_ok)
+    tl.store(VE + (bh.to(tl.int64) * key_tiles + tile) * DV + offs_dv, c, mask=offs_dv < DV)
+
+
+@triton.jit
 def _attend(
     m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv,
-    k_ptr, v_ptr, bias_ptr, kpm_ptr,
+    k_ptr, v_ptr, bias_ptr, kpm_ptr, kp_ptr, vp_ptr, ke_ptr, ve_ptr, kp_lo, vp_lo,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
     lo, hi, seqlen_k, causal_shift, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, ACCUMULATE: tl.constexpr, EXACT: tl.constexpr,
+    PRESPLIT: tl.constexpr,
 ):
     """Fold the key tiles ``[lo, hi)`` into the state (``s_c``/``acc_c``: the Kahan compensations under
     ``ACCUMULATE == "kahan"``, see ``monoid.fold_tile``). ``MASKED`` adds the bounds and causal masks.
@@ -84,43 +219,29 @@ def _attend(
     ``EXACT``, ``code`` is returned untouched; under ``"fp16x3"`` the masks are then added (``-inf``), not
     selected, so that a hidden key's NaN logit (a non-finite key row, which also spoils the tile's scale)
     reaches the state and the check that sends the program to its exact pass.
+
+    ``PRESPLIT`` (``"fp16x3"``, not ``EXACT``): the keys and values come as ``_split_kv_kernel``'s float16
+    parts (``kp_ptr``/``vp_ptr`` at this head's row 0, the low parts ``kp_lo``/``vp_lo`` elements after the
+    high ones; ``ke_ptr`` one exponent per key row, ``ve_ptr`` one per key tile and value column): no split
+    in the loop. A non-finite key row gives its own keys NaN logits; a non-finite value entry makes its
+    tile's column NaN, which sends the program to its exact pass (which reads ``k_ptr``/``v_ptr``).
     """
+    USE_PARTS: tl.constexpr = PRESPLIT and not EXACT
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if EXACT else None):  # the exact pass: no buffers
         cols = start_n + offs_n
         row64 = tl.cast(start_n, tl.int64)
-        kt_ptrs = k_ptr + row64 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        v_ptrs = v_ptr + row64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=(offs_d[:, None] < D) & (cols[None, :] < seqlen_k), other=0.0)
-            v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < DV), other=0.0)
-        else:
-            if D == BLOCK_D:
-                kt = tl.load(kt_ptrs)
-            else:
-                kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
-            if DV == BLOCK_DV:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        keep = cols >= 0
         if HAS_KPM:
             keep = tl.load(kpm_ptr + cols * stride_kpn, mask=cols < seqlen_k, other=0) != 0
-            v = tl.where(keep[:, None], v, 0.0)
-            if PRECISION == "fp16x3":
-                kt = tl.where(keep[None, :], kt, 0.0)  # a hidden key must not set the tile's scale
-        if PRECISION == "fp16x3":
-            if EXACT:
-                k_bad = tl.max(tl.where(tl.abs(kt) < float("inf"), 0, 1), 0) != 0  # [BLOCK_N]
-                kt = finite_part(kt)
-            kt_hi, kt_lo, k_c = split_f16(kt)
-            qk = matmul_f16x3(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
-            # q carries qk_scale (see the caller). Clamping the exponent only touches scores below ~1e-27
-            # (their exp2 is 1 either way) or beyond float32 range (products of inputs past 2^154).
-            scores = qk * pow2(-tl.minimum(tl.maximum(q_c + k_c, -126), 127))
-            if EXACT:
-                scores = tl.where(k_bad[None, :], float("nan"), scores)
+        if USE_PARTS:
+            scores, v_hi, v_lo, v_scale = _load_parts(
+                q, q_lo, q_c, cols, offs_d, offs_dv, kp_ptr, vp_ptr, ke_ptr, ve_ptr, kp_lo, vp_lo,
+                start_n // BLOCK_N, seqlen_k, D, DV, BLOCK_M, BLOCK_N, MASKED)
         else:
-            qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
-            scores = qk * qk_scale
+            scores, v = _load_tile(
+                q, q_lo, q_c, cols, row64, offs_n, offs_d, offs_dv, k_ptr, v_ptr, keep, stride_kn, stride_kd,
+                stride_vn, stride_vd, seqlen_k, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                PRECISION, MASKED, HAS_KPM, EXACT)
         if HAS_BIAS:
             if MASKED:
                 b = tl.load(bias_ptr + cols[None, :] * stride_bn,
@@ -143,14 +264,17 @@ def _attend(
                 scores = tl.where(valid, scores, float("-inf"))
         if HAS_KPM:
             scores = tl.where(keep[None, :], scores, float("-inf"))
-        m_i, s_i, s_c, acc, acc_c, code = fold_keys(m_i, s_i, s_c, acc, acc_c, code, scores, v, PRECISION,
-                                                    ACCUMULATE, EXACT)
+        if USE_PARTS:
+            m_i, s_i, acc = fold_parts(m_i, s_i, acc, scores, v_hi, v_lo, v_scale)
+        else:
+            m_i, s_i, s_c, acc, acc_c, code = fold_keys(m_i, s_i, s_c, acc, acc_c, code, scores, v, PRECISION,
+                                                        ACCUMULATE, EXACT)
     return m_i, s_i, s_c, acc, acc_c, code
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Bias, Kpm, Out, Lse, WsM, WsS, WsW, CuQ, CuK,
+    Q, K, V, Bias, Kpm, Out, Lse, WsM, WsS, WsW, CuQ, CuK, KP, VP, KE, VE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -158,11 +282,11 @@ def _fwd_kernel(
     stride_kpb, stride_kpn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
-    H, Nq, Nk, BH, m_tiles, tiles_per_split, qk_scale,
+    H, Nq, Nk, BH, m_tiles, tiles_per_split, qk_scale, parts_k, parts_v,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
-    ACCUMULATE: tl.constexpr, SEGMENT: tl.constexpr, STORE_LSE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, SEGMENT: tl.constexpr, STORE_LSE: tl.constexpr, PRESPLIT: tl.constexpr,
 ):
     """Level one. Grid ``(m_tiles * B * H, partitions)`` with ``m_tiles = cdiv(Nq, BLOCK_M)`` (query tiles of
     one head adjacent, so that they share its keys in L2; one flat axis: no 65535 limit on ``B * H``).
@@ -173,6 +297,10 @@ def _fwd_kernel(
 
     ``SEGMENT`` > 0 (a multiple of ``BLOCK_N``; ``monoid.SEGMENT_KEYS``): the unmasked key tiles fold in
     segments of ``SEGMENT`` keys, each into a fresh state merged into the running one (a two-level sum).
+
+    ``PRESPLIT`` (``"fp16x3"``, not varlen): ``KP``/``VP``/``KE``/``VE`` hold the keys and values as
+    ``_split_kv_kernel`` split them (same ``BLOCK_N``; ``parts_k``/``parts_v`` elements per part); the fast
+    pass reads those, the exact pass ``K``/``V``.
     """
     pid = tl.program_id(0)
     pid_m = pid % m_tiles
@@ -246,6 +374,16 @@ def _fwd_kernel(
     if HAS_KPM:
         kpm_ptr = Kpm + off_b.to(tl.int64) * stride_kpb
 
+    kp_ptr, vp_ptr, ke_ptr, ve_ptr = KP, VP, KE, VE
+    kp_lo = parts_k
+    vp_lo = parts_v
+    if PRESPLIT:
+        head_rows = pid_bh.to(tl.int64) * Nk
+        kp_ptr = KP + head_rows * D
+        vp_ptr = VP + head_rows * DV
+        ke_ptr = KE + head_rows
+        ve_ptr = VE + pid_bh.to(tl.int64) * tl.cdiv(Nk, BLOCK_N) * DV
+
     m_i, s_i, s_c, acc, acc_c = identity_state(BLOCK_M, BLOCK_DV)
     code = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fold_keys: only an exact pass writes it
     if SEGMENT > 0:
@@ -253,26 +391,29 @@ def _fwd_kernel(
             m_b, s_b, s_cb, acc_b, acc_cb = identity_state(BLOCK_M, BLOCK_DV)
             m_b, s_b, s_cb, acc_b, acc_cb, code = _attend(
                 m_b, s_b, s_cb, acc_b, acc_cb, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv,
-                K + k_off, V + v_off, bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-                stride_bn, stride_kpn, seg, tl.minimum(seg + SEGMENT, mid), seqlen_k, causal_shift, qk_scale,
+                K + k_off, V + v_off, bias_ptr, kpm_ptr, kp_ptr, vp_ptr, ke_ptr, ve_ptr, kp_lo, vp_lo,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+                seg, tl.minimum(seg + SEGMENT, mid), seqlen_k, causal_shift, qk_scale,
                 D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
-                ACCUMULATE, False,
+                ACCUMULATE, False, PRESPLIT,
             )
             m_i, s_i, acc = merge_row_states(m_i, s_i, acc, m_b, s_b, acc_b)
     else:
         m_i, s_i, s_c, acc, acc_c, code = _attend(
             m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off,
-            V + v_off, bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+            V + v_off, bias_ptr, kpm_ptr, kp_ptr, vp_ptr, ke_ptr, ve_ptr, kp_lo, vp_lo,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
             lo, mid, seqlen_k, causal_shift, qk_scale,
             D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
-            ACCUMULATE, False,
+            ACCUMULATE, False, PRESPLIT,
         )
     m_i, s_i, s_c, acc, acc_c, code = _attend(
         m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
-        bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+        bias_ptr, kpm_ptr, kp_ptr, vp_ptr, ke_ptr, ve_ptr, kp_lo, vp_lo,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         mid, hi, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
-        False,
+        False, PRESPLIT,
     )
     s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
     if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
@@ -284,10 +425,11 @@ def _fwd_kernel(
         m_i, s_i, s_c, acc, acc_c, code = _attend(
             m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m,
             tl.arange(0, EXACT_N), offs_d, offs_dv, K + k_off, V + v_off,
-            bias_ptr, kpm_ptr, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
+            bias_ptr, kpm_ptr, kp_ptr, vp_ptr, ke_ptr, ve_ptr, kp_lo, vp_lo,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
             lo, hi, seqlen_k, causal_shift, qk_scale,
             D, DV, BLOCK_M, EXACT_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM,
-            ACCUMULATE, True,
+            ACCUMULATE, True, PRESPLIT,
         )
         s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
         acc = acc + nonfinite_values(code)
@@ -379,7 +521,13 @@ class FwdPlan:
     block_dv: int
     precision: str
     workspace_bytes: int
+    presplit: bool = False
 
+
+# The ``"fp16x3"`` forward splits the keys and values into float16 parts once (``_split_kv_kernel``) when a
+# head has at least this many keys, instead of every query tile splitting every key tile in its loop
+# (docs/kernel_notes.md, "Keys and values split once").
+PRESPLIT_MIN_KEYS = 0
 
 # Configs installed by ``set_config``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> tiles.
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
@@ -396,8 +544,10 @@ def _fp16x3_safe(bn: int, bdv: int) -> bool:
     return bdv >= 64 or bn <= 32
 
 
-def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) without tuning."""
+def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None, presplit=False,
+                    has_bias=False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) without tuning (``presplit``: the ``"fp16x3"`` loop over
+    keys and values split beforehand)."""
     if cc == (0, 0):  # interpreter: big tiles mean few (slow) interpreted steps
         bm = min(64, tile_size(nq))
         return bm, 32 if max(bd, bdv) > 128 else 64, 4, 1
@@ -406,8 +556,14 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[i
     if dtype == torch.float32:
         if precision == "ieee":
             cfg = (64, 64, 4, 1) if big <= 64 else (32, 32, 4, 2)
+        elif precision == "fp16x3" and presplit:  # head dims <= 128 (tuning_key)
+            if big <= 64:
+                # a bias tile of 128 keys per stage exceeds the shared memory (Triton 3.6: 283,648 bytes)
+                cfg = (64, 64, 4, 3) if nq <= 1024 else (128, 64 if has_bias else 128, 8, 3)
+            else:
+                cfg = (128, 64, 8, 2)
         elif precision == "fp16x3":
-            cfg = (128, 64, 4, 3) if big <= 64 else (128, 64, 8, 3)  # head dims <= 128 (tuning_key)
+            cfg = (128, 64, 4, 3) if big <= 64 else (128, 64, 8, 3)
         elif big <= 64:
             cfg = (128, 64, 8, 3)
         elif big <= 128:
@@ -437,6 +593,12 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None) -> tuple[i
     while bm > 16 and _smem_bytes(bm, bn, bd, bdv, st, elem) > smem:
         bm //= 2
     return bm, bn, w, st
+
+
+def presplits(precision: str, nk: int) -> bool:
+    """Whether the forward at ``precision`` over ``nk`` keys splits its keys and values beforehand
+    (``_split_kv_kernel``; ``PRESPLIT_MIN_KEYS``)."""
+    return precision == "fp16x3" and nk >= PRESPLIT_MIN_KEYS
 
 
 def plan(*args, **kwargs) -> FwdPlan:
@@ -479,7 +641,9 @@ def _plan(
         sms = int(sm_count)
     key = tuning_key(dtype, D, Dv, causal, has_bias, device, precision)
     bd, bdv, prec = key[1], key[2], key[-1]
-    bm, bn, warps, stages = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem, Nk)
+    presplit = presplits(prec, Nk)
+    tiles = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem, Nk, presplit, has_bias)
+    bm, bn, warps, stages = tiles
     bh = max(1, B * H)
     # Short sequences: halve the query tile before splitting the keys (less padding, more programs).
     while bm > 64 and cdiv(max(Nq, 1), bm) * bh < sms and cc != (0, 0):
@@ -504,6 +668,7 @@ def _plan(
         block_dv=bdv,
         precision=prec,
         workspace_bytes=workspace,
+        presplit=presplit,
     )
 
 
@@ -624,13 +789,23 @@ class _FwdProgram(AttentionProgram):
         skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
         m_tiles = cdiv(grid_m, p.block_m)
         tps = cdiv(max(1, cdiv(Nk, p.block_n)), p.partitions)
+        presplit = p.presplit and varlen is None
+        parts_k, parts_v = (bh * Nk * D, bh * Nk * Dv) if presplit else (0, 0)
         scalars = (*strides[0], *strides[1], *strides[2], *sb, *skp, *strides[3], *lse_strides,
-                   H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E)
+                   H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E, parts_k, parts_v)
         main = dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
                     PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm,
                     IS_VARLEN=varlen is not None, SPLIT=p.partitions > 1,
                     ACCUMULATE=ACCUMULATION.get(p.precision, "plain"),
-                    SEGMENT=segment_keys(p.precision, p.block_n, Nk))
+                    SEGMENT=segment_keys(p.precision, p.block_n, Nk), PRESPLIT=presplit)
+        self.split = None
+        if main["PRESPLIT"]:
+            key_tiles = cdiv(Nk, p.block_n)
+            self.parts_sizes = ((2, bh, Nk, D), (2, bh, Nk, Dv), (bh, Nk), (bh, key_tiles, Dv))
+            self.split = Launch(_split_kv_kernel, (key_tiles * bh,),
+                                (*strides[1], *strides[2], *skp, H, Nk, key_tiles, parts_k, parts_v),
+                                dict(D=D, DV=Dv, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+                                     HAS_KPM=has_kpm), 4)
         # [with lse, without]: inference calls need no log-sum-exp (one allocation and store fewer)
         self.main = [Launch(_fwd_kernel, (m_tiles * bh, p.partitions), scalars, dict(main, STORE_LSE=store),
                             p.num_warps, p.num_stages) for store in (True, False)]
@@ -660,13 +835,21 @@ class _FwdProgram(AttentionProgram):
             cu_q = cu_k = out
         which = 0 if need_lse else 1
         lse_arg = lse if need_lse else out  # not written without need_lse
+        parts = (out, out, out, out)
+        if self.split is not None:
+            sk, sv, ek, ev = self.parts_sizes
+            parts = (torch.empty(sk, dtype=torch.float16, device=self.device),
+                     torch.empty(sv, dtype=torch.float16, device=self.device),
+                     torch.empty(ek, dtype=torch.int32, device=self.device),
+                     torch.empty(ev, dtype=torch.int32, device=self.device))
+            self.split(k, v, kpm, *parts)
         if self.merge is None:
-            self.main[which](q, k, v, bias, kpm, out, lse_arg, out, out, out, cu_q, cu_k)
+            self.main[which](q, k, v, bias, kpm, out, lse_arg, out, out, out, cu_q, cu_k, *parts)
         else:
             ws_m = torch.empty(self.ws_sizes[0], dtype=torch.float32, device=self.device)
             ws_s = torch.empty(self.ws_sizes[0], dtype=torch.float32, device=self.device)
             ws_w = torch.empty(self.ws_sizes[1], dtype=torch.float32, device=self.device)
-            self.main[which](q, k, v, bias, kpm, out, lse_arg, ws_m, ws_s, ws_w, cu_q, cu_k)
+            self.main[which](q, k, v, bias, kpm, out, lse_arg, ws_m, ws_s, ws_w, cu_q, cu_k, *parts)
             self.merge[which](ws_m, ws_s, ws_w, out, lse_arg)
         return out, lse
 

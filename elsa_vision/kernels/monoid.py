@@ -34,7 +34,7 @@ __all__ = [
     "ACCUMULATION", "safe_shift", "merge_states", "fold_tile", "kahan_add", "finalize_state", "clamp_bias",
     "add_bias", "finite_part", "count_nonfinite", "fold_nonfinite", "nonfinite_values",
     "identity_state", "settle_sums", "fold_keys", "merge_outputs_", "merge_row_states", "SEGMENT_KEYS",
-    "store_lse",
+    "store_lse", "tile_weights", "weighted_parts", "fold_parts",
 ]
 
 # How each float32 precision's running sums over the key tiles accumulate (``fold_tile``'s ``ACCUMULATE``, a
@@ -183,6 +183,36 @@ def kahan_add(total, comp, x):
 
 
 @triton.jit
+def tile_weights(m, scores):
+    """``(m_new, alpha, p)`` of folding a score tile ``[BLOCK_M, BLOCK_N]`` (base 2) into running maxima
+    ``m``: the new maxima, the factor ``exp2(m - m_new)`` of the running sums and the tile's weights
+    ``exp2(scores - m_new)`` (0 for ``-inf`` scores, never NaN: ``safe_shift``)."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    shift = safe_shift(m_new)
+    return m_new, tl.math.exp2(m - shift), tl.math.exp2(scores - shift[:, None])
+
+
+@triton.jit
+def weighted_parts(p, v_hi, v_lo, v_scale, w):
+    """``p @ v`` (fresh, shaped like ``w``) for weights ``p`` in ``[0, 1]`` and values given as float16
+    parts with ``v = (v_hi + v_lo) * v_scale`` (``v_scale``: a power of two, a scalar or ``[1, BLOCK_DV]``):
+    three float16 tensor-core products. The weights are split scaled by 2^14 (exact; the largest becomes
+    2^14) so that their float16 parts keep 22 bits down to small weights."""
+    p_hi, p_lo = f16_pair(p * 16384.0)
+    return matmul_f16x3(p_hi, p_lo, v_hi, v_lo, tl.zeros_like(w)) * (1.0 / 16384.0) * v_scale
+
+
+@triton.jit
+def fold_parts(m, s, w, scores, v_hi, v_lo, v_scale):
+    """``fold_tile`` at ``"fp16x3"`` (plain sums) for values split beforehand: ``v = (v_hi + v_lo) *
+    v_scale`` (see ``weighted_parts``). Returns ``(m, S, W)``."""
+    m_new, alpha, p = tile_weights(m, scores)
+    s = s * alpha + tl.sum(p, 1)
+    w = w * alpha[:, None] + weighted_parts(p, v_hi, v_lo, v_scale, w)
+    return m_new, s, w
+
+
+@triton.jit
 def fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
     """Fold one score tile into the running state: ``(m, S, W) (+) state(scores, v)``.
 
@@ -202,16 +232,10 @@ def fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION: tl.constexpr, ACCUMULATE:
             any number of tiles (the error of plain float32 running sums grows with the tile count, and W's
             terms cancel: random values give a relative error ~ sqrt(tiles) times one rounding).
     """
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    shift = safe_shift(m_new)
-    alpha = tl.math.exp2(m - shift)
-    p = tl.math.exp2(scores - shift[:, None])
+    m_new, alpha, p = tile_weights(m, scores)
     if PRECISION == "fp16x3":
-        # The weights are split scaled by 2^14 (exact; the largest becomes 2^14) so that their float16 parts
-        # keep 22 bits down to small weights; the product is scaled back with V's own scale.
-        p_hi, p_lo = f16_pair(p * 16384.0)
         v_hi, v_lo, cv = split_f16(v)
-        pv = matmul_f16x3(p_hi, p_lo, v_hi, v_lo, tl.zeros_like(w)) * (1.0 / 16384.0) * pow2(-cv)
+        pv = weighted_parts(p, v_hi, v_lo, pow2(-cv), w)
     elif ACCUMULATE != "plain" or PRECISION == "ieee":
         pv = matmul(p, v, tl.zeros_like(w), PRECISION)
     else:

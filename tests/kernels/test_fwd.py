@@ -355,6 +355,51 @@ def test_fp16x3_nonfinite_query_row_keeps_the_scale():
     assert relerr(out[..., rows, :], ref64(q, k, v)[..., rows, :]) <= FP32_ACCURATE
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp16x3_keys_and_values_split_once_or_in_the_loop(monkeypatch, causal):
+    # The same forward with the keys and values split by the pre-pass (the default) and in the loop:
+    # both within FP32 accuracy of float64, with a bias, a padding mask and key partitions.
+    from elsa_vision.kernels import fwd
+
+    q, k, v = qkv(2, 2, 70, 150, 40, seed=71)
+    bias = randn(2, 1, 70, 150, seed=72)
+    kpm = (torch.rand(2, 150, generator=gen(9)) > 0.3).to(DEVICE)
+    ref = ref64(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=causal)
+    outs = []
+    for min_keys in (0, 1 << 40):
+        monkeypatch.setattr(fwd, "PRESPLIT_MIN_KEYS", min_keys)
+        fwd._plan_cached.cache_clear()
+        fwd._PROGRAMS.clear()
+        assert fwd.plan(2, 2, 70, 150, 40, 40, torch.float32, causal, device=q.device, precision="fp16x3",
+                        has_bias=True).presplit == (min_keys == 0)
+        for partitions in (1, 3):
+            out, _ = elsa_fwd(q, k, v, attn_bias=bias, key_padding_mask=kpm, causal=causal,
+                              partitions=partitions, precision="fp16x3")
+            assert relerr(out, ref) <= FP32_ACCURATE, (min_keys, partitions)
+            outs.append(out)
+    fwd._plan_cached.cache_clear()
+    fwd._PROGRAMS.clear()
+    assert relerr(outs[0], outs[2]) <= FP32_ACCURATE
+
+
+def test_fp16x3_split_values_keep_each_key_tiles_own_scale():
+    # The pre-split values carry one power of two per key tile and value column: keys 0-63 hold values
+    # near 1e6 and the rest near 1e-6. A row that cannot see the large keys (padding mask of batch 0,
+    # causality) must keep FP32 accuracy on its small values, which one scale per column over the whole
+    # sequence would flush (2^-25 of 1e6 is about 3e-2). Keys get one scale per row: their rows spread
+    # over 1e-4 .. 1e4.
+    q, k, v = qkv(2, 1, 96, 200, 64, seed=73)
+    v[:, :, :64] *= 1e6
+    v[:, :, 64:] *= 1e-6
+    k = k * 10 ** (torch.rand(2, 1, 200, 1, generator=gen(10)) * 8 - 4).to(DEVICE)
+    kpm = torch.ones(2, 200, dtype=torch.bool, device=DEVICE)
+    kpm[0, :64] = False
+    out, _ = elsa_fwd(q, k, v, key_padding_mask=kpm, precision="fp16x3")
+    ref = ref64(q, k, v, key_padding_mask=kpm)
+    assert relerr(out[0], ref[0]) <= FP32_ACCURATE
+    assert relerr(out[1], ref[1]) <= FP32_ACCURATE
+
+
 @pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
 @pytest.mark.parametrize("mult", [30.0, 100.0])
 def test_large_magnitude_inputs(mult, precision):
@@ -506,7 +551,8 @@ def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
 
     monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
     p = fwd._plan(1, 8, 16384, 16384, 64, 64, torch.float32)
-    assert p.precision == "fp16x3" and (p.block_m, p.block_n, p.num_warps, p.num_stages) == (128, 64, 4, 3)
+    assert p.precision == "fp16x3" and p.presplit
+    assert (p.block_m, p.block_n, p.num_warps, p.num_stages) == (128, 128, 8, 3)
     assert fwd._plan(1, 8, 4096, 4096, 128, 128, torch.float32).precision == "fp16x3"
     assert fwd._plan(1, 8, 4096, 4096, 256, 256, torch.float32).precision == "tf32x3"  # > 128: unmeasured
     assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32, precision="tf32x3").precision == "tf32x3"
@@ -647,11 +693,12 @@ from elsa_vision.kernels import fwd
 names = fwd._fwd_kernel.arg_names
 consts = dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRECISION="@PRECISION@",
               CAUSAL=True, HAS_BIAS=True, HAS_KPM=True, IS_VARLEN=False, SPLIT=False, ACCUMULATE="plain",
-              STORE_LSE=True,
+              STORE_LSE=True, SEGMENT=0, PRESPLIT=@PRESPLIT@,
               stride_qd=1, stride_kd=1, stride_vd=1)
 sig = {n: "i32" for n in names}
 sig.update({n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "Lse", "WsM", "WsS", "WsW")})
-sig.update({"Kpm": "*u8", "CuQ": "*i32", "CuK": "*i32", "qk_scale": "fp32"})
+sig.update({"Kpm": "*u8", "CuQ": "*i32", "CuK": "*i32", "qk_scale": "fp32", "KP": "*fp16", "VP": "*fp16",
+            "KE": "*i32", "VE": "*i32"})
 sig.update({n: "constexpr" for n in consts})
 k = triton.compile(ASTSource(fn=fwd._fwd_kernel, signature=sig, constexprs=consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
@@ -661,9 +708,12 @@ print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx
 """
 
 
-def test_fp16x3_compiles_for_sm90_without_a_gpu():
-    # "fp16x3" must reach the half-precision tensor cores: wgmma on float16 operands, no TF32 rounding.
-    report = compile_for_sm90(_SM90_COMPILE.replace("@PRECISION@", "fp16x3"))
+@pytest.mark.parametrize("presplit", [False, True])
+def test_fp16x3_compiles_for_sm90_without_a_gpu(presplit):
+    # "fp16x3" must reach the half-precision tensor cores: wgmma on float16 operands, no TF32 rounding, with
+    # the keys and values split in the loop or beforehand (PRESPLIT).
+    script = _SM90_COMPILE.replace("@PRECISION@", "fp16x3").replace("@PRESPLIT@", str(presplit))
+    report = compile_for_sm90(script)
     assert 0 < report["shared"] <= 232448 and report["wgmma_f16"] and not report["cvt_tf32"], report
 
 
