@@ -135,6 +135,11 @@ def breakdown_rows(dtype, calls):
         parts = tuple(torch.empty(size, dtype=dtype, device="cuda")
                       for size, dtype in zip(program.parts_sizes, (torch.float16,) * 2 + (torch.int32,) * 2))
 
+    def direct_launch():
+        if program.split is not None:
+            program.split(k, v, out, *parts)
+        main(q, k, v, out, out, out, lse, lse, lse, lse, out, out, *parts)
+
     def jit_launch():
         if program.split is not None:
             split = program.split
@@ -159,7 +164,7 @@ def breakdown_rows(dtype, calls):
                                                                   dtype=dtype, device=q.device),
                                               torch.empty(program.lse_size, dtype=torch.float32,
                                                           device=q.device))),
-        "triton_launch_direct": nograd(lambda: main(q, k, v, out, out, out, lse, lse, lse, lse, out, out)),
+        "triton_launch_direct": nograd(direct_launch),
         "triton_launch_jit": nograd(jit_launch),
         "fwd_op_body": nograd(lambda: ops.attention_fwd(q, k, v, None, None, False, scale, "auto")),
         "fwd_op_dispatch": nograd(lambda: ops._ATTENTION_FWD(q, k, v, None, None, False, scale, "auto")),

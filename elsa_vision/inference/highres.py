@@ -236,7 +236,8 @@ def estimate_memory_mb(
     torch backend holds about five ``H x rows x N`` float32
     tensors per call (logits, padded logits, their exponentials, block value states) with ``rows <= 1024``;
     the Triton backend only ``O(rows (D + 2) H)``, plus in float32 the keys and values split into float16
-    parts (as many bytes as the keys and values); SDPA's efficient kernel likewise. A context-parallel rank
+    parts (as many bytes as the keys and values; on Hopper, counted everywhere as an upper bound); SDPA's
+    efficient kernel likewise. A context-parallel rank
     holds the embedded tokens of the whole image and the gathered output (``2 N C``), the activations of
     its ``n = N / world`` tokens, the keys and values it sends and receives around the ring (``4 n C``), its
     queries' running states and the attention workspace of ``n`` queries against ``n`` keys.
@@ -260,7 +261,7 @@ def estimate_memory_mb(
         workspace = 5 * heads * min(rows, _TORCH_BACKEND_ROWS) * keys
     else:
         workspace = 2 * heads * rows * (C // heads + 2)
-        if act_bytes == 4:  # FP32 on tensor cores: the keys and values as float16 parts (kernels.fwd)
+        if act_bytes == 4:  # FP32 on Hopper: K and V as float16 parts (kernels.fwd); elsewhere a bound
             workspace += 2 * keys * C
     total = _param_bytes(model) + 2 * image_elems * 4 + (activations + workspace) * act_bytes
     return total / 2**20
