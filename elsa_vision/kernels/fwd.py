@@ -547,7 +547,7 @@ def _fp16x3_safe(bn: int, bdv: int) -> bool:
 def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None, presplit=False,
                     has_bias=False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) without tuning (``presplit``: the ``"fp16x3"`` loop over
-    keys and values split beforehand)."""
+    keys and values split beforehand; ``has_bias``: a bias tile is loaded with every key tile)."""
     if cc == (0, 0):  # interpreter: big tiles mean few (slow) interpreted steps
         bm = min(64, tile_size(nq))
         return bm, 32 if max(bd, bdv) > 128 else 64, 4, 1
@@ -622,8 +622,10 @@ def _plan(
     sm_count: int | None = None,
     precision: str = "auto",
     has_bias: bool = False,
+    varlen: bool = False,
 ) -> FwdPlan:
-    """Choose partitions, tiles, warps and stages for one forward call.
+    """Choose partitions, tiles, warps and stages for one forward call (``varlen``: the packed layout,
+    whose ``"fp16x3"`` loop splits its keys and values itself, with that loop's tiles).
 
     The fused path (``partitions == 1``) is taken unless the query tiles (``cdiv(Nq, BLOCK_M) * B * H``
     programs) fill less than half of the ``sm_count`` multiprocessors; then the keys are cut into partitions
@@ -641,7 +643,7 @@ def _plan(
         sms = int(sm_count)
     key = tuning_key(dtype, D, Dv, causal, has_bias, device, precision)
     bd, bdv, prec = key[1], key[2], key[-1]
-    presplit = presplits(prec, Nk)
+    presplit = presplits(prec, Nk) and not varlen
     tiles = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem, Nk, presplit, has_bias)
     bm, bn, warps, stages = tiles
     bh = max(1, B * H)
@@ -780,7 +782,7 @@ class _FwdProgram(AttentionProgram):
             return
         has_bias, has_kpm = bias is not None, kpm is not None
         p = _plan_cached(B, H, Nq, Nk, D, Dv, q.dtype, causal, device=canonical_device(q.device),
-                         precision=precision, has_bias=has_bias)
+                         precision=precision, has_bias=has_bias, varlen=varlen is not None)
         if partitions is not None:
             p = _force_plan(p, Nk, partitions, B * H * max(Nq, 1))
         self.plan = p
@@ -789,7 +791,7 @@ class _FwdProgram(AttentionProgram):
         skp = (kpm.stride(0) if kpm.shape[0] > 1 else 0, kpm.stride(1)) if has_kpm else (0, 0)
         m_tiles = cdiv(grid_m, p.block_m)
         tps = cdiv(max(1, cdiv(Nk, p.block_n)), p.partitions)
-        presplit = p.presplit and varlen is None
+        presplit = p.presplit
         parts_k, parts_v = (bh * Nk * D, bh * Nk * Dv) if presplit else (0, 0)
         scalars = (*strides[0], *strides[1], *strides[2], *sb, *skp, *strides[3], *lse_strides,
                    H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E, parts_k, parts_v)

@@ -553,6 +553,10 @@ def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
     p = fwd._plan(1, 8, 16384, 16384, 64, 64, torch.float32)
     assert p.precision == "fp16x3" and p.presplit
     assert (p.block_m, p.block_n, p.num_warps, p.num_stages) == (128, 128, 8, 3)
+    # the packed (varlen) layout splits in its loop, with that loop's tiles
+    p = fwd._plan(1, 8, 16384, 16384, 64, 64, torch.float32, varlen=True)
+    assert p.precision == "fp16x3" and not p.presplit
+    assert (p.block_m, p.block_n, p.num_warps, p.num_stages) == (128, 64, 4, 3)
     assert fwd._plan(1, 8, 4096, 4096, 128, 128, torch.float32).precision == "fp16x3"
     assert fwd._plan(1, 8, 4096, 4096, 256, 256, torch.float32).precision == "tf32x3"  # > 128: unmeasured
     assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32, precision="tf32x3").precision == "tf32x3"
