@@ -49,6 +49,10 @@ from .precision import resolve_precision
 
 __all__ = ["BwdConfig", "bwd_config", "elsa_bwd"]
 
+# The ``"fp16x3"`` backward splits Q and dO (for the dK/dV kernel's loop) and K and V (for the dQ kernel's)
+# into float16 parts once per call (``_split_pair_kernel``), bitwise the splits its loops would form.
+PRESPLIT = True
+
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -105,6 +109,58 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _split_pair_kernel(
+    X, Y, KPM, XP, YP, XE, YE,
+    stride_xb, stride_xh, stride_xn, stride_xd, stride_yb, stride_yh, stride_yn, stride_yd,
+    stride_kpmb, stride_kpmn, H, N, tiles, parts_x, parts_y,
+    DX: tl.constexpr, DY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_DX: tl.constexpr, BLOCK_DY: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+):
+    """Two ``[B, H, N, *]`` operands of the ``"fp16x3"`` backward's loops split once, in the tiles of
+    ``BLOCK`` rows the loop reads them in, exactly as the loop would (``split_f16``: one power of two per
+    tile): parts ``XP [2, B·H, N, DX]`` (high, then low ``parts_x`` elements later) and exponents
+    ``XE [B·H, tiles]``, likewise ``Y``. Grid ``(tiles * B * H,)``. With ``HAS_KPM`` the rows of keys hidden
+    by the padding mask are split as zeros, as the loop loads them."""
+    pid = tl.program_id(0)
+    tile = pid % tiles
+    bh = pid // tiles
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    if HAS_KPM:
+        ok = ok & (tl.load(KPM + b * stride_kpmb + rows.to(tl.int64) * stride_kpmn, mask=ok, other=0) != 0)
+    rows64 = rows.to(tl.int64)
+    head = bh.to(tl.int64) * N
+    offs_x = tl.arange(0, BLOCK_DX)
+    x = tl.load(X + b * stride_xb + h * stride_xh + rows64[:, None] * stride_xn + offs_x[None, :] * stride_xd,
+                mask=ok[:, None] & (offs_x < DX)[None, :], other=0.0)
+    x_hi, x_lo, x_c = split_f16(x)
+    keep = (rows < N)[:, None] & (offs_x < DX)[None, :]
+    tl.store(XP + (head + rows64)[:, None] * DX + offs_x[None, :], x_hi, mask=keep)
+    tl.store(XP + parts_x + (head + rows64)[:, None] * DX + offs_x[None, :], x_lo, mask=keep)
+    tl.store(XE + bh.to(tl.int64) * tiles + tile, x_c)
+    offs_y = tl.arange(0, BLOCK_DY)
+    y = tl.load(Y + b * stride_yb + h * stride_yh + rows64[:, None] * stride_yn + offs_y[None, :] * stride_yd,
+                mask=ok[:, None] & (offs_y < DY)[None, :], other=0.0)
+    y_hi, y_lo, y_c = split_f16(y)
+    keep = (rows < N)[:, None] & (offs_y < DY)[None, :]
+    tl.store(YP + (head + rows64)[:, None] * DY + offs_y[None, :], y_hi, mask=keep)
+    tl.store(YP + parts_y + (head + rows64)[:, None] * DY + offs_y[None, :], y_lo, mask=keep)
+    tl.store(YE + bh.to(tl.int64) * tiles + tile, y_c)
+
+
+@triton.jit
+def _load_parts(parts, lo, exps, rows, offs_c, rows_ok, cols_ok, C: tl.constexpr, MASKED: tl.constexpr,
+                MASK_COLS: tl.constexpr):
+    """``(hi, lo, c)`` of one tile of ``_split_pair_kernel``'s parts: rows ``rows`` of a head whose parts
+    start at ``parts`` (``C`` columns, the low parts ``lo`` elements later), its exponent at ``exps``."""
+    ptrs = parts + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
+    return (_load_rows(ptrs, rows_ok, cols_ok, MASKED, MASK_COLS),
+            _load_rows(ptrs + lo, rows_ok, cols_ok, MASKED, MASK_COLS), tl.load(exps))
+
+
+@triton.jit
 def _load_rows(ptrs, rows_ok, cols_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
     """Load a ``[rows, cols]`` tile, masking (and zero-filling) only the dimensions that need it."""
     if MASK_ROWS:
@@ -150,13 +206,13 @@ def _probs(s, bias_ptrs, lse, lse2, q_idx, k_idx, q_ok, k_ok, diag, sm_scale, qk
 @triton.jit
 def _dkdv_loop(
     dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-    q_base, do_base, lse_base, delta_base, bias_base,
+    q_base, do_base, lse_base, delta_base, bias_base, qp_base, dop_base, qe_base, doe_base, parts_q, parts_do,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
     lo, hi, Nq, diag, sm_scale, qk_scale,
     D: tl.constexpr, Dv: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    EXACT: tl.constexpr = False,
+    EXACT: tl.constexpr = False, PRESPLIT: tl.constexpr = False,
 ):
     """Accumulate ``dK, dV`` of one key tile over the query tiles ``[lo, hi)``.
 
@@ -170,17 +226,29 @@ def _dkdv_loop(
     of ``Q``: a hidden key's or query's NaN or infinity reaches no gradient. The logits come from the raw
     ``k`` and ``q`` (IEEE, as the forward's), or under ``"fp16x3"`` from the finite parts: a row whose
     query or visible key is non-finite has a NaN lse, so its ``P`` is NaN either way.
+
+    ``PRESPLIT`` (``"fp16x3"``, not ``EXACT``): ``Q`` and ``dO`` come as ``_split_pair_kernel``'s parts of
+    this head (``qp_base``/``dop_base``, exponents ``qe_base``/``doe_base`` per query tile of ``BLOCK_M``),
+    bitwise the splits the loop would form.
     """
+    USE_PARTS: tl.constexpr = PRESPLIT and not EXACT
     d_in = offs_d < D
     dv_in = offs_dv < Dv
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + offs_ml
         m_in = offs_m < Nq
         m64 = tl.cast(m0, tl.int64)
-        q = _load_rows(q_base + m64 * stride_qm + offs_ml[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                       m_in, d_in, MASKED, D != BLOCK_D)
-        do = _load_rows(do_base + m64 * stride_dom + offs_ml[:, None] * stride_dom
-                        + offs_dv[None, :] * stride_dod, m_in, dv_in, MASKED, Dv != BLOCK_DV)
+        if USE_PARTS:
+            tile = m0 // BLOCK_M
+            q_hi, q_lo, q_c = _load_parts(qp_base, parts_q, qe_base + tile, offs_m, offs_d, m_in, d_in, D,
+                                          MASKED, D != BLOCK_D)
+            do_hi, do_lo, do_c = _load_parts(dop_base, parts_do, doe_base + tile, offs_m, offs_dv, m_in,
+                                             dv_in, Dv, MASKED, Dv != BLOCK_DV)
+        else:
+            q = _load_rows(q_base + m64 * stride_qm + offs_ml[:, None] * stride_qm
+                           + offs_d[None, :] * stride_qd, m_in, d_in, MASKED, D != BLOCK_D)
+            do = _load_rows(do_base + m64 * stride_dom + offs_ml[:, None] * stride_dom
+                            + offs_dv[None, :] * stride_dod, m_in, dv_in, MASKED, Dv != BLOCK_DV)
         if MASKED:
             lse = tl.load(lse_base + m64 * stride_lm + offs_ml * stride_lm, mask=m_in, other=0.0)
             delta = tl.load(delta_base + m0 + offs_ml, mask=m_in, other=0.0)
@@ -193,10 +261,11 @@ def _dkdv_loop(
 
         # scores^T [BLOCK_N, BLOCK_M]
         if PREC == "fp16x3":
-            if EXACT:
-                q = finite_part(q)
-            q_hi, q_lo, q_c = split_f16(q)
-            do_hi, do_lo, do_c = split_f16(do)
+            if not USE_PARTS:
+                if EXACT:
+                    q = finite_part(q)
+                q_hi, q_lo, q_c = split_f16(q)
+                do_hi, do_lo, do_c = split_f16(do)
             qkt = mm_f16x3(k_hi, k_lo, k_c, tl.trans(q_hi), tl.trans(q_lo), q_c, [BLOCK_N, BLOCK_M])
         else:
             qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
@@ -226,7 +295,7 @@ def _dkdv_loop(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV,
+    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV, QP, DOP, QE, DOE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -237,13 +306,16 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, Nq, Nk, BIAS_B, BIAS_H,
-    sm_scale, qk_scale,
+    sm_scale, qk_scale, parts_q, parts_do,
     D: tl.constexpr, Dv: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRESPLIT: tl.constexpr,
 ):
     """One program per (b * H + h, key tile): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
+    ``PRESPLIT``: ``Q`` and ``dO`` split beforehand (``QP``/``DOP``/``QE``/``DOE``, ``_split_pair_kernel``
+    in query tiles of ``BLOCK_M``; ``parts_q``/``parts_do`` elements per part) for the fast pass.
 
     Works on the transposed scores ``S^T [BLOCK_N, BLOCK_M]`` so that ``dV += P^T dO`` and
     ``dK += dS^T Q`` are plain products. The query tiles run in three
@@ -306,6 +378,13 @@ def _bwd_dkdv_kernel(
         bias_base = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
                      + offs_n.to(tl.int64)[:, None] * stride_bn)
 
+    qp_base, dop_base, qe_base, doe_base = QP, DOP, QE, DOE
+    if PRESPLIT:
+        qp_base = QP + pid_bh.to(tl.int64) * Nq * D
+        dop_base = DOP + pid_bh.to(tl.int64) * Nq * Dv
+        qe_base = QE + pid_bh.to(tl.int64) * tl.cdiv(Nq, BLOCK_M)
+        doe_base = DOE + pid_bh.to(tl.int64) * tl.cdiv(Nq, BLOCK_M)
+
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # The three query ranges in turn, unrolled: [m_start, m_full) masked, [m_full, m_mid) unmasked,
@@ -321,11 +400,11 @@ def _bwd_dkdv_kernel(
             hi = Nq
         dk, dv = _dkdv_loop(
             dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, offs_ml, offs_d, offs_dv,
-            q_base, do_base, lse_base, delta_base, bias_base,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
+            q_base, do_base, lse_base, delta_base, bias_base, qp_base, dop_base, qe_base, doe_base, parts_q,
+            parts_do, stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
             lo, hi, Nq, diag, sm_scale, qk_scale,
             D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, stage != 1,
-            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, PRESPLIT)
     if count_nonfinite(dk) + count_nonfinite(dv) != 0:
         # A NaN or an infinity reached the gradients: from a row that sees one (kept), or through a hidden
         # pair's zero (0 * NaN), which the exact pass leaves out. Redo the key tile with it, on query tiles
@@ -339,8 +418,8 @@ def _bwd_dkdv_kernel(
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         dk, dv = _dkdv_loop(
             dk, dv, k, v, k_hi, k_lo, k_c, v_hi, v_lo, v_c, key_ok, offs_n, tl.arange(0, EXACT_M), offs_d,
-            offs_dv, q_base, do_base, lse_base, delta_base, bias_base,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
+            offs_dv, q_base, do_base, lse_base, delta_base, bias_base, qp_base, dop_base, qe_base, doe_base,
+            parts_q, parts_do, stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm,
             m_start, Nq, Nq, diag, sm_scale, qk_scale,
             D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, True,
             EXACT_M, BLOCK_N, BLOCK_D, BLOCK_DV, True)
@@ -358,18 +437,21 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_loop(
     dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, offs_nl, offs_d, offs_dv,
-    k_base, v_base, bias_base, kpm_base,
+    k_base, v_base, bias_base, kpm_base, kp_base, vp_base, ke_base, ve_base, parts_k, parts_v,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
     lo, hi, Nk, diag, sm_scale, qk_scale,
     D: tl.constexpr, Dv: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    EXACT: tl.constexpr = False,
+    EXACT: tl.constexpr = False, PRESPLIT: tl.constexpr = False,
 ):
     """Accumulate ``dQ`` of one query tile over the key tiles ``[lo, hi)`` (``MASKED`` as in ``_dkdv_loop``;
     ``q_hi``/``do_hi`` are ``q``/``dO`` themselves except under ``"fp16x3"``). ``EXACT`` as in
     ``_dkdv_loop`` (under ``"fp16x3"`` the caller passes the split of the finite part of ``q``): ``dP`` and
-    ``dQ`` take the finite parts of ``V`` and ``K``, and ``dS`` is 0 where ``P`` is."""
+    ``dQ`` take the finite parts of ``V`` and ``K``, and ``dS`` is 0 where ``P`` is. ``PRESPLIT`` as in
+    ``_dkdv_loop`` for ``K`` and ``V`` (``kp_base``/``vp_base``, exponents per key tile of ``BLOCK_N``; the
+    keys hidden by the padding mask split as zeros)."""
+    USE_PARTS: tl.constexpr = PRESPLIT and not EXACT
     d_in = offs_d < D
     dv_in = offs_dv < Dv
     for n0 in range(lo, hi, BLOCK_N):
@@ -379,17 +461,25 @@ def _dq_loop(
         if MASKED and HAS_KPM:
             kpm = tl.load(kpm_base + offs_n.to(tl.int64) * stride_kpmn, mask=key_ok, other=0)
             key_ok = key_ok & (kpm != 0)
-        k = _load_rows(k_base + n64 * stride_kn + offs_nl[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                       key_ok, d_in, MASKED, D != BLOCK_D)
-        v = _load_rows(v_base + n64 * stride_vn + offs_nl[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                       key_ok, dv_in, MASKED, Dv != BLOCK_DV)
-        if EXACT:
-            v = finite_part(v)
-        if PREC == "fp16x3":
+        if USE_PARTS:
+            tile = n0 // BLOCK_N
+            k_hi, k_lo, k_c = _load_parts(kp_base, parts_k, ke_base + tile, offs_n, offs_d, key_ok, d_in, D,
+                                          MASKED, D != BLOCK_D)
+            v_hi, v_lo, v_c = _load_parts(vp_base, parts_v, ve_base + tile, offs_n, offs_dv, key_ok, dv_in,
+                                          Dv, MASKED, Dv != BLOCK_DV)
+        else:
+            k = _load_rows(k_base + n64 * stride_kn + offs_nl[:, None] * stride_kn
+                           + offs_d[None, :] * stride_kd, key_ok, d_in, MASKED, D != BLOCK_D)
+            v = _load_rows(v_base + n64 * stride_vn + offs_nl[:, None] * stride_vn
+                           + offs_dv[None, :] * stride_vd, key_ok, dv_in, MASKED, Dv != BLOCK_DV)
             if EXACT:
-                k = finite_part(k)
-            k_hi, k_lo, k_c = split_f16(k)
-            v_hi, v_lo, v_c = split_f16(v)
+                v = finite_part(v)
+        if PREC == "fp16x3":
+            if not USE_PARTS:
+                if EXACT:
+                    k = finite_part(k)
+                k_hi, k_lo, k_c = split_f16(k)
+                v_hi, v_lo, v_c = split_f16(v)
             qk = mm_f16x3(q_hi, q_lo, q_c, tl.trans(k_hi), tl.trans(k_lo), k_c, [BLOCK_M, BLOCK_N])
         else:
             qk = _mm(q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)
@@ -415,7 +505,7 @@ def _dq_loop(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, O, LSE, DELTA, BIAS, KPM, DQ,
+    Q, K, V, DO, O, LSE, DELTA, BIAS, KPM, DQ, KP, VP, KE, VE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -426,11 +516,12 @@ def _bwd_dq_kernel(
     stride_kpmb, stride_kpmn,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, Nq, Nk, BIAS_B, BIAS_H,
-    sm_scale, qk_scale,
+    sm_scale, qk_scale, parts_k, parts_v,
     D: tl.constexpr, Dv: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_DELTA: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRESPLIT: tl.constexpr,
 ):
     """One program per (b * H + h, query tile): ``dQ [BLOCK_M, D]`` from a loop over the key tiles: the full
     key tiles every row of the tile sees without masks, then the diagonal and the partial last tile masked
@@ -438,7 +529,8 @@ def _bwd_dq_kernel(
 
     ``WRITE_DELTA``: the tile's ``Delta = rowsum(O * dO)`` is formed here from ``O`` and written to
     ``DELTA`` for the dK/dV kernel that runs after this one (no separate preprocess launch); otherwise it
-    is read from ``DELTA``."""
+    is read from ``DELTA``. ``PRESPLIT``: ``K`` and ``V`` split beforehand (``KP``/``VP``/``KE``/``VE``,
+    ``_split_pair_kernel`` in key tiles of ``BLOCK_N``) for the fast pass."""
     pid_m = tl.program_id(1)
     pid_bh = tl.program_id(0)
     b32 = pid_bh // H
@@ -489,6 +581,12 @@ def _bwd_dq_kernel(
         bias_base = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
                      + m064 * stride_bm + offs_ml[:, None] * stride_bm)
     kpm_base = KPM + b * stride_kpmb
+    kp_base, vp_base, ke_base, ve_base = KP, VP, KE, VE
+    if PRESPLIT:
+        kp_base = KP + pid_bh.to(tl.int64) * Nk * D
+        vp_base = VP + pid_bh.to(tl.int64) * Nk * Dv
+        ke_base = KE + pid_bh.to(tl.int64) * tl.cdiv(Nk, BLOCK_N)
+        ve_base = VE + pid_bh.to(tl.int64) * tl.cdiv(Nk, BLOCK_N)
 
     q_hi = q
     q_lo = q
@@ -511,11 +609,11 @@ def _bwd_dq_kernel(
             hi = n_end
         dq = _dq_loop(
             dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, offs_nl, offs_d,
-            offs_dv, k_base, v_base, bias_base, kpm_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
+            offs_dv, k_base, v_base, bias_base, kpm_base, kp_base, vp_base, ke_base, ve_base, parts_k,
+            parts_v, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
             lo, hi, Nk, diag, sm_scale, qk_scale,
             D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, stage == 1, BLOCK_M, BLOCK_N, BLOCK_D,
-            BLOCK_DV)
+            BLOCK_DV, False, PRESPLIT)
     if count_nonfinite(dq) != 0:
         # As in the dK/dV kernel: redo the query tile with the exact pass, on key tiles a quarter as wide
         # (at least 16: the width of a dot).
@@ -525,8 +623,8 @@ def _bwd_dq_kernel(
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq = _dq_loop(
             dq, q_hi, q_lo, q_c, do_hi, do_lo, do_c, lse, lse2, delta, m_in, offs_m, tl.arange(0, EXACT_N),
-            offs_d, offs_dv, k_base, v_base, bias_base, kpm_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
+            offs_d, offs_dv, k_base, v_base, bias_base, kpm_base, kp_base, vp_base, ke_base, ve_base, parts_k,
+            parts_v, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpmn,
             0, n_end, Nk, diag, sm_scale, qk_scale,
             D, Dv, HAS_BIAS, HAS_KPM, CAUSAL, PREC, DOT_UPCAST, True, BLOCK_M, EXACT_N, BLOCK_D,
             BLOCK_DV, True)
@@ -827,25 +925,33 @@ class _BwdProgram(Program):
                               dict(BLOCK_M=64, BLOCK_DV=BLOCK_DV), 4)
         common = dict(D=D, Dv=Dv, HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, PREC=prec,
                       DOT_UPCAST=dot_upcast)
-        self.dq = None
+        presplit = prec == "fp16x3" and PRESPLIT
+        bh = B * H
+        self.dq = self.split_kv = None
         if compute_dq:
+            parts = (bh * Nk * D, bh * Nk * Dv) if presplit else (0, 0)
             self.dq = Launch(
-                _bwd_dq_kernel, (B * H, cdiv(Nq, cfg.block_m2)),
+                _bwd_dq_kernel, (bh, cdiv(Nq, cfg.block_m2)),
                 (*q_s, *k_s, *v_s, *do_s, *o_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.q_size),
-                 H, Nq, Nk, Bb, Hb, sm_scale, qk_scale),
+                 H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts),
                 dict(common, WRITE_DELTA=self.write_delta, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
-                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV),
+                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, PRESPLIT=presplit),
                 cfg.warps2, cfg.stages2)
-        self.dkdv = None
+            if presplit:
+                self.split_kv = self._split(k_s, v_s, kpm_strides, H, Nk, D, Dv, cfg.block_n2, has_kpm, parts)
+        self.dkdv = self.split_qdo = None
         if compute_dkdv:
+            parts = (bh * Nq * D, bh * Nq * Dv) if presplit else (0, 0)
             self.dkdv = Launch(
-                _bwd_dkdv_kernel, (B * H, cdiv(Nk, cfg.block_n1)),
+                _bwd_dkdv_kernel, (bh, cdiv(Nk, cfg.block_n1)),
                 (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.k_size),
                  *_contiguous(self.v_size),
-                 H, Nq, Nk, Bb, Hb, sm_scale, qk_scale),
+                 H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts),
                 dict(common, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D,
-                     BLOCK_DV=BLOCK_DV),
+                     BLOCK_DV=BLOCK_DV, PRESPLIT=presplit),
                 cfg.warps1, cfg.stages1)
+            if presplit:
+                self.split_qdo = self._split(q_s, do_s, (0, 0), H, Nq, D, Dv, cfg.block_m1, False, parts)
         self.dbias = None
         if has_bias and bias_requires_grad:
             reduce_m, reduce_n = Mb == 1, Nb == 1
@@ -870,6 +976,26 @@ class _BwdProgram(Program):
                      BLOCK_N=cfg.block_n3, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV),
                 cfg.warps3, 1)  # unpipelined: see bwd_config
 
+    def _split(self, x_s, y_s, kpm_s, H, N, dx, dy, block, has_kpm, parts):
+        """``(launch, sizes)`` of ``_split_pair_kernel`` over two ``[B, H, N, *]`` operands in tiles of
+        ``block`` rows: the parts and exponents it writes are allocated per call with ``sizes``."""
+        bh = self.q_size[0] * H
+        tiles = cdiv(N, block)
+        launch = Launch(_split_pair_kernel, (tiles * bh,), (*x_s, *y_s, *kpm_s, H, N, tiles, *parts),
+                        dict(DX=dx, DY=dy, BLOCK=block, BLOCK_DX=tile_size(dx), BLOCK_DY=tile_size(dy),
+                             HAS_KPM=has_kpm), 4)
+        return launch, ((2, bh, N, dx), (2, bh, N, dy), (bh, tiles), (bh, tiles))
+
+    def _parts(self, split, x, y, kpm):
+        """The parts and exponents of ``split`` (see ``_split``) for ``x``, ``y``; four dummies without."""
+        if split is None:
+            return (x,) * 4
+        launch, sizes = split
+        out = tuple(torch.empty(size, dtype=torch.float16 if i < 2 else torch.int32, device=self.device)
+                    for i, size in enumerate(sizes))
+        launch(x, y, kpm, *out)
+        return out
+
     def run(self, do, q, k, v, out, lse, bias, kpm, delta):
         dev, dtype = self.device, self.dtype
         dq = torch.empty(self.q_size, dtype=dtype, device=dev) if self.compute_dq else None
@@ -890,9 +1016,9 @@ class _BwdProgram(Program):
         if self.pre is not None:
             self.pre(out, do, delta)
         if self.dq is not None:
-            self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq)
+            self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq, *self._parts(self.split_kv, k, v, kpm))
         if self.dkdv is not None:
-            self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv)
+            self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv, *self._parts(self.split_qdo, q, do, kpm))
         dbias = None
         if self.dbias is not None:
             ws = torch.empty(self.ws_size, dtype=torch.float32, device=dev)

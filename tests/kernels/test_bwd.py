@@ -343,6 +343,35 @@ def test_deterministic_reruns_bitwise_equal(precision):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("case", [
+    dict(B=2, H=2, Nq=113, Nk=97, D=64, Dv=64, causal=True, bias=True, kpm=True),
+    dict(B=1, H=1, Nq=150, Nk=70, D=40, Dv=72, causal=False, bias=False, kpm=False),
+    dict(B=2, H=1, Nq=45, Nk=130, D=72, Dv=40, causal=True, bias=False, kpm=True),
+])
+def test_fp16x3_operands_split_once_equal_the_loops_splits(monkeypatch, case):
+    # The fp16x3 backward splits Q, dO (for the dK/dV loop) and K, V (for the dQ loop) beforehand, in the
+    # tiles the loops read: the same parts and scales the loops form, so the gradients are bitwise those
+    # of the loops' own splits. With a bias, a padding mask, causality, Dv != D and B * H == 1.
+    from elsa_vision.kernels import bwd
+
+    bias_shape = (1, case["H"], case["Nq"], case["Nk"]) if case["bias"] else None
+    q, k, v, do, bias, mask = _problem(case["B"], case["H"], case["Nq"], case["Nk"], case["D"], case["Dv"],
+                                       bias_shape=bias_shape, kpm=case["kpm"], seed=21)
+    refs, o, lse = _reference(q, k, v, do, bias=bias, mask=mask, causal=case["causal"])
+    kw = dict(attn_bias=bias, key_padding_mask=mask, causal=case["causal"], precision="fp16x3")
+    grads = []
+    for presplit in (False, True):
+        monkeypatch.setattr(bwd, "PRESPLIT", presplit)
+        bwd._PROGRAMS.clear()
+        grads.append(_run(q, k, v, do, o, lse, torch.float32, **kw))
+        program = next(iter(bwd._PROGRAMS._programs.values()))
+        assert (program.split_kv is not None) == (program.split_qdo is not None) == presplit
+    bwd._PROGRAMS.clear()
+    for a, b in zip(grads[0][:3], grads[1][:3]):
+        assert torch.equal(a, b)
+    _check_fp32(grads[1][:3], refs[:3], FP32_ACCURATE)
+
+
 def test_explicit_tiles_and_scale():
     """Non-default tiles (the GPU's half-precision shapes) and a custom scale give the same gradients."""
     q, k, v, do, bias, mask = _problem(1, 2, 113, 203, 64, 64, bias_shape=(1, 1, 113, 203), kpm=True, seed=4)
