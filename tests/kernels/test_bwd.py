@@ -34,7 +34,14 @@ from elsa_vision.kernels.reference import (  # noqa: E402
     scan_attention,
     softmax_attention,
 )
-from tests.helpers import DEVICE, NONFINITE_KINDS, TF32_BOUND, assert_nonfinite_like, nonfinite_case  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    DEVICE,
+    NONFINITE_KINDS,
+    TF32_BOUND,
+    assert_nonfinite_like,
+    compile_for_sm90,
+    nonfinite_case,
+)
 
 FP32_ACCURATE = 1e-5  # the gradients' bound (the forward's, tests.helpers.FP32_ACCURATE, is 1e-6)
 LOWP_FACTOR = 3.0
@@ -370,6 +377,45 @@ def test_fp16x3_operands_split_once_equal_the_loops_splits(monkeypatch, case):
     for a, b in zip(grads[0][:3], grads[1][:3]):
         assert torch.equal(a, b)
     _check_fp32(grads[1][:3], refs[:3], FP32_ACCURATE)
+
+
+_SM90_COMPILE = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from elsa_vision.kernels import bwd
+
+report = {}
+for fn, ptrs, (bm, bn, warps, stages) in (
+        (bwd._bwd_dkdv_kernel, ("Q", "K", "V", "DO", "LSE", "DELTA", "BIAS", "DK", "DV"), (64, 128, 8, 3)),
+        (bwd._bwd_dq_kernel, ("Q", "K", "V", "DO", "O", "LSE", "DELTA", "BIAS", "DQ"), (128, 64, 8, 3))):
+    names = fn.arg_names
+    consts = dict(D=64, Dv=64, HAS_BIAS=True, HAS_KPM=True, CAUSAL=True, PREC="fp16x3", DOT_UPCAST=False,
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=64, BLOCK_DV=64, PRESPLIT=@PRESPLIT@)
+    if "WRITE_DELTA" in names:
+        consts["WRITE_DELTA"] = True
+    sig = {n: "i32" for n in names}
+    sig.update({n: "*fp32" for n in ptrs})
+    sig.update({"KPM": "*u8", "sm_scale": "fp32", "qk_scale": "fp32"})
+    sig.update({n: "*fp16" for n in ("QP", "DOP", "KP", "VP") if n in names})
+    sig.update({n: "*i32" for n in ("QE", "DOE", "KE", "VE") if n in names})
+    sig.update({n: "constexpr" for n in consts})
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    ptx = k.asm["ptx"]
+    report[fn.__name__] = {"shared": k.metadata.shared, "wgmma_f16": ".f32.f16.f16" in ptx}
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("presplit", [False, True])
+def test_fp16x3_kernels_compile_for_sm90_without_a_gpu(presplit):
+    # Both backward kernels at their fp16x3 tiles, with a bias, a padding mask and causality, reading Q/dO and
+    # K/V split in their loops or beforehand: float16 wgmma products within sm90's shared memory.
+    report = compile_for_sm90(_SM90_COMPILE.replace("@PRESPLIT@", str(presplit)))
+    for name, kernel in report.items():
+        assert 0 < kernel["shared"] <= 232448 and kernel["wgmma_f16"], (name, kernel)
 
 
 def test_explicit_tiles_and_scale():
