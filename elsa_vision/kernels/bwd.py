@@ -109,6 +109,23 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _split_tile(X, P, E, b, h, head, rows64, ok, in_rows, slot, stride_b, stride_h, stride_n, stride_c, lo,
+                C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Split one tile of ``X``'s rows (``ok``: loaded, others zero; ``in_rows``: stored) with ``split_f16``
+    into parts ``P`` (rows ``head + rows64``, ``C`` columns, low parts ``lo`` elements later) and its
+    exponent at ``E + slot``."""
+    offs = tl.arange(0, BLOCK_C)
+    x = tl.load(X + b * stride_b + h * stride_h + rows64[:, None] * stride_n + offs[None, :] * stride_c,
+                mask=ok[:, None] & (offs < C)[None, :], other=0.0)
+    hi, low, c = split_f16(x)
+    out = P + (head + rows64)[:, None] * C + offs[None, :]
+    keep = in_rows[:, None] & (offs < C)[None, :]
+    tl.store(out, hi, mask=keep)
+    tl.store(out + lo, low, mask=keep)
+    tl.store(E + slot, c)
+
+
+@triton.jit
 def _split_pair_kernel(
     X, Y, KPM, XP, YP, XE, YE,
     stride_xb, stride_xh, stride_xn, stride_xd, stride_yb, stride_yh, stride_yn, stride_yd,
@@ -127,27 +144,29 @@ def _split_pair_kernel(
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < N
+    in_rows = rows < N
+    ok = in_rows
     if HAS_KPM:
         ok = ok & (tl.load(KPM + b * stride_kpmb + rows.to(tl.int64) * stride_kpmn, mask=ok, other=0) != 0)
     rows64 = rows.to(tl.int64)
     head = bh.to(tl.int64) * N
-    offs_x = tl.arange(0, BLOCK_DX)
-    x = tl.load(X + b * stride_xb + h * stride_xh + rows64[:, None] * stride_xn + offs_x[None, :] * stride_xd,
-                mask=ok[:, None] & (offs_x < DX)[None, :], other=0.0)
-    x_hi, x_lo, x_c = split_f16(x)
-    keep = (rows < N)[:, None] & (offs_x < DX)[None, :]
-    tl.store(XP + (head + rows64)[:, None] * DX + offs_x[None, :], x_hi, mask=keep)
-    tl.store(XP + parts_x + (head + rows64)[:, None] * DX + offs_x[None, :], x_lo, mask=keep)
-    tl.store(XE + bh.to(tl.int64) * tiles + tile, x_c)
-    offs_y = tl.arange(0, BLOCK_DY)
-    y = tl.load(Y + b * stride_yb + h * stride_yh + rows64[:, None] * stride_yn + offs_y[None, :] * stride_yd,
-                mask=ok[:, None] & (offs_y < DY)[None, :], other=0.0)
-    y_hi, y_lo, y_c = split_f16(y)
-    keep = (rows < N)[:, None] & (offs_y < DY)[None, :]
-    tl.store(YP + (head + rows64)[:, None] * DY + offs_y[None, :], y_hi, mask=keep)
-    tl.store(YP + parts_y + (head + rows64)[:, None] * DY + offs_y[None, :], y_lo, mask=keep)
-    tl.store(YE + bh.to(tl.int64) * tiles + tile, y_c)
+    slot = bh.to(tl.int64) * tiles + tile
+    _split_tile(X, XP, XE, b, h, head, rows64, ok, in_rows, slot, stride_xb, stride_xh, stride_xn, stride_xd,
+                parts_x, DX, BLOCK_DX)
+    _split_tile(Y, YP, YE, b, h, head, rows64, ok, in_rows, slot, stride_yb, stride_yh, stride_yn, stride_yd,
+                parts_y, DY, BLOCK_DY)
+
+
+@triton.jit
+def _head_parts(XP, YP, XE, YE, pid_bh, N, DX: tl.constexpr, DY: tl.constexpr, BLOCK: tl.constexpr,
+                PRESPLIT: tl.constexpr):
+    """Where head ``pid_bh``'s parts and exponents of ``_split_pair_kernel`` start (the pointers unchanged
+    without ``PRESPLIT``)."""
+    if PRESPLIT:
+        row0 = pid_bh.to(tl.int64) * N
+        tile0 = pid_bh.to(tl.int64) * tl.cdiv(N, BLOCK)
+        return XP + row0 * DX, YP + row0 * DY, XE + tile0, YE + tile0
+    return XP, YP, XE, YE
 
 
 @triton.jit
@@ -378,12 +397,7 @@ def _bwd_dkdv_kernel(
         bias_base = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
                      + offs_n.to(tl.int64)[:, None] * stride_bn)
 
-    qp_base, dop_base, qe_base, doe_base = QP, DOP, QE, DOE
-    if PRESPLIT:
-        qp_base = QP + pid_bh.to(tl.int64) * Nq * D
-        dop_base = DOP + pid_bh.to(tl.int64) * Nq * Dv
-        qe_base = QE + pid_bh.to(tl.int64) * tl.cdiv(Nq, BLOCK_M)
-        doe_base = DOE + pid_bh.to(tl.int64) * tl.cdiv(Nq, BLOCK_M)
+    qp_base, dop_base, qe_base, doe_base = _head_parts(QP, DOP, QE, DOE, pid_bh, Nq, D, Dv, BLOCK_M, PRESPLIT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -581,12 +595,7 @@ def _bwd_dq_kernel(
         bias_base = (BIAS + (b32 % BIAS_B).to(tl.int64) * stride_bb + (h32 % BIAS_H).to(tl.int64) * stride_bh
                      + m064 * stride_bm + offs_ml[:, None] * stride_bm)
     kpm_base = KPM + b * stride_kpmb
-    kp_base, vp_base, ke_base, ve_base = KP, VP, KE, VE
-    if PRESPLIT:
-        kp_base = KP + pid_bh.to(tl.int64) * Nk * D
-        vp_base = VP + pid_bh.to(tl.int64) * Nk * Dv
-        ke_base = KE + pid_bh.to(tl.int64) * tl.cdiv(Nk, BLOCK_N)
-        ve_base = VE + pid_bh.to(tl.int64) * tl.cdiv(Nk, BLOCK_N)
+    kp_base, vp_base, ke_base, ve_base = _head_parts(KP, VP, KE, VE, pid_bh, Nk, D, Dv, BLOCK_N, PRESPLIT)
 
     q_hi = q
     q_lo = q
