@@ -55,6 +55,9 @@ PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "els
 ELSA = {"elsa": "auto", "elsa_tf32x3": "tf32x3", "elsa_ieee": "ieee", "elsa_tf32": "tf32"}
 TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), per dtype
     "float32": [
+        (64, 128, 8, 3, 128, 128, 8, 2),
+        (64, 64, 4, 2, 64, 64, 4, 2),
+        (32, 128, 8, 3, 128, 32, 8, 3),
         (64, 128, 8, 2, 128, 64, 8, 2),
         (64, 128, 8, 3, 128, 64, 8, 3),
         (32, 64, 4, 2, 64, 32, 4, 2),
@@ -115,6 +118,7 @@ def _time_peer(f, q, k, v, do, refs):
 
 def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=None):
     from elsa_vision.kernels.bwd import bwd_config, elsa_bwd
+    from elsa_vision.kernels.precision import resolve_precision
     from elsa_vision.kernels.reference import scan_attention
 
     dtype = getattr(torch, dtype_name)
@@ -188,7 +192,8 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
 
     best = None
     if tiles:
-        base = bwd_config(dtype, D, D, q.device, n_k=N)
+        prec = resolve_precision("auto", dtype, q.device, "bwd", D)
+        base = bwd_config(dtype, D, D, q.device, prec, n_k=N)
         print(f"  default tiles {base}")
         for t in tiles:
             cfg = replace(base, block_m1=t[0], block_n1=t[1], warps1=t[2], stages1=t[3], block_m2=t[4],

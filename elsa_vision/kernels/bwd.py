@@ -840,7 +840,7 @@ def _cfg(dkdv: tuple[int, int, int, int], dq: tuple[int, int, int, int],
 
 
 def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precision: str = "tf32x3",
-               n_k: int | None = None) -> BwdConfig:
+               n_k: int | None = None, has_bias: bool = False) -> BwdConfig:
     """Default tiles for the backward from the dtype, head dims, key length and device (no environment
     variables).
 
@@ -869,9 +869,13 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
         cfg = _cfg((32, 128, 4, 3), (128, 32, 4, 3), (64, 64, 4))
     elif precision == "fp16x3" and wide <= 64:
         short = n_k is not None and n_k <= 1024
-        cfg = _cfg((64, 64, 4, 2), (128, 64, 8, 2)) if short else _cfg((64, 128, 8, 3), (128, 64, 8, 3))
+        if short:
+            cfg = _cfg((64, 64, 4, 2), (64, 64, 4, 2))
+        else:  # a bias tile of 128 x 128 takes the dQ kernel over the shared memory
+            cfg = _cfg((64, 128, 8, 3), (128, 64, 8, 3) if has_bias else (128, 128, 8, 2))
     elif precision == "fp16x3" and wide <= 128:
-        cfg = _cfg((32, 128, 8, 2), (128, 32, 8, 2))
+        stages = 2 if has_bias else 3
+        cfg = _cfg((32, 128, 8, stages), (128, 32, 8, stages))
     elif wide <= 64 and precision != "ieee":
         cfg = _cfg((64, 128, 8, 2), (128, 64, 8, 2))
     else:
@@ -910,7 +914,7 @@ class _BwdProgram(Program):
         prec = resolve_precision(precision, q.dtype, device, "bwd", max(D, Dv))
         sm_scale = float(scale)
         qk_scale = sm_scale * LOG2E
-        cfg = config or bwd_config(q.dtype, D, Dv, device, prec, Nk)
+        cfg = config or bwd_config(q.dtype, D, Dv, device, prec, Nk, attn_bias is not None)
         BLOCK_D, BLOCK_DV = tile_size(D), tile_size(Dv)
         dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
         has_bias, has_kpm = attn_bias is not None, key_padding_mask is not None
