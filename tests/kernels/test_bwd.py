@@ -357,8 +357,11 @@ def test_deterministic_reruns_bitwise_equal(precision):
 ])
 def test_fp16x3_operands_split_once_equal_the_loops_splits(monkeypatch, case):
     # The fp16x3 backward splits Q, dO (for the dK/dV loop) and K, V (for the dQ loop) beforehand, in the
-    # tiles the loops read: the same parts and scales the loops form, so the gradients are bitwise those
-    # of the loops' own splits. With a bias, a padding mask, causality, Dv != D and B * H == 1.
+    # tiles the loops read: the same parts and scales the loops form. Under the interpreter the gradients
+    # are bitwise those of the loops' own splits. Compiled for a GPU the two kernels round differently in
+    # dQ and dK (H100: dV bitwise equal; dQ, dK differ in about a third of their elements, by <= 1.0e-7 of
+    # the gradient's norm in every case measured, one float32 rounding): there the bound is 5e-7, far below
+    # what a wrong part or scale gives. With a bias, a padding mask, causality, Dv != D and B * H == 1.
     from elsa_vision.kernels import bwd
 
     bias_shape = (1, case["H"], case["Nq"], case["Nk"]) if case["bias"] else None
@@ -374,8 +377,11 @@ def test_fp16x3_operands_split_once_equal_the_loops_splits(monkeypatch, case):
         program = next(iter(bwd._PROGRAMS._programs.values()))
         assert (program.split_kv is not None) == (program.split_qdo is not None) == presplit
     bwd._PROGRAMS.clear()
-    for a, b in zip(grads[0][:3], grads[1][:3]):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("dq", "dk", "dv"), grads[0][:3], grads[1][:3]):
+        if DEVICE == "cpu":
+            assert torch.equal(a, b), name
+        else:
+            assert _relerr(b, a) <= 5e-7, f"{name}: {_relerr(b, a):.2e}"
     _check_fp32(grads[1][:3], refs[:3], FP32_ACCURATE)
 
 
