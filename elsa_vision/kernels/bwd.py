@@ -849,10 +849,12 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     3 stages) and, at head dims <= 64, dQ tiles of 128 queries x 64 keys on 8 warps (64 x 64 on 4 warps up to
     ``n_k = 1024`` keys; 128 x 32 on 4 warps for wider heads); float32 runs best with larger tiles on 8 warps
     (dK/dV 64 x 128, dQ 128 x 64), which pays for the three products per tile of ``tf32x3`` and ``fp16x3``.
-    ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision) pipelines 3 stages at head dim <= 64 and
-    uses 64-key dK/dV tiles on 4 warps up to ``n_k = 1024`` keys (more programs for short sequences); at head
-    dim 128 it takes the 32 x 128 / 128 x 32 split on 8 warps. Wider heads shrink the resident tiles to keep
-    operands and accumulators in registers. ``precision="ieee"`` uses the smaller float32 tiles (its FMA
+    ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision; its operands split once per call) at head
+    dim <= 64: past ``n_k = 1024`` keys dK/dV 64 x 128 on 3 stages and dQ 128 x 128 on 2 (128 x 64 on 3
+    with a bias, ``has_bias``: a 128 x 128 bias tile is over the shared memory), up to 1024 keys 64 x 64 /
+    64 x 64 on 4 warps (more programs for short sequences); at head dim 128 the 32 x 128 / 128 x 32 split
+    on 8 warps, 3 stages (2 with a bias). Wider heads shrink the resident tiles to keep operands and
+    accumulators in registers. ``precision="ieee"`` uses the smaller float32 tiles (its FMA
     products are slower on the large ones).
     The dBias kernel always runs unpipelined (``num_stages=1``, so the config has no stage count for it): its
     nested member / tile loops are mis-pipelined otherwise (``docs/kernel_notes.md``, "Compiler and hardware
