@@ -307,6 +307,23 @@ def _held_pairs(q_ranges, k_ranges, causal, held: slice, keys_held: bool):
         yield (qs, slice(a, b), loc, blk_causal) if keys_held else (slice(a, b), ks, loc, blk_causal)
 
 
+def _row_pieces(rows: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` pieces a shard of ``rows`` rows travels in: up to ``RING_PIECES`` of at least
+    ``RING_PIECE_ROWS`` rows, or the whole shard where that makes fewer than four."""
+    pieces = min(RING_PIECES, rows // max(1, RING_PIECE_ROWS))
+    return [c for c in _even_cuts(rows, pieces if pieces >= 4 else 1) if c[1] > c[0]]
+
+
+def _own_pieces(own: list, dims: list[int], rows: int, causal: bool):
+    """This rank's own tensors in the pieces of :func:`_row_pieces` (views): ``(slice, pieces)`` each. The
+    backward computes on its own rows in these pieces too: a call's ``fp16x3`` operand parts
+    (``kernels.bwd``) are then a piece's, not two more shard-sized tensors at the backward's peak. Causal:
+    the whole shard, one piece (the own blocks include the causal diagonal ones, whose mask is aligned to
+    the whole block)."""
+    for a, b in [(0, rows)] if causal else _row_pieces(rows):
+        yield slice(a, b), [None if t is None else t.narrow(d, a, b - a) for t, d in zip(own, dims)]
+
+
 def _visits(ring: _Ring, own: list[Tensor], dims: list[int], rows: int):
     """Every other rank's travelling tensors, a piece of rows at a time: yields ``(src, cut, bufs)``, the
     owner's rank, the ``slice`` of its ``rows`` padded rows that ``bufs`` hold, and those pieces (``own``:
@@ -319,9 +336,7 @@ def _visits(ring: _Ring, own: list[Tensor], dims: list[int], rows: int):
     ones (the one computed on, the one arriving, its own next piece), not one or two whole shards. The
     caller works on its own rows first; the first piece's transfer is the only one not overlapped."""
     world, rank = ring.world, ring.rank
-    pieces = min(RING_PIECES, rows // max(1, RING_PIECE_ROWS))
-    cuts = [c for c in _even_cuts(rows, pieces if pieces >= 4 else 1) if c[1] > c[0]]
-    order = [(a, b, step) for a, b in cuts for step in range(1, world)]
+    order = [(a, b, step) for a, b in _row_pieces(rows) for step in range(1, world)]
     if not order:
         return
 
@@ -420,7 +435,8 @@ class _RingAttention(torch.autograd.Function):
                 dq[..., qs, :] += gq
                 del gq
 
-        add_dq(rank, slice(0, longest), kb, vb, mb)
+        for cut, bufs in _own_pieces([kb, vb, mb], [-2, -2, -1], longest, causal):
+            add_dq(rank, cut, *bufs)
         for src, cut, bufs in _visits(ring, [kb, vb, mb] if masked else [kb, vb], [-2, -2, -1], longest):
             add_dq(src, cut, *(bufs if masked else (*bufs, None)))
         del kb, vb, mb
@@ -453,7 +469,8 @@ class _RingAttention(torch.autograd.Function):
                     dv[..., ks, :] += gv
                     del gk, gv
 
-        add_dkdv(rank, slice(0, longest), *side)
+        for cut, bufs in _own_pieces(side, dims, longest, causal):
+            add_dkdv(rank, cut, *bufs)
         for src, cut, bufs in _visits(ring, side, dims, longest):
             add_dkdv(src, cut, *bufs)
         return (dq, dk.to(k.dtype), dv.to(v.dtype),
