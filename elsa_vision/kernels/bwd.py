@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dots import f16_pair, mm_f16x3, split_f16
+from .dots import f16_pair, mm_f16x3, split_f16, split_rows
 from .host import LOG2E, cdiv, device_info, next_pow2, tile_size
 from .launch import Launch, Program, ProgramCache
 from .monoid import count_nonfinite, finite_part
@@ -138,16 +138,8 @@ def _split_pair_kernel(
     tile): parts ``XP [2, B·H, N, DX]`` (high, then low ``parts_x`` elements later) and exponents
     ``XE [B·H, tiles]``, likewise ``Y``. Grid ``(tiles * B * H,)``. With ``HAS_KPM`` the rows of keys hidden
     by the padding mask are split as zeros, as the loop loads them."""
-    pid = tl.program_id(0)
-    tile = pid % tiles
-    bh = pid // tiles
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    rows = tile * BLOCK + tl.arange(0, BLOCK)
-    in_rows = rows < N
-    ok = in_rows
-    if HAS_KPM:
-        ok = ok & (tl.load(KPM + b * stride_kpmb + rows.to(tl.int64) * stride_kpmn, mask=ok, other=0) != 0)
+    b, h, bh, tile, rows, in_rows, ok = split_rows(tl.program_id(0), tiles, H, N, KPM, stride_kpmb,
+                                                   stride_kpmn, BLOCK, HAS_KPM)
     rows64 = rows.to(tl.int64)
     head = bh.to(tl.int64) * N
     slot = bh.to(tl.int64) * tiles + tile
@@ -177,6 +169,17 @@ def _load_parts(parts, lo, exps, rows, offs_c, rows_ok, cols_ok, C: tl.constexpr
     ptrs = parts + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
     return (_load_rows(ptrs, rows_ok, cols_ok, MASKED, MASK_COLS),
             _load_rows(ptrs + lo, rows_ok, cols_ok, MASKED, MASK_COLS), tl.load(exps))
+
+
+@triton.jit
+def _split_loaded(x, y, EXACT: tl.constexpr):
+    """``split_f16`` of two tiles a loop loaded (``x`` the operand of the scores' product, ``y`` the other);
+    the exact pass splits the finite part of ``x``."""
+    if EXACT:
+        x = finite_part(x)
+    x_hi, x_lo, x_c = split_f16(x)
+    y_hi, y_lo, y_c = split_f16(y)
+    return x_hi, x_lo, x_c, y_hi, y_lo, y_c
 
 
 @triton.jit
@@ -281,10 +284,7 @@ def _dkdv_loop(
         # scores^T [BLOCK_N, BLOCK_M]
         if PREC == "fp16x3":
             if not USE_PARTS:
-                if EXACT:
-                    q = finite_part(q)
-                q_hi, q_lo, q_c = split_f16(q)
-                do_hi, do_lo, do_c = split_f16(do)
+                q_hi, q_lo, q_c, do_hi, do_lo, do_c = _split_loaded(q, do, EXACT)
             qkt = mm_f16x3(k_hi, k_lo, k_c, tl.trans(q_hi), tl.trans(q_lo), q_c, [BLOCK_N, BLOCK_M])
         else:
             qkt = _mm(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, DOT_UPCAST)
@@ -490,10 +490,7 @@ def _dq_loop(
                 v = finite_part(v)
         if PREC == "fp16x3":
             if not USE_PARTS:
-                if EXACT:
-                    k = finite_part(k)
-                k_hi, k_lo, k_c = split_f16(k)
-                v_hi, v_lo, v_c = split_f16(v)
+                k_hi, k_lo, k_c, v_hi, v_lo, v_c = _split_loaded(k, v, EXACT)
             qk = mm_f16x3(q_hi, q_lo, q_c, tl.trans(k_hi), tl.trans(k_lo), k_c, [BLOCK_M, BLOCK_N])
         else:
             qk = _mm(q_hi, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PREC, DOT_UPCAST)

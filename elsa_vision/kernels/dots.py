@@ -127,6 +127,25 @@ def store_split(P, E, x, offs_m, offs_n, M, N, lo, stride_e, group):
 
 
 @triton.jit
+def split_rows(pid, tiles, H, N, KPM, stride_kpmb, stride_kpmn, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+    """The rows of program ``pid`` of a pass that splits ``[B, H, N, *]`` operands ahead of an attention
+    kernel's loop (grid ``tiles * B * H``: one tile of ``BLOCK`` rows of one (batch, head) each):
+    ``(b, h, bh, tile, rows, in_rows, ok)``, ``b``/``h`` as int64, ``in_rows`` the rows below ``N``, ``ok``
+    those the loop loads (with ``HAS_KPM``, the keys the padding mask ``KPM [B, N]`` keeps: a hidden key is
+    split as zeros, as the loop's own split sees it)."""
+    tile = pid % tiles
+    bh = pid // tiles
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    in_rows = rows < N
+    ok = in_rows
+    if HAS_KPM:
+        ok = ok & (tl.load(KPM + b * stride_kpmb + rows.to(tl.int64) * stride_kpmn, mask=ok, other=0) != 0)
+    return b, h, bh, tile, rows, in_rows, ok
+
+
+@triton.jit
 def gemm_epilogue(acc, A_EXP, B_EXP, Bias, rows, cols, stride_bias, UNSCALE_ROWS: tl.constexpr,
                   UNSCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
     """The epilogue of an FP32-accurate product tile ``acc [rows, cols]``: the parts' power-of-two row scales

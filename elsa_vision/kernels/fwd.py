@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dots import f16_pair, matmul, matmul_f16x3, pow2, scale_exponent, split_f16, store_split
+from .dots import f16_pair, matmul, matmul_f16x3, pow2, scale_exponent, split_f16, split_rows, store_split
 from .host import FLOAT_DTYPES, LOG2E, canonical_device, cdiv, device_info, next_pow2, tile_size
 from .launch import AttentionProgram, Launch, ProgramCache, install_config
 from .monoid import (
@@ -161,26 +161,18 @@ def _split_kv_kernel(
     Keys hidden by ``key_padding_mask`` are split as zeros (keys and values), as the loop's own split does:
     what they hold never reaches a scale or the state.
     """
-    pid = tl.program_id(0)
-    tile = pid % key_tiles
-    bh = pid // key_tiles
-    off_b = bh // H
-    off_h = bh % H
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    off_b, off_h, bh, tile, rows, in_rows, row_ok = split_rows(tl.program_id(0), key_tiles, H, Nk, Kpm,
+                                                               stride_kpb, stride_kpn, BLOCK_N, HAS_KPM)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = rows < Nk
-    if HAS_KPM:
-        row_ok = row_ok & (tl.load(Kpm + off_b.to(tl.int64) * stride_kpb + rows * stride_kpn, mask=row_ok,
-                                   other=0) != 0)
     rows64 = rows.to(tl.int64)
-    k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
+    k = tl.load(K + off_b * stride_kb + off_h * stride_kh
                 + rows64[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     head_rows = bh.to(tl.int64) * Nk
     store_split(KP + head_rows * D, KE + head_rows, k, rows, offs_d, Nk, D, kp_lo, 1, 0)
-    v_ok = (rows < Nk)[:, None] & (offs_dv[None, :] < DV)
-    v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
+    v_ok = in_rows[:, None] & (offs_dv[None, :] < DV)
+    v = tl.load(V + off_b * stride_vb + off_h * stride_vh
                 + rows64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=row_ok[:, None] & v_ok, other=0.0)
     bad = tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), 0) != 0  # [BLOCK_DV]: a NaN or an infinity
