@@ -69,10 +69,11 @@ def _load_tile(
     stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, HAS_KPM: tl.constexpr,
-    EXACT: tl.constexpr,
+    EXACT: tl.constexpr, SCALED: tl.constexpr = True,
 ):
     """``(scores, v)`` of the key tile at ``cols`` (``_attend``): the base-2 logits before bias and masks
-    and the value tile (hidden keys' rows zeroed), from the keys and values as given."""
+    and the value tile (hidden keys' rows zeroed), from the keys and values as given. Without ``SCALED``
+    (not ``"fp16x3"``) the scores are ``q k^T`` itself: the caller applies ``qk_scale`` when it folds."""
     kt_ptrs = k_ptr + row64 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
     v_ptrs = v_ptr + row64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     if MASKED:
@@ -103,8 +104,9 @@ def _load_tile(
         if EXACT:
             scores = tl.where(k_bad[None, :], float("nan"), scores)
     else:
-        qk = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
-        scores = qk * qk_scale
+        scores = matmul(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+        if SCALED:
+            scores = scores * qk_scale
     return scores, v
 
 
@@ -193,7 +195,7 @@ def _attend(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, ACCUMULATE: tl.constexpr, EXACT: tl.constexpr,
-    PRESPLIT: tl.constexpr,
+    PRESPLIT: tl.constexpr, DEFER_SCALE: tl.constexpr,
 ):
     """Fold the key tiles ``[lo, hi)`` into the state (``s_c``/``acc_c``: the Kahan compensations under
     ``ACCUMULATE == "kahan"``, see ``monoid.fold_tile``). ``MASKED`` adds the bounds and causal masks.
@@ -217,8 +219,13 @@ def _attend(
     high ones; ``ke_ptr`` one exponent per key row, ``ve_ptr`` one per key tile and value column): no split
     in the loop. A non-finite key row gives its own keys NaN logits; a non-finite value entry makes its
     tile's column NaN, which sends the program to its exact pass (which reads ``k_ptr``/``v_ptr``).
+
+    ``DEFER_SCALE`` (half-precision inputs without a bias, fast pass): the tile's scores stay ``q k^T``
+    and ``qk_scale`` joins the weights' exponent in one fused multiply-add (``monoid.tile_weights``): one
+    multiply fewer per score.
     """
     USE_PARTS: tl.constexpr = PRESPLIT and not EXACT
+    LATE: tl.constexpr = DEFER_SCALE and PRECISION == "none" and not HAS_BIAS and not EXACT
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if EXACT else None):  # the exact pass: no buffers
         cols = start_n + offs_n
         row64 = tl.cast(start_n, tl.int64)
@@ -233,7 +240,7 @@ def _attend(
             scores, v = _load_tile(
                 q, q_lo, q_c, cols, row64, offs_n, offs_d, offs_dv, k_ptr, v_ptr, keep, stride_kn, stride_kd,
                 stride_vn, stride_vd, seqlen_k, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                PRECISION, MASKED, HAS_KPM, EXACT)
+                PRECISION, MASKED, HAS_KPM, EXACT, not LATE)
         if HAS_BIAS:
             if MASKED:
                 b = tl.load(bias_ptr + cols[None, :] * stride_bn,
@@ -258,6 +265,9 @@ def _attend(
             scores = tl.where(keep[None, :], scores, float("-inf"))
         if USE_PARTS:
             m_i, s_i, acc = fold_parts(m_i, s_i, acc, scores, v_hi, v_lo, v_scale)
+        elif LATE:
+            m_i, s_i, s_c, acc, acc_c, code = fold_keys(m_i, s_i, s_c, acc, acc_c, code, scores, v, PRECISION,
+                                                        ACCUMULATE, EXACT, qk_scale)
         else:
             m_i, s_i, s_c, acc, acc_c, code = fold_keys(m_i, s_i, s_c, acc, acc_c, code, scores, v, PRECISION,
                                                         ACCUMULATE, EXACT)
@@ -279,6 +289,7 @@ def _fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     ACCUMULATE: tl.constexpr, SEGMENT: tl.constexpr, STORE_LSE: tl.constexpr, PRESPLIT: tl.constexpr,
+    DEFER_SCALE: tl.constexpr = False,
 ):
     """Level one. Grid ``(m_tiles * B * H, partitions)`` with ``m_tiles = cdiv(Nq, BLOCK_M)`` (query tiles of
     one head adjacent, so that they share its keys in L2; one flat axis: no 65535 limit on ``B * H``).
@@ -387,7 +398,7 @@ def _fwd_kernel(
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
                 seg, tl.minimum(seg + SEGMENT, mid), seqlen_k, causal_shift, qk_scale,
                 D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
-                ACCUMULATE, False, PRESPLIT,
+                ACCUMULATE, False, PRESPLIT, DEFER_SCALE,
             )
             m_i, s_i, acc = merge_row_states(m_i, s_i, acc, m_b, s_b, acc_b)
     else:
@@ -397,7 +408,7 @@ def _fwd_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
             lo, mid, seqlen_k, causal_shift, qk_scale,
             D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, False, CAUSAL, HAS_BIAS, HAS_KPM,
-            ACCUMULATE, False, PRESPLIT,
+            ACCUMULATE, False, PRESPLIT, DEFER_SCALE,
         )
     m_i, s_i, s_c, acc, acc_c, code = _attend(
         m_i, s_i, s_c, acc, acc_c, code, q, q_lo, q_c, offs_m, offs_n, offs_d, offs_dv, K + k_off, V + v_off,
@@ -405,7 +416,7 @@ def _fwd_kernel(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
         mid, hi, seqlen_k, causal_shift, qk_scale,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM, ACCUMULATE,
-        False, PRESPLIT,
+        False, PRESPLIT, DEFER_SCALE,
     )
     s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
     if count_nonfinite(acc) + count_nonfinite(s_i) != 0:
@@ -421,7 +432,7 @@ def _fwd_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bn, stride_kpn,
             lo, hi, seqlen_k, causal_shift, qk_scale,
             D, DV, BLOCK_M, EXACT_N, BLOCK_D, BLOCK_DV, PRECISION, True, CAUSAL, HAS_BIAS, HAS_KPM,
-            ACCUMULATE, True, PRESPLIT,
+            ACCUMULATE, True, PRESPLIT, DEFER_SCALE,
         )
         s_i, acc = settle_sums(s_i, s_c, acc, acc_c, ACCUMULATE)
         acc = acc + nonfinite_values(code)
@@ -520,6 +531,11 @@ class FwdPlan:
 # head has at least this many keys, instead of every query tile splitting every key tile in its loop
 # (docs/kernel_notes.md, "Keys and values split once").
 PRESPLIT_MIN_KEYS = 0
+
+# Half-precision inputs without a bias: ``qk_scale`` joins the softmax's exponent in one fused multiply-add
+# instead of scaling every score first (``_attend``'s ``DEFER_SCALE``; docs/kernel_notes.md, "Scale folded
+# into the exponent").
+DEFER_SCALE = True
 
 # Configs installed by ``set_config``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> tiles.
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
@@ -791,7 +807,8 @@ class _FwdProgram(AttentionProgram):
                     PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm,
                     IS_VARLEN=varlen is not None, SPLIT=p.partitions > 1,
                     ACCUMULATE=ACCUMULATION.get(p.precision, "plain"),
-                    SEGMENT=segment_keys(p.precision, p.block_n, Nk), PRESPLIT=presplit)
+                    SEGMENT=segment_keys(p.precision, p.block_n, Nk), PRESPLIT=presplit,
+                    DEFER_SCALE=DEFER_SCALE)
         self.split = None
         if main["PRESPLIT"]:
             key_tiles = cdiv(Nk, p.block_n)

@@ -183,13 +183,19 @@ def kahan_add(total, comp, x):
 
 
 @triton.jit
-def tile_weights(m, scores):
+def tile_weights(m, scores, scale=1.0):
     """``(m_new, alpha, p)`` of folding a score tile ``[BLOCK_M, BLOCK_N]`` (base 2) into running maxima
     ``m``: the new maxima, the factor ``exp2(m - m_new)`` of the running sums and the tile's weights
-    ``exp2(scores - m_new)`` (0 for ``-inf`` scores, never NaN: ``safe_shift``)."""
-    m_new = tl.maximum(m, tl.max(scores, 1))
+    ``exp2(scores - m_new)`` (0 for ``-inf`` scores, never NaN: ``safe_shift``).
+
+    ``scale`` (positive): the base-2 logits are ``scores * scale``, the scale applied late: the row maxima
+    are the unscaled maxima times it (the same numbers: rounding is monotonic) and each weight's exponent
+    is one fused multiply-add, ``scores * scale - m_new``, instead of a multiply over the tile and then a
+    subtraction. That exponent may exceed 0 by the rounding of ``m_new`` (a weight of at most ``1 + 2^-23``
+    at the row maximum)."""
+    m_new = tl.maximum(m, tl.max(scores, 1) * scale)
     shift = safe_shift(m_new)
-    return m_new, tl.math.exp2(m - shift), tl.math.exp2(scores - shift[:, None])
+    return m_new, tl.math.exp2(m - shift), tl.math.exp2(scores * scale - shift[:, None])
 
 
 @triton.jit
@@ -213,8 +219,9 @@ def fold_parts(m, s, w, scores, v_hi, v_lo, v_scale):
 
 
 @triton.jit
-def fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """Fold one score tile into the running state: ``(m, S, W) (+) state(scores, v)``.
+def fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, scale=1.0):
+    """Fold one score tile into the running state: ``(m, S, W) (+) state(scores * scale, v)`` (``scale``:
+    see ``tile_weights``).
 
     Args:
         m, s: ``[BLOCK_M]`` float32 running max (base 2) and normaliser.
@@ -232,7 +239,7 @@ def fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION: tl.constexpr, ACCUMULATE:
             any number of tiles (the error of plain float32 running sums grows with the tile count, and W's
             terms cancel: random values give a relative error ~ sqrt(tiles) times one rounding).
     """
-    m_new, alpha, p = tile_weights(m, scores)
+    m_new, alpha, p = tile_weights(m, scores, scale)
     if PRECISION == "fp16x3":
         v_hi, v_lo, cv = split_f16(v)
         pv = weighted_parts(p, v_hi, v_lo, pow2(-cv), w)
@@ -274,16 +281,16 @@ def fold_nonfinite(code, visible, v):
 
 @triton.jit
 def fold_keys(m, s, s_c, w, w_c, code, scores, v, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-              EXACT: tl.constexpr):
+              EXACT: tl.constexpr, scale=1.0):
     """One key tile into a running state: ``fold_tile``, and under ``EXACT`` (a kernel's exact pass) the rule
     that a hidden key (score ``-inf``) adds nothing whatever its value holds: the visible keys' non-finite
     value entries go to ``code`` (``fold_nonfinite``) and the finite part of ``v`` is folded. Without
     ``EXACT``, ``code`` comes back untouched: a kernel's fast pass carries a zero code through its loop (the
-    compiler drops it) and hands it, still zero, to the exact pass."""
+    compiler drops it) and hands it, still zero, to the exact pass. ``scale``: see ``tile_weights``."""
     if EXACT:
         code = fold_nonfinite(code, scores != float("-inf"), v)
         v = finite_part(v)
-    m, s, s_c, w, w_c = fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION, ACCUMULATE)
+    m, s, s_c, w, w_c = fold_tile(m, s, s_c, w, w_c, scores, v, PRECISION, ACCUMULATE, scale)
     return m, s, s_c, w, w_c, code
 
 

@@ -721,6 +721,46 @@ def test_fp16x3_compiles_for_sm90_without_a_gpu(presplit):
     assert 0 < report["shared"] <= 232448 and report["wgmma_f16"] and not report["cvt_tf32"], report
 
 
+_SM90_HALF = r"""
+import json
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from elsa_vision.kernels import fwd
+
+report = {}
+for defer in (False, True):
+    consts = dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRECISION="none",
+                  CAUSAL=False, HAS_BIAS=False, HAS_KPM=False, IS_VARLEN=False, SPLIT=False,
+                  ACCUMULATE="plain", STORE_LSE=True, SEGMENT=0, PRESPLIT=False, DEFER_SCALE=defer,
+                  stride_qd=1, stride_kd=1, stride_vd=1)
+    sig = {n: "i32" for n in fwd._fwd_kernel.arg_names}
+    sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out")})
+    sig.update({n: "*fp32" for n in ("Bias", "Lse", "WsM", "WsS", "WsW")})
+    sig.update({"Kpm": "*u8", "CuQ": "*i32", "CuK": "*i32", "qk_scale": "fp32", "KP": "*fp16",
+                "VP": "*fp16", "KE": "*i32", "VE": "*i32"})
+    sig.update({n: "constexpr" for n in consts})
+    k = triton.compile(ASTSource(fn=fwd._fwd_kernel, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    ptx = k.asm["ptx"]
+    report[str(defer)] = {"mul": len(re.findall(r"\bmul(\.rn)?\.f32", ptx)), "ex2": ptx.count("ex2.approx"),
+                          "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "shared": k.metadata.shared}
+print(json.dumps(report))
+"""
+
+
+def test_half_precision_scale_joins_the_exponent_on_sm90():
+    # bf16 without a bias, compiled for an H100: with DEFER_SCALE the scores are not multiplied by qk_scale
+    # one by one; the scale joins the exponent's subtraction in a fused multiply-add. Per thread of a
+    # 128 x 64 tile on 4 warps, 64 scores per loop (two loops: unmasked and masked): at least 64 fewer
+    # float32 multiplies, more FMAs, the same exp2 count.
+    report = compile_for_sm90(_SM90_HALF)
+    late, early = report["True"], report["False"]
+    assert late["mul"] <= early["mul"] - 64 and late["fma"] > early["fma"], report
+    assert late["ex2"] == early["ex2"] and 0 < late["shared"] <= 232448, report
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 
