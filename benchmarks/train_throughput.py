@@ -19,11 +19,18 @@ allocated memory over the ranks; `scaling` (images/s over the world size times t
 same peer and precision) and `vs_timm` (ELSA over timm at the same world size and precision). Rows go to
 `logs/benchmarks/train_throughput_<device>.csv` (or `--out`).
 
+`--profile` also records the last `PROFILED_STEPS` warm-up steps of every run with `torch.profiler` (never a
+timed step) and reports, per step and rank, how long the GPU was busy with communication kernels (NCCL),
+with other kernels, and with both at once: communication that no computation hides is `exposed`. Each rank
+writes its Chrome trace (`trace_<peer>_<precision>_w<world>_r<rank>.json`), rank 0 the summaries
+(`train_profile_<device>.json`).
+
     python -m benchmarks.train_throughput                                 # one GPU: ViT-B/16 224 px b64 FP32
     python -m benchmarks.train_throughput --devices 1,2,4 --precisions 32-true,bf16-mixed   # DDP scaling
     python -m benchmarks.train_throughput --devices 1,2,4 --model elsa_vit_l --strategy fsdp --batch-size 32
     python -m benchmarks.train_throughput --quick --device cpu              # smoke run: ViT-Ti, 64 px
     python -m benchmarks.train_throughput --quick --device cpu --devices 1,2  # the DDP path on gloo processes
+    python -m benchmarks.train_throughput --devices 4 --model elsa_vit_l --strategy fsdp --profile  # overlap
 
 Goals (H100): ElsaViT-B FP32 images/s >= 1.1x timm's with the same recipe; DDP on 2 / 4 GPUs >= 1.9x / 3.7x
 one GPU's images/s.
@@ -43,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ROOT, Results, add_out_dir, columns, device_tag, run_info, step_timer
+from benchmarks.common import ROOT, Results, add_out_dir, columns, device_tag, run_info, step_timer, sync
 
 COLUMNS = columns("world", "strategy", "precision", "peer", "backbone", "img_size", "batch_per_device",
                   "steps", "step_ms", "img_per_s_compute", "img_per_s_per_device", "img_per_s_end_to_end",
@@ -58,6 +65,7 @@ TIMM_PEER = {
 FULL = dict(model="elsa_vit_b", img_size=224, batch=64, classes=10, steps=20, warmup=5, workers=8)
 QUICK = dict(model="elsa_vit_t", img_size=64, batch=4, classes=2, steps=3, warmup=1, workers=0)
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+PROFILED_STEPS = 2  # --profile: the last warm-up steps recorded (fewer where there are fewer warm-up steps)
 STRATEGIES = ("ddp", "fsdp")
 UNIQUE_IMAGES = 64  # distinct JPEGs per split; the rest of the tree links to them (decoded all the same)
 
@@ -90,7 +98,95 @@ def make_imagefolder(root: Path, classes: int, per_class: int, size=(500, 375), 
     return root
 
 
-def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.device) -> dict:
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint sorted intervals covering the same points as ``intervals``."""
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(hi - lo for lo, hi in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the points two lists of disjoint sorted intervals share."""
+    i = j = 0
+    shared = 0.0
+    while i < len(a) and j < len(b):
+        shared += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
+
+
+def overlap_summary(kernels: list[tuple[str, float, float]], steps: int) -> dict:
+    """Per step (ms): the GPU time busy with communication kernels (NCCL: ``comm_ms``), with the others
+    (``compute_ms``), with either (``busy_ms``) and with both at once (``overlap_ms``); ``exposed_comm_ms``
+    is the communication no computation hides. ``kernels``: ``(name, start_us, end_us)`` over ``steps``
+    steps; ``top``: the ten kernels of most GPU time per step."""
+    comm = _union([(lo, hi) for name, lo, hi in kernels if "nccl" in name.lower()])
+    compute = _union([(lo, hi) for name, lo, hi in kernels if "nccl" not in name.lower()])
+    both = _intersection(comm, compute)
+    per = 1e3 * max(steps, 1)
+    totals: dict[str, float] = {}
+    for name, lo, hi in kernels:
+        totals[name] = totals.get(name, 0.0) + hi - lo
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "kernels_per_step": round(len(kernels) / max(steps, 1), 1),
+        "busy_ms": round(_length(_union(comm + compute)) / per, 3),
+        "compute_ms": round(_length(compute) / per, 3),
+        "comm_ms": round(_length(comm) / per, 3),
+        "overlap_ms": round(both / per, 3),
+        "exposed_comm_ms": round((_length(comm) - both) / per, 3),
+        "top": [[name[:120], round(us / per, 3)] for name, us in top],
+    }
+
+
+def step_profiler(first: int, count: int, trace: Path | None):
+    """A Lightning callback recording steps ``first .. first + count - 1`` with ``torch.profiler`` (host and
+    CUDA activity): ``summary`` is their :func:`overlap_summary`; the Chrome trace goes to ``trace``."""
+    import lightning as L
+    from torch.profiler import ProfilerActivity, profile
+
+    class StepProfiler(L.Callback):
+        def __init__(self) -> None:
+            self.prof = None
+            self.summary: dict | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == first:
+                sync(pl_module.device)
+                activities = [ProfilerActivity.CPU]
+                if pl_module.device.type == "cuda":
+                    activities.append(ProfilerActivity.CUDA)
+                self.prof = profile(activities=activities)
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == first + count - 1 and self.prof is not None:
+                sync(pl_module.device)
+                self.prof.__exit__(None, None, None)
+                cuda = torch.autograd.DeviceType.CUDA
+                kernels = [(e.name, e.time_range.start, e.time_range.end)
+                           for e in self.prof.events() if e.device_type == cuda]
+                self.summary = overlap_summary(kernels, count)
+                if trace is not None:
+                    self.prof.export_chrome_trace(str(trace))
+                self.prof = None
+
+    return StepProfiler()
+
+
+def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.device,
+             profile_dir: Path | None = None) -> dict:
     """Fit ``warmup + steps`` steps of the recipe with one backbone on this process's share of the world
     (every rank calls it); return rank 0's timing row, with the largest peak memory over the ranks."""
     import hydra
@@ -129,6 +225,16 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
     # One device: Lightning's plain single-device loop; several: the strategy of trainer=ddp|fsdp.
     strategy = hydra.utils.instantiate(cfg.trainer.strategy) if world > 1 else "auto"
     timer = step_timer(spec["warmup"])
+    callbacks = [timer]
+    profiler = None
+    if profile_dir is not None:
+        count = min(PROFILED_STEPS, spec["warmup"])
+        if count < 1:
+            raise SystemExit("--profile records warm-up steps: the run has none")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        trace = profile_dir / f"trace_{peer}_{precision}_w{world}_r{rank}.json"
+        profiler = step_profiler(spec["warmup"] - count, count, trace)
+        callbacks.append(profiler)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer = L.Trainer(
@@ -144,7 +250,7 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=callbacks,
     )
     trainer.fit(model=model, datamodule=datamodule)
     if len(timer.steps) < spec["steps"]:
@@ -154,9 +260,13 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
         )
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     peaks = [peak]
+    summaries = [None if profiler is None else profiler.summary]
     if world > 1:
         peaks = [None] * world
         dist.all_gather_object(peaks, peak)
+        if profiler is not None:
+            summaries = [None] * world
+            dist.all_gather_object(summaries, profiler.summary)
     step = statistics.median(timer.steps)
     wall = timer.last - timer.first
     del trainer, model, datamodule
@@ -176,12 +286,14 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
         "img_per_s_per_device": round(spec["batch"] / step, 2),
         "img_per_s_end_to_end": round(world * spec["batch"] * len(timer.steps) / wall, 2),
         "peak_mb_per_rank": None if peaks[0] is None else round(max(peaks), 1),
+        **({} if profiler is None else {"profile": summaries}),
     }
 
 
-def run_world(spec: dict, precisions: list[str], root: Path, device: torch.device) -> list[dict]:
+def run_world(spec: dict, precisions: list[str], root: Path, device: torch.device,
+              profile_dir: Path | None = None) -> list[dict]:
     """Every precision and peer on this process (one device, or one rank of a torchrun world)."""
-    return [run_peer(peer, precision, spec, root, device)
+    return [run_peer(peer, precision, spec, root, device, profile_dir)
             for precision in precisions for peer in ("timm", "elsa")]  # fmt: skip
 
 
@@ -198,7 +310,7 @@ def _worker(a, spec: dict) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     try:
-        rows = run_world(spec, a.precisions, Path(a.root), device)
+        rows = run_world(spec, a.precisions, Path(a.root), device, a.out if a.profile else None)
         if dist.get_rank() == 0:
             Path(a.worker_json).write_text(json.dumps(rows))
         dist.barrier()
@@ -252,6 +364,9 @@ def _parse(argv: list[str]):
     p.add_argument("--batch-size", type=int, default=None, help="images per device and step")
     p.add_argument("--steps", type=int, default=None, help="timed steps per peer")
     p.add_argument("--workers", type=int, default=None, help="data loader workers per device")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the last warm-up steps: GPU time in communication, computation and "
+                   "both (train_profile_<device>.json, a Chrome trace per rank)")
     p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)  # a torchrun rank of _launch
     add_out_dir(p)
     a = p.parse_args(argv)
@@ -302,11 +417,13 @@ def main(argv: list[str] | None = None) -> str | None:
                 raise SystemExit(f"--root {root}: expected a train/ folder of class folders")
         rows: list[dict] = []
         meta = run_info(device, __file__, argv)
-        path = a.out / f"train_throughput_{device_tag(device)}{'_quick' if a.quick else ''}.csv"
+        suffix = f"{device_tag(device)}{'_quick' if a.quick else ''}"
+        path = a.out / f"train_throughput_{suffix}.csv"
+        profiles: list[dict] = []
         # each world size's rows are written once it is done: a run cut off keeps the world sizes it measured
         with Results(path, COLUMNS, meta) as out:
             for world in a.devices:
-                new = (run_world(spec, a.precisions, root, device) if world == 1
+                new = (run_world(spec, a.precisions, root, device, a.out if a.profile else None) if world == 1
                        else _launch(world, argv, root, Path(tmp), a.device))
                 rows += new
                 _ratios(rows)  # one device's rows come first (--devices is sorted)
@@ -318,6 +435,15 @@ def main(argv: list[str] | None = None) -> str | None:
                         f"{r['step_ms']} ms/step), {r['img_per_s_end_to_end']:9.2f} end to end, "
                         f"peak {r['peak_mb_per_rank']} MB/rank, scaling {r.get('scaling')}, "
                         f"vs timm {r.get('vs_timm')}", flush=True)
+                    for rank, summary in enumerate(r.get("profile") or []):
+                        profiles.append({"world": r["world"], "precision": r["precision"], "peer": r["peer"],
+                                         "rank": rank, "step_ms": r["step_ms"], **summary})
+                        print(f"  rank {rank}: per step {summary['busy_ms']} ms GPU busy, compute "
+                              f"{summary['compute_ms']}, communication {summary['comm_ms']} (hidden "
+                              f"{summary['overlap_ms']}, exposed {summary['exposed_comm_ms']}), "
+                              f"{summary['kernels_per_step']} kernels", flush=True)
+                if profiles:
+                    (a.out / f"train_profile_{suffix}.json").write_text(json.dumps(profiles, indent=1))
     print(f"wrote {path}")
     return str(path)
 

@@ -2,6 +2,7 @@
 process and on two gloo processes of torchrun, and writes the declared CSV columns with the ratios."""
 
 import csv
+import json
 
 import pytest
 
@@ -66,20 +67,47 @@ def test_quick_cpu_run_writes_csv(tmp_path):
 
 
 def test_quick_cpu_run_on_two_gloo_processes(tmp_path):
-    path = bench.main(["--quick", "--device", "cpu", "--devices", "1,2", "--out", str(tmp_path)])
+    path = bench.main(["--quick", "--device", "cpu", "--devices", "1,2", "--out", str(tmp_path), "--profile"])
     rows = list(csv.DictReader(open(path)))
+    assert list(rows[0]) == bench.COLUMNS
     assert [(r["world"], r["strategy"], r["peer"]) for r in rows] == [
         ("1", "single", "timm"), ("1", "single", "elsa"), ("2", "ddp", "timm"), ("2", "ddp", "elsa")]
     for r in rows[2:]:
         # two ranks of the per-device batch per step
         assert float(r["img_per_s_compute"]) == pytest.approx(2 * float(r["img_per_s_per_device"]), rel=1e-3)
         assert float(r["scaling"]) > 0 and int(r["steps"]) == bench.QUICK["steps"]
+    # --profile: a summary per run and rank (no GPU kernels on the CPU), a Chrome trace per run and rank
+    profiles = json.loads((tmp_path / "train_profile_cpu_quick.json").read_text())
+    assert [(p["world"], p["peer"], p["rank"]) for p in profiles] == [
+        (1, "timm", 0), (1, "elsa", 0), (2, "timm", 0), (2, "timm", 1), (2, "elsa", 0), (2, "elsa", 1)]
+    assert all(p["kernels_per_step"] == 0 and p["busy_ms"] == 0 for p in profiles)
+    traces = sorted(q.name for q in tmp_path.glob("trace_*.json"))
+    assert traces == ["trace_elsa_32-true_w1_r0.json", "trace_elsa_32-true_w2_r0.json",
+                      "trace_elsa_32-true_w2_r1.json", "trace_timm_32-true_w1_r0.json",
+                      "trace_timm_32-true_w2_r0.json", "trace_timm_32-true_w2_r1.json"]
+    assert all(json.loads((tmp_path / t).read_text())["traceEvents"] for t in traces)
+
+
+def test_overlap_summary_splits_communication_into_hidden_and_exposed():
+    # two steps (us): computation on [0, 10] and [12, 20] ms, a second stream's kernel inside the first,
+    # NCCL on [5, 15] ms: 8 ms of it under computation, 2 ms exposed
+    kernels = [("gemm", 0.0, 10_000.0), ("norm", 1_000.0, 3_000.0), ("gemm", 12_000.0, 20_000.0),
+               ("ncclDevKernel_AllGather_RING_LL", 5_000.0, 15_000.0)]
+    summary = bench.overlap_summary(kernels, steps=2)
+    assert {k: summary[k] for k in ("busy_ms", "compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms")} == {
+        "busy_ms": 10.0, "compute_ms": 9.0, "comm_ms": 5.0, "overlap_ms": 4.0, "exposed_comm_ms": 1.0}
+    assert summary["kernels_per_step"] == 2.0
+    assert summary["top"][:2] == [["gemm", 9.0], ["ncclDevKernel_AllGather_RING_LL", 5.0]]
+    # communication alone is all exposed; no kernels at all is all zeros
+    alone = bench.overlap_summary([("ncclKernel", 0.0, 4_000.0), ("ncclKernel", 2_000.0, 6_000.0)], steps=1)
+    assert (alone["comm_ms"], alone["overlap_ms"], alone["exposed_comm_ms"]) == (6.0, 0.0, 6.0)
+    assert bench.overlap_summary([], steps=2)["busy_ms"] == 0
 
 
 def test_a_run_cut_off_keeps_the_world_sizes_it_measured(tmp_path, monkeypatch):
     # Each world size's rows are written when it is done: a later world that fails (a torchrun error, a
     # time limit) leaves the one-device rows, with their ratios, in the CSV.
-    def one_device(spec, precisions, root, device):
+    def one_device(spec, precisions, root, device, profile_dir=None):
         return [dict(world=1, strategy="single", precision="32-true", peer=peer, backbone=peer, img_size=64,
                      batch_per_device=2, steps=3, step_ms=10.0, img_per_s_compute=speed,
                      img_per_s_per_device=speed, img_per_s_end_to_end=speed, peak_mb_per_rank=None)
