@@ -185,19 +185,11 @@ def step_profiler(first: int, count: int, trace: Path | None):
     return StepProfiler()
 
 
-def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.device,
-             profile_dir: Path | None = None) -> dict:
-    """Fit ``warmup + steps`` steps of the recipe with one backbone on this process's share of the world
-    (every rank calls it); return rank 0's timing row, with the largest peak memory over the ranks."""
-    import hydra
-    import lightning as L
-    import torch.distributed as dist
+def compose_recipe(spec: dict, root: Path, device: torch.device):
+    """The recipe's Hydra config for ``spec`` on the ImageFolder at ``root``, with ``spec["overrides"]``
+    (``--override``, Hydra syntax) applied last."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
 
-    from elsa_vision.tasks.train import instantiate_data
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
     overrides = [
         "data=imagefolder",
         f"data.root={root}",
@@ -208,9 +200,25 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
         f"data.img_size={spec['img_size']}",
         f"model={spec['model']}",
         f"trainer={spec['strategy']}",
+        *spec.get("overrides", ()),
     ]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=overrides)
+
+
+def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.device,
+             profile_dir: Path | None = None) -> dict:
+    """Fit ``warmup + steps`` steps of the recipe with one backbone on this process's share of the world
+    (every rank calls it); return rank 0's timing row, with the largest peak memory over the ranks."""
+    import hydra
+    import lightning as L
+    import torch.distributed as dist
+    from omegaconf import open_dict
+
+    from elsa_vision.tasks.train import instantiate_data
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = compose_recipe(spec, root, device)
     if peer == "timm":  # the same recipe around timm's stock model of the ELSA backbone's architecture
         net = cfg.model.net
         if net.model_name not in TIMM_PEER:
@@ -364,6 +372,9 @@ def _parse(argv: list[str]):
     p.add_argument("--batch-size", type=int, default=None, help="images per device and step")
     p.add_argument("--steps", type=int, default=None, help="timed steps per peer")
     p.add_argument("--workers", type=int, default=None, help="data loader workers per device")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Hydra override of the recipe for both peers, applied last (repeatable), e.g. "
+                   "+trainer.strategy.forward_prefetch=true")
     p.add_argument("--profile", action="store_true",
                    help="also profile the last warm-up steps: GPU time in communication, computation and "
                    "both (train_profile_<device>.json, a Chrome trace per rank)")
@@ -393,7 +404,7 @@ def _parse(argv: list[str]):
 def main(argv: list[str] | None = None) -> str | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = _parse(argv)
-    spec = dict(QUICK if a.quick else FULL, strategy=a.strategy)
+    spec = dict(QUICK if a.quick else FULL, strategy=a.strategy, overrides=a.override)
     for key, val in (("model", a.model), ("batch", a.batch_size), ("steps", a.steps), ("workers", a.workers)):
         if val is not None:
             spec[key] = val

@@ -30,7 +30,8 @@ FLAGS = {
     "hsi": ["--quick", "--device", "--mode", "--reps", "--json", "--part", "--scene-reps", "--out"],
     "models": ["--device", "--quick", "--cases", "--precision", "--fp32", "--warmup", "--reps", "--out"],
     "train_throughput": ["--device", "--quick", "--devices", "--precisions", "--strategy", "--model",
-                         "--root", "--batch-size", "--steps", "--workers", "--profile", "--out"],
+                         "--root", "--batch-size", "--steps", "--workers", "--override", "--profile",
+                         "--out"],
     "vggt": ["--quick", "--full", "--scale", "--frames", "--device", "--reps", "--out"],
 }
 

@@ -5,6 +5,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from benchmarks import train_throughput as bench
 
@@ -86,6 +87,20 @@ def test_quick_cpu_run_on_two_gloo_processes(tmp_path):
                       "trace_elsa_32-true_w2_r1.json", "trace_timm_32-true_w1_r0.json",
                       "trace_timm_32-true_w2_r0.json", "trace_timm_32-true_w2_r1.json"]
     assert all(json.loads((tmp_path / t).read_text())["traceEvents"] for t in traces)
+
+
+def test_overrides_reach_the_recipe_and_bad_ones_are_refused(tmp_path):
+    spec = dict(bench.QUICK, strategy="fsdp", overrides=["trainer.strategy.activation_checkpointing=true",
+                                                         "+trainer.strategy.forward_prefetch=true"])
+    cfg = bench.compose_recipe(spec, tmp_path, torch.device("cpu"))
+    assert cfg.trainer.strategy.activation_checkpointing is True and cfg.trainer.strategy.forward_prefetch
+    assert cfg.model.net.model_name == "elsa_vit_tiny_patch16_224" and cfg.data.root == str(tmp_path)
+    plain = bench.compose_recipe(dict(bench.QUICK, strategy="fsdp"), tmp_path, torch.device("cpu"))
+    assert plain.trainer.strategy.activation_checkpointing is False
+    assert "forward_prefetch" not in plain.trainer.strategy
+    with pytest.raises(Exception, match="no_such_key"):
+        bench.compose_recipe(dict(spec, overrides=["trainer.strategy.no_such_key=1"]), tmp_path,
+                             torch.device("cpu"))
 
 
 def test_overlap_summary_splits_communication_into_hidden_and_exposed():
