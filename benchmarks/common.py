@@ -166,9 +166,10 @@ def host_us(fns: dict[str, Callable], calls: int, repeats: int = 9, warmup: int 
     return {name: statistics.median(ts) for name, ts in out.items()}
 
 
-def step_timer(warmup: int):
+def step_timer(warmup: int, count: int | None = None):
     """A Lightning callback timing every training step (device-synchronised, ``time.perf_counter``) after
-    ``warmup`` steps: ``steps`` (seconds per step) and ``first`` / ``last`` (the timed span's ends)."""
+    ``warmup`` steps, the first ``count`` of them where given: ``steps`` (seconds per step) and ``first`` /
+    ``last`` (the timed span's ends)."""
     import lightning as L
 
     class StepTimer(L.Callback):
@@ -186,7 +187,7 @@ def step_timer(warmup: int):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             sync(pl_module.device)
-            if batch_idx >= warmup:
+            if batch_idx >= warmup and (count is None or batch_idx < warmup + count):
                 self.last = time.perf_counter()
                 self.steps.append(self.last - self.t0)
 

@@ -19,11 +19,11 @@ allocated memory over the ranks; `scaling` (images/s over the world size times t
 same peer and precision) and `vs_timm` (ELSA over timm at the same world size and precision). Rows go to
 `logs/benchmarks/train_throughput_<device>.csv` (or `--out`).
 
-`--profile` also records the last `PROFILED_STEPS` warm-up steps of every run with `torch.profiler` (never a
-timed step) and reports, per step and rank, how long the GPU was busy with communication kernels (NCCL),
-with other kernels, and with both at once: communication that no computation hides is `exposed`. Each rank
-writes its Chrome trace (`trace_<peer>_<precision>_w<world>_r<rank>.json`), rank 0 the summaries
-(`train_profile_<device>.json`).
+`--profile` also records `PROFILED_STEPS` more steps after the timed ones with `torch.profiler` (steady
+steps, never a timed one) and reports, per step and rank, how long the GPU was busy with communication
+kernels (NCCL), with other kernels, and with both at once: communication that no computation hides is
+`exposed`; a GPU busy for less than the step's time waited for the host. Each rank writes its Chrome trace
+(`trace_<peer>_<precision>_w<world>_r<rank>.json`), rank 0 the summaries (`train_profile_<device>.json`).
 
     python -m benchmarks.train_throughput                                 # one GPU: ViT-B/16 224 px b64 FP32
     python -m benchmarks.train_throughput --devices 1,2,4 --precisions 32-true,bf16-mixed   # DDP scaling
@@ -65,7 +65,7 @@ TIMM_PEER = {
 FULL = dict(model="elsa_vit_b", img_size=224, batch=64, classes=10, steps=20, warmup=5, workers=8)
 QUICK = dict(model="elsa_vit_t", img_size=64, batch=4, classes=2, steps=3, warmup=1, workers=0)
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-PROFILED_STEPS = 2  # --profile: the last warm-up steps recorded (fewer where there are fewer warm-up steps)
+PROFILED_STEPS = 2  # --profile: steps recorded after the timed ones
 STRATEGIES = ("ddp", "fsdp")
 UNIQUE_IMAGES = 64  # distinct JPEGs per split; the rest of the tree links to them (decoded all the same)
 
@@ -151,6 +151,16 @@ def overlap_summary(kernels: list[tuple[str, float, float]], steps: int) -> dict
     }
 
 
+def gpu_work(events) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of the GPU's own work (kernels, copies, memsets) among the profiler's
+    ``events``. The profiler also gives every ``record_function`` range a GPU-side event (FSDP's
+    ``FullyShardedDataParallel.forward``, the ``nccl:*`` ranges of collectives), spanning the kernels launched
+    inside it: counting those as kernels would make the GPU look busy for whole regions."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+
+
 def step_profiler(first: int, count: int, trace: Path | None):
     """A Lightning callback recording steps ``first .. first + count - 1`` with ``torch.profiler`` (host and
     CUDA activity): ``summary`` is their :func:`overlap_summary`; the Chrome trace goes to ``trace``."""
@@ -175,10 +185,7 @@ def step_profiler(first: int, count: int, trace: Path | None):
             if batch_idx == first + count - 1 and self.prof is not None:
                 sync(pl_module.device)
                 self.prof.__exit__(None, None, None)
-                cuda = torch.autograd.DeviceType.CUDA
-                kernels = [(e.name, e.time_range.start, e.time_range.end)
-                           for e in self.prof.events() if e.device_type == cuda]
-                self.summary = overlap_summary(kernels, count)
+                self.summary = overlap_summary(gpu_work(self.prof.events()), count)
                 if trace is not None:
                     self.prof.export_chrome_trace(str(trace))
                 self.prof = None
@@ -209,8 +216,9 @@ def compose_recipe(spec: dict, root: Path, device: torch.device):
 
 def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.device,
              profile_dir: Path | None = None) -> dict:
-    """Fit ``warmup + steps`` steps of the recipe with one backbone on this process's share of the world
-    (every rank calls it); return rank 0's timing row, with the largest peak memory over the ranks."""
+    """Fit ``warmup + steps`` steps (``PROFILED_STEPS`` more with ``profile_dir``) of the recipe with one
+    backbone on this process's share of the world (every rank calls it); return rank 0's timing row, with
+    the largest peak memory over the ranks."""
     import hydra
     import lightning as L
     import torch.distributed as dist
@@ -233,16 +241,13 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
     model = hydra.utils.instantiate(cfg.model, _convert_="partial")
     # One device: Lightning's plain single-device loop; several: the strategy of trainer=ddp|fsdp.
     strategy = hydra.utils.instantiate(cfg.trainer.strategy) if world > 1 else "auto"
-    timer = step_timer(spec["warmup"])
+    timer = step_timer(spec["warmup"], spec["steps"])
     callbacks = [timer]
     profiler = None
     if profile_dir is not None:
-        count = min(PROFILED_STEPS, spec["warmup"])
-        if count < 1:
-            raise SystemExit("--profile records warm-up steps: the run has none")
         rank = dist.get_rank() if dist.is_initialized() else 0
         trace = profile_dir / f"trace_{peer}_{precision}_w{world}_r{rank}.json"
-        profiler = step_profiler(spec["warmup"] - count, count, trace)
+        profiler = step_profiler(spec["warmup"] + spec["steps"], PROFILED_STEPS, trace)
         callbacks.append(profiler)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -252,7 +257,7 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
         num_nodes=1,
         strategy=strategy,
         precision=precision,
-        max_steps=spec["warmup"] + spec["steps"],
+        max_steps=spec["warmup"] + spec["steps"] + (0 if profiler is None else PROFILED_STEPS),
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,
@@ -377,7 +382,7 @@ def _parse(argv: list[str]):
                    help="a Hydra override of the recipe for both peers, applied last (repeatable), e.g. "
                    "+trainer.strategy.forward_prefetch=true")
     p.add_argument("--profile", action="store_true",
-                   help="also profile the last warm-up steps: GPU time in communication, computation and "
+                   help="also profile steps after the timed ones: GPU time in communication, computation and "
                    "both (train_profile_<device>.json, a Chrome trace per rank)")
     p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)  # a torchrun rank of _launch
     add_out_dir(p)
@@ -419,7 +424,8 @@ def main(argv: list[str] | None = None) -> str | None:
     with tempfile.TemporaryDirectory() as tmp:
         if a.root is None:
             # enough training images for every rank of the largest world to reach its last step in one epoch
-            need = a.devices[-1] * spec["batch"] * (spec["warmup"] + spec["steps"])
+            steps = spec["warmup"] + spec["steps"] + a.profile * PROFILED_STEPS
+            need = a.devices[-1] * spec["batch"] * steps
             per_class = -(-need // spec["classes"])
             size = (96, 72) if a.quick else (500, 375)
             root = make_imagefolder(Path(tmp) / "imagefolder", spec["classes"], per_class, size=size)

@@ -104,6 +104,18 @@ def test_step_timer_times_the_steps_after_warm_up(clock):
     assert timer.steps == [2.0, 3.0] and timer.last - timer.first == pytest.approx(5.0)
 
 
+def test_step_timer_stops_after_count_steps(clock):
+    """Steps after the counted ones (profiled, say) are neither timed nor in the wall span."""
+    pytest.importorskip("lightning")
+    timer = common.step_timer(warmup=1, count=2)
+    module = type("M", (), {"device": torch.device("cpu")})()
+    for i, cost in enumerate((5.0, 2.0, 3.0, 7.0)):
+        timer.on_train_batch_start(None, module, None, i)
+        clock.advance(cost)
+        timer.on_train_batch_end(None, module, None, None, i)
+    assert timer.steps == [2.0, 3.0] and timer.last - timer.first == pytest.approx(5.0)
+
+
 def test_wall_ms_in_turns_times_the_peers_in_rounds(clock):
     """Each peer's median over its calls of every round; the rounds alternate the peers (a, a, b, b, a, a,
     b, b), so a drift of the machine's speed (here: every call 1 ms slower than the one before) falls on
