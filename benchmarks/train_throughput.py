@@ -22,8 +22,9 @@ same peer and precision) and `vs_timm` (ELSA over timm at the same world size an
 `--profile` also records `PROFILED_STEPS` more steps after the timed ones with `torch.profiler` (steady
 steps, never a timed one) and reports, per step and rank, how long the GPU was busy with communication
 kernels (NCCL), with other kernels, and with both at once: communication that no computation hides is
-`exposed`; a GPU busy for less than the step's time waited for the host. Each rank writes its Chrome trace
-(`trace_<peer>_<precision>_w<world>_r<rank>.json`), rank 0 the summaries (`train_profile_<device>.json`).
+`exposed`; `idle_ms` is the part of a profiled step's wall time the GPU did nothing (waiting for the host).
+Each rank writes its Chrome trace (`trace_<peer>_<precision>_w<world>_r<rank>.json`), rank 0 the summaries
+(`train_profile_<device>.json`).
 
     python -m benchmarks.train_throughput                                 # one GPU: ViT-B/16 224 px b64 FP32
     python -m benchmarks.train_throughput --devices 1,2,4 --precisions 32-true,bf16-mixed   # DDP scaling
@@ -46,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -163,7 +165,9 @@ def gpu_work(events) -> list[tuple[str, float, float]]:
 
 def step_profiler(first: int, count: int, trace: Path | None):
     """A Lightning callback recording steps ``first .. first + count - 1`` with ``torch.profiler`` (host and
-    CUDA activity): ``summary`` is their :func:`overlap_summary`; the Chrome trace goes to ``trace``."""
+    CUDA activity): ``summary`` is their :func:`overlap_summary` with ``wall_ms``, the device-synchronised
+    wall time per profiled step, and ``idle_ms``, the part of it the GPU did nothing (waiting for the host:
+    its launches, the profiler's own work); the Chrome trace goes to ``trace``."""
     import lightning as L
     from torch.profiler import ProfilerActivity, profile
 
@@ -180,12 +184,16 @@ def step_profiler(first: int, count: int, trace: Path | None):
                     activities.append(ProfilerActivity.CUDA)
                 self.prof = profile(activities=activities)
                 self.prof.__enter__()
+                self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == first + count - 1 and self.prof is not None:
                 sync(pl_module.device)
+                wall_ms = (time.perf_counter() - self.t0) * 1e3 / count
                 self.prof.__exit__(None, None, None)
-                self.summary = overlap_summary(gpu_work(self.prof.events()), count)
+                summary = overlap_summary(gpu_work(self.prof.events()), count)
+                self.summary = dict(summary, wall_ms=round(wall_ms, 3),
+                                    idle_ms=round(max(wall_ms - summary["busy_ms"], 0.0), 3))
                 if trace is not None:
                     self.prof.export_chrome_trace(str(trace))
                 self.prof = None
@@ -456,7 +464,8 @@ def main(argv: list[str] | None = None) -> str | None:
                     for rank, summary in enumerate(r.get("profile") or []):
                         profiles.append({"world": r["world"], "precision": r["precision"], "peer": r["peer"],
                                          "rank": rank, "step_ms": r["step_ms"], **summary})
-                        print(f"  rank {rank}: per step {summary['busy_ms']} ms GPU busy, compute "
+                        print(f"  rank {rank}: per profiled step of {summary['wall_ms']} ms: GPU idle "
+                              f"{summary['idle_ms']}, busy {summary['busy_ms']}: compute "
                               f"{summary['compute_ms']}, communication {summary['comm_ms']} (hidden "
                               f"{summary['overlap_ms']}, exposed {summary['exposed_comm_ms']}), "
                               f"{summary['kernels_per_step']} kernels", flush=True)

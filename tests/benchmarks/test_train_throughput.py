@@ -82,6 +82,8 @@ def test_quick_cpu_run_on_two_gloo_processes(tmp_path):
     assert [(p["world"], p["peer"], p["rank"]) for p in profiles] == [
         (1, "timm", 0), (1, "elsa", 0), (2, "timm", 0), (2, "timm", 1), (2, "elsa", 0), (2, "elsa", 1)]
     assert all(p["kernels_per_step"] == 0 and p["busy_ms"] == 0 for p in profiles)
+    # no GPU: every profiled step's wall time is idle GPU time
+    assert all(p["wall_ms"] > 0 and p["idle_ms"] == p["wall_ms"] for p in profiles)
     traces = sorted(q.name for q in tmp_path.glob("trace_*.json"))
     assert traces == ["trace_elsa_32-true_w1_r0.json", "trace_elsa_32-true_w2_r0.json",
                       "trace_elsa_32-true_w2_r1.json", "trace_timm_32-true_w1_r0.json",
