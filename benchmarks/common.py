@@ -18,7 +18,7 @@ results file means is defined once, here:
   after them, several functions measured in turns so that every peer meets the same machine state.
 * :func:`step_timer` -- a Lightning callback timing each training step of a ``Trainer.fit``.
 * :func:`launches` and :func:`kernel_ms` -- GPU kernels one call launches, and their summed duration,
-  from ``torch.profiler``.
+  from ``torch.profiler``; :func:`gpu_work` -- the GPU's own work among a profiler's events.
 * :func:`peak_mb` -- peak allocated CUDA memory of one call (whole, or above what was allocated before).
 * :func:`sdpa` / :func:`sdpa_context` -- PyTorch's attention forced to one backend (``sdpa_math``,
   ``sdpa_efficient``, ``sdpa_flash``, ``sdpa_cudnn``); :func:`flex` -- ``torch.compile(flex_attention)``.
@@ -206,11 +206,20 @@ def _cuda_profile(fn: Callable, calls: int):
     return prof
 
 
+def gpu_work(events) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of the GPU's own work (kernels, copies, memsets) among a profiler's
+    ``events``. The profiler also gives every ``record_function`` range a GPU-side event (FSDP's
+    ``FullyShardedDataParallel.forward``, the ``nccl:*`` ranges of collectives), spanning the kernels launched
+    inside it: counting those as kernels would make the GPU look busy for whole regions."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+
+
 def launches(fn: Callable, calls: int = 10) -> float:
     """GPU kernels (memsets and copies included) that one ``fn()`` launches, from ``torch.profiler`` over
     ``calls`` calls after one warm-up call."""
-    prof = _cuda_profile(fn, calls)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / calls
+    return len(gpu_work(_cuda_profile(fn, calls).events())) / calls
 
 
 def kernel_ms(fn: Callable, device: torch.device | str = "cuda", calls: int = 3) -> float:

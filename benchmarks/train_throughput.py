@@ -52,7 +52,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ROOT, Results, add_out_dir, columns, device_tag, run_info, step_timer, sync
+from benchmarks.common import (
+    ROOT,
+    Results,
+    add_out_dir,
+    columns,
+    device_tag,
+    gpu_work,
+    run_info,
+    step_timer,
+    sync,
+)
 
 COLUMNS = columns("world", "strategy", "precision", "peer", "backbone", "img_size", "batch_per_device",
                   "steps", "step_ms", "img_per_s_compute", "img_per_s_per_device", "img_per_s_end_to_end",
@@ -151,16 +161,6 @@ def overlap_summary(kernels: list[tuple[str, float, float]], steps: int) -> dict
         "exposed_comm_ms": round((comm_us - both) / per, 3),
         "top": [[name[:120], round(us / per, 3)] for name, us in top],
     }
-
-
-def gpu_work(events) -> list[tuple[str, float, float]]:
-    """``(name, start_us, end_us)`` of the GPU's own work (kernels, copies, memsets) among the profiler's
-    ``events``. The profiler also gives every ``record_function`` range a GPU-side event (FSDP's
-    ``FullyShardedDataParallel.forward``, the ``nccl:*`` ranges of collectives), spanning the kernels launched
-    inside it: counting those as kernels would make the GPU look busy for whole regions."""
-    cuda = torch.autograd.DeviceType.CUDA
-    return [(e.name, e.time_range.start, e.time_range.end) for e in events
-            if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
 
 
 def step_profiler(first: int, count: int, trace: Path | None):

@@ -245,3 +245,20 @@ def test_results_file_columns_meta_and_append(tmp_path):
 def test_device_tags():
     assert common.device_tag("cpu") == "cpu"
     assert common.device_tag("cpu", world=2) == "2xcpu"
+
+
+def test_gpu_work_leaves_out_host_events_and_annotated_ranges():
+    """Only GPU work counts: a record_function range's GPU-side event (here an FSDP forward spanning both
+    kernels) would otherwise make the GPU busy for the whole range."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, lo, hi, device, annotation=False):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=lo, end=hi), device_type=device,
+                               is_user_annotation=annotation)
+
+    events = [event("aten::mm", 0.0, 50.0, cpu),
+              event("FullyShardedDataParallel.forward", 0.0, 900.0, cuda, True),
+              event("gemm_kernel", 10.0, 20.0, cuda), event("ncclDevKernel_AllGather", 15.0, 40.0, cuda)]
+    assert common.gpu_work(events) == [("gemm_kernel", 10.0, 20.0), ("ncclDevKernel_AllGather", 15.0, 40.0)]

@@ -121,23 +121,6 @@ def test_overlap_summary_splits_communication_into_hidden_and_exposed():
     assert bench.overlap_summary([], steps=2)["busy_ms"] == 0
 
 
-def test_gpu_work_leaves_out_host_events_and_annotated_ranges():
-    """Only GPU work counts: a record_function range's GPU-side event (here an FSDP forward spanning both
-    kernels) would otherwise make the GPU busy for the whole range."""
-    from types import SimpleNamespace
-
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-
-    def event(name, lo, hi, device, annotation=False):
-        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=lo, end=hi), device_type=device,
-                               is_user_annotation=annotation)
-
-    events = [event("aten::mm", 0.0, 50.0, cpu),
-              event("FullyShardedDataParallel.forward", 0.0, 900.0, cuda, True),
-              event("gemm_kernel", 10.0, 20.0, cuda), event("ncclDevKernel_AllGather", 15.0, 40.0, cuda)]
-    assert bench.gpu_work(events) == [("gemm_kernel", 10.0, 20.0), ("ncclDevKernel_AllGather", 15.0, 40.0)]
-
-
 def test_a_run_cut_off_keeps_the_world_sizes_it_measured(tmp_path, monkeypatch):
     # Each world size's rows are written when it is done: a later world that fails (a torchrun error, a
     # time limit) leaves the one-device rows, with their ratios, in the CSV.
