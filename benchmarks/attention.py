@@ -128,6 +128,21 @@ def _elsa(precision):
     return run
 
 
+def _generic(fn):
+    """``fn`` run with the generic Triton forward on Hopper too (``fwd.HOPPER`` off): the A/B of the
+    warp-specialised forward (peer ``elsa_generic``)."""
+    def run(q, k, v, causal):
+        from elsa_vision.kernels import fwd
+
+        old, fwd.HOPPER = fwd.HOPPER, False
+        try:
+            return fn(q, k, v, causal)
+        finally:
+            fwd.HOPPER = old
+
+    return run
+
+
 RUNNERS = {
     "sdpa_math": _sdpa("sdpa_math"),
     "sdpa_efficient": _sdpa("sdpa_efficient"),
@@ -135,6 +150,7 @@ RUNNERS = {
     "sdpa_cudnn": _sdpa("sdpa_cudnn"),
     "flex": _flex,
     "elsa": _elsa("auto"),
+    "elsa_generic": _generic(_elsa("auto")),
     "elsa_ieee": _elsa("ieee"),
     "elsa_tf32x3": _elsa("tf32x3"),
     "elsa_fp16x3": _elsa("fp16x3"),
@@ -165,6 +181,8 @@ def _elsa_autograd(precision):
 def train_runner(peer):
     """The peer as a differentiable function: the SDPA backends and flex as they are, the ELSA peers
     through the autograd op with the peer's precision."""
+    if peer == "elsa_generic":
+        return _generic(_elsa_autograd("auto"))
     if peer.startswith("elsa"):
         return _elsa_autograd("auto" if peer == "elsa" else peer[len("elsa_"):])
     return RUNNERS[peer]

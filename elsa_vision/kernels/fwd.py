@@ -54,6 +54,11 @@ from .monoid import (
 from .precision import resolve_precision
 from .reference import merge_depth
 
+try:  # Gluon (Triton 3.5 and later): the warp-specialised Hopper forward
+    from . import fwd_sm90
+except ImportError:  # pragma: no cover - an older Triton: the generic kernel everywhere
+    fwd_sm90 = None
+
 __all__ = ["FwdPlan", "plan", "elsa_fwd", "elsa_fwd_varlen", "set_config", "tuning_key"]
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -276,7 +281,7 @@ def _attend(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Bias, Kpm, Out, Lse, WsM, WsS, WsW, CuQ, CuK, KP, VP, KE, VE,
+    Q, K, V, Bias, Kpm, Out, Lse, WsM, WsS, WsW, CuQ, CuK, KP, VP, KE, VE, Redo,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -289,7 +294,7 @@ def _fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     ACCUMULATE: tl.constexpr, SEGMENT: tl.constexpr, STORE_LSE: tl.constexpr, PRESPLIT: tl.constexpr,
-    DEFER_SCALE: tl.constexpr = False,
+    DEFER_SCALE: tl.constexpr = False, REDO: tl.constexpr = False,
 ):
     """Level one. Grid ``(m_tiles * B * H, partitions)`` with ``m_tiles = cdiv(Nq, BLOCK_M)`` (query tiles of
     one head adjacent, so that they share its keys in L2; one flat axis: no 65535 limit on ``B * H``).
@@ -304,8 +309,15 @@ def _fwd_kernel(
     ``PRESPLIT`` (``"fp16x3"``, not varlen): ``KP``/``VP``/``KE``/``VE`` hold the keys and values as
     ``_split_kv_kernel`` split them (same ``BLOCK_N``; ``parts_k``/``parts_v`` elements per part); the fast
     pass reads those, the exact pass ``K``/``V``.
+
+    ``REDO``: only the programs whose ``Redo`` flag (one int32 per program) is set run; the others return at
+    once. ``fwd_sm90``'s kernel sets the flags of the query tiles whose state it could not finish exactly
+    (non-finite inputs), and this launch computes them again, exact pass included.
     """
     pid = tl.program_id(0)
+    if REDO:
+        if tl.load(Redo + pid) == 0:
+            return
     pid_m = pid % m_tiles
     pid_bh = pid // m_tiles
     pid_s = tl.program_id(1)
@@ -537,6 +549,12 @@ PRESPLIT_MIN_KEYS = 0
 # into the exponent").
 DEFER_SCALE = True
 
+# Half-precision forwards without a mask, bias or causality run ``fwd_sm90``'s warp-specialised kernel on
+# sm90 when the query tiles fill the GPU (one key partition) and the keys number at least this many
+# (docs/kernel_notes.md, "The Hopper forward"); False: the generic kernel everywhere.
+HOPPER = True
+HOPPER_MIN_KEYS = 2048
+
 # Configs installed by ``set_config``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> tiles.
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
 
@@ -751,11 +769,12 @@ class _FwdProgram(AttentionProgram):
     """Every launch of one forward signature: the plan, the grids and all non-tensor arguments, fixed.
 
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for the packed layout
-    (``q [total_q, H, D]``; outputs ``[total_q, H, Dv]`` and ``lse [H, total_q]``).
+    (``q [total_q, H, D]``; outputs ``[total_q, H, Dv]`` and ``lse [H, total_q]``). ``hopper``: run
+    ``fwd_sm90``'s kernel where it applies (``HOPPER``, read when the program is built).
     """
 
     def __init__(self, q, k, v, bias, kpm, causal, scale, precision, partitions=None, varlen=None,
-                 partial=False):
+                 partial=False, hopper=False):
         self.device = q.device
         if partial:  # context parallelism's partial results: float32 out, float64 lse (monoid.store_lse)
             self.out_dtype, self.lse_dtype = torch.float32, torch.float64
@@ -808,7 +827,13 @@ class _FwdProgram(AttentionProgram):
                     IS_VARLEN=varlen is not None, SPLIT=p.partitions > 1,
                     ACCUMULATE=ACCUMULATION.get(p.precision, "plain"),
                     SEGMENT=segment_keys(p.precision, p.block_n, Nk), PRESPLIT=presplit,
-                    DEFER_SCALE=DEFER_SCALE)
+                    DEFER_SCALE=DEFER_SCALE, REDO=False)
+        self.hopper = None
+        masked = has_bias or has_kpm or causal
+        if (hopper and fwd_sm90 is not None and varlen is None and not (masked or partial)
+                and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS
+                and fwd_sm90.supported(q, k, v, False)):
+            self.hopper = _HopperForward(B, H, Nq, Nk, D, p, scalars, main, canonical_device(q.device))
         self.split = None
         if main["PRESPLIT"]:
             key_tiles = cdiv(Nk, p.block_n)
@@ -846,6 +871,9 @@ class _FwdProgram(AttentionProgram):
             cu_q = cu_k = out
         which = 0 if need_lse else 1
         lse_arg = lse if need_lse else out  # not written without need_lse
+        if self.hopper is not None:
+            self.hopper(q, k, v, out, lse_arg, which)
+            return out, lse
         parts = (out, out, out, out)
         if self.split is not None:
             sk, sv, ek, ev = self.parts_sizes
@@ -855,14 +883,53 @@ class _FwdProgram(AttentionProgram):
                      torch.empty(ev, dtype=torch.int32, device=self.device))
             self.split(k, v, kpm, *parts)
         if self.merge is None:
-            self.main[which](q, k, v, bias, kpm, out, lse_arg, out, out, out, cu_q, cu_k, *parts)
+            self.main[which](q, k, v, bias, kpm, out, lse_arg, out, out, out, cu_q, cu_k, *parts, out)
         else:
             ws_m = torch.empty(self.ws_sizes[0], dtype=torch.float32, device=self.device)
             ws_s = torch.empty(self.ws_sizes[0], dtype=torch.float32, device=self.device)
             ws_w = torch.empty(self.ws_sizes[1], dtype=torch.float32, device=self.device)
-            self.main[which](q, k, v, bias, kpm, out, lse_arg, ws_m, ws_s, ws_w, cu_q, cu_k, *parts)
+            self.main[which](q, k, v, bias, kpm, out, lse_arg, ws_m, ws_s, ws_w, cu_q, cu_k, *parts, out)
             self.merge[which](ws_m, ws_s, ws_w, out, lse_arg)
         return out, lse
+
+
+class _HopperForward:
+    """The launches of one forward signature on ``fwd_sm90``'s kernel: the kernel, then the generic kernel
+    over the 64-row query tiles it flagged (``REDO``: non-finite states; the other programs return at once).
+    ``scalars``/``main``: the generic launch's arguments, whose query tiles become 64 rows."""
+
+    def __init__(self, B, H, Nq, Nk, D, p, scalars, main, q_device):
+        bn, stages, consumers, pingpong = fwd_sm90.config(D, Nq, B * H, device_info(q_device)[0])
+        self.block_n = bn
+        rows = fwd_sm90.ROWS.value
+        bh = B * H
+        m_tiles = cdiv(Nq, rows * consumers)
+        self.flags = bh * cdiv(Nq, rows)
+        self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh,),
+                            (H, Nq, Nk, m_tiles, Nq * H * D, D, H * D, H * Nq, Nq, scalars[-3]),
+                            dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong,
+                                 STORE_LSE=store), fwd_sm90.NUM_WARPS) for store in (True, False)]
+        # the generic kernel's scalars with 64-row query tiles (m_tiles) and one partition of all key tiles
+        redo_scalars = scalars[:-5] + (cdiv(Nq, rows), cdiv(Nk, 64)) + scalars[-3:]
+        redo = dict(main, BLOCK_M=rows, BLOCK_N=64, SPLIT=False, SEGMENT=0, PRESPLIT=False, REDO=True)
+        self.redo = [Launch(_fwd_kernel, (cdiv(Nq, rows) * bh, 1), redo_scalars, dict(redo, STORE_LSE=store),
+                            4, 2) for store in (True, False)]
+        self.descs = None
+
+    def __call__(self, q, k, v, out, lse, which):
+        """Write ``out`` (and ``lse`` when ``which`` is 0); returns the flags of the redone query tiles."""
+        if self.descs is None:  # built (and checked) once, then pointed at each call's tensors
+            self.descs = (fwd_sm90.descriptor(q, fwd_sm90.ROWS.value), fwd_sm90.descriptor(k, self.block_n),
+                          fwd_sm90.descriptor(v, self.block_n))
+        dq, dk, dv = self.descs
+        dq.base, dk.base, dv.base = q, k, v
+        flags = torch.empty((self.flags,), dtype=torch.int32, device=q.device)  # every flag written
+        try:
+            self.main[which](dq, dk, dv, out, lse, flags)
+        finally:  # the cached descriptors must not keep this call's tensors alive
+            dq.base = dk.base = dv.base = None
+        self.redo[which](q, k, v, out, out, out, lse, out, out, out, out, out, out, out, out, out, flags)
+        return flags
 
 
 _PROGRAMS = ProgramCache()
@@ -921,7 +988,7 @@ def fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, 
     dtype (one rounding, at the end of the merges) and ``lse`` in float64, formed from the row's state
     (``monoid.store_lse``), so that the merges' weights keep float32 accuracy."""
     return _PROGRAMS(_FwdProgram, (q, k, v, attn_bias, key_padding_mask),
-                     (causal, scale, precision, partitions, None, partial))
+                     (causal, scale, precision, partitions, None, partial, HOPPER))
 
 
 def elsa_fwd_varlen(

@@ -713,7 +713,7 @@ consts = dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRE
 sig = {n: "i32" for n in names}
 sig.update({n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "Lse", "WsM", "WsS", "WsW")})
 sig.update({"Kpm": "*u8", "CuQ": "*i32", "CuK": "*i32", "qk_scale": "fp32", "KP": "*fp16", "VP": "*fp16",
-            "KE": "*i32", "VE": "*i32"})
+            "KE": "*i32", "VE": "*i32", "Redo": "*i32"})
 sig.update({n: "constexpr" for n in consts})
 k = triton.compile(ASTSource(fn=fwd._fwd_kernel, signature=sig, constexprs=consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
@@ -750,7 +750,7 @@ for defer in (False, True):
     sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out")})
     sig.update({n: "*fp32" for n in ("Bias", "Lse", "WsM", "WsS", "WsW")})
     sig.update({"Kpm": "*u8", "CuQ": "*i32", "CuK": "*i32", "qk_scale": "fp32", "KP": "*fp16",
-                "VP": "*fp16", "KE": "*i32", "VE": "*i32"})
+                "VP": "*fp16", "KE": "*i32", "VE": "*i32", "Redo": "*i32"})
     sig.update({n: "constexpr" for n in consts})
     k = triton.compile(ASTSource(fn=fwd._fwd_kernel, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})

@@ -1,0 +1,285 @@
+"""The dense half-precision forward for Hopper (sm90), warp-specialised, in Gluon.
+
+The same fold as ``fwd._fwd_kernel`` for float16/bfloat16 inputs without a mask, bias or causality (the
+(m, S, W) monoid over key tiles, ``monoid.tile_weights`` with the scale in the exponent), laid out the way
+Hopper overlaps the softmax with the tensor cores, which Triton 3.6 does not generate from the generic
+kernel (``docs/kernel_notes.md``, "A warp-specialised bf16 forward in Gluon"):
+
+* one *producer* warp loads the program's query tile once and each key tile's keys and values by TMA into
+  a ring of ``STAGES`` shared-memory stages (4-D descriptors over ``[B, H, N, D]``, so ViT's strided views of
+  a fused qkv projection are read in place; reads past ``N`` are zero-filled);
+* ``CONSUMERS`` warpgroups own 64 query rows each. For key tile ``j`` a consumer issues ``S_j = q k_j^T``
+  and ``W += P_{j-1} v_{j-1}`` asynchronously, waits for ``S_j`` alone (``wgmma.wait_group 1``) and forms
+  tile ``j``'s weights while the value product is still on the tensor cores, then waits for it, releases
+  the stage of tile ``j-1`` and rescales ``W``: the exponentials run under the matrix products;
+* ``PINGPONG`` (two consumers): the warpgroups take turns to issue their products, through a pair of
+  mbarriers, so that one's softmax runs under the other's products (FlashAttention-3's schedule).
+
+Only the last key tile is masked (``N % BLOCK_N`` keys past the end read as zeros and get ``-inf`` logits).
+
+Non-finite inputs: a visible key's NaN logit or ``+inf`` makes its row NaN and ``-inf`` logits hide their
+keys, as in the reference, but a value row holding an infinity or a NaN multiplies a weight that is exactly 0
+(a hidden key, or one whose weight underflowed) into NaN, where the reference gives the key's own columns
+(or nothing). A program whose state is not finite at the end therefore records its query tile in
+``Redo`` (one int32 flag per 64 query rows of a head, 1 = redo), and ``fwd`` runs the generic kernel over
+those rows only (its fast pass, then its exact pass).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .monoid import count_nonfinite, finalize_state, tile_weights
+
+__all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "supported", "config", "descriptor",
+           "attention_fwd_kernel", "NUM_WARPS"]
+
+NUM_WARPS = 4  # the default partition: the first consumer warpgroup
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+
+# (BLOCK_N, STAGES, CONSUMERS, PINGPONG) per head dim, the measured winners (docs/kernel_notes.md, "The Hopper
+# forward"); LARGE: the config of grids of at least LARGE_WAVES waves of LARGE's query tiles (three consumer
+# warpgroups: more products in flight per SM, but 192-row tiles leave a larger last wave on smaller grids).
+CONFIGS = {64: (128, 3, 2, False), 128: (64, 3, 2, False)}
+LARGE = {64: (128, 3, 3, False)}
+LARGE_WAVES = 8
+
+
+def supported(q, k, v, has_mask: bool) -> bool:
+    """Whether this kernel runs the forward of these tensors: an sm90 GPU, float16/bfloat16, no mask, bias
+    or causality (``has_mask``), head dims 64 or 128 (the same for values), at least one key, the head dim
+    contiguous and every other stride and the base 16-byte aligned (TMA)."""
+    if has_mask or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    D = q.shape[-1]
+    if D not in CONFIGS or k.shape[-1] != D or v.shape[-1] != D or k.shape[2] == 0 or q.shape[2] == 0:
+        return False
+    for t in (q, k, v):
+        if t.dtype != q.dtype or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def config(D: int, Nq: int, heads: int, sms: int) -> tuple[int, int, int, bool]:
+    """``(BLOCK_N, STAGES, CONSUMERS, PINGPONG)`` for head dim ``D``, ``Nq`` query rows of ``heads`` (batch
+    x heads) heads on ``sms`` multiprocessors."""
+    large = LARGE.get(D)
+    if large is not None and -(-Nq // (ROWS.value * large[2])) * heads >= LARGE_WAVES * sms:
+        return large
+    return CONFIGS[D]
+
+
+def descriptor(t, block_rows: int) -> TensorDescriptor:
+    """The TMA descriptor of ``t [B, H, N, D]`` (any strides with ``D`` contiguous) in tiles of
+    ``[1, 1, block_rows, D]``."""
+    D = t.shape[-1]
+    dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, D], dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, D], layout)
+
+
+# The partitions share one signature (Gluon's rule for worker partitions); each reads what it needs.
+
+
+@gluon.jit
+def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+             D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):
+    pid = gl.program_id(0)
+    off_m = (pid % m_tiles) * BLOCK_M
+    off_b = (pid // m_tiles) // H
+    off_h = (pid // m_tiles) % H
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):  # 64 rows per consumer
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, off_m + c * ROWS, 0], q_bar, q_smem.index(c))
+    nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for j in range(gl.cdiv(N, BLOCK_N)):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+        bar = ready.index(s)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N, 0], bar, k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N, 0], bar, v_smem.index(s))
+
+
+@gluon.jit
+def _masked(scores, j, N, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """``scores`` of key tile ``j`` with ``-inf`` past key ``N`` (only the last tile has such keys)."""
+    if (j + 1) * BLOCK_N > N:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        scores = gl.where((cols < N)[None, :], scores, float("-inf"))
+    return scores
+
+
+@gluon.jit
+def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+             D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr, WG: gl.constexpr):
+    """Rows ``WG * 64`` onwards of the program's query tile: the key loop, then ``W / S`` and the lse."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)
+    pid_m = pid % m_tiles
+    off_b = (pid // m_tiles) // H
+    off_h = (pid // m_tiles) % H
+    n_tiles = gl.cdiv(N, BLOCK_N)
+
+    q = q_smem.index(WG).reshape([ROWS, D])
+    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    m = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+
+    # Tile 0: its scores and weights; its value product is issued with tile 1's scores.
+    mbarrier.wait(ready.index(0), 0)
+    scores = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero, use_acc=False)
+    scores = _masked(scores, 0, N, BLOCK_N, s_layout)
+    m, alpha, p = tile_weights(m, scores, qk_scale)
+    s = gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        st = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+        if PINGPONG:  # wait for this warpgroup's turn to issue (the first turn of warpgroup 0 is free)
+            mbarrier.wait(turns.index(WG), ((j - 1) & 1) ^ (1 - WG))
+        k_t = k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0))
+        v_prev = v_smem.index(prev).reshape([BLOCK_N, D])
+        # S_j overwrites the registers of S_{j-1} (dead once its weights are formed): an accumulator of its
+        # own, never the constant that also starts W (two products in flight on one accumulator race)
+        s_tok = warpgroup_mma(q, k_t, scores, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - WG), count=1)
+        scores = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} v_{j-1} still running
+        scores = _masked(scores, j, N, BLOCK_N, s_layout)
+        m, alpha, p = tile_weights(m, scores, qk_scale)
+        s = s * alpha + gl.sum(p, 1)
+        acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.arrive(empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    last = (n_tiles - 1) % STAGES
+    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc)
+    mbarrier.arrive(empty.index(last), count=1)
+
+    m = gl.convert_layout(m, gl.SliceLayout(1, o_layout))
+    s = gl.convert_layout(s, gl.SliceLayout(1, o_layout))
+    out, lse = finalize_state(m, s, acc)
+    rows = pid_m * BLOCK_M + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    row_ok = rows < NQ
+    o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+              + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:
+        lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+        gl.store(lse_ptrs, lse, mask=row_ok)
+    bad = count_nonfinite(gl.where(row_ok[:, None], acc, 0.0)) + count_nonfinite(gl.where(row_ok, s, 0.0))
+    block = pid_m * CONSUMERS + WG  # these 64 rows' flag: 1 = the generic kernel redoes them (docstring)
+    if block < gl.cdiv(NQ, ROWS):
+        gl.store(Redo + (pid // m_tiles) * gl.cdiv(NQ, ROWS) + block, (bad != 0).to(gl.int32))
+
+
+@gluon.jit
+def _consume_0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+               H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+             D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE, 0)
+
+
+@gluon.jit
+def _consume_1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+               H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+             D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE, 1)
+
+
+@gluon.jit
+def _consume_2(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+               H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+             D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE, 2)
+
+
+@gluon.jit
+def attention_fwd_kernel(
+    q_desc, k_desc, v_desc, Out, Lse, Redo,
+    H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+    D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr,
+):
+    """Grid ``(m_tiles * B * H,)``, query tiles of ``64 * CONSUMERS`` rows, one head's tiles adjacent.
+    ``Out [B, H, NQ, D]`` (its head dim contiguous), ``Lse [B, H, NQ]`` float32 (``STORE_LSE``), ``Redo``
+    ``[B * H, cdiv(NQ, 64)]`` int32 flags, set to 1 for the 64 query rows whose state is not finite;
+    ``qk_scale`` is the base-2 logit scale (``scale * log2(e)``)."""
+    BLOCK_M: gl.constexpr = ROWS * CONSUMERS
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, 1, 1, ROWS, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrival per consumer warpgroup
+    for t in gl.static_range(2):
+        mbarrier.init(turns.index(t), count=1)
+    # One tuple literal per partition: a tuple bound to a name would turn its constexprs into tensors.
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consume_0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                          STORE_LSE)),
+            (_consume_1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                          STORE_LSE)),
+            (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                        qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE)),
+        ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers
+    else:
+        gl.warp_specialize([
+            (_consume_0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                          STORE_LSE)),
+            (_consume_1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                          STORE_LSE)),
+            (_consume_2, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                          STORE_LSE)),
+            (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                        qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE)),
+        ], [4, 4, 1], [160, 160, 24])

@@ -1,0 +1,272 @@
+"""The warp-specialised Hopper forward (``elsa_vision.kernels.fwd_sm90``), routed from ``fwd.elsa_fwd``.
+
+CPU: the kernel compiled for sm90 without a GPU (its schedule read off the PTX), and the redo launch that
+finishes the query tiles it flags (the generic kernel in ``REDO`` mode) under the interpreter. GPU: the
+outputs against float64 (FlashAttention's half-precision criterion, as ``test_fwd``), against the generic
+kernel, on strided views, run to run, with non-finite inputs (``scan64``'s rule), and the routing rules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from elsa_vision.kernels import elsa_fwd
+from elsa_vision.kernels import fwd as fwd_module
+from elsa_vision.kernels.fwd import fwd_program
+from tests.helpers import DEVICE, assert_lse, assert_nonfinite_like, compile_for_sm90, qkv, relerr, scan64
+from tests.kernels.test_fwd import assert_low_precision
+
+fwd_sm90 = fwd_module.fwd_sm90
+pytestmark = pytest.mark.skipif(fwd_sm90 is None, reason="this Triton has no Gluon")
+
+_COMPILE = r"""
+import json, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from elsa_vision.kernels import fwd, fwd_sm90 as F
+
+fn = F.attention_fwd_kernel
+report = []
+variants = [(64, 128, 2, 2, False), (64, 128, 2, 2, True), (128, 64, 2, 2, False), (64, 64, 2, 3, False)]
+for D, bn, stages, consumers, pingpong in variants:
+    t = torch.empty((2, 3, 512, D), dtype=torch.bfloat16)
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(q_desc=mangle_type(F.descriptor(t, 64)), k_desc=mangle_type(F.descriptor(t, bn)),
+               v_desc=mangle_type(F.descriptor(t, bn)), Out="*bf16", Lse="*fp32", Redo="*i32",
+               qk_scale="fp32")
+    consts = dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, STORE_LSE=True)
+    sig.update({name: "constexpr" for name in consts})
+    k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": F.NUM_WARPS})
+    ptx = k.asm["ptx"]
+    tokens = []
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line.startswith("wgmma.mma_async"):
+            tokens.append("M" if bn == D else "S" if f"n{bn}k16" in line else "P")
+        elif line.startswith("wgmma.wait_group"):
+            tokens.append("W" + line.split()[-1].rstrip(";"))
+        elif "mbarrier.try_wait" in line:
+            tokens.append("B")
+    report.append(dict(D=D, bn=bn, consumers=consumers, pingpong=pingpong, shared=k.metadata.shared,
+                       local=".local" in ptx, tokens=" ".join(tokens)))
+# the generic kernel in REDO mode (the launch that finishes flagged tiles)
+consts = dict(D=64, DV=64, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRECISION="none", CAUSAL=False,
+              HAS_BIAS=False, HAS_KPM=False, IS_VARLEN=False, SPLIT=False, ACCUMULATE="plain", STORE_LSE=True,
+              SEGMENT=0, PRESPLIT=False, DEFER_SCALE=True, REDO=True)
+sig = {n: "i32" for n in fwd._fwd_kernel.arg_names}
+sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out")})
+sig.update({n: "*fp32" for n in ("Bias", "Lse", "WsM", "WsS", "WsW")})
+sig.update({"Kpm": "*u8", "CuQ": "*i32", "CuK": "*i32", "qk_scale": "fp32", "KP": "*fp16", "VP": "*fp16",
+            "KE": "*i32", "VE": "*i32", "Redo": "*i32"})
+sig.update({n: "constexpr" for n in consts})
+k = triton.compile(ASTSource(fn=fwd._fwd_kernel, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+report.append(dict(redo_shared=k.metadata.shared))
+print(json.dumps(report))
+"""
+
+
+def test_compiles_for_sm90_with_the_softmax_under_the_products():
+    # Built for sm90 on any machine: in each consumer's key loop both products of a tile are issued (S_j's
+    # and P_{j-1} v_{j-1}'s wgmma instructions back to back) before one wait that leaves the value product
+    # running (wait_group 1); the ping-pong variant waits for its turn (one more mbarrier wait per consumer
+    # loop); no local memory (spills), shared memory within the H100's.
+    *variants, redo = compile_for_sm90(_COMPILE)
+    for var in variants:
+        s, p = ("S", "P") if var["bn"] != var["D"] else ("M", "M")  # told apart by their widths
+        loop = " ".join([s] * (var["D"] // 16) + [p] * (var["bn"] // 16) + ["W1"])
+        assert var["tokens"].count(loop) == var["consumers"], var
+        assert not var["local"] and 0 < var["shared"] <= 232448, var
+    plain, pingpong = variants[0], variants[1]
+    assert pingpong["tokens"].count("B") == plain["tokens"].count("B") + plain["consumers"], (plain, pingpong)
+    assert 0 < redo["redo_shared"] <= 232448
+
+
+def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch):
+    # The generic kernel in REDO mode (the second launch of a Hopper forward): the 64-row query tiles whose
+    # flag is set get the full forward (fast pass, then the exact pass their non-finite inputs need), every
+    # other row stays as the Hopper kernel left it. Built as on sm90 (supported() forced) and run by the
+    # interpreter, float16.
+    monkeypatch.setattr(fwd_sm90, "supported", lambda *a: True)
+    monkeypatch.setattr(fwd_module, "HOPPER_MIN_KEYS", 0)
+    B, H, N, D = 1, 2, 150, 64
+    q, k, v = qkv(B, H, N, N, D, seed=31, dtype=torch.float16)
+    v[0, 0, 7, 3] = math.inf  # a non-finite value: visible to every row
+    k[0, 1, 11, 0] = math.inf  # logits +-inf: the key hidden from the rows with q[..., 0] < 0, NaN elsewhere
+    v[0, 1, 11, :] = math.nan
+    program = fwd_program(q, k, v, None, None, False, D**-0.5, "auto")
+    assert program.hopper is not None
+    flags = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)  # [B * H, cdiv(150, 64)]
+    out = torch.full((B, N, H, D), 7.0, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    lse = torch.full((B, H, N), 7.0, dtype=torch.float32, device=DEVICE)
+    program.hopper.redo[0](q, k, v, out, out, out, lse, out, out, out, out, out, out, out, out, out, flags)
+    ref, ref_lse = scan64(q, k, v)
+    for h, blocks in ((0, (0, 2)), (1, (1,))):
+        for blk in range(3):
+            rows = slice(64 * blk, min(N, 64 * blk + 64))
+            if blk in blocks:
+                assert_nonfinite_like(out[0, h, rows], ref[0, h, rows], 2e-3, some_finite=False)
+                fin = torch.isfinite(ref_lse[0, h, rows])
+                assert torch.equal(torch.isfinite(lse[0, h, rows]), fin)
+                assert (lse[0, h, rows][fin].double() - ref_lse[0, h, rows][fin]).abs().max() <= 1e-5
+            else:
+                assert bool((out[0, h, rows] == 7.0).all()) and bool((lse[0, h, rows] == 7.0).all())
+
+
+def test_three_consumers_only_for_many_waves():
+    # 192-row tiles (three consumer warpgroups) at head dim 64 once their grid holds LARGE_WAVES waves
+    sms = 132
+    rows = fwd_sm90.ROWS.value * fwd_sm90.LARGE[64][2]
+    many = fwd_sm90.LARGE_WAVES * sms * rows
+    assert fwd_sm90.config(64, many, 1, sms) == fwd_sm90.LARGE[64]
+    assert fwd_sm90.config(64, many - rows, 1, sms) == fwd_sm90.CONFIGS[64]
+    assert fwd_sm90.config(128, many * 4, 16, sms) == fwd_sm90.CONFIGS[128]
+
+
+def test_routing_rules(monkeypatch):
+    # Only half-precision dense calls without masks, bias or causality whose query tiles fill the GPU and
+    # whose keys number at least HOPPER_MIN_KEYS take the Hopper kernel; everything else the generic one.
+    monkeypatch.setattr(fwd_sm90, "supported", lambda q, k, v, has_mask: q.dtype != torch.float32)
+    keys = fwd_module.HOPPER_MIN_KEYS
+    q, k, v = qkv(1, 2, 150, keys, 64, dtype=torch.float16)  # 6 query tiles fill 4 CPU "multiprocessors"
+    assert fwd_program(q, k, v, None, None, False, 0.125, "auto").hopper is not None
+    assert fwd_program(q, k, v, None, None, True, 0.125, "auto").hopper is None  # causal
+    kpm = torch.ones(1, keys, dtype=torch.bool, device=DEVICE)
+    assert fwd_program(q, k, v, None, kpm, False, 0.125, "auto").hopper is None
+    bias = torch.zeros(1, 1, 150, keys, dtype=torch.float16, device=DEVICE)
+    assert fwd_program(q, k, v, bias, None, False, 0.125, "auto").hopper is None
+    assert fwd_program(q, k, v, None, None, False, 0.125, "auto", partial=True).hopper is None
+    short = qkv(1, 2, 150, keys - 1, 64, dtype=torch.float16)
+    assert fwd_program(*short, None, None, False, 0.125, "auto").hopper is None  # fewer keys than the minimum
+    few = qkv(1, 2, 64, keys, 64, dtype=torch.float16)
+    assert fwd_program(*few, None, None, False, 0.125, "auto").hopper is None  # key partitions: generic
+    f32 = qkv(1, 2, 150, keys, 64)
+    assert fwd_program(*f32, None, None, False, 0.125, "auto").hopper is None
+    monkeypatch.setattr(fwd_module, "HOPPER", False)
+    q2, k2, v2 = qkv(1, 2, 150, keys + 1, 64, dtype=torch.float16)
+    assert fwd_program(q2, k2, v2, None, None, False, 0.125, "auto").hopper is None
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+def _hopper(q, k, v):
+    return fwd_program(q, k, v, None, None, False, q.shape[-1] ** -0.5, "auto").hopper is not None
+
+
+def _generic(q, k, v, monkeypatch):
+    monkeypatch.setattr(fwd_module, "HOPPER", False)
+    out = elsa_fwd(q, k, v)
+    monkeypatch.setattr(fwd_module, "HOPPER", True)
+    return out
+
+
+def _on_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B,H,Nq,Nk", [(2, 3, 2048, 2048), (1, 4, 2561, 2561), (4, 12, 197, 2053),
+                                       (1, 4, 4099, 2111)])
+def test_gpu_matches_float64_and_the_generic_kernel(B, H, Nq, Nk, D, dtype, monkeypatch):
+    q, k, v = qkv(B, H, Nq, Nk, D, seed=Nq + D, dtype=dtype)
+    assert _hopper(q, k, v)
+    out, lse = elsa_fwd(q, k, v)
+    assert out.dtype == dtype and out.shape == (B, H, Nq, D)
+    assert_low_precision(out, q, k, v)
+    assert_lse(lse, scan64(q, k, v)[1])
+    generic, generic_lse = _generic(q, k, v, monkeypatch)
+    assert relerr(out, generic) <= (4e-3 if dtype == torch.bfloat16 else 5e-4)
+    assert (lse - generic_lse).abs().max().item() <= 1e-4
+    assert elsa_fwd(q, k, v, need_lse=False)[1] is None
+    assert torch.equal(elsa_fwd(q, k, v, need_lse=False)[0], out)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D,config", [(64, (128, 3, 2, False)), (64, (128, 2, 2, True)),
+                                      (64, (64, 3, 2, False)), (64, (128, 2, 3, False)),
+                                      (64, (128, 3, 3, False)), (128, (64, 3, 2, False)),
+                                      (128, (128, 2, 2, False)), (128, (64, 2, 2, True))])
+def test_gpu_finite_inputs_flag_nothing(D, config, monkeypatch):
+    # Every tile config finishes finite inputs itself (no 64-row block sent to the generic kernel), and
+    # gives FlashAttention's half-precision accuracy, the last key tile partly past the end.
+    monkeypatch.setitem(fwd_sm90.CONFIGS, D, config)
+    monkeypatch.setattr(fwd_module, "_PROGRAMS", type(fwd_module._PROGRAMS)())
+    B, H, N = 1, 8, 4099
+    q, k, v = qkv(B, H, N, N, D, seed=D, dtype=torch.bfloat16)
+    program = fwd_program(q, k, v, None, None, False, D**-0.5, "auto")
+    out = fwd_module.empty_output(B, H, N, D, q)
+    lse = torch.empty(B, H, N, device="cuda")
+    flags = program.hopper(q, k, v, out, lse, 0)
+    assert flags.numel() == B * H * math.ceil(N / 64) and int(flags.abs().sum()) == 0
+    assert_low_precision(out, q, k, v)
+    assert_lse(lse, scan64(q, k, v)[1])
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_strided_views_reruns_and_pingpong_are_bitwise_equal(D, monkeypatch):
+    B, N, H = 2, 3137, 3
+    qkv_proj = torch.randn(B, N, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv_proj.permute(2, 0, 3, 1, 4).unbind(0)  # ViT's views of a fused projection
+    assert _hopper(q, k, v)
+    out = elsa_fwd(q, k, v)[0]
+    assert torch.equal(elsa_fwd(q.contiguous(), k.contiguous(), v.contiguous())[0], out)
+    for _ in range(3):
+        assert torch.equal(elsa_fwd(q, k, v)[0], out)
+    bn, stages, consumers, _ = fwd_sm90.CONFIGS[D]
+    monkeypatch.setitem(fwd_sm90.CONFIGS, D, (bn, stages, 2, True))
+    monkeypatch.setattr(fwd_module, "_PROGRAMS", type(fwd_module._PROGRAMS)())
+    if consumers == 2:  # the same tiles issued in turns: the same bits
+        assert torch.equal(elsa_fwd(q, k, v)[0], out)
+    else:
+        assert_low_precision(elsa_fwd(q, k, v)[0], q, k, v)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_nonfinite_inputs_follow_the_reference_rule(dtype):
+    B, H, N, D = 2, 8, 2053, 64
+    q, k, v = qkv(B, H, N, N, D, seed=41, dtype=dtype)
+    v[0, 0, 7, 3] = math.inf  # visible to every row: column 3 of head 0 is +inf, underflowed weights too
+    q[0, 0, :, 0] = q[0, 0, :, 0].abs()
+    k[0, 0, 7, 0] = -60000.0  # ... which it does for most rows
+    k[0, 1, 11, 0] = math.inf  # a key hidden (-inf logits) from the rows with q[..., 0] < 0, NaN elsewhere
+    v[0, 1, 11, :] = math.nan
+    q[0, 1, 100:140, 0] = 0.0  # 0 * inf: NaN logits, NaN rows
+    assert _hopper(q, k, v)
+    out, lse = elsa_fwd(q, k, v)
+    ref = scan64(q, k, v)[0]
+    assert_nonfinite_like(out, ref, 2e-2)
+    finite = torch.isfinite(ref).all(-1)
+    assert torch.isfinite(out[finite]).all()
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_refused_shapes_take_the_generic_kernel():
+    n = fwd_module.HOPPER_MIN_KEYS
+    for D in (32, 72, 96):  # head dims without a Hopper config
+        assert not _hopper(*qkv(1, 8, n, n, D, dtype=torch.bfloat16))
+    q, k, v = qkv(1, 8, n, n, 64, dtype=torch.bfloat16)
+    assert _hopper(q, k, v)
+    assert not _hopper(q, k[..., 1:, :].contiguous()[:, :, :0], v[:, :, :0])  # no keys
+    odd = torch.randn(1, n, 8, 65, device="cuda", dtype=torch.bfloat16)[..., :64].transpose(1, 2)
+    assert not _hopper(odd, odd, odd)  # rows 130 bytes apart: no TMA
+    assert not _hopper(q.float(), k.float(), v.float())
