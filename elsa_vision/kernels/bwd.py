@@ -844,8 +844,10 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
     Chosen from tile sweeps (``python -m benchmarks.attention_bwd --tiles``; measurements in
     ``docs/kernel_notes.md``, "Backward"): half precision takes dK/dV tiles of 32 queries x 128 keys (4 warps,
     3 stages) and, at head dims <= 64, dQ tiles of 128 queries x 64 keys on 8 warps (64 x 64 on 4 warps up to
-    ``n_k = 1024`` keys; 128 x 32 on 4 warps for wider heads); float32 runs best with larger tiles on 8 warps
-    (dK/dV 64 x 128, dQ 128 x 64), which pays for the three products per tile of ``tf32x3`` and ``fp16x3``.
+    ``n_k = 1024`` keys); wider half-precision heads take dK/dV 64 x 128 and dQ 128 x 64 on 8 warps (2.6x
+    the 4-warp 32 x 128 / 128 x 32 split at 1 x 8 x 4096 x 128 on an H100); float32 runs best with larger
+    tiles on 8 warps (dK/dV 64 x 128, dQ 128 x 64), which pays for the three products per tile of ``tf32x3``
+    and ``fp16x3``.
     ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision; its operands split once per call) at head
     dim <= 64: past ``n_k = 1024`` keys dK/dV 64 x 128 on 3 stages and dQ 128 x 128 on 2 (128 x 64 on 3
     with a bias, ``has_bias``: a 128 x 128 bias tile is over the shared memory), up to 1024 keys 64 x 64 /
@@ -865,7 +867,7 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
         short = n_k is not None and n_k <= 1024
         cfg = _cfg((32, 128, 4, 3), (64, 64, 4, 3) if short else (128, 64, 8, 3), (64, 64, 4))
     elif dtype in (torch.float16, torch.bfloat16):
-        cfg = _cfg((32, 128, 4, 3), (128, 32, 4, 3), (64, 64, 4))
+        cfg = _cfg((64, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4))
     elif precision == "fp16x3" and wide <= 64:
         short = n_k is not None and n_k <= 1024
         if short:
