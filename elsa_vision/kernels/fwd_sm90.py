@@ -127,9 +127,9 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
              CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr, WG: gl.constexpr):
     """Rows ``WG * 64`` onwards of the program's query tile: the key loop, then ``W / S`` and the lse."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                     instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+                                                     instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)
@@ -196,36 +196,6 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
 
 
 @gluon.jit
-def _consume_0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
-               H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
-               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):
-    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
-             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
-             D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE, 0)
-
-
-@gluon.jit
-def _consume_1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
-               H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
-               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):
-    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
-             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
-             D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE, 1)
-
-
-@gluon.jit
-def _consume_2(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
-               H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
-               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):
-    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
-             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
-             D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE, 2)
-
-
-@gluon.jit
 def attention_fwd_kernel(
     q_desc, k_desc, v_desc, Out, Lse, Redo,
     H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
@@ -253,32 +223,32 @@ def attention_fwd_kernel(
     # One tuple literal per partition: a tuple bound to a name would turn its constexprs into tensors.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consume_0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
-                          STORE_LSE)),
-            (_consume_1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
-                          STORE_LSE)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 0)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 1)),
             (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
                         qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE)),
         ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers
     else:
         gl.warp_specialize([
-            (_consume_0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
-                          STORE_LSE)),
-            (_consume_1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
-                          STORE_LSE)),
-            (_consume_2, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                          Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                          stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
-                          STORE_LSE)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 0)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 1)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 2)),
             (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
                         qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE)),
