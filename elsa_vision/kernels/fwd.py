@@ -777,11 +777,12 @@ class _FwdProgram(AttentionProgram):
 
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for the packed layout
     (``q [total_q, H, D]``; outputs ``[total_q, H, Dv]`` and ``lse [H, total_q]``). ``hopper``: run
-    ``fwd_sm90``'s kernel where it applies (``HOPPER``, read when the program is built).
+    ``fwd_sm90``'s kernel where it applies (``HOPPER``), with key partitions for grids under ``split_waves``
+    waves (``HOPPER_SPLIT_WAVES``); both read when ``fwd_program`` builds the program.
     """
 
     def __init__(self, q, k, v, bias, kpm, causal, scale, precision, partitions=None, varlen=None,
-                 partial=False, hopper=False):
+                 partial=False, hopper=False, split_waves=0):
         self.device = q.device
         if partial:  # context parallelism's partial results: float32 out, float64 lse (monoid.store_lse)
             self.out_dtype, self.lse_dtype = torch.float32, torch.float64
@@ -841,7 +842,7 @@ class _FwdProgram(AttentionProgram):
                 and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS
                 and fwd_sm90.supported(q, k, v, False)):
             self.hopper = _HopperForward(B, H, Nq, Nk, D, scalars, main, strides[3], lse_strides,
-                                         canonical_device(q.device))
+                                         canonical_device(q.device), split_waves)
         self.split = None
         if main["PRESPLIT"]:
             key_tiles = cdiv(Nk, p.block_n)
@@ -909,11 +910,11 @@ def _merge_launches(partitions, block_dv, Dv, H, Nq, bh, out_strides, lse_stride
 class _HopperForward:
     """The launches of one forward signature on ``fwd_sm90``'s kernel: the kernel; the generic kernel over
     the 64-row query tiles it flagged (``REDO``: non-finite states; the other programs return at once); with
-    key partitions (``HOPPER_SPLIT_WAVES``), the level-two merge of their states. ``scalars``/``main``: the
-    generic launch's arguments, whose query tiles become 64 rows and whose key partitions become the Hopper
-    kernel's."""
+    key partitions (``split_waves``: ``HOPPER_SPLIT_WAVES``), the level-two merge of their states.
+    ``scalars``/``main``: the generic launch's arguments, whose query tiles become 64 rows and whose key
+    partitions become the Hopper kernel's."""
 
-    def __init__(self, B, H, Nq, Nk, D, scalars, main, out_strides, lse_strides, device):
+    def __init__(self, B, H, Nq, Nk, D, scalars, main, out_strides, lse_strides, device, split_waves):
         sms = device_info(device)[0]
         bn, stages, consumers, pingpong = fwd_sm90.config(D, Nq, B * H, sms)
         self.block_n = bn
@@ -922,8 +923,8 @@ class _HopperForward:
         m_tiles = cdiv(Nq, rows * consumers)
         key_tiles = cdiv(Nk, bn)
         parts = 1
-        if HOPPER_SPLIT_WAVES and m_tiles * bh < HOPPER_SPLIT_WAVES * sms:
-            parts = min(16, cdiv(HOPPER_SPLIT_WAVES * sms, m_tiles * bh))
+        if split_waves and m_tiles * bh < split_waves * sms:
+            parts = min(16, cdiv(split_waves * sms, m_tiles * bh))
         parts = _partitioning(key_tiles, parts, bh * Nq, D)[0]
         split = parts > 1
         tiles_per_split = cdiv(key_tiles, parts)
@@ -1024,7 +1025,7 @@ def fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, 
     dtype (one rounding, at the end of the merges) and ``lse`` in float64, formed from the row's state
     (``monoid.store_lse``), so that the merges' weights keep float32 accuracy."""
     return _PROGRAMS(_FwdProgram, (q, k, v, attn_bias, key_padding_mask),
-                     (causal, scale, precision, partitions, None, partial, HOPPER))
+                     (causal, scale, precision, partitions, None, partial, HOPPER, HOPPER_SPLIT_WAVES))
 
 
 def elsa_fwd_varlen(
