@@ -128,21 +128,17 @@ def _elsa(precision):
     return run
 
 
-def _with(fn, **settings):
-    """``fn`` run with the forward's module settings ``settings`` (``fwd.HOPPER``, ``fwd.HOPPER_SPLIT_WAVES``;
-    each is part of a cached program's signature): the A/B peers of the Hopper forward, ``elsa_generic``
-    (the generic Triton kernel on Hopper too) and ``elsa_split`` (key partitions for grids under 4 waves)."""
+def _generic(fn):
+    """``fn`` run with the generic Triton forward on Hopper too (``fwd.HOPPER`` off): the A/B of the
+    warp-specialised forward (peer ``elsa_generic``)."""
     def run(q, k, v, causal):
         from elsa_vision.kernels import fwd
 
-        old = {name: getattr(fwd, name) for name in settings}
-        for name, value in settings.items():
-            setattr(fwd, name, value)
+        old, fwd.HOPPER = fwd.HOPPER, False
         try:
             return fn(q, k, v, causal)
         finally:
-            for name, value in old.items():
-                setattr(fwd, name, value)
+            fwd.HOPPER = old
 
     return run
 
@@ -154,8 +150,7 @@ RUNNERS = {
     "sdpa_cudnn": _sdpa("sdpa_cudnn"),
     "flex": _flex,
     "elsa": _elsa("auto"),
-    "elsa_generic": _with(_elsa("auto"), HOPPER=False),
-    "elsa_split": _with(_elsa("auto"), HOPPER_SPLIT_WAVES=4),
+    "elsa_generic": _generic(_elsa("auto")),
     "elsa_ieee": _elsa("ieee"),
     "elsa_tf32x3": _elsa("tf32x3"),
     "elsa_fp16x3": _elsa("fp16x3"),
@@ -187,9 +182,7 @@ def train_runner(peer):
     """The peer as a differentiable function: the SDPA backends and flex as they are, the ELSA peers
     through the autograd op with the peer's precision."""
     if peer == "elsa_generic":
-        return _with(_elsa_autograd("auto"), HOPPER=False)
-    if peer == "elsa_split":
-        return _with(_elsa_autograd("auto"), HOPPER_SPLIT_WAVES=4)
+        return _generic(_elsa_autograd("auto"))
     if peer.startswith("elsa"):
         return _elsa_autograd("auto" if peer == "elsa" else peer[len("elsa_"):])
     return RUNNERS[peer]

@@ -310,14 +310,13 @@ def _fwd_kernel(
     ``_split_kv_kernel`` split them (same ``BLOCK_N``; ``parts_k``/``parts_v`` elements per part); the fast
     pass reads those, the exact pass ``K``/``V``.
 
-    ``REDO``: only the programs whose ``Redo`` flag (one int32 per program, ``[partitions, programs]``) is
-    set run; the others return at once. ``fwd_sm90``'s kernel sets the flags of the query tiles whose state
-    it could not finish exactly (non-finite inputs), and this launch computes them again, exact pass
-    included.
+    ``REDO``: only the programs whose ``Redo`` flag (one int32 per program) is set run; the others return at
+    once. ``fwd_sm90``'s kernel sets the flags of the query tiles whose state it could not finish exactly
+    (non-finite inputs), and this launch computes them again, exact pass included.
     """
     pid = tl.program_id(0)
     if REDO:
-        if tl.load(Redo + tl.program_id(1) * tl.num_programs(0) + pid) == 0:
+        if tl.load(Redo + pid) == 0:
             return
     pid_m = pid % m_tiles
     pid_bh = pid // m_tiles
@@ -555,12 +554,6 @@ DEFER_SCALE = True
 # (docs/kernel_notes.md, "The Hopper forward"); False: the generic kernel everywhere.
 HOPPER = True
 HOPPER_MIN_KEYS = 2048
-# Hopper forwards whose query tiles make fewer than this many waves over the SMs split their keys into
-# partitions (up to about this many waves of programs; their states merged exactly by ``_merge_kernel``):
-# the last, partly empty wave of a small grid (1.3 waves at 8 heads x 4K tokens) is what keeps such calls
-# behind cuDNN. 0: never split (the default until measured on a GPU; docs/kernel_notes.md, "The Hopper
-# forward").
-HOPPER_SPLIT_WAVES = 0
 
 # Configs installed by ``set_config``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> tiles.
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
@@ -777,12 +770,11 @@ class _FwdProgram(AttentionProgram):
 
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for the packed layout
     (``q [total_q, H, D]``; outputs ``[total_q, H, Dv]`` and ``lse [H, total_q]``). ``hopper``: run
-    ``fwd_sm90``'s kernel where it applies (``HOPPER``), with key partitions for grids under ``split_waves``
-    waves (``HOPPER_SPLIT_WAVES``); both read when ``fwd_program`` builds the program.
+    ``fwd_sm90``'s kernel where it applies (``HOPPER``, read when the program is built).
     """
 
     def __init__(self, q, k, v, bias, kpm, causal, scale, precision, partitions=None, varlen=None,
-                 partial=False, hopper=False, split_waves=0):
+                 partial=False, hopper=False):
         self.device = q.device
         if partial:  # context parallelism's partial results: float32 out, float64 lse (monoid.store_lse)
             self.out_dtype, self.lse_dtype = torch.float32, torch.float64
@@ -841,8 +833,7 @@ class _FwdProgram(AttentionProgram):
         if (hopper and fwd_sm90 is not None and varlen is None and not (masked or partial)
                 and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS
                 and fwd_sm90.supported(q, k, v, False)):
-            self.hopper = _HopperForward(B, H, Nq, Nk, D, scalars, main, strides[3], lse_strides,
-                                         canonical_device(q.device), split_waves)
+            self.hopper = _HopperForward(B, H, Nq, Nk, D, p, scalars, main, canonical_device(q.device))
         self.split = None
         if main["PRESPLIT"]:
             key_tiles = cdiv(Nk, p.block_n)
@@ -856,8 +847,15 @@ class _FwdProgram(AttentionProgram):
                             p.num_warps, p.num_stages) for store in (True, False)]
         self.merge = None
         if p.partitions > 1:
-            self.ws_sizes, self.merge = _merge_launches(p.partitions, p.block_dv, Dv, H, Nq, bh, strides[3],
-                                                        lse_strides)
+            splits = max(2, next_pow2(p.partitions))
+            bm2 = max(2, min(64, 4096 // (splits * p.block_dv)))
+            m2 = cdiv(Nq, bm2)
+            self.ws_sizes = ((p.partitions, bh, Nq), (p.partitions, bh, Nq, p.block_dv))
+            merge = dict(DV=Dv, BLOCK_M=bm2, BLOCK_DV=p.block_dv, SPLITS=splits,
+                         LEVELS=splits.bit_length() - 1)
+            self.merge = [Launch(_merge_kernel, (m2 * bh,), (*strides[3], *lse_strides, H, Nq, bh, m2,
+                                                             p.partitions), dict(merge, STORE_LSE=store), 4)
+                          for store in (True, False)]
 
     def run(self, q, k, v, bias=None, kpm=None, cu_q=None, cu_k=None, need_lse=True):
         """``(out, lse)``; ``lse`` is None unless ``need_lse``."""
@@ -895,55 +893,27 @@ class _FwdProgram(AttentionProgram):
         return out, lse
 
 
-def _merge_launches(partitions, block_dv, Dv, H, Nq, bh, out_strides, lse_strides):
-    """``(workspace sizes, [with lse, without])``: the level-two merge of ``partitions`` states per row
-    (``_merge_kernel``) into ``out`` (``out_strides``) and ``lse``."""
-    splits = max(2, next_pow2(partitions))
-    bm2 = max(2, min(64, 4096 // (splits * block_dv)))
-    m2 = cdiv(Nq, bm2)
-    merge = dict(DV=Dv, BLOCK_M=bm2, BLOCK_DV=block_dv, SPLITS=splits, LEVELS=splits.bit_length() - 1)
-    launches = [Launch(_merge_kernel, (m2 * bh,), (*out_strides, *lse_strides, H, Nq, bh, m2, partitions),
-                       dict(merge, STORE_LSE=store), 4) for store in (True, False)]
-    return ((partitions, bh, Nq), (partitions, bh, Nq, block_dv)), launches
-
-
 class _HopperForward:
-    """The launches of one forward signature on ``fwd_sm90``'s kernel: the kernel; the generic kernel over
-    the 64-row query tiles it flagged (``REDO``: non-finite states; the other programs return at once); with
-    key partitions (``split_waves``: ``HOPPER_SPLIT_WAVES``), the level-two merge of their states.
-    ``scalars``/``main``: the generic launch's arguments, whose query tiles become 64 rows and whose key
-    partitions become the Hopper kernel's."""
+    """The launches of one forward signature on ``fwd_sm90``'s kernel: the kernel, then the generic kernel
+    over the 64-row query tiles it flagged (``REDO``: non-finite states; the other programs return at once).
+    ``scalars``/``main``: the generic launch's arguments, whose query tiles become 64 rows."""
 
-    def __init__(self, B, H, Nq, Nk, D, scalars, main, out_strides, lse_strides, device, split_waves):
-        sms = device_info(device)[0]
-        bn, stages, consumers, pingpong = fwd_sm90.config(D, Nq, B * H, sms)
+    def __init__(self, B, H, Nq, Nk, D, p, scalars, main, q_device):
+        bn, stages, consumers, pingpong = fwd_sm90.config(D, Nq, B * H, device_info(q_device)[0])
         self.block_n = bn
         rows = fwd_sm90.ROWS.value
         bh = B * H
         m_tiles = cdiv(Nq, rows * consumers)
-        key_tiles = cdiv(Nk, bn)
-        parts = 1
-        if split_waves and m_tiles * bh < split_waves * sms:
-            parts = min(16, cdiv(split_waves * sms, m_tiles * bh))
-        parts = _partitioning(key_tiles, parts, bh * Nq, D)[0]
-        split = parts > 1
-        tiles_per_split = cdiv(key_tiles, parts)
-        self.flags = parts * bh * cdiv(Nq, rows)
-        self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh, parts),
-                            (H, Nq, Nk, m_tiles, *out_strides[:3], *lse_strides[:2], scalars[-3],
-                             tiles_per_split, bh),
+        self.flags = bh * cdiv(Nq, rows)
+        self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh,),
+                            (H, Nq, Nk, m_tiles, Nq * H * D, D, H * D, H * Nq, Nq, scalars[-3]),
                             dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong,
-                                 STORE_LSE=store, SPLIT=split), fwd_sm90.NUM_WARPS)
-                     for store in (True, False)]
-        # the generic kernel's scalars with 64-row query tiles (m_tiles) and 64-key tiles over the same key
-        # partitions (tiles_per_split)
-        redo_scalars = scalars[:-5] + (cdiv(Nq, rows), tiles_per_split * bn // 64) + scalars[-3:]
-        redo = dict(main, BLOCK_M=rows, BLOCK_N=64, SPLIT=split, SEGMENT=0, PRESPLIT=False, REDO=True)
-        self.redo = [Launch(_fwd_kernel, (cdiv(Nq, rows) * bh, parts), redo_scalars,
-                            dict(redo, STORE_LSE=store), 4, 2) for store in (True, False)]
-        self.merge = None
-        if split:
-            self.ws_sizes, self.merge = _merge_launches(parts, D, D, H, Nq, bh, out_strides, lse_strides)
+                                 STORE_LSE=store), fwd_sm90.NUM_WARPS) for store in (True, False)]
+        # the generic kernel's scalars with 64-row query tiles (m_tiles) and one partition of all key tiles
+        redo_scalars = scalars[:-5] + (cdiv(Nq, rows), cdiv(Nk, 64)) + scalars[-3:]
+        redo = dict(main, BLOCK_M=rows, BLOCK_N=64, SPLIT=False, SEGMENT=0, PRESPLIT=False, REDO=True)
+        self.redo = [Launch(_fwd_kernel, (cdiv(Nq, rows) * bh, 1), redo_scalars, dict(redo, STORE_LSE=store),
+                            4, 2) for store in (True, False)]
         self.descs = None
 
     def __call__(self, q, k, v, out, lse, which):
@@ -954,18 +924,11 @@ class _HopperForward:
         dq, dk, dv = self.descs
         dq.base, dk.base, dv.base = q, k, v
         flags = torch.empty((self.flags,), dtype=torch.int32, device=q.device)  # every flag written
-        ws = (out, out, out)
-        if self.merge is not None:
-            ws = (torch.empty(self.ws_sizes[0], dtype=torch.float32, device=q.device),
-                  torch.empty(self.ws_sizes[0], dtype=torch.float32, device=q.device),
-                  torch.empty(self.ws_sizes[1], dtype=torch.float32, device=q.device))
         try:
-            self.main[which](dq, dk, dv, out, lse, flags, *ws)
+            self.main[which](dq, dk, dv, out, lse, flags)
         finally:  # the cached descriptors must not keep this call's tensors alive
             dq.base = dk.base = dv.base = None
-        self.redo[which](q, k, v, out, out, out, lse, *ws, out, out, out, out, out, out, flags)
-        if self.merge is not None:
-            self.merge[which](*ws, out, lse)
+        self.redo[which](q, k, v, out, out, out, lse, out, out, out, out, out, out, out, out, out, flags)
         return flags
 
 
@@ -1025,7 +988,7 @@ def fwd_program(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, 
     dtype (one rounding, at the end of the merges) and ``lse`` in float64, formed from the row's state
     (``monoid.store_lse``), so that the merges' weights keep float32 accuracy."""
     return _PROGRAMS(_FwdProgram, (q, k, v, attn_bias, key_padding_mask),
-                     (causal, scale, precision, partitions, None, partial, HOPPER, HOPPER_SPLIT_WAVES))
+                     (causal, scale, precision, partitions, None, partial, HOPPER))
 
 
 def elsa_fwd_varlen(

@@ -12,8 +12,6 @@ kernel (``docs/kernel_notes.md``, "A warp-specialised bf16 forward in Gluon"):
   and ``W += P_{j-1} v_{j-1}`` asynchronously, waits for ``S_j`` alone (``wgmma.wait_group 1``) and forms
   tile ``j``'s weights while the value product is still on the tensor cores, then waits for it, releases
   the stage of tile ``j-1`` and rescales ``W``: the exponentials run under the matrix products;
-* ``SPLIT``: each program folds one partition of the key tiles and writes its state for the generic merge
-  (grids of few query tiles: more programs, the monoid merges their states exactly);
 * ``PINGPONG`` (two consumers): the warpgroups take turns to issue their products, through a pair of
   mbarriers, so that one's softmax runs under the other's products (FlashAttention-3's schedule).
 
@@ -93,10 +91,9 @@ def descriptor(t, block_rows: int) -> TensorDescriptor:
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
-             WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-             qk_scale, tiles_per_split, BH, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr,
-             SPLIT: gl.constexpr):
+             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+             D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr):
     pid = gl.program_id(0)
     off_m = (pid % m_tiles) * BLOCK_M
     off_b = (pid // m_tiles) // H
@@ -105,27 +102,13 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     for c in gl.static_range(CONSUMERS):  # 64 rows per consumer
         tma.async_copy_global_to_shared(q_desc, [off_b, off_h, off_m + c * ROWS, 0], q_bar, q_smem.index(c))
     nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-    first, count = _key_tiles(N, tiles_per_split, BLOCK_N, SPLIT)
-    for i in range(count):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+    for j in range(gl.cdiv(N, BLOCK_N)):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
         bar = ready.index(s)
         mbarrier.expect(bar, nbytes)
-        key = (first + i) * BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [off_b, off_h, key, 0], bar, k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [off_b, off_h, key, 0], bar, v_smem.index(s))
-
-
-@gluon.jit
-def _key_tiles(N, tiles_per_split, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
-    """``(first, count)``: the key tiles this program folds (``SPLIT``: its partition's, ``program_id(1)``;
-    else all of them)."""
-    first = 0
-    count = gl.cdiv(N, BLOCK_N)
-    if SPLIT:
-        first = gl.program_id(1) * tiles_per_split
-        count = gl.minimum(count - first, tiles_per_split)
-    return first, count
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N, 0], bar, k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N, 0], bar, v_smem.index(s))
 
 
 @gluon.jit
@@ -139,10 +122,9 @@ def _masked(scores, j, N, BLOCK_N: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
-             WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-             qk_scale, tiles_per_split, BH, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr,
-             SPLIT: gl.constexpr, WG: gl.constexpr):
+             H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+             D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr, WG: gl.constexpr):
     """Rows ``WG * 64`` onwards of the program's query tile: the key loop, then ``W / S`` and the lse."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
@@ -154,7 +136,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     pid_m = pid % m_tiles
     off_b = (pid // m_tiles) // H
     off_h = (pid // m_tiles) % H
-    first, count = _key_tiles(N, tiles_per_split, BLOCK_N, SPLIT)
+    n_tiles = gl.cdiv(N, BLOCK_N)
 
     q = q_smem.index(WG).reshape([ROWS, D])
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -165,76 +147,65 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     # Tile 0: its scores and weights; its value product is issued with tile 1's scores.
     mbarrier.wait(ready.index(0), 0)
     scores = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero, use_acc=False)
-    scores = _masked(scores, first, N, BLOCK_N, s_layout)
+    scores = _masked(scores, 0, N, BLOCK_N, s_layout)
     m, alpha, p = tile_weights(m, scores, qk_scale)
     s = gl.sum(p, 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    for i in range(1, count):  # the program's i-th key tile, in stage i % STAGES
-        st = i % STAGES
-        prev = (i - 1) % STAGES
-        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+    for j in range(1, n_tiles):
+        st = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(st), (j // STAGES) & 1)
         if PINGPONG:  # wait for this warpgroup's turn to issue (the first turn of warpgroup 0 is free)
-            mbarrier.wait(turns.index(WG), ((i - 1) & 1) ^ (1 - WG))
+            mbarrier.wait(turns.index(WG), ((j - 1) & 1) ^ (1 - WG))
         k_t = k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0))
         v_prev = v_smem.index(prev).reshape([BLOCK_N, D])
-        # S_j is formed in the registers of S_{j-1} (dead once its weights are formed): no zero accumulator
-        # to rematerialise per tile
+        # S_j overwrites the registers of S_{j-1} (dead once its weights are formed): an accumulator of its
+        # own, never the constant that also starts W (two products in flight on one accumulator race)
         s_tok = warpgroup_mma(q, k_t, scores, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - WG), count=1)
         scores = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} v_{j-1} still running
-        scores = _masked(scores, first + i, N, BLOCK_N, s_layout)
+        scores = _masked(scores, j, N, BLOCK_N, s_layout)
         m, alpha, p = tile_weights(m, scores, qk_scale)
         s = s * alpha + gl.sum(p, 1)
         acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         mbarrier.arrive(empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-    last = (count - 1) % STAGES
+    last = (n_tiles - 1) % STAGES
     acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc)
     mbarrier.arrive(empty.index(last), count=1)
 
     m = gl.convert_layout(m, gl.SliceLayout(1, o_layout))
     s = gl.convert_layout(s, gl.SliceLayout(1, o_layout))
+    out, lse = finalize_state(m, s, acc)
     rows = pid_m * BLOCK_M + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     row_ok = rows < NQ
-    flag = (pid // m_tiles) * gl.cdiv(NQ, ROWS)  # this head's first flag
-    if SPLIT:  # the partition's state, in fwd._fwd_kernel's workspace layout, for fwd._merge_kernel
-        ws_rows = (gl.program_id(1).to(gl.int64) * BH + pid // m_tiles) * NQ + rows
-        gl.store(WsM + ws_rows, m, mask=row_ok)
-        gl.store(WsS + ws_rows, s, mask=row_ok)
-        gl.store(WsW + ws_rows[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
-        flag += gl.program_id(1) * BH * gl.cdiv(NQ, ROWS)
-    else:
-        out, lse = finalize_state(m, s, acc)
-        o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-                  + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
-        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-        if STORE_LSE:
-            lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
-            gl.store(lse_ptrs, lse, mask=row_ok)
+    o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+              + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:
+        lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+        gl.store(lse_ptrs, lse, mask=row_ok)
     bad = count_nonfinite(gl.where(row_ok[:, None], acc, 0.0)) + count_nonfinite(gl.where(row_ok, s, 0.0))
     block = pid_m * CONSUMERS + WG  # these 64 rows' flag: 1 = the generic kernel redoes them (docstring)
     if block < gl.cdiv(NQ, ROWS):
-        gl.store(Redo + flag + block, (bad != 0).to(gl.int32))
+        gl.store(Redo + (pid // m_tiles) * gl.cdiv(NQ, ROWS) + block, (bad != 0).to(gl.int32))
 
 
 @gluon.jit
 def attention_fwd_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, Redo, WsM, WsS, WsW,
-    H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale, tiles_per_split, BH,
+    q_desc, k_desc, v_desc, Out, Lse, Redo,
+    H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-    PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr, SPLIT: gl.constexpr,
+    PINGPONG: gl.constexpr, STORE_LSE: gl.constexpr,
 ):
-    """Grid ``(m_tiles * B * H, partitions)``, query tiles of ``64 * CONSUMERS`` rows, one head's tiles
-    adjacent. ``Out [B, H, NQ, D]`` (its head dim contiguous), ``Lse [B, H, NQ]`` float32 (``STORE_LSE``),
-    ``Redo`` ``[partitions, B * H, cdiv(NQ, 64)]`` int32 flags, set to 1 for the 64 query rows whose state
-    is not finite; ``qk_scale`` is the base-2 logit scale (``scale * log2(e)``). ``SPLIT``: program
-    ``(., p)`` folds key tiles ``[p * tiles_per_split, (p + 1) * tiles_per_split)`` and writes its rows'
-    states to ``WsM``/``WsS`` ``[partitions, BH, NQ]`` and ``WsW`` ``[partitions, BH, NQ, D]`` (the generic
-    level one's workspace; ``fwd._merge_kernel`` merges them) instead of ``Out`` and ``Lse``."""
+    """Grid ``(m_tiles * B * H,)``, query tiles of ``64 * CONSUMERS`` rows, one head's tiles adjacent.
+    ``Out [B, H, NQ, D]`` (its head dim contiguous), ``Lse [B, H, NQ]`` float32 (``STORE_LSE``), ``Redo``
+    ``[B * H, cdiv(NQ, 64)]`` int32 flags, set to 1 for the 64 query rows whose state is not finite;
+    ``qk_scale`` is the base-2 logit scale (``scale * log2(e)``)."""
     BLOCK_M: gl.constexpr = ROWS * CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, 1, 1, ROWS, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
@@ -253,34 +224,32 @@ def attention_fwd_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                        Lse, Redo, WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om,
-                        stride_lb, stride_lh, qk_scale, tiles_per_split, BH, D, BLOCK_M, BLOCK_N, STAGES,
-                        CONSUMERS, PINGPONG, STORE_LSE, SPLIT, 0)),
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 0)),
             (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                        Lse, Redo, WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om,
-                        stride_lb, stride_lh, qk_scale, tiles_per_split, BH, D, BLOCK_M, BLOCK_N, STAGES,
-                        CONSUMERS, PINGPONG, STORE_LSE, SPLIT, 1)),
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 1)),
             (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                        Lse, Redo, WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om,
-                        stride_lb, stride_lh, qk_scale, tiles_per_split, BH, D, BLOCK_M, BLOCK_N, STAGES,
-                        CONSUMERS, PINGPONG, STORE_LSE, SPLIT)),
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                        qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE)),
         ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers
     else:
         gl.warp_specialize([
             (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                        Lse, Redo, WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om,
-                        stride_lb, stride_lh, qk_scale, tiles_per_split, BH, D, BLOCK_M, BLOCK_N, STAGES,
-                        CONSUMERS, PINGPONG, STORE_LSE, SPLIT, 0)),
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 0)),
             (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                        Lse, Redo, WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om,
-                        stride_lb, stride_lh, qk_scale, tiles_per_split, BH, D, BLOCK_M, BLOCK_N, STAGES,
-                        CONSUMERS, PINGPONG, STORE_LSE, SPLIT, 1)),
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 1)),
             (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                        Lse, Redo, WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om,
-                        stride_lb, stride_lh, qk_scale, tiles_per_split, BH, D, BLOCK_M, BLOCK_N, STAGES,
-                        CONSUMERS, PINGPONG, STORE_LSE, SPLIT, 2)),
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG,
+                        STORE_LSE, 2)),
             (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
-                        Lse, Redo, WsM, WsS, WsW, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om,
-                        stride_lb, stride_lh, qk_scale, tiles_per_split, BH, D, BLOCK_M, BLOCK_N, STAGES,
-                        CONSUMERS, PINGPONG, STORE_LSE, SPLIT)),
+                        Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                        qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, STORE_LSE)),
         ], [4, 4, 1], [160, 160, 24])

@@ -33,16 +33,14 @@ from elsa_vision.kernels import fwd, fwd_sm90 as F
 
 fn = F.attention_fwd_kernel
 report = []
-variants = [(64, 128, 2, 2, False, False), (64, 128, 2, 2, True, False), (128, 64, 2, 2, False, False),
-            (64, 64, 2, 3, False, False), (64, 128, 3, 2, False, True), (128, 64, 3, 2, False, True)]
-for D, bn, stages, consumers, pingpong, split in variants:
+variants = [(64, 128, 2, 2, False), (64, 128, 2, 2, True), (128, 64, 2, 2, False), (64, 64, 2, 3, False)]
+for D, bn, stages, consumers, pingpong in variants:
     t = torch.empty((2, 3, 512, D), dtype=torch.bfloat16)
     sig = {name: "i32" for name in fn.arg_names}
     sig.update(q_desc=mangle_type(F.descriptor(t, 64)), k_desc=mangle_type(F.descriptor(t, bn)),
                v_desc=mangle_type(F.descriptor(t, bn)), Out="*bf16", Lse="*fp32", Redo="*i32",
-               WsM="*fp32", WsS="*fp32", WsW="*fp32", qk_scale="fp32")
-    consts = dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, STORE_LSE=True,
-                  SPLIT=split)
+               qk_scale="fp32")
+    consts = dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, STORE_LSE=True)
     sig.update({name: "constexpr" for name in consts})
     k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": F.NUM_WARPS})
@@ -56,8 +54,7 @@ for D, bn, stages, consumers, pingpong, split in variants:
             tokens.append("W" + line.split()[-1].rstrip(";"))
         elif "mbarrier.try_wait" in line:
             tokens.append("B")
-    report.append(dict(D=D, bn=bn, consumers=consumers, pingpong=pingpong, split=split,
-                       shared=k.metadata.shared,
+    report.append(dict(D=D, bn=bn, consumers=consumers, pingpong=pingpong, shared=k.metadata.shared,
                        local=".local" in ptx, tokens=" ".join(tokens)))
 # the generic kernel in REDO mode (the launch that finishes flagged tiles)
 consts = dict(D=64, DV=64, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, PRECISION="none", CAUSAL=False,
@@ -79,9 +76,8 @@ print(json.dumps(report))
 def test_compiles_for_sm90_with_the_softmax_under_the_products():
     # Built for sm90 on any machine: in each consumer's key loop both products of a tile are issued (S_j's
     # and P_{j-1} v_{j-1}'s wgmma instructions back to back) before one wait that leaves the value product
-    # running (wait_group 1), with or without key partitions (SPLIT); the ping-pong variant waits for its
-    # turn (one more mbarrier wait per consumer loop); no local memory (spills), shared memory within the
-    # H100's.
+    # running (wait_group 1); the ping-pong variant waits for its turn (one more mbarrier wait per consumer
+    # loop); no local memory (spills), shared memory within the H100's.
     *variants, redo = compile_for_sm90(_COMPILE)
     for var in variants:
         s, p = ("S", "P") if var["bn"] != var["D"] else ("M", "M")  # told apart by their widths
@@ -122,38 +118,6 @@ def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch):
                 assert (lse[0, h, rows][fin].double() - ref_lse[0, h, rows][fin]).abs().max() <= 1e-5
             else:
                 assert bool((out[0, h, rows] == 7.0).all()) and bool((lse[0, h, rows] == 7.0).all())
-
-
-def test_key_partitions_redo_and_merge(monkeypatch):
-    # With key partitions (HOPPER_SPLIT_WAVES) each Hopper program writes its partition's state for the
-    # generic merge, and the redo launch recomputes a flagged tile's partition over the same keys (64-key
-    # tiles, tiles_per_split scaled): here every flag set, so the redo and the merge alone form the output,
-    # which must be the reference's (non-finite values included: the partitions' exact passes). Built as on
-    # sm90 (supported() forced) and run by the interpreter, float16.
-    monkeypatch.setattr(fwd_sm90, "supported", lambda *a: True)
-    monkeypatch.setattr(fwd_module, "HOPPER_MIN_KEYS", 0)
-    monkeypatch.setattr(fwd_module, "HOPPER_SPLIT_WAVES", 4)
-    B, H, Nq, Nk, D = 1, 2, 150, 600, 64
-    q, k, v = qkv(B, H, Nq, Nk, D, seed=32, dtype=torch.float16)
-    v[0, 0, 301, 5] = math.inf  # in the third partition
-    k[0, 1, 40, 0] = math.inf
-    v[0, 1, 40, :] = math.nan
-    program = fwd_program(q, k, v, None, None, False, D**-0.5, "auto")
-    hopper = program.hopper
-    parts = hopper.ws_sizes[0][0]
-    assert hopper.merge is not None and parts == 3  # 5 key tiles of 128: partitions of 2, 2 and 1 tiles
-    flags = torch.ones(parts * B * H * 3, dtype=torch.int32, device=DEVICE)
-    out = fwd_module.empty_output(B, H, Nq, D, q)
-    lse = torch.empty(B, H, Nq, device=DEVICE)
-    state_size, w_size = hopper.ws_sizes
-    ws = [torch.full(size, math.nan, device=DEVICE) for size in (state_size, state_size, w_size)]
-    hopper.redo[0](q, k, v, out, out, out, lse, *ws, out, out, out, out, out, out, flags)
-    hopper.merge[0](*ws, out, lse)
-    ref, ref_lse = scan64(q, k, v)
-    assert_nonfinite_like(out, ref, 2e-3)
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), fin)
-    assert (lse[fin].double() - ref_lse[fin]).abs().max() <= 1e-5
 
 
 def test_three_consumers_only_for_many_waves():
@@ -251,26 +215,6 @@ def test_gpu_finite_inputs_flag_nothing(D, config, monkeypatch):
     assert flags.numel() == B * H * math.ceil(N / 64) and int(flags.abs().sum()) == 0
     assert_low_precision(out, q, k, v)
     assert_lse(lse, scan64(q, k, v)[1])
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("D,B,H,N", [(64, 1, 8, 4096), (128, 1, 8, 4099), (64, 2, 4, 2053)])
-def test_gpu_key_partitions_match_the_single_pass(D, B, H, N, monkeypatch):
-    # HOPPER_SPLIT_WAVES splits the keys of small grids; the merged states give the single pass's result
-    # within half-precision rounding, flag nothing for finite inputs, and match float64 as FlashAttention's
-    # criterion asks.
-    q, k, v = qkv(B, H, N, N, D, seed=N + 1, dtype=torch.bfloat16)
-    single = elsa_fwd(q, k, v)
-    monkeypatch.setattr(fwd_module, "HOPPER_SPLIT_WAVES", 4)  # part of the program cache's key
-    program = fwd_program(q, k, v, None, None, False, D**-0.5, "auto")
-    assert program.hopper is not None and program.hopper.merge is not None
-    out = fwd_module.empty_output(B, H, N, D, q)
-    lse = torch.empty(B, H, N, device="cuda")
-    flags = program.hopper(q, k, v, out, lse, 0)
-    assert int(flags.abs().sum()) == 0
-    assert relerr(out, single[0]) <= 4e-3 and (lse - single[1]).abs().max().item() <= 1e-4
-    assert_low_precision(out, q, k, v)
 
 
 @pytest.mark.gpu
