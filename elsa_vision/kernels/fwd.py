@@ -833,7 +833,8 @@ class _FwdProgram(AttentionProgram):
         if (hopper and fwd_sm90 is not None and varlen is None and not (masked or partial)
                 and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS
                 and fwd_sm90.supported(q, k, v, False)):
-            self.hopper = _HopperForward(B, H, Nq, Nk, D, p, scalars, main, canonical_device(q.device))
+            self.hopper = _HopperForward(B, H, Nq, Nk, D, scalars, main, strides[3], lse_strides,
+                                         canonical_device(q.device))
         self.split = None
         if main["PRESPLIT"]:
             key_tiles = cdiv(Nk, p.block_n)
@@ -896,17 +897,18 @@ class _FwdProgram(AttentionProgram):
 class _HopperForward:
     """The launches of one forward signature on ``fwd_sm90``'s kernel: the kernel, then the generic kernel
     over the 64-row query tiles it flagged (``REDO``: non-finite states; the other programs return at once).
-    ``scalars``/``main``: the generic launch's arguments, whose query tiles become 64 rows."""
+    ``scalars``/``main``: the generic launch's arguments, whose query tiles become 64 rows; ``out_strides``
+    / ``lse_strides``: the outputs' (``empty_output``'s layout)."""
 
-    def __init__(self, B, H, Nq, Nk, D, p, scalars, main, q_device):
-        bn, stages, consumers, pingpong = fwd_sm90.config(D, Nq, B * H, device_info(q_device)[0])
+    def __init__(self, B, H, Nq, Nk, D, scalars, main, out_strides, lse_strides, device):
+        bn, stages, consumers, pingpong = fwd_sm90.config(D, Nq, B * H, device_info(device)[0])
         self.block_n = bn
         rows = fwd_sm90.ROWS.value
         bh = B * H
         m_tiles = cdiv(Nq, rows * consumers)
         self.flags = bh * cdiv(Nq, rows)
         self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh,),
-                            (H, Nq, Nk, m_tiles, Nq * H * D, D, H * D, H * Nq, Nq, scalars[-3]),
+                            (H, Nq, Nk, m_tiles, *out_strides[:3], *lse_strides[:2], scalars[-3]),
                             dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong,
                                  STORE_LSE=store), fwd_sm90.NUM_WARPS) for store in (True, False)]
         # the generic kernel's scalars with 64-row query tiles (m_tiles) and one partition of all key tiles
