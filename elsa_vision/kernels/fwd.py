@@ -901,7 +901,7 @@ class _HopperForward:
     / ``lse_strides``: the outputs' (``empty_output``'s layout)."""
 
     def __init__(self, B, H, Nq, Nk, D, scalars, main, out_strides, lse_strides, device):
-        bn, stages, consumers, pingpong = fwd_sm90.config(D, Nq, B * H, device_info(device)[0])
+        bn, stages, consumers, pingpong, p_smem = fwd_sm90.config(D, Nq, B * H, device_info(device)[0])
         self.block_n = bn
         rows = fwd_sm90.ROWS.value
         bh = B * H
@@ -910,7 +910,8 @@ class _HopperForward:
         self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh,),
                             (H, Nq, Nk, m_tiles, *out_strides[:3], *lse_strides[:2], scalars[-3]),
                             dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong,
-                                 STORE_LSE=store), fwd_sm90.NUM_WARPS) for store in (True, False)]
+                                 P_SMEM=p_smem, STORE_LSE=store), fwd_sm90.NUM_WARPS)
+                     for store in (True, False)]
         # the generic kernel's scalars with 64-row query tiles (m_tiles) and one partition of all key tiles
         redo_scalars = scalars[:-5] + (cdiv(Nq, rows), cdiv(Nk, 64)) + scalars[-3:]
         redo = dict(main, BLOCK_M=rows, BLOCK_N=64, SPLIT=False, SEGMENT=0, PRESPLIT=False, REDO=True)
