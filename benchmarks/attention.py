@@ -6,6 +6,7 @@ Usage (on a CUDA machine, from the repository root)::
     python -m benchmarks.attention --quick         # headline shapes only
     python -m benchmarks.attention --dtype float32 --shapes 1,8,4096,64 1,8,16384,64
     python -m benchmarks.attention --tune          # time the kernel's candidate configs
+    python -m benchmarks.attention --tune-hopper --dtype bfloat16 --shapes 1,8,4096,64 1,8,16384,128
     python -m benchmarks.attention --dtype float32 --peers sdpa_efficient elsa elsa_tf32x3 \
         --shapes 1,8,4096,64                                       # fp16x3 (auto on sm90) against tf32x3
     python -m benchmarks.attention --quick --backward  # also forward+backward rows
@@ -384,6 +385,71 @@ def tune(cases, dtypes, precisions, configs=None):
                 )
 
 
+# --tune-hopper's default candidates per head dim: (BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM)
+HOPPER_CANDIDATES = {
+    64: [(128, 3, 2, False, False), (128, 3, 2, False, True), (128, 3, 3, False, False),
+         (128, 3, 3, False, True), (128, 2, 2, False, True), (128, 3, 2, True, True)],
+    128: [(64, 3, 2, False, False), (64, 3, 2, False, True), (64, 4, 2, False, True),
+          (128, 2, 2, False, True), (64, 3, 3, False, True)],
+}
+
+
+def tune_hopper(cases, dtypes, configs=None):
+    """Time ``fwd_sm90``'s tile and schedule configs (``HOPPER_CANDIDATES``, or ``configs``) on each case,
+    next to cuDNN and the generic kernel of the same process: GPU time (``do_bench``), the ratio to cuDNN,
+    the relative difference to the generic kernel's output and whether any query tile was flagged for the
+    redo (finite inputs must flag none). Prints one ranking line per (case, dtype)."""
+    from elsa_vision.kernels import fwd
+
+    if fwd.fwd_sm90 is None:
+        sys.exit("--tune-hopper needs a Triton with Gluon")
+    for dname in dtypes:
+        if DTYPES[dname] != torch.float32:  # the Hopper forward is half precision
+            for c in cases:
+                _tune_hopper_case(c, dname, configs)
+
+
+def _tune_hopper_case(c, dname, configs):
+    from elsa_vision.kernels import fwd
+
+    sm90 = fwd.fwd_sm90
+    q, k, v = (torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=DTYPES[dname]) for _ in range(3))
+    flops = 4 * c.B * c.H * c.N**2 * c.D
+    cudnn = bench_ms(lambda: RUNNERS["sdpa_cudnn"](q, k, v, False))
+    saved = fwd.HOPPER, dict(sm90.CONFIGS), dict(sm90.LARGE)
+    results = []
+    try:
+        fwd.HOPPER = False
+        generic_out = fwd.elsa_fwd(q, k, v)[0]
+        generic = bench_ms(lambda: fwd.elsa_fwd(q, k, v, need_lse=False))
+        fwd.HOPPER = True
+        for cfg in configs or HOPPER_CANDIDATES.get(c.D, []):
+            sm90.CONFIGS[c.D] = tuple(cfg)
+            sm90.LARGE.pop(c.D, None)
+            fwd._PROGRAMS.clear()
+            program = fwd.fwd_program(q, k, v, None, None, False, c.D ** -0.5, "auto")
+            if program.hopper is None:
+                sys.exit(f"--tune-hopper: {c} does not take the Hopper forward (fwd.HOPPER_MIN_KEYS, one key "
+                         "partition, head dim 64 or 128)")
+            try:
+                out = fwd.empty_output(c.B, c.H, c.N, c.D, q)
+                flagged = int(program.hopper(q, k, v, out, out, 1).sum())
+                note = f"diff {relerr(out, generic_out):.1e}" + (f", {flagged} flagged" if flagged else "")
+                results.append((bench_ms(lambda: fwd.elsa_fwd(q, k, v, need_lse=False)), cfg, note))
+            except Exception as exc:  # noqa: BLE001 - configs the compiler rejects are listed
+                results.append((math.inf, cfg, type(exc).__name__))
+    finally:
+        fwd.HOPPER = saved[0]
+        for table, old in ((sm90.CONFIGS, saved[1]), (sm90.LARGE, saved[2])):
+            table.clear()
+            table.update(old)
+        fwd._PROGRAMS.clear()
+    results.sort(key=lambda r: r[0])
+    ranking = " | ".join(f"{cfg}: {ms:.4f} ms ({cudnn / ms:.3f}x cuDNN, {note})" for ms, cfg, note in results)
+    print(f"TUNE-HOPPER {dname} {c}: cuDNN {cudnn:.4f} ms ({flops / cudnn / 1e9:.0f} TF/s), generic "
+          f"{generic:.4f} ms ({cudnn / generic:.3f}x) | {ranking}", flush=True)
+
+
 def parse_case(s: str) -> Case:
     parts = s.split(",")
     if len(parts) not in (4, 5):
@@ -418,6 +484,9 @@ def main(argv=None):
     )
     ap.add_argument("--png", default=None, help="plot path (default logs/benchmarks/attention_<gpu>.png)")
     ap.add_argument("--tune", action="store_true", help="time the candidate kernel configs instead")
+    ap.add_argument("--tune-hopper", action="store_true",
+                    help="time the Hopper forward's configs (HOPPER_CANDIDATES, or --configs as BLOCK_N,"
+                         "STAGES,CONSUMERS,PINGPONG,P_SMEM) against cuDNN and the generic kernel instead")
     ap.add_argument("--tune-precisions", nargs="+", default=["tf32x3", "ieee", "tf32"],
                     help="float32 precisions to tune (any of auto, ieee, tf32x3, fp16x3, tf32)")
     ap.add_argument(
@@ -442,6 +511,13 @@ def main(argv=None):
     if args.tune:
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else None
         tune(cases, args.dtype, args.tune_precisions, configs)
+        return
+    if args.tune_hopper:
+        configs = None
+        if args.configs:
+            configs = [tuple(int(x) if i < 3 else bool(int(x)) for i, x in enumerate(c.split(",")))
+                       for c in args.configs]
+        tune_hopper(cases, args.dtype, configs)
         return
     gpu = device_tag("cuda")
     autotune = [(a.split(":")[0], int(a.split(":")[1]), a.split(":")[2]) for a in args.autotune]

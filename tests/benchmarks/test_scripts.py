@@ -15,8 +15,8 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
 FLAGS = {
     "accuracy": ["--quick", "--sizes", "--rows", "--out"],
     "attention": ["--quick", "--shapes", "--dtype", "--peers", "--flex-shapes", "--autotune", "--causal",
-                  "--backward", "--no-graph", "--out", "--png", "--tune", "--tune-precisions", "--configs",
-                  "--plot-only"],
+                  "--backward", "--no-graph", "--out", "--png", "--tune", "--tune-hopper",
+                  "--tune-precisions", "--configs", "--plot-only"],
     "attention_bwd": ["--shapes", "--dtypes", "--peers", "--tiles", "--save-best", "--config-json",
                       "--append", "--out"],
     "clip": ["--device", "--quick", "--warmup", "--reps", "--backend", "--precision", "--tf32", "--out"],
