@@ -3,7 +3,7 @@
 The same fold as ``fwd._fwd_kernel`` for float16/bfloat16 inputs without a mask, bias or causality (the
 (m, S, W) monoid over key tiles, ``monoid.tile_weights`` with the scale in the exponent), laid out the way
 Hopper overlaps the softmax with the tensor cores, which Triton 3.6 does not generate from the generic
-kernel (``docs/kernel_notes.md``, "A warp-specialised bf16 forward in Gluon"):
+kernel (``docs/kernel_notes.md``, "The Hopper forward"):
 
 * one *producer* warp loads the program's query tile once and each key tile's keys and values by TMA into
   a ring of ``STAGES`` shared-memory stages (4-D descriptors over ``[B, H, N, D]``, so ViT's strided views of
@@ -11,7 +11,8 @@ kernel (``docs/kernel_notes.md``, "A warp-specialised bf16 forward in Gluon"):
 * ``CONSUMERS`` warpgroups own 64 query rows each. For key tile ``j`` a consumer issues ``S_j = q k_j^T``
   and ``W += P_{j-1} v_{j-1}`` asynchronously, waits for ``S_j`` alone (``wgmma.wait_group 1``) and forms
   tile ``j``'s weights while the value product is still on the tensor cores, then waits for it, releases
-  the stage of tile ``j-1`` and rescales ``W``: the exponentials run under the matrix products;
+  the stage of tile ``j-1`` and rescales ``W`` (in the machine code the exponentials stay under the value
+  product only with ``P_SMEM``, below; the other consumers' products run under them either way);
 * ``P_SMEM``: the weights reach the value product through shared memory (two buffers per consumer, in
   turn) instead of registers. With P in registers, ptxas moves the wait for the value product above the
   softmax, so the exponentials do not overlap it; with P in shared memory they stay between the two waits
@@ -178,8 +179,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
             mbarrier.wait(turns.index(WG), ((j - 1) & 1) ^ (1 - WG))
         k_t = k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0))
         v_prev = v_smem.index(prev).reshape([BLOCK_N, D])
-        # S_j overwrites the registers of S_{j-1} (dead once its weights are formed): an accumulator of its
-        # own, never the constant that also starts W (two products in flight on one accumulator race)
+        # S_j is formed in the registers of S_{j-1} (dead once its weights are formed)
         s_tok = warpgroup_mma(q, k_t, scores, use_acc=False, is_async=True)
         if P_SMEM:
             o_tok = warpgroup_mma(p_smem.index((j - 1) % 2), v_prev, acc, is_async=True)
