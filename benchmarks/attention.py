@@ -416,13 +416,11 @@ def _tune_hopper_case(c, dname, configs):
     q, k, v = (torch.randn(c.B, c.H, c.N, c.D, device="cuda", dtype=DTYPES[dname]) for _ in range(3))
     flops = 4 * c.B * c.H * c.N**2 * c.D
     cudnn = bench_ms(lambda: RUNNERS["sdpa_cudnn"](q, k, v, False))
-    saved = fwd.HOPPER, dict(sm90.CONFIGS), dict(sm90.LARGE)
+    generic_out = RUNNERS["elsa_generic"](q, k, v, False)
+    generic = bench_ms(lambda: RUNNERS["elsa_generic"](q, k, v, False))
+    saved = dict(sm90.CONFIGS), dict(sm90.LARGE)
     results = []
     try:
-        fwd.HOPPER = False
-        generic_out = fwd.elsa_fwd(q, k, v)[0]
-        generic = bench_ms(lambda: fwd.elsa_fwd(q, k, v, need_lse=False))
-        fwd.HOPPER = True
         for cfg in configs or HOPPER_CANDIDATES.get(c.D, []):
             sm90.CONFIGS[c.D] = tuple(cfg)
             sm90.LARGE.pop(c.D, None)
@@ -435,12 +433,11 @@ def _tune_hopper_case(c, dname, configs):
                 out = fwd.empty_output(c.B, c.H, c.N, c.D, q)
                 flagged = int(program.hopper(q, k, v, out, out, 1).sum())
                 note = f"diff {relerr(out, generic_out):.1e}" + (f", {flagged} flagged" if flagged else "")
-                results.append((bench_ms(lambda: fwd.elsa_fwd(q, k, v, need_lse=False)), cfg, note))
+                results.append((bench_ms(lambda: RUNNERS["elsa"](q, k, v, False)), cfg, note))
             except Exception as exc:  # noqa: BLE001 - configs the compiler rejects are listed
                 results.append((math.inf, cfg, type(exc).__name__))
     finally:
-        fwd.HOPPER = saved[0]
-        for table, old in ((sm90.CONFIGS, saved[1]), (sm90.LARGE, saved[2])):
+        for table, old in zip((sm90.CONFIGS, sm90.LARGE), saved):
             table.clear()
             table.update(old)
         fwd._PROGRAMS.clear()

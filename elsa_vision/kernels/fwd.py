@@ -820,8 +820,13 @@ class _FwdProgram(AttentionProgram):
         tps = cdiv(max(1, cdiv(Nk, p.block_n)), p.partitions)
         presplit = p.presplit
         parts_k, parts_v = (bh * Nk * D, bh * Nk * Dv) if presplit else (0, 0)
-        scalars = (*strides[0], *strides[1], *strides[2], *sb, *skp, *strides[3], *lse_strides,
-                   H, Nq, Nk, bh, m_tiles, tps, float(scale) * LOG2E, parts_k, parts_v)
+        qk_scale = float(scale) * LOG2E
+
+        def launch_scalars(query_tiles, tiles_per_split):  # _fwd_kernel's scalar arguments
+            return (*strides[0], *strides[1], *strides[2], *sb, *skp, *strides[3], *lse_strides,
+                    H, Nq, Nk, bh, query_tiles, tiles_per_split, qk_scale, parts_k, parts_v)
+
+        scalars = launch_scalars(m_tiles, tps)
         main = dict(D=D, DV=Dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
                     PRECISION=p.precision, CAUSAL=bool(causal), HAS_BIAS=has_bias, HAS_KPM=has_kpm,
                     IS_VARLEN=varlen is not None, SPLIT=p.partitions > 1,
@@ -833,8 +838,8 @@ class _FwdProgram(AttentionProgram):
         if (hopper and fwd_sm90 is not None and varlen is None and not (masked or partial)
                 and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS
                 and fwd_sm90.supported(q, k, v, False)):
-            self.hopper = _HopperForward(B, H, Nq, Nk, D, scalars, main, strides[3], lse_strides,
-                                         canonical_device(q.device))
+            self.hopper = _HopperForward(B, H, Nq, Nk, D, qk_scale, launch_scalars, main, strides[3],
+                                         lse_strides, canonical_device(q.device))
         self.split = None
         if main["PRESPLIT"]:
             key_tiles = cdiv(Nk, p.block_n)
@@ -897,10 +902,11 @@ class _FwdProgram(AttentionProgram):
 class _HopperForward:
     """The launches of one forward signature on ``fwd_sm90``'s kernel: the kernel, then the generic kernel
     over the 64-row query tiles it flagged (``REDO``: non-finite states; the other programs return at once).
-    ``scalars``/``main``: the generic launch's arguments, whose query tiles become 64 rows; ``out_strides``
-    / ``lse_strides``: the outputs' (``empty_output``'s layout)."""
+    ``launch_scalars(query_tiles, tiles_per_split)`` / ``main``: the generic launch's scalar arguments and
+    constexprs, whose query tiles become 64 rows; ``out_strides`` / ``lse_strides``: the outputs'
+    (``empty_output``'s layout)."""
 
-    def __init__(self, B, H, Nq, Nk, D, scalars, main, out_strides, lse_strides, device):
+    def __init__(self, B, H, Nq, Nk, D, qk_scale, launch_scalars, main, out_strides, lse_strides, device):
         bn, stages, consumers, pingpong, p_smem = fwd_sm90.config(D, Nq, B * H, device_info(device)[0])
         self.block_n = bn
         rows = fwd_sm90.ROWS.value
@@ -908,13 +914,13 @@ class _HopperForward:
         m_tiles = cdiv(Nq, rows * consumers)
         self.flags = bh * cdiv(Nq, rows)
         self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh,),
-                            (H, Nq, Nk, m_tiles, *out_strides[:3], *lse_strides[:2], scalars[-3]),
+                            (H, Nq, Nk, m_tiles, *out_strides[:3], *lse_strides[:2], qk_scale),
                             dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong,
                                  P_SMEM=p_smem, STORE_LSE=store), fwd_sm90.NUM_WARPS)
                      for store in (True, False)]
-        # the generic kernel's scalars with 64-row query tiles (m_tiles) and one partition of all key tiles
-        redo_scalars = scalars[:-5] + (cdiv(Nq, rows), cdiv(Nk, 64)) + scalars[-3:]
+        # the generic kernel over 64-row query tiles and one partition of all its 64-key tiles
         redo = dict(main, BLOCK_M=rows, BLOCK_N=64, SPLIT=False, SEGMENT=0, PRESPLIT=False, REDO=True)
+        redo_scalars = launch_scalars(cdiv(Nq, rows), cdiv(Nk, 64))
         self.redo = [Launch(_fwd_kernel, (cdiv(Nq, rows) * bh, 1), redo_scalars, dict(redo, STORE_LSE=store),
                             4, 2) for store in (True, False)]
         self.descs = None
