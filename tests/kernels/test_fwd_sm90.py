@@ -116,7 +116,23 @@ def test_compiles_for_sm90_with_the_softmax_under_the_products():
     assert 0 < redo["redo_shared"] <= 232448
 
 
-def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch):
+@pytest.fixture
+def four_sms(monkeypatch):
+    """Plans made as for a GPU of 4 multiprocessors (the interpreter's count) on any device, so that the
+    small grids of the routing tests keep one key partition on an H100 too; plans and programs of other
+    counts are dropped before and after."""
+    from elsa_vision.kernels import host
+
+    real = host._device_info
+    monkeypatch.setattr(host, "_device_info", lambda device=None: (4, *real(device)[1:]))
+    fwd_module._plan_cached.cache_clear()
+    fwd_module._PROGRAMS.clear()
+    yield
+    fwd_module._plan_cached.cache_clear()
+    fwd_module._PROGRAMS.clear()
+
+
+def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch, four_sms):
     # The generic kernel in REDO mode (the second launch of a Hopper forward): the 64-row query tiles whose
     # flag is set get the full forward (fast pass, then the exact pass their non-finite inputs need), every
     # other row stays as the Hopper kernel left it. Built as on sm90 (supported() forced) and run by the
@@ -157,7 +173,7 @@ def test_three_consumers_only_for_many_waves():
     assert fwd_sm90.config(128, many * 4, 16, sms) == fwd_sm90.CONFIGS[128]
 
 
-def test_routing_rules(monkeypatch):
+def test_routing_rules(monkeypatch, four_sms):
     # Only half-precision dense calls without masks, bias or causality whose query tiles fill the GPU and
     # whose keys number at least HOPPER_MIN_KEYS take the Hopper kernel; everything else the generic one.
     monkeypatch.setattr(fwd_sm90, "supported", lambda q, k, v, has_mask: q.dtype != torch.float32)
