@@ -385,12 +385,10 @@ def tune(cases, dtypes, precisions, configs=None):
                 )
 
 
-# --tune-hopper's default candidates per head dim: (BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM)
+# --tune-hopper's default candidates per head dim: (BLOCK_N, STAGES, CONSUMERS)
 HOPPER_CANDIDATES = {
-    64: [(128, 3, 2, False, False), (128, 3, 2, False, True), (128, 3, 3, False, False),
-         (128, 3, 3, False, True), (128, 2, 2, False, True), (128, 3, 2, True, True)],
-    128: [(64, 3, 2, False, False), (64, 3, 2, False, True), (64, 4, 2, False, True),
-          (128, 2, 2, False, True), (64, 3, 3, False, True)],
+    64: [(128, 3, 2), (128, 3, 3), (128, 2, 2), (64, 4, 2), (64, 3, 3)],
+    128: [(64, 3, 2), (64, 4, 2), (64, 3, 3), (128, 2, 2)],
 }
 
 
@@ -483,7 +481,7 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true", help="time the candidate kernel configs instead")
     ap.add_argument("--tune-hopper", action="store_true",
                     help="time the Hopper forward's configs (HOPPER_CANDIDATES, or --configs as BLOCK_N,"
-                         "STAGES,CONSUMERS,PINGPONG,P_SMEM) against cuDNN and the generic kernel instead")
+                         "STAGES,CONSUMERS) against cuDNN and the generic kernel instead")
     ap.add_argument("--tune-precisions", nargs="+", default=["tf32x3", "ieee", "tf32"],
                     help="float32 precisions to tune (any of auto, ieee, tf32x3, fp16x3, tf32)")
     ap.add_argument(
@@ -510,10 +508,7 @@ def main(argv=None):
         tune(cases, args.dtype, args.tune_precisions, configs)
         return
     if args.tune_hopper:
-        configs = None
-        if args.configs:
-            configs = [tuple(int(x) if i < 3 else bool(int(x)) for i, x in enumerate(c.split(",")))
-                       for c in args.configs]
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else None
         tune_hopper(cases, args.dtype, configs)
         return
     gpu = device_tag("cuda")

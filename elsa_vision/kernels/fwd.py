@@ -907,7 +907,7 @@ class _HopperForward:
     (``empty_output``'s layout)."""
 
     def __init__(self, B, H, Nq, Nk, D, qk_scale, launch_scalars, main, out_strides, lse_strides, device):
-        bn, stages, consumers, pingpong, p_smem = fwd_sm90.config(D, Nq, B * H, device_info(device)[0])
+        bn, stages, consumers = fwd_sm90.config(D, Nq, B * H, device_info(device)[0])
         self.block_n = bn
         rows = fwd_sm90.ROWS.value
         bh = B * H
@@ -915,8 +915,8 @@ class _HopperForward:
         self.flags = bh * cdiv(Nq, rows)
         self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh,),
                             (H, Nq, Nk, m_tiles, *out_strides[:3], *lse_strides[:2], qk_scale),
-                            dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong,
-                                 P_SMEM=p_smem, STORE_LSE=store), fwd_sm90.NUM_WARPS)
+                            dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, STORE_LSE=store),
+                            fwd_sm90.NUM_WARPS)
                      for store in (True, False)]
         # the generic kernel over 64-row query tiles and one partition of all its 64-key tiles
         redo = dict(main, BLOCK_M=rows, BLOCK_N=64, SPLIT=False, SEGMENT=0, PRESPLIT=False, REDO=True)

@@ -11,14 +11,10 @@ kernel (``docs/kernel_notes.md``, "The Hopper forward"):
 * ``CONSUMERS`` warpgroups own 64 query rows each. For key tile ``j`` a consumer issues ``S_j = q k_j^T``
   and ``W += P_{j-1} v_{j-1}`` asynchronously, waits for ``S_j`` alone (``wgmma.wait_group 1``) and forms
   tile ``j``'s weights while the value product is still on the tensor cores, then waits for it, releases
-  the stage of tile ``j-1`` and rescales ``W`` (in the machine code the exponentials stay under the value
-  product only with ``P_SMEM``, below; the other consumers' products run under them either way);
-* ``P_SMEM``: the weights reach the value product through shared memory (two buffers per consumer, in
-  turn) instead of registers. With P in registers, ptxas moves the wait for the value product above the
-  softmax, so the exponentials do not overlap it; with P in shared memory they stay between the two waits
-  (the SASS, ``docs/kernel_notes.md``). Off until measured on a GPU;
-* ``PINGPONG`` (two consumers): the warpgroups take turns to issue their products, through a pair of
-  mbarriers, so that one's softmax runs under the other's products (FlashAttention-3's schedule).
+  the stage of tile ``j-1`` and rescales ``W``. In the machine code ptxas moves the wait for the value
+  product above the exponentials; the other consumers' products run under them. Two schedules that keep
+  a consumer's own product under its softmax measured slower and were removed (the weights through shared
+  memory; FlashAttention-3's ping-pong of two warpgroups): ``docs/kernel_notes.md``, "The Hopper forward".
 
 Only the last key tile is masked (``N % BLOCK_N`` keys past the end read as zeros and get ``-inf`` logits).
 
@@ -35,13 +31,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .monoid import count_nonfinite, finalize_state, tile_weights
@@ -52,12 +42,12 @@ __all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "supported", "config", "de
 NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
-# (BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM) per head dim, the measured winners (docs/kernel_notes.md,
+# (BLOCK_N, STAGES, CONSUMERS) per head dim, the measured winners (docs/kernel_notes.md,
 # "The Hopper forward"); LARGE: the config of grids of at least LARGE_WAVES waves of LARGE's query tiles
 # (three consumer warpgroups: more products in flight per SM, but 192-row tiles leave a larger last wave on
 # smaller grids).
-CONFIGS = {64: (128, 3, 2, False, False), 128: (64, 3, 2, False, False)}
-LARGE = {64: (128, 3, 3, False, False)}
+CONFIGS = {64: (128, 3, 2), 128: (64, 3, 2)}
+LARGE = {64: (128, 3, 3)}
 LARGE_WAVES = 8
 
 
@@ -80,8 +70,8 @@ def supported(q, k, v, has_mask: bool) -> bool:
     return True
 
 
-def config(D: int, Nq: int, heads: int, sms: int) -> tuple[int, int, int, bool, bool]:
-    """``(BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM)`` for head dim ``D``, ``Nq`` query rows of
+def config(D: int, Nq: int, heads: int, sms: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, STAGES, CONSUMERS)`` for head dim ``D``, ``Nq`` query rows of
     ``heads`` (batch x heads) heads on ``sms`` multiprocessors."""
     large = LARGE.get(D)
     if large is not None and -(-Nq // (ROWS.value * large[2])) * heads >= LARGE_WAVES * sms:
@@ -102,11 +92,10 @@ def descriptor(t, block_rows: int) -> TensorDescriptor:
 
 
 @gluon.jit
-def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out, Lse, Redo,
              H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
              D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-             STORE_LSE: gl.constexpr):
+             CONSUMERS: gl.constexpr, STORE_LSE: gl.constexpr):
     pid = gl.program_id(0)
     off_m = (pid % m_tiles) * BLOCK_M
     off_b = (pid // m_tiles) // H
@@ -134,11 +123,10 @@ def _masked(scores, j, N, BLOCK_N: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out, Lse, Redo,
+def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out, Lse, Redo,
              H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
              D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-             STORE_LSE: gl.constexpr, WG: gl.constexpr):
+             CONSUMERS: gl.constexpr, STORE_LSE: gl.constexpr, WG: gl.constexpr):
     """Rows ``WG * 64`` onwards of the program's query tile: the key loop, then ``W / S`` and the lse."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
@@ -164,48 +152,26 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     scores = _masked(scores, 0, N, BLOCK_N, s_layout)
     m, alpha, p = tile_weights(m, scores, qk_scale)
     s = gl.sum(p, 1)
-    if P_SMEM:  # the weights go to the value product through shared memory, two buffers in turn
-        p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype)
-        p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_N], p_shared)
-        p_smem.index(0).store(p.to(dtype))
-        fence_async_shared()
-    else:
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
     for j in range(1, n_tiles):
         st = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-        if PINGPONG:  # wait for this warpgroup's turn to issue (the first turn of warpgroup 0 is free)
-            mbarrier.wait(turns.index(WG), ((j - 1) & 1) ^ (1 - WG))
         k_t = k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0))
         v_prev = v_smem.index(prev).reshape([BLOCK_N, D])
         # S_j is formed in the registers of S_{j-1} (dead once its weights are formed)
         s_tok = warpgroup_mma(q, k_t, scores, use_acc=False, is_async=True)
-        if P_SMEM:
-            o_tok = warpgroup_mma(p_smem.index((j - 1) % 2), v_prev, acc, is_async=True)
-        else:
-            o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turns.index(1 - WG), count=1)
+        o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
         scores = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} v_{j-1} still running
         scores = _masked(scores, j, N, BLOCK_N, s_layout)
         m, alpha, p = tile_weights(m, scores, qk_scale)
         s = s * alpha + gl.sum(p, 1)
-        if P_SMEM:  # the other buffer: P_{j-1}'s is still being read
-            p_smem.index(j % 2).store(p.to(dtype))
-            fence_async_shared()
-            acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        else:
-            acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         mbarrier.arrive(empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        if not P_SMEM:
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
     last = (n_tiles - 1) % STAGES
-    if P_SMEM:
-        acc = warpgroup_mma(p_smem.index((n_tiles - 1) % 2), v_smem.index(last).reshape([BLOCK_N, D]), acc)
-    else:
-        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc)
+    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc)
     mbarrier.arrive(empty.index(last), count=1)
 
     m = gl.convert_layout(m, gl.SliceLayout(1, o_layout))
@@ -231,7 +197,7 @@ def attention_fwd_kernel(
     q_desc, k_desc, v_desc, Out, Lse, Redo,
     H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-    PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, STORE_LSE: gl.constexpr,
+    STORE_LSE: gl.constexpr,
 ):
     """Grid ``(m_tiles * B * H,)``, query tiles of ``64 * CONSUMERS`` rows, one head's tiles adjacent.
     ``Out [B, H, NQ, D]`` (its head dim contiguous), ``Lse [B, H, NQ]`` float32 (``STORE_LSE``), ``Redo``
@@ -244,43 +210,35 @@ def attention_fwd_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrival per consumer warpgroup
-    for t in gl.static_range(2):
-        mbarrier.init(turns.index(t), count=1)
     # One tuple literal per partition: a tuple bound to a name would turn its constexprs into tensors.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM,
-                        STORE_LSE, 0)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, STORE_LSE, 0)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM,
-                        STORE_LSE, 1)),
-            (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, STORE_LSE, 1)),
+            (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                        qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM, STORE_LSE)),
+                        qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, STORE_LSE)),
         ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers
     else:
         gl.warp_specialize([
-            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM,
-                        STORE_LSE, 0)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, STORE_LSE, 0)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM,
-                        STORE_LSE, 1)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, STORE_LSE, 1)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb,
-                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM,
-                        STORE_LSE, 2)),
-            (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, Out,
+                        stride_lh, qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, STORE_LSE, 2)),
+            (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, Out,
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                        qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, P_SMEM, STORE_LSE)),
+                        qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, STORE_LSE)),
         ], [4, 4, 1], [160, 160, 24])
