@@ -1,7 +1,9 @@
 """FP32 matrix products: PyTorch's FP32, TF32 and bf16 GEMMs vs the FP32-accurate split GEMM, in one run.
 
 Every case is one product ``C = A @ B^T (+ bias)`` of a linear layer at a model's shapes (the forward
-``x @ w.T``, the input gradient ``dy @ w`` and the weight gradient ``dy.T @ x``) or a square one; the peers:
+``x @ w.T``, the input gradient ``dy @ w`` and the weight gradient ``dy.T @ x``, with the operand layouts
+autograd passes: ``w`` of the input gradient and ``dy``, ``x`` of the weight gradient are transposed views)
+or a square one; the peers:
 
 * ``torch_fp32`` -- ``torch.addmm`` in IEEE FP32 (``allow_tf32`` off): what an FP32 ``nn.Linear`` runs,
 * ``torch_tf32`` -- the same with TF32 on (one TF32 pass, ~1e-3),
@@ -46,6 +48,7 @@ class Case:
     N: int
     K: int
     transpose_a: bool = False  # A is a transposed view (the weight gradient's dy.T)
+    transpose_b: bool = False  # B is a transposed view (the weight gradient's x.T, the input gradient's w.T)
     bias: bool = True
     mlp: bool = False  # fc2(gelu(fc1(x))): x [M, K], fc1 [N, K], fc2 [K, N]
 
@@ -58,9 +61,9 @@ def _layer_cases(model: str, tokens: int, width: int, hidden: int) -> list[Case]
         Case(f"{model}_proj", tokens, width, width),
         Case(f"{model}_fc1", tokens, hidden, width),
         Case(f"{model}_fc2", tokens, width, hidden),
-        Case(f"{model}_qkv_dx", tokens, width, 3 * width, bias=False),
-        Case(f"{model}_qkv_dw", 3 * width, width, tokens, transpose_a=True, bias=False),
-        Case(f"{model}_fc2_dw", width, hidden, tokens, transpose_a=True, bias=False),
+        Case(f"{model}_qkv_dx", tokens, width, 3 * width, transpose_b=True, bias=False),
+        Case(f"{model}_qkv_dw", 3 * width, width, tokens, transpose_a=True, transpose_b=True, bias=False),
+        Case(f"{model}_fc2_dw", width, hidden, tokens, transpose_a=True, transpose_b=True, bias=False),
         Case(f"{model}_mlp", tokens, hidden, width, mlp=True),
     ]
 
@@ -73,7 +76,7 @@ CASES = [
     Case("swin_t_stage1_b32_mlp", 32 * 64 * 64, 384, 96, mlp=True),
     Case("vit_s_1024_b2_mlp", 2 * 4097, 1536, 384, mlp=True),
 ]
-QUICK_CASES = [Case("quick", 37, 29, 45), Case("quick_dw", 29, 23, 70, transpose_a=True),
+QUICK_CASES = [Case("quick", 37, 29, 45), Case("quick_dw", 29, 23, 70, transpose_a=True, transpose_b=True),
                Case("quick_mlp", 37, 70, 45, mlp=True)]
 
 
@@ -83,7 +86,10 @@ def _operands(case: Case, device):
         a = torch.randn(case.K, case.M, generator=g).to(device).t()
     else:
         a = torch.randn(case.M, case.K, generator=g).to(device)
-    b = torch.randn(case.N, case.K, generator=g).to(device)
+    if case.transpose_b:
+        b = torch.randn(case.K, case.N, generator=g).to(device).t()
+    else:
+        b = torch.randn(case.N, case.K, generator=g).to(device)
     bias = torch.randn(case.N, generator=g).to(device) if case.bias else None
     return a, b, bias
 

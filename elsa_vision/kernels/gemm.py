@@ -233,13 +233,14 @@ def _column_amax_kernel(
 def _split_columns_kernel(
     X, PARTIAL, PARTS, EXP,
     R, L, lo, stride_xl,
-    CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
     """Split the columns ``r`` of ``X [L, R]`` (columns contiguous; one scale per column, from the ``CHUNKS``
-    partial maxima) into float16 ``PARTS [2, R, L]``, each column's parts contiguous (the low parts ``lo``
-    elements after the high ones), and int32 ``EXP [R]``: a transpose on the way, read and written along the
-    contiguous dims (the product's operands must be K-contiguous: Triton's loads of transposed float16
-    operands measured 2-3x slower in the product loop)."""
+    partial maxima) into float16 parts (the low parts ``lo`` elements after the high ones) and int32
+    ``EXP [R]``. ``TRANSPOSE``: ``PARTS [2, R, L]``, each column's parts contiguous, a transpose on the way,
+    read and written along the contiguous dims (the generic product loop's operands must be K-contiguous:
+    Triton's loads of transposed float16 operands measured 2-3x slower there); otherwise ``PARTS [2, L, R]``,
+    stored as ``X`` is (the Hopper loop reads them N-major: ``gemm_sm90``'s ``TRANS_B``)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     r_ok = offs_r < R
@@ -252,7 +253,10 @@ def _split_columns_kernel(
     rows = offs_l[:, None].to(tl.int64)
     x = tl.load(X + rows * stride_xl + offs_r[None, :], mask=mask, other=0.0)
     hi, low = f16_pair(x * pow2(c)[None, :])
-    out = offs_r[None, :].to(tl.int64) * L + rows
+    if TRANSPOSE:
+        out = offs_r[None, :].to(tl.int64) * L + rows
+    else:
+        out = rows * R + offs_r[None, :]
     tl.store(PARTS + out, hi, mask=mask)
     tl.store(PARTS + lo + out, low, mask=mask)
 
@@ -371,16 +375,18 @@ class _Split:
 
     * rows contiguous: one kernel (``_split_rows_kernel``), parts stored ``[2, R, L]``;
     * columns contiguous (a transposed view, such as a weight gradient's ``dy.T``): the column maxima in
-      chunks of rows (``_column_amax_kernel``), then the split, transposed on the way
-      (``_split_columns_kernel``);
+      chunks of rows (``_column_amax_kernel``), then the split (``_split_columns_kernel``), transposed on the
+      way, or with ``transpose=False`` stored as the operand is, ``[2, L, R]`` (the Hopper loop's
+      ``TRANS_B``);
     * other strides: copied to rows-contiguous first.
     """
 
-    def __init__(self, shape, strides, device, interpreted: bool):
+    def __init__(self, shape, strides, device, interpreted: bool, transpose: bool = True):
         R, L = shape
         self.R, self.L, self.device = R, L, device
         self.copy = not (strides[1] == 1 or L == 1 or strides[0] == 1)
         self.columns = not self.copy and strides[1] != 1 and L > 1
+        self.transpose = transpose or not self.columns
         if not self.columns:
             br, bl, one, warps = _split_config(R, L, interpreted)
             rs, cs = (L, 1) if self.copy else strides
@@ -397,12 +403,13 @@ class _Split:
                            dict(BLOCK_R=br, BLOCK_L=bl), 4)
         bl2 = 16 if interpreted else 256
         self.split = Launch(_split_columns_kernel, (cdiv(R, br), cdiv(L, bl2)), (R, L, R * L, strides[1]),
-                            dict(CHUNKS=chunks, BLOCK_R=br, BLOCK_L=bl2), 8 if bl2 >= 256 else 4)
+                            dict(CHUNKS=chunks, BLOCK_R=br, BLOCK_L=bl2, TRANSPOSE=transpose),
+                            8 if bl2 >= 256 else 4)
 
     def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
         R, L, dev = self.R, self.L, self.device
         exp = torch.empty((R,), dtype=torch.int32, device=dev)
-        parts = torch.empty((2, R, L), dtype=torch.float16, device=dev)
+        parts = torch.empty((2, R, L) if self.transpose else (2, L, R), dtype=torch.float16, device=dev)
         if not self.columns:
             self.launch(x.contiguous() if self.copy else x, parts, exp)
             return parts, exp
@@ -445,15 +452,33 @@ class SplitOperand(NamedTuple):
         return torch.ldexp(self.parts[0].float() + self.parts[1].float(), -exp.float())
 
 
+def _transposed(x: Tensor) -> bool:
+    """``x [R, L]`` is a transposed view: columns contiguous, rows not (what ``_Split`` splits by columns)."""
+    return x.dim() == 2 and x.stride(0) == 1 and x.stride(1) != 1 and x.shape[0] > 1 and x.shape[1] > 1
+
+
+def _f32_transposed_tma(x: Tensor) -> bool:
+    """TMA can load float32 ``x [R, L]`` (columns contiguous) as its storage ``[L, R]``: 16-byte aligned
+    base and columns (``gemm_sm90.f32_t_descriptor``)."""
+    return _transposed(x) and x.stride(1) >= x.shape[0] and x.stride(1) % 4 == 0 and x.data_ptr() % 16 == 0
+
+
 class _GemmProgram(Program):
     """The launches of one product signature, planned once (``launch``): the two splits (``"fp16x3"``), the
     product loop and, with K slices, their sum; the output float32 or, with ``split_output``, float16 parts
     (``SplitOperand``). ``a_group``: ``a`` is a ``SplitOperand``'s parts (``a_group`` columns per exponent),
     read as they are where the loop runs ``"fp16x3"`` on K-tiles that divide the groups, else made dense
-    first (``dense_a``)."""
+    first (``dense_a``).
+
+    On the Hopper loop, transposed operands (a weight gradient's ``dy.T @ x``, an input gradient's ``w.T``)
+    are read as they are stored: a float32 ``a`` with columns contiguous is split in the consumers' registers
+    (``trans_a``, for products at most ``A_F32_MAX_N`` wide), a ``b`` with columns contiguous is split into
+    parts in its own layout (``trans_b``); no transposed copy of either. A product wider than that whose
+    ``a`` and ``b`` are both transposed (the weight gradient of a layer with more outputs than inputs) is
+    computed as ``C^T = b @ a^T`` (``swap``) and stored transposed."""
 
     ws = False
-    a_f32 = False
+    a_f32 = trans_a = trans_b = swap = False
     descs = None
 
     def __init__(self, a, b, bias, precision, activation, slices, a_group, split_output):
@@ -463,6 +488,11 @@ class _GemmProgram(Program):
         self.device, self.device_index = dev, (dev.index if a.is_cuda else None)
         self.sizes = (M, N, K)
         p = gemm_plan(M, N, K, dev, precision, slices)
+        self.swap = (p.warp_specialized and a.dim() == 2 and not (a_group or activation or split_output)
+                     and bias is None and M <= A_F32_MAX_N < N and M % 8 == 0 and _transposed(a)
+                     and _f32_transposed_tma(b))
+        if self.swap:  # C^T = b @ a^T (the same plan: tiles, slices and K are symmetric)
+            a, b, M, N = b, a, N, M
         self.split = p.precision == "fp16x3"
         self.dense_a = a_group if a_group and not (self.split and a_group % p.block_k == 0) else 0
         a_group = 0 if self.dense_a else a_group
@@ -476,13 +506,16 @@ class _GemmProgram(Program):
         has_bias = bias is not None
         stride_ae = 0
         a_shape, a_strides = ((M, K), (K, 1)) if a.dim() == 3 else (a.shape, a.stride())  # parts: dense rows
-        self.a_f32 = (p.warp_specialized and not a_group and N <= A_F32_MAX_N and a.dim() == 2
-                      and a.stride(1) == 1 and a.stride(0) >= K and a.stride(0) % 4 == 0
+        narrow = p.warp_specialized and not a_group and N <= A_F32_MAX_N and a.dim() == 2
+        self.a_f32 = (narrow and a.stride(1) == 1 and a.stride(0) >= K and a.stride(0) % 4 == 0
                       and a.data_ptr() % 16 == 0)
+        self.trans_a = narrow and not self.a_f32 and _transposed(a) and _f32_transposed_tma(a)
+        self.a_f32 = self.a_f32 or self.trans_a
+        self.trans_b = p.warp_specialized and _transposed(b) and N % 8 == 0
         if self.split:
             interpreted = not a.is_cuda
             self.split_a = None if a_group or self.a_f32 else _Split(a_shape, a_strides, dev, interpreted)
-            self.split_b = _Split(b.shape, b.stride(), dev, interpreted)
+            self.split_b = _Split(b.shape, b.stride(), dev, interpreted, transpose=not self.trans_b)
             sa, sb, lo = (K, 1), (K, 1), (M * K, N * K)
             stride_ae = cdiv(K, a_group) if a_group else 0
         else:
@@ -490,6 +523,7 @@ class _GemmProgram(Program):
         per = cdiv(cdiv(K, p.block_k), p.slices) * p.block_k
         even_k = K % p.block_k == 0 and per % p.block_k == 0
         sbias = bias.stride(0) if has_bias else 0
+        scm, scn = (1, M) if self.swap else (N, 1)  # C's strides in the loop's orientation
         one = p.slices == 1
         groups = cdiv(N, p.block_n)  # output exponents per row (split_output)
         self.ws = p.warp_specialized  # the parts go in as TMA descriptors (run)
@@ -497,10 +531,12 @@ class _GemmProgram(Program):
             work = cdiv(M, p.block_m) * cdiv(N, p.block_n) * p.slices
             self.main = Launch(
                 gemm_sm90.gemm_ws_kernel, (min(work, device_info(dev)[0]),),
-                (M, N, K, per, work, stride_ae, sbias, M * N, N, groups, M * N),
+                (M, N, K, per, work, stride_ae, sbias, M * N, scm if one else N, scn if one else 1, groups,
+                 M * N),
                 dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
                      STAGES=p.num_stages, HAS_BIAS=has_bias and one, ACTIVATION=activation if one else None,
-                     A_GROUP=a_group, SPLIT_OUT=self.split_output and one, A_F32=self.a_f32),
+                     A_GROUP=a_group, SPLIT_OUT=self.split_output and one, A_F32=self.a_f32,
+                     TRANS_A=self.trans_a, TRANS_B=self.trans_b),
                 p.num_warps)
         else:
             self.main = Launch(
@@ -514,12 +550,14 @@ class _GemmProgram(Program):
         if not one:
             bm2, bn2 = 32, p.block_n
             self.sum = Launch(_sum_slices_kernel, (cdiv(M, bm2), cdiv(N, bn2)),
-                              (M, N, M * N, N, sbias, N, 1, M * N, groups),
+                              (M, N, M * N, N, sbias, scm, scn, M * N, groups),
                               dict(SLICES=p.slices, BLOCK_M=bm2, BLOCK_N=bn2, HAS_BIAS=has_bias,
                                    ACTIVATION=activation, SPLIT_OUT=self.split_output), 4)
 
     def run(self, a, b, bias, a_exp=None):
         M, N, K = self.sizes
+        if self.swap:
+            a, b = b, a
         dev = self.device
         if self.split_output:
             parts = torch.empty((2, M, N), dtype=torch.float16, device=dev)
@@ -551,9 +589,17 @@ class _GemmProgram(Program):
         if self.ws:  # descriptors built (and checked) once, then pointed at each call's parts
             if self.descs is None:
                 p = self.plan
-                a_desc = gemm_sm90.f32_descriptor if self.a_f32 else gemm_sm90.parts_descriptor
-                self.descs = (a_desc(a, p.block_m, p.block_k),
-                              gemm_sm90.parts_descriptor(b, p.block_n, p.block_k))
+                if self.trans_a:
+                    da = gemm_sm90.f32_t_descriptor(a, p.block_k, p.block_m)
+                elif self.a_f32:
+                    da = gemm_sm90.f32_descriptor(a, p.block_m, p.block_k)
+                else:
+                    da = gemm_sm90.parts_descriptor(a, p.block_m, p.block_k)
+                if self.trans_b:
+                    db = gemm_sm90.parts_t_descriptor(b, p.block_k, p.block_n)
+                else:
+                    db = gemm_sm90.parts_descriptor(b, p.block_n, p.block_k)
+                self.descs = (da, db)
             da, db = self.descs
             da.base, db.base = a, b
             a, b = da, db

@@ -17,11 +17,19 @@ GEMM"):
   producer loads ``A`` itself, each K-step in two float32 halves, and each consumer splits its rows in
   registers (one power-of-two scale per row and K-step, undone on the fresh product) and issues six wgmma
   products with ``A`` from registers: no split pass over ``A`` in memory;
+* with ``TRANS_A`` (with ``A_F32``: ``A`` a transposed view, its columns contiguous, as a weight gradient's
+  ``dy.T``) the producer loads ``[BLOCK_K, BLOCK_M / 2]`` tiles of the storage ``[K, M]`` for each consumer,
+  which reads its rows transposed from shared memory into the same registers: no split pass and no
+  transposed copy of ``A``;
+* with ``TRANS_B`` (``B`` a transposed view, such as the weight gradient's ``x.T`` or the input gradient's
+  ``w.T``) ``B``'s parts are stored as ``B`` is, ``[2, K, N]`` with ``N`` contiguous (``gemm._Split``'s
+  column split without its transpose), loaded as ``[BLOCK_K, BLOCK_N]`` tiles and read by wgmma ``N``-major;
 * the grid is persistent (at most one program per SM, each looping over work items), so the producer loads
   the next tile's first stages while the consumers finish the last one's epilogue.
 
-TMA needs rows of 16-byte multiples (``K % 8 == 0``) and zero-fills reads past ``K``; rows past ``M`` (``N``)
-read the low parts or zeros and are never stored. The planner (``gemm._plan``) sends other products to the
+TMA needs rows of 16-byte multiples (``K % 8 == 0`` for K-contiguous operands, ``M % 4 == 0`` / ``N % 8 == 0``
+for transposed ones) and zero-fills reads past ``K``; rows past ``M`` (``N``) read the low parts or zeros and
+are never stored. The planner (``gemm._plan``) sends other products to the
 generic kernel.
 """
 
@@ -34,7 +42,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .dots import f16_pair, gemm_epilogue, pow2, scale_exponent, store_split
 
-__all__ = ["gemm_ws_kernel", "parts_descriptor", "f32_descriptor", "NUM_WARPS"]
+__all__ = ["gemm_ws_kernel", "parts_descriptor", "parts_t_descriptor", "f32_descriptor", "f32_t_descriptor",
+           "NUM_WARPS"]
 
 NUM_WARPS = 4  # the kernel's num_warps: its default partition, the first consumer warpgroup
 
@@ -52,6 +61,23 @@ def f32_descriptor(x, block_rows: int, block_k: int) -> TensorDescriptor:
     tiles of ``[block_rows, block_k // 2]``: the ``A_F32`` loop loads each K-step in two halves."""
     layout = gl.NVMMASharedLayout.get_default_for([block_rows, block_k // 2], gl.float32)
     return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [block_rows, block_k // 2], layout)
+
+
+def parts_t_descriptor(parts, block_k: int, block_cols: int) -> TensorDescriptor:
+    """The TMA descriptor of float16 parts ``[2, K, R]`` (contiguous, ``R % 8 == 0``: the parts of a
+    transposed operand stored as it is) in tiles of ``[1, block_k, block_cols]``; the part is a dimension of
+    its own, so reads past ``K`` are zeros, not the low parts."""
+    _, K, R = parts.shape
+    layout = gl.NVMMASharedLayout.get_default_for([1, block_k, block_cols], gl.float16)
+    return TensorDescriptor(parts, [2, K, R], [K * R, R, 1], [1, block_k, block_cols], layout)
+
+
+def f32_t_descriptor(x, block_k: int, block_rows: int) -> TensorDescriptor:
+    """The TMA descriptor of a transposed float32 ``x [R, K]`` (columns contiguous, 16-byte aligned columns
+    and base) as its storage ``[K, R]``, in tiles of ``[block_k, block_rows // 2]``: the ``TRANS_A`` loop
+    loads one tile per consumer warpgroup."""
+    layout = gl.NVMMASharedLayout.get_default_for([block_k, block_rows // 2], gl.float32)
+    return TensorDescriptor(x, [x.shape[1], x.shape[0]], [x.stride(1), 1], [block_k, block_rows // 2], layout)
 
 
 @gluon.jit
@@ -75,26 +101,59 @@ def _work_tile(w, M, N, K, k_per_slice, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
 
 
 @gluon.jit
-def _f32_step(a_bufs, b_bufs, s, acc, layout: gl.constexpr, row0: gl.constexpr, HM: gl.constexpr,
-              HK: gl.constexpr):
-    """One K-step of the ``A_F32`` loop for rows ``row0 : row0 + HM`` of stage ``s``: the two float32 halves
-    of A's tile (``HK`` columns each) loaded into registers, scaled by one power of two per row (the row's
-    largest magnitude over the K-step into ``[2^14, 2^15)``: ``dots.scale_exponent``) and split into float16
-    parts (``dots.f16_pair``); six wgmma products with A from registers, B's parts sliced along K. Returns the
-    fresh float32 product with the row scales undone (exact)."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
-    a0 = a_bufs.index(2 * s).slice(row0, HM).load(a_layout)
-    a1 = a_bufs.index(2 * s + 1).slice(row0, HM).load(a_layout)
+def _b_tile(b_bufs, i, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, TRANS_B: gl.constexpr):
+    """Buffer ``i`` of ``B``'s parts as wgmma's ``[BLOCK_K, BLOCK_N]`` operand: K-major parts transposed in
+    place, ``TRANS_B`` parts (``[1, BLOCK_K, BLOCK_N]``, N contiguous) as they are."""
+    if TRANS_B:
+        return b_bufs.index(i).reshape([BLOCK_K, BLOCK_N])
+    else:
+        return b_bufs.index(i).permute((1, 0))
+
+
+@gluon.jit
+def _split_a(a0, a1, layout: gl.constexpr):
+    """One power-of-two scale per row of the float32 register tiles ``a0``, ``a1`` (the row's largest
+    magnitude over both into ``[2^14, 2^15)``: ``dots.scale_exponent``) and their float16 parts
+    (``dots.f16_pair``): ``(a0_hi, a0_lo, a1_hi, a1_lo, unscale)``, ``unscale`` the rows' ``2^-c`` in the
+    accumulator's row layout."""
     c = scale_exponent(gl.maximum(gl.max(gl.abs(a0), 1), gl.max(gl.abs(a1), 1)))
     scale = pow2(c)[:, None]
     a0_hi, a0_lo = f16_pair(a0 * scale)
     a1_hi, a1_lo = f16_pair(a1 * scale)
-    b_hi = b_bufs.index(2 * s)
-    b_lo = b_bufs.index(2 * s + 1)
-    b_hi0 = b_hi.slice(0, HK, dim=1).permute((1, 0))
-    b_hi1 = b_hi.slice(HK, HK, dim=1).permute((1, 0))
-    b_lo0 = b_lo.slice(0, HK, dim=1).permute((1, 0))
-    b_lo1 = b_lo.slice(HK, HK, dim=1).permute((1, 0))
+    return a0_hi, a0_lo, a1_hi, a1_lo, gl.convert_layout(pow2(-c), gl.SliceLayout(1, layout))
+
+
+@gluon.jit
+def _f32_step(a_bufs, b_bufs, s, acc, layout: gl.constexpr, row0: gl.constexpr, HM: gl.constexpr,
+              HK: gl.constexpr, BLOCK_N: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
+    """One K-step of the ``A_F32`` loop for rows ``row0 : row0 + HM`` of stage ``s``: A's float32 rows for
+    this K-step in registers as two halves of ``HK`` columns -- from the two K-halves of the tile, or with
+    ``TRANS_A`` from this warpgroup's transposed ``[2 HK, HM]`` tile -- scaled by one power of two per row
+    and split into float16 parts (``_split_a``); six wgmma products with A from registers, B's parts sliced
+    along K. Returns the fresh float32 product with the row scales undone (exact)."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    if TRANS_A:
+        a_t = a_bufs.index(2 * s + row0 // HM)  # [2 HK, HM]: this warpgroup's rows, K along dim 0
+        a0 = a_t.slice(0, HK).permute((1, 0)).load(a_layout)
+        a1 = a_t.slice(HK, HK).permute((1, 0)).load(a_layout)
+    else:
+        a0 = a_bufs.index(2 * s).slice(row0, HM).load(a_layout)
+        a1 = a_bufs.index(2 * s + 1).slice(row0, HM).load(a_layout)
+    a0_hi, a0_lo, a1_hi, a1_lo, unscale = _split_a(a0, a1, layout)
+    if TRANS_B:
+        b_hi = _b_tile(b_bufs, 2 * s, 2 * HK, BLOCK_N, True)
+        b_lo = _b_tile(b_bufs, 2 * s + 1, 2 * HK, BLOCK_N, True)
+        b_hi0 = b_hi.slice(0, HK)
+        b_hi1 = b_hi.slice(HK, HK)
+        b_lo0 = b_lo.slice(0, HK)
+        b_lo1 = b_lo.slice(HK, HK)
+    else:
+        b_hi = b_bufs.index(2 * s)
+        b_lo = b_bufs.index(2 * s + 1)
+        b_hi0 = b_hi.slice(0, HK, dim=1).permute((1, 0))
+        b_hi1 = b_hi.slice(HK, HK, dim=1).permute((1, 0))
+        b_lo0 = b_lo.slice(0, HK, dim=1).permute((1, 0))
+        b_lo1 = b_lo.slice(HK, HK, dim=1).permute((1, 0))
     fresh = warpgroup_mma(a0_hi, b_lo0, acc, use_acc=False, is_async=True)  # the small terms first
     fresh = warpgroup_mma(a1_hi, b_lo1, fresh, is_async=True)
     fresh = warpgroup_mma(a0_lo, b_hi0, fresh, is_async=True)
@@ -102,7 +161,7 @@ def _f32_step(a_bufs, b_bufs, s, acc, layout: gl.constexpr, row0: gl.constexpr, 
     fresh = warpgroup_mma(a0_hi, b_hi0, fresh, is_async=True)
     fresh = warpgroup_mma(a1_hi, b_hi1, fresh, is_async=True)
     fresh, _, _, _, _ = warpgroup_mma_wait(0, deps=(fresh, a0_hi, a0_lo, a1_hi, a1_lo))  # A kept alive
-    return fresh * gl.convert_layout(pow2(-c), gl.SliceLayout(1, layout))[:, None]
+    return fresh * unscale[:, None]
 
 
 # The partitions share one signature (Gluon's rule for worker partitions); each reads what it needs.
@@ -110,10 +169,10 @@ def _f32_step(a_bufs, b_bufs, s, acc, layout: gl.constexpr, row0: gl.constexpr, 
 
 @gluon.jit
 def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
+             c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
-             SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr):
+             SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
@@ -125,23 +184,32 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             k = k_start + i * BLOCK_K
-            tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
-            if A_F32:  # the float32 tile in two halves of K (a swizzled TMA box row holds 128 bytes)
+            if TRANS_A:  # the storage [K, M]: one [BLOCK_K, BLOCK_M / 2] tile per consumer
+                tma.async_copy_global_to_shared(a_desc, [k, off_m], bar, a_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(a_desc, [k, off_m + BLOCK_M // 2], bar, a_bufs.index(2 * s + 1))
+            elif A_F32:  # the float32 tile in two halves of K (a swizzled TMA box row holds 128 bytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
                 tma.async_copy_global_to_shared(a_desc, [off_m, k + BLOCK_K // 2], bar,
                                                 a_bufs.index(2 * s + 1))
             else:
+                tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
                 tma.async_copy_global_to_shared(a_desc, [M + off_m, k], bar, a_bufs.index(2 * s + 1))
-            tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_bufs.index(2 * s))
-            tma.async_copy_global_to_shared(b_desc, [N + off_n, k], bar, b_bufs.index(2 * s + 1))
+            if TRANS_B:  # parts [2, K, N]
+                tma.async_copy_global_to_shared(b_desc, [0, k, off_n], bar, b_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(b_desc, [1, k, off_n], bar, b_bufs.index(2 * s + 1))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(b_desc, [N + off_n, k], bar, b_bufs.index(2 * s + 1))
             step += 1
 
 
 @gluon.jit
 def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
+             c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
-             SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, HALF: gl.constexpr):
+             SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr,
+             HALF: gl.constexpr):
     """Rows ``HALF * BLOCK_M / 2`` onwards of each tile: the products, then the epilogue of
     ``gemm._gemm_kernel`` (row and column scales, bias, GELU, float32 or split store)."""
     HM: gl.constexpr = BLOCK_M // 2
@@ -160,12 +228,13 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
             s = step % STAGES
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
             if A_F32:
-                fresh = _f32_step(a_bufs, b_bufs, s, acc, layout, HALF * HM, HM, BLOCK_K // 2)
+                fresh = _f32_step(a_bufs, b_bufs, s, acc, layout, HALF * HM, HM, BLOCK_K // 2, BLOCK_N, TRANS_A,
+                                  TRANS_B)
             else:
                 a_hi = a_bufs.index(2 * s).slice(HALF * HM, HM)
                 a_lo = a_bufs.index(2 * s + 1).slice(HALF * HM, HM)
-                b_hi = b_bufs.index(2 * s).permute((1, 0))
-                b_lo = b_bufs.index(2 * s + 1).permute((1, 0))
+                b_hi = _b_tile(b_bufs, 2 * s, BLOCK_K, BLOCK_N, TRANS_B)
+                b_lo = _b_tile(b_bufs, 2 * s + 1, BLOCK_K, BLOCK_N, TRANS_B)
                 fresh = warpgroup_mma(a_hi, b_lo, acc, use_acc=False, is_async=True)  # the small terms first
                 fresh = warpgroup_mma(a_lo, b_hi, fresh, is_async=True)
                 fresh = warpgroup_mma(a_hi, b_hi, fresh, is_async=True)
@@ -183,48 +252,58 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
             store_split(C, C_EXP, acc, offs_m, offs_n, M, N, c_lo, stride_ce, pid_n)
         else:
             ptrs = C + pid_s.to(gl.int64) * stride_cs + offs_m[:, None].to(gl.int64) * stride_cm \
-                + offs_n[None, :].to(gl.int64)
+                + offs_n[None, :].to(gl.int64) * stride_cn
             gl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @gluon.jit
 def _consume_top(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                 M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-                 A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr):
+                 M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
+                 stride_ce, c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+                 A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr,
+                 TRANS_B: gl.constexpr):
     _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
-             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, A_F32, 0)
+             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
+             c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, A_F32,
+             TRANS_A, TRANS_B, 0)
 
 
 @gluon.jit
 def _consume_bottom(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
+                    stride_ce, c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
                     ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr,
-                    A_F32: gl.constexpr):
+                    A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
     _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
-             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, A_F32, 1)
+             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
+             c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, A_F32,
+             TRANS_A, TRANS_B, 1)
 
 
 @gluon.jit
 def gemm_ws_kernel(
     a_desc, A_EXP, b_desc, B_EXP, Bias, C, C_EXP,
-    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce, c_lo,
+    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce, c_lo,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
-    SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr,
+    SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr,
 ):
     """``work`` items (output tiles x K slices, ``k_per_slice`` apart) of ``C = A @ B^T`` from the
-    descriptors of the float16 parts (``parts_descriptor``), or with ``A_F32`` of A itself in float32
-    (``f32_descriptor``, split in the consumers' registers), over a persistent grid. The other arguments are
-    those of ``gemm._gemm_kernel`` at ``"fp16x3"`` (C's columns contiguous)."""
-    A_K: gl.constexpr = BLOCK_K // 2 if A_F32 else BLOCK_K
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, BLOCK_M, A_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    descriptors of the float16 parts (``parts_descriptor``; ``parts_t_descriptor`` with ``TRANS_B``), or
+    with ``A_F32`` of A itself in float32 (``f32_descriptor``; ``f32_t_descriptor`` with ``TRANS_A``: split
+    in the consumers' registers), over a persistent grid. The other arguments are those of
+    ``gemm._gemm_kernel`` at ``"fp16x3"``."""
+    if TRANS_A:  # one [BLOCK_K, BLOCK_M / 2] tile of A's storage per consumer and stage
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, BLOCK_K, BLOCK_M // 2], a_desc.layout)
+    else:
+        A_K: gl.constexpr = BLOCK_K // 2 if A_F32 else BLOCK_K
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, BLOCK_M, A_K], a_desc.layout)
+    if TRANS_B:
+        b_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, 1, BLOCK_K, BLOCK_N], b_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -233,15 +312,15 @@ def gemm_ws_kernel(
     # One tuple literal per partition: a tuple bound to a name would turn its constexprs into tensors.
     gl.warp_specialize([
         (_consume_top, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                        M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce,
-                        c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP,
-                        SPLIT_OUT, A_F32)),
+                        M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
+                        stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
+                        A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
         (_consume_bottom, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                           M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm,
+                           M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
                            stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
-                           A_GROUP, SPLIT_OUT, A_F32)),
+                           A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
         (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_ce,
-                    c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP,
-                    SPLIT_OUT, A_F32)),
+                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
+                    stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
+                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
     ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers

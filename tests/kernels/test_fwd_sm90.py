@@ -209,12 +209,9 @@ def test_gpu_matches_float64_and_the_generic_kernel(B, H, Nq, Nk, D, dtype, monk
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("D,config", [(64, (128, 3, 2, False, False)), (64, (128, 2, 2, True, False)),
-                                      (64, (64, 3, 2, False, False)), (64, (128, 2, 3, False, False)),
-                                      (64, (128, 3, 3, False, False)), (128, (64, 3, 2, False, False)),
-                                      (128, (128, 2, 2, False, False)), (128, (64, 2, 2, True, False)),
-                                      (64, (128, 3, 2, False, True)), (64, (128, 3, 3, False, True)),
-                                      (128, (64, 3, 2, False, True))])
+@pytest.mark.parametrize("D,config", [(64, (128, 3, 2)), (64, (128, 2, 2)), (64, (64, 3, 2)),
+                                      (64, (128, 2, 3)), (64, (128, 3, 3)), (128, (64, 3, 2)),
+                                      (128, (128, 2, 2)), (128, (64, 2, 2)), (128, (64, 3, 3))])
 def test_gpu_finite_inputs_flag_nothing(D, config, monkeypatch):
     # Every tile config finishes finite inputs itself (no 64-row block sent to the generic kernel), and
     # gives FlashAttention's half-precision accuracy, the last key tile partly past the end.

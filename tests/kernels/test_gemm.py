@@ -136,6 +136,21 @@ def test_split_rows_reconstructs_each_row(layout):
     assert ((top >= 2.0 ** 14) & (top < 2.0 ** 15)).all()
 
 
+def test_split_of_a_transposed_view_can_keep_its_layout():
+    # the Hopper loop's TRANS_B parts: each column of x.T's storage (a row of the view) scaled and split as in
+    # split_rows, the parts stored [2, L, R] as the storage is; the transposing split gives the same values
+    from elsa_vision.kernels.gemm import _Split
+
+    x = randn(13, 70, seed=4) * torch.logspace(-20, 20, 13, device=DEVICE)[:, None]
+    view = x.t().contiguous().t()  # [13, 70], columns contiguous
+    kept = _Split(view.shape, view.stride(), view.device, not view.is_cuda, transpose=False)
+    parts, exp = kept(view)
+    assert parts.shape == (2, 70, 13) and not kept.transpose
+    moved, exp2 = _Split(view.shape, view.stride(), view.device, not view.is_cuda)(view)
+    assert torch.equal(exp, exp2) and torch.equal(parts.transpose(1, 2), moved)
+    assert torch.equal(exp, split_rows(x)[1])
+
+
 def _groups_hold(split: SplitOperand, x):
     """Each row and ``group`` columns of ``split`` hold ``x`` to 22 bits (elements below ``2^-18`` of the
     group's largest magnitude: to half a float16 subnormal step of the scaled value), the largest magnitude
@@ -248,9 +263,10 @@ def test_plan_takes_the_hopper_loop_where_tma_can_load_the_parts(monkeypatch):
 
 @pytest.mark.skipif(gemm_sm90 is None, reason="this Triton has no Gluon")
 def test_hopper_loop_splits_a_in_registers_for_narrow_products(monkeypatch):
-    """A float32 ``a`` with rows contiguous and 16-byte aligned goes to the Hopper loop whole (no split pass)
-    for products at most ``A_F32_MAX_N`` wide; wider products, transposed or misaligned ``a`` and the generic
-    loop take the split pass."""
+    """A float32 ``a`` with rows contiguous and 16-byte aligned, or with columns contiguous and 16-byte
+    aligned columns (``trans_a``), goes to the Hopper loop whole (no split pass) for products at most
+    ``A_F32_MAX_N`` wide; wider products, misaligned or overlapping ``a`` and the generic loop take the split
+    pass."""
     from elsa_vision.kernels import gemm as g
     from elsa_vision.kernels import host
 
@@ -265,10 +281,52 @@ def test_hopper_loop_splits_a_in_registers_for_narrow_products(monkeypatch):
         p = program(x, narrow)
         assert p.ws and p.a_f32 and p.split_a is None
         assert not program(x, wide).a_f32
-        assert not program(x.t().contiguous().t(), narrow).a_f32  # columns contiguous
+        p = program(x.t().contiguous().t(), narrow)  # columns contiguous: read transposed from shared memory
+        assert p.a_f32 and p.trans_a and p.split_a is None
+        assert not program(x.t().contiguous().t(), wide).a_f32
         assert not program(torch.empty(256 * 96 + 1)[1:].view(256, 96), narrow).a_f32  # 4-byte aligned
+        assert not program(torch.empty(96, 257)[:, :256].t(), narrow).a_f32  # columns 1028 bytes apart
         assert not program(torch.empty(1, 96).expand(256, 96), narrow).a_f32  # rows overlap: no TMA
         assert not program(torch.empty(256, 100), torch.empty(64, 100)).a_f32  # K % 8: the generic loop
+    finally:
+        g._plan.cache_clear()
+
+
+@pytest.mark.skipif(gemm_sm90 is None, reason="this Triton has no Gluon")
+def test_hopper_loop_reads_transposed_operands_as_stored(monkeypatch):
+    """The products of a linear layer's backward on the Hopper loop: the weight gradient ``dy.T @ x`` splits
+    ``dy.T`` in registers (``trans_a``) and ``x.T`` into parts in its own layout (``trans_b``), with no
+    transposed copy; a weight gradient wider than ``A_F32_MAX_N`` with at most that many rows is computed
+    transposed (``swap``); the input gradient ``dy @ w`` splits ``w.T`` in its own layout. Misaligned or
+    odd-width transposed operands keep the transposing split."""
+    from elsa_vision.kernels import gemm as g
+    from elsa_vision.kernels import host
+
+    def program(a, b, bias=None):
+        return g._GemmProgram(a, b, bias, "auto", None, None, 0, False)
+
+    monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
+    g._plan.cache_clear()
+    try:
+        T = 1024
+        x, dy, w = torch.empty(T, 768), torch.empty(T, 2304), torch.empty(2304, 768)  # qkv-like: 768 -> 2304
+        p = program(dy.t(), x.t())  # its weight gradient, 2304 x 768
+        assert (p.trans_a, p.trans_b, p.swap, p.split_a) == (True, True, False, None)
+        assert not p.split_b.transpose
+        h, dh = torch.empty(T, 3072), torch.empty(T, 768)  # fc2-like: 3072 -> 768
+        p = program(dh.t(), h.t())  # its weight gradient, 768 x 3072
+        assert (p.swap, p.trans_a, p.trans_b) == (True, True, True)
+        assert p.sizes == (768, 3072, T)  # the caller's orientation, for the output
+        assert not program(dh.t(), h.t(), torch.empty(3072)).swap  # a bias belongs to C's columns
+        p = program(dy, w.t())  # the input gradient dy @ w
+        assert p.trans_b and not p.split_b.transpose and p.a_f32 and not p.trans_a
+        assert not program(x, w).trans_b  # the forward: w's rows are K-contiguous already
+        odd = torch.empty(T, 770)
+        p = program(x.t(), odd.t())  # 770 % 8: parts rows of 1540 bytes, no TMA
+        assert not (p.swap or p.trans_a or p.trans_b) and p.split_b.transpose
+        misaligned = torch.empty(T * 2304 + 1)[1:].view(T, 2304)
+        p = program(misaligned.t(), x.t())
+        assert not p.trans_a and p.split_a.transpose and p.trans_b
     finally:
         g._plan.cache_clear()
 
@@ -283,21 +341,29 @@ from elsa_vision.kernels import gemm_sm90
 
 fn = gemm_sm90.gemm_ws_kernel
 desc = mangle_type(gemm_sm90.parts_descriptor(torch.empty((2, 256, 128), dtype=torch.float16), 128, 64))
+desc_t = mangle_type(gemm_sm90.parts_t_descriptor(torch.empty((2, 256, 128), dtype=torch.float16), 64, 128))
 f32 = mangle_type(gemm_sm90.f32_descriptor(torch.empty((256, 128), dtype=torch.float32), 128, 64))
+f32_t = mangle_type(gemm_sm90.f32_t_descriptor(torch.empty((256, 128), dtype=torch.float32).t(), 64, 128))
 report = []
-for flags in [dict(HAS_BIAS=True, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A_F32=False),
-              dict(HAS_BIAS=True, ACTIVATION="gelu", A_GROUP=128, SPLIT_OUT=True, A_F32=False),
-              dict(HAS_BIAS=False, ACTIVATION="gelu", A_GROUP=0, SPLIT_OUT=True, A_F32=True)]:
+plain = dict(TRANS_A=False, TRANS_B=False)
+for flags in [dict(HAS_BIAS=True, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A_F32=False, **plain),
+              dict(HAS_BIAS=True, ACTIVATION="gelu", A_GROUP=128, SPLIT_OUT=True, A_F32=False, **plain),
+              dict(HAS_BIAS=False, ACTIVATION="gelu", A_GROUP=0, SPLIT_OUT=True, A_F32=True, **plain),
+              dict(HAS_BIAS=False, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A_F32=True, TRANS_A=True,
+                   TRANS_B=True),
+              dict(HAS_BIAS=False, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A_F32=False, TRANS_A=False,
+                   TRANS_B=True)]:
+    a = (f32_t if flags["TRANS_A"] else f32) if flags["A_F32"] else desc
     sig = {name: "i32" for name in fn.arg_names}
-    sig.update(a_desc=f32 if flags["A_F32"] else desc, A_EXP="*i32", b_desc=desc, B_EXP="*i32", Bias="*fp32",
-               C="*fp16" if flags["SPLIT_OUT"] else "*fp32", C_EXP="*i32")
+    sig.update(a_desc=a, A_EXP="*i32", b_desc=desc_t if flags["TRANS_B"] else desc, B_EXP="*i32",
+               Bias="*fp32", C="*fp16" if flags["SPLIT_OUT"] else "*fp32", C_EXP="*i32")
     consts = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=3, **flags)
     sig.update({name: "constexpr" for name in consts})
     kernel = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": gemm_sm90.NUM_WARPS})
     ptx = kernel.asm["ptx"]
     report.append(dict(wgmma=ptx.count("wgmma.mma_async"), setmaxnreg="setmaxnreg" in ptx,
-                       tma="cp.async.bulk.tensor" in ptx, shared=kernel.metadata.shared))
+                       tma=ptx.count("cp.async.bulk.tensor"), shared=kernel.metadata.shared))
 print(json.dumps(report))
 """
 
@@ -307,12 +373,14 @@ def test_hopper_loop_compiles_for_sm90_warp_specialised():
     # Built for sm90 on any machine (no GPU needed): partitions with their own register budgets (setmaxnreg),
     # TMA loads, the three products of both consumer warpgroups as wgmma (3 x 4 K-steps of 16 each; with A
     # split in registers, six products of two K-steps each), the stages within the H100's shared memory,
-    # for the float16 parts of A and for A in float32. The GPU tests run it.
+    # for the float16 parts of A, for A in float32, and for transposed operands (A's storage tiles and B's
+    # N-major parts, 256-byte rows: two 128-byte TMA boxes per tile). The GPU tests run it.
     variants = compile_for_sm90(_HOPPER_COMPILE)
-    assert len(variants) == 3
+    assert len(variants) == 5
     for variant in variants:
         assert variant["setmaxnreg"] and variant["tma"], variant
         assert variant["wgmma"] == 2 * 3 * 4 and variant["shared"] <= 232448, variant
+    assert [v["tma"] for v in variants] == [4, 4, 4, 8, 6]
 
 
 # ------------------------------------------------------------------------------------------------- GPU
@@ -364,3 +432,41 @@ def test_gpu_programs_keep_no_operand_alive(M, N, K):
         del out
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,fin,fout", [(12608, 768, 2304), (12608, 3072, 768), (6304, 4096, 1024),
+                                        (3136, 768, 771), (1000, 96, 384), (1000, 384, 96)])
+def test_gpu_linear_backward_products_at_most_torch_fp32_error(T, fin, fout):
+    # dW = dy.T @ x and dX = dy @ w of a linear layer fin -> fout, transposed operands as autograd passes
+    # them: on an H100 the Hopper loop reads them as stored (dy.T split in registers, x.T and w.T split in
+    # their own layout; fc2-like weight gradients computed transposed), 771 outputs keep the transposing
+    # split for dy.T; every K-slice count lands on the same error
+    x, w, dy = randn(T, fin, seed=12), randn(fout, fin, seed=13), randn(T, fout, seed=14)
+    for a, b in ((dy.t(), x.t()), (dy, w.t())):
+        ref = _ref(a, b)
+        ours, theirs = relerr(gemm(a, b, precision="auto"), ref), relerr(_torch_fp32(a, b), ref)
+        assert ours <= max(theirs, 2e-7) and ours <= FP32_ACCURATE, (a.shape, b.shape, ours, theirs)
+    ref = _ref(dy.t(), x.t())
+    for slices in (2, 5):
+        out = gemm(dy.t(), x.t(), precision="auto", slices=slices)
+        assert out.shape == (fout, fin) and out.is_contiguous()
+        assert relerr(out, ref) <= FP32_ACCURATE, slices
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fin,fout", [(768, 2304), (3072, 768)])
+def test_gpu_weight_gradient_keeps_non_finite_values_in_their_row_and_column(fin, fout):
+    # an infinity in dy makes one row of dW non-finite, a NaN in x one column; the rest stays exact (the
+    # in-register scale is per row and K-step, the parts' per column)
+    T = 2048
+    x, dy = randn(T, fin, seed=15), randn(T, fout, seed=16)
+    dy[100, 7], x[900, 3] = float("inf"), float("nan")
+    out = gemm(dy.t(), x.t(), precision="auto")
+    assert not torch.isfinite(out[7]).any() and torch.isnan(out[:, 3]).all()
+    keep_r = torch.arange(fout, device=DEVICE) != 7
+    keep_c = torch.arange(fin, device=DEVICE) != 3
+    clean = out[keep_r][:, keep_c]
+    assert torch.isfinite(clean).all()
+    dy[100, 7], x[900, 3] = 0.0, 0.0
+    assert relerr(clean, _ref(dy.t(), x.t())[keep_r][:, keep_c]) <= FP32_ACCURATE
