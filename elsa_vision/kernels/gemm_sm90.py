@@ -186,7 +186,8 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
             k = k_start + i * BLOCK_K
             if TRANS_A:  # the storage [K, M]: one [BLOCK_K, BLOCK_M / 2] tile per consumer
                 tma.async_copy_global_to_shared(a_desc, [k, off_m], bar, a_bufs.index(2 * s))
-                tma.async_copy_global_to_shared(a_desc, [k, off_m + BLOCK_M // 2], bar, a_bufs.index(2 * s + 1))
+                tma.async_copy_global_to_shared(a_desc, [k, off_m + BLOCK_M // 2], bar,
+                                                a_bufs.index(2 * s + 1))
             elif A_F32:  # the float32 tile in two halves of K (a swizzled TMA box row holds 128 bytes)
                 tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
                 tma.async_copy_global_to_shared(a_desc, [off_m, k + BLOCK_K // 2], bar,
@@ -228,8 +229,8 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
             s = step % STAGES
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
             if A_F32:
-                fresh = _f32_step(a_bufs, b_bufs, s, acc, layout, HALF * HM, HM, BLOCK_K // 2, BLOCK_N, TRANS_A,
-                                  TRANS_B)
+                fresh = _f32_step(a_bufs, b_bufs, s, acc, layout, HALF * HM, HM, BLOCK_K // 2, BLOCK_N,
+                                  TRANS_A, TRANS_B)
             else:
                 a_hi = a_bufs.index(2 * s).slice(HALF * HM, HM)
                 a_lo = a_bufs.index(2 * s + 1).slice(HALF * HM, HM)
@@ -260,13 +261,13 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
 def _consume_top(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                  M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
                  stride_ce, c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-                 A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr,
-                 TRANS_B: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr,
+                 A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
     _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
              M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
-             c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, A_F32,
-             TRANS_A, TRANS_B, 0)
+             c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT,
+             A_F32, TRANS_A, TRANS_B, 0)
 
 
 @gluon.jit
@@ -278,8 +279,8 @@ def _consume_bottom(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, 
                     A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
     _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
              M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
-             c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT, A_F32,
-             TRANS_A, TRANS_B, 1)
+             c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT,
+             A_F32, TRANS_A, TRANS_B, 1)
 
 
 @gluon.jit
@@ -316,9 +317,9 @@ def gemm_ws_kernel(
                         stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
                         A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
         (_consume_bottom, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                           M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
-                           stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
-                           A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
+                           M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm,
+                           stride_cn, stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS,
+                           ACTIVATION, A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
         (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
                     stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
