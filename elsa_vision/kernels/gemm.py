@@ -287,6 +287,11 @@ class GemmPlan:
 # first stage (N = 288, 384; K = 96), 1.07-1.08x at N = 576-768, 0.98-1.00x at N = 768-1152 with K >= 384,
 # 0.81-0.91x at N >= 2304, where the products are compute-bound and the split lengthens each consumer's step.
 A_F32_MAX_N = 768
+# The same for a transposed ``a`` (columns contiguous: ``TRANS_A``), whose alternative is a column-maxima pass
+# and a transposing split. H100, whole weight gradients (2026-11-27): 1024 wide 1.19x faster in registers
+# (ViT-L qkv 3072x1024, K = 6304: 0.314 -> 0.257 ms), 768 wide equal, 3072-4096 wide 0.78-0.84x (those
+# with at most this many rows are computed transposed instead: ``swap``).
+A_T_MAX_N = 1024
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by resolved precision (H100 measurements: docs/kernel_notes.md,
 # "FP32-accurate GEMM"); the interpreter takes small tiles.
@@ -472,7 +477,7 @@ class _GemmProgram(Program):
 
     On the Hopper loop, transposed operands (a weight gradient's ``dy.T @ x``, an input gradient's ``w.T``)
     are read as they are stored: a float32 ``a`` with columns contiguous is split in the consumers' registers
-    (``trans_a``, for products at most ``A_F32_MAX_N`` wide), a ``b`` with columns contiguous is split into
+    (``trans_a``, for products at most ``A_T_MAX_N`` wide), a ``b`` with columns contiguous is split into
     parts in its own layout (``trans_b``); no transposed copy of either. A product wider than that whose
     ``a`` and ``b`` are both transposed (the weight gradient of a layer with more outputs than inputs) is
     computed as ``C^T = b @ a^T`` (``swap``) and stored transposed."""
@@ -489,7 +494,7 @@ class _GemmProgram(Program):
         self.sizes = (M, N, K)
         p = gemm_plan(M, N, K, dev, precision, slices)
         self.swap = (p.warp_specialized and a.dim() == 2 and not (a_group or activation or split_output)
-                     and bias is None and M <= A_F32_MAX_N < N and M % 8 == 0 and _transposed(a)
+                     and bias is None and M <= A_T_MAX_N < N and M % 8 == 0 and _transposed(a)
                      and _f32_transposed_tma(b))
         if self.swap:  # C^T = b @ a^T (the same plan: tiles, slices and K are symmetric)
             a, b, M, N = b, a, N, M
@@ -506,10 +511,11 @@ class _GemmProgram(Program):
         has_bias = bias is not None
         stride_ae = 0
         a_shape, a_strides = ((M, K), (K, 1)) if a.dim() == 3 else (a.shape, a.stride())  # parts: dense rows
-        narrow = p.warp_specialized and not a_group and N <= A_F32_MAX_N and a.dim() == 2
-        self.a_f32 = (narrow and a.stride(1) == 1 and a.stride(0) >= K and a.stride(0) % 4 == 0
-                      and a.data_ptr() % 16 == 0)
-        self.trans_a = narrow and not self.a_f32 and _transposed(a) and _f32_transposed_tma(a)
+        ws = p.warp_specialized and not a_group and a.dim() == 2
+        self.a_f32 = (ws and N <= A_F32_MAX_N and a.stride(1) == 1 and a.stride(0) >= K
+                      and a.stride(0) % 4 == 0 and a.data_ptr() % 16 == 0)
+        self.trans_a = (ws and N <= A_T_MAX_N and not self.a_f32 and _transposed(a)
+                        and _f32_transposed_tma(a))
         self.a_f32 = self.a_f32 or self.trans_a
         self.trans_b = p.warp_specialized and _transposed(b) and N % 8 == 0
         if self.split:

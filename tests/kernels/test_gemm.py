@@ -283,7 +283,8 @@ def test_hopper_loop_splits_a_in_registers_for_narrow_products(monkeypatch):
         assert not program(x, wide).a_f32
         p = program(x.t().contiguous().t(), narrow)  # columns contiguous: read transposed from shared memory
         assert p.a_f32 and p.trans_a and p.split_a is None
-        assert not program(x.t().contiguous().t(), wide).a_f32
+        assert program(x.t().contiguous().t(), torch.empty(g.A_T_MAX_N, 96)).trans_a  # its own limit
+        assert not program(x.t().contiguous().t(), torch.empty(g.A_T_MAX_N + 8, 96)).a_f32
         assert not program(torch.empty(256 * 96 + 1)[1:].view(256, 96), narrow).a_f32  # 4-byte aligned
         assert not program(torch.empty(96, 257)[:, :256].t(), narrow).a_f32  # columns 1028 bytes apart
         assert not program(torch.empty(1, 96).expand(256, 96), narrow).a_f32  # rows overlap: no TMA
@@ -296,7 +297,7 @@ def test_hopper_loop_splits_a_in_registers_for_narrow_products(monkeypatch):
 def test_hopper_loop_reads_transposed_operands_as_stored(monkeypatch):
     """The products of a linear layer's backward on the Hopper loop: the weight gradient ``dy.T @ x`` splits
     ``dy.T`` in registers (``trans_a``) and ``x.T`` into parts in its own layout (``trans_b``), with no
-    transposed copy; a weight gradient wider than ``A_F32_MAX_N`` with at most that many rows is computed
+    transposed copy; a weight gradient wider than ``A_T_MAX_N`` with at most that many rows is computed
     transposed (``swap``); the input gradient ``dy @ w`` splits ``w.T`` in its own layout. Misaligned or
     odd-width transposed operands keep the transposing split."""
     from elsa_vision.kernels import gemm as g
@@ -321,9 +322,11 @@ def test_hopper_loop_reads_transposed_operands_as_stored(monkeypatch):
         p = program(dy, w.t())  # the input gradient dy @ w
         assert p.trans_b and not p.split_b.transpose and p.a_f32 and not p.trans_a
         assert not program(x, w).trans_b  # the forward: w's rows are K-contiguous already
+        xl, dyl = torch.empty(T, 1024), torch.empty(T, 3072)  # ViT-L's qkv: 1024 -> 3072
+        assert program(dyl.t(), xl.t()).trans_a  # 1024 wide: A_T_MAX_N, wider than A_F32_MAX_N
         odd = torch.empty(T, 770)
-        p = program(x.t(), odd.t())  # 770 % 8: parts rows of 1540 bytes, no TMA
-        assert not (p.swap or p.trans_a or p.trans_b) and p.split_b.transpose
+        p = program(x.t(), odd.t())  # 770 % 8: parts rows of 1540 bytes, no TMA for B
+        assert p.trans_a and not (p.swap or p.trans_b) and p.split_b.transpose
         misaligned = torch.empty(T * 2304 + 1)[1:].view(T, 2304)
         p = program(misaligned.t(), x.t())
         assert not p.trans_a and p.split_a.transpose and p.trans_b
