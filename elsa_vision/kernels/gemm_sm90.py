@@ -258,32 +258,6 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
 
 
 @gluon.jit
-def _consume_top(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                 M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
-                 stride_ce, c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr,
-                 A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
-    _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
-             c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT,
-             A_F32, TRANS_A, TRANS_B, 0)
-
-
-@gluon.jit
-def _consume_bottom(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
-                    stride_ce, c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr, SPLIT_OUT: gl.constexpr,
-                    A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
-    _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-             M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
-             c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, A_GROUP, SPLIT_OUT,
-             A_F32, TRANS_A, TRANS_B, 1)
-
-
-@gluon.jit
 def gemm_ws_kernel(
     a_desc, A_EXP, b_desc, B_EXP, Bias, C, C_EXP,
     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce, c_lo,
@@ -312,14 +286,14 @@ def gemm_ws_kernel(
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
     # One tuple literal per partition: a tuple bound to a name would turn its constexprs into tensors.
     gl.warp_specialize([
-        (_consume_top, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                        M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
-                        stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
-                        A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
-        (_consume_bottom, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
-                           M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm,
-                           stride_cn, stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS,
-                           ACTIVATION, A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
+        (_consume, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
+                    stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
+                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B, 0)),
+        (_consume, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
+                    M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
+                    stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
+                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B, 1)),
         (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
                     stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
