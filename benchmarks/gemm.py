@@ -24,6 +24,13 @@ Rows go to ``logs/benchmarks/gemm_<gpu>.csv`` (or ``--out``).
     python -m benchmarks.gemm                      # every case
     python -m benchmarks.gemm --cases vit_b        # a regex on the case name
     python -m benchmarks.gemm --device cpu --quick # a smoke run (interpreter; times mean nothing)
+    python -m benchmarks.gemm --tune-widths 768,1024,2048,4096   # weight gradients at each A_T_MAX_N
+
+``--tune-widths`` times the ViT-B and ViT-L weight gradients (``dy.T @ x``, both operands transposed views)
+with ``kernels.gemm.A_T_MAX_N`` set to each width in turn: up to that width the Hopper loop splits the
+transposed ``dy.T`` in its registers, wider ones with at most that many rows are computed transposed. One line
+per product: torch FP32's time, then per width the time, the speed-up, whether ``dy.T`` was split in
+registers (``ta``) or the product swapped (``sw``), and the error against float64.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import Results, add_out_dir, columns, device_tag, relerr, run_info, timings
+from benchmarks.common import Results, add_out_dir, bench_ms, columns, device_tag, relerr, run_info, timings
 
 COLUMNS = columns("case", "M", "N", "K", "peer", "ms", "graph_ms", "tflops", "relerr", "precision")
 PEERS = ("torch_fp32", "torch_tf32", "torch_bf16", "elsa")
@@ -76,6 +83,12 @@ CASES = [
     Case("swin_t_stage1_b32_mlp", 32 * 64 * 64, 384, 96, mlp=True),
     Case("vit_s_1024_b2_mlp", 2 * 4097, 1536, 384, mlp=True),
 ]
+# --tune-widths: the weight gradients of ViT-B (b64) and ViT-L (b32) qkv, fc1 and fc2 at 224 px
+WIDTH_CASES = [Case(f"{model}_{layer}_dw", fout, fin, tokens, transpose_a=True, transpose_b=True, bias=False)
+               for model, tokens, width, hidden in (("vit_b_224_b64", 64 * 197, 768, 3072),
+                                                    ("vit_l_224_b32", 32 * 197, 1024, 4096))
+               for layer, fin, fout in (("qkv", width, 3 * width), ("fc1", width, hidden),
+                                        ("fc2", hidden, width))]
 QUICK_CASES = [Case("quick", 37, 29, 45), Case("quick_dw", 29, 23, 70, transpose_a=True, transpose_b=True),
                Case("quick_mlp", 37, 70, 45, mlp=True)]
 
@@ -176,6 +189,32 @@ def run_case(case: Case, device: torch.device, precision: str, peers: tuple[str,
     return rows
 
 
+def tune_widths(cases: list[Case], widths: list[int], device) -> None:
+    """Time each weight gradient at every ``A_T_MAX_N`` in ``widths`` (module docstring)."""
+    from elsa_vision.kernels import gemm as g
+
+    saved = g.A_T_MAX_N
+    try:
+        for case in cases:
+            a, b, _ = _operands(case, device)
+            ref = a.double() @ b.double().t()
+            base = bench_ms(_torch(a, b, None, False), device)
+            parts = []
+            for width in widths:
+                g.A_T_MAX_N = width
+                g._PROGRAMS.clear()
+                err = relerr(g.gemm(a, b), ref)
+                ms = bench_ms(lambda a=a, b=b: g.gemm(a, b), device)
+                program = g._PROGRAMS(g._GemmProgram, (a, b, None), ("auto", None, None, 0, False))
+                parts.append(f"{width}: {ms:.4f} ms ({base / ms:.2f}x, ta={int(program.trans_a)} "
+                             f"sw={int(program.swap)} {err:.2e})")
+            print(f"{case.name} {case.M}x{case.N} K={case.K}: torch {base:.4f} ms | " + " | ".join(parts),
+                  flush=True)
+    finally:
+        g.A_T_MAX_N = saved
+        g._PROGRAMS.clear()
+
+
 def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,11 +223,21 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--cases", default="", help="regex on the case name")
     p.add_argument("--precision", default="auto", help="elsa's float32 precision")
     p.add_argument("--goal", type=float, default=3.0, help="elsa's speed over torch_fp32 to reach")
+    p.add_argument("--tune-widths", default="",
+                   help="comma list of A_T_MAX_N values: time the weight gradients at each instead")
     add_out_dir(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda given but CUDA is not available")
+    if args.tune_widths:
+        try:
+            widths = [int(w) for w in args.tune_widths.split(",")]
+        except ValueError:
+            p.error(f"--tune-widths takes a comma list of integers, got {args.tune_widths!r}")
+        cases = [c for c in (QUICK_CASES if args.quick else WIDTH_CASES) if c.transpose_a]
+        tune_widths([c for c in cases if re.search(args.cases, c.name)], widths, device)
+        return ""
     cases = QUICK_CASES if args.quick else CASES
     if args.cases:
         cases = [c for c in cases if re.search(args.cases, c.name)]

@@ -23,7 +23,7 @@ FLAGS = {
     "context_parallel": ["--device", "--quick", "--cases", "--dtypes", "--one-device-max-tokens",
                          "--precision", "--repeats", "--out"],
     "decode": ["--device", "--quick", "--nk", "--dtype", "--heads", "--dim", "--nq", "--reps", "--out"],
-    "gemm": ["--device", "--quick", "--cases", "--precision", "--goal", "--out"],
+    "gemm": ["--device", "--quick", "--cases", "--precision", "--goal", "--tune-widths", "--out"],
     "eca": ["--devices", "--depths", "--lengths", "--dims", "--reps", "--out"],
     "highres": ["--quick", "--device", "--repeats", "--attn-backend", "--out"],
     "host": ["--calls", "--dtypes", "--breakdown", "--label", "--profile", "--out"],
