@@ -473,3 +473,24 @@ def test_gpu_weight_gradient_keeps_non_finite_values_in_their_row_and_column(fin
     assert torch.isfinite(clean).all()
     dy[100, 7], x[900, 3] = 0.0, 0.0
     assert relerr(clean, _ref(dy.t(), x.t())[keep_r][:, keep_c]) <= FP32_ACCURATE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fin,fout", [(768, 2304), (3072, 768)])
+def test_gpu_weight_gradient_magnitudes(fin, fout):
+    # the transposed operands read as stored keep the split's magnitude rules: tiny and huge scales of the
+    # whole product, and rows (dy's columns) and columns (x's) of very different magnitude, each within 2^-20
+    # of its own dot product's scale (sum_t |dy_ti| |x_tj|)
+    T = 1024
+    for scale_dy, scale_x in ((1e-30, 1.0), (1e25, 1e-20), (1e-38, 1e3)):
+        x, dy = randn(T, fin, seed=17, scale=scale_x), randn(T, fout, seed=18, scale=scale_dy)
+        ref = _ref(dy.t(), x.t())
+        assert torch.isfinite(ref).all()
+        assert relerr(gemm(dy.t(), x.t(), precision="auto"), ref) <= FP32_ACCURATE, (scale_dy, scale_x)
+    x, dy = randn(T, fin, seed=19), randn(T, fout, seed=20)
+    dy[:, 3] *= 1e-20
+    dy[:, 5] *= 1e20
+    x[:, 2] *= 1e15
+    out = gemm(dy.t(), x.t(), precision="auto")
+    bound = dy.double().abs().t() @ x.double().abs()
+    assert ((out.double() - _ref(dy.t(), x.t())).abs() <= 2.0 ** -20 * bound).all()
