@@ -47,11 +47,22 @@ from .launch import Launch, Program, ProgramCache
 from .monoid import count_nonfinite, finite_part
 from .precision import resolve_precision
 
-__all__ = ["BwdConfig", "bwd_config", "elsa_bwd"]
+try:  # Gluon (Triton 3.5 and later): the warp-specialised Hopper dK/dV pass
+    from . import bwd_sm90
+except ImportError:  # pragma: no cover - an older Triton: the generic kernels everywhere
+    bwd_sm90 = None
+
+__all__ = ["BwdConfig", "bwd_config", "bwd_program", "elsa_bwd"]
 
 # The ``"fp16x3"`` backward splits Q and dO (for the dK/dV kernel's loop) and K and V (for the dQ kernel's)
 # into float16 parts once per call (``_split_pair_kernel``), bitwise the splits its loops would form.
 PRESPLIT = True
+
+# Half-precision backwards without a mask, bias or causality at head dims 64 / 128 and at least this many
+# keys may take ``bwd_sm90``'s warp-specialised dK/dV pass on sm90 (``_HopperDkdv``). Off: the pass has not
+# run on a GPU yet (docs/kernel_notes.md, "The Hopper backward"); the generic dK/dV kernel runs everywhere.
+HOPPER = False
+HOPPER_MIN_KEYS = 1024
 
 
 
@@ -314,7 +325,7 @@ def _dkdv_loop(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV, QP, DOP, QE, DOE,
+    Q, K, V, DO, LSE, DELTA, BIAS, KPM, DK, DV, QP, DOP, QE, DOE, Redo,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -330,11 +341,14 @@ def _bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PRESPLIT: tl.constexpr,
+    PRESPLIT: tl.constexpr, REDO: tl.constexpr,
 ):
     """One program per (b * H + h, key tile): ``dK, dV [BLOCK_N, D | Dv]`` from a loop over the query tiles.
     ``PRESPLIT``: ``Q`` and ``dO`` split beforehand (``QP``/``DOP``/``QE``/``DOE``, ``_split_pair_kernel``
     in query tiles of ``BLOCK_M``; ``parts_q``/``parts_do`` elements per part) for the fast pass.
+    ``REDO`` (after the Hopper pass, ``BLOCK_N`` = 64): only the key tiles whose int32 flag in ``Redo``
+    ``[B * H, cdiv(Nk, 64)]`` is set run (their fast pass, then the exact one where it is needed); the
+    other programs return at once, leaving the Hopper pass's gradients.
 
     Works on the transposed scores ``S^T [BLOCK_N, BLOCK_M]`` so that ``dV += P^T dO`` and
     ``dK += dS^T Q`` are plain products. The query tiles run in three
@@ -343,6 +357,9 @@ def _bwd_dkdv_kernel(
     """
     pid_n = tl.program_id(1)
     pid_bh = tl.program_id(0)
+    if REDO:
+        if tl.load(Redo + pid_bh.to(tl.int64) * tl.num_programs(1) + pid_n) == 0:
+            return
     b32 = pid_bh // H
     h32 = pid_bh % H
     b = b32.to(tl.int64)
@@ -896,11 +913,11 @@ class _BwdProgram(Program):
     """Every launch of one backward signature, planned once (see ``launch``).
 
     Launch order: the dQ kernel (which also forms and writes ``Delta`` unless it was given), then the dK/dV
-    kernel, then the dBias kernel. The separate ``Delta`` kernel runs only where no dQ pass precedes the
-    dK/dV one (``compute_dq=False``)."""
+    kernel (``hopper``: ``bwd_sm90``'s pass where it applies, ``_HopperDkdv``), then the dBias kernel. The
+    separate ``Delta`` kernel runs only where no dQ pass precedes the dK/dV one (``compute_dq=False``)."""
 
     def __init__(self, do, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
-                 bias_requires_grad, config, given_delta, compute_dq, compute_dkdv):
+                 bias_requires_grad, config, given_delta, compute_dq, compute_dkdv, hopper=False):
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
         device = q.device
@@ -953,19 +970,20 @@ class _BwdProgram(Program):
                 cfg.warps2, cfg.stages2)
             if presplit:
                 self.split_kv = self._split(k_s, v_s, kpm_strides, H, Nk, D, Dv, cfg.block_n2, has_kpm, parts)
-        self.dkdv = self.split_qdo = None
+        self.dkdv = self.split_qdo = self.hopper = None
         if compute_dkdv:
             parts = (bh * Nq * D, bh * Nq * Dv) if presplit else (0, 0)
-            self.dkdv = Launch(
-                _bwd_dkdv_kernel, (bh, cdiv(Nk, cfg.block_n1)),
-                (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.k_size),
-                 *_contiguous(self.v_size),
-                 H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts),
-                dict(common, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D,
-                     BLOCK_DV=BLOCK_DV, PRESPLIT=presplit),
-                cfg.warps1, cfg.stages1)
+            scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.k_size),
+                       *_contiguous(self.v_size), H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts)
+            consts = dict(common, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D,
+                          BLOCK_DV=BLOCK_DV, PRESPLIT=presplit, REDO=False)
+            self.dkdv = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, cfg.block_n1)), scalars, consts, cfg.warps1,
+                               cfg.stages1)
             if presplit:
                 self.split_qdo = self._split(q_s, do_s, (0, 0), H, Nq, D, Dv, cfg.block_m1, False, parts)
+            if (hopper and bwd_sm90 is not None and config is None and not (has_bias or has_kpm or causal)
+                    and D == Dv and Nk >= HOPPER_MIN_KEYS and bwd_sm90.supported(q, k, v, do)):
+                self.hopper = _HopperDkdv(B, H, Nq, Nk, D, sm_scale, lse_s, scalars, consts, cfg.stages1)
         self.dbias = None
         if has_bias and bias_requires_grad:
             reduce_m, reduce_n = Mb == 1, Nb == 1
@@ -1031,8 +1049,11 @@ class _BwdProgram(Program):
             self.pre(out, do, delta)
         if self.dq is not None:
             self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq, *self._parts(self.split_kv, k, v, kpm))
-        if self.dkdv is not None:
-            self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv, *self._parts(self.split_qdo, q, do, kpm))
+        if self.hopper is not None:
+            self.hopper(q, k, v, do, lse, delta, bias, kpm, dk, dv)
+        elif self.dkdv is not None:
+            self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv, *self._parts(self.split_qdo, q, do, kpm),
+                      delta)  # Redo: not read
         dbias = None
         if self.dbias is not None:
             ws = torch.empty(self.ws_size, dtype=torch.float32, device=dev)
@@ -1042,6 +1063,44 @@ class _BwdProgram(Program):
                 red = red + ws[s]
             dbias = red.to(self.bias_dtype).reshape(self.bias_shape)
         return dq, dk, dv, dbias
+
+
+class _HopperDkdv:
+    """The dK/dV launches of one backward signature on ``bwd_sm90``'s kernel: the kernel, then the generic
+    dK/dV kernel over the 64-key tiles it flagged (``REDO``: non-finite gradients; the other programs return
+    at once). ``scalars`` / ``consts``: the generic launch's scalar arguments and constexprs."""
+
+    def __init__(self, B, H, Nq, Nk, D, sm_scale, lse_strides, scalars, consts, stages):
+        rows = bwd_sm90.ROWS.value
+        self.block_m, hopper_stages = bwd_sm90.CONFIGS[D]
+        bh = B * H
+        n_tiles = cdiv(Nk, rows * bwd_sm90.CONSUMERS.value)
+        self.flags = (bh, cdiv(Nk, rows))
+        grads = _contiguous((B, H, Nk, D))[:3]  # dK's and dV's strides
+        self.main = Launch(bwd_sm90.dkdv_kernel, (n_tiles * bh,),
+                           (H, Nq, Nk, n_tiles, *lse_strides, *grads, *grads, sm_scale * LOG2E, sm_scale),
+                           dict(D=D, BLOCK_M=self.block_m, STAGES=hopper_stages), bwd_sm90.NUM_WARPS)
+        self.redo = Launch(_bwd_dkdv_kernel, self.flags, scalars,
+                           dict(consts, BLOCK_N=rows, PRESPLIT=False, REDO=True), 4, stages)
+        self.descs = None
+
+    def __call__(self, q, k, v, do, lse, delta, bias, kpm, dk, dv):
+        """Write ``dk`` and ``dv``; returns the flags ``[B * H, cdiv(Nk, 64)]`` of the redone key tiles."""
+        if self.descs is None:  # built (and checked) once, then pointed at each call's tensors
+            rows = bwd_sm90.ROWS.value
+            self.descs = (bwd_sm90.descriptor(q, self.block_m), bwd_sm90.descriptor(do, self.block_m),
+                          bwd_sm90.descriptor(k, rows), bwd_sm90.descriptor(v, rows))
+        descs = self.descs
+        for desc, t in zip(descs, (q, do, k, v)):
+            desc.base = t
+        flags = torch.empty(self.flags, dtype=torch.int32, device=q.device)  # every flag written
+        try:
+            self.main(*descs, lse, delta, dk, dv, flags)
+        finally:  # the cached descriptors must not keep this call's tensors alive
+            for desc in descs:
+                desc.base = None
+        self.redo(q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta, flags)
+        return flags
 
 
 def _contiguous(size: tuple) -> tuple:
@@ -1107,8 +1166,18 @@ def elsa_bwd(
     """
     if out is None and delta is None:
         raise ValueError("elsa_bwd: pass `out` (the forward output), or `delta` = rowsum(out * do)")
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    options = (causal, scale, precision, bool(bias_requires_grad), config, delta is not None,
-               compute_dq, compute_dkdv)
-    program = _PROGRAMS(_BwdProgram, (do, q, k, v, out, lse, attn_bias, key_padding_mask), options)
+    program = bwd_program(do, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
+                          bias_requires_grad, config, delta is not None, compute_dq, compute_dkdv)
     return program(do, q, k, v, out, lse, attn_bias, key_padding_mask, delta)
+
+
+def bwd_program(do, q, k, v, out, lse, attn_bias=None, key_padding_mask=None, causal=False, scale=None,
+                precision="auto", bias_requires_grad=False, config=None, given_delta=False, compute_dq=True,
+                compute_dkdv=True) -> _BwdProgram:
+    """The cached launch program of this backward signature (``elsa_bwd``'s arguments; ``given_delta``:
+    ``delta`` is passed): ``program(do, q, k, v, out, lse, bias, kpm, delta) -> (dq, dk, dv, dbias)`` for
+    any tensors of the same signature."""
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    options = (causal, scale, precision, bool(bias_requires_grad), config, given_delta, compute_dq,
+               compute_dkdv, HOPPER)
+    return _PROGRAMS(_BwdProgram, (do, q, k, v, out, lse, attn_bias, key_padding_mask), options)

@@ -14,10 +14,11 @@ rowsum(O * dO)`` from the dQ pass), laid out as the Hopper forward (``fwd_sm90``
   its four products are done.
 
 Query rows past ``Nq`` get ``lse = +inf`` (``P = 0``) and ``Delta = 0``. A consumer whose gradients are not
-finite flags its 64 keys in ``Redo`` (1 = redo), for the generic kernel's exact pass, as the forward does.
+finite flags its 64 keys in ``Redo`` (1 = redo), and ``bwd._HopperDkdv`` runs the generic kernel's ``REDO``
+mode over them, as the forward does.
 
-Not yet run on a GPU: ``dkdv`` is its entry for the GPU tests (``tests/kernels/test_bwd_sm90.py``), and
-``bwd`` does not route to it (``docs/kernel_notes.md``, "The Hopper backward").
+Not yet run on a GPU: ``bwd.HOPPER`` (off) routes to it; its GPU tests are ``tests/kernels/test_bwd_sm90.py``
+(``docs/kernel_notes.md``, "The Hopper backward").
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from .fwd_sm90 import ROWS, descriptor
-from .host import LOG2E, cdiv
+from .host import LOG2E
 from .monoid import count_nonfinite
 
-__all__ = ["CONFIGS", "CONSUMERS", "NUM_WARPS", "dkdv", "dkdv_kernel", "supported"]
+__all__ = ["CONFIGS", "CONSUMERS", "NUM_WARPS", "ROWS", "descriptor", "dkdv_kernel", "supported"]
 
 NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 _LOG2E = gl.constexpr(LOG2E)
@@ -43,7 +44,7 @@ CONFIGS = {64: (64, 2), 128: (32, 2)}
 
 
 def supported(q, k, v, do) -> bool:
-    """Whether ``dkdv`` takes these tensors: an sm90 GPU, float16/bfloat16, head dims 64 or 128 (the same for
+    """Whether this pass takes these tensors: an sm90 GPU, float16/bfloat16, head dims 64 or 128 (the same for
     values), the head dim contiguous and every other stride and the base 16-byte aligned (TMA)."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -185,22 +186,3 @@ def dkdv_kernel(
                     stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, qk_scale, sm_scale, D, BLOCK_M,
                     STAGES)),
     ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers
-
-
-def dkdv(q, k, v, do, lse, delta, scale: float):
-    """``(dk, dv, flags)`` of ``q [B, H, Nq, D]``, ``k``, ``v [B, H, N, D]``, ``do [B, H, Nq, D]`` (one
-    half-precision dtype, ``supported``), the forward's ``lse [B, H, Nq]`` (float32, natural log) and
-    ``delta [B * H, Nq]`` (float32, ``rowsum(O * dO)``): ``dk``, ``dv`` new ``[B, H, N, D]`` in the inputs'
-    dtype and ``flags [B * H, cdiv(N, 64)]`` int32, 1 where 64 keys' gradients are not finite."""
-    B, H, Nq, D = q.shape
-    N = k.shape[2]
-    block_m, stages = CONFIGS[D]
-    n_tiles = cdiv(N, ROWS.value * CONSUMERS.value)
-    dk = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
-    dv = torch.empty_like(dk)
-    flags = torch.empty(B * H, cdiv(N, ROWS.value), dtype=torch.int32, device=q.device)
-    dkdv_kernel[(n_tiles * B * H,)](
-        descriptor(q, block_m), descriptor(do, block_m), descriptor(k, ROWS.value), descriptor(v, ROWS.value),
-        lse, delta, dk, dv, flags, H, Nq, N, n_tiles, *lse.stride(), *dk.stride()[:3], *dv.stride()[:3],
-        scale * LOG2E, scale, D=D, BLOCK_M=block_m, STAGES=stages, num_warps=NUM_WARPS)
-    return dk, dv, flags

@@ -401,11 +401,13 @@ for fn, ptrs, (bm, bn, warps, stages) in (
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=64, BLOCK_DV=64, PRESPLIT=@PRESPLIT@)
     if "WRITE_DELTA" in names:
         consts["WRITE_DELTA"] = True
+    if "REDO" in names:
+        consts["REDO"] = False
     sig = {n: "i32" for n in names}
     sig.update({n: "*fp32" for n in ptrs})
     sig.update({"KPM": "*u8", "sm_scale": "fp32", "qk_scale": "fp32"})
     sig.update({n: "*fp16" for n in ("QP", "DOP", "KP", "VP") if n in names})
-    sig.update({n: "*i32" for n in ("QE", "DOE", "KE", "VE") if n in names})
+    sig.update({n: "*i32" for n in ("QE", "DOE", "KE", "VE", "Redo") if n in names})
     sig.update({n: "constexpr" for n in consts})
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
