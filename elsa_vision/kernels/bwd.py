@@ -59,8 +59,9 @@ __all__ = ["BwdConfig", "bwd_config", "bwd_program", "elsa_bwd"]
 PRESPLIT = True
 
 # Half-precision backwards without a mask, bias or causality at head dims 64 / 128 and at least this many
-# keys may take ``bwd_sm90``'s warp-specialised dK/dV pass on sm90 (``_HopperDkdv``). Off: the pass has not
-# run on a GPU yet (docs/kernel_notes.md, "The Hopper backward"); the generic dK/dV kernel runs everywhere.
+# keys may take ``bwd_sm90``'s warp-specialised dQ and dK/dV passes on sm90 (``_HopperPass``). Off: the
+# passes have not run on a GPU yet (docs/kernel_notes.md, "The Hopper backward"); the generic kernels run
+# everywhere.
 HOPPER = False
 HOPPER_MIN_KEYS = 1024
 
@@ -533,7 +534,7 @@ def _dq_loop(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, O, LSE, DELTA, BIAS, KPM, DQ, KP, VP, KE, VE,
+    Q, K, V, DO, O, LSE, DELTA, BIAS, KPM, DQ, KP, VP, KE, VE, Redo,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -549,7 +550,7 @@ def _bwd_dq_kernel(
     HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, WRITE_DELTA: tl.constexpr,
     PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PRESPLIT: tl.constexpr,
+    PRESPLIT: tl.constexpr, REDO: tl.constexpr,
 ):
     """One program per (b * H + h, query tile): ``dQ [BLOCK_M, D]`` from a loop over the key tiles: the full
     key tiles every row of the tile sees without masks, then the diagonal and the partial last tile masked
@@ -558,9 +559,14 @@ def _bwd_dq_kernel(
     ``WRITE_DELTA``: the tile's ``Delta = rowsum(O * dO)`` is formed here from ``O`` and written to
     ``DELTA`` for the dK/dV kernel that runs after this one (no separate preprocess launch); otherwise it
     is read from ``DELTA``. ``PRESPLIT``: ``K`` and ``V`` split beforehand (``KP``/``VP``/``KE``/``VE``,
-    ``_split_pair_kernel`` in key tiles of ``BLOCK_N``) for the fast pass."""
+    ``_split_pair_kernel`` in key tiles of ``BLOCK_N``) for the fast pass. ``REDO`` (after the Hopper pass,
+    ``BLOCK_M`` = 64): only the query tiles whose int32 flag in ``Redo`` ``[B * H, cdiv(Nq, 64)]`` is set
+    run, as in ``_bwd_dkdv_kernel``."""
     pid_m = tl.program_id(1)
     pid_bh = tl.program_id(0)
+    if REDO:
+        if tl.load(Redo + pid_bh.to(tl.int64) * tl.num_programs(1) + pid_m) == 0:
+            return
     b32 = pid_bh // H
     h32 = pid_bh % H
     b = b32.to(tl.int64)
@@ -913,8 +919,9 @@ class _BwdProgram(Program):
     """Every launch of one backward signature, planned once (see ``launch``).
 
     Launch order: the dQ kernel (which also forms and writes ``Delta`` unless it was given), then the dK/dV
-    kernel (``hopper``: ``bwd_sm90``'s pass where it applies, ``_HopperDkdv``), then the dBias kernel. The
-    separate ``Delta`` kernel runs only where no dQ pass precedes the dK/dV one (``compute_dq=False``)."""
+    kernel, then the dBias kernel; with ``hopper``, where it applies, ``bwd_sm90``'s passes in their place
+    (``_HopperPass``), after the ``Delta`` kernel. The separate ``Delta`` kernel runs where no generic dQ
+    pass precedes the dK/dV one (``compute_dq=False``, or the Hopper dQ pass) and ``Delta`` is not given."""
 
     def __init__(self, do, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
                  bias_requires_grad, config, given_delta, compute_dq, compute_dkdv, hopper=False):
@@ -949,7 +956,10 @@ class _BwdProgram(Program):
                         key_padding_mask.stride(1)) if has_kpm else (0, 0))
         q_s, k_s, v_s, do_s, lse_s = q.stride(), k.stride(), v.stride(), do.stride(), lse.stride()
         o_s = out.stride() if out is not None else (0, 0, 0, 0)
-        self.write_delta = compute_dq and not given_delta
+        hopper = (hopper and bwd_sm90 is not None and config is None and not (has_bias or has_kpm or causal)
+                  and D == Dv and Nk >= HOPPER_MIN_KEYS and bwd_sm90.supported(q, k, v, do))
+        # Delta: formed by the generic dQ kernel, or by a pass of its own before a Hopper or no dQ pass
+        self.write_delta = compute_dq and not given_delta and not hopper
         self.pre = None
         if not given_delta and not self.write_delta:
             self.pre = Launch(_bwd_preprocess_kernel, (B * H, cdiv(Nq, 64)), (*o_s, *do_s, H, Nq, Dv),
@@ -958,19 +968,23 @@ class _BwdProgram(Program):
                       DOT_UPCAST=dot_upcast)
         presplit = prec == "fp16x3" and PRESPLIT
         bh = B * H
-        self.dq = self.split_kv = None
+        rows = 64  # the Hopper passes' flags: one per 64 own rows
+        self.dq = self.split_kv = self.hopper_dq = None
         if compute_dq:
             parts = (bh * Nk * D, bh * Nk * Dv) if presplit else (0, 0)
-            self.dq = Launch(
-                _bwd_dq_kernel, (bh, cdiv(Nq, cfg.block_m2)),
-                (*q_s, *k_s, *v_s, *do_s, *o_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.q_size),
-                 H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts),
-                dict(common, WRITE_DELTA=self.write_delta, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
-                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, PRESPLIT=presplit),
-                cfg.warps2, cfg.stages2)
+            scalars = (*q_s, *k_s, *v_s, *do_s, *o_s, *lse_s, *b_strides, *kpm_strides,
+                       *_contiguous(self.q_size), H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts)
+            consts = dict(common, WRITE_DELTA=self.write_delta, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
+                          BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, PRESPLIT=presplit, REDO=False)
+            self.dq = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, cfg.block_m2)), scalars, consts, cfg.warps2,
+                             cfg.stages2)
             if presplit:
                 self.split_kv = self._split(k_s, v_s, kpm_strides, H, Nk, D, Dv, cfg.block_n2, has_kpm, parts)
-        self.dkdv = self.split_qdo = self.hopper = None
+            if hopper:
+                redo = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, rows)), scalars,
+                              dict(consts, BLOCK_M=rows, PRESPLIT=False, REDO=True), 4, cfg.stages2)
+                self.hopper_dq = _HopperPass(True, B, H, Nq, Nk, D, sm_scale, lse_s, redo)
+        self.dkdv = self.split_qdo = self.hopper_dkdv = None
         if compute_dkdv:
             parts = (bh * Nq * D, bh * Nq * Dv) if presplit else (0, 0)
             scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.k_size),
@@ -981,9 +995,10 @@ class _BwdProgram(Program):
                                cfg.stages1)
             if presplit:
                 self.split_qdo = self._split(q_s, do_s, (0, 0), H, Nq, D, Dv, cfg.block_m1, False, parts)
-            if (hopper and bwd_sm90 is not None and config is None and not (has_bias or has_kpm or causal)
-                    and D == Dv and Nk >= HOPPER_MIN_KEYS and bwd_sm90.supported(q, k, v, do)):
-                self.hopper = _HopperDkdv(B, H, Nq, Nk, D, sm_scale, lse_s, scalars, consts, cfg.stages1)
+            if hopper:
+                redo = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, rows)), scalars,
+                              dict(consts, BLOCK_N=rows, PRESPLIT=False, REDO=True), 4, cfg.stages1)
+                self.hopper_dkdv = _HopperPass(False, B, H, Nq, Nk, D, sm_scale, lse_s, redo)
         self.dbias = None
         if has_bias and bias_requires_grad:
             reduce_m, reduce_n = Mb == 1, Nb == 1
@@ -1047,10 +1062,15 @@ class _BwdProgram(Program):
         kpm = delta if kpm is None else kpm.view(torch.uint8)
         if self.pre is not None:
             self.pre(out, do, delta)
-        if self.dq is not None:
-            self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq, *self._parts(self.split_kv, k, v, kpm))
-        if self.hopper is not None:
-            self.hopper(q, k, v, do, lse, delta, bias, kpm, dk, dv)
+        if self.hopper_dq is not None:
+            self.hopper_dq((q, do), (k, v), lse, delta, dq, dq,
+                           (q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta))
+        elif self.dq is not None:
+            self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq, *self._parts(self.split_kv, k, v, kpm),
+                    delta)  # Redo: not read
+        if self.hopper_dkdv is not None:
+            self.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv,
+                             (q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta))
         elif self.dkdv is not None:
             self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv, *self._parts(self.split_qdo, q, do, kpm),
                       delta)  # Redo: not read
@@ -1065,41 +1085,43 @@ class _BwdProgram(Program):
         return dq, dk, dv, dbias
 
 
-class _HopperDkdv:
-    """The dK/dV launches of one backward signature on ``bwd_sm90``'s kernel: the kernel, then the generic
-    dK/dV kernel over the 64-key tiles it flagged (``REDO``: non-finite gradients; the other programs return
-    at once). ``scalars`` / ``consts``: the generic launch's scalar arguments and constexprs."""
+class _HopperPass:
+    """One backward pass of one signature on ``bwd_sm90``'s kernel -- dQ (``dq``) or dK/dV -- then the
+    generic kernel of that pass over the 64-row tiles it flagged (``redo``: its ``REDO`` launch; non-finite
+    gradients; the other programs return at once)."""
 
-    def __init__(self, B, H, Nq, Nk, D, sm_scale, lse_strides, scalars, consts, stages):
+    def __init__(self, dq: bool, B, H, Nq, Nk, D, sm_scale, lse_strides, redo: Launch):
         rows = bwd_sm90.ROWS.value
-        self.block_m, hopper_stages = bwd_sm90.CONFIGS[D]
-        bh = B * H
-        n_tiles = cdiv(Nk, rows * bwd_sm90.CONSUMERS.value)
-        self.flags = (bh, cdiv(Nk, rows))
-        grads = _contiguous((B, H, Nk, D))[:3]  # dK's and dV's strides
-        self.main = Launch(bwd_sm90.dkdv_kernel, (n_tiles * bh,),
-                           (H, Nq, Nk, n_tiles, *lse_strides, *grads, *grads, sm_scale * LOG2E, sm_scale),
-                           dict(D=D, BLOCK_M=self.block_m, STAGES=hopper_stages), bwd_sm90.NUM_WARPS)
-        self.redo = Launch(_bwd_dkdv_kernel, self.flags, scalars,
-                           dict(consts, BLOCK_N=rows, PRESPLIT=False, REDO=True), 4, stages)
+        self.block_s, stages = bwd_sm90.CONFIGS[D]
+        n_own, n_stream = (Nq, Nk) if dq else (Nk, Nq)
+        own_tiles = cdiv(n_own, rows * bwd_sm90.CONSUMERS.value)
+        self.flags = (B * H, cdiv(n_own, rows))
+        outs = _contiguous((B, H, n_own, D))[:3]  # the gradients' strides (dQ, or dK and dV)
+        self.main = Launch(bwd_sm90.bwd_kernel, (own_tiles * B * H,),
+                           (H, n_own, n_stream, own_tiles, *lse_strides, *outs, *outs, sm_scale * LOG2E,
+                            sm_scale),
+                           dict(D=D, BLOCK_S=self.block_s, STAGES=stages, DQ=dq), bwd_sm90.NUM_WARPS)
+        self.redo = redo
         self.descs = None
 
-    def __call__(self, q, k, v, do, lse, delta, bias, kpm, dk, dv):
-        """Write ``dk`` and ``dv``; returns the flags ``[B * H, cdiv(Nk, 64)]`` of the redone key tiles."""
+    def __call__(self, resident, streamed, lse, delta, out1, out2, redo_tensors):
+        """Write ``out1`` (dQ, or dK) and ``out2`` (dV) from the ``resident`` pair (dQ: Q, dO; dK/dV: K, V)
+        and the ``streamed`` one; then the redo launch over ``redo_tensors`` (the generic kernel's tensor
+        arguments before ``Redo``). Returns the flags ``[B * H, cdiv(own rows, 64)]`` of the redone tiles."""
         if self.descs is None:  # built (and checked) once, then pointed at each call's tensors
             rows = bwd_sm90.ROWS.value
-            self.descs = (bwd_sm90.descriptor(q, self.block_m), bwd_sm90.descriptor(do, self.block_m),
-                          bwd_sm90.descriptor(k, rows), bwd_sm90.descriptor(v, rows))
+            self.descs = tuple(bwd_sm90.descriptor(t, rows) for t in resident) + tuple(
+                bwd_sm90.descriptor(t, self.block_s) for t in streamed)
         descs = self.descs
-        for desc, t in zip(descs, (q, do, k, v)):
+        for desc, t in zip(descs, (*resident, *streamed)):
             desc.base = t
-        flags = torch.empty(self.flags, dtype=torch.int32, device=q.device)  # every flag written
+        flags = torch.empty(self.flags, dtype=torch.int32, device=lse.device)  # every flag written
         try:
-            self.main(*descs, lse, delta, dk, dv, flags)
+            self.main(*descs, lse, delta, out1, out2, flags)
         finally:  # the cached descriptors must not keep this call's tensors alive
             for desc in descs:
                 desc.base = None
-        self.redo(q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta, flags)
+        self.redo(*redo_tensors, flags)
         return flags
 
 
