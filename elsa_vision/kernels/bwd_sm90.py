@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
-from .fwd_sm90 import ROWS, descriptor
+from .fwd_sm90 import ROWS, descriptor, stream_pairs
 from .host import LOG2E
 from .monoid import count_nonfinite
 
@@ -80,14 +80,7 @@ def _produce(r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_s
     for c in gl.static_range(CONSUMERS):  # 64 own rows per consumer
         tma.async_copy_global_to_shared(r1_desc, [off_b, off_h, off_r + c * ROWS, 0], r_bar, r1_smem.index(c))
         tma.async_copy_global_to_shared(r2_desc, [off_b, off_h, off_r + c * ROWS, 0], r_bar, r2_smem.index(c))
-    nbytes: gl.constexpr = s1_desc.block_type.nbytes + s2_desc.block_type.nbytes
-    for j in range(gl.cdiv(N_STREAM, BLOCK_S)):
-        s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
-        bar = ready.index(s)
-        mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(s1_desc, [off_b, off_h, j * BLOCK_S, 0], bar, s1_smem.index(s))
-        tma.async_copy_global_to_shared(s2_desc, [off_b, off_h, j * BLOCK_S, 0], bar, s2_smem.index(s))
+    stream_pairs(s1_desc, s2_desc, s1_smem, s2_smem, ready, empty, off_b, off_h, N_STREAM, BLOCK_S, STAGES)
 
 
 @gluon.jit

@@ -36,7 +36,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .monoid import count_nonfinite, finalize_state, tile_weights
 
-__all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "supported", "config", "descriptor",
+__all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "supported", "config", "descriptor", "stream_pairs",
            "attention_fwd_kernel", "NUM_WARPS"]
 
 NUM_WARPS = 4  # the default partition: the first consumer warpgroup
@@ -103,14 +103,24 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):  # 64 rows per consumer
         tma.async_copy_global_to_shared(q_desc, [off_b, off_h, off_m + c * ROWS, 0], q_bar, q_smem.index(c))
-    nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-    for j in range(gl.cdiv(N, BLOCK_N)):
+    stream_pairs(k_desc, v_desc, k_smem, v_smem, ready, empty, off_b, off_h, N, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def stream_pairs(desc1, desc2, smem1, smem2, ready, empty, off_b, off_h, N, BLOCK: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """A producer's loop: tiles ``j`` of ``BLOCK`` rows of two ``[B, H, N, D]`` tensors (head ``off_b``,
+    ``off_h``) by TMA into a ring of ``STAGES`` shared-memory stages, stage ``j % STAGES`` once its
+    consumers have released it (``empty``), completing on its ``ready`` barrier. The Hopper forward streams
+    keys and values with it, the backward passes (``bwd_sm90``) their streamed pair."""
+    nbytes: gl.constexpr = desc1.block_type.nbytes + desc2.block_type.nbytes
+    for j in range(gl.cdiv(N, BLOCK)):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
         bar = ready.index(s)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N, 0], bar, k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N, 0], bar, v_smem.index(s))
+        tma.async_copy_global_to_shared(desc1, [off_b, off_h, j * BLOCK, 0], bar, smem1.index(s))
+        tma.async_copy_global_to_shared(desc2, [off_b, off_h, j * BLOCK, 0], bar, smem2.index(s))
 
 
 @gluon.jit
