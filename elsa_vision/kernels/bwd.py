@@ -47,7 +47,7 @@ from .launch import Launch, Program, ProgramCache
 from .monoid import count_nonfinite, finite_part
 from .precision import resolve_precision
 
-try:  # Gluon (Triton 3.5 and later): the warp-specialised Hopper dK/dV pass
+try:  # Gluon (Triton 3.5 and later): the warp-specialised Hopper backward passes
     from . import bwd_sm90
 except ImportError:  # pragma: no cover - an older Triton: the generic kernels everywhere
     bwd_sm90 = None

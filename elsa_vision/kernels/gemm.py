@@ -479,7 +479,7 @@ class _GemmProgram(Program):
     are read as they are stored: a float32 ``a`` with columns contiguous is split in the consumers' registers
     (``trans_a``, for products at most ``A_T_MAX_N`` wide), a ``b`` with columns contiguous is split into
     parts in its own layout (``trans_b``); no transposed copy of either. A product wider than that whose
-    ``a`` and ``b`` are both transposed (the weight gradient of a layer with more outputs than inputs) is
+    ``a`` and ``b`` are both transposed (the weight gradient of a layer with more inputs than outputs, fc2) is
     computed as ``C^T = b @ a^T`` (``swap``) and stored transposed."""
 
     ws = False
