@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
-from .fwd_sm90 import ROWS, descriptor, stream_pairs
+from .fwd_sm90 import ROWS, descriptor, stage_ring, stream_pairs
 from .host import LOG2E
 from .monoid import count_nonfinite
 
@@ -183,12 +183,8 @@ def bwd_kernel(
     s1_smem = gl.allocate_shared_memory(s1_desc.dtype, [STAGES, 1, 1, BLOCK_S, D], s1_desc.layout)
     s2_smem = gl.allocate_shared_memory(s2_desc.dtype, [STAGES, 1, 1, BLOCK_S, D], s2_desc.layout)
     r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(r_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrival per consumer warpgroup
+    ready, empty = stage_ring(STAGES, CONSUMERS)
     # One tuple literal per partition: a tuple bound to a name would turn its constexprs into tensors.
     gl.warp_specialize([
         (_consume, (r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_smem, r_bar, ready,

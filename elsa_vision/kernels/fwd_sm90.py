@@ -36,8 +36,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .monoid import count_nonfinite, finalize_state, tile_weights
 
-__all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "supported", "config", "descriptor", "stream_pairs",
-           "attention_fwd_kernel", "NUM_WARPS"]
+__all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "supported", "config", "descriptor", "stage_ring",
+           "stream_pairs", "attention_fwd_kernel", "NUM_WARPS"]
 
 NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
@@ -104,6 +104,19 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     for c in gl.static_range(CONSUMERS):  # 64 rows per consumer
         tma.async_copy_global_to_shared(q_desc, [off_b, off_h, off_m + c * ROWS, 0], q_bar, q_smem.index(c))
     stream_pairs(k_desc, v_desc, k_smem, v_smem, ready, empty, off_b, off_h, N, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def stage_ring(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """``(ready, empty)``: the mbarriers of a ring of ``STAGES`` shared-memory stages, ``ready`` completed by
+    the producer's loads (one arrival with the bytes expected), ``empty`` by every consumer warpgroup
+    releasing the stage (``CONSUMERS`` arrivals)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=CONSUMERS)
+    return ready, empty
 
 
 @gluon.jit
@@ -218,12 +231,8 @@ def attention_fwd_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrival per consumer warpgroup
+    ready, empty = stage_ring(STAGES, CONSUMERS)
     # One tuple literal per partition: a tuple bound to a name would turn its constexprs into tensors.
     if CONSUMERS == 2:
         gl.warp_specialize([
