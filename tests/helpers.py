@@ -48,6 +48,12 @@ def randn(*shape, seed=0, dtype=torch.float32, scale=1.0, device=DEVICE):
     return (torch.randn(*shape, generator=gen(seed), dtype=torch.float64) * scale).to(dtype).to(device)
 
 
+def fused_qkv_views(B, N, H, D, seed=0, dtype=torch.float32, device=DEVICE):
+    """``q, k, v [B, H, N, D]`` as ViT's views of one fused qkv projection ``[B, N, 3, H, D]`` (token stride
+    ``3 * H * D``, no copies), from ``seed``."""
+    return randn(B, N, 3, H, D, seed=seed, dtype=dtype, device=device).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 def qkv(B, H, Nq, Nk, D, Dv=None, seed=0, dtype=torch.float32, scale=1.0, device=DEVICE):
     """``q [B, H, Nq, D]``, ``k [B, H, Nk, D]``, ``v [B, H, Nk, Dv]`` from seeds ``seed``, ``+1``, ``+2``."""
     Dv = D if Dv is None else Dv

@@ -14,7 +14,7 @@ from elsa_vision.kernels import bwd as bwd_module
 from elsa_vision.kernels import fwd as fwd_module
 from elsa_vision.kernels.bwd import bwd_program, elsa_bwd
 from elsa_vision.kernels.fwd import elsa_fwd
-from tests.helpers import DEVICE, compile_for_sm90
+from tests.helpers import DEVICE, compile_for_sm90, fused_qkv_views, randn
 from tests.kernels.test_bwd import LOWP_FACTOR, _lowp_grads, _problem, _reference, _relerr
 
 bwd_sm90 = None
@@ -193,9 +193,8 @@ def test_gpu_strided_views_and_the_generic_backward(D, monkeypatch):
     # ViT's views of a fused projection read in place give the contiguous inputs' gradients bitwise, and
     # the generic backward's within half-precision rounding
     B, N, H = 2, 1501, 3
-    qkv_proj = torch.randn(B, N, 3, H, D, device="cuda", dtype=torch.bfloat16)
-    q, k, v = qkv_proj.permute(2, 0, 3, 1, 4).unbind(0)
-    do = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = fused_qkv_views(B, N, H, D, seed=D, dtype=torch.bfloat16)
+    do = randn(B, H, N, D, seed=D + 1, dtype=torch.bfloat16)
     out, lse = elsa_fwd(q, k, v)
     delta = (out.float() * do.float()).sum(-1).contiguous()
     ours = _hopper(q, k, v, do, out, lse, delta, monkeypatch)[:3]

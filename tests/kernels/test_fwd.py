@@ -35,6 +35,7 @@ from tests.helpers import (
     assert_lse,
     assert_nonfinite_like,
     compile_for_sm90,
+    fused_qkv_views,
     gen,
     nonfinite_case,
     qkv,
@@ -421,8 +422,7 @@ def test_large_magnitude_inputs(mult, precision):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_qkv_views_bitwise_equal_contiguous(dtype):
     B, N, H, D = 2, 53, 3, 40
-    qkv_proj = randn(B, N, 3, H, D, seed=71, dtype=dtype)
-    q, k, v = qkv_proj.permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, N, D] views, no copies
+    q, k, v = fused_qkv_views(B, N, H, D, seed=71, dtype=dtype)
     assert not q.is_contiguous()
     a, la = elsa_fwd(q, k, v, causal=True)
     b, lb = elsa_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)

@@ -16,7 +16,16 @@ import torch
 from elsa_vision.kernels import elsa_fwd
 from elsa_vision.kernels import fwd as fwd_module
 from elsa_vision.kernels.fwd import fwd_program
-from tests.helpers import DEVICE, assert_lse, assert_nonfinite_like, compile_for_sm90, qkv, relerr, scan64
+from tests.helpers import (
+    DEVICE,
+    assert_lse,
+    assert_nonfinite_like,
+    compile_for_sm90,
+    fused_qkv_views,
+    qkv,
+    relerr,
+    scan64,
+)
 from tests.kernels.test_fwd import assert_low_precision
 
 fwd_sm90 = fwd_module.fwd_sm90
@@ -233,8 +242,7 @@ def test_gpu_finite_inputs_flag_nothing(D, config, monkeypatch):
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_strided_views_reruns_and_consumer_counts(D, monkeypatch):
     B, N, H = 2, 3137, 3
-    qkv_proj = torch.randn(B, N, 3, H, D, device="cuda", dtype=torch.bfloat16)
-    q, k, v = qkv_proj.permute(2, 0, 3, 1, 4).unbind(0)  # ViT's views of a fused projection
+    q, k, v = fused_qkv_views(B, N, H, D, seed=D, dtype=torch.bfloat16)
     assert _hopper(q, k, v)
     out = elsa_fwd(q, k, v)[0]
     assert torch.equal(elsa_fwd(q.contiguous(), k.contiguous(), v.contiguous())[0], out)
