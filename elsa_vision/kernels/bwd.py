@@ -976,14 +976,15 @@ class _BwdProgram(Program):
                        *_contiguous(self.q_size), H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts)
             consts = dict(common, WRITE_DELTA=self.write_delta, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
                           BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, PRESPLIT=presplit, REDO=False)
-            self.dq = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, cfg.block_m2)), scalars, consts, cfg.warps2,
-                             cfg.stages2)
-            if presplit:
-                self.split_kv = self._split(k_s, v_s, kpm_strides, H, Nk, D, Dv, cfg.block_n2, has_kpm, parts)
-            if hopper:
+            if hopper:  # the Hopper pass, then the generic kernel over the tiles it flagged
                 redo = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, rows)), scalars,
                               dict(consts, BLOCK_M=rows, PRESPLIT=False, REDO=True), 4, cfg.stages2)
                 self.hopper_dq = _HopperPass(True, B, H, Nq, Nk, D, sm_scale, lse_s, redo)
+            else:
+                self.dq = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, cfg.block_m2)), scalars, consts, cfg.warps2,
+                                 cfg.stages2)
+            if presplit:
+                self.split_kv = self._split(k_s, v_s, kpm_strides, H, Nk, D, Dv, cfg.block_n2, has_kpm, parts)
         self.dkdv = self.split_qdo = self.hopper_dkdv = None
         if compute_dkdv:
             parts = (bh * Nq * D, bh * Nq * Dv) if presplit else (0, 0)
@@ -991,14 +992,15 @@ class _BwdProgram(Program):
                        *_contiguous(self.v_size), H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts)
             consts = dict(common, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D,
                           BLOCK_DV=BLOCK_DV, PRESPLIT=presplit, REDO=False)
-            self.dkdv = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, cfg.block_n1)), scalars, consts, cfg.warps1,
-                               cfg.stages1)
-            if presplit:
-                self.split_qdo = self._split(q_s, do_s, (0, 0), H, Nq, D, Dv, cfg.block_m1, False, parts)
             if hopper:
                 redo = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, rows)), scalars,
                               dict(consts, BLOCK_N=rows, PRESPLIT=False, REDO=True), 4, cfg.stages1)
                 self.hopper_dkdv = _HopperPass(False, B, H, Nq, Nk, D, sm_scale, lse_s, redo)
+            else:
+                self.dkdv = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, cfg.block_n1)), scalars, consts,
+                                   cfg.warps1, cfg.stages1)
+            if presplit:
+                self.split_qdo = self._split(q_s, do_s, (0, 0), H, Nq, D, Dv, cfg.block_m1, False, parts)
         self.dbias = None
         if has_bias and bias_requires_grad:
             reduce_m, reduce_n = Mb == 1, Nb == 1
