@@ -59,10 +59,10 @@ __all__ = ["BwdConfig", "bwd_config", "bwd_program", "elsa_bwd"]
 PRESPLIT = True
 
 # Half-precision backwards without a mask, bias or causality at head dims 64 / 128 and at least this many
-# keys may take ``bwd_sm90``'s warp-specialised dQ and dK/dV passes on sm90 (``_HopperPass``). Off: the
-# passes have not run on a GPU yet (docs/kernel_notes.md, "The Hopper backward"); the generic kernels run
-# everywhere.
-HOPPER = False
+# keys take ``bwd_sm90``'s warp-specialised dQ and dK/dV passes on sm90 (``_HopperPass``; H100: 1.08-1.23x
+# the generic kernels at 3K-32K tokens, docs/kernel_notes.md, "The Hopper backward"). False: the generic
+# kernels everywhere (the A/B of the benchmarks' ``elsa_generic`` peer).
+HOPPER = True
 HOPPER_MIN_KEYS = 1024
 
 

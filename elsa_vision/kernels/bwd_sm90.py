@@ -1,4 +1,4 @@
-"""The dense half-precision backward passes for Hopper (sm90), warp-specialised, in Gluon: built, not yet run.
+"""The dense half-precision backward passes for Hopper (sm90), warp-specialised, in Gluon.
 
 The same gradients as ``bwd._bwd_dkdv_kernel`` and ``bwd._bwd_dq_kernel`` for float16/bfloat16 inputs
 without a mask, bias or causality, from the forward's natural-log ``lse`` and ``Delta = rowsum(O * dO)``,
@@ -17,11 +17,11 @@ rows per consumer warpgroup of one side and streams the tiles of the other side.
 
 Query rows past ``Nq`` get ``lse = +inf`` (``P = 0``) and ``Delta = 0``; keys past ``Nk`` are zero rows of
 ``K`` and ``V``, which add nothing to ``dQ``. A consumer whose gradients are not finite flags its 64 rows in
-``Redo`` (1 = redo), and ``bwd._HopperBwd`` runs the generic kernel's ``REDO`` mode over them, as the
+``Redo`` (1 = redo), and ``bwd._HopperPass`` runs the generic kernel's ``REDO`` mode over them, as the
 forward does.
 
-Not yet run on a GPU: ``bwd.HOPPER`` (off) routes to it; its GPU tests are ``tests/kernels/test_bwd_sm90.py``
-(``docs/kernel_notes.md``, "The Hopper backward").
+``bwd._BwdProgram`` routes to it on sm90 (``bwd.HOPPER``, ``bwd.HOPPER_MIN_KEYS``); measurements and what
+limits it: ``docs/kernel_notes.md``, "The Hopper backward"; tests: ``tests/kernels/test_bwd_sm90.py``.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 _LOG2E = gl.constexpr(LOG2E)
 
 CONSUMERS = gl.constexpr(2)  # warpgroups of 64 own rows per program
-# (BLOCK_S, STAGES) per head dim: streamed rows per step (at head dim 128 a dK/dV consumer holds two
-# 64 x 128 float32 accumulators, so its score tiles are 64 x 32) and stages of the streamed pair. Not tuned.
-CONFIGS = {64: (64, 2), 128: (32, 2)}
+# (BLOCK_S, STAGES) per head dim: streamed rows per step and stages of the streamed pair. H100, bf16, the
+# whole backward at 3K-32K tokens: head dim 64, 128 rows 1-10 % faster than 64 but at 16K (2 % slower),
+# 32 rows 20-25 % slower, 3 stages within 3 %; head dim 128, 64 rows 9-16 % faster than 32 (chosen first
+# for the two 64 x 128 float32 accumulators a dK/dV consumer holds).
+CONFIGS = {64: (128, 2), 128: (64, 2)}
 
 
 def supported(q, k, v, do) -> bool:
