@@ -20,11 +20,12 @@ Each (shape, dtype) is run by every peer on the same inputs: ``sdpa_math``, ``sd
 ``sdpa_flash``, ``sdpa_cudnn`` (``torch.nn.attention.sdpa_kernel``), ``flex``
 (``torch.compile(flex_attention)``), ``elsa`` (default precision), ``elsa_ieee``, ``elsa_fp16x3`` (three
 float16 products of scaled two-part splits) and ``elsa_tf32`` (float32 only); ``elsa_tf32x3`` (Triton's tf32x3
-by name, whatever ``auto`` resolves to) runs when named in ``--peers``. A peer that cannot run a case
-(flash/cudnn in float32, out of memory) is skipped with a note. Times: below; TFLOP/s counts ``4 B H N^2 D``
-(halved for causal); ``extra_mb`` is the peak allocation of one call above what was allocated before it
-(output included); ``relerr`` is ``||out - ref|| / ||ref||`` against a float64 reference computed on the GPU
-in query chunks.
+by name, whatever ``auto`` resolves to) and ``elsa_generic`` (``elsa`` on the generic Triton kernels in both
+passes, the A/B of the warp-specialised Hopper ones) run when named in ``--peers``. A peer that cannot run a
+case (flash/cudnn in float32, out of memory) is skipped with a note. Times: below; TFLOP/s counts
+``4 B H N^2 D`` (halved for causal); ``extra_mb`` is the peak allocation of one call above what was allocated
+before it (output included); ``relerr`` is ``||out - ref|| / ||ref||`` against a float64 reference computed on
+the GPU in query chunks.
 
 ``--backward`` adds a ``pass=fwdbwd`` row per peer and case (same ``peer`` names): forward plus
 ``backward()`` of a fixed output gradient, the ELSA peers through the autograd op ``elsa_attention``
@@ -58,6 +59,7 @@ from benchmarks.common import (
     columns,
     device_tag,
     flex,
+    generic_kernels,
     max_grad_relerr,
     peak_mb,
     reference,
@@ -130,16 +132,11 @@ def _elsa(precision):
 
 
 def _generic(fn):
-    """``fn`` run with the generic Triton forward on Hopper too (``fwd.HOPPER`` off): the A/B of the
-    warp-specialised forward (peer ``elsa_generic``)."""
+    """``fn`` run with the generic Triton kernels on Hopper too (``benchmarks.common.generic_kernels``): the
+    A/B of the warp-specialised forward (peer ``elsa_generic``)."""
     def run(q, k, v, causal):
-        from elsa_vision.kernels import fwd
-
-        old, fwd.HOPPER = fwd.HOPPER, False
-        try:
+        with generic_kernels():
             return fn(q, k, v, causal)
-        finally:
-            fwd.HOPPER = old
 
     return run
 
@@ -182,10 +179,8 @@ def _elsa_autograd(precision):
 def train_runner(peer):
     """The peer as a differentiable function: the SDPA backends and flex as they are, the ELSA peers
     through the autograd op with the peer's precision."""
-    if peer == "elsa_generic":
-        return _generic(_elsa_autograd("auto"))
-    if peer.startswith("elsa"):
-        return _elsa_autograd("auto" if peer == "elsa" else peer[len("elsa_"):])
+    if peer.startswith("elsa"):  # elsa_generic: measure_fwdbwd switches the kernels
+        return _elsa_autograd("auto" if peer in ("elsa", "elsa_generic") else peer[len("elsa_"):])
     return RUNNERS[peer]
 
 
@@ -194,14 +189,15 @@ def reference_grads(q, k, v, do, causal):
     return reference(*(t[:1, :1] for t in (q, k, v)), causal=causal, dout=do[:1, :1])[1]
 
 
-def measure_fwdbwd(fn, q, k, v, causal, do, ref_grads):
+def measure_fwdbwd(fn, q, k, v, causal, do, ref_grads, generic=False):
     """(timings, extra MB, relerr) of forward + ``backward(do)``; relerr over dq, dk, dv of batch 0,
-    head 0."""
+    head 0. ``generic``: both passes on the generic kernels (peer ``elsa_generic``)."""
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def step():
         qg.grad = kg.grad = vg.grad = None
-        fn(qg, kg, vg, causal).backward(do)
+        with generic_kernels() if generic else contextlib.nullcontext():
+            fn(qg, kg, vg, causal).backward(do)
 
     extra, _ = peak_mb(step, "cuda", extra=True)
     err = "" if ref_grads is None else f"{max_grad_relerr((qg.grad, kg.grad, vg.grad), ref_grads):.3e}"
@@ -247,7 +243,8 @@ def run_sweep(cases, dtypes, peers, out: Results, flex_cases=None, autotune=(), 
                     if pas == "fwd":
                         t, extra, err = measure(RUNNERS[peer], q, k, v, c.causal, ref)
                     else:
-                        t, extra, err = measure_fwdbwd(train_runner(peer), q, k, v, c.causal, do, ref_grads)
+                        t, extra, err = measure_fwdbwd(train_runner(peer), q, k, v, c.causal, do, ref_grads,
+                                                       generic=peer == "elsa_generic")
                     ms, graph = t["ms"], t["graph_ms"]
                 except torch.cuda.OutOfMemoryError:
                     note = "out of memory"

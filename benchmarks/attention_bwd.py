@@ -5,7 +5,7 @@ Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>.csv``, ignored by git; ``--out D
     device,torch,triton,date,B,H,N,D,dtype,peer,pass,ms,tflops,extra_mb,relerr,graph_ms,command
 
     python -m benchmarks.attention_bwd                                  # the declared sweep
-    python -m benchmarks.attention_bwd --dtypes bfloat16 --peers sdpa_cudnn elsa elsa_hopper  # Hopper dK/dV
+    python -m benchmarks.attention_bwd --dtypes bfloat16 --peers sdpa_cudnn elsa elsa_generic  # Hopper A/B
     python -m benchmarks.attention_bwd --dtypes float32 --peers sdpa_efficient elsa --tiles
 
 * ``pass=fwdbwd``: a peer's forward + ``backward`` (``sdpa_math``, ``sdpa_efficient``, ``sdpa_flash``,
@@ -13,8 +13,8 @@ Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>.csv``, ignored by git; ``--out D
 * ``pass=bwd``: backward only. For a peer: its forward+backward minus its forward (both medians). For
   ``elsa*``: ``elsa_bwd`` given the saved ``(out, lse)`` (the dQ kernel, which forms ``Delta``, then dK/dV),
   precision ``auto`` (``elsa``: ``fp16x3`` on sm90, else ``tf32x3``), ``tf32x3``, ``ieee``, ``tf32``;
-  ``elsa_hopper`` (half precision, named with ``--peers``): ``elsa`` with the Hopper dK/dV pass routed
-  (``bwd.HOPPER`` on for its calls; ``kernels/bwd_sm90.py``).
+  ``elsa_generic`` (half precision, named with ``--peers``): ``elsa`` on the generic kernels where the
+  Hopper passes (``kernels/bwd_sm90.py``) would run (``benchmarks.common.generic_kernels``).
 
 Timing (``benchmarks.common.timings``): ``ms``, the eager call (``triton.testing.do_bench`` median), and
 ``graph_ms``, CUDA-graph replays of the same call (the GPU's time alone), side by side. TFLOP/s counts ``4 B H
@@ -30,6 +30,7 @@ the ELSA backward per case (printed, not written to the CSV) to choose ``bwd_con
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict, replace
@@ -43,6 +44,7 @@ from benchmarks.common import (
     columns,
     device_tag,
     flex,
+    generic_kernels,
     max_grad_relerr,
     peak_mb,
     reference,
@@ -56,9 +58,7 @@ DTYPES = ["float32", "bfloat16"]
 PEERS = ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flex", "elsa", "elsa_tf32x3",
          "elsa_ieee", "elsa_tf32"]
 ELSA = {"elsa": "auto", "elsa_tf32x3": "tf32x3", "elsa_ieee": "ieee", "elsa_tf32": "tf32",
-        "elsa_hopper": "auto"}
-# elsa_hopper (half precision, not in the default peers): the backward with the Hopper dK/dV pass routed
-# (``bwd.HOPPER`` on for its calls), the A/B of ``kernels/bwd_sm90.py`` against ``elsa`` in one run.
+        "elsa_generic": "auto"}
 TILES = {  # candidate (dkdv BM, BN, warps, stages; dq BM, BN, warps, stages), per dtype
     "float32": [
         (64, 128, 8, 3, 128, 128, 8, 2),
@@ -173,19 +173,14 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
     for peer in peers:
         if peer not in ELSA or (peer in ("elsa_tf32x3", "elsa_ieee", "elsa_tf32") and dtype != torch.float32):
             continue
-        if peer == "elsa_hopper" and dtype == torch.float32:
-            continue  # the Hopper dK/dV pass is half precision
+        if peer == "elsa_generic" and dtype == torch.float32:
+            continue  # the Hopper passes are half precision
         precision = ELSA[peer]
         cfg = (configs or {}).get(dtype_name)
 
-        def bwd(precision=precision, cfg=cfg, hopper=peer == "elsa_hopper"):
-            from elsa_vision.kernels import bwd as bwd_module
-
-            old, bwd_module.HOPPER = bwd_module.HOPPER, hopper or bwd_module.HOPPER
-            try:
+        def bwd(precision=precision, cfg=cfg, generic=peer == "elsa_generic"):
+            with generic_kernels() if generic else contextlib.nullcontext():
                 return elsa_bwd(do, q, k, v, out, lse, precision=precision, config=cfg)
-            finally:
-                bwd_module.HOPPER = old
 
         try:
             grads = bwd()

@@ -313,6 +313,20 @@ def sdpa_context(peer: str, device: torch.device | str):
     return sdpa_kernel([_backend(peer)])
 
 
+@contextlib.contextmanager
+def generic_kernels():
+    """ELSA's generic Triton attention kernels on Hopper too (``fwd.HOPPER`` and ``bwd.HOPPER`` off) while
+    the block runs: the A/B of the warp-specialised Hopper kernels (the benchmarks' ``elsa_generic`` peer)."""
+    from elsa_vision.kernels import bwd, fwd
+
+    old = fwd.HOPPER, bwd.HOPPER
+    fwd.HOPPER = bwd.HOPPER = False
+    try:
+        yield
+    finally:
+        fwd.HOPPER, bwd.HOPPER = old
+
+
 def flex() -> Callable:
     """``torch.compile(flex_attention, dynamic=False)`` as ``fn(q, k, v, is_causal=False)``; every new shape
     is a fresh compilation."""
