@@ -7,6 +7,7 @@ Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>.csv``, ignored by git; ``--out D
     python -m benchmarks.attention_bwd                                  # the declared sweep
     python -m benchmarks.attention_bwd --dtypes bfloat16 --peers sdpa_cudnn elsa elsa_generic  # Hopper A/B
     python -m benchmarks.attention_bwd --dtypes float32 --peers sdpa_efficient elsa --tiles
+    python -m benchmarks.attention_bwd --tune-hopper --dtypes bfloat16 --shapes 1,8,16384,64 1,8,4096,128
 
 * ``pass=fwdbwd``: a peer's forward + ``backward`` (``sdpa_math``, ``sdpa_efficient``, ``sdpa_flash``,
   ``sdpa_cudnn`` through ``torch.nn.attention.sdpa_kernel``; ``flex`` = ``torch.compile(flex_attention)``).
@@ -25,6 +26,8 @@ reference. float32 matmul TF32 is disabled for the peers, as in the forward benc
 
 Sweep declared below (``SHAPES``, ``DTYPES``, ``PEERS``); ``--tiles`` also times a list of tile configs of
 the ELSA backward per case (printed, not written to the CSV) to choose ``bwd_config``'s defaults.
+``--tune-hopper`` times the Hopper passes' configs instead (``bwd_sm90.CONFIGS``: streamed rows, stages, the
+pipelined loop; ``HOPPER_CANDIDATES`` or ``--configs``) against the generic kernels and cuDNN, per pass.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 
@@ -220,6 +224,95 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
     return best
 
 
+# --tune-hopper's default candidates per head dim: (BLOCK_S, STAGES, PIPELINE) of ``bwd_sm90.CONFIGS``
+HOPPER_CANDIDATES = {
+    64: [(128, 2, False), (64, 2, False), (64, 2, True), (64, 3, True)],
+    128: [(64, 2, False), (32, 2, False), (32, 2, True), (32, 3, True)],
+}
+
+
+def tune_hopper(shapes, dtypes, configs=None):
+    """Time ``bwd_sm90``'s configs (``HOPPER_CANDIDATES``, or ``configs``) on each half-precision case, next
+    to the generic kernels and cuDNN's backward (its forward + backward minus its forward) in the same
+    process: ``elsa_bwd`` given ``(out, lse)``, GPU time (``do_bench``) of the whole backward and of each pass
+    alone, the largest relative difference of dq, dk, dv to the generic kernels' and the number of 64-row
+    tiles flagged for the redo (finite inputs must flag none). One ranking line per (case, dtype)."""
+    from elsa_vision.kernels import bwd as bwd_module
+
+    if bwd_module.bwd_sm90 is None:
+        raise SystemExit("--tune-hopper needs a Triton with Gluon")
+    for dtype_name in dtypes:
+        if getattr(torch, dtype_name) != torch.float32:  # the Hopper passes are half precision
+            for B, H, N, D in shapes:
+                _tune_hopper_case(B, H, N, D, dtype_name, configs)
+                torch.cuda.empty_cache()
+
+
+def _tune_hopper_case(B, H, N, D, dtype_name, configs):
+    from elsa_vision.kernels import bwd as bwd_module
+    from elsa_vision.kernels.fwd import elsa_fwd
+
+    sm90 = bwd_module.bwd_sm90
+    dtype = getattr(torch, dtype_name)
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(4))
+    out, lse = elsa_fwd(q, k, v)
+    delta = (out.float() * do.float()).sum(-1)
+    flops = 10.0 * B * H * N * N * D
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    cudnn = _peer_fn("sdpa_cudnn")
+
+    def cudnn_fwdbwd():
+        qg.grad = kg.grad = vg.grad = None
+        cudnn(qg, kg, vg).backward(do)
+
+    t_cudnn = bench_ms(cudnn_fwdbwd) - bench_ms(lambda: cudnn(qg, kg, vg))
+    bwd = lambda **kw: _bwd(do, q, k, v, out, lse, **kw)  # noqa: E731
+    with generic_kernels():
+        generic = bwd()
+        t_generic = bench_ms(bwd)
+    saved = dict(sm90.CONFIGS)
+    results = []
+    try:
+        for cfg in configs or HOPPER_CANDIDATES.get(D, []):
+            sm90.CONFIGS[D] = tuple(cfg)
+            bwd_module._PROGRAMS.clear()
+            program = bwd_module.bwd_program(do, q, k, v, out, lse)
+            if program.hopper_dq is None or program.hopper_dkdv is None:
+                raise SystemExit(f"--tune-hopper: {B},{H},{N},{D} does not take the Hopper backward "
+                                 "(bwd.HOPPER_MIN_KEYS, head dim 64 or 128)")
+            try:
+                grads = bwd()
+                diff = max(max_grad_relerr([g], [r.double()]) for g, r in zip(grads, generic))
+                dq, dk, dv = (torch.empty_like(g) for g in grads)
+                flagged = int(program.hopper_dq((q, do), (k, v), lse, delta, dq, dq, (
+                    q, k, v, do, out, lse, delta, delta, delta, dq, delta, delta, delta, delta)).sum())
+                flagged += int(program.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv, (
+                    q, k, v, do, lse, delta, delta, delta, dk, dv, delta, delta, delta, delta)).sum())
+                t_dq = bench_ms(lambda: bwd(compute_dkdv=False))
+                t_kv = bench_ms(lambda: bwd(compute_dq=False))
+                note = f"dQ {t_dq:.4f}, dK/dV {t_kv:.4f}, diff {diff:.1e}" + (
+                    f", {flagged} flagged" if flagged else "")
+                results.append((bench_ms(bwd), cfg, note))
+            except Exception as exc:  # noqa: BLE001 - configs the compiler rejects are listed
+                results.append((math.inf, cfg, f"{type(exc).__name__}: {str(exc)[:80]}"))
+    finally:
+        sm90.CONFIGS.clear()
+        sm90.CONFIGS.update(saved)
+        bwd_module._PROGRAMS.clear()
+    results.sort(key=lambda r: r[0])
+    ranking = " | ".join(f"{cfg}: {ms:.4f} ms ({flops / ms / 1e9:.0f} TF/s, {t_cudnn / ms:.3f}x cuDNN, "
+                         f"{t_generic / ms:.3f}x generic; {note})" for ms, cfg, note in results)
+    print(f"TUNE-HOPPER {dtype_name} {B},{H},{N},{D}: cuDNN bwd {t_cudnn:.4f} ms, generic {t_generic:.4f} "
+          f"ms | {ranking}", flush=True)
+
+
+def _bwd(do, q, k, v, out, lse, **kw):
+    """``(dq, dk, dv)`` of ``elsa_bwd`` given the saved ``(out, lse)`` (``None`` for a pass not run)."""
+    from elsa_vision.kernels.bwd import elsa_bwd
+
+    return elsa_bwd(do, q, k, v, out, lse, **kw)[:3]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -231,10 +324,19 @@ def main(argv=None):
     ap.add_argument("--save-best", default=None, help="with --tiles: JSON file for the fastest config")
     ap.add_argument("--config-json", default=None, help="per-dtype BwdConfig JSON for the elsa rows")
     ap.add_argument("--append", action="store_true", help="append to the CSV instead of replacing it")
+    ap.add_argument("--tune-hopper", action="store_true",
+                    help="time the Hopper backward's configs (HOPPER_CANDIDATES, or --configs as "
+                         "BLOCK_S,STAGES,PIPELINE) instead of the sweep; printed, nothing written")
+    ap.add_argument("--configs", nargs="*", default=None, help="with --tune-hopper: e.g. 64,3,1 128,2,0")
     add_out_dir(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attention_bwd.py needs a CUDA GPU")
+    if args.tune_hopper:
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else None
+        configs = [(bs, st, bool(pipe)) for bs, st, pipe in configs] if configs else None
+        tune_hopper([tuple(int(x) for x in s.split(",")) for s in args.shapes], args.dtypes, configs)
+        return None
     from elsa_vision.kernels.bwd import BwdConfig
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -18,7 +18,7 @@ FLAGS = {
                   "--backward", "--no-graph", "--out", "--png", "--tune", "--tune-hopper",
                   "--tune-precisions", "--configs", "--plot-only"],
     "attention_bwd": ["--shapes", "--dtypes", "--peers", "--tiles", "--save-best", "--config-json",
-                      "--append", "--out"],
+                      "--append", "--tune-hopper", "--configs", "--out"],
     "clip": ["--device", "--quick", "--warmup", "--reps", "--backend", "--precision", "--tf32", "--out"],
     "context_parallel": ["--device", "--quick", "--cases", "--dtypes", "--one-device-max-tokens",
                          "--precision", "--repeats", "--out"],
