@@ -7,6 +7,10 @@ call -- what decides an eager model's speed at ViT sizes in half precision. Case
 * ``fwd`` / ``fwd_bwd``: ``[1, 1, 64, 64]`` attention, forward (no autograd) and forward + backward (inputs
   requiring grad, ``out.backward(dout)``): SDPA's efficient, cuDNN and flash backends (where they take the
   dtype) against ``elsa_attention``.
+* ``fwd_long`` / ``fwd_bwd_long``: the same at ``[1, 1, 2048, 64]``, where both warp-specialised Hopper
+  kernels take the call on sm90 (``fwd.HOPPER_MIN_KEYS``, ``bwd.HOPPER_MIN_KEYS``) and the GPU's work is
+  still a few µs: ``elsa`` against ``elsa_generic`` (the generic kernels,
+  ``benchmarks.common.generic_kernels``) and SDPA's cuDNN backend.
 * ``window``: one window-attention module call on ``[8, 49, 96]`` (Swin-T stage 1, 3 heads, window 7;
   ``[8, 64, 96]`` for Swin v2, window 8): timm's ``WindowAttention`` (v1 and v2) against the same module
   converted to ELSA (the W-ELSA op).
@@ -26,26 +30,43 @@ Function (each as the difference to the stage below it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import sys
 
 import torch
 
-from benchmarks.common import Results, add_out_dir, columns, device_tag, host_us, launches, run_info, sdpa
+from benchmarks.common import (
+    Results,
+    add_out_dir,
+    columns,
+    device_tag,
+    generic_kernels,
+    host_us,
+    launches,
+    run_info,
+    sdpa,
+)
 
 COLUMNS = columns("label", "case", "dtype", "peer", "host_us", "launches")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPE = (1, 1, 64, 64)  # the attention cases: GPU work negligible, the host's cost per call is what is left
+LONG = (1, 1, 2048, 64)  # long enough for the Hopper kernels, GPU work still a few µs
 SDPA_PEERS = ("sdpa_efficient", "sdpa_cudnn", "sdpa_flash")  # flash is skipped for float32 (no kernel)
-CASES = ("fwd", "fwd_bwd", "window_v1", "window_v2", "vit_block")
+CASES = ("fwd", "fwd_bwd", "fwd_long", "fwd_bwd_long", "window_v1", "window_v2", "vit_block")
 
 
-def attention_peers(dtype) -> dict:
+def attention_peers(dtype, long: bool = False) -> dict:
+    """The attention peers as ``fn(q, k, v)``: SDPA's backends and ``elsa``; at the ``LONG`` shape cuDNN,
+    ``elsa`` and ``elsa_generic`` (whose calls, backward included, run inside ``generic_kernels``)."""
     from elsa_vision import elsa_attention
 
-    peers = {name: sdpa(name) for name in SDPA_PEERS if not (name == "sdpa_flash" and dtype == torch.float32)}
+    names = ("sdpa_cudnn",) if long else SDPA_PEERS
+    peers = {name: sdpa(name) for name in names if not (name == "sdpa_flash" and dtype == torch.float32)}
     peers["elsa"] = lambda q, k, v: elsa_attention(q, k, v)
+    if long:
+        peers["elsa_generic"] = peers["elsa"]
     return peers
 
 
@@ -63,28 +84,31 @@ def modules() -> dict:
     }
 
 
-def attention_rows(dtype, calls):
-    q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=dtype) for _ in range(3))
+def attention_rows(dtype, calls, long: bool = False):
+    q, k, v = (torch.randn(*(LONG if long else SHAPE), device="cuda", dtype=dtype) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
     fwds, fwd_bwds = {}, {}
-    for name, fn in attention_peers(dtype).items():
+    for name, fn in attention_peers(dtype, long).items():
         try:
             fn(q, k, v)
         except RuntimeError as err:  # a backend that does not take this dtype / shape on this device
             print(f"  {name}: skipped ({str(err).splitlines()[0][:80]})")
             continue
+        kernels = generic_kernels if name == "elsa_generic" else contextlib.nullcontext
 
-        def fwd(fn=fn):
-            with torch.no_grad():
+        def fwd(fn=fn, kernels=kernels):
+            with torch.no_grad(), kernels():
                 fn(q, k, v)
 
-        def fwd_bwd(fn=fn):
-            fn(qg, kg, vg).backward(dout)
+        def fwd_bwd(fn=fn, kernels=kernels):
+            with kernels():
+                fn(qg, kg, vg).backward(dout)
 
         fwds[name], fwd_bwds[name] = fwd, fwd_bwd
     rows = []
-    for case, fns in (("fwd", fwds), ("fwd_bwd", fwd_bwds)):
+    suffix = "_long" if long else ""
+    for case, fns in (("fwd" + suffix, fwds), ("fwd_bwd" + suffix, fwd_bwds)):
         for name, us in host_us(fns, calls).items():
             rows.append((case, name, us, launches(fns[name])))
     return rows
@@ -231,7 +255,8 @@ def main(argv=None) -> str:
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             print(f"{dname}:", flush=True)
-            got = attention_rows(dtype, args.calls) + module_rows(dtype, args.calls)
+            got = (attention_rows(dtype, args.calls) + attention_rows(dtype, args.calls, long=True)
+                   + module_rows(dtype, args.calls))
             if args.breakdown:
                 got += breakdown_rows(dtype, args.calls)
             for case, peer, us, n in got:
