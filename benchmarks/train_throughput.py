@@ -427,7 +427,14 @@ def main(argv: list[str] | None = None) -> str | None:
     os.environ.setdefault("PROJECT_ROOT", str(ROOT))
     if a.worker_json is not None:
         _worker(a, spec)
-        return None
+        # The rank's rows are written and its process group is gone. Past this point a gloo rank's interpreter
+        # teardown has aborted now and then ("terminate called without an active exception": SIGABRT after
+        # its last Python frame, a C++ thread still joinable at exit; about one world-2 CPU run in eight on a
+        # loaded two-core machine), which torchrun reports as the run failing. Nothing is left to do: end the
+        # process here, without the C++ teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     device = torch.device(a.device)
     with tempfile.TemporaryDirectory() as tmp:
         if a.root is None:
