@@ -282,12 +282,10 @@ def _tune_hopper_case(B, H, N, D, dtype_name, configs):
                                  "(bwd.HOPPER_MIN_KEYS, head dim 64 or 128)")
             try:
                 grads = bwd()
-                diff = max(max_grad_relerr([g], [r.double()]) for g, r in zip(grads, generic))
-                dq, dk, dv = (torch.empty_like(g) for g in grads)
-                flagged = int(program.hopper_dq((q, do), (k, v), lse, delta, dq, dq, (
-                    q, k, v, do, out, lse, delta, delta, delta, dq, delta, delta, delta, delta)).sum())
-                flagged += int(program.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv, (
-                    q, k, v, do, lse, delta, delta, delta, dk, dv, delta, delta, delta, delta)).sum())
+                diff = max_grad_relerr(grads, [r.double() for r in generic])
+                outs = (torch.empty_like(g) for g in grads)
+                flags = program.run_hopper(do, q, k, v, out, lse, delta, *outs)
+                flagged = sum(int(f.sum()) for f in flags)
                 t_dq = bench_ms(lambda: bwd(compute_dkdv=False))
                 t_kv = bench_ms(lambda: bwd(compute_dq=False))
                 note = f"dQ {t_dq:.4f}, dK/dV {t_kv:.4f}, diff {diff:.1e}" + (

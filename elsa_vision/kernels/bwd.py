@@ -1045,6 +1045,23 @@ class _BwdProgram(Program):
         launch(x, y, kpm, *out)
         return out
 
+    def run_hopper(self, do, q, k, v, out, lse, delta, dq, dk, dv, bias=None, kpm=None):
+        """The Hopper passes this program routes (``hopper_dq``, ``hopper_dkdv``), each followed by its redo
+        launch, into ``dq`` and ``dk``, ``dv`` from the given ``Delta``; ``bias`` and ``kpm`` are the generic
+        kernels' unread placeholders (``delta`` when None). Returns the two passes' flags ``[B * H, cdiv(own
+        rows, 64)]`` of redone tiles (None for a pass not routed)."""
+        bias = delta if bias is None else bias
+        kpm = delta if kpm is None else kpm
+        out = delta if out is None else out
+        fq = fk = None
+        if self.hopper_dq is not None:
+            fq = self.hopper_dq((q, do), (k, v), lse, delta, dq, dq,
+                                (q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta))
+        if self.hopper_dkdv is not None:
+            fk = self.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv,
+                                  (q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta))
+        return fq, fk
+
     def run(self, do, q, k, v, out, lse, bias, kpm, delta):
         dev, dtype = self.device, self.dtype
         dq = torch.empty(self.q_size, dtype=dtype, device=dev) if self.compute_dq else None
@@ -1064,16 +1081,12 @@ class _BwdProgram(Program):
         kpm = delta if kpm is None else kpm.view(torch.uint8)
         if self.pre is not None:
             self.pre(out, do, delta)
-        if self.hopper_dq is not None:
-            self.hopper_dq((q, do), (k, v), lse, delta, dq, dq,
-                           (q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta))
-        elif self.dq is not None:
+        if self.hopper_dq is not None or self.hopper_dkdv is not None:
+            self.run_hopper(do, q, k, v, out, lse, delta, dq, dk, dv, bias, kpm)
+        if self.dq is not None:
             self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq, *self._parts(self.split_kv, k, v, kpm),
                     delta)  # Redo: not read
-        if self.hopper_dkdv is not None:
-            self.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv,
-                             (q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta))
-        elif self.dkdv is not None:
+        if self.dkdv is not None:
             self.dkdv(q, k, v, do, lse, delta, bias, kpm, dk, dv, *self._parts(self.split_qdo, q, do, kpm),
                       delta)  # Redo: not read
         dbias = None

@@ -178,10 +178,7 @@ def _hopper(q, k, v, do, out, lse, delta, monkeypatch):
     program = bwd_program(do, q, k, v, out, lse, given_delta=True)
     assert program.hopper_dq is not None and program.hopper_dkdv is not None
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    fq = program.hopper_dq((q, do), (k, v), lse, delta, dq, dq,
-                           (q, k, v, do, out, lse, delta, delta, delta, dq, delta, delta, delta, delta))
-    fk = program.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv,
-                             (q, k, v, do, lse, delta, delta, delta, dk, dv, delta, delta, delta, delta))
+    fq, fk = program.run_hopper(do, q, k, v, out, lse, delta, dq, dk, dv)
     return dq, dk, dv, fq, fk
 
 
