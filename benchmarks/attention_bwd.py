@@ -26,8 +26,8 @@ reference. float32 matmul TF32 is disabled for the peers, as in the forward benc
 
 Sweep declared below (``SHAPES``, ``DTYPES``, ``PEERS``); ``--tiles`` also times a list of tile configs of
 the ELSA backward per case (printed, not written to the CSV) to choose ``bwd_config``'s defaults.
-``--tune-hopper`` times the Hopper passes' configs instead (``bwd_sm90.CONFIGS``: streamed rows, stages, the
-pipelined loop; ``HOPPER_CANDIDATES`` or ``--configs``) against the generic kernels and cuDNN, per pass.
+``--tune-hopper`` times the Hopper passes' configs instead (``bwd_sm90.CONFIGS``: streamed rows and stages;
+``HOPPER_CANDIDATES`` or ``--configs``) against the generic kernels and cuDNN, per pass.
 """
 
 from __future__ import annotations
@@ -225,10 +225,10 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
     return best
 
 
-# --tune-hopper's default candidates per head dim: (BLOCK_S, STAGES, PIPELINE) of ``bwd_sm90.CONFIGS``
+# --tune-hopper's default candidates per head dim: (BLOCK_S, STAGES) of ``bwd_sm90.CONFIGS``
 HOPPER_CANDIDATES = {
-    64: [(128, 2, False), (64, 2, False), (64, 2, True), (64, 3, True)],
-    128: [(64, 2, False), (32, 2, False), (32, 2, True), (32, 3, True)],
+    64: [(128, 2), (64, 2), (128, 3)],
+    128: [(64, 2), (32, 2), (64, 3)],
 }
 
 
@@ -325,15 +325,16 @@ def main(argv=None):
     ap.add_argument("--append", action="store_true", help="append to the CSV instead of replacing it")
     ap.add_argument("--tune-hopper", action="store_true",
                     help="time the Hopper backward's configs (HOPPER_CANDIDATES, or --configs as "
-                         "BLOCK_S,STAGES,PIPELINE) instead of the sweep; printed, nothing written")
-    ap.add_argument("--configs", nargs="*", default=None, help="with --tune-hopper: e.g. 64,3,1 128,2,0")
+                         "BLOCK_S,STAGES) instead of the sweep; printed, nothing written")
+    ap.add_argument("--configs", nargs="*", default=None, help="with --tune-hopper: e.g. 64,3 128,2")
     add_out_dir(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attention_bwd.py needs a CUDA GPU")
     if args.tune_hopper:
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else None
-        configs = [(bs, st, bool(pipe)) for bs, st, pipe in configs] if configs else None
+        if configs and any(len(c) != 2 for c in configs):
+            ap.error("--configs: BLOCK_S,STAGES pairs, e.g. 128,2")
         tune_hopper([tuple(int(x) for x in s.split(",")) for s in args.shapes], args.dtypes, configs)
         return None
     from elsa_vision.kernels.bwd import BwdConfig

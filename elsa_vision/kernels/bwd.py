@@ -1107,7 +1107,7 @@ class _HopperPass:
 
     def __init__(self, dq: bool, B, H, Nq, Nk, D, sm_scale, lse_strides, redo: Launch):
         rows = bwd_sm90.ROWS.value
-        self.block_s, stages, pipeline = bwd_sm90.CONFIGS[D]
+        self.block_s, stages = bwd_sm90.CONFIGS[D]
         n_own, n_stream = (Nq, Nk) if dq else (Nk, Nq)
         own_tiles = cdiv(n_own, rows * bwd_sm90.CONSUMERS.value)
         self.flags = (B * H, cdiv(n_own, rows))
@@ -1115,7 +1115,7 @@ class _HopperPass:
         self.main = Launch(bwd_sm90.bwd_kernel, (own_tiles * B * H,),
                            (H, n_own, n_stream, own_tiles, *lse_strides, *outs, *outs, sm_scale * LOG2E,
                             sm_scale),
-                           dict(D=D, BLOCK_S=self.block_s, STAGES=stages, DQ=dq, PIPELINE=pipeline),
+                           dict(D=D, BLOCK_S=self.block_s, STAGES=stages, DQ=dq),
                            bwd_sm90.NUM_WARPS)
         self.redo = redo
         self.descs = None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from .fwd_sm90 import ROWS, descriptor, stage_ring, stream_pairs
 from .host import LOG2E
@@ -41,13 +41,12 @@ NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 _LOG2E = gl.constexpr(LOG2E)
 
 CONSUMERS = gl.constexpr(2)  # warpgroups of 64 own rows per program
-# (BLOCK_S, STAGES, PIPELINE) per head dim: streamed rows per step, stages of the streamed pair, and whether a
-# tile's score products are issued under the previous tile's gradient products (``PIPELINE``; not measured
-# yet, ``benchmarks.attention_bwd --tune-hopper``). H100, bf16, the whole backward at 3K-32K tokens without
-# the pipeline: head dim 64, 128 rows 1-10 % faster than 64 but at 16K (2 % slower), 32 rows 20-25 % slower,
-# 3 stages within 3 %; head dim 128, 64 rows 9-16 % faster than 32 (chosen first for the two 64 x 128
-# float32 accumulators a dK/dV consumer holds).
-CONFIGS = {64: (128, 2, False), 128: (64, 2, False)}
+# (BLOCK_S, STAGES) per head dim: streamed rows per step and stages of the streamed pair. H100, bf16, the
+# whole backward at 3K-32K tokens (``benchmarks.attention_bwd --tune-hopper``): head dim 64, 128 rows 1-10 %
+# faster than 64 but at 16K (2 % slower), 32 rows 20-25 % slower, 3 stages within 3 %; head dim 128, 64 rows
+# 9-16 % faster than 32. A loop issuing a tile's score products under the previous tile's gradient products
+# (as the forward does) lost at every shape and was removed (docs/kernel_notes.md, "The Hopper backward").
+CONFIGS = {64: (128, 2), 128: (64, 2)}
 
 
 def supported(q, k, v, do) -> bool:
@@ -75,8 +74,7 @@ def supported(q, k, v, do) -> bool:
 def _produce(r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_smem, r_bar, ready, empty,
              Lse, Delta, Out1, Out2, Redo, H, N_OWN, N_STREAM, own_tiles, stride_lb, stride_lh, stride_lm,
              stride_1b, stride_1h, stride_1n, stride_2b, stride_2h, stride_2n, qk_scale, sm_scale,
-             D: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr,
-             PIPELINE: gl.constexpr):
+             D: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr):
     pid = gl.program_id(0)
     off_r = (pid % own_tiles) * (ROWS * CONSUMERS)
     off_b = (pid // own_tiles) // H
@@ -115,7 +113,7 @@ def _consume(r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_s
              Lse, Delta, Out1, Out2, Redo, H, N_OWN, N_STREAM, own_tiles, stride_lb, stride_lh, stride_lm,
              stride_1b, stride_1h, stride_1n, stride_2b, stride_2h, stride_2n, qk_scale, sm_scale,
              D: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr,
-             PIPELINE: gl.constexpr, WG: gl.constexpr):
+             WG: gl.constexpr):
     """Own rows ``WG * 64`` onwards of the program's tile: the loop over the streamed tiles, then the
     gradients (dK/dV: ``Out1`` = dK, ``Out2`` = dV; dQ: ``Out1`` = dQ)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -144,66 +142,23 @@ def _consume(r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_s
         lse2, delta = _row_vectors(Lse, Delta, lse_base, delta_base, own, N_OWN, stride_lm)
     mbarrier.wait(r_bar, 0)
     n_tiles = gl.cdiv(N_STREAM, BLOCK_S)
-    if PIPELINE:  # tile j's score products run while tile j - 1's gradient products finish
-        if not DQ:
-            lse2, delta = _row_vectors(Lse, Delta, lse_base, delta_base, cols, N_STREAM, stride_lm)
-        mbarrier.wait(ready.index(0), 0)
-        x = warpgroup_mma(a1, s1_smem.index(0).reshape([BLOCK_S, D]).permute((1, 0)), zero, use_acc=False)
-        y = warpgroup_mma(a2, s2_smem.index(0).reshape([BLOCK_S, D]).permute((1, 0)), zero, use_acc=False)
+    # each streamed tile's four (three) products in turn
+    for j in range(n_tiles):
+        st = j % STAGES
+        if not DQ:  # the streamed rows are queries
+            lse2, delta = _row_vectors(Lse, Delta, lse_base, delta_base, j * BLOCK_S + cols, N_STREAM,
+                                       stride_lm)
+        mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+        b1 = s1_smem.index(st).reshape([BLOCK_S, D])
+        b2 = s2_smem.index(st).reshape([BLOCK_S, D])
+        x = warpgroup_mma(a1, b1.permute((1, 0)), zero, use_acc=False)  # S^T (dK/dV) or S (dQ)
+        y = warpgroup_mma(a2, b2.permute((1, 0)), zero, use_acc=False)  # dP^T or dP
         p, ds = _tile_grads(x, y, lse2, delta, qk_scale, DQ)
-        ds_op = gl.convert_layout(ds.to(dtype), a_layout)
         if not DQ:
-            p_op = gl.convert_layout(p.to(dtype), a_layout)
-        for j in range(1, n_tiles):
-            st = j % STAGES
-            prev = (j - 1) % STAGES
-            if not DQ:
-                lse2, delta = _row_vectors(Lse, Delta, lse_base, delta_base, j * BLOCK_S + cols, N_STREAM,
-                                           stride_lm)
-            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-            # the score products of tile j in the registers of tile j - 1's (dead once P and dS are formed)
-            x_tok = warpgroup_mma(a1, s1_smem.index(st).reshape([BLOCK_S, D]).permute((1, 0)), x,
-                                  use_acc=False, is_async=True)
-            y_tok = warpgroup_mma(a2, s2_smem.index(st).reshape([BLOCK_S, D]).permute((1, 0)), y,
-                                  use_acc=False, is_async=True)
-            b1 = s1_smem.index(prev).reshape([BLOCK_S, D])
-            if DQ:
-                g1 = warpgroup_mma(ds_op, b1, acc1, is_async=True)  # dQ += dS K of tile j - 1
-                x, y = warpgroup_mma_wait(1, deps=(x_tok, y_tok))
-                p, ds = _tile_grads(x, y, lse2, delta, qk_scale, DQ)
-                acc1, _ = warpgroup_mma_wait(0, deps=(g1, ds_op))
-            else:
-                g2 = warpgroup_mma(p_op, s2_smem.index(prev).reshape([BLOCK_S, D]), acc2, is_async=True)
-                g1 = warpgroup_mma(ds_op, b1, acc1, is_async=True)  # dV += P^T dO, dK += dS^T Q of j - 1
-                x, y = warpgroup_mma_wait(2, deps=(x_tok, y_tok))
-                p, ds = _tile_grads(x, y, lse2, delta, qk_scale, DQ)
-                acc2, acc1, _, _ = warpgroup_mma_wait(0, deps=(g2, g1, p_op, ds_op))
-            mbarrier.arrive(empty.index(prev), count=1)
-            ds_op = gl.convert_layout(ds.to(dtype), a_layout)
-            if not DQ:
-                p_op = gl.convert_layout(p.to(dtype), a_layout)
-        last = (n_tiles - 1) % STAGES
-        if not DQ:
-            acc2 = warpgroup_mma(p_op, s2_smem.index(last).reshape([BLOCK_S, D]), acc2)
-        acc1 = warpgroup_mma(ds_op, s1_smem.index(last).reshape([BLOCK_S, D]), acc1)
-        mbarrier.arrive(empty.index(last), count=1)
-    else:  # each tile's four (three) products in turn
-        for j in range(n_tiles):
-            st = j % STAGES
-            if not DQ:  # the streamed rows are queries
-                lse2, delta = _row_vectors(Lse, Delta, lse_base, delta_base, j * BLOCK_S + cols, N_STREAM,
-                                           stride_lm)
-            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-            b1 = s1_smem.index(st).reshape([BLOCK_S, D])
-            b2 = s2_smem.index(st).reshape([BLOCK_S, D])
-            x = warpgroup_mma(a1, b1.permute((1, 0)), zero, use_acc=False)  # S^T (dK/dV) or S (dQ)
-            y = warpgroup_mma(a2, b2.permute((1, 0)), zero, use_acc=False)  # dP^T or dP
-            p, ds = _tile_grads(x, y, lse2, delta, qk_scale, DQ)
-            if not DQ:
-                acc2 = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), b2, acc2)  # dV += P^T dO
-            # dK += dS^T Q, or dQ += dS K
-            acc1 = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), b1, acc1)
-            mbarrier.arrive(empty.index(st), count=1)
+            acc2 = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), b2, acc2)  # dV += P^T dO
+        # dK += dS^T Q, or dQ += dS K
+        acc1 = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), b1, acc1)
+        mbarrier.arrive(empty.index(st), count=1)
 
     acc1 = acc1 * sm_scale
     rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
@@ -228,7 +183,7 @@ def bwd_kernel(
     r1_desc, r2_desc, s1_desc, s2_desc, Lse, Delta, Out1, Out2, Redo,
     H, N_OWN, N_STREAM, own_tiles, stride_lb, stride_lh, stride_lm,
     stride_1b, stride_1h, stride_1n, stride_2b, stride_2h, stride_2n, qk_scale, sm_scale,
-    D: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr, PIPELINE: gl.constexpr,
+    D: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr,
 ):
     """Grid ``(own_tiles * B * H,)``, tiles of ``64 * CONSUMERS`` own rows, one head's tiles adjacent.
 
@@ -250,13 +205,13 @@ def bwd_kernel(
         (_consume, (r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_smem, r_bar, ready,
                     empty, Lse, Delta, Out1, Out2, Redo, H, N_OWN, N_STREAM, own_tiles, stride_lb, stride_lh,
                     stride_lm, stride_1b, stride_1h, stride_1n, stride_2b, stride_2h, stride_2n, qk_scale,
-                    sm_scale, D, BLOCK_S, STAGES, DQ, PIPELINE, 0)),
+                    sm_scale, D, BLOCK_S, STAGES, DQ, 0)),
         (_consume, (r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_smem, r_bar, ready,
                     empty, Lse, Delta, Out1, Out2, Redo, H, N_OWN, N_STREAM, own_tiles, stride_lb, stride_lh,
                     stride_lm, stride_1b, stride_1h, stride_1n, stride_2b, stride_2h, stride_2n, qk_scale,
-                    sm_scale, D, BLOCK_S, STAGES, DQ, PIPELINE, 1)),
+                    sm_scale, D, BLOCK_S, STAGES, DQ, 1)),
         (_produce, (r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_smem, r_bar, ready,
                     empty, Lse, Delta, Out1, Out2, Redo, H, N_OWN, N_STREAM, own_tiles, stride_lb, stride_lh,
                     stride_lm, stride_1b, stride_1h, stride_1n, stride_2b, stride_2h, stride_2n, qk_scale,
-                    sm_scale, D, BLOCK_S, STAGES, DQ, PIPELINE)),
+                    sm_scale, D, BLOCK_S, STAGES, DQ)),
     ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers

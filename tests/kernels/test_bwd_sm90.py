@@ -38,17 +38,17 @@ from elsa_vision.kernels import bwd_sm90 as B, fwd_sm90 as F
 fn = B.bwd_kernel
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 report = []
-# the defaults, and a pipelined config per head dim (the tuning candidates' shorter streamed tiles)
-configs = sorted({(D, *c) for D, c in B.CONFIGS.items()} | {(64, 64, 2, True), (128, 32, 2, True)})
+# the defaults, and the shorter streamed tiles the tuning times too
+configs = sorted({(D, *c) for D, c in B.CONFIGS.items()} | {(64, 64, 2), (128, 32, 2)})
 for dq in (False, True):
-    for D, bs, stages, pipeline in configs:
+    for D, bs, stages in configs:
         t = torch.empty((2, 3, 512, D), dtype=torch.bfloat16)
         sig = {n: "i32" for n in fn.arg_names}
         sig.update(r1_desc=mangle_type(F.descriptor(t, 64)), r2_desc=mangle_type(F.descriptor(t, 64)),
                    s1_desc=mangle_type(F.descriptor(t, bs)), s2_desc=mangle_type(F.descriptor(t, bs)),
                    Lse="*fp32", Delta="*fp32", Out1="*bf16", Out2="*bf16", Redo="*i32", qk_scale="fp32",
                    sm_scale="fp32")
-        consts = dict(D=D, BLOCK_S=bs, STAGES=stages, DQ=dq, PIPELINE=pipeline)
+        consts = dict(D=D, BLOCK_S=bs, STAGES=stages, DQ=dq)
         sig.update({n: "constexpr" for n in consts})
         k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": B.NUM_WARPS})
@@ -60,7 +60,7 @@ for dq in (False, True):
             sass = subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True).stdout
             os.unlink(fh.name)
             spills = len(re.findall(r"\bSTL", sass))
-        report.append(dict(dq=dq, D=D, bs=bs, pipeline=pipeline, shared=k.metadata.shared, spills=spills,
+        report.append(dict(dq=dq, D=D, bs=bs, shared=k.metadata.shared, spills=spills,
                            wgmma=ptx.count("wgmma.mma_async"),
                            partial_waits=len(re.findall(r"wgmma.wait_group.sync.aligned [1-9]", ptx)),
                            tma=ptx.count("cp.async.bulk.tensor"), setmaxnreg="setmaxnreg" in ptx,
@@ -70,23 +70,19 @@ print(json.dumps(report))
 
 
 def test_compiles_for_sm90_warp_specialised():
-    # Built for sm90 on any machine, both passes, default and pipelined: partitions with their own register
-    # budgets, TMA loads (the resident pair once per consumer, the streamed pair per stage, 256-byte rows at
-    # head dim 128 in two boxes), and per consumer the products of a streamed tile as wgmma in K-steps of 16:
-    # the two score-sized ones (K = D), then dV and dK (dK/dV) or dQ (dQ) with K = BLOCK_S. The pipelined
-    # loop holds each product twice (the first tile's score products before the loop, the last tile's
-    # gradient products after it) and waits for the score products with the gradient products of the tile
-    # before still in flight (one partial wait per consumer); the other never leaves a product in flight.
-    # Shared memory within the H100's; no spills in the dQ pass (the dK/dV pass's are in the kernel notes).
+    # Built for sm90 on any machine, both passes, default and shorter streamed tiles: partitions with their
+    # own register budgets, TMA loads (the resident pair once per consumer, the streamed pair per stage,
+    # 256-byte rows at head dim 128 in two boxes), and per consumer the products of a streamed tile as wgmma
+    # in K-steps of 16: the two score-sized ones (K = D), then dV and dK (dK/dV) or dQ (dQ) with K = BLOCK_S,
+    # none left in flight (no partial wait). Shared memory within the H100's; no spills in the dQ pass (the
+    # dK/dV pass's are in the kernel notes).
     variants = compile_for_sm90(_COMPILE)
     assert len(variants) == 2 * (len(bwd_sm90.CONFIGS) + 2)
-    assert {v["pipeline"] for v in variants} == {False, True}
     for var in variants:
         D, bs = var["D"], var["bs"]
         assert var["setmaxnreg"] and 0 < var["shared"] <= 232448, var
-        copies = 2 if var["pipeline"] else 1
-        assert var["wgmma"] == 2 * copies * (2 * D // 16 + (1 if var["dq"] else 2) * bs // 16), var
-        assert var["partial_waits"] == (2 if var["pipeline"] else 0), var
+        assert var["wgmma"] == 2 * (2 * D // 16 + (1 if var["dq"] else 2) * bs // 16), var
+        assert var["partial_waits"] == 0, var
         assert var["tma"] == (2 + 2 * 2) * (D * 2 // 128), var
         assert not (var["dq"] and var["local"]), var
         assert not var["dq"] or var["spills"] in (None, 0), var
@@ -308,22 +304,3 @@ def test_gpu_huge_logits_stay_finite_and_accurate(monkeypatch):
     for name, g, r, lp in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, lowp):
         err, err_lp = _relerr(g, r), _relerr(lp, r)
         assert err <= LOWP_FACTOR * err_lp, f"{name}: {err:.3e} > {LOWP_FACTOR} x low-precision {err_lp:.3e}"
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("D,config", [(64, (64, 2, True)), (64, (64, 3, True)), (128, (32, 2, True)),
-                                      (128, (32, 3, True))])
-def test_gpu_pipelined_loop_gives_the_default_loops_gradients(D, config, monkeypatch):
-    # the pipelined loop issues the same products on the same tiles in the same order per accumulator, only
-    # overlapped: its gradients equal the default config's bit for bit, odd lengths and both passes, with no
-    # tile flagged
-    B, H, Nq, Nk = 2, 3, 1025, 1777
-    q, k, v, do, out, lse, delta = _inputs(B, H, Nq, Nk, D, torch.bfloat16, seed=D + 51)
-    default = _hopper(q, k, v, do, out, lse, delta, monkeypatch)
-    monkeypatch.setitem(bwd_sm90.CONFIGS, D, config)
-    monkeypatch.setattr(bwd_module, "_PROGRAMS", type(bwd_module._PROGRAMS)())
-    dq, dk, dv, fq, fk = _hopper(q, k, v, do, out, lse, delta, monkeypatch)
-    assert int(fq.sum()) == 0 and int(fk.sum()) == 0
-    for ours, theirs in zip((dq, dk, dv), default[:3]):
-        assert torch.equal(ours, theirs)
