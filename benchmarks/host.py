@@ -205,18 +205,34 @@ def breakdown_rows(dtype, calls):
     return [("breakdown", name, us, math.nan) for name, us in measured.items()]
 
 
-def profile_elsa(dtype, calls):
-    """cProfile of ``calls`` ELSA forward + backward calls: where the host time goes, function by function."""
+PROFILES = ("fwd_bwd", "fwd_bwd_long", "vit_block")
+
+
+def profile_elsa(dtype, calls, case: str = "fwd_bwd"):
+    """cProfile of ``calls`` ELSA calls of one case: attention forward + backward at ``SHAPE`` (``fwd_bwd``)
+    or ``LONG`` (``fwd_bwd_long``, where the Hopper kernels take them), or the patched ViT-B block's forward
+    (``vit_block``): where the host time goes, function by function."""
     import cProfile
     import pstats
 
-    from elsa_vision import elsa_attention
+    from elsa_vision import elsa_attention, patch_attention
 
-    q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    dout = torch.randn(*SHAPE, device="cuda", dtype=dtype)
+    if case == "vit_block":
+        block, shape, _ = modules()["vit_block"]
+        block = block.to("cuda", dtype).eval()
+        patch_attention(block)
+        x = torch.randn(shape, device="cuda", dtype=dtype)
 
-    def step():
-        elsa_attention(q, k, v).backward(dout)
+        def step():
+            with torch.no_grad():
+                block(x)
+    else:
+        shape = LONG if case == "fwd_bwd_long" else SHAPE
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        dout = torch.randn(*shape, device="cuda", dtype=dtype)
+
+        def step():
+            elsa_attention(q, k, v).backward(dout)
 
     for _ in range(20):
         step()
@@ -227,6 +243,7 @@ def profile_elsa(dtype, calls):
         step()
     prof.disable()
     torch.cuda.synchronize()
+    print(f"{case}, {dtype}, {calls} calls:")
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
@@ -237,14 +254,15 @@ def main(argv=None) -> str:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--breakdown", action="store_true", help="per-stage host costs of ELSA's forward")
     ap.add_argument("--label", default="", help="a tag for this tree (e.g. 'before' / 'after' in one run)")
-    ap.add_argument("--profile", action="store_true", help="cProfile of ELSA's forward + backward and exit")
+    ap.add_argument("--profile", nargs="?", const="fwd_bwd", choices=PROFILES, default=None,
+                    help="cProfile of ELSA's calls of one case (default fwd_bwd) and exit")
     add_out_dir(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("host.py measures CUDA launches: it needs a GPU")
-    if args.profile:
+    if args.profile is not None:
         for dname in args.dtypes.split(","):
-            profile_elsa(DTYPES[dname], args.calls)
+            profile_elsa(DTYPES[dname], args.calls, args.profile)
         return ""
     import elsa_vision
 
