@@ -516,3 +516,100 @@ def test_confidence_threshold_is_torch_quantile_and_takes_any_size():
     assert confidence_threshold(conf[:0], 50.0) == 0.0
     big = torch.arange(2**24 + 1, dtype=torch.float32)
     assert confidence_threshold(big, 50.0) == 2**23
+
+
+def _vggt_on_meta(dtype, **overrides):
+    with torch.device("meta"):
+        return ElsaVGGT.from_config("elsa_vggt", **overrides).to(dtype)
+
+
+def test_memory_estimate_matches_the_measured_peak_of_a_thousand_frames():
+    # The multiview CLI on an H100 (2026-11-27): VGGT-1B, 1,000 frames of 336x518 in bfloat16, chunks
+    # (32, 65536): peak allocated 35.26 GiB (docs/benchmarks/vggt.md). The estimate is within 10 % of it.
+    from elsa_vision.inference.multiview import estimate_memory
+
+    est = estimate_memory(_vggt_on_meta(torch.bfloat16), 1000, (336, 518), torch.bfloat16, 32, 65536)
+    assert est["total"] == est["weights"] + est["frames"] + est["activations"]
+    assert 0.9 <= est["total"] / (35.26 * 2**30) <= 1.1, est["total"] / 2**30
+    # weights (and buffers) in the model's dtype; the frames: float32 on the device, a bfloat16 copy, the
+    # normalised copy
+    model = _vggt_on_meta(torch.bfloat16)
+    assert est["weights"] == sum(t.numel() * 2 for t in (*model.parameters(), *model.buffers()))
+    assert est["frames"] == 1000 * 3 * 336 * 518 * (4 + 2 + 2)
+    # linear in the frames past the chunks, as attention holds O(tokens)
+    e2, e4 = (estimate_memory(_vggt_on_meta(torch.bfloat16), s, (336, 518), torch.bfloat16, 32, 65536)
+              for s in (2000, 4000))
+    assert e4["activations"] - e2["activations"] == 2 * (e2["activations"] - est["activations"])
+
+
+def test_plan_memory_halves_the_chunks_then_refuses_with_the_frames_that_fit():
+    from elsa_vision.inference.multiview import estimate_memory, plan_memory
+
+    model, hw, dt = _vggt_on_meta(torch.float32), (336, 518), torch.float32
+    tokens = 64 * (5 + 24 * 37)
+    whole = estimate_memory(model, 64, hw, dt, None, None)["total"]
+    assert plan_memory(model, 64, hw, dt, whole, None, None)[:2] == (None, None)  # fits as asked
+    # one byte less: the first halving of both chunks that fits (all frames at once cost the most here)
+    half = estimate_memory(model, 64, hw, dt, 32, tokens // 2)["total"]
+    assert half < whole
+    fc, tc, est = plan_memory(model, 64, hw, dt, whole - 1, None, None)
+    assert (fc, tc) == (32, tokens // 2) and est["total"] == half
+    budget = int(40 * 2**30)
+    refusal = (r"^1,000 frames of 336x518 in float32 need about [\d.]+ GiB .*more than the budget of "
+               r"40\.0 GiB .*at most ([\d,]+) frames fit: --max-frames (\d+), or a smaller --width or "
+               r"--dtype bfloat16$")
+    with pytest.raises(ValueError, match=refusal) as e:
+        plan_memory(model, 1000, hw, dt, budget, 32, 65536)
+    most = int(str(e.value).split("--max-frames ")[1].split(",")[0])
+    assert estimate_memory(model, most, hw, dt, 1, 4096)["total"] <= budget
+    assert estimate_memory(model, most + 1, hw, dt, 1, 4096)["total"] > budget
+    with pytest.raises(ValueError, match="not even one frame fits, or a smaller --width$"):
+        plan_memory(_vggt_on_meta(torch.bfloat16), 10, hw, torch.bfloat16, 2**20, 32, 65536)
+
+
+def test_inference_cli_plans_its_memory(tmp_path, capsys):
+    """The summary gives the memory estimate (and, with a budget, the chunks it chose); a budget no chunking
+    meets ends the run in one line before the model runs, naming the frames that fit."""
+    frames, _ = _frames_and_weights(tmp_path)
+    summary = _run_cli(tmp_path, frames, tmp_path / "w.safetensors")
+    assert summary["memory_budget_gb"] is None and summary["memory_estimate_gb"] > 0  # CPU: no default budget
+    assert (summary["frames_chunk"], summary["token_chunk"]) == (32, 65536)
+    with pytest.raises(ValueError, match=r"^2 frames of 42x56 in float32 need about .* more than the budget "
+                                         r"of 0\.0 GiB .*not even one frame fits"):
+        _run_cli(tmp_path, frames, tmp_path / "w.safetensors", "--overwrite", "--memory-budget-gb", "1e-6")
+    with pytest.raises(SystemExit):
+        _run_cli(tmp_path, frames, tmp_path / "w.safetensors", "--memory-budget-gb", "0")
+    assert "--memory-budget-gb must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_memory_estimate_against_the_measured_peak(dtype):
+    # VGGT-1B's width at 336x518 with 4 of its 24 layers (and 2 of the patch embedding's), 48 frames, chunks
+    # (16, 16384): the reconstruction's peak allocated memory against the estimate
+    from elsa_vision.inference.multiview import estimate_memory, reconstruct
+
+    torch.manual_seed(0)
+    model = ElsaVGGT.from_config("elsa_vggt", depth=4, patch_embed_depth=2,
+                                 intermediate_layer_idx=(0, 1, 2, 3)).cuda().to(dtype).eval()
+    model.set_chunks(16, 16384)
+    images = torch.rand(48, 3, 336, 518, device="cuda")
+    est = estimate_memory(model, 48, (336, 518), dtype, 16, 16384)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    reconstruct(model, images, dtype)
+    peak = torch.cuda.max_memory_allocated()
+    print(f"{dtype}: estimate {est['total'] / 2**30:.3f} GiB, measured {peak / 2**30:.3f} GiB, "
+          f"ratio {peak / est['total']:.3f}")
+    assert 0.8 <= peak / est["total"] <= 1.1
+
+
+@pytest.mark.gpu
+def test_gpu_inference_cli_plans_within_the_free_memory(tmp_path):
+    frames, _ = _frames_and_weights(tmp_path)
+    summary = infer_main(["--frames", str(frames), "--weights", str(tmp_path / "w.safetensors"), "--out",
+                          str(tmp_path / "out"), "--device", "cuda", "--no-progress"])
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < summary["memory_budget_gb"] <= total / 2**30  # the free memory with the model on the device
+    assert summary["memory_estimate_gb"] < summary["memory_budget_gb"] and summary["peak_gpu_gb"] > 0
+    assert (summary["frames_chunk"], summary["token_chunk"]) == (32, 65536)

@@ -2,7 +2,7 @@
 
     python -m elsa_vision.inference.multiview --frames DIR --weights FILE [--config elsa_vggt_small|elsa_vggt]
         --out OUT [--width 518] [--conf-percentile 50] [--device cpu|cuda] [--dtype float32]
-        [--frames-chunk 32] [--token-chunk 65536] [--no-progress]
+        [--frames-chunk 32] [--token-chunk 65536] [--memory-budget-gb G] [--no-progress]
 
 ``--weights``: a VGGT checkpoint (``model.safetensors``/``model.pt``) or an ElsaVGGT/Lightning state_dict
 (``.safetensors``/``.pt``/``.ckpt`` read with ``weights_only=True``); the architecture (``--config``) is read
@@ -19,8 +19,11 @@ above the given percentile, coloured by the frames). The last stdout line is a J
 Long sequences: the model's per-frame parts run ``--frames-chunk`` frames at a time and its MLPs
 ``--token-chunk`` tokens at a time (``ElsaVGGT.set_chunks``; the results are the same, 0 turns a chunking
 off), so that what one forward holds at once grows with the frames only through the global attention's
-inputs and the kept layer outputs. A progress bar on stderr follows the reading of the frames, the
-aggregator's layers and the writing of the depth maps (``--no-progress`` hides it).
+inputs and the kept layer outputs. Before the model runs, :func:`plan_memory` checks the run against
+``--memory-budget-gb`` (on CUDA by default the device's free memory) by :func:`estimate_memory`, halving
+the chunks until it fits, and refuses a run that cannot fit in one line with the most frames that do; the
+summary gives the estimate beside the measured peak. A progress bar on stderr follows the reading of the
+frames, the aggregator's layers and the writing of the depth maps (``--no-progress`` hides it).
 ``--out`` is checked before the model is built: it must be writable, and the outputs of an earlier run there
 are replaced only with ``--overwrite`` (which, once the reconstruction is done, removes what the earlier
 run wrote: the depth maps of the frames its ``cameras.json`` lists, that file and ``points.ply``).
@@ -78,6 +81,104 @@ def load_frames(
             imgs = img.new_empty((len(paths), *img.shape))
         imgs[i] = img
     return names, imgs
+
+
+# What a block holds per token while it forms its attention's inputs, in elements of ``embed_dim`` (the
+# accounting of ``estimate_memory``): its input (the frame block's output, kept by the aggregator),
+# ``norm1``'s output, the fused q, k, v, the normalised q and k, the rotated q, and the rotation of k in
+# flight (the products of its two halves and their sum).
+_ATTENTION_WORKSET = 1 + 1 + 3 + 2 + 1 + 3
+_HEAD_CHANNELS = 2  # a DPT head's full-resolution working set per pixel, in multiples of its ``features``
+
+
+def estimate_memory(
+    model: ElsaVGGT, frames: int, hw: tuple[int, int], dtype: torch.dtype,
+    frames_chunk: int | None = None, token_chunk: int | None = None,
+) -> dict[str, int]:
+    """Bytes the CLI's reconstruction holds at its peak for ``frames`` frames of ``hw`` with ``model`` cast
+    to ``dtype`` (:func:`reconstruct` under :meth:`ElsaVGGT.set_chunks` of ``frames_chunk`` /
+    ``token_chunk``), by an accounting of its largest tensors: ``weights``; ``frames`` (the float32 frames
+    on the device, their ``dtype`` copy and the aggregator's normalised copy); ``activations``, the largest
+    of the phases a forward passes through; and ``total``.
+
+    Phases: the last global block's attention inputs (the kept layer outputs before it, ``2 * embed_dim``
+    per token each, and its own working set: ``_ATTENTION_WORKSET``, plus the float16 parts of the keys and
+    values where the FP32-accurate kernels split them); its MLP (``token_chunk`` tokens at a time through the
+    hidden layer); the last frame block (``frames_chunk`` frames of the same working set beside the whole
+    input and output); and the heads (every kept output, the depth / point maps and
+    ``DPTHead.frames_chunk_size`` frames of full-resolution features). Attention itself holds O(tokens).
+    An estimate, not a bound: the measurements it was checked against are in ``docs/vggt.md``."""
+    agg = model.aggregator
+    b = torch.finfo(dtype).bits // 8
+    S, (H, W) = int(frames), hw
+    p = agg.patch_size
+    P = agg.patch_start_idx + (H // p) * (W // p)  # tokens per frame
+    C = agg.camera_token.shape[-1]
+    hidden = agg.global_blocks[0].mlp.fc1.out_features
+    kept_layers = range(agg.depth) if agg.keep_layers is None else agg.keep_layers
+    kept = len(kept_layers)
+    before = 2 * sum(i < agg.depth - 1 for i in kept_layers) * C * S * P  # kept when the last block runs
+    split = 2 if dtype == torch.float32 else 0  # k, v as two float16 parts each: 4 C halves = 2 C floats
+    tokens = S * P
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    pixels = S * 3 * H * W
+    frames_bytes = pixels * 4 + (pixels * b if dtype != torch.float32 else 0) + pixels * b
+    attention = (before + (_ATTENTION_WORKSET + split) * C * tokens) * b
+    rows = tokens if token_chunk is None else min(tokens, token_chunk)
+    mlp = (before + 3 * C * tokens + (2 * hidden + 2 * C) * rows) * b  # input, residual, output; a chunk
+    chunk = S if frames_chunk is None else min(S, frames_chunk)
+    per_frame = (before + 2 * C * tokens + (_ATTENTION_WORKSET + split) * C * chunk * P) * b
+    heads = [h for h in (model.depth_head, model.point_head) if h is not None]
+    # depth (+ points) and confidence maps; full-resolution features of one chunk of frames
+    maps = sum(h.scratch.output_conv2[-1].out_channels for h in heads) * S * H * W * b
+    head_chunk = min(S, heads[0].frames_chunk_size or S) if heads else 0
+    features = heads[0].scratch.output_conv1.in_channels if heads else 0
+    head_work = _HEAD_CHANNELS * features * head_chunk * H * W * b
+    heads_phase = 2 * kept * C * tokens * b + maps + head_work
+    activations = max(attention, mlp, per_frame, heads_phase)
+    return {"weights": weights, "frames": frames_bytes, "activations": activations,
+            "total": weights + frames_bytes + activations}
+
+
+def plan_memory(
+    model: ElsaVGGT, frames: int, hw: tuple[int, int], dtype: torch.dtype, budget: int,
+    frames_chunk: int | None = None, token_chunk: int | None = None,
+) -> tuple[int | None, int | None, dict[str, int]]:
+    """The chunk sizes for ``frames`` frames within ``budget`` bytes by :func:`estimate_memory`: the given
+    ``frames_chunk`` / ``token_chunk`` if they fit, else the largest halvings of them that do (down to one
+    frame and 4,096 tokens; None, all at once, starts at the frame count / token count). Returns
+    ``(frames_chunk, token_chunk, estimate)``. Raises ValueError, in one line, when even the smallest chunks
+    do not fit: the estimate, the budget and the most frames that fit."""
+    P = model.aggregator.patch_start_idx + (hw[0] // model.aggregator.patch_size) * (
+        hw[1] // model.aggregator.patch_size)
+    fc = frames if frames_chunk is None else frames_chunk
+    tc = frames * P if token_chunk is None else token_chunk
+    first = None
+    while True:
+        est = estimate_memory(model, frames, hw, dtype, fc, tc)
+        first = first or est
+        if est["total"] <= budget:
+            return (None if frames_chunk is None and fc == frames else fc,
+                    None if token_chunk is None and tc == frames * P else tc, est)
+        if fc > 1 or tc > 4096:
+            fc, tc = max(1, fc // 2), max(min(tc, 4096), tc // 2)
+            continue
+        lo, hi = 0, frames  # the most frames that fit with these smallest chunks
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if estimate_memory(model, mid, hw, dtype, fc, tc)["total"] <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        gib = 2**30
+        raise ValueError(
+            f"{frames:,} frames of {hw[0]}x{hw[1]} in {str(dtype).replace('torch.', '')} need about "
+            f"{first['total'] / gib:.1f} GiB by the memory estimate (weights {first['weights'] / gib:.1f}, "
+            f"frames {first['frames'] / gib:.1f}, activations {first['activations'] / gib:.1f}), "
+            f"{est['total'] / gib:.1f} GiB with the smallest chunks, more than the budget of "
+            f"{budget / gib:.1f} GiB (--memory-budget-gb; default: the device's free memory); "
+            + (f"at most {lo:,} frames fit: --max-frames {lo}" if lo else "not even one frame fits")
+            + (", or a smaller --width" + (" or --dtype bfloat16" if dtype == torch.float32 else "")))
 
 
 def _bar(items, progress: bool, desc: str, unit: str, total: int | None = None):
@@ -230,6 +331,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="frames at a time through the per-frame parts of the model (0: all at once)")
     ap.add_argument("--token-chunk", type=int, default=65536,
                     help="tokens at a time through every MLP (0: all at once)")
+    ap.add_argument("--memory-budget-gb", type=float, default=None,
+                    help="GiB the reconstruction may hold (default on CUDA: the device's free memory with "
+                         "the model on it); the chunks are halved until the memory estimate fits, else the "
+                         "run is refused before it starts")
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     ap.add_argument(
         "--merge-ratio",
@@ -246,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
     for flag in ("frames_chunk", "token_chunk"):
         if getattr(args, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')} must be >= 0 (0: all at once), got {getattr(args, flag)}")
+    if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
+        ap.error(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     progress = not args.no_progress
     try:  # before anything is read or computed
         args.out = prepare_output_dir(args.out, OUTPUTS, overwrite=args.overwrite)
@@ -255,11 +362,22 @@ def main(argv: list[str] | None = None) -> dict:
     frame_names(list_frames(args.frames, args.max_frames))  # before the model is built
     model, dropped, config = build_model(args.weights, args.config, args.merge_ratio)
     cfg = VGGT_CONFIGS[config]
-    model = model.to(device=device, dtype=_DTYPES[args.dtype])
-    model.set_chunks(frames=args.frames_chunk or None, tokens=args.token_chunk or None)
+    dtype = _DTYPES[args.dtype]
+    model = model.to(device=device, dtype=dtype)
     names, images = load_frames(
         args.frames, args.width or cfg["img_size"], cfg["patch_size"], args.max_frames, progress
     )
+    budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
+    if budget is None and device.type == "cuda":  # what is free, and what this process holds (the model)
+        budget = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
+    frames_chunk, token_chunk = args.frames_chunk or None, args.token_chunk or None
+    hw = tuple(images.shape[-2:])
+    if budget is not None:
+        frames_chunk, token_chunk, estimate = plan_memory(model, len(names), hw, dtype, budget, frames_chunk,
+                                                          token_chunk)
+    else:
+        estimate = estimate_memory(model, len(names), hw, dtype, frames_chunk, token_chunk)
+    model.set_chunks(frames=frames_chunk, tokens=token_chunk)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_model = time.perf_counter()
@@ -312,6 +430,10 @@ def main(argv: list[str] | None = None) -> dict:
         "points": int(keep.sum()),
         "out": str(out),
         "dropped_checkpoint_keys": len(dropped),
+        "frames_chunk": frames_chunk,
+        "token_chunk": token_chunk,
+        "memory_estimate_gb": round(estimate["total"] / 2**30, 3),
+        "memory_budget_gb": None if budget is None else round(budget / 2**30, 3),
         "reconstruct_seconds": round(t_model, 3),
         "seconds": round(time.perf_counter() - t0, 3),
     }
