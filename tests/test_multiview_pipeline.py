@@ -565,6 +565,9 @@ def test_plan_memory_halves_the_chunks_then_refuses_with_the_frames_that_fit():
     assert estimate_memory(model, most + 1, hw, dt, 1, 4096)["total"] > budget
     with pytest.raises(ValueError, match="not even one frame fits, or a smaller --width$"):
         plan_memory(_vggt_on_meta(torch.bfloat16), 10, hw, torch.bfloat16, 2**20, 32, 65536)
+    for frames, budget in ((0, 2**30), (10, 0)):
+        with pytest.raises(ValueError, match="^plan_memory: frames must be >= 1 and budget > 0 bytes"):
+            plan_memory(model, frames, hw, dt, budget)
 
 
 def test_inference_cli_plans_its_memory(tmp_path, capsys):

@@ -91,6 +91,12 @@ _ATTENTION_WORKSET = 1 + 1 + 3 + 2 + 1 + 3
 _HEAD_CHANNELS = 2  # a DPT head's full-resolution working set per pixel, in multiples of its ``features``
 
 
+def _tokens_per_frame(model: ElsaVGGT, hw: tuple[int, int]) -> int:
+    """The aggregator's tokens per frame of ``hw``: camera and register tokens, then the patches."""
+    agg = model.aggregator
+    return agg.patch_start_idx + (hw[0] // agg.patch_size) * (hw[1] // agg.patch_size)
+
+
 def estimate_memory(
     model: ElsaVGGT, frames: int, hw: tuple[int, int], dtype: torch.dtype,
     frames_chunk: int | None = None, token_chunk: int | None = None,
@@ -111,8 +117,7 @@ def estimate_memory(
     agg = model.aggregator
     b = torch.finfo(dtype).bits // 8
     S, (H, W) = int(frames), hw
-    p = agg.patch_size
-    P = agg.patch_start_idx + (H // p) * (W // p)  # tokens per frame
+    P = _tokens_per_frame(model, hw)
     C = agg.camera_token.shape[-1]
     hidden = agg.global_blocks[0].mlp.fc1.out_features
     kept_layers = range(agg.depth) if agg.keep_layers is None else agg.keep_layers
@@ -149,8 +154,9 @@ def plan_memory(
     frame and 4,096 tokens; None, all at once, starts at the frame count / token count). Returns
     ``(frames_chunk, token_chunk, estimate)``. Raises ValueError, in one line, when even the smallest chunks
     do not fit: the estimate, the budget and the most frames that fit."""
-    P = model.aggregator.patch_start_idx + (hw[0] // model.aggregator.patch_size) * (
-        hw[1] // model.aggregator.patch_size)
+    if frames < 1 or budget <= 0:
+        raise ValueError(f"plan_memory: frames must be >= 1 and budget > 0 bytes, got {frames} and {budget}")
+    P = _tokens_per_frame(model, hw)
     fc = frames if frames_chunk is None else frames_chunk
     tc = frames * P if token_chunk is None else token_chunk
     first = None
