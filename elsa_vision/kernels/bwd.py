@@ -58,12 +58,13 @@ __all__ = ["BwdConfig", "bwd_config", "bwd_program", "elsa_bwd"]
 # into float16 parts once per call (``_split_pair_kernel``), bitwise the splits its loops would form.
 PRESPLIT = True
 
-# Half-precision backwards without a mask, bias or causality at head dims 64 / 128 and at least this many
-# keys take ``bwd_sm90``'s warp-specialised dQ and dK/dV passes on sm90 (``_HopperPass``; H100: 1.08-1.23x
-# the generic kernels at 3K-32K tokens, docs/kernel_notes.md, "The Hopper backward"). False: the generic
-# kernels everywhere (the A/B of the benchmarks' ``elsa_generic`` peer).
+# Half-precision backwards without a mask, bias or causality at head dims 64 / 128 and at least
+# ``HOPPER_MIN_KEYS[head dim]`` keys take ``bwd_sm90``'s warp-specialised dQ and dK/dV passes on sm90
+# (``_HopperPass``; H100: 1.08-1.23x the generic kernels at 3K-32K tokens; at head dim 64 level with them
+# at 197-785 tokens, at head dim 128 1.21-1.31x there: docs/kernel_notes.md, "The Hopper backward").
+# False: the generic kernels everywhere (the A/B of the benchmarks' ``elsa_generic`` peer).
 HOPPER = True
-HOPPER_MIN_KEYS = 1024
+HOPPER_MIN_KEYS = {64: 1024, 128: 192}
 
 
 
@@ -957,7 +958,7 @@ class _BwdProgram(Program):
         q_s, k_s, v_s, do_s, lse_s = q.stride(), k.stride(), v.stride(), do.stride(), lse.stride()
         o_s = out.stride() if out is not None else (0, 0, 0, 0)
         hopper = (hopper and bwd_sm90 is not None and config is None and not (has_bias or has_kpm or causal)
-                  and D == Dv and Nk >= HOPPER_MIN_KEYS and bwd_sm90.supported(q, k, v, do))
+                  and D == Dv and Nk >= HOPPER_MIN_KEYS.get(D, 0) and bwd_sm90.supported(q, k, v, do))
         # Delta: formed by the generic dQ kernel, or by a pass of its own before a Hopper or no dQ pass
         self.write_delta = compute_dq and not given_delta and not hopper
         self.pre = None

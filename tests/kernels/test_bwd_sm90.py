@@ -98,11 +98,11 @@ def _inputs(B, H, Nq, Nk, D, dtype, seed):
 
 def test_routing_rules(monkeypatch):
     # With bwd.HOPPER on, only half-precision dense calls without masks, bias or causality, with equal head
-    # dims, default tiles and at least HOPPER_MIN_KEYS keys take the Hopper passes (both, or the one asked
-    # for); everything else the generic kernels (supported() forced: this machine may have no sm90 GPU)
+    # dims, default tiles and at least HOPPER_MIN_KEYS[head dim] keys take the Hopper passes (both, or the one
+    # asked for); everything else the generic kernels (supported() forced: this machine may have no sm90 GPU)
     monkeypatch.setattr(bwd_sm90, "supported", lambda q, k, v, do: q.dtype != torch.float32)
     monkeypatch.setattr(bwd_module, "HOPPER", True)
-    keys = bwd_module.HOPPER_MIN_KEYS
+    keys = bwd_module.HOPPER_MIN_KEYS[64]
     q, k, v, do, _, _ = _problem(1, 2, 70, keys, 64, 64, seed=1)
     q, k, v, do = (t.half() for t in (q, k, v, do))
     lse = torch.zeros(1, 2, 70, device=DEVICE)
@@ -124,6 +124,13 @@ def test_routing_rules(monkeypatch):
     assert not hopper(config=bwd_module.bwd_config(torch.half, 64, 64, q.device))
     assert not hopper(k=k[:, :, 1:], v=v[:, :, 1:])  # fewer keys than the minimum
     assert not hopper(q=q.float(), k=k.float(), v=v.float(), do=do.float())
+    # head dim 128 from fewer keys (the Hopper passes win there from ViT lengths on)
+    short = bwd_module.HOPPER_MIN_KEYS[128]
+    assert short < keys
+    q2, k2, v2, do2 = (t.half() for t in _problem(1, 2, 70, short, 128, 128, seed=2)[:4])
+    assert hopper(q=q2, k=k2, v=v2, do=do2)
+    assert not hopper(q=q2, k=k2[:, :, 1:], v=v2[:, :, 1:], do=do2)
+    assert not hopper(k=k[:, :, :short], v=v[:, :, :short])  # head dim 64 keeps its own minimum
     monkeypatch.setattr(bwd_module, "HOPPER", False)
     assert not hopper()
 
@@ -135,7 +142,7 @@ def test_redo_launches_finish_exactly_the_flagged_tiles(monkeypatch):
     # float16.
     monkeypatch.setattr(bwd_sm90, "supported", lambda *a: True)
     monkeypatch.setattr(bwd_module, "HOPPER", True)
-    monkeypatch.setattr(bwd_module, "HOPPER_MIN_KEYS", 0)
+    monkeypatch.setattr(bwd_module, "HOPPER_MIN_KEYS", {64: 0, 128: 0})
     B, H, N, D = 1, 2, 150, 64
     q, k, v, do, out, lse, delta = _inputs(B, H, N, N, D, torch.float16, seed=31)
     program = bwd_program(do, q, k, v, out, lse, given_delta=True)
@@ -180,8 +187,8 @@ def _hopper(q, k, v, do, out, lse, delta, monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("Nq,Nk,D", [(1025, 1025, 64), (2053, 3137, 64), (1000, 1777, 128),
-                                     (4096, 4096, 128)])
+@pytest.mark.parametrize("Nq,Nk,D", [(1025, 1025, 64), (2053, 3137, 64), (197, 197, 128), (785, 785, 128),
+                                     (1000, 1777, 128), (4096, 4096, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gradients_against_float64(Nq, Nk, D, dtype, monkeypatch):
     # within LOWP_FACTOR of the same math in the inputs' precision, as the generic half-precision backward;
