@@ -25,17 +25,12 @@ Rows go to ``logs/benchmarks/gemm_<gpu>.csv`` (or ``--out``).
     python -m benchmarks.gemm --cases vit_b        # a regex on the case name
     python -m benchmarks.gemm --device cpu --quick # a smoke run (interpreter; times mean nothing)
     python -m benchmarks.gemm --tune-widths 768,1024,2048,4096   # weight gradients at each A_T_MAX_N
-    python -m benchmarks.gemm --ab-stream-k        # weight gradients with and without stream-K
 
 ``--tune-widths`` times the ViT-B and ViT-L weight gradients (``dy.T @ x``, both operands transposed views)
 with ``kernels.gemm.A_T_MAX_N`` set to each width in turn: up to that width the Hopper loop splits the
 transposed ``dy.T`` in its registers, wider ones with at most that many rows are computed transposed. One line
 per product: torch FP32's time, then per width the time, the speed-up, whether ``dy.T`` was split in
 registers (``ta``) or the product swapped (``sw``), and the error against float64.
-
-``--ab-stream-k`` times the same weight gradients and the projections' (``proj``) with the Hopper loop's
-stream-K schedule allowed (``kernels.gemm.STREAM_K``) and not, in turns: per product torch FP32's time, then
-each setting's time, speed-up, schedule (``sk``: stream-K with its slots; else the K slices) and error.
 """
 
 from __future__ import annotations
@@ -94,10 +89,6 @@ WIDTH_CASES = [Case(f"{model}_{layer}_dw", fout, fin, tokens, transpose_a=True, 
                                                     ("vit_l_224_b32", 32 * 197, 1024, 4096))
                for layer, fin, fout in (("qkv", width, 3 * width), ("fc1", width, hidden),
                                         ("fc2", hidden, width))]
-# --ab-stream-k: those and the projections' weight gradients
-STREAM_K_CASES = WIDTH_CASES + [
-    Case(f"{model}_proj_dw", width, width, tokens, transpose_a=True, transpose_b=True, bias=False)
-    for model, tokens, width in (("vit_b_224_b64", 64 * 197, 768), ("vit_l_224_b32", 32 * 197, 1024))]
 QUICK_CASES = [Case("quick", 37, 29, 45), Case("quick_dw", 29, 23, 70, transpose_a=True, transpose_b=True),
                Case("quick_mlp", 37, 70, 45, mlp=True)]
 
@@ -224,35 +215,6 @@ def tune_widths(cases: list[Case], widths: list[int], device) -> None:
         g._PROGRAMS.clear()
 
 
-def ab_stream_k(cases: list[Case], device, rounds: int = 2) -> None:
-    """Time each product with ``STREAM_K`` on and off, ``rounds`` times in turns (module docstring)."""
-    from elsa_vision.kernels import gemm as g
-
-    saved = g.STREAM_K
-    try:
-        for case in cases:
-            a, b, _ = _operands(case, device)
-            ref = a.double() @ b.double().t()
-            base = bench_ms(_torch(a, b, None, False), device)
-            parts = []
-            for _ in range(rounds):
-                for on in (True, False):
-                    g.STREAM_K = on
-                    g._plan.cache_clear()
-                    g._PROGRAMS.clear()
-                    err = relerr(g.gemm(a, b), ref)
-                    ms = bench_ms(lambda a=a, b=b: g.gemm(a, b), device)
-                    plan = g._PROGRAMS(g._GemmProgram, (a, b, None), ("auto", None, None, 0, False)).plan
-                    how = f"sk{plan.slices}" if plan.stream_k else f"slices{plan.slices}"
-                    parts.append(f"{'on' if on else 'off'}: {ms:.4f} ms ({base / ms:.2f}x, {how}, {err:.2e})")
-            print(f"{case.name} {case.M}x{case.N} K={case.K}: torch {base:.4f} ms | " + " | ".join(parts),
-                  flush=True)
-    finally:
-        g.STREAM_K = saved
-        g._plan.cache_clear()
-        g._PROGRAMS.clear()
-
-
 def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,8 +225,6 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--goal", type=float, default=3.0, help="elsa's speed over torch_fp32 to reach")
     p.add_argument("--tune-widths", default="",
                    help="comma list of A_T_MAX_N values: time the weight gradients at each instead")
-    p.add_argument("--ab-stream-k", action="store_true",
-                   help="time the weight gradients with and without the stream-K schedule instead")
     add_out_dir(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -277,10 +237,6 @@ def main(argv: list[str] | None = None) -> str:
             p.error(f"--tune-widths takes a comma list of integers, got {args.tune_widths!r}")
         cases = [c for c in (QUICK_CASES if args.quick else WIDTH_CASES) if c.transpose_a]
         tune_widths([c for c in cases if re.search(args.cases, c.name)], widths, device)
-        return ""
-    if args.ab_stream_k:
-        cases = [c for c in (QUICK_CASES if args.quick else STREAM_K_CASES) if c.transpose_a]
-        ab_stream_k([c for c in cases if re.search(args.cases, c.name)], device)
         return ""
     cases = QUICK_CASES if args.quick else CASES
     if args.cases:

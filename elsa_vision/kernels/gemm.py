@@ -143,34 +143,19 @@ def _gemm_kernel(
 @triton.jit
 def _sum_slices_kernel(
     P, Bias, C, C_EXP,
-    M, N, stride_ps, stride_pm, stride_bias, stride_cm, stride_cn, c_lo, stride_ce, k_tiles, programs, total,
+    M, N, stride_ps, stride_pm, stride_bias, stride_cm, stride_cn, c_lo, stride_ce,
     SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr, SPLIT_OUT: tl.constexpr, STREAM_K: tl.constexpr, TILE_M: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    ACTIVATION: tl.constexpr, SPLIT_OUT: tl.constexpr,
 ):
     """``C = act(sum_s P[s] + bias)``, the slices added in order (``P`` float32 ``[SLICES, M, N]``, rows
-    contiguous); ``SPLIT_OUT``: stored as ``_gemm_kernel`` stores it (``BLOCK_N`` columns per exponent).
-
-    ``STREAM_K`` (the Hopper loop's stream-K schedule, ``gemm_sm90._work_tile``): the product's output tile
-    holding these rows (``TILE_M`` x ``BLOCK_N``, in the loop's grouped order) has one slot per program that
-    took some of its ``k_tiles`` K-steps (``programs`` programs sharing ``total`` K-steps evenly); only those
-    slots are read."""
+    contiguous); ``SPLIT_OUT``: stored as ``_gemm_kernel`` stores it (``BLOCK_N`` columns per exponent)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    count = tl.full([], SLICES, tl.int64)  # the slots to add: all of them, or with STREAM_K the tile's
-    if STREAM_K:
-        tiles_m = tl.cdiv(M, TILE_M)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        tm = (tl.program_id(0) * BLOCK_M) // TILE_M
-        first_m = (tm // GROUP_M) * GROUP_M
-        tile = first_m * tiles_n + tl.program_id(1) * tl.minimum(tiles_m - first_m, GROUP_M) + tm - first_m
-        first = tile.to(tl.int64) * k_tiles
-        count = (((first + k_tiles) * programs - 1) // total - ((first + 1) * programs - 1) // total + 1)
     ptrs = P + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, SLICES):
-        acc += tl.load(ptrs + s * stride_ps, mask=mask & (s < count), other=0.0)
+        acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
     cols = tl.where(offs_n < N, offs_n, 0)  # columns past the edge read column 0's bias; not stored
     acc = gemm_epilogue(acc, C_EXP, C_EXP, Bias, offs_m, cols, stride_bias, False, False, HAS_BIAS,
                         ACTIVATION)
@@ -282,10 +267,8 @@ def _split_columns_kernel(
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
     """How one product runs: the product loop's tiles, warps and stages, its K slices (1: the epilogue writes
-    ``C``), the resolved precision, whether the loop is the warp-specialised Hopper kernel
-    (``kernels.gemm_sm90``: ``"fp16x3"`` on sm90 with ``K % 8 == 0``, the TMA row alignment), and whether
-    that loop shares the K-steps of all tiles evenly among its programs (``stream_k``; ``slices`` is then
-    the most programs sharing one tile: the partial sums' slots)."""
+    ``C``), the resolved precision, and whether the loop is the warp-specialised Hopper kernel
+    (``kernels.gemm_sm90``: ``"fp16x3"`` on sm90 with ``K % 8 == 0``, the TMA row alignment)."""
 
     block_m: int
     block_n: int
@@ -296,7 +279,6 @@ class GemmPlan:
     slices: int
     precision: str
     warp_specialized: bool = False
-    stream_k: bool = False
 
 
 # The Hopper loop reads a float32 ``a`` (rows contiguous, 16-byte aligned) through TMA and splits it in its
@@ -310,11 +292,6 @@ A_F32_MAX_N = 768
 # (ViT-L qkv 3072x1024, K = 6304: 0.314 -> 0.257 ms), 768 wide equal, 3072-4096 wide 0.78-0.84x (those
 # with at most this many rows are computed transposed instead: ``swap``).
 A_T_MAX_N = 1024
-# The Hopper loop's stream-K schedule (``gemm_sm90._stream_share``): where few output tiles leave SMs idle
-# (the ViT weight gradients: 108-144 tiles of 197 K-steps on 132 SMs), every program takes an even share of
-# all tiles' K-steps and writes a partial sum for each tile it shares; ``_balanced_slices`` picks it where it
-# beats whole tiles and even K slices. False: K slices only (the A/B of docs/kernel_notes.md).
-STREAM_K = True
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by resolved precision (H100 measurements: docs/kernel_notes.md,
 # "FP32-accurate GEMM"); the interpreter takes small tiles.
@@ -355,10 +332,6 @@ def _plan(M, N, K, device, precision, slices) -> GemmPlan:
     k_tiles = max(1, cdiv(K, bk))
     if slices is None and ws:
         slices = _balanced_slices(tiles, k_tiles, M * N, sms)
-        if slices < 0:  # stream-K: the most programs sharing one tile, its partial sums' slots
-            programs = min(tiles * k_tiles, sms)
-            return GemmPlan(bm, bn, bk, warps, stages, 8, _stream_k_slots(tiles, k_tiles, programs), prec, ws,
-                            True)
     if slices is None:
         # Fewer output tiles than half the SMs: cut K so that tiles x slices fills the machine (partial
         # products summed after), as long as each slice keeps at least 4 K-tiles.
@@ -376,9 +349,7 @@ def _balanced_slices(tiles: int, k_tiles: int, outputs: int, sms: int) -> int:
     work), counting the partial sums' float32 round trip (``8 * slices`` bytes per output) in K-steps of
     1.46 us at 2.5 TB/s (H100: a 128x128x64 step at ~190 TFLOP/s). Each slice keeps at least 4 K-tiles.
     Slices must save a tenth: the ViT-B qkv weight gradient (108 tiles, 197 K-steps), predicted 5% faster
-    in 6 slices, measured 5% slower. -1: the stream-K schedule (``STREAM_K``) instead, where it costs less:
-    ``ceil(tiles * k_tiles / SMs)`` K-steps on the busiest SM and a round trip for each tile's share of
-    every program boundary (at most ``tiles + SMs`` partial tiles)."""
+    in 6 slices, measured 5% slower."""
     whole = cdiv(tiles, sms) * k_tiles
     best, best_cost = 1, 0.9 * whole
     for s in range(2, 17):
@@ -387,23 +358,7 @@ def _balanced_slices(tiles: int, k_tiles: int, outputs: int, sms: int) -> int:
         cost = cdiv(tiles * s, sms) * cdiv(k_tiles, s) + 8 * s * outputs / 2.5e12 / 1.46e-6
         if cost < best_cost:
             best, best_cost = s, cost
-    if STREAM_K and tiles < 4 * sms and tiles * k_tiles >= 8 * sms:  # shares of at least 8 K-steps
-        cost = cdiv(tiles * k_tiles, sms) + 8 * outputs * (tiles + sms) / tiles / 2.5e12 / 1.46e-6
-        if cost < best_cost:
-            best = -1
     return best
-
-
-def _stream_k_slots(tiles: int, k_tiles: int, programs: int) -> int:
-    """The most of ``programs`` sharing one of ``tiles`` output tiles when they take ``tiles * k_tiles``
-    K-steps in even contiguous shares (``gemm_sm90._stream_share``): program ``p`` holds step ``g`` for
-    ``p = ((g + 1) * programs - 1) // total``."""
-    total = tiles * k_tiles
-
-    def owner(g):
-        return ((g + 1) * programs - 1) // total
-
-    return max(owner((t + 1) * k_tiles - 1) - owner(t * k_tiles) + 1 for t in range(tiles))
 
 
 def _split_config(R: int, L: int, interpreted: bool) -> tuple[int, int, bool, int]:
@@ -578,19 +533,16 @@ class _GemmProgram(Program):
         one = p.slices == 1
         groups = cdiv(N, p.block_n)  # output exponents per row (split_output)
         self.ws = p.warp_specialized  # the parts go in as TMA descriptors (run)
-        tiles, k_tiles = cdiv(M, p.block_m) * cdiv(N, p.block_n), cdiv(K, p.block_k)
-        # stream-K: all tiles' K-steps shared by the programs; else tiles x K slices
-        work = tiles * k_tiles if p.stream_k else tiles * p.slices
-        programs = min(work, device_info(dev)[0])
         if self.ws:
+            work = cdiv(M, p.block_m) * cdiv(N, p.block_n) * p.slices
             self.main = Launch(
-                gemm_sm90.gemm_ws_kernel, (programs,),
+                gemm_sm90.gemm_ws_kernel, (min(work, device_info(dev)[0]),),
                 (M, N, K, per, work, stride_ae, sbias, M * N, scm if one else N, scn if one else 1, groups,
                  M * N),
                 dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
                      STAGES=p.num_stages, HAS_BIAS=has_bias and one, ACTIVATION=activation if one else None,
                      A_GROUP=a_group, SPLIT_OUT=self.split_output and one, A_F32=self.a_f32,
-                     TRANS_A=self.trans_a, TRANS_B=self.trans_b, STREAM_K=p.stream_k),
+                     TRANS_A=self.trans_a, TRANS_B=self.trans_b),
                 p.num_warps)
         else:
             self.main = Launch(
@@ -604,10 +556,9 @@ class _GemmProgram(Program):
         if not one:
             bm2, bn2 = 32, p.block_n
             self.sum = Launch(_sum_slices_kernel, (cdiv(M, bm2), cdiv(N, bn2)),
-                              (M, N, M * N, N, sbias, scm, scn, M * N, groups, k_tiles, programs, work),
+                              (M, N, M * N, N, sbias, scm, scn, M * N, groups),
                               dict(SLICES=p.slices, BLOCK_M=bm2, BLOCK_N=bn2, HAS_BIAS=has_bias,
-                                   ACTIVATION=activation, SPLIT_OUT=self.split_output, STREAM_K=p.stream_k,
-                                   TILE_M=p.block_m, GROUP_M=p.group_m), 4)
+                                   ACTIVATION=activation, SPLIT_OUT=self.split_output), 4)
 
     def run(self, a, b, bias, a_exp=None):
         M, N, K = self.sizes

@@ -81,59 +81,22 @@ def f32_t_descriptor(x, block_k: int, block_rows: int) -> TensorDescriptor:
 
 
 @gluon.jit
-def _stream_share(work):
-    """``[start, end)``: this program's contiguous share of the ``work`` K-steps of a stream-K product (the
-    output tiles' K-steps one after another; program ``p`` of ``P`` takes ``[p work / P, (p + 1) work / P)``,
-    so the busiest program has ``ceil(work / P)`` K-steps and a tile's steps may span programs)."""
-    p = gl.program_id(0).to(gl.int64)
-    programs = gl.num_programs(0)
-    return p * work // programs, (p + 1) * work // programs
-
-
-@gluon.jit
-def _loop_bounds(work, K, BLOCK_K: gl.constexpr, STREAM_K: gl.constexpr):
-    """``(first, stop, stride)`` of a program's loop over work items: every ``num_programs``-th item from its
-    own, or with ``STREAM_K`` the output tiles that its share of the K-steps touches."""
-    if STREAM_K:
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        start, end = _stream_share(work)
-        return (start // k_tiles).to(gl.int32), ((end - 1) // k_tiles + 1).to(gl.int32), 1
-    else:
-        return gl.program_id(0), work, gl.num_programs(0)
-
-
-@gluon.jit
-def _work_tile(w, M, N, K, k_per_slice, work, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STREAM_K: gl.constexpr):
+def _work_tile(w, M, N, K, k_per_slice, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               GROUP_M: gl.constexpr):
     """``(off_m, off_n, pid_n, pid_s, k_start, n_steps)`` of work item ``w``: the output tiles of K-slice 0
-    in grouped order (``GROUP_M`` row-tiles share each column-tile while it sits in L2), then slice 1's...
-    With ``STREAM_K``, ``w`` is an output tile (same order) and the item this program's share of its K-steps;
-    ``pid_s`` is then this program's place among the programs that share the tile (its partial sum's slot,
-    summed in slot order by ``gemm._sum_slices_kernel``)."""
+    in grouped order (``GROUP_M`` row-tiles share each column-tile while it sits in L2), then slice 1's..."""
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
-    if STREAM_K:
-        pid = w
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        start, end = _stream_share(work)
-        first = w.to(gl.int64) * k_tiles
-        lo = gl.maximum(start, first) - first
-        hi = gl.minimum(end, first + k_tiles) - first
-        owner = ((first + 1) * gl.num_programs(0) - 1) // work  # the program holding the tile's first step
-        pid_s = (gl.program_id(0) - owner).to(gl.int32)
-        k_start = (lo * BLOCK_K).to(gl.int32)
-        n_steps = (hi - lo).to(gl.int32)
-    else:
-        pid_s = w // tiles
-        pid = w % tiles
-        k_start = pid_s * k_per_slice
-        n_steps = gl.cdiv(gl.minimum(K, k_start + k_per_slice) - k_start, BLOCK_K)
+    pid_s = w // tiles
+    pid = w % tiles
     per_group = GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
     group_m = gl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
+    k_start = pid_s * k_per_slice
+    n_steps = gl.cdiv(gl.minimum(K, k_start + k_per_slice) - k_start, BLOCK_K)
     return pid_m * BLOCK_M, pid_n * BLOCK_N, pid_n, pid_s, k_start, n_steps
 
 
@@ -209,14 +172,12 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
              M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn, stride_ce,
              c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
-             SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr,
-             STREAM_K: gl.constexpr):
+             SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
     step = 0
-    first, stop, stride = _loop_bounds(work, K, BLOCK_K, STREAM_K)
-    for w in range(first, stop, stride):
-        off_m, off_n, pid_n, pid_s, k_start, n_steps = _work_tile(w, M, N, K, k_per_slice, work, BLOCK_M,
-                                                                  BLOCK_N, BLOCK_K, GROUP_M, STREAM_K)
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        off_m, off_n, pid_n, pid_s, k_start, n_steps = _work_tile(w, M, N, K, k_per_slice, BLOCK_M, BLOCK_N,
+                                                                  BLOCK_K, GROUP_M)
         for i in range(n_steps):
             s = step % STAGES
             mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
@@ -249,17 +210,16 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C
              c_lo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
              SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr,
-             STREAM_K: gl.constexpr, HALF: gl.constexpr):
+             HALF: gl.constexpr):
     """Rows ``HALF * BLOCK_M / 2`` onwards of each tile: the products, then the epilogue of
     ``gemm._gemm_kernel`` (row and column scales, bias, GELU, float32 or split store)."""
     HM: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
     step = 0
-    first, stop, stride = _loop_bounds(work, K, BLOCK_K, STREAM_K)
-    for w in range(first, stop, stride):
-        off_m, off_n, pid_n, pid_s, k_start, n_steps = _work_tile(w, M, N, K, k_per_slice, work, BLOCK_M,
-                                                                  BLOCK_N, BLOCK_K, GROUP_M, STREAM_K)
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        off_m, off_n, pid_n, pid_s, k_start, n_steps = _work_tile(w, M, N, K, k_per_slice, BLOCK_M, BLOCK_N,
+                                                                  BLOCK_K, GROUP_M)
         offs_m = off_m + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, layout))
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         rows = gl.where(offs_m < M, offs_m, 0).to(gl.int64)
@@ -304,10 +264,8 @@ def gemm_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, A_GROUP: gl.constexpr,
     SPLIT_OUT: gl.constexpr, A_F32: gl.constexpr, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr,
-    STREAM_K: gl.constexpr,
 ):
-    """``work`` items (output tiles x K slices, ``k_per_slice`` apart; with ``STREAM_K`` the tiles' K-steps,
-    shared evenly by the programs: ``_stream_share``) of ``C = A @ B^T`` from the
+    """``work`` items (output tiles x K slices, ``k_per_slice`` apart) of ``C = A @ B^T`` from the
     descriptors of the float16 parts (``parts_descriptor``; ``parts_t_descriptor`` with ``TRANS_B``), or
     with ``A_F32`` of A itself in float32 (``f32_descriptor``; ``f32_t_descriptor`` with ``TRANS_A``: split
     in the consumers' registers), over a persistent grid. The other arguments are those of
@@ -331,13 +289,13 @@ def gemm_ws_kernel(
         (_consume, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
                     stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
-                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B, STREAM_K, 0)),
+                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B, 0)),
         (_consume, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
                     stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
-                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B, STREAM_K, 1)),
+                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B, 1)),
         (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, A_EXP, B_EXP, Bias, C, C_EXP,
                     M, N, K, k_per_slice, work, stride_ae, stride_bias, stride_cs, stride_cm, stride_cn,
                     stride_ce, c_lo, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, HAS_BIAS, ACTIVATION,
-                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B, STREAM_K)),
+                    A_GROUP, SPLIT_OUT, A_F32, TRANS_A, TRANS_B)),
     ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers

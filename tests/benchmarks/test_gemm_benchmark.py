@@ -1,5 +1,4 @@
-"""``benchmarks.gemm``'s width sweep (``--tune-widths``) runs every width and leaves the limit as it was, its
-stream-K A/B (``--ab-stream-k``) both settings and leaves the switch as it was. Their
+"""``benchmarks.gemm``'s width sweep (``--tune-widths``) runs every width and leaves the limit as it was. Its
 quick case has K = 70 (not a multiple of 8): the generic loop on any device, so no product splits its
 transposed operand in registers or swaps."""
 
@@ -24,11 +23,3 @@ def test_tune_widths_times_each_width_and_restores_the_limit(capsys):
 def test_tune_widths_refuses_other_than_integers():
     with pytest.raises(SystemExit):
         bench.main(["--device", DEVICE, "--quick", "--tune-widths", "wide"])
-
-
-def test_ab_stream_k_times_both_settings_and_restores_the_switch(capsys):
-    before = gemm.STREAM_K
-    bench.main(["--device", DEVICE, "--quick", "--ab-stream-k"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("quick_dw")]
-    assert len(lines) == 1 and lines[0].count("| on: ") == 2 and lines[0].count("| off: ") == 2
-    assert gemm.STREAM_K is before

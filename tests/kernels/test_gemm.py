@@ -242,64 +242,6 @@ def test_plan_cuts_k_only_when_tiles_do_not_fill_the_gpu(monkeypatch):
         g._plan.cache_clear()
 
 
-def test_plan_takes_stream_k_where_few_tiles_leave_sms_idle(monkeypatch):
-    # the ViT weight gradients (108-144 output tiles of 197 K-steps on 132 SMs) share all tiles' K-steps
-    # evenly (stream-K), the wide forward products keep whole tiles; slices = the most programs per tile
-    from elsa_vision.kernels import gemm as g
-    from elsa_vision.kernels import host
-
-    monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
-    g._plan.cache_clear()
-    try:
-        for M, N, K, slots in [(2304, 768, 12608, 3), (3072, 768, 12608, 2), (768, 768, 12608, 5)]:
-            plan = gemm_plan(M, N, K, "cpu")
-            assert plan.warp_specialized and plan.stream_k and plan.slices == slots, (M, N, K, plan)
-        for M, N, K in [(12608, 2304, 768), (6304, 1024, 1024), (8192, 8192, 8192), (64, 1000, 768)]:
-            assert not gemm_plan(M, N, K, "cpu").stream_k, (M, N, K)
-        assert not gemm_plan(2304, 768, 12608, "cpu", slices=4).stream_k  # slices asked for: even slices
-        monkeypatch.setattr(g, "STREAM_K", False)
-        g._plan.cache_clear()
-        assert not gemm_plan(2304, 768, 12608, "cpu").stream_k
-    finally:
-        g._plan.cache_clear()
-
-
-def test_stream_k_sum_adds_exactly_each_tiles_partial_sums():
-    # _sum_slices_kernel in STREAM_K mode: each output tile (grouped order, as the Hopper loop numbers them)
-    # adds the slots of the programs that shared its K-steps, in slot order, and never reads another slot
-    # (poisoned with NaN here); bias and GELU after the sum. The partial sums are laid out as
-    # gemm_sm90._work_tile writes them: program p of P takes steps [p T / P, (p + 1) T / P).
-    from elsa_vision.kernels.gemm import _stream_k_slots, _sum_slices_kernel
-
-    M, N, TM, TN, GROUP_M, k_tiles, programs = 300, 200, 128, 64, 2, 7, 5
-    tiles_m, tiles_n = math.ceil(M / TM), math.ceil(N / TN)
-    tiles, total = tiles_m * tiles_n, tiles_m * tiles_n * k_tiles
-    slots = _stream_k_slots(tiles, k_tiles, programs)
-    steps = randn(tiles, k_tiles, TM, TN, seed=5)  # each tile's per-K-step contributions
-    work = torch.full((slots, M, N), float("nan"), device=DEVICE)
-    expected = torch.empty(M, N, dtype=torch.float64)
-    owner = [((g + 1) * programs - 1) // total for g in range(total)]
-    for t in range(tiles):
-        first_m = (t // (GROUP_M * tiles_n)) * GROUP_M
-        group_m = min(tiles_m - first_m, GROUP_M)
-        pm, pn = first_m + (t % (GROUP_M * tiles_n)) % group_m, (t % (GROUP_M * tiles_n)) // group_m
-        rows, cols = slice(pm * TM, min(M, pm * TM + TM)), slice(pn * TN, min(N, pn * TN + TN))
-        nr, nc = rows.stop - rows.start, cols.stop - cols.start
-        expected[rows, cols] = steps[t, :, :nr, :nc].double().sum(0)
-        for p in sorted({owner[t * k_tiles + k] for k in range(k_tiles)}):
-            mine = [k for k in range(k_tiles) if owner[t * k_tiles + k] == p]
-            work[p - owner[t * k_tiles], rows, cols] = steps[t, mine, :nr, :nc].sum(0)
-    bias = randn(N, seed=6)
-    out = torch.empty(M, N, device=DEVICE)
-    grid = (math.ceil(M / 32), math.ceil(N / TN))
-    _sum_slices_kernel[grid](work, bias, out, out, M, N, M * N, N, 1, N, 1, M * N, 1, k_tiles, programs,
-                             total, SLICES=slots, BLOCK_M=32, BLOCK_N=TN, HAS_BIAS=True, ACTIVATION="gelu",
-                             SPLIT_OUT=False, STREAM_K=True, TILE_M=TM, GROUP_M=GROUP_M)
-    ref = torch.nn.functional.gelu(expected + bias.double())
-    assert slots > 1 and torch.isfinite(out).all()
-    assert relerr(out, ref) <= 1e-6
-
-
 @pytest.mark.skipif(gemm_sm90 is None, reason="this Triton has no Gluon")
 def test_plan_takes_the_hopper_loop_where_tma_can_load_the_parts(monkeypatch):
     from elsa_vision.kernels import gemm as g
@@ -413,10 +355,7 @@ for flags in [dict(HAS_BIAS=True, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A
               dict(HAS_BIAS=False, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A_F32=True, TRANS_A=True,
                    TRANS_B=True),
               dict(HAS_BIAS=False, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A_F32=False, TRANS_A=False,
-                   TRANS_B=True),
-              dict(HAS_BIAS=False, ACTIVATION=None, A_GROUP=0, SPLIT_OUT=False, A_F32=True, TRANS_A=True,
-                   TRANS_B=True, STREAM_K=True)]:
-    flags.setdefault("STREAM_K", False)
+                   TRANS_B=True)]:
     a = (f32_t if flags["TRANS_A"] else f32) if flags["A_F32"] else desc
     sig = {name: "i32" for name in fn.arg_names}
     sig.update(a_desc=a, A_EXP="*i32", b_desc=desc_t if flags["TRANS_B"] else desc, B_EXP="*i32",
@@ -438,14 +377,13 @@ def test_hopper_loop_compiles_for_sm90_warp_specialised():
     # TMA loads, the three products of both consumer warpgroups as wgmma (3 x 4 K-steps of 16 each; with A
     # split in registers, six products of two K-steps each), the stages within the H100's shared memory,
     # for the float16 parts of A, for A in float32, and for transposed operands (A's storage tiles and B's
-    # N-major parts, 256-byte rows: two 128-byte TMA boxes per tile), and a weight gradient's on the stream-K
-    # schedule. The GPU tests run it.
+    # N-major parts, 256-byte rows: two 128-byte TMA boxes per tile). The GPU tests run it.
     variants = compile_for_sm90(_HOPPER_COMPILE)
-    assert len(variants) == 6
+    assert len(variants) == 5
     for variant in variants:
         assert variant["setmaxnreg"] and variant["tma"], variant
         assert variant["wgmma"] == 2 * 3 * 4 and variant["shared"] <= 232448, variant
-    assert [v["tma"] for v in variants] == [4, 4, 4, 8, 6, 8]
+    assert [v["tma"] for v in variants] == [4, 4, 4, 8, 6]
 
 
 # ------------------------------------------------------------------------------------------------- GPU
@@ -517,40 +455,6 @@ def test_gpu_linear_backward_products_at_most_torch_fp32_error(T, fin, fout):
         out = gemm(dy.t(), x.t(), precision="auto", slices=slices)
         assert out.shape == (fout, fin) and out.is_contiguous()
         assert relerr(out, ref) <= FP32_ACCURATE, slices
-
-
-@pytest.mark.gpu
-def test_gpu_stream_k_reruns_bitwise_and_agrees_with_even_slices(monkeypatch):
-    # where the Hopper loop shares the tiles' K-steps (stream-K: a ViT-B qkv weight gradient, and a 6-tile
-    # product with bias and GELU summed after its partial sums), reruns are bitwise equal and the result is
-    # the even K slices' to within float32 rounding, both within the FP32-accurate bound of float64
-    from elsa_vision.kernels import gemm as g
-
-    if not gemm_plan(2304, 768, 12608).stream_k:
-        pytest.skip("this GPU does not run the Hopper loop's stream-K schedule")
-    x, dy = randn(12608, 768, seed=21), randn(12608, 2304, seed=22)
-    a, b, bias = randn(300, 12608, seed=23), randn(200, 12608, seed=24), randn(200, seed=25)
-    assert gemm_plan(300, 200, 12608).stream_k
-    cases = [((dy.t(), x.t()), {}, _ref(dy.t(), x.t())),
-             ((a, b, bias), {"activation": "gelu"}, _ref(a, b, bias, gelu=True))]
-    firsts = []
-    for args, kw, ref in cases:
-        first = gemm(*args, precision="auto", **kw)
-        for _ in range(3):
-            assert torch.equal(gemm(*args, precision="auto", **kw), first)
-        assert relerr(first, ref) <= FP32_ACCURATE
-        firsts.append(first)
-    monkeypatch.setattr(g, "STREAM_K", False)
-    g._plan.cache_clear()
-    g._PROGRAMS.clear()
-    try:
-        assert not gemm_plan(2304, 768, 12608).stream_k
-        for (args, kw, ref), first in zip(cases, firsts):
-            even = gemm(*args, precision="auto", **kw)
-            assert relerr(first, even.double()) <= 1e-6 and relerr(even, ref) <= FP32_ACCURATE
-    finally:
-        g._plan.cache_clear()
-        g._PROGRAMS.clear()
 
 
 @pytest.mark.gpu
