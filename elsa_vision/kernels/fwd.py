@@ -835,7 +835,7 @@ class _FwdProgram(AttentionProgram):
                     DEFER_SCALE=DEFER_SCALE, REDO=False)
         self.hopper = None
         masked = has_bias or has_kpm or causal
-        if (hopper and fwd_sm90 is not None and varlen is None and not (masked or partial)
+        if (hopper and fwd_sm90 is not None and varlen is None and not masked
                 and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS
                 and fwd_sm90.supported(q, k, v, False)):
             self.hopper = _HopperForward(B, H, Nq, Nk, D, qk_scale, launch_scalars, main, strides[3],

@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .monoid import count_nonfinite, finalize_state, tile_weights
+from .monoid import count_nonfinite, finalize_state, store_lse, tile_weights
 
 __all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "supported", "config", "descriptor", "stage_ring",
            "stream_pairs", "attention_fwd_kernel", "NUM_WARPS"]
@@ -206,9 +206,9 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
               + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
     gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    if STORE_LSE:
+    if STORE_LSE:  # a float64 Lse (partial results) is formed again from the row's state
         lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
-        gl.store(lse_ptrs, lse, mask=row_ok)
+        store_lse(lse_ptrs, m, s, lse, row_ok)
     bad = count_nonfinite(gl.where(row_ok[:, None], acc, 0.0)) + count_nonfinite(gl.where(row_ok, s, 0.0))
     block = pid_m * CONSUMERS + WG  # these 64 rows' flag: 1 = the generic kernel redoes them (docstring)
     if block < gl.cdiv(NQ, ROWS):
@@ -223,8 +223,9 @@ def attention_fwd_kernel(
     STORE_LSE: gl.constexpr,
 ):
     """Grid ``(m_tiles * B * H,)``, query tiles of ``64 * CONSUMERS`` rows, one head's tiles adjacent.
-    ``Out [B, H, NQ, D]`` (its head dim contiguous), ``Lse [B, H, NQ]`` float32 (``STORE_LSE``), ``Redo``
-    ``[B * H, cdiv(NQ, 64)]`` int32 flags, set to 1 for the 64 query rows whose state is not finite;
+    ``Out [B, H, NQ, D]`` (its head dim contiguous; the inputs' dtype, or float32 for a partial result),
+    ``Lse [B, H, NQ]`` float32, or float64 for a partial result (``STORE_LSE``; ``monoid.store_lse``),
+    ``Redo`` ``[B * H, cdiv(NQ, 64)]`` int32 flags, set to 1 for the 64 query rows whose state is not finite;
     ``qk_scale`` is the base-2 logit scale (``scale * log2(e)``)."""
     BLOCK_M: gl.constexpr = ROWS * CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, 1, 1, ROWS, D], q_desc.layout)

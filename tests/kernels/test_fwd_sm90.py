@@ -42,13 +42,15 @@ from elsa_vision.kernels import fwd, fwd_sm90 as F
 
 fn = F.attention_fwd_kernel
 report = []
-variants = [(64, 128, 3, 2), (128, 64, 3, 2), (64, 128, 3, 3), (64, 64, 2, 3)]
-for D, bn, stages, consumers in variants:
+# (D, BLOCK_N, stages, consumers, partial: float32 Out and float64 Lse, as context parallelism's pieces)
+variants = [(64, 128, 3, 2, False), (128, 64, 3, 2, False), (64, 128, 3, 3, False), (64, 64, 2, 3, False),
+            (64, 128, 3, 2, True)]
+for D, bn, stages, consumers, partial in variants:
     t = torch.empty((2, 3, 512, D), dtype=torch.bfloat16)
     sig = {name: "i32" for name in fn.arg_names}
     sig.update(q_desc=mangle_type(F.descriptor(t, 64)), k_desc=mangle_type(F.descriptor(t, bn)),
-               v_desc=mangle_type(F.descriptor(t, bn)), Out="*bf16", Lse="*fp32", Redo="*i32",
-               qk_scale="fp32")
+               v_desc=mangle_type(F.descriptor(t, bn)), Out="*fp32" if partial else "*bf16",
+               Lse="*fp64" if partial else "*fp32", Redo="*i32", qk_scale="fp32")
     consts = dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, STORE_LSE=True)
     sig.update({name: "constexpr" for name in consts})
     k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
@@ -83,9 +85,10 @@ print(json.dumps(report))
 def test_compiles_for_sm90_with_the_softmax_under_the_products():
     # Built for sm90 on any machine: in each consumer's key loop both products of a tile are issued (S_j's
     # and P_{j-1} v_{j-1}'s wgmma instructions back to back) before one wait that leaves the value product
-    # running (wait_group 1); no local memory (spills), shared memory within the H100's.
+    # running (wait_group 1); no local memory (spills), shared memory within the H100's; the same with the
+    # partial-result epilogue (float32 output, float64 lse).
     *variants, redo = compile_for_sm90(_COMPILE)
-    assert len(variants) == 4
+    assert len(variants) == 5
     for var in variants:
         s, p = ("S", "P") if var["bn"] != var["D"] else ("M", "M")  # told apart by their widths
         loop = " ".join([s] * (var["D"] // 16) + [p] * (var["bn"] // 16) + ["W1"])
@@ -153,7 +156,8 @@ def test_three_consumers_only_for_many_waves():
 
 def test_routing_rules(monkeypatch, four_sms):
     # Only half-precision dense calls without masks, bias or causality whose query tiles fill the GPU and
-    # whose keys number at least HOPPER_MIN_KEYS take the Hopper kernel; everything else the generic one.
+    # whose keys number at least HOPPER_MIN_KEYS take the Hopper kernel (partial results of context
+    # parallelism's pieces too); everything else the generic one.
     monkeypatch.setattr(fwd_sm90, "supported", lambda q, k, v, has_mask: q.dtype != torch.float32)
     keys = fwd_module.HOPPER_MIN_KEYS
     q, k, v = qkv(1, 2, 150, keys, 64, dtype=torch.float16)  # 6 query tiles fill 4 CPU "multiprocessors"
@@ -163,7 +167,7 @@ def test_routing_rules(monkeypatch, four_sms):
     assert fwd_program(q, k, v, None, kpm, False, 0.125, "auto").hopper is None
     bias = torch.zeros(1, 1, 150, keys, dtype=torch.float16, device=DEVICE)
     assert fwd_program(q, k, v, bias, None, False, 0.125, "auto").hopper is None
-    assert fwd_program(q, k, v, None, None, False, 0.125, "auto", partial=True).hopper is None
+    assert fwd_program(q, k, v, None, None, False, 0.125, "auto", partial=True).hopper is not None  # ring
     short = qkv(1, 2, 150, keys - 1, 64, dtype=torch.float16)
     assert fwd_program(*short, None, None, False, 0.125, "auto").hopper is None  # fewer keys than the minimum
     few = qkv(1, 2, 64, keys, 64, dtype=torch.float16)
@@ -214,6 +218,32 @@ def test_gpu_matches_float64_and_the_generic_kernel(B, H, Nq, Nk, D, dtype, monk
     assert (lse - generic_lse).abs().max().item() <= 1e-4
     assert elsa_fwd(q, k, v, need_lse=False)[1] is None
     assert torch.equal(elsa_fwd(q, k, v, need_lse=False)[0], out)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B,H,Nq,Nk", [(1, 4, 2053, 4099), (2, 3, 1500, 2048)])
+def test_gpu_partial_results_float32_out_float64_lse(B, H, Nq, Nk, D, monkeypatch):
+    # context parallelism's pieces (partial=True) on the Hopper kernel: the output in float32, rounded once
+    # (closer to float64 than the bf16 output of the same call), the lse in float64 formed from the row's
+    # state (below the float32 lse's error, within 3e-7 on average), as the generic kernel forms them
+    q, k, v = qkv(B, H, Nq, Nk, D, seed=Nq + D, dtype=torch.bfloat16)
+    scale = D ** -0.5
+    program = fwd_program(q, k, v, None, None, False, scale, "auto", partial=True)
+    assert program.hopper is not None
+    out, lse = program(q, k, v, None, None)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float64
+    ref_out, ref_lse = scan64(q, k, v)
+    bf16_out, lse32 = elsa_fwd(q, k, v)
+    assert relerr(out, ref_out) <= relerr(bf16_out, ref_out)
+    err64, err32 = (lse - ref_lse).abs().mean().item(), (lse32.double() - ref_lse).abs().mean().item()
+    assert err64 <= 3e-7 and err64 < err32, (err64, err32)
+    monkeypatch.setattr(fwd_module, "HOPPER", False)
+    generic = fwd_program(q, k, v, None, None, False, scale, "auto", partial=True)
+    assert generic.hopper is None
+    g_out, g_lse = generic(q, k, v, None, None)
+    assert relerr(out, g_out) <= 4e-3 and (lse - g_lse).abs().max().item() <= 1e-4
 
 
 @pytest.mark.gpu
