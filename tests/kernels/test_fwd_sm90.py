@@ -113,11 +113,12 @@ def four_sms(monkeypatch):
     fwd_module._PROGRAMS.clear()
 
 
-def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch, four_sms):
+@pytest.mark.parametrize("partial", [False, True])
+def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch, four_sms, partial):
     # The generic kernel in REDO mode (the second launch of a Hopper forward): the 64-row query tiles whose
     # flag is set get the full forward (fast pass, then the exact pass their non-finite inputs need), every
     # other row stays as the Hopper kernel left it. Built as on sm90 (supported() forced) and run by the
-    # interpreter, float16.
+    # interpreter, float16; ``partial``: context parallelism's pieces (float32 out, float64 lse).
     monkeypatch.setattr(fwd_sm90, "supported", lambda *a: True)
     monkeypatch.setattr(fwd_module, "HOPPER_MIN_KEYS", 0)
     B, H, N, D = 1, 2, 150, 64
@@ -125,11 +126,12 @@ def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch, four_sms):
     v[0, 0, 7, 3] = math.inf  # a non-finite value: visible to every row
     k[0, 1, 11, 0] = math.inf  # logits +-inf: the key hidden from the rows with q[..., 0] < 0, NaN elsewhere
     v[0, 1, 11, :] = math.nan
-    program = fwd_program(q, k, v, None, None, False, D**-0.5, "auto")
+    program = fwd_program(q, k, v, None, None, False, D**-0.5, "auto", partial=partial)
     assert program.hopper is not None
     flags = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)  # [B * H, cdiv(150, 64)]
-    out = torch.full((B, N, H, D), 7.0, dtype=torch.float16, device=DEVICE).transpose(1, 2)
-    lse = torch.full((B, H, N), 7.0, dtype=torch.float32, device=DEVICE)
+    out_dtype, lse_dtype = (torch.float32, torch.float64) if partial else (torch.float16, torch.float32)
+    out = torch.full((B, N, H, D), 7.0, dtype=out_dtype, device=DEVICE).transpose(1, 2)
+    lse = torch.full((B, H, N), 7.0, dtype=lse_dtype, device=DEVICE)
     program.hopper.redo[0](q, k, v, out, out, out, lse, out, out, out, out, out, out, out, out, out, flags)
     ref, ref_lse = scan64(q, k, v)
     for h, blocks in ((0, (0, 2)), (1, (1,))):
