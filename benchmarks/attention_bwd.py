@@ -26,7 +26,8 @@ reference. float32 matmul TF32 is disabled for the peers, as in the forward benc
 
 Sweep declared below (``SHAPES``, ``DTYPES``, ``PEERS``); ``--tiles`` also times a list of tile configs of
 the ELSA backward per case (printed, not written to the CSV) to choose ``bwd_config``'s defaults.
-``--tune-hopper`` times the Hopper passes' configs instead (``bwd_sm90.CONFIGS``: streamed rows and stages;
+``--tune-hopper`` times the Hopper backward's configs instead (``bwd_sm90.CONFIGS`` of the two passes and
+``bwd_sm90.FUSED_CONFIGS`` of the five-product backward: streamed rows and stages;
 ``HOPPER_CANDIDATES`` or ``--configs``) against the generic kernels and cuDNN, per pass.
 """
 
@@ -233,10 +234,11 @@ HOPPER_CANDIDATES = {
 
 
 def tune_hopper(shapes, dtypes, configs=None):
-    """Time ``bwd_sm90``'s configs (``HOPPER_CANDIDATES``, or ``configs``) on each half-precision case, next
-    to the generic kernels and cuDNN's backward (its forward + backward minus its forward) in the same
-    process: ``elsa_bwd`` given ``(out, lse)``, GPU time (``do_bench``) of the whole backward and of each pass
-    alone, the largest relative difference of dq, dk, dv to the generic kernels' and the number of 64-row
+    """Time ``bwd_sm90``'s configs (``HOPPER_CANDIDATES``, or ``configs``) of the two passes and of the
+    five-product backward on each half-precision case, next to the generic kernels and cuDNN's backward (its
+    forward + backward minus its forward) in the same process: ``elsa_bwd`` given ``(out, lse)``, GPU time
+    (``do_bench``) of the whole backward and (two passes) of each pass alone, the largest relative
+    difference of dq, dk, dv to the generic kernels' and the number of 64-row
     tiles flagged for the redo (finite inputs must flag none). One ranking line per (case, dtype)."""
     from elsa_vision.kernels import bwd as bwd_module
 
@@ -271,33 +273,41 @@ def _tune_hopper_case(B, H, N, D, dtype_name, configs):
     with generic_kernels():
         generic = bwd()
         t_generic = bench_ms(bwd)
-    saved = dict(sm90.CONFIGS)
     results = []
-    try:
-        for cfg in configs or HOPPER_CANDIDATES.get(D, []):
-            sm90.CONFIGS[D] = tuple(cfg)
+    # the two passes (bwd_sm90.CONFIGS; each pass alone too), then the five-product one (FUSED_CONFIGS)
+    for fused, table in ((False, sm90.CONFIGS), (True, sm90.FUSED_CONFIGS)):
+        saved, was = dict(table), bwd_module.HOPPER_FUSED
+        bwd_module.HOPPER_FUSED = fused
+        try:
+            for cfg in configs or HOPPER_CANDIDATES.get(D, []):
+                table[D] = tuple(cfg)
+                bwd_module._PROGRAMS.clear()
+                program = bwd_module.bwd_program(do, q, k, v, out, lse)
+                routed = program.hopper_fused is not None if fused else (
+                    program.hopper_dq is not None and program.hopper_dkdv is not None)
+                if not routed:
+                    raise SystemExit(f"--tune-hopper: {B},{H},{N},{D} does not take the Hopper backward "
+                                     "(bwd.HOPPER_MIN_KEYS, head dim 64 or 128)")
+                label = ("fused", *cfg) if fused else ("two", *cfg)
+                try:
+                    grads = bwd()
+                    diff = max(relerr(g, r.double()) for g, r in zip(grads, generic))  # every head
+                    outs = (torch.empty_like(g) for g in grads)
+                    flags = program.run_hopper(do, q, k, v, out, lse, delta, *outs)
+                    flagged = sum(int(f.sum()) for f in flags)
+                    note = f"diff {diff:.1e}" + (f", {flagged} flagged" if flagged else "")
+                    if not fused:
+                        t_dq = bench_ms(lambda: bwd(compute_dkdv=False))
+                        t_kv = bench_ms(lambda: bwd(compute_dq=False))
+                        note = f"dQ {t_dq:.4f}, dK/dV {t_kv:.4f}, " + note
+                    results.append((bench_ms(bwd), label, note))
+                except Exception as exc:  # noqa: BLE001 - configs the compiler rejects are listed
+                    results.append((math.inf, label, f"{type(exc).__name__}: {str(exc)[:80]}"))
+        finally:
+            table.clear()
+            table.update(saved)
+            bwd_module.HOPPER_FUSED = was
             bwd_module._PROGRAMS.clear()
-            program = bwd_module.bwd_program(do, q, k, v, out, lse)
-            if program.hopper_dq is None or program.hopper_dkdv is None:
-                raise SystemExit(f"--tune-hopper: {B},{H},{N},{D} does not take the Hopper backward "
-                                 "(bwd.HOPPER_MIN_KEYS, head dim 64 or 128)")
-            try:
-                grads = bwd()
-                diff = max(relerr(g, r.double()) for g, r in zip(grads, generic))  # every head
-                outs = (torch.empty_like(g) for g in grads)
-                flags = program.run_hopper(do, q, k, v, out, lse, delta, *outs)
-                flagged = sum(int(f.sum()) for f in flags)
-                t_dq = bench_ms(lambda: bwd(compute_dkdv=False))
-                t_kv = bench_ms(lambda: bwd(compute_dq=False))
-                note = f"dQ {t_dq:.4f}, dK/dV {t_kv:.4f}, diff {diff:.1e}" + (
-                    f", {flagged} flagged" if flagged else "")
-                results.append((bench_ms(bwd), cfg, note))
-            except Exception as exc:  # noqa: BLE001 - configs the compiler rejects are listed
-                results.append((math.inf, cfg, f"{type(exc).__name__}: {str(exc)[:80]}"))
-    finally:
-        sm90.CONFIGS.clear()
-        sm90.CONFIGS.update(saved)
-        bwd_module._PROGRAMS.clear()
     results.sort(key=lambda r: r[0])
     ranking = " | ".join(f"{cfg}: {ms:.4f} ms ({flops / ms / 1e9:.0f} TF/s, {t_cudnn / ms:.3f}x cuDNN, "
                          f"{t_generic / ms:.3f}x generic; {note})" for ms, cfg, note in results)

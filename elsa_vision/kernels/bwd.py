@@ -9,7 +9,8 @@ log, ``-inf`` for a row that sees no key). The backward recomputes the probabili
   launched first); it also forms ``Delta = rowsum(O * dO)`` of its rows (``[B, H, Nq]`` float32) for the
   next kernel.
   A separate dQ pass keeps every gradient element owned by exactly one program: no atomics, bitwise
-  reproducible;
+  reproducible (on Hopper, dense half-precision calls form dQ in the dK/dV program instead and sum it over
+  key programs in float32, ``_HopperFused``, unless ``torch.use_deterministic_algorithms(True)``);
 * ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - Delta)``, ``dK = scale * dS^T Q`` -- one program per key
   tile, looping over the query tiles (``_bwd_dkdv_kernel``);
 * ``dBias = dS`` reduced over the bias's broadcast dims (``_bwd_dbias_kernel``): one program per output tile
@@ -65,6 +66,11 @@ PRESPLIT = True
 # False: the generic kernels everywhere (the A/B of the benchmarks' ``elsa_generic`` peer).
 HOPPER = True
 HOPPER_MIN_KEYS = {64: 1024, 128: 192}
+# Where both gradients are wanted, head dims in ``bwd_sm90.FUSED_CONFIGS`` take the five-product backward
+# (``_HopperFused``: dQ formed in the dK/dV program and summed over key programs by TMA reduce-add), unless
+# ``torch.use_deterministic_algorithms(True)`` asks for bitwise reruns (the two passes above, one owner per
+# gradient element). False: the two passes always.
+HOPPER_FUSED = True
 
 
 
@@ -96,13 +102,15 @@ def _mm(a, b, acc, PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA,
+    O, DO, DELTA, ACC,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     H, Nq, Dv,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ZERO_ACC: tl.constexpr,
 ):
-    """``DELTA[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d]`` in float32; contiguous ``[B, H, Nq]``."""
+    """``DELTA[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d]`` in float32; contiguous ``[B, H, Nq]``.
+    ``ZERO_ACC``: also zero the same rows of the five-product backward's contiguous float32 dQ sum ``ACC``
+    ``[B, H, Nq, Dv]``."""
     pid_m = tl.program_id(1)
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
@@ -119,6 +127,30 @@ def _bwd_preprocess_kernel(
     do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
     tl.store(DELTA + pid_bh.to(tl.int64) * Nq + m0 + offs_m, delta, mask=(m0 + offs_m) < Nq)
+    if ZERO_ACC:
+        acc_ptrs = ACC + (pid_bh.to(tl.int64) * Nq + m0 + offs_m[:, None]) * Dv + offs_d[None, :]
+        tl.store(acc_ptrs, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), mask=mask)
+
+
+@triton.jit
+def _bwd_dq_convert_kernel(
+    ACC, DQ, Redo,
+    Nq, D, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``DQ = sm_scale * ACC`` (the five-product backward's float32 sum ``dS K``, both contiguous ``[B, H,
+    Nq, D]``) in DQ's dtype, and per 64 query rows of a head (grid ``(B * H, cdiv(Nq, BLOCK_M))``,
+    ``BLOCK_M`` = 64) the flag ``Redo[bh, tile]`` (1: a row is not finite; the generic dQ kernel's ``REDO``
+    launch redoes it)."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < Nq)[:, None] & (offs_d < D)[None, :]
+    offs = (pid_bh.to(tl.int64) * Nq + rows[:, None]) * D + offs_d[None, :]
+    dq = tl.load(ACC + offs, mask=mask, other=0.0) * sm_scale
+    tl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=mask)
+    tl.store(Redo + pid_bh.to(tl.int64) * tl.num_programs(1) + pid_m, (count_nonfinite(dq) != 0).to(tl.int32))
 
 
 @triton.jit
@@ -921,11 +953,14 @@ class _BwdProgram(Program):
 
     Launch order: the dQ kernel (which also forms and writes ``Delta`` unless it was given), then the dK/dV
     kernel, then the dBias kernel; with ``hopper``, where it applies, ``bwd_sm90``'s passes in their place
-    (``_HopperPass``), after the ``Delta`` kernel. The separate ``Delta`` kernel runs where no generic dQ
-    pass precedes the dK/dV one (``compute_dq=False``, or the Hopper dQ pass) and ``Delta`` is not given."""
+    (``_HopperPass``), after the ``Delta`` kernel, or with ``fuse`` too, where both gradients are wanted and
+    the head dim has a five-product config, ``_HopperFused`` (its dQ sum zeroed by the ``Delta`` kernel).
+    The separate ``Delta`` kernel runs where no generic dQ pass precedes the dK/dV one (``compute_dq=False``,
+    or a Hopper dQ) and ``Delta`` is not given."""
 
     def __init__(self, do, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
-                 bias_requires_grad, config, given_delta, compute_dq, compute_dkdv, hopper=False):
+                 bias_requires_grad, config, given_delta, compute_dq, compute_dkdv, hopper=False,
+                 fuse=False):
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
         device = q.device
@@ -959,18 +994,22 @@ class _BwdProgram(Program):
         o_s = out.stride() if out is not None else (0, 0, 0, 0)
         hopper = (hopper and bwd_sm90 is not None and config is None and not (has_bias or has_kpm or causal)
                   and D == Dv and Nk >= HOPPER_MIN_KEYS.get(D, 0) and bwd_sm90.supported(q, k, v, do))
-        # Delta: formed by the generic dQ kernel, or by a pass of its own before a Hopper or no dQ pass
+        fused = hopper and fuse and compute_dq and compute_dkdv and D in bwd_sm90.FUSED_CONFIGS
+        self.acc_size = (B, H, Nq, D) if fused else None
+        # Delta: formed by the generic dQ kernel, or by a pass of its own before a Hopper or no dQ pass (which
+        # zeroes the five-product backward's dQ sum on the way)
         self.write_delta = compute_dq and not given_delta and not hopper
         self.pre = None
         if not given_delta and not self.write_delta:
             self.pre = Launch(_bwd_preprocess_kernel, (B * H, cdiv(Nq, 64)), (*o_s, *do_s, H, Nq, Dv),
-                              dict(BLOCK_M=64, BLOCK_DV=BLOCK_DV), 4)
+                              dict(BLOCK_M=64, BLOCK_DV=BLOCK_DV, ZERO_ACC=fused), 4)
         common = dict(D=D, Dv=Dv, HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, PREC=prec,
                       DOT_UPCAST=dot_upcast)
         presplit = prec == "fp16x3" and PRESPLIT
         bh = B * H
         rows = 64  # the Hopper passes' flags: one per 64 own rows
-        self.dq = self.split_kv = self.hopper_dq = None
+        self.dq = self.split_kv = self.hopper_dq = self.hopper_fused = None
+        redo_dq = None
         if compute_dq:
             parts = (bh * Nk * D, bh * Nk * Dv) if presplit else (0, 0)
             scalars = (*q_s, *k_s, *v_s, *do_s, *o_s, *lse_s, *b_strides, *kpm_strides,
@@ -978,9 +1017,10 @@ class _BwdProgram(Program):
             consts = dict(common, WRITE_DELTA=self.write_delta, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
                           BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, PRESPLIT=presplit, REDO=False)
             if hopper:  # the Hopper pass, then the generic kernel over the tiles it flagged
-                redo = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, rows)), scalars,
-                              dict(consts, BLOCK_M=rows, PRESPLIT=False, REDO=True), 4, cfg.stages2)
-                self.hopper_dq = _HopperPass(True, B, H, Nq, Nk, D, sm_scale, lse_s, redo)
+                redo_dq = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, rows)), scalars,
+                                 dict(consts, BLOCK_M=rows, PRESPLIT=False, REDO=True), 4, cfg.stages2)
+                if not fused:
+                    self.hopper_dq = _HopperPass(True, B, H, Nq, Nk, D, sm_scale, lse_s, redo_dq)
             else:
                 self.dq = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, cfg.block_m2)), scalars, consts, cfg.warps2,
                                  cfg.stages2)
@@ -996,7 +1036,10 @@ class _BwdProgram(Program):
             if hopper:
                 redo = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, rows)), scalars,
                               dict(consts, BLOCK_N=rows, PRESPLIT=False, REDO=True), 4, cfg.stages1)
-                self.hopper_dkdv = _HopperPass(False, B, H, Nq, Nk, D, sm_scale, lse_s, redo)
+                if fused:
+                    self.hopper_fused = _HopperFused(B, H, Nq, Nk, D, sm_scale, lse_s, redo_dq, redo)
+                else:
+                    self.hopper_dkdv = _HopperPass(False, B, H, Nq, Nk, D, sm_scale, lse_s, redo)
             else:
                 self.dkdv = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, cfg.block_n1)), scalars, consts,
                                    cfg.warps1, cfg.stages1)
@@ -1046,15 +1089,24 @@ class _BwdProgram(Program):
         launch(x, y, kpm, *out)
         return out
 
-    def run_hopper(self, do, q, k, v, out, lse, delta, dq, dk, dv, bias=None, kpm=None):
+    def run_hopper(self, do, q, k, v, out, lse, delta, dq, dk, dv, bias=None, kpm=None, acc=None):
         """The Hopper passes this program routes (``hopper_dq``, ``hopper_dkdv``), each followed by its redo
-        launch, into ``dq`` and ``dk``, ``dv`` from the given ``Delta``; ``bias`` and ``kpm`` are the generic
-        kernels' unread placeholders (``delta`` when None). Returns the two passes' flags ``[B * H, cdiv(own
-        rows, 64)]`` of redone tiles (None for a pass not routed)."""
+        launch, or the five-product backward (``hopper_fused``, summing dQ in ``acc``: zeroed by the
+        ``Delta`` pass, else here; allocated when None), into ``dq`` and ``dk``, ``dv`` from the given
+        ``Delta``; ``bias`` and ``kpm`` are the generic kernels' unread placeholders (``delta`` when None).
+        Returns the flags ``[B * H, cdiv(own rows, 64)]`` of the redone dQ and dK/dV tiles (None for a pass
+        not routed)."""
+        if self.hopper_fused is not None and acc is None:
+            acc = torch.zeros(self.acc_size, dtype=torch.float32, device=self.device)
         bias = delta if bias is None else bias
         kpm = delta if kpm is None else kpm
         out = delta if out is None else out
         fq = fk = None
+        if self.hopper_fused is not None:
+            return self.hopper_fused(
+                q, k, v, do, lse, delta, acc, dq, dk, dv,
+                redo_dq=(q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta),
+                redo_dkdv=(q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta))
         if self.hopper_dq is not None:
             fq = self.hopper_dq((q, do), (k, v), lse, delta, dq, dq,
                                 (q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta))
@@ -1080,10 +1132,15 @@ class _BwdProgram(Program):
         if bias is None:
             bias = delta  # not read: HAS_BIAS is False
         kpm = delta if kpm is None else kpm.view(torch.uint8)
+        acc = None
+        if self.acc_size is not None:  # the five-product backward's dQ sum (zeroed by the Delta pass)
+            acc = torch.empty(self.acc_size, dtype=torch.float32, device=dev)
+            if self.pre is None:
+                acc.zero_()
         if self.pre is not None:
-            self.pre(out, do, delta)
-        if self.hopper_dq is not None or self.hopper_dkdv is not None:
-            self.run_hopper(do, q, k, v, out, lse, delta, dq, dk, dv, bias, kpm)
+            self.pre(out, do, delta, delta if acc is None else acc)
+        if self.hopper_dq is not None or self.hopper_dkdv is not None or self.hopper_fused is not None:
+            self.run_hopper(do, q, k, v, out, lse, delta, dq, dk, dv, bias, kpm, acc)
         if self.dq is not None:
             self.dq(q, k, v, do, out, lse, delta, bias, kpm, dq, *self._parts(self.split_kv, k, v, kpm),
                     delta)  # Redo: not read
@@ -1140,6 +1197,50 @@ class _HopperPass:
                 desc.base = None
         self.redo(*redo_tensors, flags)
         return flags
+
+
+class _HopperFused:
+    """The five-product backward on ``bwd_sm90.bwd_fused_kernel``: dK, dV and the float32 sum ``dS K`` over
+    the key programs in one pass, then ``dQ = scale * sum`` in dQ's dtype (``_bwd_dq_convert_kernel``, which
+    flags non-finite rows), then each generic kernel's ``REDO`` launch over its flagged 64-row tiles."""
+
+    def __init__(self, B, H, Nq, Nk, D, sm_scale, lse_strides, redo_dq: Launch, redo_dkdv: Launch):
+        rows = bwd_sm90.ROWS.value
+        self.block_s, stages = bwd_sm90.FUSED_CONFIGS[D]
+        own_tiles = cdiv(Nk, rows * bwd_sm90.CONSUMERS.value)
+        self.flags_k, self.flags_q = (B * H, cdiv(Nk, rows)), (B * H, cdiv(Nq, rows))
+        outs = _contiguous((B, H, Nk, D))[:3]  # dK's and dV's strides
+        self.main = Launch(bwd_sm90.bwd_fused_kernel, (own_tiles * B * H,),
+                           (H, Nk, Nq, own_tiles, *lse_strides, *outs, *outs, sm_scale * LOG2E, sm_scale),
+                           dict(D=D, BLOCK_S=self.block_s, STAGES=stages), bwd_sm90.NUM_WARPS)
+        self.convert = Launch(_bwd_dq_convert_kernel, (B * H, cdiv(Nq, rows)), (Nq, D, sm_scale),
+                              dict(BLOCK_M=rows, BLOCK_D=tile_size(D)), 4)
+        self.redo_dq, self.redo_dkdv = redo_dq, redo_dkdv
+        self.descs = None
+
+    def __call__(self, q, k, v, do, lse, delta, acc, dq, dk, dv, redo_dq, redo_dkdv):
+        """Write ``dq``, ``dk``, ``dv`` (``acc``: the zeroed contiguous float32 ``[B, H, Nq, D]`` sum);
+        ``redo_*``: the generic kernels' tensor arguments before ``Redo``.
+        Returns the flags of the redone dQ and dK/dV tiles."""
+        rows = bwd_sm90.ROWS.value
+        if self.descs is None:  # built (and checked) once, then pointed at each call's tensors
+            self.descs = (bwd_sm90.descriptor(k, rows), bwd_sm90.descriptor(v, rows),
+                          bwd_sm90.descriptor(q, self.block_s), bwd_sm90.descriptor(do, self.block_s),
+                          bwd_sm90.descriptor(acc, rows))
+        descs = self.descs
+        for desc, t in zip(descs, (k, v, q, do, acc)):
+            desc.base = t
+        fk = torch.empty(self.flags_k, dtype=torch.int32, device=lse.device)  # every flag written
+        fq = torch.empty(self.flags_q, dtype=torch.int32, device=lse.device)
+        try:
+            self.main(*descs, lse, delta, dk, dv, fk)
+        finally:  # the cached descriptors must not keep this call's tensors alive
+            for desc in descs:
+                desc.base = None
+        self.convert(acc, dq, fq)
+        self.redo_dq(*redo_dq, fq)
+        self.redo_dkdv(*redo_dkdv, fk)
+        return fq, fk
 
 
 def _contiguous(size: tuple) -> tuple:
@@ -1218,5 +1319,5 @@ def bwd_program(do, q, k, v, out, lse, attn_bias=None, key_padding_mask=None, ca
     any tensors of the same signature."""
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     options = (causal, scale, precision, bool(bias_requires_grad), config, given_delta, compute_dq,
-               compute_dkdv, HOPPER)
+               compute_dkdv, HOPPER, HOPPER_FUSED and not torch.are_deterministic_algorithms_enabled())
     return _PROGRAMS(_BwdProgram, (do, q, k, v, out, lse, attn_bias, key_padding_mask), options)

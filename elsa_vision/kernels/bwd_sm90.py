@@ -20,8 +20,17 @@ Query rows past ``Nq`` get ``lse = +inf`` (``P = 0``) and ``Delta = 0``; keys pa
 ``Redo`` (1 = redo), and ``bwd._HopperPass`` runs the generic kernel's ``REDO`` mode over them, as the
 forward does.
 
-``bwd._BwdProgram`` routes to it on sm90 (``bwd.HOPPER``, ``bwd.HOPPER_MIN_KEYS``); measurements and what
-limits it: ``docs/kernel_notes.md``, "The Hopper backward"; tests: ``tests/kernels/test_bwd_sm90.py``.
+``bwd_fused_kernel`` is the five-product backward, for calls that want all three gradients: the dK/dV
+pass's program, whose consumers also write their ``dS^T`` (half precision) into a shared tile of both
+consumers' keys; once both have written it (mbarriers), ``dQ_j = dS K`` over the program's 128 keys is
+formed in 64-query slices, each by one consumer (the consumers take turns), staged in shared memory and
+added to a float32 ``[B, H, Nq, D]`` buffer by TMA reduce-add. Its sum over key programs is in no fixed
+order (reruns may differ in the last bits); ``bwd._HopperFused`` converts it to dQ and flags non-finite
+rows for the generic kernel's redo.
+
+``bwd._BwdProgram`` routes to them on sm90 (``bwd.HOPPER``, ``bwd.HOPPER_MIN_KEYS``, ``bwd.HOPPER_FUSED``);
+measurements and what limits them: ``docs/kernel_notes.md``, "The Hopper backward"; tests:
+``tests/kernels/test_bwd_sm90.py``.
 """
 
 from __future__ import annotations
@@ -29,13 +38,14 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from .fwd_sm90 import ROWS, descriptor, stage_ring, stream_pairs
 from .host import LOG2E
 from .monoid import count_nonfinite
 
-__all__ = ["CONFIGS", "CONSUMERS", "NUM_WARPS", "ROWS", "bwd_kernel", "descriptor", "supported"]
+__all__ = ["CONFIGS", "CONSUMERS", "FUSED_CONFIGS", "NUM_WARPS", "ROWS", "bwd_fused_kernel", "bwd_kernel",
+           "descriptor", "supported"]
 
 NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 _LOG2E = gl.constexpr(LOG2E)
@@ -47,6 +57,9 @@ CONSUMERS = gl.constexpr(2)  # warpgroups of 64 own rows per program
 # 9-16 % faster than 32. A loop issuing a tile's score products under the previous tile's gradient products
 # (as the forward does) lost at every shape and was removed (docs/kernel_notes.md, "The Hopper backward").
 CONFIGS = {64: (128, 2), 128: (64, 2)}
+# (BLOCK_S, STAGES) of the five-product backward (``bwd_fused_kernel``) per head dim it serves. H100, bf16,
+# 1K-32K tokens: at head dim 64, 64 streamed rows 1-3 % faster than 128 (two or three stages).
+FUSED_CONFIGS = {64: (64, 2), 128: (64, 2)}
 
 
 def supported(q, k, v, do) -> bool:
@@ -215,3 +228,181 @@ def bwd_kernel(
                     stride_lm, stride_1b, stride_1h, stride_1n, stride_2b, stride_2h, stride_2n, qk_scale,
                     sm_scale, D, BLOCK_S, STAGES, DQ)),
     ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers
+
+
+# ---- the five-product backward: dQ formed in the dK/dV program, reduced across key programs ------------
+
+# a barrier of the calling partition's threads (renamed from ``thread_barrier`` after Triton 3.6)
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+if hasattr(tma, "async_atomic_add"):  # Triton 3.7 and later
+    _reduce_add = tma.async_atomic_add
+else:
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _reduce_add(tensor_desc, coord, src, _semantic=None):
+        """TMA reduce-add of the shared-memory tile ``src`` into ``tensor_desc`` at ``coord``."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+
+@gluon.jit
+def _produce_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                   dq_smem, r_bar, ready, empty, ds_full, ds_empty, Lse, Delta, DK, DV, Redo, H, NK, NQ,
+                   own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn, stride_vb,
+                   stride_vh, stride_vn, qk_scale, sm_scale, D: gl.constexpr, BLOCK_S: gl.constexpr,
+                   STAGES: gl.constexpr, WG: gl.constexpr):
+    pid = gl.program_id(0)
+    off_r = (pid % own_tiles) * (ROWS * CONSUMERS)
+    off_b = (pid // own_tiles) // H
+    off_h = (pid // own_tiles) % H
+    mbarrier.expect(r_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_h, off_r + c * ROWS, 0], r_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_h, off_r + c * ROWS, 0], r_bar, v_smem.index(c))
+    stream_pairs(q_desc, do_desc, q_smem, do_smem, ready, empty, off_b, off_h, NQ, BLOCK_S, STAGES)
+
+
+@gluon.jit
+def _consume_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                   dq_smem, r_bar, ready, empty, ds_full, ds_empty, Lse, Delta, DK, DV, Redo, H, NK, NQ,
+                   own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn, stride_vb,
+                   stride_vh, stride_vn, qk_scale, sm_scale, D: gl.constexpr, BLOCK_S: gl.constexpr,
+                   STAGES: gl.constexpr, WG: gl.constexpr):
+    """Keys ``WG * 64`` onwards of the program's tile: per streamed query tile the dK/dV pass's four
+    products, then ``dS^T`` (bf16/fp16, this consumer's 64 key rows) into the shared ``dS^T`` tile of both
+    consumers' keys; once both have written it, the 64-query slices of ``dQ_j = dS K`` (``K`` = both
+    consumers' resident keys) this consumer owns -- slice ``h`` of tile ``j`` is consumer ``(h + j) % 2``'s
+    -- go through shared memory into ``dQacc`` by TMA reduce-add (float32, unscaled)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_S, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    SLICES: gl.constexpr = BLOCK_S // ROWS  # 64-query slices of dQ per streamed tile
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)
+    pid_r = pid % own_tiles
+    bh = pid // own_tiles
+    off_b = bh // H
+    off_h = bh % H
+    first = pid_r * ROWS * CONSUMERS + WG * ROWS  # this warpgroup's first key
+
+    a1 = k_smem.index(WG).reshape([ROWS, D])
+    a2 = v_smem.index(WG).reshape([ROWS, D])
+    zero = gl.zeros([ROWS, BLOCK_S], gl.float32, s_layout)
+    zero_o = gl.zeros([ROWS, D], gl.float32, o_layout)
+    acc1 = gl.zeros([ROWS, D], gl.float32, o_layout)
+    acc2 = gl.zeros([ROWS, D], gl.float32, o_layout)
+    lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
+    delta_base = Delta + bh.to(gl.int64) * NQ
+    cols = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, s_layout))
+    # keys past NK (zero rows of K and V) get dS = 0: their P need not be finite
+    key_ok = (first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))) < NK
+    mbarrier.wait(r_bar, 0)
+    n_tiles = gl.cdiv(NQ, BLOCK_S)
+    for j in range(n_tiles):
+        st = j % STAGES
+        lse2, delta = _row_vectors(Lse, Delta, lse_base, delta_base, j * BLOCK_S + cols, NQ, stride_lm)
+        mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+        b1 = q_smem.index(st).reshape([BLOCK_S, D])
+        b2 = do_smem.index(st).reshape([BLOCK_S, D])
+        x = warpgroup_mma(a1, b1.permute((1, 0)), zero, use_acc=False)  # S^T
+        y = warpgroup_mma(a2, b2.permute((1, 0)), zero, use_acc=False)  # dP^T
+        p, ds = _tile_grads(x, y, lse2, delta, qk_scale, False)
+        ds = gl.where(key_ok[:, None], ds, 0.0)
+        acc2 = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), b2, acc2)  # dV += P^T dO
+        dsb = ds.to(dtype)
+        acc1 = warpgroup_mma(gl.convert_layout(dsb, a_layout), b1, acc1)  # dK += dS^T Q
+        mbarrier.arrive(empty.index(st), count=1)
+        # dS^T of this consumer's keys into the shared tile (two buffers: tile j's, tile j - 1's)
+        buf = j % 2
+        mbarrier.wait(ds_empty.index(buf), ((j // 2) & 1) ^ 1)  # fresh barriers pass phase 1
+        tile = ds_smem.index(buf)
+        tile.slice(WG * ROWS, ROWS, dim=0).store(dsb)
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(ds_full.index(buf), count=1)
+        mbarrier.wait(ds_full.index(buf), (j // 2) & 1)
+        for h in gl.static_range(SLICES):
+            if (h + j) % CONSUMERS == WG:  # dQ rows j * BLOCK_S + h * 64 onwards: dS[h] K over both halves
+                dq = zero_o
+                for c in gl.static_range(CONSUMERS):
+                    a = tile.slice(c * ROWS, ROWS, dim=0).slice(h * ROWS, ROWS, dim=1).permute((1, 0))
+                    dq = warpgroup_mma(a, k_smem.index(c).reshape([ROWS, D]), dq, use_acc=c > 0)
+                tma.store_wait(0)  # the previous reduction has read dq_smem
+                _barrier()
+                stage = dq_smem.index(WG)
+                stage.reshape([ROWS, D]).store(dq)
+                fence_async_shared()
+                _barrier()
+                _reduce_add(dq_desc, [off_b, off_h, j * BLOCK_S + h * ROWS, 0], stage)
+        mbarrier.arrive(ds_empty.index(buf), count=1)
+    tma.store_wait(0)
+
+    acc1 = acc1 * sm_scale
+    rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    row_ok = rows < NK
+    ptrs1 = (DK + off_b.to(gl.int64) * stride_kb + off_h.to(gl.int64) * stride_kh
+             + rows.to(gl.int64)[:, None] * stride_kn + dims[None, :])
+    gl.store(ptrs1, acc1.to(DK.dtype.element_ty), mask=row_ok[:, None])
+    ptrs2 = (DV + off_b.to(gl.int64) * stride_vb + off_h.to(gl.int64) * stride_vh
+             + rows.to(gl.int64)[:, None] * stride_vn + dims[None, :])
+    gl.store(ptrs2, acc2.to(DV.dtype.element_ty), mask=row_ok[:, None])
+    bad = count_nonfinite(gl.where(row_ok[:, None], acc1, 0.0))
+    bad += count_nonfinite(gl.where(row_ok[:, None], acc2, 0.0))
+    block = pid_r * CONSUMERS + WG
+    if block < gl.cdiv(NK, ROWS):
+        gl.store(Redo + bh * gl.cdiv(NK, ROWS) + block, (bad != 0).to(gl.int32))
+
+
+@gluon.jit
+def bwd_fused_kernel(
+    k_desc, v_desc, q_desc, do_desc, dq_desc, Lse, Delta, DK, DV, Redo,
+    H, NK, NQ, own_tiles, stride_lb, stride_lh, stride_lm,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, qk_scale, sm_scale,
+    D: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr,
+):
+    """The whole backward in one pass: grid ``(own_tiles * B * H,)`` over tiles of ``64 * CONSUMERS`` keys,
+    one head's tiles adjacent. Resident K, V; streamed Q, dO (``NQ`` queries); ``DK``, ``DV`` ``[B, H, NK,
+    D]`` (head dim contiguous; ``stride_k*`` / ``stride_v*`` their other strides); ``dq_desc`` over a float32
+    ``[B, H, NQ, D]`` accumulator, zeroed before the launch, that receives ``dS K`` (``dQ / scale``) summed
+    over the key programs; ``Redo`` ``[B * H, cdiv(NK, 64)]`` the dK/dV flags; ``Lse``, ``Delta`` and the
+    scales as ``bwd_kernel``."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS, 1, 1, ROWS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS, 1, 1, ROWS, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, 1, BLOCK_S, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, 1, 1, BLOCK_S, D], do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS * CONSUMERS, BLOCK_S], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS * CONSUMERS, BLOCK_S], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, 1, ROWS, D], dq_desc.layout)
+    r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(r_bar, count=1)
+    ready, empty = stage_ring(STAGES, CONSUMERS)
+    # a dS buffer is full once both consumers wrote their keys' rows, empty once both read it
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(ds_full.index(b), count=CONSUMERS)
+        mbarrier.init(ds_empty.index(b), count=CONSUMERS)
+    gl.warp_specialize([
+        (_consume_fused, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem,
+                          ds_smem, dq_smem, r_bar, ready, empty, ds_full, ds_empty, Lse, Delta, DK, DV, Redo,
+                          H, NK, NQ, own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh,
+                          stride_kn, stride_vb, stride_vh, stride_vn, qk_scale, sm_scale, D, BLOCK_S, STAGES,
+                          0)),
+        (_consume_fused, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem,
+                          ds_smem, dq_smem, r_bar, ready, empty, ds_full, ds_empty, Lse, Delta, DK, DV, Redo,
+                          H, NK, NQ, own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh,
+                          stride_kn, stride_vb, stride_vh, stride_vn, qk_scale, sm_scale, D, BLOCK_S, STAGES,
+                          1)),
+        (_produce_fused, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem,
+                          ds_smem, dq_smem, r_bar, ready, empty, ds_full, ds_empty, Lse, Delta, DK, DV, Redo,
+                          H, NK, NQ, own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh,
+                          stride_kn, stride_vb, stride_vh, stride_vn, qk_scale, sm_scale, D, BLOCK_S, STAGES,
+                          0)),
+    ], [4, 1], [232, 24])

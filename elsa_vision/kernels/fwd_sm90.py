@@ -83,7 +83,7 @@ def descriptor(t, block_rows: int) -> TensorDescriptor:
     """The TMA descriptor of ``t [B, H, N, D]`` (any strides with ``D`` contiguous) in tiles of
     ``[1, 1, block_rows, D]``."""
     D = t.shape[-1]
-    dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, D], dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, D], layout)
 
