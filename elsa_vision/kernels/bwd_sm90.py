@@ -38,7 +38,13 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .fwd_sm90 import ROWS, descriptor, stage_ring, stream_pairs
 from .host import LOG2E
@@ -273,10 +279,11 @@ def _consume_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
                    stride_vh, stride_vn, qk_scale, sm_scale, D: gl.constexpr, BLOCK_S: gl.constexpr,
                    STAGES: gl.constexpr, WG: gl.constexpr):
     """Keys ``WG * 64`` onwards of the program's tile: per streamed query tile the dK/dV pass's four
-    products, then ``dS^T`` (bf16/fp16, this consumer's 64 key rows) into the shared ``dS^T`` tile of both
-    consumers' keys; once both have written it, the 64-query slices of ``dQ_j = dS K`` (``K`` = both
-    consumers' resident keys) this consumer owns -- slice ``h`` of tile ``j`` is consumer ``(h + j) % 2``'s
-    -- go through shared memory into ``dQacc`` by TMA reduce-add (float32, unscaled)."""
+    products (``dV`` and ``dK`` asynchronous, with ``dS^T``, bf16/fp16, this consumer's 64 key rows, written
+    under them into the shared ``dS^T`` tile of both consumers' keys); then the 64-query slices of
+    ``dQ_j = dS K`` (``K`` = both consumers' resident keys) this consumer owns -- slice ``h`` of tile ``j``
+    is consumer ``(h + j) % 2``'s, formed once the other consumer's rows are written -- go through shared
+    memory into ``dQacc`` by TMA reduce-add (float32, unscaled)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_S, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -314,11 +321,12 @@ def _consume_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
         y = warpgroup_mma(a2, b2.permute((1, 0)), zero, use_acc=False)  # dP^T
         p, ds = _tile_grads(x, y, lse2, delta, qk_scale, False)
         ds = gl.where(key_ok[:, None], ds, 0.0)
-        acc2 = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), b2, acc2)  # dV += P^T dO
+        pa = gl.convert_layout(p.to(dtype), a_layout)
         dsb = ds.to(dtype)
-        acc1 = warpgroup_mma(gl.convert_layout(dsb, a_layout), b1, acc1)  # dK += dS^T Q
-        mbarrier.arrive(empty.index(st), count=1)
-        # dS^T of this consumer's keys into the shared tile (two buffers: tile j's, tile j - 1's)
+        dsa = gl.convert_layout(dsb, a_layout)
+        tok2 = warpgroup_mma(pa, b2, acc2, is_async=True)  # dV += P^T dO
+        tok1 = warpgroup_mma(dsa, b1, acc1, is_async=True)  # dK += dS^T Q
+        # under them, dS^T of this consumer's keys into the shared tile (two buffers: tile j's, j - 1's)
         buf = j % 2
         mbarrier.wait(ds_empty.index(buf), ((j // 2) & 1) ^ 1)  # fresh barriers pass phase 1
         tile = ds_smem.index(buf)
@@ -326,9 +334,11 @@ def _consume_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
         fence_async_shared()
         _barrier()
         mbarrier.arrive(ds_full.index(buf), count=1)
-        mbarrier.wait(ds_full.index(buf), (j // 2) & 1)
+        acc2, acc1, _, _ = warpgroup_mma_wait(0, deps=(tok2, tok1, pa, dsa))
+        mbarrier.arrive(empty.index(st), count=1)
         for h in gl.static_range(SLICES):
             if (h + j) % CONSUMERS == WG:  # dQ rows j * BLOCK_S + h * 64 onwards: dS[h] K over both halves
+                mbarrier.wait(ds_full.index(buf), (j // 2) & 1)  # the other consumer's keys written
                 dq = zero_o
                 for c in gl.static_range(CONSUMERS):
                     a = tile.slice(c * ROWS, ROWS, dim=0).slice(h * ROWS, ROWS, dim=1).permute((1, 0))
