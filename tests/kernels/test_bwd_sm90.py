@@ -196,16 +196,22 @@ def test_routing_rules(monkeypatch):
     assert not hopper()
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_redo_launches_finish_exactly_the_flagged_tiles(fused, monkeypatch):
-    # The generic kernels in REDO mode (the second launch of each Hopper pass, or the five-product
-    # backward's last two): the 64-row tiles whose flag is set (queries for dQ, keys for dK/dV) get the
-    # generic gradients, every other row keeps what the Hopper pass wrote. Built as on sm90 (supported()
-    # forced) and run by the interpreter on CPU machines, float16.
+def _plan_as_on_sm90(monkeypatch, fused):
+    """Backward programs planned as on sm90 from any length (supported() forced: this machine may have no
+    sm90 GPU), with (``fused``) or without the five-product backward."""
     monkeypatch.setattr(bwd_sm90, "supported", lambda *a: True)
     monkeypatch.setattr(bwd_module, "HOPPER", True)
     monkeypatch.setattr(bwd_module, "HOPPER_FUSED", fused)
     monkeypatch.setattr(bwd_module, "HOPPER_MIN_KEYS", {64: 0, 128: 0})
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_redo_launches_finish_exactly_the_flagged_tiles(fused, monkeypatch):
+    # The generic kernels in REDO mode (the second launch of each Hopper pass, or the five-product
+    # backward's last two): the 64-row tiles whose flag is set (queries for dQ, keys for dK/dV) get the
+    # generic gradients, every other row keeps what the Hopper pass wrote. Built as on sm90 and run by the
+    # interpreter on CPU machines, float16.
+    _plan_as_on_sm90(monkeypatch, fused)
     B, H, N, D = 1, 2, 150, 64
     q, k, v, do, out, lse, delta = _inputs(B, H, N, N, D, torch.float16, seed=31)
     program = bwd_program(do, q, k, v, out, lse, given_delta=True)
@@ -232,14 +238,11 @@ def test_redo_launches_finish_exactly_the_flagged_tiles(fused, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_delta_pass_zeroes_the_dq_sum_and_the_conversion_flags_nonfinite_rows(dtype, monkeypatch):
-    # The five-product backward's launches around its kernel, as planned on sm90 (supported() forced; the
-    # interpreter on CPU machines): the Delta pass writes rowsum(O * dO) and zeroes the float32 dQ sum (a
+    # The five-product backward's launches around its kernel, as planned on sm90 (the interpreter on CPU
+    # machines): the Delta pass writes rowsum(O * dO) and zeroes the float32 dQ sum (a
     # NaN-filled buffer comes out zero); the conversion writes scale * sum in the gradient's dtype and flags
     # exactly the 64-row tiles holding a NaN or an infinity (Nq = 150: a partial last tile)
-    monkeypatch.setattr(bwd_sm90, "supported", lambda *a: True)
-    monkeypatch.setattr(bwd_module, "HOPPER", True)
-    monkeypatch.setattr(bwd_module, "HOPPER_FUSED", True)
-    monkeypatch.setattr(bwd_module, "HOPPER_MIN_KEYS", {64: 0, 128: 0})
+    _plan_as_on_sm90(monkeypatch, fused=True)
     B, H, N, D = 1, 2, 150, 64
     q, k, v, do, out, lse, delta = _inputs(B, H, N, N, D, dtype, seed=37)
     program = bwd_program(do, q, k, v, out, lse)
