@@ -94,6 +94,15 @@ def _produce(r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_s
              Lse, Delta, Out1, Out2, Redo, H, N_OWN, N_STREAM, own_tiles, stride_lb, stride_lh, stride_lm,
              stride_1b, stride_1h, stride_1n, stride_2b, stride_2h, stride_2n, qk_scale, sm_scale,
              D: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr):
+    _load_pairs(r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_smem, r_bar, ready, empty,
+                H, N_STREAM, own_tiles, BLOCK_S, STAGES)
+
+
+@gluon.jit
+def _load_pairs(r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_smem, r_bar, ready, empty,
+                H, N_STREAM, own_tiles, BLOCK_S: gl.constexpr, STAGES: gl.constexpr):
+    """A producer's work: the program's resident pair once (64 own rows per consumer), then the streamed
+    pair's tiles into the ring of stages."""
     pid = gl.program_id(0)
     off_r = (pid % own_tiles) * (ROWS * CONSUMERS)
     off_b = (pid // own_tiles) // H
@@ -183,18 +192,29 @@ def _consume(r1_desc, r2_desc, s1_desc, s2_desc, r1_smem, r2_smem, s1_smem, s2_s
     rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     row_ok = rows < N_OWN
-    ptrs1 = (Out1 + off_b.to(gl.int64) * stride_1b + off_h.to(gl.int64) * stride_1h
-             + rows.to(gl.int64)[:, None] * stride_1n + dims[None, :])
-    gl.store(ptrs1, acc1.to(Out1.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(acc1, Out1, off_b, off_h, rows, dims, row_ok, stride_1b, stride_1h, stride_1n)
     bad = count_nonfinite(gl.where(row_ok[:, None], acc1, 0.0))
     if not DQ:
-        ptrs2 = (Out2 + off_b.to(gl.int64) * stride_2b + off_h.to(gl.int64) * stride_2h
-                 + rows.to(gl.int64)[:, None] * stride_2n + dims[None, :])
-        gl.store(ptrs2, acc2.to(Out2.dtype.element_ty), mask=row_ok[:, None])
+        _store_rows(acc2, Out2, off_b, off_h, rows, dims, row_ok, stride_2b, stride_2h, stride_2n)
         bad += count_nonfinite(gl.where(row_ok[:, None], acc2, 0.0))
-    block = pid_r * CONSUMERS + WG  # these 64 rows' flag: 1 = the generic kernel's exact pass redoes them
-    if block < gl.cdiv(N_OWN, ROWS):
-        gl.store(Redo + bh * gl.cdiv(N_OWN, ROWS) + block, (bad != 0).to(gl.int32))
+    _store_flag(Redo, bh, pid_r * CONSUMERS + WG, N_OWN, bad)
+
+
+@gluon.jit
+def _store_rows(acc, Out, off_b, off_h, rows, dims, row_ok, stride_b, stride_h, stride_n):
+    """``acc`` (a consumer's 64 rows) into rows ``rows`` of ``Out``'s head ``(off_b, off_h)``, those with
+    ``row_ok``, in ``Out``'s dtype."""
+    ptrs = (Out + off_b.to(gl.int64) * stride_b + off_h.to(gl.int64) * stride_h
+            + rows.to(gl.int64)[:, None] * stride_n + dims[None, :])
+    gl.store(ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@gluon.jit
+def _store_flag(Redo, bh, block, n_own, bad):
+    """The flag of 64-row ``block`` of head ``bh`` (of ``cdiv(n_own, 64)``): 1 (the generic kernel's exact
+    pass redoes the rows) where ``bad`` non-finite values were written."""
+    if block < gl.cdiv(n_own, ROWS):
+        gl.store(Redo + bh * gl.cdiv(n_own, ROWS) + block, (bad != 0).to(gl.int32))
 
 
 @gluon.jit
@@ -261,15 +281,8 @@ def _produce_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
                    own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn, stride_vb,
                    stride_vh, stride_vn, qk_scale, sm_scale, D: gl.constexpr, BLOCK_S: gl.constexpr,
                    STAGES: gl.constexpr, WG: gl.constexpr):
-    pid = gl.program_id(0)
-    off_r = (pid % own_tiles) * (ROWS * CONSUMERS)
-    off_b = (pid // own_tiles) // H
-    off_h = (pid // own_tiles) % H
-    mbarrier.expect(r_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [off_b, off_h, off_r + c * ROWS, 0], r_bar, k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [off_b, off_h, off_r + c * ROWS, 0], r_bar, v_smem.index(c))
-    stream_pairs(q_desc, do_desc, q_smem, do_smem, ready, empty, off_b, off_h, NQ, BLOCK_S, STAGES)
+    _load_pairs(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, r_bar, ready, empty, H, NQ,
+                own_tiles, BLOCK_S, STAGES)
 
 
 @gluon.jit
@@ -357,17 +370,11 @@ def _consume_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
     rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     row_ok = rows < NK
-    ptrs1 = (DK + off_b.to(gl.int64) * stride_kb + off_h.to(gl.int64) * stride_kh
-             + rows.to(gl.int64)[:, None] * stride_kn + dims[None, :])
-    gl.store(ptrs1, acc1.to(DK.dtype.element_ty), mask=row_ok[:, None])
-    ptrs2 = (DV + off_b.to(gl.int64) * stride_vb + off_h.to(gl.int64) * stride_vh
-             + rows.to(gl.int64)[:, None] * stride_vn + dims[None, :])
-    gl.store(ptrs2, acc2.to(DV.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(acc1, DK, off_b, off_h, rows, dims, row_ok, stride_kb, stride_kh, stride_kn)
+    _store_rows(acc2, DV, off_b, off_h, rows, dims, row_ok, stride_vb, stride_vh, stride_vn)
     bad = count_nonfinite(gl.where(row_ok[:, None], acc1, 0.0))
     bad += count_nonfinite(gl.where(row_ok[:, None], acc2, 0.0))
-    block = pid_r * CONSUMERS + WG
-    if block < gl.cdiv(NK, ROWS):
-        gl.store(Redo + bh * gl.cdiv(NK, ROWS) + block, (bad != 0).to(gl.int32))
+    _store_flag(Redo, bh, pid_r * CONSUMERS + WG, NK, bad)
 
 
 @gluon.jit
