@@ -1222,8 +1222,8 @@ class _HopperFused:
         """Write ``dq``, ``dk``, ``dv`` (``acc``: the zeroed contiguous float32 ``[B, H, Nq, D]`` sum);
         ``redo_*``: the generic kernels' tensor arguments before ``Redo``.
         Returns the flags of the redone dQ and dK/dV tiles."""
-        rows = bwd_sm90.ROWS.value
         if self.descs is None:  # built (and checked) once, then pointed at each call's tensors
+            rows = bwd_sm90.ROWS.value
             self.descs = (bwd_sm90.descriptor(k, rows), bwd_sm90.descriptor(v, rows),
                           bwd_sm90.descriptor(q, self.block_s), bwd_sm90.descriptor(do, self.block_s),
                           bwd_sm90.descriptor(acc, rows))
