@@ -385,7 +385,7 @@ def tune(cases, dtypes, precisions, configs=None):
 # --tune-hopper's default candidates per head dim: (BLOCK_N, STAGES, CONSUMERS)
 HOPPER_CANDIDATES = {
     64: [(128, 3, 2), (128, 3, 3), (128, 2, 2), (64, 4, 2), (64, 3, 3)],
-    128: [(64, 3, 2), (64, 4, 2), (64, 3, 3), (128, 2, 2)],
+    128: [(128, 3, 2), (64, 3, 2), (64, 4, 2), (128, 2, 2)],
 }
 
 

@@ -46,7 +46,7 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 # "The Hopper forward"); LARGE: the config of grids of at least LARGE_WAVES waves of LARGE's query tiles
 # (three consumer warpgroups: more products in flight per SM, but 192-row tiles leave a larger last wave on
 # smaller grids).
-CONFIGS = {64: (128, 3, 2), 128: (64, 3, 2)}
+CONFIGS = {64: (128, 3, 2), 128: (128, 3, 2)}
 LARGE = {64: (128, 3, 3)}
 LARGE_WAVES = 8
 
