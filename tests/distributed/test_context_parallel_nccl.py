@@ -26,6 +26,9 @@ RING_CASES = [
     dict(N=1031, D=128, causal=False, layout="contiguous", mask=True, bias=True),
     dict(N=3137, D=32, causal=True, layout="zigzag", mask=False, bias=False),
 ]
+# bf16 only: shards of 2,050 / 2,049 keys, so that on sm90 a rank's own shard takes the Hopper forward's
+# partial results (``fwd.HOPPER_MIN_KEYS``) and the visiting pieces the generic kernel's, merged together
+HOPPER_CASE = dict(N=4099, D=64, causal=False, layout="contiguous", mask=False, bias=False)
 
 
 def _ring_case(group, case, dtype, precision):
@@ -80,6 +83,16 @@ def _vit_case(group):
     return {"logits": relerr(got, want), "features": relerr(feats, want_feats)}
 
 
+def _hopper_routed() -> bool:
+    """Whether a rank's own shard of ``HOPPER_CASE`` (bf16) takes the Hopper forward as a partial result."""
+    from elsa_vision.kernels.fwd import fwd_program
+
+    n, D = -(-HOPPER_CASE["N"] // 2), HOPPER_CASE["D"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.zeros(2, 3, n, D, dtype=torch.bfloat16, device=dev)
+    return fwd_program(t, t, t, None, None, False, D ** -0.5, "auto", partial=True).hopper is not None
+
+
 def _work(rank, out_dir):
     import elsa_vision.distributed
 
@@ -88,8 +101,8 @@ def _work(rank, out_dir):
     elsa_vision.distributed.RING_PIECE_ROWS = 128  # the ring's transfers in pieces at 1031 and 3137 tokens
     group = dist.group.WORLD
     return {"ring_fp32": [_ring_case(group, c, torch.float32, "ieee") for c in RING_CASES],
-            "ring_bf16": [_ring_case(group, c, torch.bfloat16, "auto") for c in RING_CASES],
-            "vit": _vit_case(group)}
+            "ring_bf16": [_ring_case(group, c, torch.bfloat16, "auto") for c in RING_CASES + [HOPPER_CASE]],
+            "hopper_routed": _hopper_routed(), "vit": _vit_case(group)}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +120,9 @@ def test_ring_fp32_over_nccl_equals_float64(spawned):
 
 def test_ring_bf16_over_nccl_equals_float64(spawned):
     for r, res in enumerate(spawned):
-        for case, errs in zip(RING_CASES, res["ring_bf16"]):
+        if torch.cuda.get_device_capability() == (9, 0):  # HOPPER_CASE ran the Hopper forward's partials
+            assert res["hopper_routed"], r
+        for case, errs in zip(RING_CASES + [HOPPER_CASE], res["ring_bf16"]):
             for name, err in errs.items():  # bf16 inputs (8 mantissa bits) vs float64 of the fp32 inputs
                 assert err <= 2e-2, (r, case, name, err)
 
