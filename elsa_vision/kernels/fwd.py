@@ -550,10 +550,11 @@ PRESPLIT_MIN_KEYS = 0
 DEFER_SCALE = True
 
 # Half-precision forwards without a mask, bias or causality run ``fwd_sm90``'s warp-specialised kernel on
-# sm90 when the query tiles fill the GPU (one key partition) and the keys number at least this many
-# (docs/kernel_notes.md, "The Hopper forward"); False: the generic kernel everywhere.
+# sm90 when the query tiles fill the GPU (one key partition) and the keys number at least
+# ``HOPPER_MIN_KEYS[head dim]`` (docs/kernel_notes.md, "The Hopper forward", "Shorter sequences"); False:
+# the generic kernel everywhere.
 HOPPER = True
-HOPPER_MIN_KEYS = 2048
+HOPPER_MIN_KEYS = {64: 2048, 128: 1024}
 
 # Configs installed by ``set_config``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> tiles.
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
@@ -836,7 +837,7 @@ class _FwdProgram(AttentionProgram):
         self.hopper = None
         masked = has_bias or has_kpm or causal
         if (hopper and fwd_sm90 is not None and varlen is None and not masked
-                and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS
+                and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS.get(D, 0)
                 and fwd_sm90.supported(q, k, v, False)):
             self.hopper = _HopperForward(B, H, Nq, Nk, D, qk_scale, launch_scalars, main, strides[3],
                                          lse_strides, canonical_device(q.device))

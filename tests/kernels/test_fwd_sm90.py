@@ -120,7 +120,7 @@ def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch, four_sms, p
     # other row stays as the Hopper kernel left it. Built as on sm90 (supported() forced) and run by the
     # interpreter, float16; ``partial``: context parallelism's pieces (float32 out, float64 lse).
     monkeypatch.setattr(fwd_sm90, "supported", lambda *a: True)
-    monkeypatch.setattr(fwd_module, "HOPPER_MIN_KEYS", 0)
+    monkeypatch.setattr(fwd_module, "HOPPER_MIN_KEYS", {64: 0, 128: 0})
     B, H, N, D = 1, 2, 150, 64
     q, k, v = qkv(B, H, N, N, D, seed=31, dtype=torch.float16)
     v[0, 0, 7, 3] = math.inf  # a non-finite value: visible to every row
@@ -158,10 +158,15 @@ def test_three_consumers_only_for_many_waves():
 
 def test_routing_rules(monkeypatch, four_sms):
     # Only half-precision dense calls without masks, bias or causality whose query tiles fill the GPU and
-    # whose keys number at least HOPPER_MIN_KEYS take the Hopper kernel (partial results of context
+    # whose keys number at least HOPPER_MIN_KEYS[head dim] take the Hopper kernel (partial results of context
     # parallelism's pieces too); everything else the generic one.
     monkeypatch.setattr(fwd_sm90, "supported", lambda q, k, v, has_mask: q.dtype != torch.float32)
-    keys = fwd_module.HOPPER_MIN_KEYS
+    keys = fwd_module.HOPPER_MIN_KEYS[64]
+    wide = fwd_module.HOPPER_MIN_KEYS[128]
+    assert wide < keys  # head dim 128 from fewer keys (docs/kernel_notes.md, "Shorter sequences")
+    for n, hopper in ((wide, True), (wide - 1, False)):
+        q, k, v = qkv(1, 2, 150, n, 128, dtype=torch.float16)
+        assert (fwd_program(q, k, v, None, None, False, 0.125, "auto").hopper is not None) == hopper
     q, k, v = qkv(1, 2, 150, keys, 64, dtype=torch.float16)  # 6 query tiles fill 4 CPU "multiprocessors"
     assert fwd_program(q, k, v, None, None, False, 0.125, "auto").hopper is not None
     assert fwd_program(q, k, v, None, None, True, 0.125, "auto").hopper is None  # causal
@@ -209,6 +214,21 @@ needs_sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")
 @pytest.mark.parametrize("B,H,Nq,Nk", [(2, 3, 2048, 2048), (1, 4, 2561, 2561), (4, 12, 197, 2053),
                                        (1, 4, 4099, 2111)])
 def test_gpu_matches_float64_and_the_generic_kernel(B, H, Nq, Nk, D, dtype, monkeypatch):
+    _check_against_float64_and_generic(B, H, Nq, Nk, D, dtype, monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,H,Nq,Nk", [(8, 12, 1025, 1025), (4, 16, 1500, 1500), (4, 12, 333, 1031)])
+def test_gpu_head_dim_128_from_fewer_keys(B, H, Nq, Nk, dtype, monkeypatch):
+    # head dim 128 takes the Hopper kernel from HOPPER_MIN_KEYS[128] keys (a last key tile of one key at
+    # 1,025 and 1,031)
+    assert Nk >= fwd_module.HOPPER_MIN_KEYS[128]
+    _check_against_float64_and_generic(B, H, Nq, Nk, 128, dtype, monkeypatch)
+
+
+def _check_against_float64_and_generic(B, H, Nq, Nk, D, dtype, monkeypatch):
     q, k, v = qkv(B, H, Nq, Nk, D, seed=Nq + D, dtype=dtype)
     assert _hopper(q, k, v)
     out, lse = elsa_fwd(q, k, v)
@@ -312,7 +332,7 @@ def test_gpu_nonfinite_inputs_follow_the_reference_rule(dtype):
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_refused_shapes_take_the_generic_kernel():
-    n = fwd_module.HOPPER_MIN_KEYS
+    n = fwd_module.HOPPER_MIN_KEYS[64]
     for D in (32, 72, 96):  # head dims without a Hopper config
         assert not _hopper(*qkv(1, 8, n, n, D, dtype=torch.bfloat16))
     q, k, v = qkv(1, 8, n, n, 64, dtype=torch.bfloat16)
