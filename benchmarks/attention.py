@@ -322,6 +322,9 @@ def plot(csv_path, png_path):
     sweep = {d: max((n, date) for (dt, date), n in runs.items() if dt == d)[1] for d, _ in runs}
     rows = [r for r in rows if r["date"] == sweep[r["dtype"]]]
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in rows)]
+    if not dtypes:
+        print(f"no plot: {csv_path} has no forward rows of the plotted B=1, H=8 sweep")
+        return
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dname in zip(axes[0], dtypes):
         for color, peer in enumerate(RUNNERS):
