@@ -208,7 +208,7 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
     best = None
     if tiles:
         prec = resolve_precision("auto", dtype, q.device, "bwd", D)
-        base = bwd_config(dtype, D, D, q.device, prec, n_k=N)
+        base = bwd_config(dtype, D, D, q.device, prec, n_k=N, heads=B * H)
         print(f"  default tiles {base}")
         for t in tiles:
             cfg = replace(base, block_m1=t[0], block_n1=t[1], warps1=t[2], stages1=t[3], block_m2=t[4],

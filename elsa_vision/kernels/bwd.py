@@ -893,17 +893,18 @@ def _cfg(dkdv: tuple[int, int, int, int], dq: tuple[int, int, int, int],
 
 
 def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precision: str = "tf32x3",
-               n_k: int | None = None, has_bias: bool = False) -> BwdConfig:
+               n_k: int | None = None, has_bias: bool = False, heads: int | None = None) -> BwdConfig:
     """Default tiles for the backward from the dtype, head dims, key length and device (no environment
     variables).
 
     Chosen from tile sweeps (``python -m benchmarks.attention_bwd --tiles``; measurements in
     ``docs/kernel_notes.md``, "Backward"): half precision takes dK/dV tiles of 32 queries x 128 keys (4 warps,
     3 stages) and, at head dims <= 64, dQ tiles of 128 queries x 64 keys on 8 warps (64 x 64 on 4 warps up to
-    ``n_k = 1024`` keys); wider half-precision heads take dK/dV 64 x 128 and dQ 128 x 64 on 8 warps (2.6x
-    the 4-warp 32 x 128 / 128 x 32 split at 1 x 8 x 4096 x 128 on an H100); float32 runs best with larger
-    tiles on 8 warps (dK/dV 64 x 128, dQ 128 x 64), which pays for the three products per tile of ``tf32x3``
-    and ``fp16x3``.
+    ``n_k = 1024`` keys, and 128 x 64 on 4 warps at 193-256 keys -- ViT's 197 tokens, where both tiles pad to
+    256 rows -- when ``heads`` (B x H) give at least one such tile per multiprocessor); wider half-precision
+    heads take dK/dV 64 x 128 and dQ 128 x 64 on 8 warps (2.6x the 4-warp 32 x 128 / 128 x 32 split at 1 x 8 x
+    4096 x 128 on an H100); float32 runs best with larger tiles on 8 warps (dK/dV 64 x 128, dQ 128 x 64),
+    which pays for the three products per tile of ``tf32x3`` and ``fp16x3``.
     ``fp16x3`` (``precision`` is the resolved ``tl.dot`` precision; its operands split once per call) at head
     dim <= 64: past ``n_k = 1024`` keys dK/dV 64 x 128 on 3 stages and dQ 128 x 128 on 2 (128 x 64 on 3
     with a bias, ``has_bias``: a 128 x 128 bias tile is over the shared memory), up to 1024 keys 64 x 64 /
@@ -920,8 +921,11 @@ def bwd_config(dtype: torch.dtype, d: int, dv: int, device: torch.device, precis
         # CPU interpreter: few large tiles (the interpreter's cost is per program and per loop step)
         return BwdConfig(block_m1=64, block_n1=64, block_m2=64, block_n2=64, block_m3=64, block_n3=64)
     if dtype in (torch.float16, torch.bfloat16) and wide <= 64:
-        short = n_k is not None and n_k <= 1024
-        cfg = _cfg((32, 128, 4, 3), (64, 64, 4, 3) if short else (128, 64, 8, 3), (64, 64, 4))
+        keys = n_k if n_k is not None else 1 << 30
+        dq = (64, 64, 4, 3) if keys <= 1024 else (128, 64, 8, 3)
+        if 192 < keys <= 256 and heads is not None and 2 * heads >= device_info(device)[0]:
+            dq = (128, 64, 4, 3)
+        cfg = _cfg((32, 128, 4, 3), dq, (64, 64, 4))
     elif dtype in (torch.float16, torch.bfloat16):
         cfg = _cfg((64, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4))
     elif precision == "fp16x3" and wide <= 64:
@@ -975,7 +979,7 @@ class _BwdProgram(Program):
         prec = resolve_precision(precision, q.dtype, device, "bwd", max(D, Dv))
         sm_scale = float(scale)
         qk_scale = sm_scale * LOG2E
-        cfg = config or bwd_config(q.dtype, D, Dv, device, prec, Nk, attn_bias is not None)
+        cfg = config or bwd_config(q.dtype, D, Dv, device, prec, Nk, attn_bias is not None, B * H)
         BLOCK_D, BLOCK_DV = tile_size(D), tile_size(Dv)
         dot_upcast = device.type == "cpu" and q.dtype == torch.bfloat16
         has_bias, has_kpm = attn_bias is not None, key_padding_mask is not None

@@ -600,6 +600,8 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None, presplit=F
     else:
         if 256 < nq <= 1024 and big <= 128:
             cfg = (64, 64, 4, 3)  # 257-1024 query rows (ViT-B at 448 px): more programs
+        elif 128 < nq <= 256 and big <= 64:
+            cfg = (64, 32, 4, 3)  # 129-256 query rows (ViT at 224 px, 197 tokens)
         elif big <= 64:
             cfg = (128, 64, 4, 4)
         elif big <= 128:

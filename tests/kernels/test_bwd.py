@@ -426,6 +426,27 @@ def test_fp16x3_kernels_compile_for_sm90_without_a_gpu(presplit):
         assert 0 < kernel["shared"] <= 232448 and kernel["wgmma_f16"], (name, kernel)
 
 
+def test_default_half_dq_tiles_on_sm90(monkeypatch):
+    # dQ tiles of 128 query rows on 4 warps at 193-256 keys (ViT's 197 tokens: 64- and 128-row tiles both
+    # pad to 256) where B x H give at least one such tile per SM; 64 x 64 up to 1,024 keys otherwise (145
+    # tokens would pad to 256 rows instead of 192; 12 heads would leave most SMs idle); 128 x 64 on 8 warps
+    # past 1,024 keys.
+    from elsa_vision.kernels import host
+    from elsa_vision.kernels.bwd import bwd_config
+
+    monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
+    cuda = torch.device("cuda", 0)
+
+    def dq(n_k, heads, dtype=torch.bfloat16, D=64):
+        c = bwd_config(dtype, D, D, cuda, "none", n_k, False, heads)
+        return c.block_m2, c.block_n2, c.warps2, c.stages2
+
+    assert dq(197, 768) == dq(256, 66) == dq(197, 768, torch.float16) == (128, 64, 4, 3)
+    assert dq(197, 12) == dq(145, 768) == dq(257, 768) == dq(785, 96) == dq(197, None) == (64, 64, 4, 3)
+    assert dq(4096, 8) == (128, 64, 8, 3)
+    assert dq(197, 768, D=128) == (128, 64, 8, 3)  # head dim 128: unchanged
+
+
 def test_explicit_tiles_and_scale():
     """Non-default tiles (the GPU's half-precision shapes) and a custom scale give the same gradients."""
     q, k, v, do, bias, mask = _problem(1, 2, 113, 203, 64, 64, bias_shape=(1, 1, 113, 203), kpm=True, seed=4)

@@ -581,6 +581,24 @@ def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
     assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32).precision == "tf32x3"
 
 
+def test_plan_on_sm90_at_vit_lengths(monkeypatch):
+    # Half precision at 129-256 query rows (ViT at 224 px: 197 tokens) takes 64 x 32 tiles on 4 warps, 3
+    # stages (docs/kernel_notes.md, "ViT lengths"); 257-1024 rows 64 x 64; longer calls 128 x 64 on 4 stages.
+    from elsa_vision.kernels import fwd, host
+
+    monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
+
+    def tiles(B, H, N, dtype=torch.bfloat16, D=64):
+        p = fwd._plan(B, H, N, N, D, D, dtype)
+        return p.block_m, p.block_n, p.num_warps, p.num_stages
+
+    assert tiles(64, 12, 197) == tiles(16, 12, 145) == tiles(8, 12, 256, torch.float16) == (64, 32, 4, 3)
+    assert tiles(8, 12, 785) == (64, 64, 4, 3)
+    assert tiles(1, 8, 4096) == (128, 64, 4, 4)
+    assert tiles(64, 12, 197, D=128) == (128, 128, 8, 3)  # head dim 128: unchanged
+    assert tiles(64, 12, 197, torch.float32)[:2] == (64, 64)  # float32: its own rules
+
+
 # ------------------------------------------------------------------------------------------ varlen
 
 
