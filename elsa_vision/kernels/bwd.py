@@ -1105,18 +1105,16 @@ class _BwdProgram(Program):
         bias = delta if bias is None else bias
         kpm = delta if kpm is None else kpm
         out = delta if out is None else out
-        fq = fk = None
+        # the generic kernels' tensor arguments before ``Redo`` (the parts they do not read: ``delta``)
+        redo_dq = (q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta)
+        redo_dkdv = (q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta)
         if self.hopper_fused is not None:
-            return self.hopper_fused(
-                q, k, v, do, lse, delta, acc, dq, dk, dv,
-                redo_dq=(q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta),
-                redo_dkdv=(q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta))
+            return self.hopper_fused(q, k, v, do, lse, delta, acc, dq, dk, dv, redo_dq, redo_dkdv)
+        fq = fk = None
         if self.hopper_dq is not None:
-            fq = self.hopper_dq((q, do), (k, v), lse, delta, dq, dq,
-                                (q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta))
+            fq = self.hopper_dq((q, do), (k, v), lse, delta, dq, dq, redo_dq)
         if self.hopper_dkdv is not None:
-            fk = self.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv,
-                                  (q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta))
+            fk = self.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv, redo_dkdv)
         return fq, fk
 
     def run(self, do, q, k, v, out, lse, bias, kpm, delta):
