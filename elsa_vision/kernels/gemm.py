@@ -2,16 +2,16 @@
 
 The GEMM family sibling of the attention kernels, at the same float32 precisions (``kernels.precision``):
 
-* ``"fp16x3"`` (what ``"auto"`` picks on sm90): each operand is first split (``split_rows``, one
-  memory-bound pass) into two float16 parts scaled by a power of two per row, ``x * 2**c == hi + lo`` to 22
-  bits (the Hopper loop splits a row-contiguous ``A`` of a product at most ``A_F32_MAX_N`` wide in its own
-  registers instead, one scale per row and K-step); the product loop then runs on half-precision tensor
-  cores alone: three products per K-tile (``dots.matmul_f16x3``) into a fresh float32 accumulator that is
-  added to the running sum in IEEE float32. The tensor core's own accumulation is not IEEE-rounded and its
-  error grows with K (measured: 1e-5 at K = 8192 when every K-tile accumulates through it); one fresh
-  accumulator per K-tile keeps the result below PyTorch's FP32 GEMM error at any K. The row scales are
-  undone exactly in the epilogue. On sm90, products with ``K % 8 == 0`` run this loop warp-specialised
-  (``kernels.gemm_sm90``), the others here;
+* ``"fp16x3"`` (what ``"auto"`` picks on sm90): each operand is first split (``split_rows``, one memory-bound
+  pass) into two float16 parts scaled by a power of two per row, ``x * 2**c == hi + lo`` to 22 bits (the
+  Hopper loop splits a row-contiguous ``A`` of a product at most ``A_F32_MAX_N`` wide, or of at most
+  ``A_F32_MAX_M`` rows, in its own registers instead, one scale per row and K-step); the product loop then
+  runs on half-precision tensor cores alone: three products per K-tile (``dots.matmul_f16x3``) into a fresh
+  float32 accumulator that is added to the running sum in IEEE float32. The tensor core's own accumulation is
+  not IEEE-rounded and its error grows with K (measured: 1e-5 at K = 8192 when every K-tile accumulates
+  through it); one fresh accumulator per K-tile keeps the result below PyTorch's FP32 GEMM error at any K. The
+  row scales are undone exactly in the epilogue. On sm90, products with ``K % 8 == 0`` run this loop
+  warp-specialised (``kernels.gemm_sm90``), the others here;
 * ``"tf32x3"`` (``"auto"`` on other sm80+ GPUs): Triton's three-product TF32 split of float32 tiles;
 * ``"ieee"``: plain FP32 FMA (no tensor cores); ``"tf32"``: one TF32 pass (~1e-3).
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -287,6 +288,11 @@ class GemmPlan:
 # first stage (N = 288, 384; K = 96), 1.07-1.08x at N = 576-768, 0.98-1.00x at N = 768-1152 with K >= 384,
 # 0.81-0.91x at N >= 2304, where the products are compute-bound and the split lengthens each consumer's step.
 A_F32_MAX_N = 768
+# ... and for products of at most this many rows whatever their width (two row tiles: a single image's
+# tokens). There the split pass is a launch and two allocations of its own for a product of a few µs, and
+# the host's time decides an eager call. H100, ViT-B/16 float32 at batch 1 (197 rows; 2026-11-28, CUDA-graph
+# ms of the whole forward): 1.274 in registers at every width against 1.278 with the split pass above 768.
+A_F32_MAX_M = 256
 # The same for a transposed ``a`` (columns contiguous: ``TRANS_A``), whose alternative is a column-maxima pass
 # and a transposing split. H100, whole weight gradients (2026-11-27): 1024 wide 1.19x faster in registers
 # (ViT-L qkv 3072x1024, K = 6304: 0.314 -> 0.257 ms), 768 wide equal, 3072-4096 wide 0.78-0.84x (those
@@ -424,6 +430,54 @@ class _Split:
         return parts, exp
 
 
+class _Splits:
+    """The split parts of ``b`` operands kept from one product to the next (``gemm(..., reuse_b=True)``):
+    the weights of inference products, split once instead of at every call.
+
+    An entry belongs to one tensor (by ``id``, with a weak reference: it goes when the tensor goes) and
+    holds the parts of its values at one version of its storage (``Tensor._version``, which every in-place
+    change through the tensor or a view of it advances), address, shape, strides and split layout; a call
+    that finds any of them changed splits again and replaces the entry. Writes that bypass the version
+    counter (through ``tensor.data``) are not seen: a caller reusing splits promises none happen. Views
+    are not kept (a new view object per call would only churn), and nothing is kept or reused while a CUDA
+    graph is being captured (the graph then splits at every replay, as it reads the weight then). A kept
+    entry costs the weight's own size in GPU memory (two float16 parts and an int32 scale per row)."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def __call__(self, b: Tensor, split: _Split) -> tuple[Tensor, Tensor]:
+        key = id(b)
+        entry = self._entries.get(key)
+        if b.is_cuda and torch.cuda.is_current_stream_capturing():
+            return split(b)  # the graph splits at every replay, reading the weight as it is then
+        state = (b._version, b.data_ptr(), b.shape, b.stride(), split.transpose)
+        if entry is not None and entry[0]() is b and entry[1] == state:
+            return entry[2]
+        parts = split(b)
+        if b._base is None:
+            ref = entry[0] if entry is not None and entry[0]() is b else weakref.ref(
+                b, lambda _, key=key, entries=self._entries: entries.pop(key, None))
+            self._entries[key] = (ref, state, parts)
+        return parts
+
+    def drop(self, b: Tensor) -> None:
+        """Forget ``b``'s parts (a training product, whose weights change every step)."""
+        if self._entries:
+            entry = self._entries.get(id(b))
+            if entry is not None and entry[0]() is b:
+                del self._entries[id(b)]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_SPLITS = _Splits()
+
+
 def split_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(parts, exp)`` of float32 ``x [R, L]`` (any strides): one power-of-two scale per row, float16
     ``parts [2, R, L]`` (contiguous) with ``x[r] * 2**exp[r] == parts[0, r] + parts[1, r]`` to 22 bits, int32
@@ -512,7 +566,7 @@ class _GemmProgram(Program):
         stride_ae = 0
         a_shape, a_strides = ((M, K), (K, 1)) if a.dim() == 3 else (a.shape, a.stride())  # parts: dense rows
         ws = p.warp_specialized and not a_group and a.dim() == 2
-        self.a_f32 = (ws and N <= A_F32_MAX_N and a.stride(1) == 1 and a.stride(0) >= K
+        self.a_f32 = (ws and (N <= A_F32_MAX_N or M <= A_F32_MAX_M) and a.stride(1) == 1 and a.stride(0) >= K
                       and a.stride(0) % 4 == 0 and a.data_ptr() % 16 == 0)
         self.trans_a = (ws and N <= A_T_MAX_N and not self.a_f32 and _transposed(a)
                         and _f32_transposed_tma(a))
@@ -560,7 +614,7 @@ class _GemmProgram(Program):
                               dict(SLICES=p.slices, BLOCK_M=bm2, BLOCK_N=bn2, HAS_BIAS=has_bias,
                                    ACTIVATION=activation, SPLIT_OUT=self.split_output), 4)
 
-    def run(self, a, b, bias, a_exp=None):
+    def run(self, a, b, bias, a_exp=None, reuse_b=False):
         M, N, K = self.sizes
         if self.swap:
             a, b = b, a
@@ -589,7 +643,7 @@ class _GemmProgram(Program):
                 a, a_exp = self.split_a(a)
             elif self.a_f32:
                 a_exp = out_exp  # unread: the loop scales A per K-step itself
-            b, b_exp = self.split_b(b)
+            b, b_exp = _SPLITS(b, self.split_b) if reuse_b else self.split_b(b)
         else:
             a_exp = b_exp = out_exp
         if self.ws:  # descriptors built (and checked) once, then pointed at each call's parts
@@ -625,7 +679,7 @@ _PROGRAMS = ProgramCache()
 
 def gemm(a: Tensor | SplitOperand, b: Tensor, bias: Tensor | None = None, *, precision: str = "auto",
          activation: str | None = None, slices: int | None = None, split_output: bool = False,
-         ) -> Tensor | SplitOperand:
+         reuse_b: bool = False) -> Tensor | SplitOperand:
     """``act(a @ b.T + bias)`` in float32 for float32 ``a [M, K]``, ``b [N, K]`` (any strides: ``b`` is a
     linear layer's weight as stored; pass ``w.t()`` for ``x @ w``) and ``bias [N]``.
 
@@ -635,11 +689,16 @@ def gemm(a: Tensor | SplitOperand, b: Tensor, bias: Tensor | None = None, *, pre
     product runs ``"fp16x3"`` (and has work to do) a :class:`SplitOperand` of it: the output written as the
     float16 parts the next product reads without a split pass (a layer whose output feeds one product only,
     an MLP's hidden activation). ``a`` may be such a ``SplitOperand`` (read as parts where this product runs
-    ``"fp16x3"`` with K-tiles that divide its groups, else made dense first).
+    ``"fp16x3"`` with K-tiles that divide its groups, else made dense first). ``reuse_b``: ``b`` is a weight
+    that will not change between calls except through in-place operations (an inference product): its
+    ``"fp16x3"`` split is kept and reused while its storage's version is unchanged (:class:`_Splits`);
+    without it, a kept split of ``b`` is dropped.
     """
+    if not reuse_b:
+        _SPLITS.drop(b)
     if isinstance(a, SplitOperand):
         program = _PROGRAMS(_GemmProgram, (a.parts, b, bias),
                             (precision, activation, slices, a.group, split_output))
-        return program(a.parts, b, bias, a.exp)
+        return program(a.parts, b, bias, a.exp, reuse_b)
     program = _PROGRAMS(_GemmProgram, (a, b, bias), (precision, activation, slices, 0, split_output))
-    return program(a, b, bias)
+    return program(a, b, bias, None, reuse_b)

@@ -13,10 +13,10 @@ GEMM"):
   asynchronous wgmma products from shared memory, wait for them, release the stage (``empty`` mbarrier, one
   arrival per consumer) and add the fresh products to their running sum. The two warpgroups synchronise
   only through the mbarriers, so one's additions and epilogue overlap the other's products;
-* with ``A_F32`` (a float32 ``A`` with rows contiguous, for products at most ``gemm.A_F32_MAX_N`` wide) the
-  producer loads ``A`` itself, each K-step in two float32 halves, and each consumer splits its rows in
-  registers (one power-of-two scale per row and K-step, undone on the fresh product) and issues six wgmma
-  products with ``A`` from registers: no split pass over ``A`` in memory;
+* with ``A_F32`` (a float32 ``A`` with rows contiguous, for products at most ``gemm.A_F32_MAX_N`` wide or
+  ``gemm.A_F32_MAX_M`` long) the producer loads ``A`` itself, each K-step in two float32 halves, and each
+  consumer splits its rows in registers (one power-of-two scale per row and K-step, undone on the fresh
+  product) and issues six wgmma products with ``A`` from registers: no split pass over ``A`` in memory;
 * with ``TRANS_A`` (with ``A_F32``: ``A`` a transposed view, its columns contiguous, as a weight gradient's
   ``dy.T``) the producer loads ``[BLOCK_K, BLOCK_M / 2]`` tiles of the storage ``[K, M]`` for each consumer,
   which reads its rows transposed from shared memory into the same registers: no split pass and no

@@ -11,7 +11,10 @@ and ``"tf32"`` (one TF32 pass).
 Three tiers, as the attention op: two torch operators (``elsa_vision::linear_fwd`` / ``linear_bwd``, each a
 kernel and a fake kernel: one opaque node under ``torch.compile``), one ``autograd.Function`` (saves ``x`` and
 ``weight``; the backward forms ``dX = dY W``, ``dW = dY^T X`` with the same kernels and ``db = sum dY``), and
-the public function, which checks its inputs once.
+the public function, which checks its inputs once. Where nothing needs a gradient (inference) the forward
+operator keeps each weight's float16 parts from one call to the next (``kernels.gemm``, ``reuse_b``): a
+weight is split once while it is unchanged (its version counter; a CUDA graph splits at every replay), for
+the weight's own size in GPU memory; a call with autograd drops them.
 
 ``elsa_mlp`` is timm's ``Mlp`` with exact GELU (``fc2(gelu(fc1(x)))``) as one operator where nothing needs
 its gradient: the first product's epilogue adds the bias, applies the GELU and writes the hidden activation
@@ -71,11 +74,11 @@ def _cuda_route(device: torch.device, precision: str) -> str:
 # The Triton path: two operators without autograd of their own, one autograd.Function around them.
 
 
-def _linear_fwd(x, weight, bias, precision):
-    return _gemm().gemm(x, weight, bias, precision=precision)
+def _linear_fwd(x, weight, bias, precision, inference):
+    return _gemm().gemm(x, weight, bias, precision=precision, reuse_b=inference)
 
 
-def _linear_fwd_fake(x, weight, bias, precision):
+def _linear_fwd_fake(x, weight, bias, precision, inference):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -95,8 +98,9 @@ def _linear_bwd_fake(dy, x, weight, precision, need_x, need_w, need_b):
 
 def _mlp_fwd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision):
     gemm = _gemm().gemm
-    hidden = gemm(x, fc1_weight, fc1_bias, precision=precision, activation="gelu", split_output=True)
-    return gemm(hidden, fc2_weight, fc2_bias, precision=precision)
+    hidden = gemm(x, fc1_weight, fc1_bias, precision=precision, activation="gelu", split_output=True,
+                  reuse_b=True)
+    return gemm(hidden, fc2_weight, fc2_bias, precision=precision, reuse_b=True)
 
 
 def _mlp_fwd_fake(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision):
@@ -110,7 +114,7 @@ _MLP_FWD = define_op(
     _mlp_fwd, _mlp_fwd_fake,
 )
 _LINEAR_FWD = define_op(
-    "linear_fwd", "(Tensor x, Tensor weight, Tensor? bias, str precision) -> Tensor",
+    "linear_fwd", "(Tensor x, Tensor weight, Tensor? bias, str precision, bool inference) -> Tensor",
     _linear_fwd, _linear_fwd_fake,
 )
 _LINEAR_BWD = define_op(
@@ -127,7 +131,7 @@ class _ElsaLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, precision):
-        args = (x, weight, bias, precision)
+        args = (x, weight, bias, precision, False)
         ctx.save_for_backward(x, weight)
         ctx.precision, ctx.has_bias = precision, bias is not None
         return eager_bypass(x, _linear_fwd, _LINEAR_FWD)(*args)
@@ -148,7 +152,7 @@ def _needs_grad(*tensors) -> bool:
 def _triton_linear(x2, weight, bias, precision):
     if _needs_grad(x2, weight, bias):
         return _ElsaLinear.apply(x2, weight, bias, precision)
-    return eager_bypass(x2, _linear_fwd, _LINEAR_FWD)(x2, weight, bias, precision)
+    return eager_bypass(x2, _linear_fwd, _LINEAR_FWD)(x2, weight, bias, precision, True)
 
 
 def elsa_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, precision: str = "auto",

@@ -265,8 +265,8 @@ def test_plan_takes_the_hopper_loop_where_tma_can_load_the_parts(monkeypatch):
 def test_hopper_loop_splits_a_in_registers_for_narrow_products(monkeypatch):
     """A float32 ``a`` with rows contiguous and 16-byte aligned, or with columns contiguous and 16-byte
     aligned columns (``trans_a``), goes to the Hopper loop whole (no split pass) for products at most
-    ``A_F32_MAX_N`` wide; wider products, misaligned or overlapping ``a`` and the generic loop take the split
-    pass."""
+    ``A_F32_MAX_N`` wide or at most ``A_F32_MAX_M`` rows long; longer and wider products, misaligned or
+    overlapping ``a`` and the generic loop take the split pass."""
     from elsa_vision.kernels import gemm as g
     from elsa_vision.kernels import host
 
@@ -276,11 +276,12 @@ def test_hopper_loop_splits_a_in_registers_for_narrow_products(monkeypatch):
     monkeypatch.setattr(host, "_device_info", lambda device=None: (132, (9, 0), 232448))
     g._plan.cache_clear()
     try:
-        x = torch.empty(256, 96)
+        x = torch.empty(g.A_F32_MAX_M + 8, 96)
         narrow, wide = torch.empty(g.A_F32_MAX_N, 96), torch.empty(g.A_F32_MAX_N + 8, 96)
         p = program(x, narrow)
         assert p.ws and p.a_f32 and p.split_a is None
         assert not program(x, wide).a_f32
+        assert program(x[:g.A_F32_MAX_M], wide).a_f32  # few rows: in registers at any width
         p = program(x.t().contiguous().t(), narrow)  # columns contiguous: read transposed from shared memory
         assert p.a_f32 and p.trans_a and p.split_a is None
         assert program(x.t().contiguous().t(), torch.empty(g.A_T_MAX_N, 96)).trans_a  # its own limit

@@ -100,7 +100,7 @@ def test_operators_pass_opcheck():
 
     x, w, b = randn(9, 20, seed=1), randn(7, 20, seed=2), randn(7, seed=3)
     dy = randn(9, 7, seed=4)
-    torch.library.opcheck(torch.ops.elsa_vision.linear_fwd.default, (x, w, b, "fp16x3"),
+    torch.library.opcheck(torch.ops.elsa_vision.linear_fwd.default, (x, w, b, "fp16x3", True),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.elsa_vision.linear_bwd.default, (dy, x, w, "fp16x3", True, True, True),
                           test_utils=("test_schema", "test_faketensor"))
@@ -180,6 +180,57 @@ def test_mlp_operator_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+# --------------------------------------------------------------------------- inference: weight split once
+
+
+def _splits():
+    from elsa_vision.kernels import gemm
+
+    return gemm._SPLITS
+
+
+def test_inference_reuses_a_weights_split_until_it_changes_in_place():
+    """Without gradients a weight is split once: the kept parts are the split of its values, reruns are
+    bitwise equal, and an in-place change (any version bump) is seen at the next call."""
+    from elsa_vision.kernels.gemm import split_rows
+
+    splits = _splits()
+    splits.clear()
+    x, w, b = randn(37, 48, seed=1), randn(29, 48, seed=2), randn(29, seed=3)
+    with torch.no_grad():
+        first = elsa_linear(x, w, b, precision="fp16x3", backend=TRITON)
+        assert len(splits) == 1
+        parts, exp = splits._entries[id(w)][2]
+        want_parts, want_exp = split_rows(w)
+        assert torch.equal(parts, want_parts) and torch.equal(exp, want_exp)
+        assert torch.equal(elsa_linear(x, w, b, precision="fp16x3", backend=TRITON), first)
+        w.mul_(-3.0)  # in place: a new version of the same storage
+        changed = elsa_linear(x, w, b, precision="fp16x3", backend=TRITON)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert relerr(changed, ref) <= FP32_ACCURATE
+    assert len(splits) == 1
+
+
+def test_training_calls_drop_the_kept_split_and_dead_weights_leave_none():
+    splits = _splits()
+    splits.clear()
+    x, w = randn(9, 32, seed=1), randn(11, 32, seed=2).requires_grad_()
+    with torch.no_grad():
+        elsa_linear(x, w, precision="fp16x3", backend=TRITON)
+    assert len(splits) == 1
+    out = elsa_linear(x, w, precision="fp16x3", backend=TRITON)  # with autograd: the weight will change
+    assert len(splits) == 0
+    out.sum().backward()
+    with torch.no_grad():
+        elsa_linear(x, w, precision="fp16x3", backend=TRITON)
+        elsa_linear(x, w[:, :], precision="fp16x3", backend=TRITON)  # a view: not kept
+        assert len(splits) == 1
+        elsa_mlp(x, randn(16, 32, seed=3), None, randn(8, 16, seed=4), None, precision="fp16x3",
+                 backend=TRITON)  # the fused MLP's two weights, dead after the call
+    del w, out  # the graph of `out` holds the weight too
+    assert len(splits) == 0
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 
 
@@ -212,6 +263,31 @@ def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
         first = replayed.clone()
         graph.replay()
         assert torch.equal(replayed, first) and torch.equal(first, elsa_linear(static, w, b))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_reads_the_weight_at_each_replay():
+    """A graph captured with a weight whose split is kept splits it inside the graph: an in-place update
+    after the capture (``load_state_dict``, an EMA step) reaches every replay."""
+    splits = _splits()
+    splits.clear()
+    x, w, b = randn(300, 256, seed=1), randn(320, 256, seed=2), randn(320, seed=3)
+    with torch.no_grad():
+        elsa_linear(x, w, b)  # kept before the capture
+        assert len(splits) == 1
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            elsa_linear(x, w, b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = elsa_linear(x, w, b)
+        w.copy_(randn(320, 256, seed=4))
+        graph.replay()
+        ref = F.linear(x.double(), w.double(), b.double())
+        assert relerr(replayed, ref) <= FP32_ACCURATE
+        assert torch.equal(replayed, elsa_linear(x, w, b))
 
 
 @pytest.mark.gpu
