@@ -16,6 +16,10 @@ call -- what decides an eager model's speed at ViT sizes in half precision. Case
   converted to ELSA (the W-ELSA op).
 * ``vit_block``: one timm ViT-B ``Block`` on ``[1, 16, 768]``: timm (SDPA) against the block with
   ``ElsaAttention``.
+* ``linear`` / ``mlp``: one ViT-B qkv projection (768 -> 2304) and one timm ViT-B ``Mlp`` on ``[16, 768]``,
+  no autograd: ``F.linear`` / timm's ``Mlp`` against ``elsa_linear`` / the ``ElsaMlp`` made from it (float32:
+  the split-precision GEMM, whose weights are split once for inference; bfloat16: ``F.linear`` behind
+  ``elsa_linear``'s checks).
 
 Every row also gives the GPU kernels one call launches (``torch.profiler``). ``--breakdown`` adds the host
 time of each stage of ELSA's forward path at the same shape, timed alone in the same way: input validation,
@@ -54,7 +58,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPE = (1, 1, 64, 64)  # the attention cases: GPU work negligible, the host's cost per call is what is left
 LONG = (1, 1, 2048, 64)  # long enough for the Hopper kernels, GPU work still a few µs
 SDPA_PEERS = ("sdpa_efficient", "sdpa_cudnn", "sdpa_flash")  # flash is skipped for float32 (no kernel)
-CASES = ("fwd", "fwd_bwd", "fwd_long", "fwd_bwd_long", "window_v1", "window_v2", "vit_block")
+CASES = ("fwd", "fwd_bwd", "fwd_long", "fwd_bwd_long", "window_v1", "window_v2", "vit_block", "linear", "mlp")
+TOKENS = 16  # the linear cases' rows
 
 
 def attention_peers(dtype, long: bool = False) -> dict:
@@ -133,6 +138,33 @@ def module_rows(dtype, calls):
             fns[name] = call
         for name, us in host_us(fns, calls).items():
             rows.append((case, name, us, launches(fns[name])))
+    return rows
+
+
+def linear_rows(dtype, calls):
+    """``linear`` and ``mlp``: torch's layer against ELSA's, no autograd, at ``[TOKENS, 768]``."""
+    import torch.nn.functional as F
+    from timm.layers import Mlp
+
+    from elsa_vision import patch_model
+    from elsa_vision.ops.linear import elsa_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, 768, device="cuda", dtype=dtype)
+    w = torch.randn(2304, 768, device="cuda", dtype=dtype) / 28
+    b = torch.randn(2304, device="cuda", dtype=dtype)
+    mlp = Mlp(768, 3072).to("cuda", dtype).eval()
+    elsa_mlp = copy.deepcopy(mlp)
+    patch_model(elsa_mlp)  # an ElsaMlp over two ElsaLinear layers
+    cases = {
+        "linear": {"torch": lambda: F.linear(x, w, b), "elsa": lambda: elsa_linear(x, w, b)},
+        "mlp": {"timm": lambda: mlp(x), "elsa": lambda: elsa_mlp(x)},
+    }
+    rows = []
+    with torch.no_grad():
+        for case, fns in cases.items():
+            for name, us in host_us(fns, calls).items():
+                rows.append((case, name, us, launches(fns[name])))
     return rows
 
 
@@ -274,7 +306,7 @@ def main(argv=None) -> str:
             dtype = DTYPES[dname]
             print(f"{dname}:", flush=True)
             got = (attention_rows(dtype, args.calls) + attention_rows(dtype, args.calls, long=True)
-                   + module_rows(dtype, args.calls))
+                   + module_rows(dtype, args.calls) + linear_rows(dtype, args.calls))
             if args.breakdown:
                 got += breakdown_rows(dtype, args.calls)
             for case, peer, us, n in got:
