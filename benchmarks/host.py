@@ -7,9 +7,9 @@ call -- what decides an eager model's speed at ViT sizes in half precision. Case
 * ``fwd`` / ``fwd_bwd``: ``[1, 1, 64, 64]`` attention, forward (no autograd) and forward + backward (inputs
   requiring grad, ``out.backward(dout)``): SDPA's efficient, cuDNN and flash backends (where they take the
   dtype) against ``elsa_attention``.
-* ``fwd_long`` / ``fwd_bwd_long``: the same at ``[1, 1, 2048, 64]``, where both warp-specialised Hopper
-  kernels take the call on sm90 (``fwd.HOPPER_MIN_KEYS``, ``bwd.HOPPER_MIN_KEYS``) and the GPU's work is
-  still a few µs: ``elsa`` against ``elsa_generic`` (the generic kernels,
+* ``fwd_long`` / ``fwd_bwd_long``: the same at ``[1, 1, 2048, 64]``, where the warp-specialised Hopper
+  backward takes the call on sm90 (``bwd.HOPPER_MIN_KEYS``; the forward's grid is too small for the Hopper
+  forward, which needs one key partition) and the GPU's work is still a few µs: ``elsa`` against ``elsa_generic`` (the generic kernels,
   ``benchmarks.common.generic_kernels``) and SDPA's cuDNN backend.
 * ``window``: one window-attention module call on ``[8, 49, 96]`` (Swin-T stage 1, 3 heads, window 7;
   ``[8, 64, 96]`` for Swin v2, window 8): timm's ``WindowAttention`` (v1 and v2) against the same module
@@ -56,7 +56,7 @@ from benchmarks.common import (
 COLUMNS = columns("label", "case", "dtype", "peer", "host_us", "launches")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPE = (1, 1, 64, 64)  # the attention cases: GPU work negligible, the host's cost per call is what is left
-LONG = (1, 1, 2048, 64)  # long enough for the Hopper kernels, GPU work still a few µs
+LONG = (1, 1, 2048, 64)  # long enough for the Hopper backward, GPU work still a few µs
 SDPA_PEERS = ("sdpa_efficient", "sdpa_cudnn", "sdpa_flash")  # flash is skipped for float32 (no kernel)
 CASES = ("fwd", "fwd_bwd", "fwd_long", "fwd_bwd_long", "window_v1", "window_v2", "vit_block", "linear", "mlp")
 TOKENS = 16  # the linear cases' rows
