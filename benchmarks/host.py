@@ -9,8 +9,8 @@ call -- what decides an eager model's speed at ViT sizes in half precision. Case
   dtype) against ``elsa_attention``.
 * ``fwd_long`` / ``fwd_bwd_long``: the same at ``[1, 1, 2048, 64]``, where the warp-specialised Hopper
   backward takes the call on sm90 (``bwd.HOPPER_MIN_KEYS``; the forward's grid is too small for the Hopper
-  forward, which needs one key partition) and the GPU's work is still a few µs: ``elsa`` against ``elsa_generic`` (the generic kernels,
-  ``benchmarks.common.generic_kernels``) and SDPA's cuDNN backend.
+  forward, which needs one key partition) and the GPU's work is still a few µs: ``elsa`` against
+  ``elsa_generic`` (the generic kernels, ``benchmarks.common.generic_kernels``) and SDPA's cuDNN backend.
 * ``window``: one window-attention module call on ``[8, 49, 96]`` (Swin-T stage 1, 3 heads, window 7;
   ``[8, 64, 96]`` for Swin v2, window 8): timm's ``WindowAttention`` (v1 and v2) against the same module
   converted to ELSA (the W-ELSA op).

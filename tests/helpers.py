@@ -39,6 +39,20 @@ def assert_nonfinite_like(out: torch.Tensor, ref: torch.Tensor, tol: float, some
         assert relerr(out[fin], ref[fin]) <= tol
 
 
+def cuda_graph(fn):
+    """``(graph, out)``: ``fn()`` run once on a side stream (compiling its kernels, filling the caches), then
+    captured in a CUDA graph whose replays rewrite ``out``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 

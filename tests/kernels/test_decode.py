@@ -29,6 +29,7 @@ from tests.helpers import (
     assert_lse,
     assert_nonfinite_like,
     compile_for_sm90,
+    cuda_graph,
     gen,
     qkv,
     randn,
@@ -444,14 +445,7 @@ def test_gpu_hidden_nonfinite_keys_and_values(dtype):
 def test_gpu_cuda_graph_replay_bitwise():
     q, k, v = qkv(1, 8, 1, 65536, 128, seed=9, dtype=torch.bfloat16)
     eager, eager_lse = elsa_decode(q, k, v, causal=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compile, allocate) on a side stream
-        elsa_decode(q, k, v, causal=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = elsa_decode(q, k, v, causal=True)
+    graph, (out, lse) = cuda_graph(lambda: elsa_decode(q, k, v, causal=True))
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from elsa_vision.ops.linear import elsa_linear, elsa_mlp, linear_route  # noqa: E402
-from tests.helpers import DEVICE, FP32_ACCURATE, randn, relerr  # noqa: E402
+from tests.helpers import DEVICE, FP32_ACCURATE, cuda_graph, randn, relerr  # noqa: E402
 
 # the Triton path on this machine: CUDA, or the interpreter on CPU tensors (backend="triton" asks for it)
 TRITON = "auto" if DEVICE == "cuda" else "triton"
@@ -251,14 +251,7 @@ def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-3)
     with torch.no_grad():
         static = x.detach().clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            elsa_linear(static, w, b)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = elsa_linear(static, w, b)
+        graph, replayed = cuda_graph(lambda: elsa_linear(static, w, b))
         graph.replay()
         first = replayed.clone()
         graph.replay()
@@ -275,14 +268,7 @@ def test_gpu_cuda_graph_reads_the_weight_at_each_replay():
     with torch.no_grad():
         elsa_linear(x, w, b)  # kept before the capture
         assert len(splits) == 1
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            elsa_linear(x, w, b)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = elsa_linear(x, w, b)
+        graph, replayed = cuda_graph(lambda: elsa_linear(x, w, b))
         w.copy_(randn(320, 256, seed=4))
         graph.replay()
         ref = F.linear(x.double(), w.double(), b.double())
@@ -326,13 +312,6 @@ def test_gpu_mlp_compiles_and_replays_in_a_cuda_graph():
     compiled = torch.compile(lambda *a: elsa_mlp(*a), fullgraph=True)
     torch.testing.assert_close(compiled(*args), eager, rtol=0, atol=0)
     static = args[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        elsa_mlp(static, *args[1:])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = elsa_mlp(static, *args[1:])
+    graph, replayed = cuda_graph(lambda: elsa_mlp(static, *args[1:]))
     graph.replay()
     assert torch.equal(replayed, eager)
