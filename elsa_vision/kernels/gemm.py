@@ -439,8 +439,9 @@ class _Splits:
     change through the tensor or a view of it advances), address, shape, strides and split layout; a call
     that finds any of them changed splits again and replaces the entry. Writes that bypass the version
     counter (through ``tensor.data``) are not seen: a caller reusing splits promises none happen. Views
-    are not kept (a new view object per call would only churn), and nothing is kept or reused while a CUDA
-    graph is being captured (the graph then splits at every replay, as it reads the weight then). A kept
+    are not kept (a new view object per call would only churn), nor inference tensors (a model built under
+    ``torch.inference_mode``: no version counter), and nothing is kept or reused while a CUDA graph is
+    being captured (the graph then splits at every replay, as it reads the weight then). A kept
     entry costs the weight's own size in GPU memory (two float16 parts and an int32 scale per row)."""
 
     def __init__(self):
@@ -449,8 +450,10 @@ class _Splits:
     def __call__(self, b: Tensor, split: _Split) -> tuple[Tensor, Tensor]:
         key = id(b)
         entry = self._entries.get(key)
-        if b.is_cuda and torch.cuda.is_current_stream_capturing():
-            return split(b)  # the graph splits at every replay, reading the weight as it is then
+        if b.is_inference() or (b.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # an inference tensor has no version counter; a graph splits at every replay, reading the
+            # weight as it is then
+            return split(b)
         state = (b._version, b.data_ptr(), b.shape, b.stride(), split.transpose)
         if entry is not None and entry[0]() is b and entry[1] == state:
             return entry[2]

@@ -231,6 +231,23 @@ def test_training_calls_drop_the_kept_split_and_dead_weights_leave_none():
     assert len(splits) == 0
 
 
+def test_inference_mode_weights_are_split_at_every_call():
+    """Weights made under ``torch.inference_mode`` have no version counter: nothing is kept for them, and
+    ordinary weights called under it are kept as under ``no_grad``."""
+    splits = _splits()
+    splits.clear()
+    x, w = randn(6, 24, seed=1), randn(10, 24, seed=2)
+    with torch.inference_mode():
+        w_inf = randn(10, 24, seed=2)
+        out = elsa_linear(x, w_inf, precision="fp16x3", backend=TRITON)
+        assert len(splits) == 0
+        w_inf.mul_(2.0)  # in place, unseen by any version counter
+        twice = elsa_linear(x, w_inf, precision="fp16x3", backend=TRITON)
+        assert torch.equal(twice, 2 * out)  # a power of two: the split scales exactly
+        assert torch.equal(elsa_linear(x, w, precision="fp16x3", backend=TRITON), out)
+        assert len(splits) == 1
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 
 
