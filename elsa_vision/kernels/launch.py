@@ -34,7 +34,9 @@ Under ``TRITON_INTERPRET=1`` (the CPU tests) every call goes through Triton's in
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from collections import OrderedDict
 
 import torch
@@ -153,9 +155,6 @@ class _TmaLauncher:
 
     @classmethod
     def of(cls, kernel, n_tensors: int):
-        import inspect
-        import sys
-
         launcher = kernel.run
         meta = getattr(kernel.metadata, "tensordesc_meta", None)
         wrapper = getattr(launcher, "launch", None)
