@@ -9,12 +9,17 @@ or a square one; the peers:
 * ``torch_tf32`` -- the same with TF32 on (one TF32 pass, ~1e-3),
 * ``torch_bf16`` -- bfloat16 operands (float32 accumulation; the error of bf16 inputs, ~3e-3),
 * ``elsa``       -- ``elsa_vision.kernels.gemm.gemm`` at ``--precision`` (default ``auto``: ``fp16x3`` on
-  sm90), the operand splits included (what ``elsa_linear`` runs).
+  sm90), the operand splits included (what ``elsa_linear`` runs with autograd),
+* ``elsa_inference`` -- forward products (neither operand transposed): the same with ``B`` split once and
+  kept (``reuse_b``: what ``elsa_linear`` runs without autograd, the weight's parts reused while it is
+  unchanged). Its eager time is the product's without the weight's split pass; its CUDA-graph time keeps
+  the pass (a graph splits at every replay).
 
 The ``*_mlp`` cases are a whole GELU MLP, ``fc2(gelu(fc1(x)))`` (timm's ``Mlp``; FLOPs of both products):
 the torch peers run ``F.linear``, ``F.gelu``, ``F.linear``; ``elsa`` the fused operator of ``elsa_mlp``
-without gradients (GELU in the first product's epilogue, the hidden activation kept as float16 parts), and
-``elsa_unfused`` the two ``elsa_linear`` products around ``F.gelu`` (what runs with gradients).
+without gradients (GELU in the first product's epilogue, the hidden activation kept as float16 parts, the
+weights split once as ``elsa_inference``'s), and ``elsa_unfused`` the two ``elsa_linear`` products around
+``F.gelu`` (what runs with gradients).
 
 Reported per peer: eager ms (``do_bench`` median) and CUDA-graph ms, TFLOP/s (``2 M N K``) and the relative
 error ``||C - C64|| / ||C64||`` against float64 on the same inputs. The summary prints, per case, the speed
@@ -160,6 +165,8 @@ def _calls(case: Case, device, precision: str, peers: tuple[str, ...]):
         "torch_tf32": _torch(a, b, bias, True),
         "elsa": lambda: gemm(a, b, bias, precision=precision),
     }
+    if not (case.transpose_a or case.transpose_b):  # a forward product: B is a weight kept between calls
+        calls["elsa_inference"] = lambda: gemm(a, b, bias, precision=precision, reuse_b=True)
     if "torch_bf16" in peers:
         ab, bb = a.bfloat16(), b.bfloat16()
         biasb = bias.bfloat16() if bias is not None else None
@@ -171,8 +178,7 @@ def run_case(case: Case, device: torch.device, precision: str, peers: tuple[str,
     from elsa_vision.kernels.gemm import gemm_plan
 
     calls, ref, flops = _calls(case, device, precision, peers)
-    if case.mlp:
-        peers = (*peers, "elsa_unfused")
+    peers = (*peers, *(extra for extra in ("elsa_unfused", "elsa_inference") if extra in calls))
     rows = []
     for peer in peers:
         call = calls[peer]
@@ -265,7 +271,8 @@ def main(argv: list[str] | None = None) -> str:
         print(f"{case.name:24s} {speed:7.2f} {graph:7.2f} "
               f"{e['tflops']:8.1f} {e['relerr']:9.2e} {f['relerr']:9.2e}  "
               f"{'below goal (' + ', '.join(misses) + ')' if misses else 'meets goal'}"
-              + (f"; unfused {f['ms'] / r['elsa_unfused']['ms']:.2f}x" if "elsa_unfused" in r else ""))
+              + "".join(f"; {name.removeprefix('elsa_')} {f['ms'] / r[name]['ms']:.2f}x eager"
+                        for name in ("elsa_unfused", "elsa_inference") if name in r))
     print(f"\nwrote {out.path}")
     return str(out.path)
 
