@@ -448,12 +448,12 @@ class _Splits:
         self._entries: dict = {}
 
     def __call__(self, b: Tensor, split: _Split) -> tuple[Tensor, Tensor]:
-        key = id(b)
-        entry = self._entries.get(key)
         if b.is_inference() or (b.is_cuda and torch.cuda.is_current_stream_capturing()):
             # an inference tensor has no version counter; a graph splits at every replay, reading the
             # weight as it is then
             return split(b)
+        key = id(b)
+        entry = self._entries.get(key)
         state = (b._version, b.data_ptr(), b.shape, b.stride(), split.transpose)
         if entry is not None and entry[0]() is b and entry[1] == state:
             return entry[2]
