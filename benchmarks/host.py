@@ -151,7 +151,7 @@ def linear_rows(dtype, calls):
 
     torch.manual_seed(0)
     x = torch.randn(TOKENS, 768, device="cuda", dtype=dtype)
-    w = torch.randn(2304, 768, device="cuda", dtype=dtype) / 28
+    w = torch.randn(2304, 768, device="cuda", dtype=dtype) / 768 ** 0.5
     b = torch.randn(2304, device="cuda", dtype=dtype)
     mlp = Mlp(768, 3072).to("cuda", dtype).eval()
     elsa_mlp = copy.deepcopy(mlp)

@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dots import f16_pair, gemm_epilogue, matmul_f16x3, pow2, scale_exponent, store_split
-from .host import canonical_device, cdiv, device_info, next_pow2
+from .host import canonical_device, cdiv, device_info, next_pow2, version_state
 from .launch import Launch, Program, ProgramCache, install_config
 from .precision import resolve_precision
 
@@ -448,13 +448,14 @@ class _Splits:
         self._entries: dict = {}
 
     def __call__(self, b: Tensor, split: _Split) -> tuple[Tensor, Tensor]:
-        if b.is_inference() or (b.is_cuda and torch.cuda.is_current_stream_capturing()):
+        version = version_state(b)
+        if version is None or (b.is_cuda and torch.cuda.is_current_stream_capturing()):
             # an inference tensor has no version counter; a graph splits at every replay, reading the
             # weight as it is then
             return split(b)
         key = id(b)
         entry = self._entries.get(key)
-        state = (b._version, b.data_ptr(), b.shape, b.stride(), split.transpose)
+        state = (version, b.shape, b.stride(), split.transpose)
         if entry is not None and entry[0]() is b and entry[1] == state:
             return entry[2]
         parts = split(b)

@@ -12,12 +12,23 @@ import functools
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "LOG2E", "canonical_device", "cdiv", "device_info", "next_pow2", "tile_size"]
+__all__ = ["FLOAT_DTYPES", "LOG2E", "canonical_device", "cdiv", "device_info", "next_pow2", "tile_size",
+           "version_state"]
 
 # The dtypes every Triton kernel takes (float64 runs on the torch reference).
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # log2(e): the kernels work in the base-2 domain (``exp2``), so logits are scaled by it once.
 LOG2E = 1.4426950408889634
+
+
+def version_state(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(address, version)`` of ``t``'s values, for results kept from one call to the next (the GEMM's
+    weight splits, Swin-v2's position bias): the version counter advances at every in-place change through
+    ``t`` or a view of it (writes through ``t.data`` bypass it). None for an inference tensor (made under
+    ``torch.inference_mode``), which has no version counter: nothing computed from it can be kept."""
+    if t.is_inference():
+        return None
+    return t.data_ptr(), t._version
 
 
 def cdiv(a: int, b: int) -> int:

@@ -192,13 +192,14 @@ class _TmaLauncher:
                 args.append(t)
                 continue
             shape, strides = t.shape, t.strides
-            key = (i, t.base.data_ptr(), t.padding, *shape, *strides)
+            address = t.base.data_ptr()
+            key = (i, address, t.padding, *shape, *strides)
             expanded = maps.get(key)
             if expanded is None:
                 if len(maps) >= self.MAX_MAPS:
                     maps.clear()
                 swizzle, elem_size, elem_type, block = tma
-                cu_map = self.encode(t.base.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides,
+                cu_map = self.encode(address, swizzle, elem_size, elem_type, block, shape, strides,
                                      1 if t.padding == "nan" else 0)
                 expanded = maps[key] = (cu_map, *shape, *strides)
             args.extend(expanded)

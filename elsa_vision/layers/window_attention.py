@@ -24,6 +24,7 @@ from timm.models import swin_transformer as _swin1
 from timm.models import swin_transformer_v2 as _swin2
 from torch import Tensor
 
+from ..kernels.host import version_state
 from ..ops.attention import elsa_attention, resolve_backend
 from ..ops.window_attention import window_attention
 from .elsa_module import ElsaAttentionModule
@@ -160,10 +161,11 @@ class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
     def _position_bias_key(self) -> tuple | None:
         dev = self.relative_coords_table.device.type
         tensors = (*self.cpb_mlp.parameters(), self.relative_coords_table, self.relative_position_index)
-        if any(t.is_inference() for t in tensors):  # a model built under inference_mode: no caching
+        states = tuple(version_state(t) for t in tensors)
+        if None in states:  # a model built under inference_mode: no caching
             return None
         autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
-        return autocast, tuple((t, t.data_ptr(), t._version) for t in tensors)
+        return autocast, tuple((t, *state) for t, state in zip(tensors, states))
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         B_, N, C = x.shape
