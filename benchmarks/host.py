@@ -191,17 +191,20 @@ def breakdown_rows(dtype, calls):
         parts = tuple(torch.empty(size, dtype=dtype, device="cuda")
                       for size, dtype in zip(program.parts_sizes, (torch.float16,) * 2 + (torch.int32,) * 2))
 
+    # the forward program's tensor arguments (``_FwdProgram.run``): no bias, key padding mask, workspace or
+    # varlen offsets (``out`` in their places, unread), ``out`` as the unread ``Redo`` too
+    args = (q, k, v, out, out, out, lse, out, out, out, out, out, *parts, out)
+
     def direct_launch():
         if program.split is not None:
             program.split(k, v, out, *parts)
-        main(q, k, v, out, out, out, lse, lse, lse, lse, out, out, *parts)
+        main(*args)
 
     def jit_launch():
         if program.split is not None:
             split = program.split
             kfwd._split_kv_kernel[split.grid](k, v, out, *parts, *split.scalars, **split.options)
-        kfwd._fwd_kernel[main.grid](q, k, v, out, out, out, lse, lse, lse, lse, out, out, *parts,
-                                    *main.scalars, **main.options)
+        kfwd._fwd_kernel[main.grid](*args, *main.scalars, **main.options)
 
     def nograd(fn):
         def call():

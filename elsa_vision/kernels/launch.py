@@ -20,14 +20,16 @@ the integers are constants, and the signature holds every input tensor's dtype a
 program allocates itself come from PyTorch's caching allocator, whose blocks are 512-byte aligned. So the
 compiled kernel a ``Launch`` keeps is the one Triton would pick for every call it serves.
 
-TMA descriptors (the Hopper kernels' operands): Triton's launcher turns each host-side descriptor into a
-``CUtensorMap`` at every call, through a Python wrapper around the compiled launcher (about 9 µs per launch
-of three descriptors on an H100 host, measured in ``docs/kernel_notes.md``, "Host path"). A ``Launch`` whose
-kernel takes descriptors calls the compiled launcher itself where it recognises this Triton's wrapper
-(Triton 3.6's): it encodes each descriptor as Triton does, keeps the encoded map per (position, address,
-shape, strides), and passes it again for a call on the same memory. An encoded map is a pure function of
-those values and the kernel's compile-time block and swizzle (the same for every call of the ``Launch``),
-so a reused one is the one Triton would encode. Any other Triton keeps its own wrapper.
+The compiled launcher itself: Triton calls it through a Python wrapper (``CudaLauncher.__call__``: scratch
+buffers, then the launcher), and for kernels that take TMA descriptors (the Hopper kernels' operands)
+through a second one that turns each host-side descriptor into a ``CUtensorMap`` at every call (about 9 µs
+per launch of three descriptors on an H100 host, measured in ``docs/kernel_notes.md``, "Host path"). Where
+a ``Launch`` recognises this Triton's wrappers (Triton 3.6's) and the kernel needs no scratch memory, it
+calls the compiled launcher itself (:class:`_DirectLauncher`); for descriptors it encodes each as Triton
+does, keeps the encoded map per (position, address, shape, strides), and passes it again for a call on the
+same memory. An encoded map is a pure function of those values and the kernel's compile-time block and
+swizzle (the same for every call of the ``Launch``), so a reused one is the one Triton would encode. Any
+other Triton keeps its own wrappers.
 
 Under ``TRITON_INTERPRET=1`` (the CPU tests) every call goes through Triton's interpreter.
 """
@@ -71,7 +73,7 @@ class Launch:
     """
 
     __slots__ = ("fn", "grid", "scalars", "options", "_run", "_tail", "_function", "_metadata", "_runtime",
-                 "_compiled", "_tma")
+                 "_compiled", "_direct")
 
     def __init__(self, fn, grid, scalars, constexprs: dict, num_warps: int, num_stages: int = 1):
         self.fn = fn
@@ -81,7 +83,7 @@ class Launch:
         self.options = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
         self._run = None
         self._compiled = None
-        self._tma = None
+        self._direct = None
         names = getattr(fn, "arg_names", None)
         if names is not None:  # compiled and interpreted kernels alike: refuse a layout we cannot launch fast
             tail = names[len(names) - len(constexprs):] if constexprs else []
@@ -99,9 +101,9 @@ class Launch:
             runtime = self._runtime
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
             if _inactive(enter) and _inactive(leave):
-                tma = self._tma
-                if tma is not None:
-                    tma.launch(grid, stream, self._function, self._metadata, tensors, self._tail)
+                direct = self._direct
+                if direct is not None:
+                    direct.launch(grid, stream, self._function, tensors, self._tail)
                     return
                 run(grid[0], grid[1], grid[2], stream, self._function, self._metadata, None, None, None,
                     *tensors, *self._tail)
@@ -133,42 +135,52 @@ class Launch:
                                "elsa_vision's launches call directly (Triton 3.4 and later have them)")
         self._tail = self.scalars + tuple(self.options[name] for name in constexprs)
         self._function, self._metadata, self._compiled, self._runtime = function, metadata, kernel, runtime
-        self._tma = _TmaLauncher.of(kernel, n_tensors)
+        self._direct = _DirectLauncher.of(kernel, n_tensors)
         self._run = run
 
 
-class _TmaLauncher:
-    """The compiled launcher of a kernel whose leading tensor arguments include TMA descriptors, called
-    without Triton's per-call wrapper (module docstring). ``of(kernel, n_tensors)`` returns one where this
-    Triton's launcher is the one it knows (Triton 3.6: ``CudaLauncher.launch`` is the closure ``inner`` of
-    ``wrap_handle_tensordesc`` over the compiled ``launcher``, each descriptor expanded by
-    ``make_tensordesc_arg(arg, metadata)`` into ``[CUtensorMap, *shape, *strides]``, and no scratch memory),
-    else None (the launch then goes through Triton's wrapper)."""
+class _DirectLauncher:
+    """The compiled launcher of a kernel, called without Triton's per-call wrappers (module docstring).
+    ``of(kernel, n_tensors)`` returns one where this Triton's launcher is one it knows (Triton 3.6:
+    ``CudaLauncher.__call__`` allocates the scratch buffers, none here, and calls ``CudaLauncher.launch``:
+    the compiled ``launcher`` itself, or for a kernel with TMA descriptors the closure ``inner`` of
+    ``wrap_handle_tensordesc`` over it, each descriptor expanded by ``make_tensordesc_arg(arg, metadata)``
+    into ``[CUtensorMap, *shape, *strides]``), else None (the launch then goes through Triton's wrappers)."""
 
-    __slots__ = ("raw", "cooperative", "pdl", "encode", "positions", "maps")
+    __slots__ = ("raw", "head", "encode", "positions", "maps")
     MAX_MAPS = 256  # encoded maps kept per launch (the addresses a program's calls go back to)
 
-    def __init__(self, raw, cooperative, pdl, encode, positions):
-        self.raw, self.cooperative, self.pdl, self.encode = raw, cooperative, pdl, encode
+    def __init__(self, raw, head, encode, positions):
+        self.raw, self.encode = raw, encode
+        self.head = head  # the launcher's arguments between the function and the kernel's own
         self.positions = positions  # per leading tensor argument: None, or the descriptor's TMA metadata
         self.maps: dict = {}
 
     @classmethod
     def of(cls, kernel, n_tensors: int):
         launcher = kernel.run
-        meta = getattr(kernel.metadata, "tensordesc_meta", None)
+        driver = sys.modules.get(type(launcher).__module__)
         wrapper = getattr(launcher, "launch", None)
-        code = getattr(wrapper, "__code__", None)
-        if not meta or code is None or wrapper.__closure__ is None:
-            return None
-        cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
-        driver = sys.modules.get(getattr(wrapper, "__module__", ""), None)
-        make_arg = getattr(driver, "make_tensordesc_arg", None)
-        if (code.co_name != "inner" or set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
-                or make_arg is None or list(inspect.signature(make_arg).parameters) != ["arg", "metadata"]
-                or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13
+        if (wrapper is None or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13
                 or getattr(launcher, "global_scratch_size", 1)
                 or getattr(launcher, "profile_scratch_size", 1)):
+            return None
+        # the arguments after (grid x, y, z, stream, function): cooperative, pdl, global and profile
+        # scratch, metadata, launch metadata and the enter / exit hooks (inactive: Launch checks)
+        head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, kernel.packed_metadata,
+                None, None, None)
+        meta = getattr(kernel.metadata, "tensordesc_meta", None)
+        code = getattr(wrapper, "__code__", None)
+        if code is None:  # no descriptors: the compiled launcher itself
+            if meta or type(wrapper).__name__ != "builtin_function_or_method":
+                return None
+            return cls(wrapper, head, None, None)
+        if not meta or wrapper.__closure__ is None:
+            return None
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
+        make_arg = getattr(driver, "make_tensordesc_arg", None)
+        if (code.co_name != "inner" or set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
+                or make_arg is None or list(inspect.signature(make_arg).parameters) != ["arg", "metadata"]):
             return None
         indices = sorted(cells["tensordesc_indices"])
         if len(indices) != len(meta) or (indices and indices[-1] >= n_tensors):
@@ -181,10 +193,12 @@ class _TmaLauncher:
             positions[i] = (m["swizzle"], m["elem_size"], driver.TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]],
                             m["block_size"])
         encode = triton.runtime.driver.active.utils.fill_tma_descriptor
-        return cls(cells["launcher"], launcher.launch_cooperative_grid, launcher.launch_pdl, encode,
-                   tuple(positions))
+        return cls(cells["launcher"], head, encode, tuple(positions))
 
-    def launch(self, grid, stream, function, metadata, tensors, tail) -> None:
+    def launch(self, grid, stream, function, tensors, tail) -> None:
+        if self.positions is None:
+            self.raw(grid[0], grid[1], grid[2], stream, function, *self.head, *tensors, *tail)
+            return
         args = []
         maps = self.maps
         for i, (t, tma) in enumerate(zip(tensors, self.positions)):
@@ -203,8 +217,7 @@ class _TmaLauncher:
                                      1 if t.padding == "nan" else 0)
                 expanded = maps[key] = (cu_map, *shape, *strides)
             args.extend(expanded)
-        self.raw(grid[0], grid[1], grid[2], stream, function, self.cooperative, self.pdl, None, None,
-                 metadata, None, None, None, *args, *tail)
+        self.raw(grid[0], grid[1], grid[2], stream, function, *self.head, *args, *tail)
 
 
 def _inactive(hook) -> bool:

@@ -74,18 +74,51 @@ def test_gpu_tma_launch_matches_tritons_own_launcher_at_new_and_reused_addresses
     xs = [torch.randn(300, 264, device="cuda") for _ in range(3)]
     fast = [gemm.gemm(x, w) for x in (*xs, xs[0])]
     (program,) = gemm._PROGRAMS._programs.values()
-    tma = program.main._tma
+    tma = program.main._direct
     if triton.__version__.startswith("3.6."):
-        assert tma is not None, "Triton 3.6's launcher wrapper was not recognised"
+        assert tma is not None and tma.positions is not None, "Triton 3.6's wrapper was not recognised"
     if tma is None:
         pytest.skip(f"Triton {triton.__version__}: its own launcher wrapper runs the TMA launches")
     assert 3 + 1 <= len(tma.maps) <= 3 + 4  # x's three addresses, one to four of w's parts (new per call)
-    program.main._tma = None  # Triton's wrapper from here on
+    program.main._direct = None  # Triton's wrapper from here on
     try:
         slow = [gemm.gemm(x, w) for x in (*xs, xs[0])]
     finally:
-        program.main._tma = tma
+        program.main._direct = tma
     for f, s, x in zip(fast, slow, (*xs, xs[0])):
         assert torch.equal(f, s)
         ref = x.double() @ w.double().T
         assert ((f.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled launches need CUDA")
+def test_gpu_plain_launch_calls_the_compiled_launcher_as_triton_does():
+    """A kernel without descriptors is launched through its compiled launcher itself (Triton 3.6), past
+    Triton's Python wrapper: the same results as through the wrapper, on the current stream."""
+    torch.manual_seed(0)
+    x = torch.randn(1000, device="cuda")
+    launch = Launch(_scale_kernel, (8,), (1000, 3.0), dict(BLOCK=128), num_warps=4)  # 8 x 128 >= 1000
+    y0 = torch.empty_like(x)
+    launch(x, y0)  # the first call compiles through Triton
+    direct = launch._direct
+    if triton.__version__.startswith("3.6."):
+        assert direct is not None and direct.positions is None, "Triton 3.6's launcher was not recognised"
+    if direct is None:
+        pytest.skip(f"Triton {triton.__version__}: its own launcher wrapper runs the launches")
+    side = torch.cuda.Stream()
+    ys = []
+    with torch.cuda.stream(side):
+        for _ in range(3):  # direct launches on a side stream, each into a fresh output
+            ys.append(torch.empty_like(x))
+            torch.cuda._sleep(1000)
+            launch(x, ys[-1])
+    launch._direct = None
+    try:
+        slow = torch.empty_like(x)
+        launch(x, slow)  # Triton's wrapper
+    finally:
+        launch._direct = direct
+    torch.cuda.synchronize()
+    for y in (y0, *ys):
+        assert torch.equal(y, slow) and torch.equal(y, 3.0 * x)
