@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from ..ops.linear import LINEAR_BACKENDS, elsa_linear, elsa_mlp, linear_route
+from ..ops.checks import check_linear_inputs, check_mlp_inputs
+from ..ops.linear import LINEAR_BACKENDS, elsa_linear, elsa_mlp, linear_on_route, linear_route, mlp_on_route
 from .elsa_module import ElsaModule, set_elsa_options
 
 __all__ = ["ElsaLinear", "ElsaLinearModule", "ElsaMlp", "ElsaPatchConv2d", "LINEAR_SWAPS", "linear_of",
@@ -57,7 +58,13 @@ class ElsaLinear(ElsaLinearModule, nn.Linear):
         self.backend, self.precision = backend, precision
 
     def forward(self, x: Tensor) -> Tensor:
-        return elsa_linear(x, self.weight, self.bias, precision=self.precision, backend=self.backend)
+        if not isinstance(x, Tensor):
+            return elsa_linear(x, self.weight, self.bias, precision=self.precision, backend=self.backend)
+        route = linear_route(x, self.precision, self.backend)
+        if route != "torch":  # the GEMM trusts its inputs; on the torch route F.linear checks them, as in
+            # nn.Linear's forward (half precisions, autocast: a layer call's host time, kernel notes)
+            check_linear_inputs(x, self.weight, self.bias, self.precision, self.backend)
+        return linear_on_route(x, self.weight, self.bias, self.precision, route)
 
 
 @register_notrace_module
@@ -128,8 +135,13 @@ class ElsaMlp(ElsaLinearModule, Mlp):
                 and (fc1.backend, fc1.precision) == options == (fc2.backend, fc2.precision)
                 and (not self.training or (self.drop1.p == 0 and self.drop2.p == 0))
                 and not _hooked(fc1, self.act, fc2)):
-            return elsa_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, precision=self.precision,
-                            backend=self.backend)
+            if not isinstance(x, Tensor):
+                return elsa_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, precision=self.precision,
+                                backend=self.backend)
+            route = linear_route(x, self.precision, self.backend)
+            if route != "torch":  # as ElsaLinear.forward
+                check_mlp_inputs(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.precision, self.backend)
+            return mlp_on_route(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.precision, route)
         return super().forward(x)
 
 

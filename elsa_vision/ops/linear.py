@@ -36,7 +36,7 @@ from ._library import define_op, eager_bypass
 from .checks import LINEAR_BACKENDS, check_linear_inputs, check_mlp_inputs
 from .numerics import cuda_matmul_precision
 
-__all__ = ["elsa_linear", "elsa_mlp", "LINEAR_BACKENDS", "linear_route"]
+__all__ = ["elsa_linear", "elsa_mlp", "LINEAR_BACKENDS", "linear_route", "linear_on_route", "mlp_on_route"]
 
 
 @functools.cache
@@ -174,11 +174,13 @@ def elsa_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, precis
         ``[..., out_features]`` in x's dtype; gradients flow to x, weight and bias on every path.
     """
     check_linear_inputs(x, weight, bias, precision, backend)
-    return _linear(x, weight, bias, precision, linear_route(x, precision, backend))
+    return linear_on_route(x, weight, bias, precision, linear_route(x, precision, backend))
 
 
-def _linear(x, weight, bias, precision: str, route: str) -> Tensor:
-    """``elsa_linear`` of checked inputs on its ``route`` (``linear_route``)."""
+def linear_on_route(x, weight, bias, precision: str, route: str) -> Tensor:
+    """``elsa_linear`` on its ``route`` (``linear_route``) for inputs that ``check_linear_inputs`` passed, or,
+    on the ``"torch"`` route, that ``F.linear`` checks itself (a layer's forward, whose options were checked
+    when they were set)."""
     if route == "torch":
         if x.dtype == torch.float32 and x.is_cuda and precision in ("ieee", "tf32"):
             with cuda_matmul_precision(precision == "tf32"):
@@ -210,9 +212,15 @@ def elsa_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Tensor | None, fc2_weight:
     """
     check_mlp_inputs(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision, backend)
     route = linear_route(x, precision, backend)  # the hidden activation's too: x's dtype and device
+    return mlp_on_route(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision, route)
+
+
+def mlp_on_route(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision: str, route: str) -> Tensor:
+    """``elsa_mlp`` on its ``route`` for inputs that ``check_mlp_inputs`` passed (on the ``"torch"`` route:
+    that ``F.linear`` checks itself, as :func:`linear_on_route`)."""
     if route == "torch" or _needs_grad(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
-        hidden = F.gelu(_linear(x, fc1_weight, fc1_bias, precision, route))
-        return _linear(hidden, fc2_weight, fc2_bias, precision, route)
+        hidden = F.gelu(linear_on_route(x, fc1_weight, fc1_bias, precision, route))
+        return linear_on_route(hidden, fc2_weight, fc2_bias, precision, route)
     lead = x.shape[:-1]
     x2 = x.reshape(lead.numel(), x.shape[-1])
     out = eager_bypass(x2, _mlp_fwd, _MLP_FWD)(x2, fc1_weight, fc1_bias, fc2_weight, fc2_bias, precision)
