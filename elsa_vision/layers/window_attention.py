@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from timm.models import register_notrace_module
 from timm.models import swin_transformer as _swin1
 from timm.models import swin_transformer_v2 as _swin2
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..kernels.host import version_state
 from ..ops.attention import elsa_attention, resolve_backend
@@ -95,6 +95,31 @@ def _same_key(a: tuple, b: tuple) -> bool:
         t is u and p == q and v == w for (t, p, v), (u, q, w) in zip(a[1], b[1]))
 
 
+def _kept(module: nn.Module, name: str, tensors: tuple, compute) -> Tensor:
+    """``compute()``, kept on ``module`` (``__dict__[name]``: no buffer, not in the state dict) and reused
+    while autograd is off and ``tensors`` are the same objects, unchanged (their version counters and
+    addresses: an in-place update, a replacement, ``.to()`` or ``load_state_dict`` recompute it) under the
+    same autocast state. With autograd on, under ``torch.compile`` (the compiler folds it itself), for
+    inference tensors (built under ``torch.inference_mode``: no version counters) and while a CUDA graph is
+    captured (a graph recomputes it at every replay, reading its inputs as they are then, as the GEMM's
+    weight splits) it is computed at every call."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or (
+            tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return compute()
+    states = tuple(version_state(t) for t in tensors)
+    if None in states:
+        return compute()
+    dev = tensors[0].device.type
+    autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
+    key = autocast, tuple((t, *state) for t, state in zip(tensors, states))
+    cached = module.__dict__.get(name)
+    if cached is not None and _same_key(cached[0], key):
+        return cached[1]
+    value = compute()
+    module.__dict__[name] = (key, value)
+    return value
+
+
 def _finite_coords(table: Tensor) -> Tensor:
     """The normalised ``relative_coords_table`` with the 0/0 of a window side of 1 set to its value, 0.
 
@@ -122,12 +147,14 @@ class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
         return _finite_coords(table), index
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v ``[B_, H, N, Dh]`` from the projection with timm's (q_bias, zero k_bias, v_bias)."""
+        """q, k, v ``[B_, H, N, Dh]`` from the projection with timm's (q_bias, zero k_bias, v_bias), their
+        concatenation kept for inference as the position bias is."""
         B_, N, _ = x.shape
         if self.q_bias is None:
             qkv = self.qkv(x)
         else:
-            qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+            biases = (self.q_bias, self.k_bias, self.v_bias)
+            qkv_bias = _kept(self, "_elsa_qkv_bias", biases, lambda: torch.cat(biases))
             if getattr(self, "qkv_bias_separate", False):
                 qkv = self.qkv(x) + qkv_bias
             else:
@@ -144,28 +171,14 @@ class ElsaSwinV2WindowAttention(_ElsaWindowAttention, _swin2.WindowAttention):
         ``torch.compile`` it is always recomputed (the compiler folds it itself), and so it is for a model
         whose weights are inference tensors (built under ``torch.inference_mode``: no version counters).
         """
-        key = None
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            key = self._position_bias_key()  # None for inference tensors: no version counter
-            cached = self.__dict__.get("_elsa_position_bias")
-            if cached is not None and key is not None and _same_key(cached[0], key):
-                return cached[1]
+        tensors = (*self.cpb_mlp.parameters(), self.relative_coords_table, self.relative_position_index)
+        return _kept(self, "_elsa_position_bias", tensors, self._position_bias)
+
+    def _position_bias(self) -> Tensor:
         N = self.relative_position_index.shape[0]
         table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
         bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
-        bias = 16 * torch.sigmoid(bias)
-        if key is not None:
-            self.__dict__["_elsa_position_bias"] = (key, bias)
-        return bias
-
-    def _position_bias_key(self) -> tuple | None:
-        dev = self.relative_coords_table.device.type
-        tensors = (*self.cpb_mlp.parameters(), self.relative_coords_table, self.relative_position_index)
-        states = tuple(version_state(t) for t in tensors)
-        if None in states:  # a model built under inference_mode: no caching
-            return None
-        autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
-        return autocast, tuple((t, *state) for t, state in zip(tensors, states))
+        return 16 * torch.sigmoid(bias)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         B_, N, C = x.shape

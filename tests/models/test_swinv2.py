@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+from timm.models import swin_transformer_v2 as _timm_swinv2
 from timm.models.swin_transformer_v2 import SwinTransformerV2
 
 import elsa_vision  # noqa: F401  (registers the elsa_* names)
@@ -365,3 +366,32 @@ def test_gpu_full_model_matches_timm(name):
             assert relerr(got_bf.double(), want) <= 3 * relerr(ref_bf.double(), want)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def test_qkv_bias_kept_in_inference_only():
+    """The ``(q_bias, 0, v_bias)`` concatenation is formed once in inference and again after an in-place
+    update of ``q_bias``; with autograd on it is formed at every call (its gradient reaches q_bias)."""
+    ref, model = _pair(64)
+    m = next(a for a in model.modules() if isinstance(a, ElsaSwinV2Attention))
+    x = torch.randn(2, 64, m.qkv.in_features)
+    with torch.no_grad():
+        m._qkv(x)
+        kept = m.__dict__["_elsa_qkv_bias"][1]
+        m._qkv(x)
+        assert m.__dict__["_elsa_qkv_bias"][1] is kept
+        assert torch.equal(kept, torch.cat((m.q_bias, m.k_bias, m.v_bias)))
+        m.q_bias.add_(1.0)
+        q, _, _ = m._qkv(x)
+        again = m.__dict__["_elsa_qkv_bias"][1]
+        assert again is not kept and torch.equal(again[: m.q_bias.numel()], m.q_bias)
+        ref_q = (x @ m.qkv.weight.T + torch.cat((m.q_bias, m.k_bias, m.v_bias)))[..., : m.q_bias.numel()]
+        assert relerr(q.transpose(1, 2).reshape(ref_q.shape), ref_q) <= 1e-6
+    q, _, _ = m._qkv(x)
+    q.sum().backward()
+    assert m.q_bias.grad is not None and torch.count_nonzero(m.q_bias.grad) > 0
+    # the whole model after the update, against timm's with the same update (the block's kept bias renewed)
+    r = next(a for a in ref.modules() if isinstance(a, _timm_swinv2.WindowAttention))
+    img = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        r.q_bias.add_(1.0)
+        assert relerr(model(img), ref(img)) <= 1e-5
