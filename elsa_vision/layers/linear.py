@@ -58,13 +58,20 @@ class ElsaLinear(ElsaLinearModule, nn.Linear):
         self.backend, self.precision = backend, precision
 
     def forward(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor):
-            return elsa_linear(x, self.weight, self.bias, precision=self.precision, backend=self.backend)
-        route = linear_route(x, self.precision, self.backend)
-        if route != "torch":  # the GEMM trusts its inputs; on the torch route F.linear checks them, as in
-            # nn.Linear's forward (half precisions, autocast: a layer call's host time, kernel notes)
-            check_linear_inputs(x, self.weight, self.bias, self.precision, self.backend)
-        return linear_on_route(x, self.weight, self.bias, self.precision, route)
+        return _layer_linear(self, x, self.weight, self.bias)
+
+
+def _layer_linear(layer: ElsaLinear, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``elsa_linear(x, weight, bias)`` with ``layer``'s options, checked only where the GEMM runs: on the
+    torch route (half precisions, autocast, the CPU) ``F.linear`` checks its operands itself, as in
+    ``nn.Linear``'s forward, and the layer's options were checked when set (a layer call's host time:
+    docs/kernel_notes.md, "Fewer Python frames and launches per layer")."""
+    if not isinstance(x, Tensor):
+        return elsa_linear(x, weight, bias, precision=layer.precision, backend=layer.backend)
+    route = linear_route(x, layer.precision, layer.backend)
+    if route != "torch":
+        check_linear_inputs(x, weight, bias, layer.precision, layer.backend)
+    return linear_on_route(x, weight, bias, layer.precision, route)
 
 
 @register_notrace_module
@@ -171,7 +178,7 @@ def linear_of(layer: nn.Linear, x: Tensor, weight: Tensor, bias: Tensor | None) 
     linear layer's parameters (Swin-v2's qkv with its own bias, ``nn.MultiheadAttention``'s ``in_proj``
     beside its ``out_proj``): they follow the layer, swapped or not."""
     if isinstance(layer, ElsaLinear):
-        return elsa_linear(x, weight, bias, precision=layer.precision, backend=layer.backend)
+        return _layer_linear(layer, x, weight, bias)
     return F.linear(x, weight, bias)
 
 

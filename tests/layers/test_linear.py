@@ -179,20 +179,15 @@ def test_setters_reach_the_linear_layers_only_where_asked():
 def test_projections_follow_their_linear_layer(monkeypatch):
     import elsa_vision.layers.linear as linear_mod
 
-    calls = []  # the precision of every product the ELSA layers compute: through elsa_linear (the
-    # projections a module forms itself) or, from ElsaLinear's own forward, straight on its route
-    real, real_routed = linear_mod.elsa_linear, linear_mod.linear_on_route
+    calls = []  # the precision of every product an ELSA linear layer computes: its own forward and the
+    # projections a module forms from its parameters (linear_of) both run linear_on_route
+    real = linear_mod.linear_on_route
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("precision"))
-        return real(*args, **kwargs)
-
-    def counted_routed(x, weight, bias, precision, route):
+    def counted(x, weight, bias, precision, route):
         calls.append(precision)
-        return real_routed(x, weight, bias, precision, route)
+        return real(x, weight, bias, precision, route)
 
-    monkeypatch.setattr(linear_mod, "elsa_linear", counted)
-    monkeypatch.setattr(linear_mod, "linear_on_route", counted_routed)
+    monkeypatch.setattr(linear_mod, "linear_on_route", counted)
     # nn.MultiheadAttention: in_proj follows out_proj
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(24, 3, 48, dropout=0.0, batch_first=True), 1)
     enc = enc.to(DEVICE).eval()
