@@ -65,7 +65,7 @@ def autotune_fwd(q, k, v, attn_bias=None, key_padding_mask=None, causal=False, s
     _, cc, smem = device_info(q.device)
     prec, bd, bdv = key[-1], key[1], key[2]
     default = fwd._default_config(q.dtype, prec, bd, bdv, Nq, cc, smem, k.shape[2],
-                                  fwd.presplits(prec, k.shape[2]), attn_bias is not None)
+                                  fwd.presplits(prec, k.shape[2], Nq), attn_bias is not None)
     if interpreting(fwd._fwd_kernel) or q.device.type != "cuda":
         return default
     cands = candidates(q.dtype, prec, bd, bdv, smem)

@@ -540,9 +540,12 @@ class FwdPlan:
 
 
 # The ``"fp16x3"`` forward splits the keys and values into float16 parts once (``_split_kv_kernel``) when a
-# head has at least this many keys, instead of every query tile splitting every key tile in its loop
-# (docs/kernel_notes.md, "Keys and values split once").
+# head has at least this many keys and more queries than one query tile holds, instead of every query tile
+# splitting every key tile in its loop (docs/kernel_notes.md, "Keys and values split once"). A head of at
+# most ``PRESPLIT_MAX_ONE_TILE`` queries (one tile of the split loop's smallest BLOCK_M) reads each key tile
+# once: the pre-pass would only add a launch and its parts' round trip through memory.
 PRESPLIT_MIN_KEYS = 0
+PRESPLIT_MAX_ONE_TILE = 64
 
 # Half-precision inputs without a bias: ``qk_scale`` joins the softmax's exponent in one fused multiply-add
 # instead of scaling every score first (``_attend``'s ``DEFER_SCALE``; docs/kernel_notes.md, "Scale folded
@@ -624,10 +627,10 @@ def _default_config(dtype, precision, bd, bdv, nq, cc, smem, nk=None, presplit=F
     return bm, bn, w, st
 
 
-def presplits(precision: str, nk: int) -> bool:
-    """Whether the forward at ``precision`` over ``nk`` keys splits its keys and values beforehand
-    (``_split_kv_kernel``; ``PRESPLIT_MIN_KEYS``)."""
-    return precision == "fp16x3" and nk >= PRESPLIT_MIN_KEYS
+def presplits(precision: str, nk: int, nq: int) -> bool:
+    """Whether the forward at ``precision`` of ``nq`` queries over ``nk`` keys per head splits its keys and
+    values beforehand (``_split_kv_kernel``; ``PRESPLIT_MIN_KEYS``, ``PRESPLIT_MAX_ONE_TILE``)."""
+    return precision == "fp16x3" and nk >= PRESPLIT_MIN_KEYS and nq > PRESPLIT_MAX_ONE_TILE
 
 
 def plan(*args, **kwargs) -> FwdPlan:
@@ -672,7 +675,7 @@ def _plan(
         sms = int(sm_count)
     key = tuning_key(dtype, D, Dv, causal, has_bias, device, precision)
     bd, bdv, prec = key[1], key[2], key[-1]
-    presplit = presplits(prec, Nk) and not varlen
+    presplit = presplits(prec, Nk, Nq) and not varlen
     tiles = _TUNED.get(key) or _default_config(dtype, prec, bd, bdv, Nq, cc, smem, Nk, presplit, has_bias)
     bm, bn, warps, stages = tiles
     bh = max(1, B * H)

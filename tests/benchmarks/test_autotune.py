@@ -34,7 +34,7 @@ def test_autotune_off_cuda_returns_the_default_and_installs_nothing():
     key = fwd.tuning_key(q.dtype, 32, 32, False, False, q.device, "auto")
     _, cc, smem = device_info(q.device)
     default = fwd._default_config(q.dtype, key[-1], key[1], key[2], 40, cc, smem, 40,
-                                  fwd.presplits(key[-1], 40))
+                                  fwd.presplits(key[-1], 40, 40))
     assert autotune.autotune_fwd(q, k, v) == default
     assert key not in fwd._TUNED
 

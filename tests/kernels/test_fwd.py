@@ -385,6 +385,24 @@ def test_fp16x3_keys_and_values_split_once_or_in_the_loop(monkeypatch, causal):
     assert relerr(outs[0], outs[2]) <= FP32_ACCURATE
 
 
+@pytest.mark.parametrize("nq", [1, 37, 64])
+def test_fp16x3_heads_of_one_query_tile_split_in_the_loop(nq):
+    # At most PRESPLIT_MAX_ONE_TILE queries per head: no pre-pass, the loop splits each key tile it reads
+    # (once); FP32-accurate against float64 with a bias, a padding mask and key partitions.
+    from elsa_vision.kernels import fwd
+
+    q, k, v = qkv(2, 3, nq, 150, 40, seed=74)
+    bias = randn(2, 1, nq, 150, seed=75)
+    kpm = (torch.rand(2, 150, generator=gen(11)) > 0.3).to(DEVICE)
+    ref = ref64(q, k, v, attn_bias=bias, key_padding_mask=kpm)
+    for partitions in (1, 3):
+        program = fwd.fwd_program(q, k, v, bias, kpm, False, 40 ** -0.5, "fp16x3", partitions)
+        assert program.split is None
+        out, _ = elsa_fwd(q, k, v, attn_bias=bias, key_padding_mask=kpm, partitions=partitions,
+                          precision="fp16x3")
+        assert relerr(out, ref) <= FP32_ACCURATE, partitions
+
+
 def test_fp16x3_split_values_keep_each_key_tiles_own_scale():
     # The pre-split values carry one power of two per key tile and value column: keys 0-63 hold values
     # near 1e6 and the rest near 1e-6. A row that cannot see the large keys (padding mask of batch 0,
@@ -568,6 +586,10 @@ def test_plan_on_sm90_picks_fp16x3_without_narrow_value_tiles(monkeypatch):
     p = fwd._plan(1, 8, 16384, 16384, 64, 64, torch.float32, varlen=True)
     assert p.precision == "fp16x3" and not p.presplit
     assert (p.block_m, p.block_n, p.num_warps, p.num_stages) == (128, 64, 4, 3)
+    # a head whose queries fit one tile reads each key tile once: no pre-pass (one launch, not two)
+    for nq, presplit in ((1, False), (64, False), (65, True), (197, True)):
+        p = fwd._plan(4, 12, nq, 197, 64, 64, torch.float32)
+        assert p.precision == "fp16x3" and p.presplit == presplit, nq
     assert fwd._plan(1, 8, 4096, 4096, 128, 128, torch.float32).precision == "fp16x3"
     assert fwd._plan(1, 8, 4096, 4096, 256, 256, torch.float32).precision == "tf32x3"  # > 128: unmeasured
     assert fwd._plan(1, 8, 4096, 4096, 64, 64, torch.float32, precision="tf32x3").precision == "tf32x3"
