@@ -262,11 +262,13 @@ def test_key_padding_mask_and_fully_masked_batch(precision):
     assert_lse(lse, scan64(q, k, v, key_padding_mask=kpm)[1])
 
 
+# Nq 45: one query tile per head (fp16x3 splits keys and values in its loop); 97: two (the pre-pass).
+@pytest.mark.parametrize("Nq", [45, 97])
 @pytest.mark.parametrize("precision", ["auto", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions", [1, 3])
-def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions, precision):
-    B, H, Nq, Nk, D, pad = 2, 2, 45, 77, 40, 19
+def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions, precision, Nq):
+    B, H, Nk, D, pad = 2, 2, 77, 40, 19
     q, k_big, v_big = qkv(B, H, Nq, Nk + pad, D, seed=51)
     q = q[:, :, :Nq]
     kpm = (torch.rand(B, Nk, generator=gen(8)) > 0.25).to(DEVICE)
@@ -290,21 +292,23 @@ def test_nan_in_masked_keys_and_tail_does_not_leak(causal, partitions, precision
 # row NaN, its non-finite values reach their own columns (the rule of kernels/reference.py).
 
 
+@pytest.mark.parametrize("Nq", [45, 97])  # one query tile per head, two (fp16x3: in the loop, the pre-pass)
 @pytest.mark.parametrize("kind", NONFINITE_KINDS)
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("partitions", [1, 3])
-def test_hidden_nonfinite_keys_and_values_contribute_nothing(kind, precision, partitions):
-    q, k, v, kw = nonfinite_case(kind, 1, 2, 45, 77, 24, Dv=40, seed=61)
+def test_hidden_nonfinite_keys_and_values_contribute_nothing(kind, precision, partitions, Nq):
+    q, k, v, kw = nonfinite_case(kind, 1, 2, Nq, 77, 24, Dv=40, seed=61)
     out, lse = elsa_fwd(q, k, v, precision=precision, partitions=partitions, **kw)
     assert_nonfinite_like(out, spec64(q, k, v, **kw), FP32_ACCURATE)
     _, lse_ref = scan64(q, k, v, **kw)
     assert torch.equal(torch.isnan(lse), torch.isnan(lse_ref))
 
 
+@pytest.mark.parametrize("Nq", [37, 97])  # one query tile per head, two (fp16x3: in the loop, the pre-pass)
 @pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
 @pytest.mark.parametrize("partitions", [1, 2])
-def test_visible_nonfinite_values_reach_only_their_columns(precision, partitions):
-    q, k, v = qkv(1, 2, 37, 70, 24, seed=63)
+def test_visible_nonfinite_values_reach_only_their_columns(precision, partitions, Nq):
+    q, k, v = qkv(1, 2, Nq, 70, 24, seed=63)
     v[..., 3, 1] = math.nan
     v[..., 5, 2] = math.inf
     v[..., 66, 3] = -math.inf
