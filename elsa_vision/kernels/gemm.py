@@ -449,9 +449,7 @@ class _Splits:
 
     def __call__(self, b: Tensor, split: _Split) -> tuple[Tensor, Tensor]:
         version = version_state(b)
-        if version is None or (b.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # an inference tensor has no version counter; a graph splits at every replay, reading the
-            # weight as it is then
+        if version is None:  # an inference tensor, or a graph (which splits at every replay)
             return split(b)
         key = id(b)
         entry = self._entries.get(key)

@@ -21,14 +21,17 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 
 
-def version_state(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(address, version)`` of ``t``'s values, for results kept from one call to the next (the GEMM's
-    weight splits, Swin-v2's position bias): the version counter advances at every in-place change through
-    ``t`` or a view of it (writes through ``t.data`` bypass it). None for an inference tensor (made under
-    ``torch.inference_mode``), which has no version counter: nothing computed from it can be kept."""
-    if t.is_inference():
+def version_state(*tensors: torch.Tensor) -> tuple | None:
+    """``((address, version), ...)`` of ``tensors``' values, the key of a result kept from one call to the
+    next (the GEMM's weight splits, Swin-v2's position and qkv biases): the version counter advances at
+    every in-place change through a tensor or a view of it (writes through ``t.data`` bypass it). None where
+    nothing computed from them may be kept: an inference tensor (made under ``torch.inference_mode``) has no
+    version counter, and while a CUDA graph is captured a kept result would be baked into the graph, which
+    must read its inputs as they are at each replay."""
+    if any(t.is_inference() for t in tensors) or (
+            tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    return t.data_ptr(), t._version
+    return tuple((t.data_ptr(), t._version) for t in tensors)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -103,11 +103,10 @@ def _kept(module: nn.Module, name: str, tensors: tuple, compute) -> Tensor:
     inference tensors (built under ``torch.inference_mode``: no version counters) and while a CUDA graph is
     captured (a graph recomputes it at every replay, reading its inputs as they are then, as the GEMM's
     weight splits) it is computed at every call."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or (
-            tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return compute()
-    states = tuple(version_state(t) for t in tensors)
-    if None in states:
+    states = version_state(*tensors)
+    if states is None:
         return compute()
     dev = tensors[0].device.type
     autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
