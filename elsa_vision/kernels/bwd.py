@@ -135,13 +135,13 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dq_convert_kernel(
     ACC, DQ, Redo,
-    Nq, D, sm_scale,
+    H, Nq, D, stride_qb, stride_qh, stride_qm, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """``DQ = sm_scale * ACC`` (the five-product backward's float32 sum ``dS K``, both contiguous ``[B, H,
-    Nq, D]``) in DQ's dtype, and per 64 query rows of a head (grid ``(B * H, cdiv(Nq, BLOCK_M))``,
-    ``BLOCK_M`` = 64) the flag ``Redo[bh, tile]`` (1: a row is not finite; the generic dQ kernel's ``REDO``
-    launch redoes it)."""
+    """``DQ = sm_scale * ACC`` (the five-product backward's float32 sum ``dS K``, contiguous ``[B, H, Nq,
+    D]``; ``DQ`` ``[B, H, Nq, D]`` with the head dim contiguous and the other strides ``stride_q*``) in DQ's
+    dtype, and per 64 query rows of a head (grid ``(B * H, cdiv(Nq, BLOCK_M))``, ``BLOCK_M`` = 64) the flag
+    ``Redo[bh, tile]`` (1: a row is not finite; the generic dQ kernel's ``REDO`` launch redoes it)."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,7 +149,9 @@ def _bwd_dq_convert_kernel(
     mask = (rows < Nq)[:, None] & (offs_d < D)[None, :]
     offs = (pid_bh.to(tl.int64) * Nq + rows[:, None]) * D + offs_d[None, :]
     dq = tl.load(ACC + offs, mask=mask, other=0.0) * sm_scale
-    tl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=mask)
+    b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+    out = DQ + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qm + offs_d[None, :]
+    tl.store(out, dq.to(DQ.dtype.element_ty), mask=mask)
     tl.store(Redo + pid_bh.to(tl.int64) * tl.num_programs(1) + pid_m, (count_nonfinite(dq) != 0).to(tl.int32))
 
 
@@ -960,10 +962,12 @@ class _BwdProgram(Program):
     (``_HopperPass``), after the ``Delta`` kernel, or with ``fuse`` too, where both gradients are wanted and
     the head dim has a five-product config, ``_HopperFused`` (its dQ sum zeroed by the ``Delta`` kernel).
     The separate ``Delta`` kernel runs where no generic dQ pass precedes the dK/dV one (``compute_dq=False``,
-    or a Hopper dQ) and ``Delta`` is not given."""
+    or a Hopper dQ) and ``Delta`` is not given. The gradients go to tensors the program allocates, or to the
+    caller's ``dq``, ``dk``, ``dv`` (``grads``: their strides are planned here, e.g. views of one packed
+    ``dqkv``)."""
 
-    def __init__(self, do, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
-                 bias_requires_grad, config, given_delta, compute_dq, compute_dkdv, hopper=False,
+    def __init__(self, do, q, k, v, out, lse, attn_bias, key_padding_mask, dq, dk, dv, causal, scale,
+                 precision, bias_requires_grad, config, given_delta, compute_dq, compute_dkdv, hopper=False,
                  fuse=False):
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
@@ -971,6 +975,9 @@ class _BwdProgram(Program):
         self.device, self.dtype = device, q.dtype
         self.device_index = device.index if q.is_cuda else None
         self.q_size, self.k_size, self.v_size = (B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, Dv)
+        # the gradients' strides: the caller's tensors, or the contiguous ones ``run`` allocates
+        dq_s, dk_s, dv_s = (_contiguous(size) if t is None else t.stride()
+                            for t, size in ((dq, self.q_size), (dk, self.k_size), (dv, self.v_size)))
         self.delta_size = (B, H, Nq)
         self.compute_dq, self.compute_dkdv, self.given_delta = compute_dq, compute_dkdv, given_delta
         self.empty = min(B, H, Nq, Nk) == 0
@@ -997,7 +1004,8 @@ class _BwdProgram(Program):
         q_s, k_s, v_s, do_s, lse_s = q.stride(), k.stride(), v.stride(), do.stride(), lse.stride()
         o_s = out.stride() if out is not None else (0, 0, 0, 0)
         hopper = (hopper and bwd_sm90 is not None and config is None and not (has_bias or has_kpm or causal)
-                  and D == Dv and Nk >= HOPPER_MIN_KEYS.get(D, 0) and bwd_sm90.supported(q, k, v, do))
+                  and D == Dv and Nk >= HOPPER_MIN_KEYS.get(D, 0) and bwd_sm90.supported(q, k, v, do)
+                  and dq_s[3] == dk_s[3] == dv_s[3] == 1)  # the Hopper epilogues: head dim contiguous
         fused = hopper and fuse and compute_dq and compute_dkdv and D in bwd_sm90.FUSED_CONFIGS
         self.acc_size = (B, H, Nq, D) if fused else None
         # Delta: formed by the generic dQ kernel, or by a pass of its own before a Hopper or no dQ pass (which
@@ -1017,14 +1025,14 @@ class _BwdProgram(Program):
         if compute_dq:
             parts = (bh * Nk * D, bh * Nk * Dv) if presplit else (0, 0)
             scalars = (*q_s, *k_s, *v_s, *do_s, *o_s, *lse_s, *b_strides, *kpm_strides,
-                       *_contiguous(self.q_size), H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts)
+                       *dq_s, H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts)
             consts = dict(common, WRITE_DELTA=self.write_delta, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
                           BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, PRESPLIT=presplit, REDO=False)
             if hopper:  # the Hopper pass, then the generic kernel over the tiles it flagged
                 redo_dq = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, rows)), scalars,
                                  dict(consts, BLOCK_M=rows, PRESPLIT=False, REDO=True), 4, cfg.stages2)
                 if not fused:
-                    self.hopper_dq = _HopperPass(True, B, H, Nq, Nk, D, sm_scale, lse_s, redo_dq)
+                    self.hopper_dq = _HopperPass(True, B, H, Nq, Nk, D, sm_scale, lse_s, dq_s, dq_s, redo_dq)
             else:
                 self.dq = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, cfg.block_m2)), scalars, consts, cfg.warps2,
                                  cfg.stages2)
@@ -1033,17 +1041,18 @@ class _BwdProgram(Program):
         self.dkdv = self.split_qdo = self.hopper_dkdv = None
         if compute_dkdv:
             parts = (bh * Nq * D, bh * Nq * Dv) if presplit else (0, 0)
-            scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *_contiguous(self.k_size),
-                       *_contiguous(self.v_size), H, Nq, Nk, Bb, Hb, sm_scale, qk_scale, *parts)
+            scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *b_strides, *kpm_strides, *dk_s, *dv_s, H, Nq, Nk, Bb,
+                       Hb, sm_scale, qk_scale, *parts)
             consts = dict(common, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, BLOCK_D=BLOCK_D,
                           BLOCK_DV=BLOCK_DV, PRESPLIT=presplit, REDO=False)
             if hopper:
                 redo = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, rows)), scalars,
                               dict(consts, BLOCK_N=rows, PRESPLIT=False, REDO=True), 4, cfg.stages1)
                 if fused:
-                    self.hopper_fused = _HopperFused(B, H, Nq, Nk, D, sm_scale, lse_s, redo_dq, redo)
+                    self.hopper_fused = _HopperFused(B, H, Nq, Nk, D, sm_scale, lse_s, dq_s, dk_s, dv_s,
+                                                     redo_dq, redo)
                 else:
-                    self.hopper_dkdv = _HopperPass(False, B, H, Nq, Nk, D, sm_scale, lse_s, redo)
+                    self.hopper_dkdv = _HopperPass(False, B, H, Nq, Nk, D, sm_scale, lse_s, dk_s, dv_s, redo)
             else:
                 self.dkdv = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, cfg.block_n1)), scalars, consts,
                                    cfg.warps1, cfg.stages1)
@@ -1117,11 +1126,14 @@ class _BwdProgram(Program):
             fk = self.hopper_dkdv((k, v), (q, do), lse, delta, dk, dv, redo_dkdv)
         return fq, fk
 
-    def run(self, do, q, k, v, out, lse, bias, kpm, delta):
+    def run(self, do, q, k, v, out, lse, bias, kpm, delta, grads=None):
         dev, dtype = self.device, self.dtype
-        dq = torch.empty(self.q_size, dtype=dtype, device=dev) if self.compute_dq else None
-        dk = torch.empty(self.k_size, dtype=dtype, device=dev) if self.compute_dkdv else None
-        dv = torch.empty(self.v_size, dtype=dtype, device=dev) if self.compute_dkdv else None
+        if grads is not None:  # the caller's (planned with their strides)
+            dq, dk, dv = grads
+        else:
+            dq = torch.empty(self.q_size, dtype=dtype, device=dev) if self.compute_dq else None
+            dk = torch.empty(self.k_size, dtype=dtype, device=dev) if self.compute_dkdv else None
+            dv = torch.empty(self.v_size, dtype=dtype, device=dev) if self.compute_dkdv else None
         if self.empty:
             return (None if dq is None else dq.zero_(), None if dk is None else dk.zero_(),
                     None if dv is None else dv.zero_(), None)
@@ -1165,16 +1177,17 @@ class _HopperPass:
     generic kernel of that pass over the 64-row tiles it flagged (``redo``: its ``REDO`` launch; non-finite
     gradients; the other programs return at once)."""
 
-    def __init__(self, dq: bool, B, H, Nq, Nk, D, sm_scale, lse_strides, redo: Launch):
+    def __init__(self, dq: bool, B, H, Nq, Nk, D, sm_scale, lse_strides, out1_strides, out2_strides,
+                 redo: Launch):
         rows = bwd_sm90.ROWS.value
         self.block_s, stages = bwd_sm90.CONFIGS[D]
         n_own, n_stream = (Nq, Nk) if dq else (Nk, Nq)
         own_tiles = cdiv(n_own, rows * bwd_sm90.CONSUMERS.value)
         self.flags = (B * H, cdiv(n_own, rows))
-        outs = _contiguous((B, H, n_own, D))[:3]  # the gradients' strides (dQ, or dK and dV)
+        # the gradients' strides (dQ twice, or dK and dV) but the head dim's (1)
         self.main = Launch(bwd_sm90.bwd_kernel, (own_tiles * B * H,),
-                           (H, n_own, n_stream, own_tiles, *lse_strides, *outs, *outs, sm_scale * LOG2E,
-                            sm_scale),
+                           (H, n_own, n_stream, own_tiles, *lse_strides, *out1_strides[:3], *out2_strides[:3],
+                            sm_scale * LOG2E, sm_scale),
                            dict(D=D, BLOCK_S=self.block_s, STAGES=stages, DQ=dq),
                            bwd_sm90.NUM_WARPS)
         self.redo = redo
@@ -1206,17 +1219,19 @@ class _HopperFused:
     the key programs in one pass, then ``dQ = scale * sum`` in dQ's dtype (``_bwd_dq_convert_kernel``, which
     flags non-finite rows), then each generic kernel's ``REDO`` launch over its flagged 64-row tiles."""
 
-    def __init__(self, B, H, Nq, Nk, D, sm_scale, lse_strides, redo_dq: Launch, redo_dkdv: Launch):
+    def __init__(self, B, H, Nq, Nk, D, sm_scale, lse_strides, dq_strides, dk_strides, dv_strides,
+                 redo_dq: Launch, redo_dkdv: Launch):
         rows = bwd_sm90.ROWS.value
         self.block_s, stages = bwd_sm90.FUSED_CONFIGS[D]
         own_tiles = cdiv(Nk, rows * bwd_sm90.CONSUMERS.value)
         self.flags_k, self.flags_q = (B * H, cdiv(Nk, rows)), (B * H, cdiv(Nq, rows))
-        outs = _contiguous((B, H, Nk, D))[:3]  # dK's and dV's strides
         self.main = Launch(bwd_sm90.bwd_fused_kernel, (own_tiles * B * H,),
-                           (H, Nk, Nq, own_tiles, *lse_strides, *outs, *outs, sm_scale * LOG2E, sm_scale),
+                           (H, Nk, Nq, own_tiles, *lse_strides, *dk_strides[:3], *dv_strides[:3],
+                            sm_scale * LOG2E, sm_scale),
                            dict(D=D, BLOCK_S=self.block_s, STAGES=stages), bwd_sm90.NUM_WARPS)
-        self.convert = Launch(_bwd_dq_convert_kernel, (B * H, cdiv(Nq, rows)), (Nq, D, sm_scale),
-                              dict(BLOCK_M=rows, BLOCK_D=tile_size(D)), 4)
+        self.convert = Launch(_bwd_dq_convert_kernel, (B * H, cdiv(Nq, rows)),
+                              (H, Nq, D, *dq_strides[:3], sm_scale), dict(BLOCK_M=rows, BLOCK_D=tile_size(D)),
+                              4)
         self.redo_dq, self.redo_dkdv = redo_dq, redo_dkdv
         self.descs = None
 
@@ -1274,6 +1289,7 @@ def elsa_bwd(
     delta: Tensor | None = None,
     compute_dq: bool = True,
     compute_dkdv: bool = True,
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of ``out = softmax(scale * q k^T + bias, masked) @ v`` from the saved ``(out, lse)``.
 
@@ -1301,25 +1317,31 @@ def elsa_bwd(
             read): context parallelism sends it along with the query rows.
         compute_dq / compute_dkdv: False skips the dQ kernel / the dK/dV kernel (its gradients are returned
             as None), for callers that need one side only (the two passes of ring attention's backward).
+        grads: ``(dq, dk, dv)`` to write the gradients into (FlashAttention's convention; None for a pass
+            not computed): tensors of q's dtype and the shapes of q, k, v, any strides with the head dim
+            contiguous, not overlapping each other or the inputs -- e.g. the views
+            ``dqkv.permute(2, 0, 3, 1, 4).unbind(0)`` of one packed ``[B, N, 3, H, D]`` buffer, so that a
+            fused qkv projection gets its gradient without a copy (``elsa_attention_qkvpacked``).
 
     Returns:
-        ``(dq, dk, dv, dbias)``: contiguous ``[B, H, N, D|Dv]`` in the input dtype (None where not
-        computed; zeros for empty inputs); ``dbias`` or None.
+        ``(dq, dk, dv, dbias)``: ``grads``, or contiguous ``[B, H, N, D|Dv]`` tensors in the input dtype
+        (None where not computed; zeros for empty inputs); ``dbias`` or None.
     """
     if out is None and delta is None:
         raise ValueError("elsa_bwd: pass `out` (the forward output), or `delta` = rowsum(out * do)")
     program = bwd_program(do, q, k, v, out, lse, attn_bias, key_padding_mask, causal, scale, precision,
-                          bias_requires_grad, config, delta is not None, compute_dq, compute_dkdv)
-    return program(do, q, k, v, out, lse, attn_bias, key_padding_mask, delta)
+                          bias_requires_grad, config, delta is not None, compute_dq, compute_dkdv, grads)
+    return program(do, q, k, v, out, lse, attn_bias, key_padding_mask, delta, grads)
 
 
 def bwd_program(do, q, k, v, out, lse, attn_bias=None, key_padding_mask=None, causal=False, scale=None,
                 precision="auto", bias_requires_grad=False, config=None, given_delta=False, compute_dq=True,
-                compute_dkdv=True) -> _BwdProgram:
+                compute_dkdv=True, grads=None) -> _BwdProgram:
     """The cached launch program of this backward signature (``elsa_bwd``'s arguments; ``given_delta``:
-    ``delta`` is passed): ``program(do, q, k, v, out, lse, bias, kpm, delta) -> (dq, dk, dv, dbias)`` for
-    any tensors of the same signature."""
+    ``delta`` is passed): ``program(do, q, k, v, out, lse, bias, kpm, delta, grads) -> (dq, dk, dv, dbias)``
+    for any tensors of the same signature (``grads`` included: None, or tensors of the same strides)."""
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     options = (causal, scale, precision, bool(bias_requires_grad), config, given_delta, compute_dq,
                compute_dkdv, HOPPER, HOPPER_FUSED and not torch.are_deterministic_algorithms_enabled())
-    return _PROGRAMS(_BwdProgram, (do, q, k, v, out, lse, attn_bias, key_padding_mask), options)
+    dq, dk, dv = (None, None, None) if grads is None else grads
+    return _PROGRAMS(_BwdProgram, (do, q, k, v, out, lse, attn_bias, key_padding_mask, dq, dk, dv), options)

@@ -17,7 +17,7 @@ from timm.models import register_notrace_module
 from torch import Tensor, nn
 
 from ..ops._library import eager_bypass
-from ..ops.attention import elsa_attention, inference_call
+from ..ops.attention import elsa_attention, elsa_attention_qkvpacked, inference_call
 from .elsa_module import ElsaAttentionModule, refuse_torchscript
 
 __all__ = ["ElsaAttention", "mask_to_bias", "refuse_torchscript"]
@@ -127,8 +127,12 @@ class ElsaAttention(ElsaAttentionModule, nn.Module):
                 pos: Tensor | None = None) -> Tensor:
         B, N, _ = x.shape
         # q, k, v stay strided views of the fused projection: the kernels read them without copies.
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        if self._packed(attn_mask, pos, N):  # training: qkv's gradient written in place, in one piece
+            o = elsa_attention_qkvpacked(qkv, causal=bool(is_causal), scale=self.scale,
+                                         precision=self.precision, backend=self.backend)
+            return self._project(o, x)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         if q.dtype != v.dtype:  # CUDA autocast runs layer_norm in float32: q, k back to the projection's
             q, k = q.to(v.dtype), k.to(v.dtype)  # dtype, as SDPA's autocast does
@@ -137,7 +141,8 @@ class ElsaAttention(ElsaAttentionModule, nn.Module):
             q, k = self.rope.rotate(q, k, pos)
         chunk = self._query_chunk
         if chunk is None or N <= chunk:
-            return self._project(self._attend(x, q, k, v, attn_mask, bool(is_causal), rotated), x)
+            o = self._attend(x, q, k, v, attn_mask, bool(is_causal), rotated)
+            return self._project(o.transpose(1, 2), x)
         if is_causal or self.context_parallel is not None:
             raise ValueError("ElsaAttention: query_chunk is not available with is_causal=True or context "
                              "parallelism; set query_chunk=None")
@@ -147,11 +152,22 @@ class ElsaAttention(ElsaAttentionModule, nn.Module):
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
             rows = attn_mask[..., s:e, :] if per_row else attn_mask
-            y = self._project(self._attend(x, q[:, :, s:e], k, v, rows, False, None), x[:, s:e])
+            o = self._attend(x, q[:, :, s:e], k, v, rows, False, None)
+            y = self._project(o.transpose(1, 2), x[:, s:e])
             if out is None:
                 out = y.new_empty(B, N, y.shape[-1])
             out[:, s:e] = y
         return out
+
+    def _packed(self, attn_mask: Tensor | None, pos: Tensor | None, N: int) -> bool:
+        """Whether this call attends the packed projection itself (``elsa_attention_qkvpacked``): with
+        autograd on, where q and k are the projection's (no q/k norm, no RoPE) and nothing else the packed
+        entry lacks is asked for (a mask, context parallelism, attention dropout, query chunks). Inference
+        keeps its planned call (``_planned``)."""
+        return (torch.is_grad_enabled() and attn_mask is None and self.context_parallel is None
+                and type(self.q_norm) is nn.Identity and type(self.k_norm) is nn.Identity
+                and (pos is None or self.rope is None) and not (self.training and self.attn_drop.p > 0)
+                and (self._query_chunk is None or N <= self._query_chunk))
 
     def _attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
                 rotated: bool | None) -> Tensor:
@@ -175,9 +191,9 @@ class ElsaAttention(ElsaAttentionModule, nn.Module):
         )
 
     def _project(self, o: Tensor, x: Tensor) -> Tensor:
-        """Attention output ``o [B, H, n, Dv]`` of the tokens ``x [B, n, C]`` -> ``[B, n, dim_out]``."""
-        B, _, n, _ = o.shape
-        o = self.norm(o.transpose(1, 2).reshape(B, n, self.attn_dim))
+        """Attention output ``o [B, n, H, Dv]`` of the tokens ``x [B, n, C]`` -> ``[B, n, dim_out]``."""
+        B, n = o.shape[:2]
+        o = self.norm(o.reshape(B, n, self.attn_dim))
         if self.gate is not None:
             o = o * self.gate(x).sigmoid()
         return self.proj_drop(self.proj(o))

@@ -7,8 +7,8 @@ The Swin-v2 window op is ``elsa_vision.ops.window_attention.window_attention``; 
 precision).
 """
 
-from .attention import BACKENDS, PRECISIONS, elsa_attention, elsa_attention_varlen
+from .attention import BACKENDS, PRECISIONS, elsa_attention, elsa_attention_qkvpacked, elsa_attention_varlen
 from .linear import LINEAR_BACKENDS, elsa_linear, elsa_mlp
 
-__all__ = ["elsa_attention", "elsa_attention_varlen", "elsa_linear", "elsa_mlp", "PRECISIONS", "BACKENDS",
-           "LINEAR_BACKENDS"]
+__all__ = ["elsa_attention", "elsa_attention_qkvpacked", "elsa_attention_varlen", "elsa_linear", "elsa_mlp",
+           "PRECISIONS", "BACKENDS", "LINEAR_BACKENDS"]

@@ -1,4 +1,5 @@
-"""The public attention functions: ``elsa_attention`` and ``elsa_attention_varlen``.
+"""The public attention functions: ``elsa_attention``, ``elsa_attention_qkvpacked`` and
+``elsa_attention_varlen``.
 
 Layout and conventions follow ``torch.nn.functional.scaled_dot_product_attention`` (``[B, H, N, D]``) and
 FlashAttention (bottom-right aligned causal mask; rows that see no key return 0, never NaN).
@@ -9,7 +10,10 @@ kernel and a fake kernel each, so ``torch.compile(fullgraph=True)`` sees one opa
 ``torch.autograd.Function`` that saves ``q, k, v, out, lse`` and calls the backward operator, and the public
 function, which checks its inputs once (``ops.checks``). Everything below it trusts them: the operators'
 bodies and the kernels' launchers (``kernels.fwd`` / ``bwd`` / ``decode``) only look their launch programs up
-by signature (``kernels.launch``).
+by signature (``kernels.launch``). The packed entry (``elsa_attention_qkvpacked``, FlashAttention's
+``[B, N, 3, H, D]``) has a backward operator of its own, ``elsa_vision::attention_bwd_qkvpacked``, which
+writes the three gradients into one packed buffer: the gradient of the fused projection, with no
+``stack`` of three gradients and no copy out of a permuted layout behind it.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ from .checks import (
     check_attention_inputs,
     check_eca_call,
     check_options,
+    check_qkvpacked_inputs,
     check_triton_call,
     check_varlen_inputs,
 )
 from .numerics import cuda_matmul_precision
 
 __all__ = [
-    "elsa_attention", "elsa_attention_varlen", "PRECISIONS", "BACKENDS", "SUPPORTED_DTYPES",
+    "elsa_attention", "elsa_attention_qkvpacked", "elsa_attention_varlen", "PRECISIONS", "BACKENDS",
+    "SUPPORTED_DTYPES",
     "resolve_backend", "check_options", "inference_call",
 ]
 
@@ -120,6 +126,28 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, attn_bias, key_padding_mask, ca
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
+def unpack_qkv(qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q, k, v)``, each ``[B, H, N, D]``: views of a packed ``[B, N, 3, H, D]`` tensor."""
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _attention_bwd_qkvpacked(dout, qkv, out, lse, causal, scale, precision):
+    q, k, v = unpack_qkv(qkv)
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    _kernels()[1].elsa_bwd(dout, q, k, v, out, lse, None, None, causal, scale, precision,
+                           grads=unpack_qkv(dqkv))
+    return dqkv
+
+
+def _attention_bwd_qkvpacked_fake(dout, qkv, out, lse, causal, scale, precision):
+    return qkv.new_empty(qkv.shape)
+
+
+_ATTENTION_BWD_QKVPACKED = define_op(
+    "attention_bwd_qkvpacked",
+    "(Tensor dout, Tensor qkv, Tensor out, Tensor lse, bool causal, float scale, str precision) -> Tensor",
+    _attention_bwd_qkvpacked, _attention_bwd_qkvpacked_fake,
+)
 _ATTENTION_BWD = define_op(
     "attention_bwd",
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_bias, "
@@ -154,6 +182,27 @@ class _ElsaAttention(torch.autograd.Function):
                 bias_grad)
         dq, dk, dv, dbias = eager_bypass(dout, _attention_bwd, _ATTENTION_BWD)(*args)
         return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None
+
+
+class _ElsaAttentionQKVPacked(torch.autograd.Function):
+    """The Triton path of a packed ``qkv`` with autograd: the forward operator on its views, saved ``(qkv,
+    out, lse)``, the packed backward operator (one ``dqkv``)."""
+
+    @staticmethod
+    def forward(ctx, qkv, causal, scale, precision):
+        q, k, v = unpack_qkv(qkv)
+        args = (q, k, v, None, None, causal, scale, precision)
+        out, lse = eager_bypass(qkv, attention_fwd, _ATTENTION_FWD)(*args)
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.causal, ctx.scale, ctx.precision = causal, scale, precision
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv, out, lse = ctx.saved_tensors
+        dqkv = eager_bypass(dout, _attention_bwd_qkvpacked, _ATTENTION_BWD_QKVPACKED)(
+            dout, qkv, out, lse, ctx.causal, ctx.scale, ctx.precision)
+        return dqkv, None, None, None
 
 
 def _triton_attention(q, k, v, attn_bias, key_padding_mask, causal, scale, precision):
@@ -264,6 +313,48 @@ def elsa_attention(
         check_eca_call("elsa_attention", q, k, causal, dropout_p)
         return eca_attention(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, scale=scale)
     return _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p)
+
+
+def elsa_attention_qkvpacked(
+    qkv: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    precision: str = "auto",
+    backend: str = "auto",
+) -> Tensor:
+    """Self-attention of a packed ``qkv`` (FlashAttention's ``flash_attn_qkvpacked_func`` convention).
+
+    Args:
+        qkv: ``[B, N, 3, H, D]``: queries, keys and values of one fused projection (``qkv(x).view(B, N, 3,
+            H, D)`` of a ``Linear(dim, 3 * H * D)``, as timm's ViT builds them); any strides.
+        causal, scale, precision, backend: as in :func:`elsa_attention` (no bias, mask or dropout).
+
+    Returns:
+        ``[B, N, H, D]`` in ``qkv``'s dtype (``.reshape(B, N, H * D)`` is a view): the same values as
+        ``elsa_attention(q, k, v).transpose(1, 2)`` on ``q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)``.
+        With autograd on the Triton backend the backward writes ``qkv``'s gradient as one contiguous
+        ``[B, N, 3, H, D]`` tensor, where the unpacked call's gradient passes through ``unbind``'s
+        ``stack`` and a copy out of the permuted layout (two more kernels and buffers of ``qkv``'s size
+        per call).
+    """
+    check_qkvpacked_inputs(qkv, causal, scale, precision, backend)
+    fn = "elsa_attention_qkvpacked"
+    chosen = resolve_backend(backend, qkv)
+    if chosen == "triton":
+        check_triton_call(fn, qkv, qkv)
+        scale = qkv.shape[-1] ** -0.5 if scale is None else float(scale)
+        if torch.is_grad_enabled() and qkv.requires_grad:
+            return _ElsaAttentionQKVPacked.apply(qkv, causal, scale, precision).transpose(1, 2)
+        q, k, v = unpack_qkv(qkv)
+        return _triton_attention(q, k, v, None, None, causal, scale, precision).transpose(1, 2)
+    q, k, v = unpack_qkv(qkv)
+    if chosen == "eca":
+        from ..kernels.eca import eca_attention
+
+        check_eca_call(fn, q, k, causal, 0.0)
+        return eca_attention(q, k, v, scale=scale).transpose(1, 2)
+    return _torch_backend(q, k, v, None, None, causal, scale, precision, 0.0).transpose(1, 2)
 
 
 def elsa_attention_varlen(

@@ -19,7 +19,7 @@ from ..kernels.precision import PRECISIONS
 
 __all__ = [
     "BACKENDS", "LINEAR_BACKENDS", "PRECISIONS", "SUPPORTED_DTYPES", "TRITON_MAX_HEAD_DIM",
-    "check_attention_inputs", "check_linear_inputs", "check_mlp_inputs",
+    "check_attention_inputs", "check_linear_inputs", "check_mlp_inputs", "check_qkvpacked_inputs",
     "check_backend", "check_eca_call", "check_options", "check_precision", "check_triton_call",
     "check_triton_device", "check_varlen_inputs", "check_window_inputs", "format_shape",
 ]
@@ -142,6 +142,23 @@ def check_attention_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, 
     _check_call_options(fn, causal, scale, precision, backend)
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"{fn}: `dropout_p` must be in [0, 1), got {dropout_p}")
+
+
+def check_qkvpacked_inputs(qkv, causal, scale, precision, backend) -> None:
+    """The input of ``elsa_attention_qkvpacked`` (FlashAttention's packed ``[B, N, 3, H, D]``: q, k, v of
+    one fused projection, so one dtype, device and shape by construction), refused in one line naming it."""
+    fn = "elsa_attention_qkvpacked"
+    if not isinstance(qkv, Tensor):
+        raise TypeError(f"{fn}: `qkv` must be a torch.Tensor, got {type(qkv).__name__}")
+    shape = qkv.shape
+    if len(shape) != 5 or shape[2] != 3:
+        raise ValueError(f"{fn}: `qkv` must have shape [B, N, 3, H, D], got {format_shape(qkv)}")
+    if qkv.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: `qkv` has unsupported dtype {qkv.dtype}; expected one of "
+                        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    if shape[4] == 0:
+        raise ValueError(f"{fn}: head dims must be >= 1, got qkv {format_shape(qkv)}")
+    _check_call_options(fn, causal, scale, precision, backend)
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from elsa_vision import ElsaAttention, elsa_attention, elsa_attention_varlen
+from elsa_vision import ElsaAttention, elsa_attention, elsa_attention_qkvpacked, elsa_attention_varlen
 from elsa_vision.kernels.reference import scan_attention, softmax_attention
 from tests.helpers import NONFINITE_KINDS, assert_nonfinite_like, nonfinite_case, relerr
 
@@ -125,9 +125,10 @@ def test_eager_bypass_skips_the_dispatcher_only_when_nothing_can_intercept():
 
 
 def test_every_operator_call_reaches_a_dispatch_mode():
-    """Each call site of the four operators (attention forward with and without autograd, its backward, the
-    window op's forward with and without autograd and its backward, ``ElsaAttention``'s planned inference)
-    gives the operator to a dispatch mode instead of running its body."""
+    """Each call site of the five operators (attention forward with and without autograd, its backward, the
+    packed entry's forward with and without autograd and its backward, the window op's forward with and
+    without autograd and its backward, ``ElsaAttention``'s planned inference) gives the operator to a
+    dispatch mode instead of running its body."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from elsa_vision.ops.window_attention import window_attention
@@ -145,16 +146,19 @@ def test_every_operator_call_reaches_a_dispatch_mode():
     q, k, v = (torch.randn(1, 2, 9, 16, device=DEV, requires_grad=True) for _ in range(3))
     wq, wk, wv = (torch.randn(2, 2, 16, 8, device=DEV, requires_grad=True) for _ in range(3))
     bias = torch.randn(2, 16, 16, device=DEV, requires_grad=True)
+    packed = torch.randn(1, 9, 3, 2, 16, device=DEV, requires_grad=True)
     layer = ElsaAttention(32, num_heads=2, backend="triton").to(DEV).eval()
     with Seen() as mode:
         elsa_attention(q, k, v, backend="triton").sum().backward()
+        elsa_attention_qkvpacked(packed, backend="triton").sum().backward()
         window_attention(wq, wk, wv, None, bias).sum().backward()
         with torch.no_grad():
             elsa_attention(q, k, v, backend="triton")
+            elsa_attention_qkvpacked(packed, backend="triton")
             window_attention(wq, wk, wv, None, bias)
             layer(torch.randn(2, 5, 32, device=DEV))
-    assert sorted(mode.ops) == sorted(["attention_fwd"] * 3 + ["attention_bwd"] + ["window_attention_fwd"] * 2
-                                      + ["window_attention_bwd"])
+    assert sorted(mode.ops) == sorted(["attention_fwd"] * 5 + ["attention_bwd", "attention_bwd_qkvpacked"]
+                                      + ["window_attention_fwd"] * 2 + ["window_attention_bwd"])
 
 
 def test_torch_compile_fullgraph_matches_eager():
