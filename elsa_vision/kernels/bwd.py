@@ -261,7 +261,10 @@ def _probs(s, bias_ptrs, lse, lse2, q_idx, k_idx, q_ok, k_ok, diag, sm_scale, qk
         arg = (s * sm_scale + bias - lse) * 1.4426950408889634
     else:
         arg = s * qk_scale - lse2
-    p = tl.math.exp2(arg)
+    # P <= 1 exactly; the recomputed score may pass lse by its rounding (|s| 2^-24 each), which at logits far
+    # past exp's range would give P = inf (and NaN gradients): clamp the exponent at 0, NaN kept (a NaN
+    # logit still makes its row NaN, as in softmax)
+    p = tl.math.exp2(tl.minimum(arg, 0.0, propagate_nan=tl.PropagateNan.ALL))
     if MASKED:
         valid = q_ok & k_ok
         if CAUSAL:

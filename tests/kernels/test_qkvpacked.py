@@ -122,6 +122,21 @@ def test_large_logits_and_empty_inputs_stay_finite():
         assert torch.equal(leaf.grad, torch.zeros_like(leaf))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_logits_give_finite_gradients(dtype):
+    """Logits near 1e36 (``q``, ``k`` ~1e18: rows one-hot) give the output within the bounds of float64 and
+    finite gradients, never NaN: the backward's recomputed ``P = exp(s - lse)`` is clamped at 1, which the
+    rounding of ``s`` (~1e29 here) would otherwise push to ``inf``. Their values are not checked: no float32
+    recomputation of such logits can resolve ``s - lse`` (``Large finite logits in the backward``)."""
+    qkv = _packed(2, 23, 2, 16, seed=13).to(dtype)
+    qkv[:, :, :2] *= 1e18
+    dout = randn(2, 23, 2, 16, seed=14, dtype=dtype)
+    out, g = _run(lambda t: elsa_attention_qkvpacked(t, backend="triton"), qkv, dout)
+    out_ref, _ = _reference(qkv, dout)
+    assert relerr(out, out_ref) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.isfinite(g).all()
+
+
 SHAPE = r"`qkv` must have shape \[B, N, 3, H, D\], "
 
 
@@ -236,6 +251,25 @@ def test_gpu_packed_matches_float64_and_the_unpacked_call(case, deterministic):
         assert relerr(g[:, :, 0], g_u[:, :, 0]) <= 1e-3
     else:
         assert torch.equal(g[:, :, 0], g_u[:, :, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,D", [(1031, 128), (2053, 64)])
+def test_gpu_huge_logits_give_finite_gradients_on_the_hopper_backward(N, D):
+    """Logits near 1e36 through the half-precision Hopper backwards (five-product and, with deterministic
+    algorithms, two passes): the tiles whose gradients come out non-finite are redone by the generic kernels,
+    whose ``P`` is clamped at 1: finite gradients."""
+    qkv = _packed(1, N, 2, D, seed=N).to(torch.bfloat16)
+    qkv[:, :, :2] *= 1e18
+    dout = randn(1, N, 2, D, seed=N + 1, dtype=torch.bfloat16)
+    before = torch.are_deterministic_algorithms_enabled()
+    for deterministic in (False, True):
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            out, g = _run(lambda t: elsa_attention_qkvpacked(t), qkv, dout)
+        finally:
+            torch.use_deterministic_algorithms(before)
+        assert torch.isfinite(out).all() and torch.isfinite(g).all()
 
 
 @pytest.mark.gpu
