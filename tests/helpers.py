@@ -113,6 +113,24 @@ def randomize_(model: torch.nn.Module, seed: int = 1234) -> torch.nn.Module:
     return model
 
 
+def elsa_ops_seen():
+    """A dispatch mode (``with elsa_ops_seen() as mode:``) that runs every operator and records in
+    ``mode.ops`` the names of the ``elsa_vision`` ones, in call order: which operators a call reaches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "elsa_vision":
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return Seen()
+
+
 NONFINITE_KINDS = ("causal", "bias", "bands", "kpm")
 
 

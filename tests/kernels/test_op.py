@@ -12,7 +12,7 @@ import torch
 
 from elsa_vision import ElsaAttention, elsa_attention, elsa_attention_qkvpacked, elsa_attention_varlen
 from elsa_vision.kernels.reference import scan_attention, softmax_attention
-from tests.helpers import NONFINITE_KINDS, assert_nonfinite_like, nonfinite_case, relerr
+from tests.helpers import NONFINITE_KINDS, assert_nonfinite_like, elsa_ops_seen, nonfinite_case, relerr
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -129,26 +129,14 @@ def test_every_operator_call_reaches_a_dispatch_mode():
     packed entry's forward with and without autograd and its backward, the window op's forward with and
     without autograd and its backward, ``ElsaAttention``'s planned inference) gives the operator to a
     dispatch mode instead of running its body."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from elsa_vision.ops.window_attention import window_attention
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "elsa_vision":
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     q, k, v = (torch.randn(1, 2, 9, 16, device=DEV, requires_grad=True) for _ in range(3))
     wq, wk, wv = (torch.randn(2, 2, 16, 8, device=DEV, requires_grad=True) for _ in range(3))
     bias = torch.randn(2, 16, 16, device=DEV, requires_grad=True)
     packed = torch.randn(1, 9, 3, 2, 16, device=DEV, requires_grad=True)
     layer = ElsaAttention(32, num_heads=2, backend="triton").to(DEV).eval()
-    with Seen() as mode:
+    with elsa_ops_seen() as mode:
         elsa_attention(q, k, v, backend="triton").sum().backward()
         elsa_attention_qkvpacked(packed, backend="triton").sum().backward()
         window_attention(wq, wk, wv, None, bias).sum().backward()

@@ -15,7 +15,7 @@ import torch
 from elsa_vision import ElsaAttention, elsa_attention, elsa_attention_qkvpacked
 from elsa_vision.kernels.reference import softmax_attention
 from elsa_vision.ops.attention import unpack_qkv
-from tests.helpers import DEVICE, randn, relerr
+from tests.helpers import DEVICE, elsa_ops_seen, randn, relerr
 
 
 def _packed(B, N, H, D, seed, dtype=torch.float32, scale=1.0):
@@ -173,33 +173,28 @@ def test_backward_operator_passes_opcheck():
 
 def test_layer_trains_on_the_packed_entry_only_where_it_applies():
     """``ElsaAttention`` with autograd attends the packed projection (the packed backward operator runs),
-    with a q/k norm, a mask or attention dropout the unpacked call (the plain backward operator), without
-    autograd its planned forward; the packed route's output and gradients are the unpacked route's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "elsa_vision":
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
+    with a q/k norm or a mask the unpacked call (the plain backward operator), with attention dropout the
+    torch backend (no operator), without autograd its planned forward; the packed route's output and
+    gradients are the unpacked route's."""
     torch.manual_seed(3)
     layer = ElsaAttention(32, num_heads=2, qkv_bias=True, backend="triton").to(DEVICE)
     normed = ElsaAttention(32, num_heads=2, qk_norm=True, norm_layer=torch.nn.LayerNorm, backend="triton")
     normed = normed.to(DEVICE)
+    dropped = ElsaAttention(32, num_heads=2, attn_drop=0.1, backend="triton").to(DEVICE)
     x = torch.randn(2, 9, 32, device=DEVICE)
     mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE)
-    with Seen() as mode:
+    with elsa_ops_seen() as mode:
         layer(x).sum().backward()
     assert mode.ops == ["attention_fwd", "attention_bwd_qkvpacked"]
     for call in (lambda: normed(x), lambda: layer(x, attn_mask=mask)):
-        with Seen() as mode:
+        with elsa_ops_seen() as mode:
             call().sum().backward()
         assert mode.ops == ["attention_fwd", "attention_bwd"]
+    with elsa_ops_seen() as mode:
+        dropped(x).sum().backward()
+        with torch.no_grad():
+            layer(x)
+    assert mode.ops == ["attention_fwd"]  # the planned inference call (the dropout layer's: none)
     grads = {}
     for route, m in (("packed", None), ("unpacked", mask)):
         layer.zero_grad()
