@@ -58,20 +58,22 @@ class ElsaLinear(ElsaLinearModule, nn.Linear):
         self.backend, self.precision = backend, precision
 
     def forward(self, x: Tensor) -> Tensor:
-        return _layer_linear(self, x, self.weight, self.bias)
+        return _on_layer_route(self, x, (self.weight, self.bias), elsa_linear, check_linear_inputs,
+                               linear_on_route)
 
 
-def _layer_linear(layer: ElsaLinear, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``elsa_linear(x, weight, bias)`` with ``layer``'s options, checked only where the GEMM runs: on the
-    torch route (half precisions, autocast, the CPU) ``F.linear`` checks its operands itself, as in
-    ``nn.Linear``'s forward, and the layer's options were checked when set (a layer call's host time:
-    docs/kernel_notes.md, "Fewer Python frames and launches per layer")."""
-    if not isinstance(x, Tensor):
-        return elsa_linear(x, weight, bias, precision=layer.precision, backend=layer.backend)
+def _on_layer_route(layer: ElsaLinearModule, x: Tensor, params: tuple, public, check, on_route) -> Tensor:
+    """``public(x, *params)`` (``elsa_linear`` or ``elsa_mlp``) with ``layer``'s options, its inputs checked
+    (``check``) only where the GEMM runs, then ``on_route`` (its body on the route): on the torch route (half
+    precisions, autocast, the CPU) ``F.linear`` checks its operands itself, as in ``nn.Linear``'s forward,
+    and the layer's options were checked when set (a layer call's host time: docs/kernel_notes.md, "Fewer
+    Python frames and launches per layer")."""
+    if not isinstance(x, Tensor):  # the public function's refusal
+        return public(x, *params, precision=layer.precision, backend=layer.backend)
     route = linear_route(x, layer.precision, layer.backend)
     if route != "torch":
-        check_linear_inputs(x, weight, bias, layer.precision, layer.backend)
-    return linear_on_route(x, weight, bias, layer.precision, route)
+        check(x, *params, layer.precision, layer.backend)
+    return on_route(x, *params, layer.precision, route)
 
 
 @register_notrace_module
@@ -142,13 +144,8 @@ class ElsaMlp(ElsaLinearModule, Mlp):
                 and (fc1.backend, fc1.precision) == options == (fc2.backend, fc2.precision)
                 and (not self.training or (self.drop1.p == 0 and self.drop2.p == 0))
                 and not _hooked(fc1, self.act, fc2)):
-            if not isinstance(x, Tensor):
-                return elsa_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, precision=self.precision,
-                                backend=self.backend)
-            route = linear_route(x, self.precision, self.backend)
-            if route != "torch":  # as ElsaLinear.forward
-                check_mlp_inputs(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.precision, self.backend)
-            return mlp_on_route(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.precision, route)
+            return _on_layer_route(self, x, (fc1.weight, fc1.bias, fc2.weight, fc2.bias), elsa_mlp,
+                                   check_mlp_inputs, mlp_on_route)
         return super().forward(x)
 
 
@@ -178,7 +175,7 @@ def linear_of(layer: nn.Linear, x: Tensor, weight: Tensor, bias: Tensor | None) 
     linear layer's parameters (Swin-v2's qkv with its own bias, ``nn.MultiheadAttention``'s ``in_proj``
     beside its ``out_proj``): they follow the layer, swapped or not."""
     if isinstance(layer, ElsaLinear):
-        return _layer_linear(layer, x, weight, bias)
+        return _on_layer_route(layer, x, (weight, bias), elsa_linear, check_linear_inputs, linear_on_route)
     return F.linear(x, weight, bias)
 
 

@@ -302,15 +302,21 @@ def elsa_attention(
         ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is a view, not a copy.
     """
     check_attention_inputs(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, backend, dropout_p)
-    chosen = resolve_backend(backend, q, dropout_p)
+    return _attention_on("elsa_attention", resolve_backend(backend, q, dropout_p), q, k, v, attn_bias,
+                         key_padding_mask, causal, scale, precision, dropout_p)
+
+
+def _attention_on(who, chosen, q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p):
+    """The attention of checked inputs on the backend ``chosen`` (``resolve_backend``), what that backend
+    cannot take refused naming ``who``: the public entries' one dispatch."""
     if chosen == "triton":
-        check_triton_call("elsa_attention", q, v, dropout_p)
+        check_triton_call(who, q, v, dropout_p)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         return _triton_attention(q, k, v, attn_bias, key_padding_mask, causal, scale, precision)
     if chosen == "eca":
         from ..kernels.eca import eca_attention
 
-        check_eca_call("elsa_attention", q, k, causal, dropout_p)
+        check_eca_call(who, q, k, causal, dropout_p)
         return eca_attention(q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask, scale=scale)
     return _torch_backend(q, k, v, attn_bias, key_padding_mask, causal, scale, precision, dropout_p)
 
@@ -339,22 +345,14 @@ def elsa_attention_qkvpacked(
         per call).
     """
     check_qkvpacked_inputs(qkv, causal, scale, precision, backend)
-    fn = "elsa_attention_qkvpacked"
+    who = "elsa_attention_qkvpacked"
     chosen = resolve_backend(backend, qkv)
-    if chosen == "triton":
-        check_triton_call(fn, qkv, qkv)
+    if chosen == "triton" and torch.is_grad_enabled() and qkv.requires_grad:  # the packed backward
+        check_triton_call(who, qkv, qkv)
         scale = qkv.shape[-1] ** -0.5 if scale is None else float(scale)
-        if torch.is_grad_enabled() and qkv.requires_grad:
-            return _ElsaAttentionQKVPacked.apply(qkv, causal, scale, precision).transpose(1, 2)
-        q, k, v = unpack_qkv(qkv)
-        return _triton_attention(q, k, v, None, None, causal, scale, precision).transpose(1, 2)
+        return _ElsaAttentionQKVPacked.apply(qkv, causal, scale, precision).transpose(1, 2)
     q, k, v = unpack_qkv(qkv)
-    if chosen == "eca":
-        from ..kernels.eca import eca_attention
-
-        check_eca_call(fn, q, k, causal, 0.0)
-        return eca_attention(q, k, v, scale=scale).transpose(1, 2)
-    return _torch_backend(q, k, v, None, None, causal, scale, precision, 0.0).transpose(1, 2)
+    return _attention_on(who, chosen, q, k, v, None, None, causal, scale, precision, 0.0).transpose(1, 2)
 
 
 def elsa_attention_varlen(
