@@ -269,7 +269,7 @@ q = torch.randn(1, 2, 8, 16)
 dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "init"), rank=0,
                         world_size=1)
 from elsa_vision.layers import ElsaAttention
-from elsa_vision.ops.attention import elsa_attention_varlen, inference_call
+from elsa_vision.ops.attention import elsa_attention_qkvpacked, elsa_attention_varlen, inference_call
 
 layer = ElsaAttention(32, num_heads=2, backend="auto").eval()
 layer.backend = "triton"  # a model kept on the CPU with the Triton backend chosen for it
@@ -289,6 +289,10 @@ calls = {
     "ElsaAttention": layer_inference,
     "elsa_attention_varlen": lambda: elsa_attention_varlen(packed, packed, packed, cu, cu, 5, 5,
                                                            backend="triton"),
+    "elsa_attention_qkvpacked": lambda: elsa_attention_qkvpacked(torch.randn(1, 8, 3, 2, 16),
+                                                                 backend="triton"),
+    "elsa_attention_qkvpacked (autograd)": lambda: elsa_attention_qkvpacked(
+        torch.randn(1, 8, 3, 2, 16, requires_grad=True), backend="triton"),
     "window_attention": lambda: window_attention(q, q, q, torch.zeros(2), torch.zeros(2, 8, 8)),
     "context_parallel_attention": lambda: context_parallel_attention(q, q, q, seq_len=8, backend="triton"),
 }
@@ -314,8 +318,11 @@ def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter():
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "runs on cpu: False" in r.stdout
-    for name in ("elsa_attention", "window_attention", "context_parallel_attention", "elsa_attention_varlen"):
+    for name in ("elsa_attention", "window_attention", "context_parallel_attention", "elsa_attention_varlen",
+                 "elsa_attention_qkvpacked"):
         assert f"{name} refused: {name}: backend='triton' needs CUDA tensors" in r.stdout, r.stdout
+    fn = "elsa_attention_qkvpacked"
+    assert f"{fn} (autograd) refused: {fn}: backend='triton' needs CUDA tensors" in r.stdout, r.stdout
     # the planned inference path of the layer and its builder: the refusal of elsa_attention
     for name in ("inference_call", "ElsaAttention"):
         assert f"{name} refused: elsa_attention: backend='triton' needs CUDA tensors" in r.stdout, r.stdout
