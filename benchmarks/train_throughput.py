@@ -16,8 +16,10 @@ gradient reduction, optimiser; device-synchronised, after `--warmup` steps) as `
 ranks' images per step over it) and `img_per_s_per_device`; images over the wall time from the first timed
 step to the last as `img_per_s_end_to_end` (includes waiting for the data loaders); the largest peak of
 allocated memory over the ranks; `scaling` (images/s over the world size times the one-device images/s of the
-same peer and precision) and `vs_timm` (ELSA over timm at the same world size and precision). Rows go to
-`logs/benchmarks/train_throughput_<device>.csv` (or `--out`).
+same peer and precision) and `vs_timm` (ELSA over timm at the same world size and precision; a precision
+listed several times runs the peers in turns, each turn's rows paired with each other, and the median and
+range of the turns' `vs_timm` are printed at the end: a host-bound case moves with the host's load). Rows go
+to `logs/benchmarks/train_throughput_<device>.csv` (or `--out`).
 
 `--profile` also records `PROFILED_STEPS` more steps after the timed ones with `torch.profiler` (steady
 steps, never a timed one) and reports, per step and rank, how long the GPU was busy with communication
@@ -28,6 +30,7 @@ Each rank writes its Chrome trace (`trace_<peer>_<precision>_w<world>_r<rank>.js
 
     python -m benchmarks.train_throughput                                 # one GPU: ViT-B/16 224 px b64 FP32
     python -m benchmarks.train_throughput --devices 1,2,4 --precisions 32-true,bf16-mixed   # DDP scaling
+    python -m benchmarks.train_throughput --precisions bf16-mixed,bf16-mixed,bf16-mixed   # peers in turns
     python -m benchmarks.train_throughput --devices 1,2,4 --model elsa_vit_l --strategy fsdp --batch-size 32
     python -m benchmarks.train_throughput --quick --device cpu              # smoke run: ViT-Ti, 64 px
     python -m benchmarks.train_throughput --quick --device cpu --devices 1,2  # the DDP path on gloo processes
@@ -356,16 +359,36 @@ def _launch(world: int, argv: list[str], root: Path, tmp: Path, device: str) -> 
 
 
 def _ratios(rows: list[dict]) -> None:
-    """``scaling`` against the one-device row and ``vs_timm`` against timm's row, in place."""
-    one = {(r["precision"], r["peer"]): r for r in rows if r["world"] == 1}
-    timm = {(r["world"], r["precision"]): r for r in rows if r["peer"] == "timm"}
+    """``scaling`` against the one-device row and ``vs_timm`` against timm's row, in place. A precision
+    given more than once (``--precisions bf16-mixed,bf16-mixed``: the peers in turns) pairs rows by turn:
+    the k-th row of a peer, world size and precision with the k-th timm row of that world size and
+    precision and with the k-th one-device row of that peer and precision."""
+    turns: dict[tuple, int] = {}
+    keyed = []
     for r in rows:
-        base = one.get((r["precision"], r["peer"]))
+        key = (r["world"], r["precision"], r["peer"])
+        turn = turns[key] = turns.get(key, -1) + 1
+        keyed.append((key, turn))
+    index = {(key, turn): r for r, (key, turn) in zip(rows, keyed)}
+    for r, ((world, precision, peer), turn) in zip(rows, keyed):
+        base = index.get(((1, precision, peer), turn))
         if base is not None:
-            r["scaling"] = round(r["img_per_s_compute"] / (r["world"] * base["img_per_s_compute"]), 3)
-        peer = timm.get((r["world"], r["precision"]))
-        if peer is not None and r["peer"] == "elsa":
-            r["vs_timm"] = round(r["img_per_s_compute"] / peer["img_per_s_compute"], 3)
+            r["scaling"] = round(r["img_per_s_compute"] / (world * base["img_per_s_compute"]), 3)
+        timm = index.get(((world, precision, "timm"), turn))
+        if timm is not None and peer == "elsa":
+            r["vs_timm"] = round(r["img_per_s_compute"] / timm["img_per_s_compute"], 3)
+
+
+def turn_summary(rows: list[dict]) -> list[str]:
+    """One line per world size and precision measured in several turns (a precision repeated in
+    ``--precisions``): the median, lowest and highest ``vs_timm`` over the turns. A host-bound case moves
+    from turn to turn with the host's load, so one turn's ratio says little there."""
+    turns: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("vs_timm") is not None:
+            turns.setdefault((r["world"], r["precision"]), []).append(r["vs_timm"])
+    return [f"{world} x {precision}: vs timm over {len(v)} turns: median {statistics.median(v):.3f}, "
+            f"{min(v):.3f} to {max(v):.3f}" for (world, precision), v in turns.items() if len(v) > 1]
 
 
 def _parse(argv: list[str]):
@@ -478,6 +501,8 @@ def main(argv: list[str] | None = None) -> str | None:
                               f"{summary['kernels_per_step']} kernels", flush=True)
                 if profiles:
                     (a.out / f"train_profile_{suffix}.json").write_text(json.dumps(profiles, indent=1))
+    for line in turn_summary(rows):
+        print(line)
     print(f"wrote {path}")
     return str(path)
 

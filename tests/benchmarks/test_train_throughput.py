@@ -41,6 +41,21 @@ def test_ratios_against_one_device_and_timm():
     assert [r.get("vs_timm") for r in rows] == [None, 1.5, None, round(270 / 190, 3), None]
 
 
+def test_ratios_pair_repeated_precisions_by_turn():
+    # --precisions bf16-mixed,bf16-mixed: each ELSA row against timm's row of its own turn, each world's
+    # k-th row against the one-device row of the same turn (not the last row of the precision)
+    img = {(1, "timm"): (100.0, 200.0), (1, "elsa"): (110.0, 150.0), (2, "timm"): (190.0, 300.0),
+           (2, "elsa"): (180.0, 330.0)}
+    rows = [{"world": w, "precision": "bf16-mixed", "peer": p, "img_per_s_compute": img[w, p][t]}
+            for w in (1, 2) for t in (0, 1) for p in ("timm", "elsa")]
+    bench._ratios(rows)
+    assert [r.get("vs_timm") for r in rows] == [None, 1.1, None, 0.75, None, round(180 / 190, 3), None, 1.1]
+    assert [r.get("scaling") for r in rows] == [1.0, 1.0, 1.0, 1.0, 0.95, round(180 / 220, 3), 0.75, 1.1]
+    assert bench.turn_summary(rows) == [
+        "1 x bf16-mixed: vs timm over 2 turns: median 0.925, 0.750 to 1.100",
+        f"2 x bf16-mixed: vs timm over 2 turns: median {(180 / 190 + 1.1) / 2:.3f}, {180 / 190:.3f} to 1.100"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "0"], "world sizes must be >= 1"),
     (["--devices", "two"], "comma list of integers"),
