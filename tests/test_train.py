@@ -153,6 +153,44 @@ def test_module_rejects_bad_arguments():
         ClassificationModule(net, optimizer=torch.optim.SGD, num_classes=3, label_smoothing=1.0)
 
 
+def test_training_step_reads_nothing_back_from_the_device():
+    # A value read back (``.item()``, ``bool(tensor)``) in the step would make the host wait for the forward
+    # before it launches the backward: torchmetrics' NaN check of the loss mean did, once per step.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ReadBacks(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero,
+                                       torch.ops.aten.item):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    module = ClassificationModule(torch.nn.Linear(4, 3), optimizer=torch.optim.SGD, num_classes=3)
+    batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+    with ReadBacks() as mode:
+        loss = module.training_step(batch, 0)
+    assert mode.seen == [] and loss.requires_grad
+    module.validation_step(batch, 0)  # (its top-5 accuracy reads the labels back: torchmetrics' one_hot)
+    torch.testing.assert_close(module.train_loss.compute(), loss.detach())
+    assert module.train_acc.compute() == module.val_acc.compute()
+
+
+def test_loss_mean_keeps_a_nan_step_visible():
+    from elsa_vision.tasks import loss_mean
+
+    m = loss_mean()
+    for v in (1.0, 2.0, 4.5):
+        m.update(torch.tensor(v))
+    assert m.compute().item() == 2.5
+    m.update(torch.tensor(float("nan")))  # a diverged step: the epoch's mean shows it, not drops it
+    assert m.compute().isnan()
+
+
 def test_ddp_two_cpu_processes_run_a_step(tmp_path):
     cfg = compose_cfg(
         "train",

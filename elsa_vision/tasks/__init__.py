@@ -2,7 +2,13 @@
 :func:`elsa_vision.tasks.train.train` and :func:`elsa_vision.tasks.evaluate.evaluate` (``train.py`` and
 ``evaluate.py`` are thin ``@hydra.main`` wrappers around them)."""
 
-from .classification import ClassificationModule, cosine_warmup_schedule, create_backbone, model_data_config
+from .classification import (
+    ClassificationModule,
+    cosine_warmup_schedule,
+    create_backbone,
+    loss_mean,
+    model_data_config,
+)
 from .hsi import HSIClassificationModule, MaskedAutoencoderModule
 
 __all__ = [
@@ -11,5 +17,6 @@ __all__ = [
     "MaskedAutoencoderModule",
     "cosine_warmup_schedule",
     "create_backbone",
+    "loss_mean",
     "model_data_config",
 ]

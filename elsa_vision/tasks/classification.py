@@ -22,7 +22,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-__all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule", "model_data_config"]
+__all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule", "loss_mean",
+           "model_data_config"]
 
 
 class _SharedWeights(Mapping):
@@ -156,6 +157,16 @@ def cosine_warmup_schedule(
     return LambdaLR(optimizer, factor)
 
 
+def loss_mean() -> MeanMetric:
+    """The epoch mean of a step's loss that never waits for the GPU: torchmetrics' ``MeanMetric`` checks
+    every value for NaN by default (``nan_strategy="warn"`` drops NaN values), and that check reads the
+    result back, a host-device synchronisation in the middle of every training step (after the forward,
+    before the backward is launched). Here the check is off: a NaN loss makes the epoch's mean NaN, where
+    a diverging run should show it. The tasks' modules call its ``update`` (not the metric itself, which also
+    computes the step's own value) and log the metric per epoch."""
+    return MeanMetric(nan_strategy="disable")
+
+
 def schedule_steps(trainer) -> tuple[int, int]:
     """``(total_steps, steps_per_epoch)`` of a fit, what a per-step schedule (:func:`cosine_warmup_schedule`)
     is built with: Lightning's estimate of the optimizer steps, spread over ``max_epochs``."""
@@ -225,7 +236,7 @@ class ClassificationModule(LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.test_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
         self.test_confmat = MulticlassConfusionMatrix(num_classes)
-        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.train_loss, self.val_loss, self.test_loss = loss_mean(), loss_mean(), loss_mean()
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
 
@@ -251,8 +262,9 @@ class ClassificationModule(LightningModule):
         else:
             logits = self(x)
             loss = self.train_criterion(logits, y)
-        self.train_loss(loss.detach())
-        self.train_acc(logits.detach(), y)
+        # updates only (logged per epoch): no per-step value, no host synchronisation (loss_mean)
+        self.train_loss.update(loss.detach())
+        self.train_acc.update(logits.detach(), y)
         self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         return loss
@@ -261,9 +273,9 @@ class ClassificationModule(LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        self.val_loss(F.cross_entropy(logits, y))
-        self.val_acc(logits, y)
-        self.val_acc5(logits, y)
+        self.val_loss.update(F.cross_entropy(logits, y))
+        self.val_acc.update(logits, y)
+        self.val_acc5.update(logits, y)
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
         self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
         self.log("val/acc5", self.val_acc5, on_step=False, on_epoch=True)
@@ -277,9 +289,9 @@ class ClassificationModule(LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        self.test_loss(F.cross_entropy(logits, y))
-        self.test_acc(logits, y)
-        self.test_acc5(logits, y)
+        self.test_loss.update(F.cross_entropy(logits, y))
+        self.test_acc.update(logits, y)
+        self.test_acc5.update(logits, y)
         self.test_confmat.update(logits, y)
         self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
         self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)

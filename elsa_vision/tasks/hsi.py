@@ -22,11 +22,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric, MetricCollection
+from torchmetrics import MaxMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCohenKappa
 
 from ..files import read_checkpoint, submodule_weights, unwrap_weights
 from ..models.hsi_vit import ElsaHSIViT, HSIMAEDecoder
+from .classification import loss_mean
 
 __all__ = [
     "HSIClassificationModule",
@@ -231,7 +232,7 @@ class HSIClassificationModule(_HSIBase):
         self.val_metrics = collection()
         self.test_metrics = collection()
         self.test_per_class = MulticlassAccuracy(k, average=None)
-        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.train_loss, self.val_loss, self.test_loss = loss_mean(), loss_mean(), loss_mean()
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
         self._metrics_ready = True
@@ -274,8 +275,8 @@ class HSIClassificationModule(_HSIBase):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss, pred, y = self._step(batch)
-        self.train_loss(loss)
-        self.train_acc(pred, y)
+        self.train_loss.update(loss.detach())
+        self.train_acc.update(pred, y)
         self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         return loss
@@ -287,7 +288,7 @@ class HSIClassificationModule(_HSIBase):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, pred, y = self._step(batch)
-        self.val_loss(loss)
+        self.val_loss.update(loss)
         self.val_metrics.update(pred, y)
 
     def on_validation_epoch_end(self) -> None:
@@ -303,7 +304,7 @@ class HSIClassificationModule(_HSIBase):
 
     def test_step(self, batch, batch_idx: int) -> None:
         loss, pred, y = self._step(batch)
-        self.test_loss(loss)
+        self.test_loss.update(loss)
         self.test_metrics.update(pred, y)
         self.test_per_class.update(pred, y)
 
@@ -439,7 +440,7 @@ class MaskedAutoencoderModule(_HSIBase):
         self.norm_pix_loss = norm_pix_loss
         self._decoder_args = dict(decoder_dim=decoder_dim, depth=decoder_depth, num_heads=decoder_heads)
         self.decoder: HSIMAEDecoder | None = None
-        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.train_loss, self.val_loss, self.test_loss = loss_mean(), loss_mean(), loss_mean()
         if self.encoder is not None:
             self._prepare_encoder()
 
@@ -494,7 +495,7 @@ class MaskedAutoencoderModule(_HSIBase):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss = self(batch[0])
-        self.train_loss(loss)
+        self.train_loss.update(loss.detach())
         self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
@@ -506,11 +507,11 @@ class MaskedAutoencoderModule(_HSIBase):
         return self.reconstruction_loss(x, visible)[0]
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self.val_loss(self._fixed_mask_loss(batch[0], batch_idx))
+        self.val_loss.update(self._fixed_mask_loss(batch[0], batch_idx))
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self.test_loss(self._fixed_mask_loss(batch[0], batch_idx))
+        self.test_loss.update(self._fixed_mask_loss(batch[0], batch_idx))
         self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
 
 
