@@ -24,9 +24,10 @@ to `logs/benchmarks/train_throughput_<device>.csv` (or `--out`).
 `--profile` also records `PROFILED_STEPS` more steps after the timed ones with `torch.profiler` (steady
 steps, never a timed one) and reports, per step and rank, how long the GPU was busy with communication
 kernels (NCCL), with other kernels, and with both at once: communication that no computation hides is
-`exposed`; `idle_ms` is the part of a profiled step's wall time the GPU did nothing (waiting for the host).
-Each rank writes its Chrome trace (`trace_<peer>_<precision>_w<world>_r<rank>.json`), rank 0 the summaries
-(`train_profile_<device>.json`).
+`exposed`; `idle_ms` is the part of a profiled step's wall time the GPU did nothing (waiting for the host),
+and `waits_ms` the idle time between its kernels by the host work that ended each wait (forward, backward,
+optimiser: `idle_by_phase`). Each rank writes its Chrome trace
+(`trace_<peer>_<precision>_w<world>_r<rank>.json`), rank 0 the summaries (`train_profile_<device>.json`).
 
     python -m benchmarks.train_throughput                                 # one GPU: ViT-B/16 224 px b64 FP32
     python -m benchmarks.train_throughput --devices 1,2,4 --precisions 32-true,bf16-mixed   # DDP scaling
@@ -43,7 +44,9 @@ one GPU's images/s.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import math
 import os
 import shutil
 import statistics
@@ -166,6 +169,58 @@ def overlap_summary(kernels: list[tuple[str, float, float]], steps: int) -> dict
     }
 
 
+# The host work a GPU waits for, by the name of the host ops around the launch that ends the wait.
+WAIT_PHASES = ("forward", "backward", "optimizer")
+
+
+def idle_by_phase(trace_events: list[dict], steps: int) -> dict[str, float]:
+    """Per step (ms): the GPU's idle time between its first and last kernel of a profiled span, split by the
+    host work it waited for -- the phase of the launch that ended each idle interval: ``backward`` where the
+    launch runs inside an autograd node (``autograd::engine::evaluate_function``), ``optimizer`` where its
+    innermost host op is a ``_foreach`` operator (the optimiser's, gradient clipping's), ``forward`` otherwise
+    (the forward, the loss, metrics, the batch's copy, the trainer's hooks). ``trace_events``: a Chrome
+    trace's ``traceEvents`` from ``torch.profiler`` (kernels, copies and memsets tied to their launches by
+    ``args.correlation``)."""
+    spans = [e for e in trace_events if e.get("ph") == "X"]
+    gpu = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    launch = {e["args"]["correlation"]: e for e in spans
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops: dict = {}
+    for e in spans:
+        if e.get("cat") == "cpu_op":
+            ops.setdefault(e["tid"], []).append(e)
+    starts, nodes = {}, {}
+    for tid, v in ops.items():
+        v.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in v]
+        nodes[tid] = _union([(e["ts"], e["ts"] + e["dur"]) for e in v
+                             if e["name"].startswith("autograd::engine::evaluate_function")])
+    waits = dict.fromkeys(WAIT_PHASES, 0.0)
+    end = gpu[0]["ts"] + gpu[0]["dur"] if gpu else 0.0
+    for e in gpu[1:]:
+        if e["ts"] > end:
+            waits[_wait_phase(launch.get(e.get("args", {}).get("correlation")), ops, starts, nodes)] += (
+                e["ts"] - end)
+        end = max(end, e["ts"] + e["dur"])
+    return {k: round(v / 1e3 / max(steps, 1), 3) for k, v in waits.items()}
+
+
+def _wait_phase(launch: dict | None, ops: dict, starts: dict, nodes: dict) -> str:
+    if launch is None:
+        return "forward"
+    tid, t = launch["tid"], launch["ts"]
+    i = bisect.bisect_right(nodes.get(tid, []), (t, math.inf))
+    if i and nodes[tid][i - 1][1] >= t:
+        return "backward"
+    v = ops.get(tid, [])
+    for e in reversed(v[max(0, bisect.bisect_right(starts.get(tid, []), t) - 64):
+                        bisect.bisect_right(starts.get(tid, []), t)]):
+        if e["ts"] + e["dur"] >= t:  # the innermost host op around the launch
+            return "optimizer" if e["name"].startswith("aten::_foreach") else "forward"
+    return "forward"
+
+
 def step_profiler(first: int, count: int, trace: Path | None):
     """A Lightning callback recording steps ``first .. first + count - 1`` with ``torch.profiler`` (host and
     CUDA activity): ``summary`` is their :func:`overlap_summary` with ``wall_ms``, the device-synchronised
@@ -199,6 +254,8 @@ def step_profiler(first: int, count: int, trace: Path | None):
                                     idle_ms=round(max(wall_ms - summary["busy_ms"], 0.0), 3))
                 if trace is not None:
                     self.prof.export_chrome_trace(str(trace))
+                    events = json.loads(trace.read_text())["traceEvents"]
+                    self.summary["waits_ms"] = idle_by_phase(events, count)
                 self.prof = None
 
     return StepProfiler()
@@ -499,6 +556,9 @@ def main(argv: list[str] | None = None) -> str | None:
                               f"{summary['compute_ms']}, communication {summary['comm_ms']} (hidden "
                               f"{summary['overlap_ms']}, exposed {summary['exposed_comm_ms']}), "
                               f"{summary['kernels_per_step']} kernels", flush=True)
+                        if "waits_ms" in summary:
+                            print("    GPU idle between kernels, waiting for the host's " + ", ".join(
+                                f"{k} {v}" for k, v in summary["waits_ms"].items()) + " ms", flush=True)
                 if profiles:
                     (a.out / f"train_profile_{suffix}.json").write_text(json.dumps(profiles, indent=1))
     for line in turn_summary(rows):

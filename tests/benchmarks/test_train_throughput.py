@@ -136,6 +136,32 @@ def test_overlap_summary_splits_communication_into_hidden_and_exposed():
     assert bench.overlap_summary([], steps=2)["busy_ms"] == 0
 
 
+def test_idle_by_phase_names_the_host_work_each_wait_ended_with():
+    # one step (us): kernels on [0, 10], [30, 40], [45, 50], [70, 80], [100, 110]; the four waits (20, 5, 20,
+    # 20 us) end with launches inside an autograd node (thread 2), under a forward op (thread 1), under the
+    # optimiser's _foreach op (thread 1) and with no launch event at all
+    def x(cat, name, ts, dur, tid=1, corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [x("kernel", "k", t, d, tid=7, corr=c) for t, d, c in
+              ((0, 10, 1), (30, 10, 2), (45, 5, 3), (70, 10, 4), (100, 10, 99))]
+    events += [x("cuda_runtime", "cudaLaunchKernel", 0, 1, corr=1),
+               x("cuda_runtime", "cudaLaunchKernel", 29, 1, tid=2, corr=2),
+               x("cuda_runtime", "cudaLaunchKernel", 44, 1, corr=3),
+               x("cuda_runtime", "cudaLaunchKernel", 69, 1, corr=4),
+               x("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 20, 15, tid=2),
+               x("cpu_op", "AddmmBackward0", 21, 12, tid=2), x("cpu_op", "aten::mm", 25, 6, tid=2),
+               x("cpu_op", "Optimizer.step#AdamW.step", 0, 100), x("cpu_op", "aten::addmm", 40, 6),
+               x("cpu_op", "aten::_foreach_lerp_", 60, 12), x("cpu_op", "aten::empty", 61, 2),
+               x("cpu_op", "Memcpy HtoD", 0, 1, tid=3)]
+    assert bench.idle_by_phase(events, steps=1) == {"forward": 0.025, "backward": 0.02, "optimizer": 0.02}
+    assert bench.idle_by_phase(events, steps=2)["backward"] == 0.01
+    assert bench.idle_by_phase([], steps=1) == {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+
+
 def test_a_run_cut_off_keeps_the_world_sizes_it_measured(tmp_path, monkeypatch):
     # Each world size's rows are written when it is done: a later world that fails (a torchrun error, a
     # time limit) leaves the one-device rows, with their ratios, in the CSV.
