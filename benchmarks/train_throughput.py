@@ -213,9 +213,8 @@ def _wait_phase(launch: dict | None, ops: dict, starts: dict, nodes: dict) -> st
     i = bisect.bisect_right(nodes.get(tid, []), (t, math.inf))
     if i and nodes[tid][i - 1][1] >= t:
         return "backward"
-    v = ops.get(tid, [])
-    for e in reversed(v[max(0, bisect.bisect_right(starts.get(tid, []), t) - 64):
-                        bisect.bisect_right(starts.get(tid, []), t)]):
+    j = bisect.bisect_right(starts.get(tid, []), t)  # the host ops begun by the launch, the latest last
+    for e in reversed(ops.get(tid, [])[max(0, j - 64):j]):
         if e["ts"] + e["dur"] >= t:  # the innermost host op around the launch
             return "optimizer" if e["name"].startswith("aten::_foreach") else "forward"
     return "forward"
