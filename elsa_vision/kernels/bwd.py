@@ -71,6 +71,14 @@ HOPPER_MIN_KEYS = {64: 1024, 128: 192}
 # ``torch.use_deterministic_algorithms(True)`` asks for bitwise reruns (the two passes above, one owner per
 # gradient element). False: the two passes always.
 HOPPER_FUSED = True
+# Dense float32 calls at the ``"fp16x3"`` precision (``PRESPLIT``) wanting every gradient, with a head dim
+# in ``bwd_sm90.FUSED_SPLIT_CONFIGS``, take the FP32-accurate five-product kernel on the split operands
+# (``bwd_sm90.bwd_fused_f16x3_kernel``) under the same two switches where its grid (one program per 128 keys
+# of a head) fills the multiprocessors at least this many times: H100, 1.25-1.48x the generic kernels from
+# 197 to 16K tokens on such grids, slower on a grid of 64 programs (2 x 4 heads x 1,024 tokens), where the
+# generic kernels' smaller tiles give more programs (docs/kernel_notes.md, "The FP32-accurate five-product
+# backward").
+HOPPER_SPLIT_MIN_WAVES = 1
 
 
 
@@ -1006,10 +1014,23 @@ class _BwdProgram(Program):
                         key_padding_mask.stride(1)) if has_kpm else (0, 0))
         q_s, k_s, v_s, do_s, lse_s = q.stride(), k.stride(), v.stride(), do.stride(), lse.stride()
         o_s = out.stride() if out is not None else (0, 0, 0, 0)
-        hopper = (hopper and bwd_sm90 is not None and config is None and not (has_bias or has_kpm or causal)
-                  and D == Dv and Nk >= HOPPER_MIN_KEYS.get(D, 0) and bwd_sm90.supported(q, k, v, do)
-                  and dq_s[3] == dk_s[3] == dv_s[3] == 1)  # the Hopper epilogues: head dim contiguous
-        fused = hopper and fuse and compute_dq and compute_dkdv and D in bwd_sm90.FUSED_CONFIGS
+        presplit = prec == "fp16x3" and PRESPLIT
+        dense = (bwd_sm90 is not None and config is None and not (has_bias or has_kpm or causal) and D == Dv
+                 and dq_s[3] == dk_s[3] == dv_s[3] == 1)  # the Hopper epilogues: head dim contiguous
+        # float32 calls wanting every gradient: the FP32-accurate five-product kernel on the split operands
+        split_fused = (hopper and fuse and dense and presplit and compute_dq and compute_dkdv
+                       and D in bwd_sm90.FUSED_SPLIT_CONFIGS and bwd_sm90.supported_split(q, k, v, do)
+                       and cdiv(Nk, bwd_sm90.ROWS.value * bwd_sm90.CONSUMERS.value) * B * H
+                       >= HOPPER_SPLIT_MIN_WAVES * device_info(device)[0])
+        hopper = split_fused or (hopper and dense and Nk >= HOPPER_MIN_KEYS.get(D, 0)
+                                 and bwd_sm90.supported(q, k, v, do))
+        fused = split_fused or (hopper and fuse and compute_dq and compute_dkdv
+                                and D in bwd_sm90.FUSED_CONFIGS)
+        # the tiles the operands are split in: those of the generic loops, or of the five-product kernel
+        if split_fused:
+            split_n, split_m = bwd_sm90.ROWS.value, bwd_sm90.FUSED_SPLIT_CONFIGS[D][0]
+        else:
+            split_n, split_m = cfg.block_n2, cfg.block_m1
         self.acc_size = (B, H, Nq, D) if fused else None
         # Delta: formed by the generic dQ kernel, or by a pass of its own before a Hopper or no dQ pass (which
         # zeroes the five-product backward's dQ sum on the way)
@@ -1020,7 +1041,6 @@ class _BwdProgram(Program):
                               dict(BLOCK_M=64, BLOCK_DV=BLOCK_DV, ZERO_ACC=fused), 4)
         common = dict(D=D, Dv=Dv, HAS_BIAS=has_bias, HAS_KPM=has_kpm, CAUSAL=causal, PREC=prec,
                       DOT_UPCAST=dot_upcast)
-        presplit = prec == "fp16x3" and PRESPLIT
         bh = B * H
         rows = 64  # the Hopper passes' flags: one per 64 own rows
         self.dq = self.split_kv = self.hopper_dq = self.hopper_fused = None
@@ -1040,7 +1060,7 @@ class _BwdProgram(Program):
                 self.dq = Launch(_bwd_dq_kernel, (bh, cdiv(Nq, cfg.block_m2)), scalars, consts, cfg.warps2,
                                  cfg.stages2)
             if presplit:
-                self.split_kv = self._split(k_s, v_s, kpm_strides, H, Nk, D, Dv, cfg.block_n2, has_kpm, parts)
+                self.split_kv = self._split(k_s, v_s, kpm_strides, H, Nk, D, Dv, split_n, has_kpm, parts)
         self.dkdv = self.split_qdo = self.hopper_dkdv = None
         if compute_dkdv:
             parts = (bh * Nq * D, bh * Nq * Dv) if presplit else (0, 0)
@@ -1053,14 +1073,14 @@ class _BwdProgram(Program):
                               dict(consts, BLOCK_N=rows, PRESPLIT=False, REDO=True), 4, cfg.stages1)
                 if fused:
                     self.hopper_fused = _HopperFused(B, H, Nq, Nk, D, sm_scale, lse_s, dq_s, dk_s, dv_s,
-                                                     redo_dq, redo)
+                                                     redo_dq, redo, split_fused)
                 else:
                     self.hopper_dkdv = _HopperPass(False, B, H, Nq, Nk, D, sm_scale, lse_s, dk_s, dv_s, redo)
             else:
                 self.dkdv = Launch(_bwd_dkdv_kernel, (bh, cdiv(Nk, cfg.block_n1)), scalars, consts,
                                    cfg.warps1, cfg.stages1)
             if presplit:
-                self.split_qdo = self._split(q_s, do_s, (0, 0), H, Nq, D, Dv, cfg.block_m1, False, parts)
+                self.split_qdo = self._split(q_s, do_s, (0, 0), H, Nq, D, Dv, split_m, False, parts)
         self.dbias = None
         if has_bias and bias_requires_grad:
             reduce_m, reduce_n = Mb == 1, Nb == 1
@@ -1121,7 +1141,10 @@ class _BwdProgram(Program):
         redo_dq = (q, k, v, do, out, lse, delta, bias, kpm, dq, delta, delta, delta, delta)
         redo_dkdv = (q, k, v, do, lse, delta, bias, kpm, dk, dv, delta, delta, delta, delta)
         if self.hopper_fused is not None:
-            return self.hopper_fused(q, k, v, do, lse, delta, acc, dq, dk, dv, redo_dq, redo_dkdv)
+            parts = ()
+            if self.hopper_fused.split:  # the float32 operands as float16 parts and exponents
+                parts = (*self._parts(self.split_kv, k, v, kpm), *self._parts(self.split_qdo, q, do, kpm))
+            return self.hopper_fused(q, k, v, do, lse, delta, acc, dq, dk, dv, redo_dq, redo_dkdv, parts)
         fq = fk = None
         if self.hopper_dq is not None:
             fq = self.hopper_dq((q, do), (k, v), lse, delta, dq, dq, redo_dq)
@@ -1218,17 +1241,21 @@ class _HopperPass:
 
 
 class _HopperFused:
-    """The five-product backward on ``bwd_sm90.bwd_fused_kernel``: dK, dV and the float32 sum ``dS K`` over
-    the key programs in one pass, then ``dQ = scale * sum`` in dQ's dtype (``_bwd_dq_convert_kernel``, which
+    """The five-product backward on ``bwd_sm90.bwd_fused_kernel`` (half precision) or, with ``split``,
+    ``bwd_fused_f16x3_kernel`` (float32 as ``fp16x3`` parts): dK, dV and the float32 sum ``dS K`` over the
+    key programs in one pass, then ``dQ = scale * sum`` in dQ's dtype (``_bwd_dq_convert_kernel``, which
     flags non-finite rows), then each generic kernel's ``REDO`` launch over its flagged 64-row tiles."""
 
     def __init__(self, B, H, Nq, Nk, D, sm_scale, lse_strides, dq_strides, dk_strides, dv_strides,
-                 redo_dq: Launch, redo_dkdv: Launch):
+                 redo_dq: Launch, redo_dkdv: Launch, split: bool = False):
         rows = bwd_sm90.ROWS.value
-        self.block_s, stages = bwd_sm90.FUSED_CONFIGS[D]
+        self.split = split
+        configs = bwd_sm90.FUSED_SPLIT_CONFIGS if split else bwd_sm90.FUSED_CONFIGS
+        kernel = bwd_sm90.bwd_fused_f16x3_kernel if split else bwd_sm90.bwd_fused_kernel
+        self.block_s, stages = configs[D]
         own_tiles = cdiv(Nk, rows * bwd_sm90.CONSUMERS.value)
         self.flags_k, self.flags_q = (B * H, cdiv(Nk, rows)), (B * H, cdiv(Nq, rows))
-        self.main = Launch(bwd_sm90.bwd_fused_kernel, (own_tiles * B * H,),
+        self.main = Launch(kernel, (own_tiles * B * H,),
                            (H, Nk, Nq, own_tiles, *lse_strides, *dk_strides[:3], *dv_strides[:3],
                             sm_scale * LOG2E, sm_scale),
                            dict(D=D, BLOCK_S=self.block_s, STAGES=stages), bwd_sm90.NUM_WARPS)
@@ -1238,22 +1265,27 @@ class _HopperFused:
         self.redo_dq, self.redo_dkdv = redo_dq, redo_dkdv
         self.descs = None
 
-    def __call__(self, q, k, v, do, lse, delta, acc, dq, dk, dv, redo_dq, redo_dkdv):
+    def __call__(self, q, k, v, do, lse, delta, acc, dq, dk, dv, redo_dq, redo_dkdv, parts=()):
         """Write ``dq``, ``dk``, ``dv`` (``acc``: the zeroed contiguous float32 ``[B, H, Nq, D]`` sum);
-        ``redo_*``: the generic kernels' tensor arguments before ``Redo``.
-        Returns the flags of the redone dQ and dK/dV tiles."""
+        ``redo_*``: the generic kernels' tensor arguments before ``Redo``; ``parts`` (``split``): ``(KP, VP,
+        KE, VE, QP, DOP, QE, DOE)`` of ``_split_pair_kernel``, K and V in 64-key tiles, Q and dO in tiles of
+        the streamed rows. Returns the flags of the redone dQ and dK/dV tiles."""
+        if self.split:
+            kp, vp, ke, ve, qp, dop, qe, doe = parts
+            loaded, exps = (kp, vp, qp, dop, acc), (ke, ve, qe, doe)
+        else:
+            loaded, exps = (k, v, q, do, acc), ()
         if self.descs is None:  # built (and checked) once, then pointed at each call's tensors
             rows = bwd_sm90.ROWS.value
-            self.descs = (bwd_sm90.descriptor(k, rows), bwd_sm90.descriptor(v, rows),
-                          bwd_sm90.descriptor(q, self.block_s), bwd_sm90.descriptor(do, self.block_s),
-                          bwd_sm90.descriptor(acc, rows))
+            self.descs = tuple(bwd_sm90.descriptor(t, n) for t, n in zip(
+                loaded, (rows, rows, self.block_s, self.block_s, rows)))
         descs = self.descs
-        for desc, t in zip(descs, (k, v, q, do, acc)):
+        for desc, t in zip(descs, loaded):
             desc.base = t
         fk = torch.empty(self.flags_k, dtype=torch.int32, device=lse.device)  # every flag written
         fq = torch.empty(self.flags_q, dtype=torch.int32, device=lse.device)
         try:
-            self.main(*descs, lse, delta, dk, dv, fk)
+            self.main(*descs, *exps, lse, delta, dk, dv, fk)
         finally:  # the cached descriptors must not keep this call's tensors alive
             for desc in descs:
                 desc.base = None

@@ -36,6 +36,8 @@ measurements and what limits them: ``docs/kernel_notes.md``, "The Hopper backwar
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,12 +48,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .dots import f16_pair, split_f16, unscale
 from .fwd_sm90 import ROWS, descriptor, stage_ring, stream_pairs
 from .host import LOG2E
 from .monoid import count_nonfinite
 
-__all__ = ["CONFIGS", "CONSUMERS", "FUSED_CONFIGS", "NUM_WARPS", "ROWS", "bwd_fused_kernel", "bwd_kernel",
-           "descriptor", "supported"]
+__all__ = ["CONFIGS", "CONSUMERS", "FUSED_CONFIGS", "FUSED_SPLIT_CONFIGS", "NUM_WARPS", "ROWS",
+           "bwd_fused_f16x3_kernel", "bwd_fused_kernel", "bwd_kernel", "descriptor", "supported",
+           "supported_split"]
 
 NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 _LOG2E = gl.constexpr(LOG2E)
@@ -66,6 +70,10 @@ CONFIGS = {64: (128, 2), 128: (64, 2)}
 # (BLOCK_S, STAGES) of the five-product backward (``bwd_fused_kernel``) per head dim it serves. H100, bf16,
 # 1K-32K tokens: at head dim 64, 64 streamed rows 1-3 % faster than 128 (two or three stages).
 FUSED_CONFIGS = {64: (64, 2), 128: (64, 2)}
+# (BLOCK_S, STAGES) of ``bwd_fused_f16x3_kernel`` per head dim it serves: 64 streamed queries (one dQ partial
+# per consumer and tile), three stages of the four streamed parts (229,840 bytes of shared memory). H100,
+# 197-16K tokens: three stages 1-9 % faster than two but at 4K-8K tokens (1-3 % slower).
+FUSED_SPLIT_CONFIGS = {64: (64, 3)}
 
 
 def supported(q, k, v, do) -> bool:
@@ -84,6 +92,17 @@ def supported(q, k, v, do) -> bool:
         if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False
     return True
+
+
+def supported_split(q, k, v, do) -> bool:
+    """Whether ``bwd_fused_f16x3_kernel`` can take these float32 tensors: an sm90 GPU, equal head dims, at
+    least one query and key (``bwd`` routes the head dims of ``FUSED_SPLIT_CONFIGS``). Their strides are
+    free: the kernel reads the contiguous float16 parts the split pass writes."""
+    if not q.is_cuda or any(t.dtype != torch.float32 for t in (q, k, v, do)):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    return all(t.shape[-1] == q.shape[-1] for t in (k, v, do)) and k.shape[2] > 0 and q.shape[2] > 0
 
 
 # The partitions share one signature (Gluon's rule for worker partitions); each reads what it needs.
@@ -422,4 +441,204 @@ def bwd_fused_kernel(
                           H, NK, NQ, own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh,
                           stride_kn, stride_vb, stride_vh, stride_vn, qk_scale, sm_scale, D, BLOCK_S, STAGES,
                           0)),
+    ], [4, 1], [232, 24])
+
+
+# ---- the FP32-accurate five-product backward: float32 inputs as float16 parts (``fp16x3``) ---------------
+
+_P_SCALE = gl.constexpr(14)  # P <= 1 is split scaled by 2^14, as in the generic fp16x3 kernels
+
+
+@gluon.jit
+def _produce_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                   dq_smem, r_bar, ready, empty, KE, VE, QE, DOE, Lse, Delta, DK, DV, Redo, H, NK, NQ,
+                   own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn, stride_vb,
+                   stride_vh, stride_vn, qk_scale, sm_scale, D: gl.constexpr, BLOCK_S: gl.constexpr,
+                   STAGES: gl.constexpr, WG: gl.constexpr):
+    """The producer: both parts (high, low) of the program's keys and values once, 64 rows per consumer,
+    then both parts of each streamed query tile's ``Q`` and ``dO`` into the ring of stages. The parts are
+    ``[2, B * H, N, D]`` tensors, so a tile's coordinates are ``(part, head, row, 0)``."""
+    pid = gl.program_id(0)
+    bh = pid // own_tiles
+    off_r = (pid % own_tiles) * (ROWS * CONSUMERS)
+    mbarrier.expect(r_bar, 2 * CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(CONSUMERS):
+        for part in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [part, bh, off_r + c * ROWS, 0], r_bar,
+                                            k_smem.index(2 * c + part))
+            tma.async_copy_global_to_shared(v_desc, [part, bh, off_r + c * ROWS, 0], r_bar,
+                                            v_smem.index(2 * c + part))
+    nbytes: gl.constexpr = 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    for j in range(gl.cdiv(NQ, BLOCK_S)):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+        bar = ready.index(s)
+        mbarrier.expect(bar, nbytes)
+        for part in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [part, bh, j * BLOCK_S, 0], bar,
+                                            q_smem.index(2 * s + part))
+            tma.async_copy_global_to_shared(do_desc, [part, bh, j * BLOCK_S, 0], bar,
+                                            do_smem.index(2 * s + part))
+
+
+@triton.jit
+def _clamp_exponent(arg):
+    """``min(arg, 0)``, NaN kept (``bwd._probs``'s clamp: ``P <= 1`` although the recomputed score may pass
+    the lse by a rounding; a NaN logit still makes its row NaN)."""
+    return tl.minimum(arg, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _mm3(a_hi, a_lo, b_hi, b_lo, acc):
+    """``a_hi b_lo + a_lo b_hi + a_hi b_hi`` into the fresh accumulator ``acc`` (its contents are not read),
+    issued asynchronously (the caller waits): ``dots.matmul_f16x3``'s three float16 products, the small
+    terms first."""
+    acc = warpgroup_mma(a_hi, b_lo, acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(a_lo, b_hi, acc, is_async=True)
+    return warpgroup_mma(a_hi, b_hi, acc, is_async=True)
+
+
+@gluon.jit
+def _consume_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                   dq_smem, r_bar, ready, empty, KE, VE, QE, DOE, Lse, Delta, DK, DV, Redo, H, NK, NQ,
+                   own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn, stride_vb,
+                   stride_vh, stride_vn, qk_scale, sm_scale, D: gl.constexpr, BLOCK_S: gl.constexpr,
+                   STAGES: gl.constexpr, WG: gl.constexpr):
+    """Keys ``WG * 64`` onwards of the program's tile, FP32-accurate: per streamed query tile the five
+    products of ``_consume_fused`` from float16 parts, three tensor-core products each (``_mm3``) into a
+    fresh float32 accumulator whose parts' power-of-two scales are then undone exactly (``dots.unscale``)
+    and which is added to the running sums in IEEE float32 -- ``bwd._dkdv_loop``'s ``fp16x3`` arithmetic.
+    ``dS^T`` is split in registers (one power of two for the consumer's 64 x ``BLOCK_S`` tile) into shared
+    memory, read there by ``dK += dS^T Q`` and, transposed, by this consumer's own part of ``dQ_j = dS K``
+    over its 64 keys, which goes through shared memory into ``dQacc`` by TMA reduce-add (float32,
+    unscaled): each consumer adds its own keys' part, so no consumer waits for the other's ``dS``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_S, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    pid = gl.program_id(0)
+    pid_r = pid % own_tiles
+    bh = pid // own_tiles
+    off_b = bh // H
+    off_h = bh % H
+    first = pid_r * ROWS * CONSUMERS + WG * ROWS  # this warpgroup's first key
+    # its keys' parts' exponents (a second consumer past the last key has none: its rows are not stored)
+    key_tile = pid_r * CONSUMERS + WG
+    has_keys = key_tile < gl.cdiv(NK, ROWS)
+    k_c = gl.load(KE + bh.to(gl.int64) * gl.cdiv(NK, ROWS) + key_tile, mask=has_keys, other=0)
+    v_c = gl.load(VE + bh.to(gl.int64) * gl.cdiv(NK, ROWS) + key_tile, mask=has_keys, other=0)
+    q_tiles = gl.cdiv(NQ, BLOCK_S)
+
+    k_hi = k_smem.index(2 * WG).reshape([ROWS, D])
+    k_lo = k_smem.index(2 * WG + 1).reshape([ROWS, D])
+    v_hi = v_smem.index(2 * WG).reshape([ROWS, D])
+    v_lo = v_smem.index(2 * WG + 1).reshape([ROWS, D])
+    ds_hi = ds_smem.index(2 * WG)
+    ds_lo = ds_smem.index(2 * WG + 1)
+    zero = gl.zeros([ROWS, BLOCK_S], gl.float32, s_layout)
+    zero_o = gl.zeros([ROWS, D], gl.float32, o_layout)
+    dk = gl.zeros([ROWS, D], gl.float32, o_layout)
+    dv = gl.zeros([ROWS, D], gl.float32, o_layout)
+    lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
+    delta_base = Delta + bh.to(gl.int64) * NQ
+    cols = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, s_layout))
+    # keys past NK (zero rows of K and V) get P = dS = 0
+    key_ok = (first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))) < NK
+    mbarrier.wait(r_bar, 0)
+    for j in range(q_tiles):
+        st = j % STAGES
+        lse2, delta = _row_vectors(Lse, Delta, lse_base, delta_base, j * BLOCK_S + cols, NQ, stride_lm)
+        q_c = gl.load(QE + bh.to(gl.int64) * q_tiles + j)
+        do_c = gl.load(DOE + bh.to(gl.int64) * q_tiles + j)
+        mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+        q_hi = q_smem.index(2 * st).reshape([BLOCK_S, D])
+        q_lo = q_smem.index(2 * st + 1).reshape([BLOCK_S, D])
+        do_hi = do_smem.index(2 * st).reshape([BLOCK_S, D])
+        do_lo = do_smem.index(2 * st + 1).reshape([BLOCK_S, D])
+        x = _mm3(k_hi, k_lo, q_hi.permute((1, 0)), q_lo.permute((1, 0)), zero)  # S^T, scaled
+        y = _mm3(v_hi, v_lo, do_hi.permute((1, 0)), do_lo.permute((1, 0)), zero)  # dP^T, scaled
+        x, y = warpgroup_mma_wait(0, deps=(x, y))
+        # P^T <= 1 (the exponent clamped at 0 against the recomputed score passing lse by a rounding)
+        arg = unscale(x, k_c + q_c) * qk_scale - lse2[None, :]
+        p = gl.exp2(_clamp_exponent(arg))
+        p = gl.where(key_ok[:, None], p, 0.0)
+        ds = p * (unscale(y, v_c + do_c) - delta[None, :])
+        p_hi, p_lo = f16_pair(p * 16384.0)
+        pa_hi = gl.convert_layout(p_hi, a_layout)
+        pa_lo = gl.convert_layout(p_lo, a_layout)
+        s_hi, s_lo, ds_c = split_f16(ds)
+        _barrier()  # every warp's reads of the previous tile's dS^T are done
+        ds_hi.store(s_hi)
+        ds_lo.store(s_lo)
+        fence_async_shared()
+        _barrier()
+        fv = _mm3(pa_hi, pa_lo, do_hi, do_lo, zero_o)  # P^T dO, scaled
+        fk = _mm3(ds_hi, ds_lo, q_hi, q_lo, zero_o)  # dS^T Q, scaled
+        fv, fk, _, _ = warpgroup_mma_wait(0, deps=(fv, fk, pa_hi, pa_lo))
+        mbarrier.arrive(empty.index(st), count=1)
+        dv += unscale(fv, do_c + _P_SCALE)
+        dk += unscale(fk, ds_c + q_c)
+        # this consumer's keys' part of dQ_j = dS K
+        fq = _mm3(ds_hi.permute((1, 0)), ds_lo.permute((1, 0)), k_hi, k_lo, zero_o)
+        fq = warpgroup_mma_wait(0, deps=(fq,))
+        dq = unscale(fq, ds_c + k_c)
+        tma.store_wait(0)  # the previous reduction has read dq_smem
+        _barrier()
+        stage = dq_smem.index(WG)
+        stage.reshape([BLOCK_S, D]).store(dq)
+        fence_async_shared()
+        _barrier()
+        _reduce_add(dq_desc, [off_b, off_h, j * BLOCK_S, 0], stage)
+    tma.store_wait(0)
+
+    dk = dk * sm_scale
+    rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    row_ok = rows < NK
+    _store_rows(dk, DK, off_b, off_h, rows, dims, row_ok, stride_kb, stride_kh, stride_kn)
+    _store_rows(dv, DV, off_b, off_h, rows, dims, row_ok, stride_vb, stride_vh, stride_vn)
+    bad = count_nonfinite(gl.where(row_ok[:, None], dk, 0.0))
+    bad += count_nonfinite(gl.where(row_ok[:, None], dv, 0.0))
+    _store_flag(Redo, bh, pid_r * CONSUMERS + WG, NK, bad)
+
+
+@gluon.jit
+def bwd_fused_f16x3_kernel(
+    k_desc, v_desc, q_desc, do_desc, dq_desc, KE, VE, QE, DOE, Lse, Delta, DK, DV, Redo,
+    H, NK, NQ, own_tiles, stride_lb, stride_lh, stride_lm,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, qk_scale, sm_scale,
+    D: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr,
+):
+    """The FP32-accurate (``fp16x3``) backward of float32 inputs in one pass, as ``bwd_fused_kernel``: grid
+    ``(own_tiles * B * H,)`` over tiles of ``64 * CONSUMERS`` keys, one head's tiles adjacent. The
+    descriptors are over ``bwd._split_pair_kernel``'s float16 parts ``[2, B * H, N, D]`` (high, low): K and
+    V split in 64-key tiles (exponents ``KE``, ``VE`` ``[B * H, cdiv(NK, 64)]``), Q and dO in tiles of
+    ``BLOCK_S`` queries (``QE``, ``DOE`` ``[B * H, cdiv(NQ, BLOCK_S)]``); ``dq_desc`` over the zeroed float32
+    ``[B, H, NQ, D]`` sum of ``dS K``; ``DK``, ``DV`` float32 ``[B, H, NK, D]`` (strides as
+    ``bwd_fused_kernel``'s), ``Redo``, ``Lse``, ``Delta`` and the scales as there."""
+    f16: gl.constexpr = gl.float16
+    k_smem = gl.allocate_shared_memory(f16, [2 * CONSUMERS, 1, 1, ROWS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(f16, [2 * CONSUMERS, 1, 1, ROWS, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(f16, [2 * STAGES, 1, 1, BLOCK_S, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(f16, [2 * STAGES, 1, 1, BLOCK_S, D], do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_S], f16)
+    ds_smem = gl.allocate_shared_memory(f16, [2 * CONSUMERS, ROWS, BLOCK_S], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, 1, BLOCK_S, D], dq_desc.layout)
+    r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(r_bar, count=1)
+    ready, empty = stage_ring(STAGES, CONSUMERS)
+    gl.warp_specialize([
+        (_consume_f16x3, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                          dq_smem, r_bar, ready, empty, KE, VE, QE, DOE, Lse, Delta, DK, DV, Redo, H, NK, NQ,
+                          own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
+                          stride_vb, stride_vh, stride_vn, qk_scale, sm_scale, D, BLOCK_S, STAGES, 0)),
+        (_consume_f16x3, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                          dq_smem, r_bar, ready, empty, KE, VE, QE, DOE, Lse, Delta, DK, DV, Redo, H, NK, NQ,
+                          own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
+                          stride_vb, stride_vh, stride_vn, qk_scale, sm_scale, D, BLOCK_S, STAGES, 1)),
+        (_produce_f16x3, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                          dq_smem, r_bar, ready, empty, KE, VE, QE, DOE, Lse, Delta, DK, DV, Redo, H, NK, NQ,
+                          own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
+                          stride_vb, stride_vh, stride_vn, qk_scale, sm_scale, D, BLOCK_S, STAGES, 0)),
     ], [4, 1], [232, 24])

@@ -82,6 +82,20 @@ for D, bs, stages in sorted({(D, *c) for D, c in B.FUSED_CONFIGS.items()} | {(64
     report.append(dict(facts, kernel="fused",
                        reduce=ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add"),
                        named=sorted(set(re.findall(r"bar.sync\s+(\d+), 128;", ptx)))))
+# the FP32-accurate five-product kernel: float16 parts (high, low) of float32 operands
+for D, (bs, stages) in sorted(B.FUSED_SPLIT_CONFIGS.items()):
+    parts = torch.empty((2, 6, 512, D), dtype=torch.float16)
+    acc = torch.empty((2, 3, 512, D), dtype=torch.float32)
+    ptx, facts = build(B.bwd_fused_f16x3_kernel, dict(k_desc=F.descriptor(parts, 64),
+                                                      v_desc=F.descriptor(parts, 64),
+                                                      q_desc=F.descriptor(parts, bs),
+                                                      do_desc=F.descriptor(parts, bs),
+                                                      dq_desc=F.descriptor(acc, 64)),
+                       dict(D=D, BLOCK_S=bs, STAGES=stages), DK="*fp32", DV="*fp32", KE="*i32", VE="*i32",
+                       QE="*i32", DOE="*i32")
+    report.append(dict(facts, kernel="split", tma=ptx.count("cp.async.bulk.tensor"),
+                       reduce=ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add"),
+                       f16=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n\d+k16.f32.f16.f16", ptx))))
 print(json.dumps(report))
 """
 
@@ -131,6 +145,21 @@ def test_five_product_kernel_compiles_for_sm90():
         assert len(var["named"]) >= 2, var
 
 
+def test_fp32_five_product_kernel_compiles_for_sm90():
+    # Built for sm90 on any machine: per consumer and streamed tile the five products, each as three float16
+    # wgmma (hi lo, lo hi, hi hi) in K-steps of 16 -- S^T and dP^T over the head dim, dV and dK over the
+    # streamed queries, the consumer's own part of dQ over its 64 keys --, one TMA reduce-add per consumer,
+    # both parts of K, V (once) and Q, dO (per stage) by TMA; shared memory within the H100's
+    variants = _compiled("split")
+    assert {v["D"] for v in variants} == set(bwd_sm90.FUSED_SPLIT_CONFIGS)
+    for var in variants:
+        D, bs = var["D"], var["bs"]
+        assert var["setmaxnreg"] and 0 < var["shared"] <= 232448, var
+        assert var["wgmma"] == var["f16"] == 2 * 3 * (2 * D // 16 + 2 * bs // 16 + 64 // 16), var
+        assert var["reduce"] == 2, var
+        assert var["tma"] == 2 * 2 * 2 + 2 * 2, var
+
+
 def _inputs(B, H, Nq, Nk, D, dtype, seed):
     q, k, v, do, _, _ = _problem(B, H, Nq, Nk, D, D, seed=seed)
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
@@ -144,6 +173,7 @@ def test_routing_rules(monkeypatch):
     # dims, default tiles and at least HOPPER_MIN_KEYS[head dim] keys take the Hopper passes (both, or the one
     # asked for); everything else the generic kernels (supported() forced: this machine may have no sm90 GPU)
     monkeypatch.setattr(bwd_sm90, "supported", lambda q, k, v, do: q.dtype != torch.float32)
+    monkeypatch.setattr(bwd_sm90, "supported_split", lambda q, k, v, do: False)  # float32: its own test
     monkeypatch.setattr(bwd_module, "HOPPER", True)
     keys = bwd_module.HOPPER_MIN_KEYS[64]
     q, k, v, do, _, _ = _problem(1, 2, 70, keys, 64, 64, seed=1)
@@ -196,33 +226,96 @@ def test_routing_rules(monkeypatch):
     assert not hopper()
 
 
+def test_float32_routing_rules(monkeypatch):
+    # float32 calls at the fp16x3 precision wanting all three gradients, dense, with a head dim of
+    # FUSED_SPLIT_CONFIGS and a grid of 128-key programs filling the multiprocessors HOPPER_SPLIT_MIN_WAVES
+    # times take the FP32-accurate five-product kernel on operands split in its tiles (K, V in the consumers'
+    # 64 keys, Q, dO in its streamed rows); every other float32 call the generic kernels (supported_split()
+    # forced: this machine may have no sm90 GPU; the CPU counts as 4 multiprocessors)
+    monkeypatch.setattr(bwd_sm90, "supported_split", lambda q, k, v, do: q.dtype == torch.float32)
+    monkeypatch.setattr(bwd_module, "HOPPER", True)
+    monkeypatch.setattr(bwd_module, "HOPPER_FUSED", True)
+    sms = bwd_module.device_info(DEVICE)[0]
+    keys = 128 * sms // 2 - 1  # two heads of as many 128-key programs as there are multiprocessors
+    q, k, v, do = (t.float() for t in _problem(1, 2, 70, keys, 64, 64, seed=3)[:4])
+    lse = torch.zeros(1, 2, 70, device=DEVICE)
+
+    def split(q=q, k=k, v=v, do=do, precision="fp16x3", **kw):
+        program = bwd_program(do, q, k, v, do, lse, precision=precision, **kw)
+        assert program.hopper_dq is None and program.hopper_dkdv is None  # no float32 Hopper passes
+        if program.hopper_fused is None:
+            assert program.acc_size is None
+            return False
+        assert program.hopper_fused.split and program.dq is None and program.dkdv is None
+        return True
+
+    assert split()
+    program = bwd_program(do, q, k, v, do, lse, precision="fp16x3")
+    assert program.pre.options["ZERO_ACC"] and program.acc_size == tuple(q.shape)
+    bs = bwd_sm90.FUSED_SPLIT_CONFIGS[64][0]
+    assert program.split_kv[0].options["BLOCK"] == 64 and program.split_kv[1][2] == (2, math.ceil(keys / 64))
+    assert program.split_qdo[0].options["BLOCK"] == bs and program.split_qdo[1][2] == (2, math.ceil(70 / bs))
+    assert split(given_delta=True)
+    assert not split(precision="tf32x3") and not split(precision="ieee")
+    assert not split(causal=True)
+    assert not split(attn_bias=torch.zeros(1, 1, 70, keys, device=DEVICE))
+    assert not split(key_padding_mask=torch.ones(1, keys, dtype=torch.bool, device=DEVICE))
+    assert not split(compute_dkdv=False) and not split(compute_dq=False)
+    assert not split(config=bwd_module.bwd_config(torch.float32, 64, 64, q.device, "fp16x3"))
+    assert not split(k=k[:, :, :-128], v=v[:, :, :-128])  # one 128-key program per head fewer than SMs
+    q2, k2, v2, do2 = (t.float() for t in _problem(1, 2, 70, keys, 128, 128, seed=4)[:4])
+    assert not split(q=q2, k=k2, v=v2, do=do2)  # no config at head dim 128
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not split()  # bitwise reruns asked for: the generic kernels
+    finally:
+        torch.use_deterministic_algorithms(was)
+    monkeypatch.setattr(bwd_module, "PRESPLIT", False)
+    bwd_module._PROGRAMS.clear()  # planned programs keep their routing
+    assert not split()
+    monkeypatch.setattr(bwd_module, "PRESPLIT", True)
+    bwd_module._PROGRAMS.clear()
+    monkeypatch.setattr(bwd_module, "HOPPER_FUSED", False)
+    assert not split()
+    monkeypatch.setattr(bwd_module, "HOPPER_FUSED", True)
+    monkeypatch.setattr(bwd_module, "HOPPER", False)
+    assert not split()
+
+
 def _plan_as_on_sm90(monkeypatch, fused):
     """Backward programs planned as on sm90 from any length (supported() forced: this machine may have no
     sm90 GPU), with (``fused``) or without the five-product backward."""
     monkeypatch.setattr(bwd_sm90, "supported", lambda *a: True)
+    monkeypatch.setattr(bwd_sm90, "supported_split", lambda *a: True)
     monkeypatch.setattr(bwd_module, "HOPPER", True)
     monkeypatch.setattr(bwd_module, "HOPPER_FUSED", fused)
     monkeypatch.setattr(bwd_module, "HOPPER_MIN_KEYS", {64: 0, 128: 0})
+    monkeypatch.setattr(bwd_module, "HOPPER_SPLIT_MIN_WAVES", 0)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_redo_launches_finish_exactly_the_flagged_tiles(fused, monkeypatch):
+@pytest.mark.parametrize("fused,dtype", [(False, torch.float16), (True, torch.float16),
+                                         (True, torch.float32)])
+def test_redo_launches_finish_exactly_the_flagged_tiles(fused, dtype, monkeypatch):
     # The generic kernels in REDO mode (the second launch of each Hopper pass, or the five-product
-    # backward's last two): the 64-row tiles whose flag is set (queries for dQ, keys for dK/dV) get the
-    # generic gradients, every other row keeps what the Hopper pass wrote. Built as on sm90 and run by the
-    # interpreter on CPU machines, float16.
+    # backward's last two; float32: the FP32-accurate five-product kernel's, at fp16x3): the 64-row tiles
+    # whose flag is set (queries for dQ, keys for dK/dV) get the generic gradients, every other row keeps
+    # what the Hopper pass wrote. Built as on sm90 and run by the interpreter on CPU machines.
     _plan_as_on_sm90(monkeypatch, fused)
     B, H, N, D = 1, 2, 150, 64
-    q, k, v, do, out, lse, delta = _inputs(B, H, N, N, D, torch.float16, seed=31)
-    program = bwd_program(do, q, k, v, out, lse, given_delta=True)
+    q, k, v, do, out, lse, delta = _inputs(B, H, N, N, D, dtype, seed=31)
+    program = bwd_program(do, q, k, v, out, lse, given_delta=True, precision="fp16x3")
     if fused:
+        assert program.hopper_fused.split == (dtype == torch.float32)
         redo_dq, redo_dkdv = program.hopper_fused.redo_dq, program.hopper_fused.redo_dkdv
     else:
         redo_dq, redo_dkdv = program.hopper_dq.redo, program.hopper_dkdv.redo
     monkeypatch.setattr(bwd_module, "HOPPER", False)
-    refs = elsa_bwd(do, q, k, v, out, lse, delta=delta)[:3]  # the same Delta: the same bits
+    # the same Delta: the same bits (float32: the redo splits the operands in its loop, the full backward
+    # once beforehand: bitwise under the interpreter, within a float32 rounding compiled)
+    refs = elsa_bwd(do, q, k, v, out, lse, delta=delta, precision="fp16x3")[:3]
     flags = torch.tensor([[1, 0, 1], [0, 1, 0]], dtype=torch.int32, device=DEVICE)  # [B * H, cdiv(150, 64)]
-    grads = [torch.full((B, H, N, D), 7.0, dtype=torch.float16, device=DEVICE) for _ in range(3)]
+    grads = [torch.full((B, H, N, D), 7.0, dtype=dtype, device=DEVICE) for _ in range(3)]
     dq, dk, dv = grads
     redo_dq(q, k, v, do, out, lse, delta, delta, delta, dq, delta, delta, delta, delta, flags)
     redo_dkdv(q, k, v, do, lse, delta, delta, delta, dk, dv, delta, delta, delta, delta, flags)
@@ -230,8 +323,10 @@ def test_redo_launches_finish_exactly_the_flagged_tiles(fused, monkeypatch):
         for h in range(H):
             for blk in range(3):
                 rows = slice(64 * blk, min(N, 64 * blk + 64))
-                if flags[h, blk]:
+                if flags[h, blk] and (dtype != torch.float32 or DEVICE == "cpu"):
                     assert torch.equal(g[0, h, rows], ref[0, h, rows])
+                elif flags[h, blk]:
+                    assert _relerr(g[0, h, rows], ref[0, h, rows].double()) <= 5e-7
                 else:
                     assert bool((g[0, h, rows] == 7.0).all())
 
@@ -469,3 +564,136 @@ def test_gpu_huge_logits_stay_finite_and_accurate(fused, monkeypatch):
     for name, g, r, lp in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, lowp):
         err, err_lp = _relerr(g, r), _relerr(lp, r)
         assert err <= LOWP_FACTOR * err_lp, f"{name}: {err:.3e} > {LOWP_FACTOR} x low-precision {err_lp:.3e}"
+
+
+# ---- the FP32-accurate five-product kernel (float32 inputs at fp16x3) ------------------------------------
+
+# The generic fp16x3 backward measures 5e-7 to 8e-7 against float64 at these sizes (H100); the bound of
+# test_bwd's float32 default past 1,024 keys.
+FP32_FUSED = 2e-6
+# dQ summed over key programs in float32 in no fixed order: reruns differ by float32 roundings of the sum.
+FP32_DQ_RERUN = 1e-6
+
+
+def _split_backward(q, k, v, do, out, lse, delta, monkeypatch, split=True):
+    """``(dq, dk, dv, dq_flags, dkdv_flags)`` of the FP32-accurate five-product backward (``split``; its
+    split pass, dQ sum, conversion and redo launches), or of the generic fp16x3 kernels, on the given
+    ``Delta``."""
+    monkeypatch.setattr(bwd_module, "HOPPER", split)
+    monkeypatch.setattr(bwd_module, "HOPPER_FUSED", split)
+    monkeypatch.setattr(bwd_module, "HOPPER_SPLIT_MIN_WAVES", 0)  # any grid (its rule: the routing test)
+    program = bwd_program(do, q, k, v, out, lse, given_delta=True, precision="fp16x3")
+    if not split:
+        assert program.hopper_fused is None
+        return (*elsa_bwd(do, q, k, v, out, lse, delta=delta, precision="fp16x3")[:3], None, None)
+    assert program.hopper_fused is not None and program.hopper_fused.split
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    fq, fk = program.run_hopper(do, q, k, v, out, lse, delta, dq, dk, dv)
+    return dq, dk, dv, fq, fk
+
+
+def _fp32_inputs(B, H, Nq, Nk, seed, scale=1.0):
+    q, k, v, do, _, _ = _problem(B, H, Nq, Nk, 64, 64, seed=seed)
+    q, k, v, do = (t.float() for t in (q * scale, k * scale, v, do))
+    out, lse = elsa_fwd(q, k, v, precision="fp16x3")
+    delta = (out * do).sum(-1).contiguous()
+    return q, k, v, do, out, lse, delta
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("B,H,Nq,Nk", [(2, 3, 1025, 1025), (1, 2, 2053, 3137), (2, 2, 1000, 1777),
+                                       (1, 4, 4096, 4096), (16, 12, 197, 197), (8, 12, 785, 785)])
+def test_gpu_fp32_five_product_against_float64(B, H, Nq, Nk, monkeypatch):
+    # FP32-accurate (within FP32_FUSED of float64, as the generic fp16x3 kernels, and within 2x their error),
+    # finite inputs flag nothing; the routed backward (its own Delta pass) gives the same gradients
+    q, k, v, do, out, lse, delta = _fp32_inputs(B, H, Nq, Nk, seed=Nq + Nk)
+    refs, _, _ = _reference(q, k, v, do)
+    dq, dk, dv, fq, fk = _split_backward(q, k, v, do, out, lse, delta, monkeypatch)
+    assert int(fq.sum()) == 0 and int(fk.sum()) == 0
+    generic = _split_backward(q, k, v, do, out, lse, delta, monkeypatch, split=False)
+    for name, g, r, gen in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, generic):
+        err, err_gen = _relerr(g, r), _relerr(gen, r)
+        assert err <= FP32_FUSED, f"{name}: {err:.3e} > {FP32_FUSED}"
+        assert err <= 2 * err_gen, f"{name}: {err:.3e} > 2 x the generic kernels' {err_gen:.3e}"
+    monkeypatch.setattr(bwd_module, "HOPPER", True)
+    monkeypatch.setattr(bwd_module, "HOPPER_FUSED", True)
+    grads = elsa_bwd(do, q, k, v, out, lse, delta=delta, precision="fp16x3")[:3]  # routed, the same Delta
+    assert torch.equal(grads[1], dk) and torch.equal(grads[2], dv)
+    assert _relerr(grads[0], dq.double()) <= FP32_DQ_RERUN
+    grads = elsa_bwd(do, q, k, v, out, lse, precision="fp16x3")[:3]  # Delta from the backward's own pass
+    assert all(_relerr(a, b.double()) <= FP32_DQ_RERUN for a, b in zip(grads, (dq, dk, dv)))
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp32_five_product_views_poisoned_storage_and_reruns(monkeypatch):
+    # ViT's views of a fused projection, and views whose storage holds NaN past their rows, give the
+    # contiguous inputs' gradients (the split pass reads each view's own rows); reruns: dK, dV bit for bit,
+    # dQ within FP32_DQ_RERUN
+    B, N, H = 2, 1501, 3
+    q, k, v = fused_qkv_views(B, N, H, 64, seed=5)
+    do = randn(B, H, N, 64, seed=6)
+    out, lse = elsa_fwd(q, k, v, precision="fp16x3")
+    delta = (out * do).sum(-1).contiguous()
+    clean = _split_backward(q.contiguous(), k.contiguous(), v.contiguous(), do, out, lse, delta, monkeypatch)
+    views = _split_backward(q, k, v, do, out, lse, delta, monkeypatch)
+    poisoned = []
+    for t in (q, k, v, do):
+        big = torch.full((B, H, N + 77, 64), math.nan, device=t.device)
+        big[:, :, :N] = t
+        poisoned.append(big[:, :, :N])
+    dirty = _split_backward(*poisoned, out, lse, delta, monkeypatch)
+    for run in (views, dirty, _split_backward(q, k, v, do, out, lse, delta, monkeypatch)):
+        assert int(run[3].sum()) == 0 and int(run[4].sum()) == 0
+        assert torch.equal(run[1], clean[1]) and torch.equal(run[2], clean[2])
+        assert _relerr(run[0], clean[0].double()) <= FP32_DQ_RERUN
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp32_five_product_nonfinite_values_and_huge_logits(monkeypatch):
+    # an infinite value in one head: that head's 64-row blocks are flagged and redone by the generic
+    # kernels (the same finite entries as theirs), the other head flags nothing and stays finite; q, k
+    # scaled by 6 (logits near 150, rows close to one-hot): finite, FP32-accurate, nothing flagged
+    B, H, N = 1, 2, 1100
+    q, k, v, do, _, _, _ = _fp32_inputs(B, H, N, N, seed=7)
+    v[0, 1, 300, 5] = math.inf
+    out, lse = elsa_fwd(q, k, v, precision="fp16x3")
+    delta = (out * do).sum(-1).contiguous()
+    dq, dk, dv, fq, fk = _split_backward(q, k, v, do, out, lse, delta, monkeypatch)
+    for flags in (fq, fk):
+        assert int(flags[0].sum()) == 0 and bool((flags[1] == 1).all())
+    generic = _split_backward(q, k, v, do, out, lse, delta, monkeypatch, split=False)[:3]
+    for ours, theirs in zip((dq, dk, dv), generic):
+        assert torch.equal(ours[0, 1].isfinite(), theirs[0, 1].isfinite())
+        assert torch.isfinite(ours[0, 0]).all()
+    q, k, v, do, out, lse, delta = _fp32_inputs(B, H, 1536, 1536, seed=43, scale=6.0)
+    refs, _, _ = _reference(q, k, v, do)
+    dq, dk, dv, fq, fk = _split_backward(q, k, v, do, out, lse, delta, monkeypatch)
+    assert int(fq.sum()) == 0 and int(fk.sum()) == 0
+    generic = _split_backward(q, k, v, do, out, lse, delta, monkeypatch, split=False)[:3]
+    for name, g, r, gen in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, generic):
+        err, err_gen = _relerr(g, r), _relerr(gen, r)
+        assert err <= 2 * max(err_gen, FP32_FUSED / 4), f"{name}: {err:.3e} against the generic {err_gen:.3e}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp32_deterministic_algorithms_take_the_generic_kernels(monkeypatch):
+    # under torch.use_deterministic_algorithms(True) the float32 backward keeps one owner per gradient
+    # element (the generic fp16x3 kernels): reruns bitwise equal
+    monkeypatch.setattr(bwd_module, "HOPPER", True)
+    monkeypatch.setattr(bwd_module, "HOPPER_FUSED", True)
+    monkeypatch.setattr(bwd_module, "HOPPER_SPLIT_MIN_WAVES", 0)
+    q, k, v, do, out, lse, _ = _fp32_inputs(1, 2, 1300, 1100, seed=45)
+    assert bwd_program(do, q, k, v, out, lse).hopper_fused is not None
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert bwd_program(do, q, k, v, out, lse).hopper_fused is None
+        first = elsa_bwd(do, q, k, v, out, lse)[:3]
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(elsa_bwd(do, q, k, v, out, lse)[:3], first))
+    finally:
+        torch.use_deterministic_algorithms(was)
