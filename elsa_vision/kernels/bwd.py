@@ -9,8 +9,9 @@ log, ``-inf`` for a row that sees no key). The backward recomputes the probabili
   launched first); it also forms ``Delta = rowsum(O * dO)`` of its rows (``[B, H, Nq]`` float32) for the
   next kernel.
   A separate dQ pass keeps every gradient element owned by exactly one program: no atomics, bitwise
-  reproducible (on Hopper, dense half-precision calls form dQ in the dK/dV program instead and sum it over
-  key programs in float32, ``_HopperFused``, unless ``torch.use_deterministic_algorithms(True)``);
+  reproducible (on Hopper, dense half-precision calls, and dense float32 calls at ``fp16x3`` on grids that
+  fill the GPU, form dQ in the dK/dV program instead and sum it over key programs in float32,
+  ``_HopperFused``, unless ``torch.use_deterministic_algorithms(True)``);
 * ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - Delta)``, ``dK = scale * dS^T Q`` -- one program per key
   tile, looping over the query tiles (``_bwd_dkdv_kernel``);
 * ``dBias = dS`` reduced over the bias's broadcast dims (``_bwd_dbias_kernel``): one program per output tile
@@ -74,7 +75,7 @@ HOPPER_FUSED = True
 # Dense float32 calls at the ``"fp16x3"`` precision (``PRESPLIT``) wanting every gradient, with a head dim
 # in ``bwd_sm90.FUSED_SPLIT_CONFIGS``, take the FP32-accurate five-product kernel on the split operands
 # (``bwd_sm90.bwd_fused_f16x3_kernel``) under the same two switches where its grid (one program per 128 keys
-# of a head) fills the multiprocessors at least this many times: H100, 1.25-1.48x the generic kernels from
+# of a head) fills the multiprocessors at least this many times: H100, 1.32-1.61x the generic kernels from
 # 197 to 16K tokens on such grids, slower on a grid of 64 programs (2 x 4 heads x 1,024 tokens), where the
 # generic kernels' smaller tiles give more programs (docs/kernel_notes.md, "The FP32-accurate five-product
 # backward").

@@ -28,8 +28,15 @@ added to a float32 ``[B, H, Nq, D]`` buffer by TMA reduce-add. Its sum over key 
 order (reruns may differ in the last bits); ``bwd._HopperFused`` converts it to dQ and flags non-finite
 rows for the generic kernel's redo.
 
-``bwd._BwdProgram`` routes to them on sm90 (``bwd.HOPPER``, ``bwd.HOPPER_MIN_KEYS``, ``bwd.HOPPER_FUSED``);
-measurements and what limits them: ``docs/kernel_notes.md``, "The Hopper backward"; tests:
+``bwd_fused_f16x3_kernel`` is the same five-product backward for float32 inputs at ``fp16x3``: it reads
+the float16 parts (high, low) of Q, dO, K and V that ``bwd._split_pair_kernel`` writes, forms each product
+as three float16 wgmma into a fresh float32 accumulator whose power-of-two scales it then undoes (the
+generic kernels' ``fp16x3`` arithmetic), and each consumer adds its own keys' part of ``dQ_j`` (its ``dS``
+tile has its own scale) by TMA reduce-add.
+
+``bwd._BwdProgram`` routes to them on sm90 (``bwd.HOPPER``, ``bwd.HOPPER_MIN_KEYS``, ``bwd.HOPPER_FUSED``,
+``bwd.HOPPER_SPLIT_MIN_WAVES``); measurements and what limits them: ``docs/kernel_notes.md``, "The Hopper
+backward" and "The FP32-accurate five-product backward"; tests:
 ``tests/kernels/test_bwd_sm90.py``.
 """
 
