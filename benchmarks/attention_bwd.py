@@ -14,8 +14,9 @@ Rows (CSV ``logs/benchmarks/attention_bwd_<gpu>.csv``, ignored by git; ``--out D
 * ``pass=bwd``: backward only. For a peer: its forward+backward minus its forward (both medians). For
   ``elsa*``: ``elsa_bwd`` given the saved ``(out, lse)`` (the dQ kernel, which forms ``Delta``, then dK/dV),
   precision ``auto`` (``elsa``: ``fp16x3`` on sm90, else ``tf32x3``), ``tf32x3``, ``ieee``, ``tf32``;
-  ``elsa_generic`` (half precision, named with ``--peers``): ``elsa`` on the generic kernels where the
-  Hopper passes (``kernels/bwd_sm90.py``) would run (``benchmarks.common.generic_kernels``).
+  ``elsa_generic`` (named with ``--peers``): ``elsa`` on the generic kernels where the Hopper backward
+  (``kernels/bwd_sm90.py``: half precision, and float32's five-product kernel) would run
+  (``benchmarks.common.generic_kernels``).
 
 Timing (``benchmarks.common.timings``): ``ms``, the eager call (``triton.testing.do_bench`` median), and
 ``graph_ms``, CUDA-graph replays of the same call (the GPU's time alone), side by side. TFLOP/s counts ``4 B H
@@ -179,8 +180,6 @@ def run_case(B, H, N, D, dtype_name, peers, tiles, results: Results, configs=Non
     for peer in peers:
         if peer not in ELSA or (peer in ("elsa_tf32x3", "elsa_ieee", "elsa_tf32") and dtype != torch.float32):
             continue
-        if peer == "elsa_generic" and dtype == torch.float32:
-            continue  # the Hopper passes are half precision
         precision = ELSA[peer]
         cfg = (configs or {}).get(dtype_name)
 

@@ -302,6 +302,56 @@ else:
 
 
 @gluon.jit
+def _key_consumer(Lse, Delta, H, NK, NQ, own_tiles, stride_lb, stride_lh, BLOCK_S: gl.constexpr,
+                  WG: gl.constexpr, layout: gl.constexpr):
+    """What consumer ``WG`` of a five-product program needs of it: ``(pid_r, bh, off_b, off_h, first,
+    lse_base, delta_base, cols, key_ok)`` -- the program's key tile and head, the consumer's first key, where
+    the head's lse and ``Delta`` rows start, a streamed tile's column offsets and which of the consumer's 64
+    keys lie below ``NK`` (along the rows and columns of ``layout``, the ``S^T`` tile's)."""
+    pid = gl.program_id(0)
+    pid_r = pid % own_tiles
+    bh = pid // own_tiles
+    off_b = bh // H
+    off_h = bh % H
+    first = pid_r * ROWS * CONSUMERS + WG * ROWS
+    lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
+    delta_base = Delta + bh.to(gl.int64) * NQ
+    cols = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, layout))
+    key_ok = (first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))) < NK
+    return pid_r, bh, off_b, off_h, first, lse_base, delta_base, cols, key_ok
+
+
+@gluon.jit
+def _add_dq(dq, dq_desc, stage, off_b, off_h, row, D: gl.constexpr):
+    """Add ``dq`` (a consumer's 64 rows of ``dS K``, float32) to the dQ sum of ``dq_desc`` at query ``row`` of
+    head ``(off_b, off_h)``: staged in the consumer's shared-memory tile ``stage`` once the previous
+    reduction from it has read it, then one TMA reduce-add."""
+    tma.store_wait(0)
+    _barrier()
+    stage.reshape([ROWS, D]).store(dq)
+    fence_async_shared()
+    _barrier()
+    _reduce_add(dq_desc, [off_b, off_h, row, 0], stage)
+
+
+@gluon.jit
+def _store_key_grads(dk, dv, DK, DV, Redo, bh, off_b, off_h, first, pid_r, NK, stride_kb, stride_kh,
+                     stride_kn, stride_vb, stride_vh, stride_vn, D: gl.constexpr, layout: gl.constexpr,
+                     WG: gl.constexpr):
+    """A five-product consumer's epilogue: its 64 keys' ``dk`` (scaled) and ``dv`` (``layout``) into rows
+    ``first`` onwards of ``DK`` and ``DV`` (those below ``NK``), and the flag of its 64 keys (consumer ``WG``
+    of key tile ``pid_r``)."""
+    rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    row_ok = rows < NK
+    _store_rows(dk, DK, off_b, off_h, rows, dims, row_ok, stride_kb, stride_kh, stride_kn)
+    _store_rows(dv, DV, off_b, off_h, rows, dims, row_ok, stride_vb, stride_vh, stride_vn)
+    bad = count_nonfinite(gl.where(row_ok[:, None], dk, 0.0))
+    bad += count_nonfinite(gl.where(row_ok[:, None], dv, 0.0))
+    _store_flag(Redo, bh, pid_r * CONSUMERS + WG, NK, bad)
+
+
+@gluon.jit
 def _produce_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
                    dq_smem, r_bar, ready, empty, ds_full, ds_empty, Lse, Delta, DK, DV, Redo, H, NK, NQ,
                    own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn, stride_vb,
@@ -330,12 +380,9 @@ def _consume_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     SLICES: gl.constexpr = BLOCK_S // ROWS  # 64-query slices of dQ per streamed tile
     dtype: gl.constexpr = q_desc.dtype
-    pid = gl.program_id(0)
-    pid_r = pid % own_tiles
-    bh = pid // own_tiles
-    off_b = bh // H
-    off_h = bh % H
-    first = pid_r * ROWS * CONSUMERS + WG * ROWS  # this warpgroup's first key
+    # keys past NK (zero rows of K and V) get dS = 0: their P need not be finite
+    pid_r, bh, off_b, off_h, first, lse_base, delta_base, cols, key_ok = _key_consumer(
+        Lse, Delta, H, NK, NQ, own_tiles, stride_lb, stride_lh, BLOCK_S, WG, s_layout)
 
     a1 = k_smem.index(WG).reshape([ROWS, D])
     a2 = v_smem.index(WG).reshape([ROWS, D])
@@ -343,11 +390,6 @@ def _consume_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
     zero_o = gl.zeros([ROWS, D], gl.float32, o_layout)
     acc1 = gl.zeros([ROWS, D], gl.float32, o_layout)
     acc2 = gl.zeros([ROWS, D], gl.float32, o_layout)
-    lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
-    delta_base = Delta + bh.to(gl.int64) * NQ
-    cols = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, s_layout))
-    # keys past NK (zero rows of K and V) get dS = 0: their P need not be finite
-    key_ok = (first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))) < NK
     mbarrier.wait(r_bar, 0)
     n_tiles = gl.cdiv(NQ, BLOCK_S)
     for j in range(n_tiles):
@@ -382,25 +424,12 @@ def _consume_fused(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
                 for c in gl.static_range(CONSUMERS):
                     a = tile.slice(c * ROWS, ROWS, dim=0).slice(h * ROWS, ROWS, dim=1).permute((1, 0))
                     dq = warpgroup_mma(a, k_smem.index(c).reshape([ROWS, D]), dq, use_acc=c > 0)
-                tma.store_wait(0)  # the previous reduction has read dq_smem
-                _barrier()
-                stage = dq_smem.index(WG)
-                stage.reshape([ROWS, D]).store(dq)
-                fence_async_shared()
-                _barrier()
-                _reduce_add(dq_desc, [off_b, off_h, j * BLOCK_S + h * ROWS, 0], stage)
+                _add_dq(dq, dq_desc, dq_smem.index(WG), off_b, off_h, j * BLOCK_S + h * ROWS, D)
         mbarrier.arrive(ds_empty.index(buf), count=1)
     tma.store_wait(0)
 
-    acc1 = acc1 * sm_scale
-    rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    row_ok = rows < NK
-    _store_rows(acc1, DK, off_b, off_h, rows, dims, row_ok, stride_kb, stride_kh, stride_kn)
-    _store_rows(acc2, DV, off_b, off_h, rows, dims, row_ok, stride_vb, stride_vh, stride_vn)
-    bad = count_nonfinite(gl.where(row_ok[:, None], acc1, 0.0))
-    bad += count_nonfinite(gl.where(row_ok[:, None], acc2, 0.0))
-    _store_flag(Redo, bh, pid_r * CONSUMERS + WG, NK, bad)
+    _store_key_grads(acc1 * sm_scale, acc2, DK, DV, Redo, bh, off_b, off_h, first, pid_r, NK, stride_kb,
+                     stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, D, o_layout, WG)
 
 
 @gluon.jit
@@ -524,12 +553,9 @@ def _consume_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    pid = gl.program_id(0)
-    pid_r = pid % own_tiles
-    bh = pid // own_tiles
-    off_b = bh // H
-    off_h = bh % H
-    first = pid_r * ROWS * CONSUMERS + WG * ROWS  # this warpgroup's first key
+    # keys past NK (zero rows of K and V) get P = dS = 0
+    pid_r, bh, off_b, off_h, first, lse_base, delta_base, cols, key_ok = _key_consumer(
+        Lse, Delta, H, NK, NQ, own_tiles, stride_lb, stride_lh, BLOCK_S, WG, s_layout)
     # its keys' parts' exponents (a second consumer past the last key has none: its rows are not stored)
     key_tile = pid_r * CONSUMERS + WG
     has_keys = key_tile < gl.cdiv(NK, ROWS)
@@ -547,11 +573,6 @@ def _consume_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
     zero_o = gl.zeros([ROWS, D], gl.float32, o_layout)
     dk = gl.zeros([ROWS, D], gl.float32, o_layout)
     dv = gl.zeros([ROWS, D], gl.float32, o_layout)
-    lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
-    delta_base = Delta + bh.to(gl.int64) * NQ
-    cols = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, s_layout))
-    # keys past NK (zero rows of K and V) get P = dS = 0
-    key_ok = (first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))) < NK
     mbarrier.wait(r_bar, 0)
     for j in range(q_tiles):
         st = j % STAGES
@@ -589,25 +610,11 @@ def _consume_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
         # this consumer's keys' part of dQ_j = dS K
         fq = _mm3(ds_hi.permute((1, 0)), ds_lo.permute((1, 0)), k_hi, k_lo, zero_o)
         fq = warpgroup_mma_wait(0, deps=(fq,))
-        dq = unscale(fq, ds_c + k_c)
-        tma.store_wait(0)  # the previous reduction has read dq_smem
-        _barrier()
-        stage = dq_smem.index(WG)
-        stage.reshape([BLOCK_S, D]).store(dq)
-        fence_async_shared()
-        _barrier()
-        _reduce_add(dq_desc, [off_b, off_h, j * BLOCK_S, 0], stage)
+        _add_dq(unscale(fq, ds_c + k_c), dq_desc, dq_smem.index(WG), off_b, off_h, j * BLOCK_S, D)
     tma.store_wait(0)
 
-    dk = dk * sm_scale
-    rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    row_ok = rows < NK
-    _store_rows(dk, DK, off_b, off_h, rows, dims, row_ok, stride_kb, stride_kh, stride_kn)
-    _store_rows(dv, DV, off_b, off_h, rows, dims, row_ok, stride_vb, stride_vh, stride_vn)
-    bad = count_nonfinite(gl.where(row_ok[:, None], dk, 0.0))
-    bad += count_nonfinite(gl.where(row_ok[:, None], dv, 0.0))
-    _store_flag(Redo, bh, pid_r * CONSUMERS + WG, NK, bad)
+    _store_key_grads(dk * sm_scale, dv, DK, DV, Redo, bh, off_b, off_h, first, pid_r, NK, stride_kb,
+                     stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, D, o_layout, WG)
 
 
 @gluon.jit
