@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .dots import f16_pair, split_f16, unscale
-from .fwd_sm90 import ROWS, descriptor, stage_ring, stream_pairs
+from .fwd_sm90 import ROWS, descriptor, mm3, stage_ring, stream_pairs
 from .host import LOG2E
 from .monoid import count_nonfinite
 
@@ -525,24 +525,14 @@ def _clamp_exponent(arg):
 
 
 @gluon.jit
-def _mm3(a_hi, a_lo, b_hi, b_lo, acc):
-    """``a_hi b_lo + a_lo b_hi + a_hi b_hi`` into the fresh accumulator ``acc`` (its contents are not read),
-    issued asynchronously (the caller waits): ``dots.matmul_f16x3``'s three float16 products, the small
-    terms first."""
-    acc = warpgroup_mma(a_hi, b_lo, acc, use_acc=False, is_async=True)
-    acc = warpgroup_mma(a_lo, b_hi, acc, is_async=True)
-    return warpgroup_mma(a_hi, b_hi, acc, is_async=True)
-
-
-@gluon.jit
 def _consume_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
                    dq_smem, r_bar, ready, empty, KE, VE, QE, DOE, Lse, Delta, DK, DV, Redo, H, NK, NQ,
                    own_tiles, stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn, stride_vb,
                    stride_vh, stride_vn, qk_scale, sm_scale, D: gl.constexpr, BLOCK_S: gl.constexpr,
                    STAGES: gl.constexpr, WG: gl.constexpr):
     """Keys ``WG * 64`` onwards of the program's tile, FP32-accurate: per streamed query tile the five
-    products of ``_consume_fused`` from float16 parts, three tensor-core products each (``_mm3``) into a
-    fresh float32 accumulator whose parts' power-of-two scales are then undone exactly (``dots.unscale``)
+    products of ``_consume_fused`` from float16 parts, three tensor-core products each (``fwd_sm90.mm3``) into
+    a fresh float32 accumulator whose parts' power-of-two scales are then undone exactly (``dots.unscale``)
     and which is added to the running sums in IEEE float32 -- ``bwd._dkdv_loop``'s ``fp16x3`` arithmetic.
     ``dS^T`` is split in registers (one power of two for the consumer's 64 x ``BLOCK_S`` tile) into shared
     memory, read there by ``dK += dS^T Q`` and, transposed, by this consumer's own part of ``dQ_j = dS K``
@@ -584,8 +574,8 @@ def _consume_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
         q_lo = q_smem.index(2 * st + 1).reshape([BLOCK_S, D])
         do_hi = do_smem.index(2 * st).reshape([BLOCK_S, D])
         do_lo = do_smem.index(2 * st + 1).reshape([BLOCK_S, D])
-        x = _mm3(k_hi, k_lo, q_hi.permute((1, 0)), q_lo.permute((1, 0)), zero)  # S^T, scaled
-        y = _mm3(v_hi, v_lo, do_hi.permute((1, 0)), do_lo.permute((1, 0)), zero)  # dP^T, scaled
+        x = mm3(k_hi, k_lo, q_hi.permute((1, 0)), q_lo.permute((1, 0)), zero)  # S^T, scaled
+        y = mm3(v_hi, v_lo, do_hi.permute((1, 0)), do_lo.permute((1, 0)), zero)  # dP^T, scaled
         x, y = warpgroup_mma_wait(0, deps=(x, y))
         # P^T <= 1 (the exponent clamped at 0 against the recomputed score passing lse by a rounding)
         arg = unscale(x, k_c + q_c) * qk_scale - lse2[None, :]
@@ -601,14 +591,14 @@ def _consume_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
         ds_lo.store(s_lo)
         fence_async_shared()
         _barrier()
-        fv = _mm3(pa_hi, pa_lo, do_hi, do_lo, zero_o)  # P^T dO, scaled
-        fk = _mm3(ds_hi, ds_lo, q_hi, q_lo, zero_o)  # dS^T Q, scaled
+        fv = mm3(pa_hi, pa_lo, do_hi, do_lo, zero_o)  # P^T dO, scaled
+        fk = mm3(ds_hi, ds_lo, q_hi, q_lo, zero_o)  # dS^T Q, scaled
         fv, fk, _, _ = warpgroup_mma_wait(0, deps=(fv, fk, pa_hi, pa_lo))
         mbarrier.arrive(empty.index(st), count=1)
         dv += unscale(fv, do_c + _P_SCALE)
         dk += unscale(fk, ds_c + q_c)
         # this consumer's keys' part of dQ_j = dS K
-        fq = _mm3(ds_hi.permute((1, 0)), ds_lo.permute((1, 0)), k_hi, k_lo, zero_o)
+        fq = mm3(ds_hi.permute((1, 0)), ds_lo.permute((1, 0)), k_hi, k_lo, zero_o)
         fq = warpgroup_mma_wait(0, deps=(fq,))
         _add_dq(unscale(fq, ds_c + k_c), dq_desc, dq_smem.index(WG), off_b, off_h, j * BLOCK_S, D)
     tma.store_wait(0)

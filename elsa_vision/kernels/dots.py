@@ -94,6 +94,15 @@ def matmul(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def score_unscale(c):
+    """``2**-c`` for the exponent sum ``c`` of a query tile's and a key row's ``split_f16`` scales, clamped to
+    float32's normal powers: the factor that undoes the scales of the ``"fp16x3"`` forward's scores. The clamp
+    only touches scores below ~1e-27 (their exp2 is 1 either way) or beyond float32's range (products of
+    inputs past 2^154)."""
+    return pow2(-tl.minimum(tl.maximum(c, -126), 127))
+
+
+@triton.jit
 def unscale(x, c):
     """``x * 2**-c`` for the exponent sum ``c`` in ``[-224, 252]`` of two ``split_f16`` scales, in two exact
     halves (each a normal power of two): a gradient as small as 1e-34 can come from a tile scaled by 2^94

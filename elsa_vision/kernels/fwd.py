@@ -31,7 +31,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dots import f16_pair, matmul, matmul_f16x3, pow2, scale_exponent, split_f16, split_rows, store_split
+from .dots import (
+    f16_pair,
+    matmul,
+    matmul_f16x3,
+    pow2,
+    scale_exponent,
+    score_unscale,
+    split_f16,
+    split_rows,
+    store_split,
+)
 from .host import FLOAT_DTYPES, LOG2E, canonical_device, cdiv, device_info, next_pow2, tile_size
 from .launch import AttentionProgram, Launch, ProgramCache, install_config
 from .monoid import (
@@ -103,9 +113,7 @@ def _load_tile(
             kt = finite_part(kt)
         kt_hi, kt_lo, k_c = split_f16(kt)
         qk = matmul_f16x3(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
-        # q carries qk_scale (see the caller). Clamping the exponent only touches scores below ~1e-27
-        # (their exp2 is 1 either way) or beyond float32 range (products of inputs past 2^154).
-        scores = qk * pow2(-tl.minimum(tl.maximum(q_c + k_c, -126), 127))
+        scores = qk * score_unscale(q_c + k_c)  # q carries qk_scale (see the caller)
         if EXACT:
             scores = tl.where(k_bad[None, :], float("nan"), scores)
     else:
@@ -142,8 +150,7 @@ def _load_parts(
         v_lo = tl.load(v_ptrs + vp_lo, mask=dv_ok[None, :], other=0.0)
     v_c = tl.load(ve_ptr + tile * DV + offs_dv, mask=dv_ok, other=0)
     qk = matmul_f16x3(q, q_lo, kt_hi, kt_lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
-    # q carries qk_scale; each key row its own power of two (see _load_tile on the clamp)
-    scores = qk * pow2(-tl.minimum(tl.maximum(q_c + k_c, -126), 127))[None, :]
+    scores = qk * score_unscale(q_c + k_c)[None, :]  # q carries qk_scale; each key row its own power of two
     return scores, v_hi, v_lo, pow2(-v_c)[None, :]
 
 
@@ -842,10 +849,13 @@ class _FwdProgram(AttentionProgram):
         self.hopper = None
         masked = has_bias or has_kpm or causal
         if (hopper and fwd_sm90 is not None and varlen is None and not masked
-                and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS.get(D, 0)
-                and fwd_sm90.supported(q, k, v, False)):
-            self.hopper = _HopperForward(B, H, Nq, Nk, D, qk_scale, launch_scalars, main, strides[3],
-                                         lse_strides, canonical_device(q.device))
+                and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS.get(D, 0)):
+            # half precision; or FP32-accurate over keys a plain running sum keeps accurate
+            split = (p.precision == "fp16x3" and main["SEGMENT"] == 0
+                     and fwd_sm90.supported_split(q, k, v, False))
+            if split or fwd_sm90.supported(q, k, v, False):
+                self.hopper = _HopperForward(B, H, Nq, Nk, D, qk_scale, launch_scalars, main, strides,
+                                             lse_strides, canonical_device(q.device), split)
         self.split = None
         if main["PRESPLIT"]:
             key_tiles = cdiv(Nk, p.block_n)
@@ -906,24 +916,44 @@ class _FwdProgram(AttentionProgram):
 
 
 class _HopperForward:
-    """The launches of one forward signature on ``fwd_sm90``'s kernel: the kernel, then the generic kernel
+    """The launches of one forward signature on ``fwd_sm90``'s kernels: the kernel, then the generic kernel
     over the 64-row query tiles it flagged (``REDO``: non-finite states; the other programs return at once).
-    ``launch_scalars(query_tiles, tiles_per_split)`` / ``main``: the generic launch's scalar arguments and
-    constexprs, whose query tiles become 64 rows; ``out_strides`` / ``lse_strides``: the outputs'
-    (``empty_output``'s layout)."""
+    ``split``: float32 inputs at ``"fp16x3"``, on ``attention_fwd_f16x3_kernel`` after ``_split_kv_kernel``
+    split the keys and values into float16 parts in its key tiles; else half-precision inputs on
+    ``attention_fwd_kernel``. ``launch_scalars(query_tiles, tiles_per_split)`` / ``main``: the generic
+    launch's scalar arguments and constexprs, whose query tiles become 64 rows; ``strides``: those of q, k, v
+    and the output (``empty_output``'s layout); ``lse_strides``: the lse's."""
 
-    def __init__(self, B, H, Nq, Nk, D, qk_scale, launch_scalars, main, out_strides, lse_strides, device):
-        bn, stages, consumers = fwd_sm90.config(D, Nq, B * H, device_info(device)[0])
-        self.block_n = bn
+    def __init__(self, B, H, Nq, Nk, D, qk_scale, launch_scalars, main, strides, lse_strides, device,
+                 split=False):
         rows = fwd_sm90.ROWS.value
         bh = B * H
-        m_tiles = cdiv(Nq, rows * consumers)
+        out_strides = strides[3]
         self.flags = bh * cdiv(Nq, rows)
-        self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh,),
-                            (H, Nq, Nk, m_tiles, *out_strides[:3], *lse_strides[:2], qk_scale),
-                            dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, STORE_LSE=store),
-                            fwd_sm90.NUM_WARPS)
-                     for store in (True, False)]
+        self.split = None
+        if split:
+            bn, stages = fwd_sm90.SPLIT_CONFIGS[D]
+            key_tiles = cdiv(Nk, bn)
+            m_tiles = cdiv(Nq, 2 * rows)
+            parts = bh * Nk * D
+            self.parts_sizes = ((2, bh, Nk, D), (2, bh, Nk, D), (bh, Nk), (bh, key_tiles, D))
+            self.split = Launch(_split_kv_kernel, (key_tiles * bh,),
+                                (*strides[1], *strides[2], 0, 0, H, Nk, key_tiles, parts, parts),
+                                dict(D=D, DV=D, BLOCK_N=bn, BLOCK_D=D, BLOCK_DV=D, HAS_KPM=False), 4)
+            self.main = [Launch(fwd_sm90.attention_fwd_f16x3_kernel, (m_tiles * bh,),
+                                (H, Nq, Nk, m_tiles, *strides[0][:3], *out_strides[:3], *lse_strides[:2],
+                                 qk_scale),
+                                dict(D=D, BLOCK_N=bn, STAGES=stages, STORE_LSE=store), fwd_sm90.NUM_WARPS)
+                         for store in (True, False)]
+        else:
+            bn, stages, consumers = fwd_sm90.config(D, Nq, bh, device_info(device)[0])
+            m_tiles = cdiv(Nq, rows * consumers)
+            self.main = [Launch(fwd_sm90.attention_fwd_kernel, (m_tiles * bh,),
+                                (H, Nq, Nk, m_tiles, *out_strides[:3], *lse_strides[:2], qk_scale),
+                                dict(D=D, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, STORE_LSE=store),
+                                fwd_sm90.NUM_WARPS)
+                         for store in (True, False)]
+        self.block_n = bn
         # the generic kernel over 64-row query tiles and one partition of all its 64-key tiles
         redo = dict(main, BLOCK_M=rows, BLOCK_N=64, SPLIT=False, SEGMENT=0, PRESPLIT=False, REDO=True)
         redo_scalars = launch_scalars(cdiv(Nq, rows), cdiv(Nk, 64))
@@ -933,16 +963,32 @@ class _HopperForward:
 
     def __call__(self, q, k, v, out, lse, which):
         """Write ``out`` (and ``lse`` when ``which`` is 0); returns the flags of the redone query tiles."""
-        if self.descs is None:  # built (and checked) once, then pointed at each call's tensors
-            self.descs = (fwd_sm90.descriptor(q, fwd_sm90.ROWS.value), fwd_sm90.descriptor(k, self.block_n),
-                          fwd_sm90.descriptor(v, self.block_n))
-        dq, dk, dv = self.descs
-        dq.base, dk.base, dv.base = q, k, v
         flags = torch.empty((self.flags,), dtype=torch.int32, device=q.device)  # every flag written
-        try:
-            self.main[which](dq, dk, dv, out, lse, flags)
-        finally:  # the cached descriptors must not keep this call's tensors alive
-            dq.base = dk.base = dv.base = None
+        if self.split is not None:
+            sk, sv, ek, ev = self.parts_sizes
+            kp = torch.empty(sk, dtype=torch.float16, device=q.device)
+            vp = torch.empty(sv, dtype=torch.float16, device=q.device)
+            ke = torch.empty(ek, dtype=torch.int32, device=q.device)
+            ve = torch.empty(ev, dtype=torch.int32, device=q.device)
+            self.split(k, v, k, kp, vp, ke, ve)
+            if self.descs is None:  # built once, then pointed at each call's parts
+                self.descs = (fwd_sm90.descriptor(kp, self.block_n), fwd_sm90.descriptor(vp, self.block_n))
+            dk, dv = self.descs
+            dk.base, dv.base = kp, vp
+            try:
+                self.main[which](dk, dv, q, ke, ve, out, lse, flags)
+            finally:  # the cached descriptors must not keep this call's tensors alive
+                dk.base = dv.base = None
+        else:
+            if self.descs is None:  # built (and checked) once, then pointed at each call's tensors
+                self.descs = (fwd_sm90.descriptor(q, fwd_sm90.ROWS.value),
+                              fwd_sm90.descriptor(k, self.block_n), fwd_sm90.descriptor(v, self.block_n))
+            dq, dk, dv = self.descs
+            dq.base, dk.base, dv.base = q, k, v
+            try:
+                self.main[which](dq, dk, dv, out, lse, flags)
+            finally:
+                dq.base = dk.base = dv.base = None
         self.redo[which](q, k, v, out, out, out, lse, out, out, out, out, out, out, out, out, out, flags)
         return flags
 

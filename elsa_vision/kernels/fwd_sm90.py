@@ -18,6 +18,13 @@ kernel (``docs/kernel_notes.md``, "The Hopper forward"):
 
 Only the last key tile is masked (``N % BLOCK_N`` keys past the end read as zeros and get ``-inf`` logits).
 
+``attention_fwd_f16x3_kernel`` runs the FP32-accurate (``"fp16x3"``) forward of float32 inputs on the same
+structure: the producer streams both float16 parts of each key and value tile as ``fwd._split_kv_kernel``
+split them once, each consumer splits its ``q * qk_scale`` once and forms ``S`` and ``P V`` as three float16
+wgmma each into fresh float32 accumulators (``dots.matmul_f16x3``'s arithmetic, scales undone exactly), and
+folds them in IEEE float32 as ``monoid.fold_parts`` does: its output is the generic kernel's on the same
+key tiles, bit for bit. Plain running sums, so for at most ``2 * monoid.SEGMENT_KEYS["fp16x3"]`` keys.
+
 Non-finite inputs: a visible key's NaN logit or ``+inf`` makes its row NaN and ``-inf`` logits hide their
 keys, as in the reference, but a value row holding an infinity or a NaN multiplies a weight that is exactly 0
 (a hidden key, or one whose weight underflowed) into NaN, where the reference gives the key's own columns
@@ -34,10 +41,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .monoid import count_nonfinite, finalize_state, store_lse, tile_weights
+from .dots import f16_pair, pow2, score_unscale, split_f16
+from .monoid import count_nonfinite, finalize_state, finite_part, store_lse, tile_weights
 
-__all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "supported", "config", "descriptor", "stage_ring",
-           "stream_pairs", "attention_fwd_kernel", "NUM_WARPS"]
+__all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "SPLIT_CONFIGS", "supported", "supported_split",
+           "config", "descriptor", "stage_ring", "stream_pairs", "mm3", "attention_fwd_kernel",
+           "attention_fwd_f16x3_kernel", "NUM_WARPS"]
 
 NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
@@ -49,6 +58,10 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 CONFIGS = {64: (128, 3, 2), 128: (128, 3, 2)}
 LARGE = {64: (128, 3, 3)}
 LARGE_WAVES = 8
+
+# (BLOCK_N, STAGES) of the FP32-accurate kernel per head dim, two consumer warpgroups (docs/kernel_notes.md,
+# "The FP32-accurate Hopper forward": 128-key tiles beat 64, two stages of both parts beat three).
+SPLIT_CONFIGS = {64: (128, 2)}
 
 
 def supported(q, k, v, has_mask: bool) -> bool:
@@ -68,6 +81,21 @@ def supported(q, k, v, has_mask: bool) -> bool:
         if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False
     return True
+
+
+def supported_split(q, k, v, has_mask: bool) -> bool:
+    """Whether ``attention_fwd_f16x3_kernel`` runs the FP32-accurate forward of these tensors: an sm90 GPU,
+    float32, no mask, bias or causality, head dims in ``SPLIT_CONFIGS`` (the same for values), at least one
+    query and key, the query's head dim contiguous (its rows are read by plain loads, any other strides; the
+    keys and values by the split pass, any strides)."""
+    if has_mask or not q.is_cuda or q.dtype != torch.float32 or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    D = q.shape[-1]
+    if D not in SPLIT_CONFIGS or k.shape[-1] != D or v.shape[-1] != D or k.shape[2] == 0 or q.shape[2] == 0:
+        return False
+    return q.stride(-1) == 1
 
 
 def config(D: int, Nq: int, heads: int, sms: int) -> tuple[int, int, int]:
@@ -262,3 +290,143 @@ def attention_fwd_kernel(
                         Lse, Redo, H, NQ, N, m_tiles, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
                         qk_scale, D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, STORE_LSE)),
         ], [4, 4, 1], [160, 160, 24])
+
+
+# --------------------------------------------------------------------------- FP32-accurate (fp16x3) forward
+
+
+@gluon.jit
+def mm3(a_hi, a_lo, b_hi, b_lo, acc):
+    """``a_hi b_lo + a_lo b_hi + a_hi b_hi`` into the fresh accumulator ``acc`` (its contents are not read),
+    issued asynchronously (the caller waits): ``dots.matmul_f16x3``'s three float16 products, the small
+    terms first."""
+    acc = warpgroup_mma(a_hi, b_lo, acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(a_lo, b_hi, acc, is_async=True)
+    return warpgroup_mma(a_hi, b_hi, acc, is_async=True)
+
+
+_P_SCALE = gl.constexpr(16384.0)  # the weights P <= 1 are split scaled by 2^14, as monoid.weighted_parts
+
+
+@gluon.jit
+def _produce_f16x3(kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ, N,
+                   m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_lb,
+                   stride_lh, qk_scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   STORE_LSE: gl.constexpr):
+    """The producer warp: both float16 parts of each key and value tile (four TMA loads) into stage
+    ``j % STAGES`` of the ring, once both consumers released it."""
+    bh = gl.program_id(0) // m_tiles
+    nbytes: gl.constexpr = 2 * (kp_desc.block_type.nbytes + vp_desc.block_type.nbytes)
+    for j in range(gl.cdiv(N, BLOCK_N)):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+        bar = ready.index(s)
+        mbarrier.expect(bar, nbytes)
+        for part in gl.static_range(2):  # [2, B * H, N, D]: high parts, then low
+            at = [part, bh, j * BLOCK_N, 0]
+            tma.async_copy_global_to_shared(kp_desc, at, bar, k_smem.index(2 * s + part))
+            tma.async_copy_global_to_shared(vp_desc, at, bar, v_smem.index(2 * s + part))
+
+
+@gluon.jit
+def _consume_f16x3(kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ, N,
+                   m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_lb,
+                   stride_lh, qk_scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   STORE_LSE: gl.constexpr, WG: gl.constexpr):
+    """Rows ``WG * 64`` onwards of the program's 128-row query tile: ``q * qk_scale`` split once (one power of
+    two for the 64 rows; a row holding a NaN or an infinity is split as zeros and its rows' flag set), then
+    per key tile ``S`` and ``P V`` as three float16 products each, folded as ``monoid.fold_parts``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, D, 16])
+    qa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    pid = gl.program_id(0)
+    pid_m = pid % m_tiles
+    bh = pid // m_tiles
+    off_b = bh // H
+    off_h = bh % H
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    rows = pid_m * 2 * ROWS + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    row_ok = rows < NQ
+    q = gl.load(Q + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
+                + rows.to(gl.int64)[:, None] * stride_qm + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q_bad = gl.sum(gl.where(gl.abs(q) < float("inf"), 0, 1), 1)  # NaN or infinite entries per row
+    q_hi, q_lo, q_c = split_f16(finite_part(q) * qk_scale)  # the scores carry the base-2 logit scale
+    qa_hi = gl.convert_layout(q_hi, qa_layout)
+    qa_lo = gl.convert_layout(q_lo, qa_layout)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    zero_o = gl.zeros([ROWS, D], gl.float32, o_layout)
+    m = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    s = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    w = gl.zeros([ROWS, D], gl.float32, o_layout)
+    ke_base = KE + bh.to(gl.int64) * N
+    ve_base = VE + bh.to(gl.int64) * n_tiles * D
+    for j in range(n_tiles):
+        st = j % STAGES
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        col_ok = cols < N
+        k_c = gl.load(ke_base + cols, mask=col_ok, other=0)
+        v_c = gl.load(ve_base + j * D + dims)
+        mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+        k_hi = k_smem.index(2 * st).reshape([BLOCK_N, D]).permute((1, 0))
+        k_lo = k_smem.index(2 * st + 1).reshape([BLOCK_N, D]).permute((1, 0))
+        sc = warpgroup_mma_wait(0, deps=(mm3(qa_hi, qa_lo, k_hi, k_lo, zero_s),))
+        scores = sc * score_unscale(q_c + k_c)[None, :] + gl.where(col_ok, 0.0, float("-inf"))[None, :]
+        m, alpha, p = tile_weights(m, scores)
+        s = s * alpha + gl.sum(p, 1)
+        p_hi, p_lo = f16_pair(p * _P_SCALE)
+        pa_hi = gl.convert_layout(p_hi, pa_layout)
+        pa_lo = gl.convert_layout(p_lo, pa_layout)
+        v_hi = v_smem.index(2 * st).reshape([BLOCK_N, D])
+        v_lo = v_smem.index(2 * st + 1).reshape([BLOCK_N, D])
+        pv, _, _ = warpgroup_mma_wait(0, deps=(mm3(pa_hi, pa_lo, v_hi, v_lo, zero_o), pa_hi, pa_lo))
+        mbarrier.arrive(empty.index(st), count=1)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+        w = w * alpha_o[:, None] + pv * (1.0 / _P_SCALE) * pow2(-v_c)[None, :]
+    m = gl.convert_layout(m, gl.SliceLayout(1, o_layout))
+    s = gl.convert_layout(s, gl.SliceLayout(1, o_layout))
+    out, lse = finalize_state(m, s, w)
+    gl.store(Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+             + rows.to(gl.int64)[:, None] * stride_om + dims[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None])
+    if STORE_LSE:  # a float64 Lse (partial results) is formed again from the row's state
+        lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+        store_lse(lse_ptrs, m, s, lse, row_ok)
+    bad = (count_nonfinite(gl.where(row_ok[:, None], w, 0.0)) + count_nonfinite(gl.where(row_ok, s, 0.0))
+           + gl.sum(gl.where(row_ok, q_bad, 0), 0))
+    block = pid_m * 2 + WG  # these 64 rows' flag: 1 = the generic kernel redoes them
+    if block < gl.cdiv(NQ, ROWS):
+        gl.store(Redo + bh * gl.cdiv(NQ, ROWS) + block, (bad != 0).to(gl.int32))
+
+
+@gluon.jit
+def attention_fwd_f16x3_kernel(
+    kp_desc, vp_desc, Q, KE, VE, Out, Lse, Redo, H, NQ, N, m_tiles,
+    stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, qk_scale,
+    D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
+):
+    """Grid ``(m_tiles * B * H,)`` over query tiles of 128 rows (two consumer warpgroups), one head's tiles
+    adjacent. ``Q [B, H, NQ, D]`` float32 (head dim contiguous); ``kp_desc`` / ``vp_desc``: descriptors
+    (``descriptor(parts, BLOCK_N)``) over ``fwd._split_kv_kernel``'s parts ``[2, B * H, N, D]`` split in
+    tiles of ``BLOCK_N`` keys, with ``KE [B * H, N]`` and ``VE [B * H, cdiv(N, BLOCK_N), D]`` their
+    exponents; ``Out [B, H, NQ, D]`` float32 (head dim contiguous); ``Lse [B, H, NQ]`` float32, or float64
+    for a partial result (``STORE_LSE``; ``monoid.store_lse``); ``Redo`` ``[B * H, cdiv(NQ, 64)]`` int32
+    flags, 1 for the 64 query rows whose state is not finite or whose queries are not; ``qk_scale`` is the
+    base-2 logit scale."""
+    k_smem = gl.allocate_shared_memory(gl.float16, [2 * STAGES, 1, 1, BLOCK_N, D], kp_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.float16, [2 * STAGES, 1, 1, BLOCK_N, D], vp_desc.layout)
+    ready, empty = stage_ring(STAGES, 2)
+    gl.warp_specialize([
+        (_consume_f16x3, (kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ,
+                          N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+                          stride_lb, stride_lh, qk_scale, D, BLOCK_N, STAGES, STORE_LSE, 0)),
+        (_consume_f16x3, (kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ,
+                          N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+                          stride_lb, stride_lh, qk_scale, D, BLOCK_N, STAGES, STORE_LSE, 1)),
+        (_produce_f16x3, (kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ,
+                          N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+                          stride_lb, stride_lh, qk_scale, D, BLOCK_N, STAGES, STORE_LSE)),
+    ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers

@@ -97,6 +97,57 @@ def test_compiles_for_sm90_with_the_softmax_under_the_products():
     assert 0 < redo["redo_shared"] <= 232448
 
 
+_COMPILE_SPLIT = r"""
+import json, os, re, subprocess, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from elsa_vision.kernels import fwd_sm90 as F
+
+fn = F.attention_fwd_f16x3_kernel
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+report = []
+for (D, (bn, stages)), partial in [(c, p) for c in sorted(F.SPLIT_CONFIGS.items()) for p in (False, True)]:
+    parts = torch.empty((2, 6, 512, D), dtype=torch.float16)
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(kp_desc=mangle_type(F.descriptor(parts, bn)), vp_desc=mangle_type(F.descriptor(parts, bn)),
+               Q="*fp32", KE="*i32", VE="*i32", Out="*fp32", Lse="*fp64" if partial else "*fp32",
+               Redo="*i32", qk_scale="fp32")
+    consts = dict(D=D, BLOCK_N=bn, STAGES=stages, STORE_LSE=True)
+    sig.update({name: "constexpr" for name in consts})
+    k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": F.NUM_WARPS})
+    ptx = k.asm["ptx"]
+    spills = None  # spill stores in the machine code, where this Triton ships cuobjdump
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
+            fh.write(k.asm["cubin"])
+        sass = subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True).stdout
+        os.unlink(fh.name)
+        spills = len(re.findall(r"\bSTL", sass))
+    report.append(dict(D=D, bn=bn, shared=k.metadata.shared, spills=spills, local=".local" in ptx,
+                       f16=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n\d+k16.f32.f16.f16", ptx)),
+                       wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor")))
+print(json.dumps(report))
+"""
+
+
+def test_fp32_accurate_kernel_compiles_for_sm90():
+    # Built for sm90 on any machine, with the float32 and the float64 (partial result) lse: per consumer and
+    # key tile three float16 wgmma (K-steps of 16) for S = q k^T (K = D) and three for P V (K = BLOCK_N), and
+    # nothing else on the tensor cores; the producer's four TMA loads (both parts of keys and values); no
+    # local memory or spill stores, shared memory within the H100's.
+    variants = compile_for_sm90(_COMPILE_SPLIT)
+    assert len(variants) == 2 * len(fwd_sm90.SPLIT_CONFIGS)
+    for var in variants:
+        per_consumer = 3 * (var["D"] // 16 + var["bn"] // 16)
+        assert var["f16"] == var["wgmma"] == 2 * per_consumer, var
+        assert var["tma"] == 4, var
+        assert not var["local"] and var["spills"] in (None, 0), var
+        assert 0 < var["shared"] <= 232448, var
+
+
 @pytest.fixture
 def four_sms(monkeypatch):
     """Plans made as for a GPU of 4 multiprocessors (the interpreter's count) on any device, so that the
@@ -114,34 +165,44 @@ def four_sms(monkeypatch):
 
 
 @pytest.mark.parametrize("partial", [False, True])
-def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch, four_sms, partial):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch, four_sms, partial, dtype):
     # The generic kernel in REDO mode (the second launch of a Hopper forward): the 64-row query tiles whose
     # flag is set get the full forward (fast pass, then the exact pass their non-finite inputs need), every
-    # other row stays as the Hopper kernel left it. Built as on sm90 (supported() forced) and run by the
-    # interpreter, float16; ``partial``: context parallelism's pieces (float32 out, float64 lse).
-    monkeypatch.setattr(fwd_sm90, "supported", lambda *a: True)
-    monkeypatch.setattr(fwd_module, "HOPPER_MIN_KEYS", {64: 0, 128: 0})
+    # other row stays as the Hopper kernel left it. Built as on sm90 (supported() / supported_split() forced)
+    # and run by the interpreter, float16 against float64, and float32 at "fp16x3" (the launch after the
+    # FP32-accurate kernel, splitting in its loop) against the generic "fp16x3" forward, whose float16 split
+    # makes an infinite key entry's logits NaN; ``partial``: context parallelism's pieces (float32 out,
+    # float64 lse).
     B, H, N, D = 1, 2, 150, 64
-    q, k, v = qkv(B, H, N, N, D, seed=31, dtype=torch.float16)
+    q, k, v = qkv(B, H, N, N, D, seed=31, dtype=dtype)
     v[0, 0, 7, 3] = math.inf  # a non-finite value: visible to every row
     k[0, 1, 11, 0] = math.inf  # logits +-inf: the key hidden from the rows with q[..., 0] < 0, NaN elsewhere
     v[0, 1, 11, :] = math.nan
-    program = fwd_program(q, k, v, None, None, False, D**-0.5, "auto", partial=partial)
-    assert program.hopper is not None
+    precision = "fp16x3" if dtype == torch.float32 else "auto"
+    ref, ref_lse = scan64(q, k, v) if dtype != torch.float32 else elsa_fwd(q, k, v, precision=precision)
+    fwd_module._PROGRAMS.clear()  # the generic program of this signature
+    monkeypatch.setattr(fwd_sm90, "supported", lambda *a: True)
+    monkeypatch.setattr(fwd_sm90, "supported_split", lambda *a: True)
+    monkeypatch.setattr(fwd_module, "HOPPER_MIN_KEYS", {64: 0, 128: 0})
+    program = fwd_program(q, k, v, None, None, False, D**-0.5, precision, partial=partial)
+    assert program.hopper is not None and (program.hopper.split is not None) == (dtype == torch.float32)
     flags = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)  # [B * H, cdiv(150, 64)]
-    out_dtype, lse_dtype = (torch.float32, torch.float64) if partial else (torch.float16, torch.float32)
+    out_dtype = torch.float32 if partial else dtype
+    lse_dtype = torch.float64 if partial else torch.float32
     out = torch.full((B, N, H, D), 7.0, dtype=out_dtype, device=DEVICE).transpose(1, 2)
     lse = torch.full((B, H, N), 7.0, dtype=lse_dtype, device=DEVICE)
     program.hopper.redo[0](q, k, v, out, out, out, lse, out, out, out, out, out, out, out, out, out, flags)
-    ref, ref_lse = scan64(q, k, v)
     for h, blocks in ((0, (0, 2)), (1, (1,))):
         for blk in range(3):
             rows = slice(64 * blk, min(N, 64 * blk + 64))
             if blk in blocks:
-                assert_nonfinite_like(out[0, h, rows], ref[0, h, rows], 2e-3, some_finite=False)
+                tol = 1e-6 if dtype == torch.float32 else 2e-3
+                assert_nonfinite_like(out[0, h, rows], ref[0, h, rows], tol, some_finite=False)
                 fin = torch.isfinite(ref_lse[0, h, rows])
                 assert torch.equal(torch.isfinite(lse[0, h, rows]), fin)
-                assert (lse[0, h, rows][fin].double() - ref_lse[0, h, rows][fin]).abs().max() <= 1e-5
+                if fin.any():  # (none under "fp16x3" in head 1's NaN rows)
+                    assert (lse[0, h, rows][fin].double() - ref_lse[0, h, rows][fin]).abs().max() <= 1e-5
             else:
                 assert bool((out[0, h, rows] == 7.0).all()) and bool((lse[0, h, rows] == 7.0).all())
 
@@ -179,8 +240,18 @@ def test_routing_rules(monkeypatch, four_sms):
     assert fwd_program(*short, None, None, False, 0.125, "auto").hopper is None  # fewer keys than the minimum
     few = qkv(1, 2, 64, keys, 64, dtype=torch.float16)
     assert fwd_program(*few, None, None, False, 0.125, "auto").hopper is None  # key partitions: generic
+    monkeypatch.setattr(fwd_sm90, "supported_split", lambda q, k, v, has_mask: q.dtype == torch.float32)
     f32 = qkv(1, 2, 150, keys, 64)
-    assert fwd_program(*f32, None, None, False, 0.125, "auto").hopper is None
+    assert fwd_program(*f32, None, None, False, 0.125, "fp16x3").hopper.split is not None  # FP32-accurate
+    assert fwd_program(*f32, None, None, False, 0.125, "fp16x3", partial=True).hopper.split is not None
+    for precision in ("ieee", "tf32x3", "tf32"):  # the other float32 precisions: the generic kernel
+        assert fwd_program(*f32, None, None, False, 0.125, precision).hopper is None
+    assert fwd_program(*f32, None, None, True, 0.125, "fp16x3").hopper is None  # causal
+    assert fwd_program(*qkv(1, 2, 150, keys - 1, 64), None, None, False, 0.125, "fp16x3").hopper is None
+    plain = 2 * fwd_module.SEGMENT_KEYS["fp16x3"]  # a plain running sum up to here, segments beyond
+    for n, hopper in ((plain, True), (plain + 1, False)):
+        long = qkv(1, 2, 150, n, 64)
+        assert (fwd_program(*long, None, None, False, 0.125, "fp16x3").hopper is not None) == hopper
     monkeypatch.setattr(fwd_module, "HOPPER", False)
     q2, k2, v2 = qkv(1, 2, 150, keys + 1, 64, dtype=torch.float16)
     assert fwd_program(q2, k2, v2, None, None, False, 0.125, "auto").hopper is None
@@ -340,4 +411,112 @@ def test_gpu_refused_shapes_take_the_generic_kernel():
     assert not _hopper(q, k[..., 1:, :].contiguous()[:, :, :0], v[:, :, :0])  # no keys
     odd = torch.randn(1, n, 8, 65, device="cuda", dtype=torch.bfloat16)[..., :64].transpose(1, 2)
     assert not _hopper(odd, odd, odd)  # rows 130 bytes apart: no TMA
-    assert not _hopper(q.float(), k.float(), v.float())
+    f32 = fwd_program(q.float(), k.float(), v.float(), None, None, False, 0.125, "auto")
+    assert f32.hopper.split is not None  # float32: the FP32-accurate kernel (below), not this one
+
+
+# ------------------------------------------------------------------------ FP32-accurate (fp16x3), GPU
+
+FP32_ACCURATE = 1e-6  # test_fwd's bound of the FP32-accurate paths against float64
+
+
+def _split_hopper(q, k, v, precision="auto"):
+    program = fwd_program(q, k, v, None, None, False, q.shape[-1] ** -0.5, precision)
+    return program.hopper is not None and program.hopper.split is not None
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("B,H,Nq,Nk", [(2, 3, 2048, 2048), (1, 4, 2561, 2561), (4, 12, 197, 2053),
+                                       (1, 4, 4099, 2111), (2, 8, 3137, 3137), (1, 8, 1024, 16384)])
+def test_gpu_fp32_matches_float64_and_the_generic_kernel(B, H, Nq, Nk, monkeypatch):
+    # float32 at "auto" (fp16x3 on sm90) takes the FP32-accurate Hopper kernel from HOPPER_MIN_KEYS keys up
+    # to the plain sum's 16,384: relerr against float64 within the FP32-accurate bound and within a quarter
+    # of the generic kernel's (the same arithmetic; bit for bit where it tiles the keys by 128 too), the
+    # lse within assert_lse's bound, the same output without the lse
+    q, k, v = qkv(B, H, Nq, Nk, 64, seed=Nq + Nk)
+    assert _split_hopper(q, k, v)
+    out, lse = elsa_fwd(q, k, v)
+    assert out.dtype == torch.float32 and out.shape == (B, H, Nq, 64)
+    ref, ref_lse = scan64(q, k, v)
+    err = relerr(out, ref)
+    assert_lse(lse, ref_lse)
+    generic, generic_lse = _generic(q, k, v, monkeypatch)
+    assert err <= FP32_ACCURATE and err <= 1.25 * relerr(generic, ref), (err, relerr(generic, ref))
+    assert relerr(out, generic) <= 1e-6 and (lse - generic_lse).abs().max().item() <= 1e-5
+    generic_tile = fwd_module.plan(B, H, Nq, Nk, 64, 64, q.dtype, device=q.device).block_n
+    if generic_tile == fwd_sm90.SPLIT_CONFIGS[64][0]:
+        assert torch.equal(out, generic) and torch.equal(lse, generic_lse)
+    assert elsa_fwd(q, k, v, need_lse=False)[1] is None
+    assert torch.equal(elsa_fwd(q, k, v, need_lse=False)[0], out)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp32_views_reruns_partial_results_and_no_flags():
+    # ViT's strided views of a fused qkv projection read in place (the same bits as contiguous copies), the
+    # same bits run to run, every flag 0 for finite inputs (no query tile sent to the generic kernel), and
+    # context parallelism's partial results: float32 out (the same bits), the lse in float64 from the row's
+    # state (below the float32 lse's error against float64)
+    B, N, H = 2, 3137, 3
+    q, k, v = fused_qkv_views(B, N, H, 64, seed=5)
+    assert _split_hopper(q, k, v)
+    out, lse32 = elsa_fwd(q, k, v)
+    assert torch.equal(elsa_fwd(q.contiguous(), k.contiguous(), v.contiguous())[0], out)
+    for _ in range(3):
+        assert torch.equal(elsa_fwd(q, k, v)[0], out)
+    program = fwd_program(q, k, v, None, None, False, 64**-0.5, "auto")
+    res = fwd_module.empty_output(B, H, N, 64, q)
+    flags = program.hopper(q, k, v, res, torch.empty(B, H, N, device="cuda"), 0)
+    assert flags.numel() == B * H * math.ceil(N / 64) and int(flags.abs().sum()) == 0
+    assert torch.equal(res, out)
+    partial = fwd_program(q, k, v, None, None, False, 64**-0.5, "auto", partial=True)
+    assert partial.hopper is not None and partial.hopper.split is not None
+    p_out, lse64 = partial(q, k, v, None, None)
+    assert p_out.dtype == torch.float32 and lse64.dtype == torch.float64 and torch.equal(p_out, out)
+    ref_lse = scan64(q, k, v)[1]
+    err64, err32 = (lse64 - ref_lse).abs().mean().item(), (lse32.double() - ref_lse).abs().mean().item()
+    assert err64 <= 3e-7 and err64 < err32, (err64, err32)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp32_nonfinite_inputs_follow_the_generic_kernel(monkeypatch):
+    # The kernel flags the 64-row tiles whose state or queries are not finite; the generic kernel redoes
+    # them (its exact pass where needed): the generic "fp16x3" forward's NaN and infinities entry by entry
+    # (an infinite key entry's logits are NaN under its float16 split; the reference's +-inf), within the
+    # FP32-accurate bound elsewhere, and the reference's own where no key is infinite, every row of a
+    # flagged tile that the non-finite input does not reach included
+    B, H, N, D = 2, 4, 2053, 64
+    q, k, v = qkv(B, H, N, N, D, seed=43)
+    v[0, 0, 7, 3] = math.inf  # visible to every row: column 3 of head 0 is +inf
+    k[0, 1, 11, 0] = math.inf
+    v[0, 1, 11, :] = math.nan
+    q[0, 2, 100, 5] = math.nan  # a NaN query row: that row NaN, its tile's other rows exact
+    q[1, 3, 2000, 0] = -math.inf  # an infinite query entry: +-inf logits, a NaN row
+    assert _split_hopper(q, k, v)
+    out, lse = elsa_fwd(q, k, v)
+    generic, generic_lse = _generic(q, k, v, monkeypatch)
+    assert_nonfinite_like(out, generic, FP32_ACCURATE)
+    assert torch.equal(torch.isnan(lse), torch.isnan(generic_lse))
+    ref = scan64(q, k, v)[0]
+    for b, h in ((0, 0), (0, 2), (1, 3), (1, 0)):
+        assert_nonfinite_like(out[b, h], ref[b, h], FP32_ACCURATE)
+    others = torch.arange(64, device="cuda") != 36  # the rows of the NaN query's tile
+    assert torch.isnan(out[0, 2, 100]).all()
+    assert relerr(out[0, 2, 64:128][others], ref[0, 2, 64:128][others]) <= FP32_ACCURATE
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp32_refused_shapes_take_the_generic_kernel():
+    n = fwd_module.HOPPER_MIN_KEYS[64]
+    for D in (32, 72, 128):  # head dims without an FP32-accurate Hopper config
+        assert not _split_hopper(*qkv(1, 8, n, n, D))
+    q, k, v = qkv(1, 8, n, n, 64)
+    assert _split_hopper(q, k, v)
+    assert not _split_hopper(q, k, v, "ieee") and not _split_hopper(q, k, v, "tf32x3")
+    long = qkv(1, 1, 64 * 3, 2 * fwd_module.SEGMENT_KEYS["fp16x3"] + 1, 64)
+    assert not _split_hopper(*long)  # the generic kernel's segmented sums
+    strided = torch.randn(1, 8, n, 128, device="cuda")[..., ::2]  # head dim not contiguous
+    assert not _split_hopper(strided, k, v)
