@@ -15,11 +15,15 @@ Per world size, precision and peer: the median time of one training step on rank
 gradient reduction, optimiser; device-synchronised, after `--warmup` steps) as `img_per_s_compute` (all
 ranks' images per step over it) and `img_per_s_per_device`; images over the wall time from the first timed
 step to the last as `img_per_s_end_to_end` (includes waiting for the data loaders); the largest peak of
-allocated memory over the ranks; `scaling` (images/s over the world size times the one-device images/s of the
-same peer and precision) and `vs_timm` (ELSA over timm at the same world size and precision; a precision
-listed several times runs the peers in turns, each turn's rows paired with each other, and the median and
-range of the turns' `vs_timm` are printed at the end: a host-bound case moves with the host's load). Rows go
-to `logs/benchmarks/train_throughput_<device>.csv` (or `--out`).
+allocated memory over the ranks, counted above what was allocated when the run started (the earlier runs'
+memory is collected first: a finished DDP or FSDP fit leaves part of its training state allocated until
+the cyclic garbage collector frees it); the peers run in turns of alternating order (a process's first DDP
+run peaks about one copy of the parameters below the runs after it, whichever model it trains);
+`scaling` (images/s over the world size times the one-device images/s of the same peer and precision) and
+`vs_timm` (ELSA over timm at the same world size and precision; a precision listed several times runs the
+peers in turns, each turn's rows paired with each other, and the median and range of the turns' `vs_timm`
+are printed at the end: a host-bound case moves with the host's load). Rows go to
+`logs/benchmarks/train_throughput_<device>.csv` (or `--out`).
 
 `--profile` also records `PROFILED_STEPS` more steps after the timed ones with `torch.profiler` (steady
 steps, never a timed one) and reports, per step and rank, how long the GPU was busy with communication
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gc
 import json
 import math
 import os
@@ -316,7 +321,11 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
         trace = profile_dir / f"trace_{peer}_{precision}_w{world}_r{rank}.json"
         profiler = step_profiler(spec["warmup"] + spec["steps"], PROFILED_STEPS, trace)
         callbacks.append(profiler)
+    base = 0
     if device.type == "cuda":
+        gc.collect()  # what earlier runs in this process left behind (their DDP buckets: see peak below)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
@@ -339,7 +348,12 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
             f"{peer}: {len(timer.steps)} timed steps, expected {spec['steps']} (too few images "
             f"for warmup + steps at batch {spec['batch']} on {world} device(s)?)"
         )
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    # This run's own peak: what it allocated above what was allocated when it started (0 once the earlier
+    # runs' reference cycles are collected; without that, a DDP run of ViT-B left ~330 MB and an FSDP run of
+    # ViT-L its rank's shard of the training state allocated for the next peer's peak to carry). A process's
+    # first DDP run peaks ~one copy of the parameters below every later run of either model
+    # (docs/benchmarks/train_throughput.md, "Per-rank peak memory").
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
     peaks = [peak]
     summaries = [None if profiler is None else profiler.summary]
     if world > 1:
@@ -351,6 +365,7 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
     step = statistics.median(timer.steps)
     wall = timer.last - timer.first
     del trainer, model, datamodule
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
@@ -367,15 +382,19 @@ def run_peer(peer: str, precision: str, spec: dict, root: Path, device: torch.de
         "img_per_s_per_device": round(spec["batch"] / step, 2),
         "img_per_s_end_to_end": round(world * spec["batch"] * len(timer.steps) / wall, 2),
         "peak_mb_per_rank": None if peaks[0] is None else round(max(peaks), 1),
+        "earlier_mb": round(base / 2**20, 1),  # allocated at the start on this rank (printed, not a column)
         **({} if profiler is None else {"profile": summaries}),
     }
 
 
 def run_world(spec: dict, precisions: list[str], root: Path, device: torch.device,
               profile_dir: Path | None = None) -> list[dict]:
-    """Every precision and peer on this process (one device, or one rank of a torchrun world)."""
+    """Every precision and peer on this process (one device, or one rank of a torchrun world), the peers in
+    turns whose order alternates (timm first, then ELSA first, ...): a process's first DDP run peaks lower
+    than the runs after it, whichever model it trains (see ``run_peer``)."""
     return [run_peer(peer, precision, spec, root, device, profile_dir)
-            for precision in precisions for peer in ("timm", "elsa")]  # fmt: skip
+            for turn, precision in enumerate(precisions)
+            for peer in (("timm", "elsa") if turn % 2 == 0 else ("elsa", "timm"))]  # fmt: skip
 
 
 def _worker(a, spec: dict) -> None:
@@ -545,7 +564,8 @@ def main(argv: list[str] | None = None) -> str | None:
                         f"{r['world']} x {r['precision']:10s} {r['peer']:5s} {r['backbone']:28s} "
                         f"{r['img_per_s_compute']:9.2f} img/s ({r['img_per_s_per_device']:.2f} per device, "
                         f"{r['step_ms']} ms/step), {r['img_per_s_end_to_end']:9.2f} end to end, "
-                        f"peak {r['peak_mb_per_rank']} MB/rank, scaling {r.get('scaling')}, "
+                        f"peak {r['peak_mb_per_rank']} MB/rank (above {r.get('earlier_mb')} MB left by "
+                        f"earlier runs on rank 0), scaling {r.get('scaling')}, "
                         f"vs timm {r.get('vs_timm')}", flush=True)
                     for rank, summary in enumerate(r.get("profile") or []):
                         profiles.append({"world": r["world"], "precision": r["precision"], "peer": r["peer"],
