@@ -208,6 +208,26 @@ def compile_for_sm90(script: str):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def spill_stores(compiled) -> int | None:
+    """Spill stores (``STL``) in the machine code of a kernel ``triton.compile`` built, where this Triton
+    ships ``cuobjdump`` (else None); for the sm90 compile scripts of ``compile_for_sm90``."""
+    import re
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
+        fh.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(fh.name)
+    return len(re.findall(r"\bSTL", sass))
+
+
 def bomb_png(path, width: int = 100_000, height: int = 100_000):
     """A PNG of a few dozen bytes whose header declares ``width x height`` pixels (no pixel data follows)."""
     import struct

@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .dots import f16_pair, split_f16, unscale
-from .fwd_sm90 import ROWS, descriptor, mm3, stage_ring, stream_pairs
+from .fwd_sm90 import ROWS, descriptor, mm3, stage_ring, stream_pairs, stream_part_pairs
 from .host import LOG2E
 from .monoid import count_nonfinite
 
@@ -504,17 +504,7 @@ def _produce_f16x3(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_s
                                             k_smem.index(2 * c + part))
             tma.async_copy_global_to_shared(v_desc, [part, bh, off_r + c * ROWS, 0], r_bar,
                                             v_smem.index(2 * c + part))
-    nbytes: gl.constexpr = 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    for j in range(gl.cdiv(NQ, BLOCK_S)):
-        s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
-        bar = ready.index(s)
-        mbarrier.expect(bar, nbytes)
-        for part in gl.static_range(2):
-            tma.async_copy_global_to_shared(q_desc, [part, bh, j * BLOCK_S, 0], bar,
-                                            q_smem.index(2 * s + part))
-            tma.async_copy_global_to_shared(do_desc, [part, bh, j * BLOCK_S, 0], bar,
-                                            do_smem.index(2 * s + part))
+    stream_part_pairs(q_desc, do_desc, q_smem, do_smem, ready, empty, bh, NQ, BLOCK_S, STAGES)
 
 
 @triton.jit

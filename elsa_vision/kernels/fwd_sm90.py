@@ -45,8 +45,8 @@ from .dots import f16_pair, pow2, score_unscale, split_f16
 from .monoid import count_nonfinite, finalize_state, finite_part, store_lse, tile_weights
 
 __all__ = ["CONFIGS", "LARGE", "LARGE_WAVES", "ROWS", "SPLIT_CONFIGS", "supported", "supported_split",
-           "config", "descriptor", "stage_ring", "stream_pairs", "mm3", "attention_fwd_kernel",
-           "attention_fwd_f16x3_kernel", "NUM_WARPS"]
+           "config", "descriptor", "stage_ring", "stream_pairs", "stream_part_pairs", "mm3",
+           "attention_fwd_kernel", "attention_fwd_f16x3_kernel", "NUM_WARPS"]
 
 NUM_WARPS = 4  # the default partition: the first consumer warpgroup
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
@@ -64,19 +64,25 @@ LARGE_WAVES = 8
 SPLIT_CONFIGS = {64: (128, 2)}
 
 
-def supported(q, k, v, has_mask: bool) -> bool:
-    """Whether this kernel runs the forward of these tensors: an sm90 GPU, float16/bfloat16, no mask, bias
-    or causality (``has_mask``), head dims 64 or 128 (the same for values), at least one key, the head dim
-    contiguous and every other stride and the base 16-byte aligned (TMA)."""
-    if has_mask or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+def _dense_sm90(q, k, v, has_mask: bool, dtypes: tuple, head_dims) -> bool:
+    """An sm90 GPU, no mask, bias or causality (``has_mask``), q, k and v of one dtype among ``dtypes``, one
+    head dim among ``head_dims`` (the same for values), at least one query and one key."""
+    if has_mask or not q.is_cuda or q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     D = q.shape[-1]
-    if D not in CONFIGS or k.shape[-1] != D or v.shape[-1] != D or k.shape[2] == 0 or q.shape[2] == 0:
+    return D in head_dims and k.shape[-1] == D and v.shape[-1] == D and k.shape[2] > 0 and q.shape[2] > 0
+
+
+def supported(q, k, v, has_mask: bool) -> bool:
+    """Whether this kernel runs the forward of these tensors: an sm90 GPU, float16/bfloat16, no mask, bias
+    or causality (``has_mask``), head dims 64 or 128 (the same for values), at least one key, the head dim
+    contiguous and every other stride and the base 16-byte aligned (TMA)."""
+    if not _dense_sm90(q, k, v, has_mask, (torch.float16, torch.bfloat16), CONFIGS):
         return False
     for t in (q, k, v):
-        if t.dtype != q.dtype or t.stride(-1) != 1 or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
             return False
         if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False
@@ -88,14 +94,7 @@ def supported_split(q, k, v, has_mask: bool) -> bool:
     float32, no mask, bias or causality, head dims in ``SPLIT_CONFIGS`` (the same for values), at least one
     query and key, the query's head dim contiguous (its rows are read by plain loads, any other strides; the
     keys and values by the split pass, any strides)."""
-    if has_mask or not q.is_cuda or q.dtype != torch.float32 or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
-    D = q.shape[-1]
-    if D not in SPLIT_CONFIGS or k.shape[-1] != D or v.shape[-1] != D or k.shape[2] == 0 or q.shape[2] == 0:
-        return False
-    return q.stride(-1) == 1
+    return _dense_sm90(q, k, v, has_mask, (torch.float32,), SPLIT_CONFIGS) and q.stride(-1) == 1
 
 
 def config(D: int, Nq: int, heads: int, sms: int) -> tuple[int, int, int]:
@@ -162,6 +161,24 @@ def stream_pairs(desc1, desc2, smem1, smem2, ready, empty, off_b, off_h, N, BLOC
         mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(desc1, [off_b, off_h, j * BLOCK, 0], bar, smem1.index(s))
         tma.async_copy_global_to_shared(desc2, [off_b, off_h, j * BLOCK, 0], bar, smem2.index(s))
+
+
+@gluon.jit
+def stream_part_pairs(desc1, desc2, smem1, smem2, ready, empty, bh, N, BLOCK: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """``stream_pairs`` for two operands split into float16 parts (``[2, B * H, N, D]`` tensors, high parts
+    then low, so a tile's coordinates are ``(part, head, row, 0)``; ``bh`` the head): both parts of each
+    tile, four TMA loads into slots ``2 * s`` and ``2 * s + 1`` of stage ``s``. The FP32-accurate forward
+    streams keys and values with it, the FP32-accurate backward queries and output gradients."""
+    nbytes: gl.constexpr = 2 * (desc1.block_type.nbytes + desc2.block_type.nbytes)
+    for j in range(gl.cdiv(N, BLOCK)):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+        bar = ready.index(s)
+        mbarrier.expect(bar, nbytes)
+        for part in gl.static_range(2):
+            tma.async_copy_global_to_shared(desc1, [part, bh, j * BLOCK, 0], bar, smem1.index(2 * s + part))
+            tma.async_copy_global_to_shared(desc2, [part, bh, j * BLOCK, 0], bar, smem2.index(2 * s + part))
 
 
 @gluon.jit
@@ -313,19 +330,9 @@ def _produce_f16x3(kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Ou
                    m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_lb,
                    stride_lh, qk_scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    STORE_LSE: gl.constexpr):
-    """The producer warp: both float16 parts of each key and value tile (four TMA loads) into stage
-    ``j % STAGES`` of the ring, once both consumers released it."""
-    bh = gl.program_id(0) // m_tiles
-    nbytes: gl.constexpr = 2 * (kp_desc.block_type.nbytes + vp_desc.block_type.nbytes)
-    for j in range(gl.cdiv(N, BLOCK_N)):
-        s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
-        bar = ready.index(s)
-        mbarrier.expect(bar, nbytes)
-        for part in gl.static_range(2):  # [2, B * H, N, D]: high parts, then low
-            at = [part, bh, j * BLOCK_N, 0]
-            tma.async_copy_global_to_shared(kp_desc, at, bar, k_smem.index(2 * s + part))
-            tma.async_copy_global_to_shared(vp_desc, at, bar, v_smem.index(2 * s + part))
+    """The producer warp: both float16 parts of each key and value tile into the ring of stages."""
+    stream_part_pairs(kp_desc, vp_desc, k_smem, v_smem, ready, empty, gl.program_id(0) // m_tiles, N, BLOCK_N,
+                      STAGES)
 
 
 @gluon.jit

@@ -26,17 +26,13 @@ pytestmark = pytest.mark.skipif(bwd_sm90 is None, reason="this Triton has no Glu
 
 _COMPILE = r"""
 import json
-import os
 import re
-import subprocess
-import tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from elsa_vision.kernels import bwd_sm90 as B, fwd_sm90 as F
-
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+from tests.helpers import spill_stores
 
 
 def build(fn, descs, consts, **sig_extra):
@@ -48,14 +44,7 @@ def build(fn, descs, consts, **sig_extra):
     k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": B.NUM_WARPS})
     ptx = k.asm["ptx"]
-    spills = None  # spill stores in the machine code, where this Triton ships cuobjdump
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
-            fh.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True).stdout
-        os.unlink(fh.name)
-        spills = len(re.findall(r"\bSTL", sass))
-    return ptx, dict(D=consts["D"], bs=consts["BLOCK_S"], shared=k.metadata.shared, spills=spills,
+    return ptx, dict(D=consts["D"], bs=consts["BLOCK_S"], shared=k.metadata.shared, spills=spill_stores(k),
                      wgmma=ptx.count("wgmma.mma_async"), setmaxnreg="setmaxnreg" in ptx)
 
 

@@ -18,6 +18,7 @@ from elsa_vision.kernels import fwd as fwd_module
 from elsa_vision.kernels.fwd import fwd_program
 from tests.helpers import (
     DEVICE,
+    FP32_ACCURATE,
     assert_lse,
     assert_nonfinite_like,
     compile_for_sm90,
@@ -98,15 +99,15 @@ def test_compiles_for_sm90_with_the_softmax_under_the_products():
 
 
 _COMPILE_SPLIT = r"""
-import json, os, re, subprocess, tempfile
+import json, re
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from elsa_vision.kernels import fwd_sm90 as F
+from tests.helpers import spill_stores
 
 fn = F.attention_fwd_f16x3_kernel
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 report = []
 for (D, (bn, stages)), partial in [(c, p) for c in sorted(F.SPLIT_CONFIGS.items()) for p in (False, True)]:
     parts = torch.empty((2, 6, 512, D), dtype=torch.float16)
@@ -119,14 +120,7 @@ for (D, (bn, stages)), partial in [(c, p) for c in sorted(F.SPLIT_CONFIGS.items(
     k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": F.NUM_WARPS})
     ptx = k.asm["ptx"]
-    spills = None  # spill stores in the machine code, where this Triton ships cuobjdump
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
-            fh.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True).stdout
-        os.unlink(fh.name)
-        spills = len(re.findall(r"\bSTL", sass))
-    report.append(dict(D=D, bn=bn, shared=k.metadata.shared, spills=spills, local=".local" in ptx,
+    report.append(dict(D=D, bn=bn, shared=k.metadata.shared, spills=spill_stores(k), local=".local" in ptx,
                        f16=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n\d+k16.f32.f16.f16", ptx)),
                        wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor")))
 print(json.dumps(report))
@@ -416,9 +410,6 @@ def test_gpu_refused_shapes_take_the_generic_kernel():
 
 
 # ------------------------------------------------------------------------ FP32-accurate (fp16x3), GPU
-
-FP32_ACCURATE = 1e-6  # test_fwd's bound of the FP32-accurate paths against float64
-
 
 def _split_hopper(q, k, v, precision="auto"):
     program = fwd_program(q, k, v, None, None, False, q.shape[-1] ** -0.5, precision)
