@@ -188,8 +188,7 @@ def breakdown_rows(dtype, calls):
 
     parts = (out,) * 4
     if program.split is not None:  # fp16x3: the keys and values split beforehand, a launch of its own
-        parts = tuple(torch.empty(size, dtype=dtype, device="cuda")
-                      for size, dtype in zip(program.parts_sizes, (torch.float16,) * 2 + (torch.int32,) * 2))
+        parts = program.split(k, v, out)  # allocated once here; the timed launches below write them again
 
     # the forward program's tensor arguments (``_FwdProgram.run``): no bias, key padding mask, workspace or
     # varlen offsets (``out`` in their places, unread), ``out`` as the unread ``Redo`` too
@@ -197,12 +196,12 @@ def breakdown_rows(dtype, calls):
 
     def direct_launch():
         if program.split is not None:
-            program.split(k, v, out, *parts)
+            program.split.launch(k, v, out, *parts)
         main(*args)
 
     def jit_launch():
         if program.split is not None:
-            split = program.split
+            split = program.split.launch
             kfwd._split_kv_kernel[split.grid](k, v, out, *parts, *split.scalars, **split.options)
         kfwd._fwd_kernel[main.grid](*args, *main.scalars, **main.options)
 

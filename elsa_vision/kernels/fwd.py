@@ -778,6 +778,31 @@ def bias4(attn_bias: Tensor) -> Tensor:
     return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
 
 
+class _KVSplit:
+    """``_split_kv_kernel`` over the keys and values of one signature (``k_strides``, ``v_strides``,
+    ``kpm_strides``; ``bh`` heads of ``Nk`` keys) in tiles of ``block_n`` keys: ``split(k, v, kpm)`` allocates
+    and returns the parts and exponents it writes, ``(KP, VP, KE, VE)``."""
+
+    def __init__(self, k_strides, v_strides, kpm_strides, H, Nk, bh, D, Dv, block_n, block_d, block_dv,
+                 has_kpm, device):
+        key_tiles = cdiv(Nk, block_n)
+        self.sizes = ((2, bh, Nk, D), (2, bh, Nk, Dv), (bh, Nk), (bh, key_tiles, Dv))
+        self.device = device
+        scalars = (*k_strides, *v_strides, *kpm_strides, H, Nk, key_tiles, bh * Nk * D, bh * Nk * Dv)
+        self.launch = Launch(_split_kv_kernel, (key_tiles * bh,), scalars,
+                             dict(D=D, DV=Dv, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                                  HAS_KPM=has_kpm), 4)
+
+    def __call__(self, k, v, kpm):
+        sk, sv, ek, ev = self.sizes
+        parts = (torch.empty(sk, dtype=torch.float16, device=self.device),
+                 torch.empty(sv, dtype=torch.float16, device=self.device),
+                 torch.empty(ek, dtype=torch.int32, device=self.device),
+                 torch.empty(ev, dtype=torch.int32, device=self.device))
+        self.launch(k, v, kpm, *parts)
+        return parts
+
+
 class _FwdProgram(AttentionProgram):
     """Every launch of one forward signature: the plan, the grids and all non-tensor arguments, fixed.
 
@@ -857,13 +882,9 @@ class _FwdProgram(AttentionProgram):
                 self.hopper = _HopperForward(B, H, Nq, Nk, D, qk_scale, launch_scalars, main, strides,
                                              lse_strides, canonical_device(q.device), split)
         self.split = None
-        if main["PRESPLIT"]:
-            key_tiles = cdiv(Nk, p.block_n)
-            self.parts_sizes = ((2, bh, Nk, D), (2, bh, Nk, Dv), (bh, Nk), (bh, key_tiles, Dv))
-            self.split = Launch(_split_kv_kernel, (key_tiles * bh,),
-                                (*strides[1], *strides[2], *skp, H, Nk, key_tiles, parts_k, parts_v),
-                                dict(D=D, DV=Dv, BLOCK_N=p.block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
-                                     HAS_KPM=has_kpm), 4)
+        if main["PRESPLIT"] and self.hopper is None:
+            self.split = _KVSplit(strides[1], strides[2], skp, H, Nk, bh, D, Dv, p.block_n, p.block_d,
+                                  p.block_dv, has_kpm, self.device)
         # [with lse, without]: inference calls need no log-sum-exp (one allocation and store fewer)
         self.main = [Launch(_fwd_kernel, (m_tiles * bh, p.partitions), scalars, dict(main, STORE_LSE=store),
                             p.num_warps, p.num_stages) for store in (True, False)]
@@ -896,14 +917,7 @@ class _FwdProgram(AttentionProgram):
         if self.hopper is not None:
             self.hopper(q, k, v, out, lse_arg, which)
             return out, lse
-        parts = (out, out, out, out)
-        if self.split is not None:
-            sk, sv, ek, ev = self.parts_sizes
-            parts = (torch.empty(sk, dtype=torch.float16, device=self.device),
-                     torch.empty(sv, dtype=torch.float16, device=self.device),
-                     torch.empty(ek, dtype=torch.int32, device=self.device),
-                     torch.empty(ev, dtype=torch.int32, device=self.device))
-            self.split(k, v, kpm, *parts)
+        parts = (out, out, out, out) if self.split is None else self.split(k, v, kpm)
         if self.merge is None:
             self.main[which](q, k, v, bias, kpm, out, lse_arg, out, out, out, cu_q, cu_k, *parts, out)
         else:
@@ -933,13 +947,8 @@ class _HopperForward:
         self.split = None
         if split:
             bn, stages = fwd_sm90.SPLIT_CONFIGS[D]
-            key_tiles = cdiv(Nk, bn)
             m_tiles = cdiv(Nq, 2 * rows)
-            parts = bh * Nk * D
-            self.parts_sizes = ((2, bh, Nk, D), (2, bh, Nk, D), (bh, Nk), (bh, key_tiles, D))
-            self.split = Launch(_split_kv_kernel, (key_tiles * bh,),
-                                (*strides[1], *strides[2], 0, 0, H, Nk, key_tiles, parts, parts),
-                                dict(D=D, DV=D, BLOCK_N=bn, BLOCK_D=D, BLOCK_DV=D, HAS_KPM=False), 4)
+            self.split = _KVSplit(strides[1], strides[2], (0, 0), H, Nk, bh, D, D, bn, D, D, False, device)
             self.main = [Launch(fwd_sm90.attention_fwd_f16x3_kernel, (m_tiles * bh,),
                                 (H, Nq, Nk, m_tiles, *strides[0][:3], *out_strides[:3], *lse_strides[:2],
                                  qk_scale),
@@ -965,12 +974,7 @@ class _HopperForward:
         """Write ``out`` (and ``lse`` when ``which`` is 0); returns the flags of the redone query tiles."""
         flags = torch.empty((self.flags,), dtype=torch.int32, device=q.device)  # every flag written
         if self.split is not None:
-            sk, sv, ek, ev = self.parts_sizes
-            kp = torch.empty(sk, dtype=torch.float16, device=q.device)
-            vp = torch.empty(sv, dtype=torch.float16, device=q.device)
-            ke = torch.empty(ek, dtype=torch.int32, device=q.device)
-            ve = torch.empty(ev, dtype=torch.int32, device=q.device)
-            self.split(k, v, k, kp, vp, ke, ve)
+            kp, vp, ke, ve = self.split(k, v, k)
             if self.descs is None:  # built once, then pointed at each call's parts
                 self.descs = (fwd_sm90.descriptor(kp, self.block_n), fwd_sm90.descriptor(vp, self.block_n))
             dk, dv = self.descs

@@ -201,6 +201,24 @@ def test_redo_launch_finishes_exactly_the_flagged_tiles(monkeypatch, four_sms, p
                 assert bool((out[0, h, rows] == 7.0).all()) and bool((lse[0, h, rows] == 7.0).all())
 
 
+def test_fp32_program_splits_keys_and_values_in_its_tiles(monkeypatch, four_sms):
+    # The FP32-accurate Hopper program's split pass (run by the interpreter; built as on sm90) on ViT's
+    # strided views: float16 parts in the kernel's tiles of SPLIT_CONFIGS keys that give back the keys (one
+    # power of two per key row, KE) and values (one per tile and column, VE) to the split's 2^-22
+    monkeypatch.setattr(fwd_sm90, "supported_split", lambda *a: True)
+    monkeypatch.setattr(fwd_module, "HOPPER_MIN_KEYS", {64: 0, 128: 0})
+    B, H, N, D = 1, 2, 150, 64
+    q, k, v = fused_qkv_views(B, N, H, D, seed=3)
+    program = fwd_program(q, k, v, None, None, False, D**-0.5, "fp16x3")
+    kp, vp, ke, ve = program.hopper.split(k, v, k)
+    bn = fwd_sm90.SPLIT_CONFIGS[D][0]
+    assert kp.shape == vp.shape == (2, B * H, N, D) and ke.shape == (B * H, N)
+    assert ve.shape == (B * H, math.ceil(N / bn), D)
+    keys = (kp[0].double() + kp[1].double()) * torch.exp2(-ke.double())[..., None]
+    values = (vp[0].double() + vp[1].double()) * torch.exp2(-ve.double()).repeat_interleave(bn, 1)[:, :N]
+    assert relerr(keys.view(B, H, N, D), k) <= 1e-6 and relerr(values.view(B, H, N, D), v) <= 1e-6
+
+
 def test_three_consumers_only_for_many_waves():
     # 192-row tiles (three consumer warpgroups) at head dim 64 once their grid holds LARGE_WAVES waves
     sms = 132
