@@ -341,8 +341,8 @@ def _consume_f16x3(kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Ou
                    stride_lh, qk_scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    STORE_LSE: gl.constexpr, WG: gl.constexpr):
     """Rows ``WG * 64`` onwards of the program's 128-row query tile: ``q * qk_scale`` split once (one power of
-    two for the 64 rows; a row holding a NaN or an infinity is split as zeros and sets the 64 rows' flag), then
-    per key tile ``S`` and ``P V`` as three float16 products each, folded as ``monoid.fold_parts``."""
+    two for the 64 rows; a row holding a NaN or an infinity is split as zeros and sets the 64 rows' flag),
+    then per key tile ``S`` and ``P V`` as three float16 products each, folded as ``monoid.fold_parts``."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
