@@ -131,6 +131,41 @@ def elsa_ops_seen():
     return Seen()
 
 
+def device_reads():
+    """A dispatch mode (``with device_reads() as mode:``) that runs every operator and records in
+    ``mode.seen`` those that make the host wait for a CUDA device's queued work: a value read back
+    (``.item()``, ``bool(t)``, ``torch.equal``) or an output whose size depends on the values (``unique``,
+    ``nonzero``, boolean-mask indexing, ``bincount``). On the CPU the same calls run without a wait; this
+    finds them there."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    reads = {aten._local_scalar_dense, aten.is_nonzero, aten.item, aten.equal, aten._unique, aten._unique2,
+             aten.unique_dim, aten.unique_consecutive, aten.nonzero, aten.masked_select, aten.bincount,
+             aten.repeat_interleave}
+    indexing = {aten.index, aten.index_put, aten.index_put_}
+
+    def masks(args):
+        for a in args:
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in items):
+                return True
+        return False
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            packet = func.overloadpacket
+            if packet in reads or (packet in indexing and masks(args[1:2])):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return Reads()
+
+
 NONFINITE_KINDS = ("causal", "bias", "bands", "kpm")
 
 

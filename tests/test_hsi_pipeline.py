@@ -19,7 +19,7 @@ from elsa_vision.models import ElsaHSIViT
 from elsa_vision.tasks import HSIClassificationModule, MaskedAutoencoderModule
 from elsa_vision.tasks.hsi import load_hsi_checkpoint
 from tests.data.test_hyperspectral import write_mat73
-from tests.helpers import relerr
+from tests.helpers import device_reads, relerr
 
 ROOT = Path(__file__).resolve().parents[1]
 NET = dict(band_group=8, spatial_patch=1, embed_dim=32, num_heads=2, branch_depth=1, fusion_depth=1)
@@ -294,6 +294,20 @@ def test_module_checks_network_against_data(trained, tmp_path):
         factory.setup("fit")
     with pytest.raises(TypeError, match="net must be an nn.Module or a callable"):
         HSIClassificationModule(net=3)
+
+
+def test_training_step_reads_nothing_back_from_the_device():
+    # the accuracy of label predictions (argmax) is updated unchecked (step_accuracy): torchmetrics' check of
+    # the labels reads the sizes of two torch.unique outputs back in every step
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(20 * PATCH * PATCH, 4))
+    module = HSIClassificationModule(net, num_classes=4)
+    batch = (torch.randn(6, 20, PATCH, PATCH), torch.randint(0, 4, (6,)))
+    with device_reads() as mode:
+        loss = module.training_step(batch, 0)
+    assert mode.seen == [] and loss.requires_grad
+    expected = multiclass_accuracy(net(batch[0]).argmax(-1), batch[1], 4, average="micro")
+    torch.testing.assert_close(module.train_acc.compute(), expected)
 
 
 def test_weight_decay_groups():

@@ -11,10 +11,12 @@ import sys
 import pytest
 import torch
 from hydra.errors import InstantiationException, MissingConfigException
+from torchmetrics.classification import MulticlassAccuracy
 
 import elsa_vision.tasks.train as train_mod
-from elsa_vision.tasks import ClassificationModule, cosine_warmup_schedule
+from elsa_vision.tasks import ClassificationModule, cosine_warmup_schedule, step_accuracy
 from elsa_vision.tasks.train import train
+from tests.helpers import device_reads
 from tests.train_helpers import (
     QUIET,
     ROOT,
@@ -154,30 +156,47 @@ def test_module_rejects_bad_arguments():
 
 
 def test_training_step_reads_nothing_back_from_the_device():
-    # A value read back (``.item()``, ``bool(tensor)``) in the step would make the host wait for the forward
-    # before it launches the backward: torchmetrics' NaN check of the loss mean did, once per step.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class ReadBacks(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero,
-                                       torch.ops.aten.item):
-                self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
+    # A value read back (``.item()``, ``bool(tensor)``, the size of ``unique``'s output) in the step would
+    # make the host wait for the forward before it launches the backward: torchmetrics' NaN check of the loss
+    # mean did once per step.
     torch.manual_seed(0)
     module = ClassificationModule(torch.nn.Linear(4, 3), optimizer=torch.optim.SGD, num_classes=3)
     batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
-    with ReadBacks() as mode:
+    with device_reads() as mode:
         loss = module.training_step(batch, 0)
     assert mode.seen == [] and loss.requires_grad
     module.validation_step(batch, 0)  # (its top-5 accuracy reads the labels back: torchmetrics' one_hot)
     torch.testing.assert_close(module.train_loss.compute(), loss.detach())
     assert module.train_acc.compute() == module.val_acc.compute()
+
+
+def test_device_reads_sees_the_checks_that_wait_for_the_device():
+    from torchmetrics.classification import MulticlassAccuracy
+
+    logits, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    with device_reads() as mode:
+        MulticlassAccuracy(3, average="micro").update(logits.argmax(-1), y)  # label check: unique x 2
+        _ = logits[logits > 0]
+        torch.tensor(1.0).item()
+    unique, index, item = "aten._unique2.default", "aten.index.Tensor", "aten._local_scalar_dense.default"
+    assert mode.seen == [unique, unique, index, item]
+    with device_reads() as mode:
+        step_accuracy(3).update(logits.argmax(-1), y)
+        step_accuracy(3).update(logits, y)
+        _ = logits[torch.tensor([0, 2])]  # integer indices: no wait
+    assert mode.seen == []
+
+
+def test_step_accuracy_counts_as_torchmetrics_accuracy():
+    g = torch.Generator().manual_seed(3)
+    acc, ref = step_accuracy(5), MulticlassAccuracy(5, top_k=1, average="micro")
+    for _ in range(3):
+        logits, y = torch.randn(17, 5, generator=g), torch.randint(0, 5, (17,), generator=g)
+        acc.update(logits, y)
+        ref.update(logits, y)
+        acc.update(logits.argmax(-1), y)  # label predictions (the hyperspectral task's)
+        ref.update(logits.argmax(-1), y)
+    assert acc.compute() == ref.compute() and 0 < acc.compute() < 1
 
 
 def test_loss_mean_keeps_a_nan_step_visible():

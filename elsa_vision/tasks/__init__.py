@@ -8,6 +8,7 @@ from .classification import (
     create_backbone,
     loss_mean,
     model_data_config,
+    step_accuracy,
 )
 from .hsi import HSIClassificationModule, MaskedAutoencoderModule
 
@@ -19,4 +20,5 @@ __all__ = [
     "create_backbone",
     "loss_mean",
     "model_data_config",
+    "step_accuracy",
 ]

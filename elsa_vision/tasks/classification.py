@@ -23,7 +23,7 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 __all__ = ["ClassificationModule", "create_backbone", "cosine_warmup_schedule", "loss_mean",
-           "model_data_config"]
+           "model_data_config", "step_accuracy"]
 
 
 class _SharedWeights(Mapping):
@@ -167,6 +167,16 @@ def loss_mean() -> MeanMetric:
     return MeanMetric(nan_strategy="disable")
 
 
+def step_accuracy(num_classes: int) -> MulticlassAccuracy:
+    """The epoch's top-1 accuracy over the training steps' predictions (logits or labels), updated without
+    waiting for the GPU: torchmetrics checks label predictions by default (``torch.unique`` of the targets and
+    of the predictions, whose sizes the host reads back: two host-device synchronisations between the forward
+    and the backward of every training step). The step's loss has checked the targets already (cross entropy
+    fails on a label outside ``[0, num_classes)``) and the predictions are the network's own. Validation and
+    test metrics keep torchmetrics' checks."""
+    return MulticlassAccuracy(num_classes, top_k=1, average="micro", validate_args=False)
+
+
 def schedule_steps(trainer) -> tuple[int, int]:
     """``(total_steps, steps_per_epoch)`` of a fit, what a per-step schedule (:func:`cosine_warmup_schedule`)
     is built with: Lightning's estimate of the optimizer steps, spread over ``max_epochs``."""
@@ -230,7 +240,7 @@ class ClassificationModule(LightningModule):
             self.train_criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 
         top5 = min(5, num_classes)
-        self.train_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.train_acc = step_accuracy(num_classes)
         self.val_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
@@ -262,7 +272,8 @@ class ClassificationModule(LightningModule):
         else:
             logits = self(x)
             loss = self.train_criterion(logits, y)
-        # updates only (logged per epoch): no per-step value, no host synchronisation (loss_mean)
+        # updates only (logged per epoch): no per-step value, no host synchronisation (loss_mean,
+        # step_accuracy)
         self.train_loss.update(loss.detach())
         self.train_acc.update(logits.detach(), y)
         self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)

@@ -27,7 +27,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassCohenKappa
 
 from ..files import read_checkpoint, submodule_weights, unwrap_weights
 from ..models.hsi_vit import ElsaHSIViT, HSIMAEDecoder
-from .classification import loss_mean
+from .classification import loss_mean, step_accuracy
 
 __all__ = [
     "HSIClassificationModule",
@@ -228,7 +228,7 @@ class HSIClassificationModule(_HSIBase):
                 }
             )
 
-        self.train_acc = MulticlassAccuracy(k, average="micro")
+        self.train_acc = step_accuracy(k)
         self.val_metrics = collection()
         self.test_metrics = collection()
         self.test_per_class = MulticlassAccuracy(k, average=None)
