@@ -565,6 +565,9 @@ DEFER_SCALE = True
 # the generic kernel everywhere.
 HOPPER = True
 HOPPER_MIN_KEYS = {64: 2048, 128: 1024}
+# The FP32-accurate (``fp16x3``) Hopper kernel's minimum per head dim: at head dim 128 it is 1.11-1.32x the
+# generic kernel from ViT's 197 tokens up (docs/kernel_notes.md, "The FP32-accurate Hopper forward").
+HOPPER_SPLIT_MIN_KEYS = {64: 2048, 128: 192}
 
 # Configs installed by ``set_config``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> tiles.
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
@@ -874,11 +877,11 @@ class _FwdProgram(AttentionProgram):
         self.hopper = None
         masked = has_bias or has_kpm or causal
         if (hopper and fwd_sm90 is not None and varlen is None and not masked
-                and partitions is None and p.partitions == 1 and Nk >= HOPPER_MIN_KEYS.get(D, 0)):
-            # half precision; or FP32-accurate over keys a plain running sum keeps accurate
+                and partitions is None and p.partitions == 1):
+            # FP32-accurate over keys a plain running sum keeps accurate; or half precision
             split = (p.precision == "fp16x3" and main["SEGMENT"] == 0
-                     and fwd_sm90.supported_split(q, k, v, False))
-            if split or fwd_sm90.supported(q, k, v, False):
+                     and Nk >= HOPPER_SPLIT_MIN_KEYS.get(D, 0) and fwd_sm90.supported_split(q, k, v, False))
+            if split or (Nk >= HOPPER_MIN_KEYS.get(D, 0) and fwd_sm90.supported(q, k, v, False)):
                 self.hopper = _HopperForward(B, H, Nq, Nk, D, qk_scale, launch_scalars, main, strides,
                                              lse_strides, canonical_device(q.device), split)
         self.split = None

@@ -38,7 +38,13 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .dots import f16_pair, pow2, score_unscale, split_f16
@@ -60,8 +66,9 @@ LARGE = {64: (128, 3, 3)}
 LARGE_WAVES = 8
 
 # (BLOCK_N, STAGES) of the FP32-accurate kernel per head dim, two consumer warpgroups (docs/kernel_notes.md,
-# "The FP32-accurate Hopper forward": 128-key tiles beat 64, two stages of both parts beat three).
-SPLIT_CONFIGS = {64: (128, 2)}
+# "The FP32-accurate Hopper forward": at head dim 64 128-key tiles beat 64, two stages of both parts beat
+# three; at head dim 128 the query parts wait in shared memory beside two stages of 64-key tiles).
+SPLIT_CONFIGS = {64: (128, 2), 128: (64, 2)}
 
 
 def _dense_sm90(q, k, v, has_mask: bool, dtypes: tuple, head_dims) -> bool:
@@ -323,11 +330,12 @@ def mm3(a_hi, a_lo, b_hi, b_lo, acc):
 
 
 _P_SCALE = gl.constexpr(16384.0)  # the weights P <= 1 are split scaled by 2^14, as monoid.weighted_parts
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (thread_barrier in older Triton)
 
 
 @gluon.jit
-def _produce_f16x3(kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ, N,
-                   m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_lb,
+def _produce_f16x3(kp_desc, vp_desc, k_smem, v_smem, q_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ,
+                   N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_lb,
                    stride_lh, qk_scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    STORE_LSE: gl.constexpr):
     """The producer warp: both float16 parts of each key and value tile into the ring of stages."""
@@ -336,13 +344,15 @@ def _produce_f16x3(kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Ou
 
 
 @gluon.jit
-def _consume_f16x3(kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ, N,
-                   m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_lb,
+def _consume_f16x3(kp_desc, vp_desc, k_smem, v_smem, q_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ,
+                   N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_lb,
                    stride_lh, qk_scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    STORE_LSE: gl.constexpr, WG: gl.constexpr):
     """Rows ``WG * 64`` onwards of the program's 128-row query tile: ``q * qk_scale`` split once (one power of
     two for the 64 rows; a row holding a NaN or an infinity is split as zeros and sets the 64 rows' flag),
-    then per key tile ``S`` and ``P V`` as three float16 products each, folded as ``monoid.fold_parts``."""
+    then per key tile ``S`` and ``P V`` as three float16 products each, folded as ``monoid.fold_parts``. The
+    query parts stay in registers at head dim 64; at 128, where ``W``, a fresh ``P V`` (64 x 128 float32
+    each) and the weights' parts fill them, they wait in ``q_smem`` (the products read them from there)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -362,8 +372,16 @@ def _consume_f16x3(kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Ou
                 + rows.to(gl.int64)[:, None] * stride_qm + dims[None, :], mask=row_ok[:, None], other=0.0)
     q_bad = gl.sum(gl.where(gl.abs(q) < float("inf"), 0, 1), 1)  # NaN or infinite entries per row
     q_hi, q_lo, q_c = split_f16(finite_part(q) * qk_scale)  # the scores carry the base-2 logit scale
-    qa_hi = gl.convert_layout(q_hi, qa_layout)
-    qa_lo = gl.convert_layout(q_lo, qa_layout)
+    if D > 64:
+        qa_hi = q_smem.index(2 * WG)
+        qa_lo = q_smem.index(2 * WG + 1)
+        qa_hi.store(q_hi)
+        qa_lo.store(q_lo)
+        fence_async_shared()  # the stores, before the tensor cores read them
+        _barrier()
+    else:
+        qa_hi = gl.convert_layout(q_hi, qa_layout)
+        qa_lo = gl.convert_layout(q_lo, qa_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     zero_o = gl.zeros([ROWS, D], gl.float32, o_layout)
     m = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -425,15 +443,20 @@ def attention_fwd_f16x3_kernel(
     base-2 logit scale."""
     k_smem = gl.allocate_shared_memory(gl.float16, [2 * STAGES, 1, 1, BLOCK_N, D], kp_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float16, [2 * STAGES, 1, 1, BLOCK_N, D], vp_desc.layout)
+    if D > 64:  # both consumers' query parts (_consume_f16x3)
+        q_smem = gl.allocate_shared_memory(gl.float16, [4, ROWS, D],
+                                           gl.NVMMASharedLayout.get_default_for([ROWS, D], gl.float16))
+    else:  # unused
+        q_smem = k_smem
     ready, empty = stage_ring(STAGES, 2)
     gl.warp_specialize([
-        (_consume_f16x3, (kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ,
-                          N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+        (_consume_f16x3, (kp_desc, vp_desc, k_smem, v_smem, q_smem, ready, empty, Q, KE, VE, Out, Lse, Redo,
+                          H, NQ, N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
                           stride_lb, stride_lh, qk_scale, D, BLOCK_N, STAGES, STORE_LSE, 0)),
-        (_consume_f16x3, (kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ,
-                          N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+        (_consume_f16x3, (kp_desc, vp_desc, k_smem, v_smem, q_smem, ready, empty, Q, KE, VE, Out, Lse, Redo,
+                          H, NQ, N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
                           stride_lb, stride_lh, qk_scale, D, BLOCK_N, STAGES, STORE_LSE, 1)),
-        (_produce_f16x3, (kp_desc, vp_desc, k_smem, v_smem, ready, empty, Q, KE, VE, Out, Lse, Redo, H, NQ,
-                          N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+        (_produce_f16x3, (kp_desc, vp_desc, k_smem, v_smem, q_smem, ready, empty, Q, KE, VE, Out, Lse, Redo,
+                          H, NQ, N, m_tiles, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
                           stride_lb, stride_lh, qk_scale, D, BLOCK_N, STAGES, STORE_LSE)),
     ], [4, 1], [232, 24])  # the second consumer warpgroup and the producer warp: warps, registers
