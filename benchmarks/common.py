@@ -16,7 +16,8 @@ results file means is defined once, here:
   a call unless it needs a wall clock (whole models, collectives) or a profile.
 * :func:`host_us` -- host microseconds per call: many calls enqueued back to back, one synchronisation
   after them, several functions measured in turns so that every peer meets the same machine state.
-* :func:`step_timer` -- a Lightning callback timing each training step of a ``Trainer.fit``.
+* :func:`step_timer` -- a Lightning callback timing the training steps of a ``Trainer.fit`` (CUDA events,
+  nothing synchronised between the steps: a training run's steps, the GPU's time for each).
 * :func:`launches` and :func:`kernel_ms` -- GPU kernels one call launches, and their summed duration,
   from ``torch.profiler``; :func:`gpu_work` -- the GPU's own work among a profiler's events.
 * :func:`peak_mb` -- peak allocated CUDA memory of one call (whole, or above what was allocated before).
@@ -166,32 +167,62 @@ def host_us(fns: dict[str, Callable], calls: int, repeats: int = 9, warmup: int 
     return {name: statistics.median(ts) for name, ts in out.items()}
 
 
-def step_timer(warmup: int, count: int | None = None):
-    """A Lightning callback timing every training step (device-synchronised, ``time.perf_counter``) after
-    ``warmup`` steps, the first ``count`` of them where given: ``steps`` (seconds per step) and ``first`` /
-    ``last`` (the timed span's ends)."""
+def step_timer(warmup: int, count: int):
+    """A Lightning callback timing the ``count`` training steps after ``warmup`` steps: ``steps`` (seconds per
+    step) and ``first`` / ``last`` (the host's clock, the device synchronised, where the first timed step
+    starts and the last ends: the timed span, waits for the data loader included).
+
+    Between the two ends nothing waits for the device, as nothing does in training: the host may launch a
+    step while the GPU still runs the one before it. On CUDA a step's time is therefore the GPU's, between two
+    events recorded on the current stream where the step begins and ends: its kernels and the gaps in which
+    the GPU waited for the host's launches inside the step (a host slower than the GPU still shows). Off
+    CUDA it is the host's clock. (Synchronising around every step instead, as this timer once did, made
+    each step start on an idle GPU and wait for the host to launch its first kernels: every step then
+    timed the host's launch work ahead of the GPU's, not what a training run takes.)"""
     import lightning as L
 
+    last_timed = warmup + count - 1
+
     class StepTimer(L.Callback):
-        """Device-synchronised time of every training step after ``warmup`` steps, and their wall span."""
+        """The timed steps' times and their span (see ``step_timer``)."""
 
         def __init__(self) -> None:
             self.steps: list[float] = []
             self.first = self.last = None
+            self._events: list[tuple] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            sync(pl_module.device)
-            self.t0 = time.perf_counter()
+            if not warmup <= batch_idx <= last_timed:
+                return
             if batch_idx == warmup:
-                self.first = self.t0
+                sync(pl_module.device)
+                self.first = time.perf_counter()
+            self._start = _step_mark(pl_module.device)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            sync(pl_module.device)
-            if batch_idx >= warmup and (count is None or batch_idx < warmup + count):
+            if not warmup <= batch_idx <= last_timed:
+                return
+            self._events.append((self._start, _step_mark(pl_module.device)))
+            if batch_idx == last_timed:
+                sync(pl_module.device)
                 self.last = time.perf_counter()
-                self.steps.append(self.last - self.t0)
+                self.steps = [_between(a, b) for a, b in self._events]
 
     return StepTimer()
+
+
+def _step_mark(device: torch.device):
+    """Where a step begins or ends: a CUDA event recorded on the current stream, or the host's clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _between(a, b) -> float:
+    """Seconds between two marks of ``_step_mark`` (the device synchronised past both)."""
+    return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
 
 
 def _cuda_profile(fn: Callable, calls: int):

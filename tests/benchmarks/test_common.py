@@ -93,17 +93,6 @@ def test_timings_put_the_graph_replay_beside_the_eager_time(monkeypatch):
     assert t["ms"] == 3.0 and math.isnan(t["graph_ms"])
 
 
-def test_step_timer_times_the_steps_after_warm_up(clock):
-    pytest.importorskip("lightning")
-    timer = common.step_timer(warmup=1)
-    module = type("M", (), {"device": torch.device("cpu")})()
-    for i, cost in enumerate((5.0, 2.0, 3.0)):
-        timer.on_train_batch_start(None, module, None, i)
-        clock.advance(cost)
-        timer.on_train_batch_end(None, module, None, None, i)
-    assert timer.steps == [2.0, 3.0] and timer.last - timer.first == pytest.approx(5.0)
-
-
 def test_step_timer_stops_after_count_steps(clock):
     """Steps after the counted ones (profiled, say) are neither timed nor in the wall span."""
     pytest.importorskip("lightning")
@@ -114,6 +103,36 @@ def test_step_timer_stops_after_count_steps(clock):
         clock.advance(cost)
         timer.on_train_batch_end(None, module, None, None, i)
     assert timer.steps == [2.0, 3.0] and timer.last - timer.first == pytest.approx(5.0)
+
+
+def test_step_timer_on_cuda_reads_events_and_synchronises_only_at_the_span_ends(clock, monkeypatch):
+    """On CUDA each step is timed by events on the GPU's timeline; the device is synchronised where the timed
+    span begins and ends, never between its steps (a step may be launched while the GPU runs the last)."""
+    pytest.importorskip("lightning")
+    gpu = {"now": 0.0}  # the GPU's clock: where its queue has got to
+    syncs = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.at = gpu["now"]
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(common.torch.cuda, "Event", Event)
+    monkeypatch.setattr(common, "sync", lambda device=None: syncs.append(clock.now))
+    timer = common.step_timer(warmup=1, count=3)
+    module = type("M", (), {"device": torch.device("cuda", 0)})()
+    for i, (host, work) in enumerate(((5.0, 6.0), (1.0, 2.0), (1.0, 4.0), (1.0, 3.0), (9.0, 9.0))):
+        timer.on_train_batch_start(None, module, None, i)
+        clock.advance(host)  # the host's launches ...
+        gpu["now"] += work  # ... and the GPU's work of the step (queued behind the steps before it)
+        timer.on_train_batch_end(None, module, None, None, i)
+    assert timer.steps == pytest.approx([2.0, 4.0, 3.0])
+    assert syncs == [5.0, 8.0] and timer.last - timer.first == pytest.approx(3.0)
 
 
 def test_wall_ms_in_turns_times_the_peers_in_rounds(clock):
