@@ -12,7 +12,8 @@ once to a temporary folder, or an existing `root/{train,val}/<class>/*` tree giv
 `--devices 1,2,4` runs every world size in turn: one device in this process, N devices as N processes of
 `torchrun` (one per GPU, NCCL; gloo processes with `--device cpu`), each rank with the per-device batch size.
 Per world size, precision and peer: the median time of one training step on rank 0 (forward, backward,
-gradient reduction, optimiser; device-synchronised, after `--warmup` steps) as `img_per_s_compute` (all
+gradient reduction, optimiser; the GPU's time between CUDA events, nothing synchronised between the steps:
+``common.step_timer``; after `--warmup` steps) as `img_per_s_compute` (all
 ranks' images per step over it) and `img_per_s_per_device`; images over the wall time from the first timed
 step to the last as `img_per_s_end_to_end` (includes waiting for the data loaders); the largest peak of
 allocated memory over the ranks, counted above what was allocated when the run started (the earlier runs'
