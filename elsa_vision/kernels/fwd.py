@@ -565,8 +565,9 @@ DEFER_SCALE = True
 # the generic kernel everywhere.
 HOPPER = True
 HOPPER_MIN_KEYS = {64: 2048, 128: 1024}
-# The FP32-accurate (``fp16x3``) Hopper kernel's minimum per head dim: at head dim 128 it is 1.11-1.32x the
-# generic kernel from ViT's 197 tokens up (docs/kernel_notes.md, "The FP32-accurate Hopper forward").
+# The FP32-accurate (``fp16x3``) Hopper kernel's minimum per head dim: at head dim 128 it is 1.08-1.33x the
+# generic kernel from ViT's 197 tokens up, at parity on a grid of 32 programs (docs/kernel_notes.md, "The
+# FP32-accurate Hopper forward").
 HOPPER_SPLIT_MIN_KEYS = {64: 2048, 128: 192}
 
 # Configs installed by ``set_config``: (dtype, BLOCK_D, BLOCK_DV, causal, bias, arch, precision) -> tiles.
