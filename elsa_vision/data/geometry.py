@@ -335,8 +335,27 @@ def write_ply(path: str | Path, points, colors=None, binary: bool = True) -> Pat
 
 
 def read_ply(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
-    """Read a PLY written by :func:`write_ply` (float xyz, optional uchar rgb) -> ``(points, colors)``."""
-    data = Path(path).read_bytes()
+    """Read a PLY written by :func:`write_ply` (float xyz, optional uchar rgb) -> ``(points, colors)``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not a regular file (a FIFO would block the read, a device never end), or not such a PLY
+            (a header without ``end_header`` or ``element vertex``, fewer vertices than it declares); the
+            message names the file.
+    """
+    from ..files import check_regular_file
+
+    data = Path(check_regular_file(path, "PLY file")).read_bytes()
+    try:
+        return _parse_ply(data, path)
+    except (ValueError, IndexError, StopIteration, UnicodeDecodeError) as e:
+        if str(e).startswith(f"{path}:"):
+            raise
+        why = str(e) or type(e).__name__
+        raise ValueError(f"{path}: not a PLY file of float xyz (and uchar rgb) vertices: {why}") from None
+
+
+def _parse_ply(data: bytes, path) -> tuple[np.ndarray, np.ndarray | None]:
     end = data.index(b"end_header\n") + len(b"end_header\n")
     header = data[:end].decode("ascii").splitlines()
     if header[0] != "ply":
@@ -356,6 +375,8 @@ def read_ply(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
         arr = np.array(
             [line.split() for line in data[end:].decode("ascii").splitlines()[:n]], dtype=np.float64
         )
+        if arr.shape[0] != n or arr.ndim != 2 or arr.shape[1] < (6 if has_rgb else 3):
+            raise ValueError(f"{path}: {arr.shape[0]} vertex rows of {n} declared, or too few columns")
         pts = arr[:, :3].astype(np.float32)
         col = arr[:, 3:6].astype(np.uint8) if has_rgb else None
     else:

@@ -17,6 +17,7 @@ which samples frames per sequence and resizes keeping the intrinsics consistent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -326,6 +327,25 @@ def _inside(root: Path, name: str, index: Path) -> Path:
     return root / name
 
 
+@contextlib.contextmanager
+def _parsing(what: str):
+    """Any error of reading ``what`` (``"<loader>: <file>"``, or a record of it) as one ValueError that names
+    it; the loaders' own errors (those starting with ``what``'s loader, missing files) pass through
+    unchanged. A record of the wrong type or length, a number that is none, JSON nested past the
+    interpreter's recursion limit: each is a malformed file, not a traceback from inside the parser."""
+    loader = what.split(":", 1)[0] + ":"
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except ValueError as e:
+        if str(e).startswith(loader):
+            raise
+        raise ValueError(f"{what}: {e}") from None
+    except (TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        raise ValueError(f"{what}: malformed ({type(e).__name__}: {e})") from None
+
+
 def _image_size(path: Path) -> tuple[int, int]:
     with open_image(path) as im:
         return im.height, im.width
@@ -344,54 +364,63 @@ def load_nerf_transforms(root: str | Path, filename: str = "transforms.json") ->
     path = root / filename
     if not path.is_file():
         raise FileNotFoundError(f"load_nerf_transforms: {path} not found")
-    meta = json.loads(path.read_text())
-    frames = meta.get("frames")
-    if not frames:
-        raise ValueError(f"load_nerf_transforms: {path} has no 'frames'")
-    flip = np.diag([1.0, -1.0, -1.0, 1.0])
+    with _parsing(f"load_nerf_transforms: {path}"):
+        meta = json.loads(path.read_text())
+        frames = meta.get("frames")
+    if not frames or not isinstance(frames, list):
+        raise ValueError(f"load_nerf_transforms: {path} has no 'frames' list")
     out = []
     for i, fr in enumerate(frames):
-
-        def get(key, fr=fr):
-            return fr.get(key, meta.get(key))
-
-        img = _inside(root, fr["file_path"], path)
-        if not img.suffix:
-            img = img.with_suffix(".png")
-        if not img.is_file():
-            raise FileNotFoundError(f"load_nerf_transforms: frame {i} image {img} not found")
-        h, w = get("h"), get("w")
-        if h is None or w is None:
-            h, w = _image_size(img)
-        h, w = int(h), int(w)
-        fx, fy = get("fl_x"), get("fl_y")
-        if fx is None:
-            angle_x = get("camera_angle_x")
-            if angle_x is None:
-                raise ValueError(
-                    f"load_nerf_transforms: {path} frame {i} has neither fl_x nor camera_angle_x"
-                )
-            fx = 0.5 * w / math.tan(0.5 * float(angle_x))
-        if fy is None:
-            angle_y = get("camera_angle_y")
-            fy = 0.5 * h / math.tan(0.5 * float(angle_y)) if angle_y is not None else fx
-        cx = float(get("cx")) if get("cx") is not None else w / 2
-        cy = float(get("cy")) if get("cy") is not None else h / 2
-        k = np.array([[fx, 0, cx], [0, fy, cy], [0, 0, 1]], dtype=np.float64)
-        c2w = np.asarray(fr["transform_matrix"], dtype=np.float64)
-        if c2w.shape == (3, 4):
-            c2w = np.vstack([c2w, [0, 0, 0, 1]])
-        if c2w.shape != (4, 4):
-            raise ValueError(f"load_nerf_transforms: frame {i} transform_matrix must be 4x4, got {c2w.shape}")
-        w2c = np.linalg.inv(c2w @ flip)
-        depth = None
-        if fr.get("depth_file_path"):
-            depth = _inside(root, fr["depth_file_path"], path)
-            if not depth.is_file():
-                raise FileNotFoundError(f"load_nerf_transforms: frame {i} depth {depth} not found")
-        scale = float(meta.get("depth_unit_scale_factor", 1e-3))
-        out.append(FrameRecord(img, w2c[:3], k, (h, w), depth, scale))
+        with _parsing(f"load_nerf_transforms: {path} frame {i}"):
+            out.append(_nerf_frame(root, path, meta, i, fr))
     return out
+
+
+def _nerf_frame(root: Path, path: Path, meta: dict, i: int, fr: dict) -> FrameRecord:
+    """Frame ``i`` (``fr``) of the NeRF ``transforms.json`` at ``path`` (its global keys: ``meta``)."""
+    flip = np.diag([1.0, -1.0, -1.0, 1.0])
+
+    def get(key):
+        return fr.get(key, meta.get(key))
+
+    img = _inside(root, fr["file_path"], path)
+    if not img.suffix:
+        img = img.with_suffix(".png")
+    if not img.is_file():
+        raise FileNotFoundError(f"load_nerf_transforms: frame {i} image {img} not found")
+    h, w = get("h"), get("w")
+    if h is None or w is None:
+        h, w = _image_size(img)
+    h, w = int(h), int(w)
+    fx, fy = get("fl_x"), get("fl_y")
+    if fx is None:
+        angle_x = get("camera_angle_x")
+        if angle_x is None:
+            raise ValueError(
+                f"load_nerf_transforms: {path} frame {i} has neither fl_x nor camera_angle_x"
+            )
+        fx = 0.5 * w / math.tan(0.5 * float(angle_x))
+    if fy is None:
+        angle_y = get("camera_angle_y")
+        fy = 0.5 * h / math.tan(0.5 * float(angle_y)) if angle_y is not None else fx
+    cx = float(get("cx")) if get("cx") is not None else w / 2
+    cy = float(get("cy")) if get("cy") is not None else h / 2
+    k = np.array([[fx, 0, cx], [0, fy, cy], [0, 0, 1]], dtype=np.float64)
+    c2w = np.asarray(fr["transform_matrix"], dtype=np.float64)
+    if c2w.shape == (3, 4):
+        c2w = np.vstack([c2w, [0, 0, 0, 1]])
+    if c2w.shape != (4, 4):
+        raise ValueError(
+            f"load_nerf_transforms: {path} frame {i} transform_matrix must be 4x4, got {c2w.shape}"
+        )
+    w2c = np.linalg.inv(c2w @ flip)
+    depth = None
+    if fr.get("depth_file_path"):
+        depth = _inside(root, fr["depth_file_path"], path)
+        if not depth.is_file():
+            raise FileNotFoundError(f"load_nerf_transforms: frame {i} depth {depth} not found")
+    scale = float(meta.get("depth_unit_scale_factor", 1e-3))
+    return FrameRecord(img, w2c[:3], k, (h, w), depth, scale)
 
 
 _COLMAP_PARAMS = {  # model -> (fx, fy, cx, cy) indices into params; the rest is distortion (ignored)
@@ -413,7 +442,10 @@ def read_colmap_depth(path: str | Path) -> np.ndarray:
     amp = [i for i, b in enumerate(data[:64]) if b == ord("&")]
     if len(amp) < 3:
         raise ValueError(f"read_colmap_depth: {path} has no 'width&height&channels&' header")
-    w, h, c = (int(x) for x in data[: amp[2]].decode("ascii").split("&"))
+    with _parsing(f"read_colmap_depth: {path}"):
+        w, h, c = (int(x) for x in data[: amp[2]].decode("ascii").split("&"))
+    if min(w, h, c) < 1:
+        raise ValueError(f"read_colmap_depth: {path} header says {w}x{h}x{c}: sizes must be >= 1")
     arr = np.frombuffer(data[amp[2] + 1 :], dtype=np.float32)
     if arr.size != w * h * c:
         raise ValueError(f"read_colmap_depth: {path} has {arr.size} values, header says {w}x{h}x{c}")
@@ -448,9 +480,10 @@ def load_colmap_text(
     for line in (sparse / "cameras.txt").read_text().splitlines():
         if not line.strip() or line.startswith("#"):
             continue
-        tok = line.split()
-        cam_id, model, w, h = int(tok[0]), tok[1], int(tok[2]), int(tok[3])
-        params = [float(x) for x in tok[4:]]
+        with _parsing(f"load_colmap_text: {sparse / 'cameras.txt'}: camera line {line!r}"):
+            tok = line.split()
+            cam_id, model, w, h = int(tok[0]), tok[1], int(tok[2]), int(tok[3])
+            params = [float(x) for x in tok[4:]]
         if model not in _COLMAP_PARAMS:
             raise ValueError(
                 f"load_colmap_text: camera {cam_id} has unsupported model {model!r}; "
@@ -461,8 +494,12 @@ def load_colmap_text(
             _logger.warning(
                 "load_colmap_text: camera model %s: distortion ignored (treated as pinhole)", model
             )
-        ix = _COLMAP_PARAMS[model]
-        fx, fy, cx, cy = (params[i] for i in ix)
+        if len(params) <= max(_COLMAP_PARAMS[model]):
+            raise ValueError(
+                f"load_colmap_text: camera {cam_id} in {sparse / 'cameras.txt'}: {model} with "
+                f"{len(params)} parameters"
+            )
+        fx, fy, cx, cy = (params[j] for j in _COLMAP_PARAMS[model])
         cams[cam_id] = (np.array([[fx, 0, cx], [0, fy, cy], [0, 0, 1]], dtype=np.float64), (h, w))
     lines = [ln for ln in (sparse / "images.txt").read_text().splitlines() if not ln.startswith("#")]
     if depth_dir is None and (root / "stereo" / "depth_maps").is_dir():
@@ -479,8 +516,9 @@ def load_colmap_text(
             raise ValueError(
                 f"load_colmap_text: malformed image line in {sparse / 'images.txt'}: {lines[i]!r}"
             )
-        qw, qx, qy, qz, tx, ty, tz = (float(x) for x in tok[1:8])
-        cam_id, name = int(tok[8]), " ".join(tok[9:])
+        with _parsing(f"load_colmap_text: {sparse / 'images.txt'}: image line {lines[i]!r}"):
+            qw, qx, qy, qz, tx, ty, tz = (float(x) for x in tok[1:8])
+            cam_id, name = int(tok[8]), " ".join(tok[9:])
         if cam_id not in cams:
             raise ValueError(f"load_colmap_text: image {name} references unknown camera {cam_id}")
         rot = quat_to_mat(torch.tensor([qx, qy, qz, qw], dtype=torch.float64)).numpy()

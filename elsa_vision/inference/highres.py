@@ -97,18 +97,34 @@ def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     return read_weights(path, arg="--weights")
 
 
-def weights_shape_info(sd: dict[str, Tensor]) -> dict[str, int]:
-    """``num_classes`` (0 without a head), ``in_chans``, ``embed_dim``, ``patch_size`` of the weights."""
+def weights_shape_info(sd: dict[str, Tensor], source: str = "weights") -> dict[str, int]:
+    """``num_classes`` (0 without a head), ``in_chans``, ``embed_dim``, ``patch_size`` of the weights.
+
+    The model is built with these sizes before the weights are loaded into it, so the shapes they come from
+    must fit together first: a zero-element tensor can declare any size (a ``head.weight`` of shape
+    ``[5_000_000, 0]`` in a file of a few hundred bytes would build a 3.8 GB classifier). ``source`` names
+    the weights in errors (e.g. ``"--weights: 'vit.safetensors'"``).
+
+    Raises:
+        ValueError: no 4-D ``patch_embed.proj.weight`` with every dimension >= 1, or a ``head.weight`` that
+            is not ``[num_classes >= 1, embed_dim]``.
+    """
     if "patch_embed.proj.weight" not in sd:
         raise ValueError(
-            "weights have no 'patch_embed.proj.weight'; expected a timm VisionTransformer state_dict"
+            f"{source}: no 'patch_embed.proj.weight'; expected a timm VisionTransformer state_dict"
         )
     w = sd["patch_embed.proj.weight"]
-    if w.dim() != 4:
+    if w.dim() != 4 or min(w.shape) < 1:
         raise ValueError(
-            f"'patch_embed.proj.weight' must be a conv weight [C, in_chans, p, p], got {list(w.shape)}"
+            f"{source}: 'patch_embed.proj.weight' must be a conv weight [C, in_chans, p, p] of sizes >= 1, "
+            f"got {list(w.shape)}"
         )
     head = sd.get("head.weight")
+    if head is not None and (head.dim() != 2 or head.shape[0] < 1 or head.shape[1] != w.shape[0]):
+        raise ValueError(
+            f"{source}: 'head.weight' must be [num_classes >= 1, embed_dim {w.shape[0]}] (the patch "
+            f"embedding's width), got {list(head.shape)}"
+        )
     return {
         "num_classes": int(head.shape[0]) if head is not None else 0,
         "in_chans": int(w.shape[1]),

@@ -537,7 +537,7 @@ def _run(args, device: torch.device, cp_group) -> dict[str, Any]:
         in_chans = args.in_chans or source_chans
         num_classes = args.num_classes
     else:
-        info = weights_shape_info(sd)
+        info = weights_shape_info(sd, source=f"--weights: {args.weights!r}")
         in_chans, num_classes = info["in_chans"], info["num_classes"]
         for flag, given, actual in (
             ("in-chans", args.in_chans, in_chans),

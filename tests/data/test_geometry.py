@@ -2,6 +2,7 @@
 projection, relative pose errors, AUC, depth metrics with median alignment, PLY round trips."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -224,3 +225,24 @@ def test_ply_round_trip(tmp_path, binary):
     assert "element vertex 257" in head and "property uchar red" in head
     with pytest.raises(ValueError, match="points"):
         write_ply(tmp_path / "c.ply", pts[:, :2])
+
+
+def test_read_ply_refuses_what_it_cannot_read_naming_the_file(tmp_path):
+    # not a regular file (a FIFO would block the read for ever), and headers or bodies that are not
+    # write_ply's: one ValueError naming the file each, not a bare parse error
+    fifo = tmp_path / "points.ply"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"points\.ply.*is a FIFO"):
+        read_ply(fifo)
+    cases = {
+        "no_end.ply": b"ply\nformat binary_little_endian 1.0\nend_header",
+        "no_vertex.ply": b"ply\nformat ascii 1.0\nproperty float x\nend_header\n1 2 3\n",
+        "short.ply": b"ply\nformat binary_little_endian 1.0\nelement vertex 1000\nproperty float x\n"
+                     b"property float y\nproperty float z\nend_header\n" + b"\0" * 24,
+        "short_ascii.ply": b"ply\nformat ascii 1.0\nelement vertex 3\nproperty float x\nproperty float y\n"
+                           b"property float z\nend_header\n1 2 3\n",
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}: "):
+            read_ply(tmp_path / name)

@@ -203,6 +203,47 @@ def test_nerf_loader_errors(tmp_path):
         load_nerf_transforms(tmp_path)
 
 
+def test_malformed_index_files_are_one_error_naming_the_file(tmp_path):
+    # every way a transforms.json, cameras.txt, images.txt or depth map can be malformed is one ValueError
+    # that names the file, not a KeyError / TypeError / IndexError / RecursionError from inside the parser
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "x.png")
+    eye = np.eye(4).tolist()
+    bad_json = {
+        "frames as a dict": json.dumps({"frames": {"a": 1}}),
+        "a list at the top": json.dumps([1, 2]),
+        "no file_path": json.dumps({"frames": [{"transform_matrix": eye, "camera_angle_x": 1.0}]}),
+        "a numeric file_path": json.dumps({"frames": [{"file_path": 3, "transform_matrix": eye}]}),
+        "a frame that is a number": json.dumps({"frames": [7]}),
+        "a string angle": json.dumps({"frames": [{"file_path": "x.png", "transform_matrix": eye,
+                                                  "camera_angle_x": "wide"}]}),
+        "deep nesting": '{"frames": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        "not JSON": "{frames",
+    }
+    for case, text in bad_json.items():
+        (tmp_path / "transforms.json").write_text(text)
+        with pytest.raises(ValueError, match=r"^load_nerf_transforms: .*transforms\.json"):
+            load_nerf_transforms(tmp_path)
+            pytest.fail(f"{case}: read")
+    (tmp_path / "images").mkdir()
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "images" / "a.png")
+    good_camera, good_image = "1 PINHOLE 4 4 1 1 2 2\n", "1 1 0 0 0 0 0 0 1 a.png\n\n"
+    for cameras, images in (("1 PINHOLE 4\n", good_image), ("1 PINHOLE 4 4 1 1\n", good_image),
+                            ("one PINHOLE 4 4 1 1 2 2\n", good_image),
+                            (good_camera, "1 1 0 0 0 zero 0 0 1 a.png\n\n"),
+                            (good_camera, "1 1 0 0 0 0 0 0 one a.png\n\n")):
+        (tmp_path / "cameras.txt").write_text(cameras)
+        (tmp_path / "images.txt").write_text(images)
+        with pytest.raises(ValueError, match=r"^load_colmap_text: .*(cameras|images)\.txt"):
+            load_colmap_text(tmp_path)
+    (tmp_path / "cameras.txt").write_text(good_camera)
+    (tmp_path / "images.txt").write_text(good_image)
+    assert len(load_colmap_text(tmp_path)) == 1
+    for name, blob in (("neg.geometric.bin", b"-1&-1&4&" + b"\0" * 16), ("nan.geometric.bin", b"w&h&1&\0\0")):
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(ValueError, match=rf"^read_colmap_depth: .*{name.split('.')[0]}\.geometric"):
+            read_colmap_depth(tmp_path / name)
+
+
 def test_dataset_indexes_name_only_files_inside_the_dataset(tmp_path):
     """A transforms.json or images.txt names the frames of its dataset: a name that leads elsewhere (an
     absolute path, ../ out of the folder) is refused before anything is opened."""

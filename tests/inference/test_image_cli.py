@@ -480,6 +480,17 @@ def test_cli_bad_inputs(weights, tmp_path):
         main(["--model", TINY, "--weights", str(small_w), "--input", _ct_small(), "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--num-classes 9 contradicts the weights, which have 7"):
         main(base + ["--input", _ct_small(), "--num-classes", "9"])
+    # sizes a zero-element tensor declares are refused before a model is built with them (a 5,000,000-class
+    # head would allocate 3.8 GB; here 7 classes keep a regression cheap)
+    from safetensors.torch import save_file
+
+    for name, tensors in (("head", {"patch_embed.proj.weight": torch.zeros(192, 1, 16, 16),
+                                    "head.weight": torch.zeros(7, 0)}),
+                          ("embed", {"patch_embed.proj.weight": torch.zeros(0, 1, 16, 16)})):
+        save_file(tensors, tmp_path / f"{name}.safetensors")
+        with pytest.raises(ValueError, match=rf"^--weights: '.*{name}\.safetensors': '(head|patch_embed)"):
+            main(["--model", TINY, "--weights", str(tmp_path / f"{name}.safetensors"), "--input", _ct_small(),
+                  "--out", str(tmp_path / "z")])
     (tmp_path / "bad.dcm").write_bytes(b"not a dicom at all" * 20)
     with pytest.raises(ValueError, match="bad.dcm"):
         main(base + ["--input", str(tmp_path / "bad.dcm")])
