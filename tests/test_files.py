@@ -692,3 +692,165 @@ def test_safetensors_outputs_get_the_mode_of_every_other_output(tmp_path):
                     "save_file", "save_model"):
                 writers.append(f"{path.relative_to(package)}:{node.lineno}")
     assert len(writers) == 1 and writers[0].startswith("files/outputs.py:"), writers
+
+
+# ------------------------------------------------------------------------- sizes declared inside the archive
+
+
+def _legacy_file(path, numel):
+    """A legacy (pre-1.6, non-zip) ``torch.save`` file of ``{"w": zeros(4)}`` whose storage declares
+    ``numel`` floats, in the main pickle's persistent id and in the count before its data."""
+    import io
+    import struct
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=False)
+    raw = buf.getvalue()
+    i = raw.index(b"X\x03\x00\x00\x00cpuq\x06K\x04N")  # ('storage', FloatStorage, key, 'cpu', 4, None)
+    raw = raw[:i] + b"X\x03\x00\x00\x00cpuq\x06J" + struct.pack("<i", numel) + b"N" + raw[i + 13 :]
+    j = raw.rindex(struct.pack("<q", 4))  # the element count before the storage's bytes
+    path.write_bytes(raw[:j] + struct.pack("<q", numel) + raw[j + 8 :])
+    return path
+
+
+def test_legacy_torch_file_storages_are_bounded_by_its_size(tmp_path, monkeypatch):
+    """torch's legacy loader reserves each storage at the size the pickle declares before reading it: 8 GiB
+    from a 368-byte file. The declared sizes are read from the pickle (nothing rebuilt) and refused before
+    torch.load when they exceed the file; legacy checkpoints that hold what they declare load as before."""
+    with open(tmp_path / "good.pt", "wb") as f:
+        torch.save({"w": torch.arange(4.0), "v": torch.ones(2, 3, dtype=torch.float64)}, f,
+                   _use_new_zipfile_serialization=False)
+    loaded = read_checkpoint(tmp_path / "good.pt")
+    assert torch.equal(loaded["w"], torch.arange(4.0)) and loaded["v"].dtype == torch.float64
+    forged = _legacy_file(tmp_path / "legacy.pt", 2**31 - 1)
+    assert forged.stat().st_size < 400
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load read a refused file"))
+    refused = r"^'.*legacy\.pt': its tensors' storages declare 8,589,934,588 bytes, more than the \d+-byte"
+    with pytest.raises(ValueError, match=refused):
+        read_checkpoint(forged)
+    with pytest.raises(ValueError, match=r"^--weights: '.*legacy\.pt': its tensors' storages declare"):
+        read_weights(forged, arg="--weights")
+    # a string or buffer opcode of the pickle itself declaring more bytes than the file holds: refused where
+    # it is declared (Python's unpickler reserves the declared 2 GiB first), nothing that size allocated
+    import io
+    import pickle
+    import struct
+    import tracemalloc
+
+    raw = (tmp_path / "good.pt").read_bytes()
+    f = io.BytesIO(raw)
+    for _ in range(3):  # the magic number, protocol and system-information pickles
+        pickle.load(f)
+    bytes8 = b"\x80\x04\x8e" + struct.pack("<Q", 2**31)  # protocol 4, BINBYTES8 of 2 GiB
+    (tmp_path / "bytes8.pt").write_bytes(raw[: f.tell()] + bytes8 + b"\0" * 64)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"^'.*bytes8\.pt' is a truncated or damaged checkpoint: exp"):
+            read_checkpoint(tmp_path / "bytes8.pt")
+        assert tracemalloc.get_traced_memory()[1] < 2**27
+    finally:
+        tracemalloc.stop()
+
+
+def _ts_with_buffer_declaring(tmp_path, name, size):
+    """A scripted module whose zero-size buffer's record is patched to declare ``size`` elements (its storage
+    record stays empty)."""
+    import zipfile
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", torch.zeros(0))
+
+        def forward(self, x):
+            return x
+
+    torch.jit.save(torch.jit.script(M()), str(tmp_path / "src.pt"))
+    with zipfile.ZipFile(tmp_path / "src.pt") as zin, zipfile.ZipFile(tmp_path / name, "w") as zout:
+        for info in zin.infolist():
+            body = zin.read(info.filename)
+            if info.filename.endswith("/data.pkl") and "constants" not in info.filename:
+                old = b"K\x00(K\x00t(K\x01t"  # offset 0, size (0,), stride (1,)
+                assert old in body
+                new = b"K\x00(J" + size.to_bytes(4, "little", signed=True) + b"t(K\x01t"
+                body = body.replace(old, new, 1)
+            zout.writestr(info, body)
+    return tmp_path / name
+
+
+def test_torchscript_view_past_its_storage_is_refused_before_it_is_made(tmp_path):
+    """An empty storage record became a resizable torch.empty(0), which Tensor.set_ grew to the size the
+    pickle declares (8 GiB from a 1.5 KB file) before the tensors were checked; the view is now checked
+    against its storage first."""
+    path = _ts_with_buffer_declaring(tmp_path, "empty.pt", 2**20)
+    assert path.stat().st_size < 4000
+    refused = (r"^TorchScript archive '.*empty\.pt' refused: a tensor record declares shape \(1048576,\) "
+               r"\(strides \(1,\), offset 0\) over a storage of 0 elements")
+    with pytest.raises(ValueError, match=refused):
+        read_checkpoint(path, torchscript=True)
+    with pytest.raises(ValueError, match=r"negative.*nothing in it was run"):
+        read_checkpoint(_ts_with_buffer_declaring(tmp_path, "negative.pt", -5), torchscript=True)
+    assert read_checkpoint(tmp_path / "src.pt", torchscript=True)["b"].shape == (0,)
+
+
+def test_torchscript_code_records_are_scanned_in_bounded_memory(tmp_path, monkeypatch):
+    """A deflated code record of short lines (8 MiB of b'ab\\n' in 8 KB) was read whole and split into 2.8
+    million str objects (64 MiB of it: 1.6 GiB); it is scanned a block at a time, and the code records
+    together are bounded."""
+    import tracemalloc
+    import zipfile
+
+    from elsa_vision.files import torchscript
+
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 3)), str(tmp_path / "lin.pt"))
+
+    def padded(name, *sizes):
+        with zipfile.ZipFile(tmp_path / "lin.pt") as zin, zipfile.ZipFile(tmp_path / name, "w") as zout:
+            for info in zin.infolist():
+                zout.writestr(info, zin.read(info.filename))
+            for i, size in enumerate(sizes):
+                zout.writestr(f"lin/code/__torch__/pad{i}.py", b"ab\n" * (size // 3),
+                              compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+        return tmp_path / name
+
+    path = padded("pad.pt", 8 * 2**20)
+    assert path.stat().st_size < 64 * 2**10
+    tracemalloc.start()
+    try:
+        state = read_checkpoint(path, torchscript=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert state.keys() == {"weight", "bias"}
+    assert peak < 4 * 2**20, f"{peak:,} bytes"
+    monkeypatch.setattr(torchscript, "_TS_MAX_CODE_BYTES", 5 * 2**20)
+    refused = r"^TorchScript archive '.*two\.pt': its code records hold more than 5,242,880 bytes"
+    with pytest.raises(ValueError, match=refused):
+        read_checkpoint(padded("two.pt", 3 * 2**20, 3 * 2**20), torchscript=True)
+
+
+def test_images_in_formats_the_package_does_not_read_are_refused_by_content(tmp_path):
+    """Pillow picks the format from the content: a 60-byte ICNS icon named frame.png, whose JPEG 2000 block
+    declares 4 GiB, made load_rgb read(4 GiB). Only the formats image folders and frames are read in (PNG,
+    JPEG, TIFF, BMP, WebP, GIF, PPM/PGM) are opened."""
+    import struct
+
+    from PIL import UnidentifiedImageError
+
+    from elsa_vision.data.readers import load_rgb, read_rgb
+
+    icns = tmp_path / "frame.png"
+    block = b"ic08" + struct.pack(">I", 0xFFFFFFF0) + b"\0\0\0\x0cjP  \r\n\x87\n" + b"\0" * 32
+    icns.write_bytes(b"icns" + struct.pack(">I", 0xFFFFFFF0) + block)
+    refused = r"^image '.*frame\.png' is not a readable PNG, JPEG, BMP, GIF, PPM, TIFF or WebP image"
+    with pytest.raises(UnidentifiedImageError, match=refused):
+        open_image(icns)
+    with pytest.raises(UnidentifiedImageError, match=refused):
+        load_rgb(icns)
+    with pytest.raises(ValueError, match=r"frame\.png"):
+        read_rgb(icns)
+    for ext in ("png", "jpg", "tif", "bmp", "webp", "gif", "ppm", "pgm"):
+        Image.new("L" if ext == "pgm" else "RGB", (5, 4), 7).save(tmp_path / f"a.{ext}")
+        with open_image(tmp_path / f"a.{ext}") as im:
+            assert im.size == (5, 4)
+        assert read_rgb(tmp_path / f"a.{ext}").shape == (3, 4, 5)

@@ -6,7 +6,8 @@ plain values only), and TorchScript archives (OpenAI's CLIP ``.pt`` files) throu
 :func:`~elsa_vision.files.torchscript.read_torchscript_state_dict`, which reads their tensors without running
 the archive's code. A file that is none of these is reported as "not a checkpoint", naming what it looks
 like. What a file may make a reader allocate is bounded by the file's size before anything is read
-(:func:`~elsa_vision.files.limits.check_zip_records`, :func:`~elsa_vision.files.limits.check_tensors`).
+(:func:`~elsa_vision.files.limits.check_zip_records`, :func:`~elsa_vision.files.limits.check_legacy_torch`,
+:func:`~elsa_vision.files.limits.check_tensors`).
 :func:`read_weights` (:func:`unwrap_weights` for a checkpoint already read) unwraps what training scripts put
 around the weights (a Lightning checkpoint's ``state_dict``, timm's ``state_dict_ema``, DDP's ``module.``
 prefix ...) into one flat ``{name: tensor}``; ``submodule="net"`` takes the network out of a training
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .limits import check_tensors, check_zip_records
+from .limits import check_legacy_torch, check_tensors, check_zip_records
 from .torchscript import read_torchscript_state_dict
 
 __all__ = [
@@ -208,6 +209,8 @@ def _read_checkpoint(path: str, map_location: Any, torchscript: bool, mmap: bool
     if kind == "torch":
         with _open_zip(path) as zf:
             check_zip_records(path, zf, stored=lambda name: True)
+    else:  # torch-legacy: torch reserves each storage at its declared size before reading it
+        check_legacy_torch(path)
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and kind == "torch")
     except pickle.UnpicklingError as e:

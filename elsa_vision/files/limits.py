@@ -5,19 +5,25 @@ MATLAB variable shapes); :func:`check_image_pixels` and :func:`check_array_bytes
 with a limit before any pixel is decoded: Pillow's ``Image.MAX_IMAGE_PIXELS`` for images, ``max_bytes``
 (:data:`DEFAULT_MAX_ARRAY_BYTES` unless the caller passes another) for arrays, counting what the reader
 already holds for the same file. :func:`open_image` and :func:`read_npy` are the readers that apply them to
-images and ``.npy`` files. :func:`check_regular_file` refuses FIFOs and devices before anything opens them.
-Checkpoints declare their sizes in their zip directory and tensor records: :func:`check_zip_records` and
-:func:`check_tensors` bound what a checkpoint reader allocates by the file's size.
+images and ``.npy`` files (:func:`open_image` opens only :data:`IMAGE_FORMATS`, recognised by content).
+:func:`check_regular_file` refuses FIFOs and devices before anything opens them. Checkpoints declare their
+sizes in their zip directory and tensor records: :func:`check_zip_records` and :func:`check_tensors` bound
+what a checkpoint reader allocates by the file's size, :func:`check_legacy_torch` the storages of a legacy
+(pre-1.6, non-zip) ``torch.save`` file, and :func:`view_end` (how far into its storage a tensor record
+reaches) is checked before a reader makes the view.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
+import pickletools
 import re
 import stat
 import warnings
 import zipfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,14 +33,19 @@ from torch import Tensor
 __all__ = [
     "DEFAULT_MAX_ARRAY_BYTES",
     "FileTooLargeError",
+    "IMAGE_FORMATS",
+    "STORAGE_DTYPES",
     "check_array_bytes",
     "check_image_pixels",
+    "check_legacy_torch",
+    "check_npy_holds",
     "check_regular_file",
     "check_tensors",
     "check_zip_records",
     "npy_header",
     "open_image",
     "read_npy",
+    "view_end",
 ]
 
 # Decoded arrays (TIFF/HDF5/MATLAB/NumPy inputs) larger than this are refused before decoding: 4 GiB holds an
@@ -98,18 +109,33 @@ def check_image_pixels(
         raise _too_many_pixels(path, f"{width}x{height} = {width * height:,}", limit)
 
 
+# The Pillow formats the package reads (image folders' IMG_EXTENSIONS, multiview frames and depth maps, the
+# medical PNG / JPEG reader): Pillow's ID -> the name errors give. PPM covers .pgm / .pbm / .pnm. Pillow picks
+# the format from the content, whatever the name, and some of its other plugins trust declared lengths (ICNS
+# reads a JPEG 2000 block of any declared size into memory); those are never opened.
+IMAGE_FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "BMP": "BMP", "GIF": "GIF", "PPM": "PPM", "TIFF": "TIFF",
+                 "WEBP": "WebP"}
+
+
 def open_image(path: str | os.PathLike, max_pixels: int | None = None):
-    """``PIL.Image.open(path)`` with the declared size checked before any decoding (see
-    :func:`check_image_pixels`). Pillow's own ``DecompressionBombError`` (above twice its limit) becomes the
-    same ``FileTooLargeError`` naming the file."""
-    from PIL import Image
+    """``PIL.Image.open(path)`` restricted to :data:`IMAGE_FORMATS`, with the declared size checked before
+    any decoding (see :func:`check_image_pixels`). Pillow's own ``DecompressionBombError`` (above twice its
+    limit) becomes the same ``FileTooLargeError`` naming the file; a file in another format (by content) is
+    ``PIL.UnidentifiedImageError`` (an ``OSError``) naming it."""
+    from PIL import Image, UnidentifiedImageError
 
     check_regular_file(path, "image")
     try:
         with warnings.catch_warnings():
             # Pillow warns between 1x and 2x its limit and refuses above; the limit is enforced below
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(path)
+            im = Image.open(path, formats=tuple(IMAGE_FORMATS))
+    except UnidentifiedImageError:
+        names = list(IMAGE_FORMATS.values())
+        raise UnidentifiedImageError(
+            f"image {os.fspath(path)!r} is not a readable {', '.join(names[:-1])} or {names[-1]} image (the "
+            "format is recognised by content, whatever the name); other formats are not read"
+        ) from None
     except Image.DecompressionBombError as e:
         found = re.search(r"\((\d+) pixels\)", str(e))
         pixels = f"{int(found.group(1)):,}" if found else "too many"
@@ -185,13 +211,19 @@ def read_npy(path: str | os.PathLike, max_bytes: int | None = None) -> np.ndarra
     except OSError as e:
         raise ValueError(f"{path!r} cannot be read: {e}") from e
     nbytes = check_array_bytes(path, shape, dtype, max_bytes, "the .npy array")
-    size = os.path.getsize(path) - offset
-    if size < nbytes:
-        raise ValueError(
-            f"{path!r}: the .npy header declares shape {tuple(shape)} {dtype} ({nbytes:,} bytes) but the "
-            f"file holds {size:,} bytes of data (truncated or forged header)"
-        )
+    check_npy_holds(repr(path), shape, dtype, nbytes, os.path.getsize(path) - offset)
     return np.load(path, allow_pickle=False)
+
+
+def check_npy_holds(name: str, shape: tuple[int, ...], dtype: np.dtype, nbytes: int, held: int) -> None:
+    """Refuse a ``.npy`` array (``name``: the file, or a member of an ``.npz``) whose header declares
+    ``nbytes`` bytes of data (``shape``, ``dtype``) where only ``held`` follow the header: NumPy allocates the
+    declared array before it reads it (a header of a few bytes can declare gigabytes)."""
+    if held < nbytes:
+        raise ValueError(
+            f"{name}: the .npy header declares shape {tuple(shape)} {dtype} ({nbytes:,} bytes) but "
+            f"it holds {max(0, held):,} bytes of data (truncated or forged header)"
+        )
 
 
 def check_zip_records(path: str, zf: zipfile.ZipFile, stored: Callable[[str], bool]) -> None:
@@ -261,16 +293,29 @@ def check_tensors(obj: Any, path: str) -> None:
             pairs = item.items() if isinstance(item, Mapping) else enumerate(item)
             stack.extend((v, f"{where}[{k!r}]") for k, v in pairs)
     held = sum(storages.values())
-    if held > file_bytes:
-        raise ValueError(
-            f"{path!r}: its tensors' storages declare {held:,} bytes, more than the {file_bytes:,}-byte file "
-            "holds (a forged checkpoint)"
-        )
+    _check_storage_bytes(path, held, file_bytes)
     if described > 2 * held:
         raise ValueError(
             f"{path!r}: its tensors describe {described:,} bytes over {held:,} bytes of storage: the same "
             "data viewed under many names (a forged checkpoint); save each tensor once (.clone())"
         )
+
+
+def _check_storage_bytes(path: str, held: int, file_bytes: int) -> None:
+    if held > file_bytes:
+        raise ValueError(
+            f"{path!r}: its tensors' storages declare {held:,} bytes, more than the {file_bytes:,}-byte file "
+            "holds (a forged checkpoint)"
+        )
+
+
+def view_end(offset: int, size: Sequence[int], stride: Sequence[int]) -> int:
+    """One past the last element of its storage that the view ``offset``, ``size``, ``stride`` (in elements)
+    reaches; 0 for a view without elements. A view is inside a storage of ``n`` elements iff this is ``<= n``
+    (sizes, strides and offset non-negative)."""
+    if any(n == 0 for n in size):
+        return 0
+    return offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
 
 
 def _tensor_extent(t: Tensor, where: str, path: str, storages: dict[int, int]) -> int:
@@ -283,11 +328,120 @@ def _tensor_extent(t: Tensor, where: str, path: str, storages: dict[int, int]) -
     storages[storage._cdata] = storage.nbytes()
     elements = storage.nbytes() // t.element_size()
     numel = t.numel()
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if numel else -1
-    if numel > elements or last >= elements:
+    if numel > elements or view_end(t.storage_offset(), t.shape, t.stride()) > elements:
         raise ValueError(
             f"{path!r}: {name} declares shape {tuple(t.shape)} ({numel:,} elements, strides {t.stride()}) "
             f"over a storage of {elements:,} elements: an expanded (stride-0) or overlapping view, or a "
             "forged checkpoint; save it with .contiguous()"
         )
     return numel * t.element_size()
+
+
+# torch.<X>Storage, in a pickle's storage references, names the element type of the storage.
+STORAGE_DTYPES = {
+    "Float": torch.float32, "Double": torch.float64, "Half": torch.float16, "BFloat16": torch.bfloat16,
+    "Long": torch.int64, "Int": torch.int32, "Short": torch.int16, "Char": torch.int8, "Byte": torch.uint8,
+    "Bool": torch.bool, "ComplexFloat": torch.complex64, "ComplexDouble": torch.complex128,
+}
+
+
+class _Inert:
+    """What every global a legacy pickle names becomes while its storages are counted: nothing is looked up
+    or run, and it takes whatever the pickle does with it (calls, state, items)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
+        return _Inert()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _StorageType(_Inert):
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
+
+
+class _StorageCounter(pickle.Unpickler):
+    """Reads one pickle of a legacy ``torch.save`` file, recording the bytes each storage it references
+    declares (``storages``: key -> bytes, the first declaration of a key, which is what torch reserves)."""
+
+    def __init__(self, file: io.BufferedReader) -> None:
+        super().__init__(file, encoding="utf-8")  # as torch.load reads Python 2 pickles
+        self.storages: dict[Any, int] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name.endswith("Storage"):
+            dtype = STORAGE_DTYPES.get(name[: -len("Storage")])
+            return _StorageType(torch._utils._element_size(dtype) if dtype is not None else 16)
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 6 and pid[0] in ("storage", b"storage"):
+            _, stype, key, _location, numel, _view = pid
+            if type(numel) is not int or numel < 0:
+                raise pickle.UnpicklingError(f"storage {str(key)[:40]!r} declares {str(numel)[:40]} elements")
+            itemsize = stype.itemsize if isinstance(stype, _StorageType) else 16
+            self.storages.setdefault(key, numel * itemsize)
+        return _Inert()
+
+
+class _ReadsToTheEnd:
+    """The reads a pickle reader makes of ``f`` (``size`` bytes), none past its end: a read of a declared
+    length returns what is left, so a length the file does not hold fails the reader instead of reserving
+    the declared size."""
+
+    def __init__(self, f: io.BufferedReader, size: int) -> None:
+        self.f, self.size = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self.size - self.f.tell())
+        return self.f.read(left if n is None or n < 0 else min(n, left))
+
+    def readline(self, limit: int = -1) -> bytes:
+        return self.f.readline(limit)
+
+    def readinto(self, b) -> int:
+        left = max(0, self.size - self.f.tell())
+        return self.f.readinto(memoryview(b)[:left])
+
+
+def check_legacy_torch(path: str) -> None:
+    """Refuse a legacy (pre-1.6, non-zip) ``torch.save`` file whose storages declare more bytes than the
+    file holds, before ``torch.load`` reads it.
+
+    The legacy container is a sequence of pickles (a magic number, the protocol version, system information,
+    the saved object, the list of storage keys) followed by each storage's element count and bytes; torch
+    reserves every storage at the size the object's persistent ids declare before it reads any of them (8 GiB
+    from a 368-byte file). Those sizes are read here from the object's pickle, with every global it names
+    replaced by an inert stand-in (nothing is imported or run), and must fit the file together. A pickle that
+    cannot be read this way is a ``ValueError`` naming the file. Each pickle's opcodes are walked first
+    (``pickletools.genops``) through reads that stop at the end of the file: a string or buffer declaring
+    more bytes than are left is refused there, where Python's unpickler would reserve the declared size
+    (``bytearray8`` of 8 GiB) before reading it.
+    """
+    try:
+        with open(path, "rb") as raw:
+            f = _ReadsToTheEnd(raw, os.path.getsize(path))
+            for _ in range(4):  # magic number, protocol version, system information, the saved object
+                start = raw.tell()
+                for _op in pickletools.genops(f):
+                    pass
+                raw.seek(start)
+                counter = _StorageCounter(f)
+                counter.load()
+    except Exception as e:  # a forged pickle can fail in many ways; nothing was run either way
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path!r} is a truncated or damaged checkpoint: {first}") from e
+    _check_storage_bytes(path, sum(counter.storages.values()), os.path.getsize(path))

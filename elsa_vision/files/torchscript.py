@@ -10,13 +10,14 @@ import pickle
 import re
 import sys
 import zipfile
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .limits import check_tensors, check_zip_records
+from .limits import STORAGE_DTYPES, check_tensors, check_zip_records, view_end
 
 __all__ = ["read_torchscript_state_dict"]
 
@@ -29,9 +30,15 @@ _TS_PASSTHROUGH = {
     ("torch.jit._pickle", "build_doublelist"),
     ("torch.jit._pickle", "build_boollist"),
 }
+# The code records together (a model's is a few hundred KB) are inflated up to this many bytes, and scanned
+# a block of lines at a time: only class headers and their __parameters__ / __buffers__ lines are kept.
 _TS_MAX_CODE_BYTES = 64 * 2**20
-_TS_CLASS = re.compile(r"^class\s+([A-Za-z_][A-Za-z0-9_]*)\s*[(:]")
-_TS_DECL = re.compile(r"^\s+(__parameters__|__buffers__)\s*=\s*(\[.*\])\s*$")
+_TS_CODE_BLOCK = 2**18
+_TS_CODE_LINE = re.compile(
+    rb"^class[ \t]+([A-Za-z_][A-Za-z0-9_]*)[ \t]*[(:]"
+    rb"|^[ \t]+(__parameters__|__buffers__)[ \t]*=[ \t]*(\[.*\])[ \t\r]*$",
+    re.MULTILINE,
+)
 
 
 class _ScriptObject:
@@ -51,14 +58,6 @@ class _Storage:
         self.data = data  # 1-D, the storage's dtype
 
 
-# torch.<X>Storage names the element type of a storage record.
-_TS_DTYPES = {
-    "Float": torch.float32, "Double": torch.float64, "Half": torch.float16, "BFloat16": torch.bfloat16,
-    "Long": torch.int64, "Int": torch.int32, "Short": torch.int16, "Char": torch.int8, "Byte": torch.uint8,
-    "Bool": torch.bool, "ComplexFloat": torch.complex64, "ComplexDouble": torch.complex128,
-}
-
-
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
                     hooks: Any = None, metadata: Any = None) -> Tensor:
     if not isinstance(storage, _Storage):
@@ -67,6 +66,14 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_
     if ints is None or not all(type(v) is int for v in ints) or len(size) != len(stride):
         raise pickle.UnpicklingError("a tensor record has a malformed offset, size or stride")
     data = storage.data
+    # set_ grows a storage too small for the view (an empty record's is resizable) to the size the record
+    # declares, whatever it is: checked first
+    if min(ints) < 0 or view_end(offset, size, stride) > data.numel():
+        raise pickle.UnpicklingError(
+            f"a tensor record declares shape {size} (strides {stride}, offset {offset}) over a storage of "
+            f"{data.numel():,} elements{' (a negative size, stride or offset)' if min(ints) < 0 else ''}: a "
+            "forged archive"
+        )
     return torch.empty(0, dtype=data.dtype).set_(data.untyped_storage(), offset, size, stride)
 
 
@@ -90,8 +97,8 @@ class _TorchScriptUnpickler(pickle.Unpickler):
             return complex
         if (module, name) == ("torch", "device"):
             return torch.device
-        if module == "torch" and name.endswith("Storage") and name[: -len("Storage")] in _TS_DTYPES:
-            return ("storage_type", _TS_DTYPES[name[: -len("Storage")]])
+        if module == "torch" and name.endswith("Storage") and name[: -len("Storage")] in STORAGE_DTYPES:
+            return ("storage_type", STORAGE_DTYPES[name[: -len("Storage")]])
         if module == "__torch__" or module.startswith("__torch__."):
             qualname = f"{module}.{name}"
             if qualname not in self._classes:
@@ -129,35 +136,64 @@ class _TorchScriptUnpickler(pickle.Unpickler):
         return self._storages[key]
 
 
-def _class_declarations(zf: zipfile.ZipFile, prefix: str) -> dict[str, tuple[list[str], list[str]]]:
+def _class_declarations(zf: zipfile.ZipFile, prefix: str, path: str) -> dict[str, tuple[list, list]]:
     """``qualified class name -> (parameter names, buffer names)`` from the archive's ``code/`` records.
 
-    The records are read as text: a class header line and its ``__parameters__`` / ``__buffers__`` list
-    literals (``ast.literal_eval``); nothing is compiled.
+    The records are read as text, a block of whole lines at a time (a record of short lines is never held
+    whole, nor split into a string per line): a class header line and its ``__parameters__`` /
+    ``__buffers__`` list literals (``ast.literal_eval``); nothing is compiled. The records together are
+    inflated up to ``_TS_MAX_CODE_BYTES`` (the sizes their headers declare, which bound what zipfile
+    inflates).
     """
     decls: dict[str, tuple[list[str], list[str]]] = {}
     code_dir = f"{prefix}code/"
+    left = _TS_MAX_CODE_BYTES
     for info in zf.infolist():
         name = info.filename
         if not (name.startswith(code_dir) and name.endswith(".py")):
             continue
-        if info.file_size > _TS_MAX_CODE_BYTES:
-            raise ValueError(f"code record {name!r} is {info.file_size} bytes; not a module archive")
+        left -= info.file_size
+        if left < 0:
+            raise ValueError(f"TorchScript archive {path!r}: its code records hold more than "
+                             f"{_TS_MAX_CODE_BYTES:,} bytes (at {name!r}); not a module archive")
         module = name[len(code_dir) : -len(".py")].replace("/", ".")
-        current: str | None = None
-        for line in zf.read(name).decode("utf-8", errors="replace").splitlines():
-            m = _TS_CLASS.match(line)
-            if m:
-                current = f"{module}.{m.group(1)}"
-                continue
-            d = _TS_DECL.match(line) if current else None
-            if d:
-                names = ast.literal_eval(d.group(2))
-                if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-                    raise ValueError(f"{name!r}: malformed {d.group(1)} of class {current}")
-                params, buffers = decls.get(current, ([], []))
-                decls[current] = (names, buffers) if d.group(1) == "__parameters__" else (params, names)
+        current: str | None = None  # the class whose body the scan is in
+        try:
+            with zf.open(info) as f:
+                buf = bytearray()  # lines not scanned yet: none complete, but for the last block
+                while True:
+                    block = f.read(_TS_CODE_BLOCK)
+                    buf += block
+                    end = buf.rfind(b"\n", len(buf) - len(block)) + 1 if block else len(buf)
+                    for m in _TS_CODE_LINE.finditer(buf, 0, end):
+                        current = _declaration(m, module, current, decls, name, path)
+                    del buf[:end]
+                    if not block:
+                        break
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError) as e:
+            raise ValueError(f"TorchScript archive {path!r}: code record {name!r} cannot be read: {e}") from e
     return decls
+
+
+def _declaration(
+    m: re.Match, module: str, current: str | None, decls: dict, name: str, path: str
+) -> str | None:
+    """Record the line ``m`` of code record ``name`` (in the body of class ``current``) in ``decls``; returns
+    the class the lines after it belong to."""
+    if m.group(1) is not None:
+        return f"{module}.{m.group(1).decode()}"
+    if current is None:
+        return None
+    try:
+        names = ast.literal_eval(m.group(3).decode("utf-8", errors="replace"))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        names = None
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"TorchScript archive {path!r}: {name!r}: malformed {m.group(2).decode()} of class "
+                         f"{current}")
+    params, buffers = decls.get(current, ([], []))
+    decls[current] = (names, buffers) if m.group(2) == b"__parameters__" else (params, names)
+    return current
 
 
 def read_torchscript_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
@@ -189,12 +225,12 @@ def read_torchscript_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
             raise ValueError(f"TorchScript archive {path!r} has {len(pkl)} data.pkl records, expected one")
         prefix = pkl[0][: -len("data.pkl")]
         # the module pickle and the tensors are read whole; code records (deflated by torch.jit.save) are
-        # read one at a time, each at most _TS_MAX_CODE_BYTES
+        # scanned a block at a time, together at most _TS_MAX_CODE_BYTES
         check_zip_records(path, zf, stored=lambda name: name == pkl[0] or name.startswith(f"{prefix}data/"))
         order = f"{prefix}byteorder"
         if order in zf.namelist() and zf.read(order).decode(errors="replace").strip() != sys.byteorder:
             raise ValueError(f"TorchScript archive {path!r} was written on a machine of another byte order")
-        decls = _class_declarations(zf, prefix)
+        decls = _class_declarations(zf, prefix, path)
         with zf.open(pkl[0]) as f:
             try:
                 root = _TorchScriptUnpickler(f, zf, prefix, path).load()
