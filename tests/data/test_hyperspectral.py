@@ -602,3 +602,109 @@ def test_envi_data_is_read_as_its_header_declares(tmp_path, scene):
     refused = r"counts\.hdr: cannot read ENVI image: the data file .*counts\.raw holds 710 bytes"
     with pytest.raises(ValueError, match=refused):
         load_cube(tmp_path / "counts.hdr")
+
+
+def _refused(fn, path, match, exc=ValueError, **kwargs):
+    """The peak bytes traced while ``fn(path, **kwargs)`` is refused with ``exc`` matching ``match``."""
+
+    def refuse():
+        with pytest.raises(exc, match=match):
+            fn(path, **kwargs)
+
+    return _peak_bytes(refuse)[1]
+
+
+def test_npz_member_shorter_than_its_header_is_refused(tmp_path):
+    """An ``.npz`` member holding only a ``.npy`` header for 64 MiB (stored or deflated) is refused from the
+    member's size in the zip directory, before NumPy allocates the array it declares."""
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False,
+                                                  "shape": (256, 256, 256)})
+    for method in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        path = tmp_path / f"short_{method}.npz"
+        with zipfile.ZipFile(path, "w", method) as z:
+            z.writestr("cube.npy", header.getvalue())
+            z.writestr("gt.npy", np.save(buf := io.BytesIO(), np.ones((4, 4), np.uint8)) or buf.getvalue())
+        refused = rf"short_{method}\.npz.*'cube'.*67,108,864 bytes.* holds 0 bytes"
+        assert _refused(load_cube, path, refused) < 2**20
+        assert _refused(list_arrays, path, refused) < 2**20
+
+
+def test_mat_v5_variable_past_the_end_is_refused(tmp_path):
+    """An uncompressed v5 variable (or its data element) declaring 64 MiB of single data that the file does
+    not hold is refused before ``np.fromfile`` allocates it."""
+    import struct
+
+    def element(kind, payload):
+        return struct.pack("<II", kind, len(payload)) + payload + b"\0" * (-len(payload) % 8)
+
+    shape, nbytes = (256, 256, 256), 4 * 256**3
+    flags, dims = element(6, struct.pack("<II", 7, 0)), element(5, struct.pack("<3i", *shape))
+    body = flags + dims + element(1, b"cube") + struct.pack("<II", 7, nbytes)  # miSINGLE data tag, no data
+    header = b"MATLAB 5.0 MAT-file".ljust(116, b" ") + b"\0" * 8 + struct.pack("<H", 0x0100) + b"IM"
+    (tmp_path / "past_file.mat").write_bytes(header + struct.pack("<II", 14, len(body) + nbytes) + body)
+    declared = len(body) + nbytes
+    refused = rf"past_file\.mat: cannot read MATLAB file: variable at byte 128 declares {declared:,} bytes"
+    assert _refused(load_cube, tmp_path / "past_file.mat", refused) < 2**20
+    # the variable fits the file, its data element does not
+    (tmp_path / "past_var.mat").write_bytes(header + struct.pack("<II", 14, len(body)) + body)
+    refused = r"past_var\.mat: cannot read MATLAB file: variable 'cube' .* past the end of the variable"
+    assert _refused(load_cube, tmp_path / "past_var.mat", refused) < 2**20
+
+
+def test_mat_v4_headers_are_bounded_by_the_file(tmp_path):
+    """A v4 variable header declaring a name or data the file does not hold is refused before scipy reads
+    them (it reads the declared size first); valid v4 files (real, complex, text, sparse) read as before."""
+    import struct
+
+    import scipy.sparse
+
+    (tmp_path / "name.mat").write_bytes(struct.pack("<5i", 0, 2, 2, 0, 2**26) + b"cube\0" + b"\0" * 16)
+    refused = r"name\.mat: cannot read MATLAB file: variable at byte 0 declares a 67108864-byte name"
+    assert _refused(load_cube, tmp_path / "name.mat", refused) < 2**20
+    (tmp_path / "data.mat").write_bytes(struct.pack("<5i", 0, 2048, 2048, 0, 5) + b"cube\0" + b"\0" * 16)
+    refused = r"data\.mat: cannot read MATLAB file: variable at byte 0 .* 33,554,432 bytes of data, past the"
+    assert _refused(load_cube, tmp_path / "data.mat", refused) < 2**20
+    cube = np.arange(4 * 5 * 3, dtype=np.float64).reshape(4, 5 * 3)
+    scipy.io.savemat(tmp_path / "v4.mat", {"note": "text", "z": np.full((3, 2), 1 + 2j), "cube": cube,
+                                          "s": scipy.sparse.csc_matrix(np.eye(5)), "gt": np.ones((4, 5))},
+                     format="4")
+    (tmp_path / "v4_big.mat").write_bytes((tmp_path / "v4.mat").read_bytes()[:-8])  # one value short
+    arrays = list_arrays(tmp_path / "v4.mat")
+    np.testing.assert_array_equal(arrays["cube"], cube)
+    assert set(arrays) == {"cube", "gt"}  # the sparse, complex and text variables before them are skipped
+    with pytest.raises(ValueError, match=r"v4_big\.mat: cannot read MATLAB file: variable at byte \d+ "):
+        list_arrays(tmp_path / "v4_big.mat")
+
+
+def test_hdf5_chunks_are_counted_against_the_limit(tmp_path):
+    """HDF5 decodes whole chunks, and a chunk may be larger than its dataset when its maxshape is unlimited:
+    a chunk larger than its dataset and than a slice is refused, a smaller one counts against the limit."""
+    import struct
+
+    scale_offset_chunk = struct.pack("<I", 0) + bytes([8]) + b"\0" * 16  # minbits 0: every value the minimum
+    for name, chunks in (("huge", (32, 1024, 1024)), ("small", (64, 64, 64))):
+        with h5py.File(tmp_path / f"{name}.mat", "w") as f:
+            d = f.create_dataset("cube", (2, 2, 2), "i1", maxshape=(None,) * 3, chunks=chunks, scaleoffset=0)
+            d.id.write_direct_chunk((0, 0, 0), scale_offset_chunk, 0)
+    refused = r"huge\.mat: HDF5 dataset 'cube' of shape \(2, 2, 2\) is stored in chunks of shape \(32, 1024, "
+    with pytest.raises(ValueError, match=refused):
+        load_cube(tmp_path / "huge.mat")
+    with pytest.raises(FileTooLargeError, match=r"small\.mat'.*a chunk of HDF5 dataset 'cube' of shape"):
+        load_cube(tmp_path / "small.mat", max_bytes=2**16)
+    assert load_cube(tmp_path / "small.mat", max_bytes=2**19).shape == (2, 2, 2)
+    a = np.arange(10 * 12 * 6, dtype=np.float32).reshape(10, 12, 6)
+    for chunks in (True, (3, 4, 5)):  # h5py's own chunks and chunks that do not divide the shape
+        with h5py.File(tmp_path / "compressed.mat", "w") as f:
+            f.create_dataset("a", data=np.ascontiguousarray(a.T), chunks=chunks, compression="gzip")
+        np.testing.assert_array_equal(load_cube(tmp_path / "compressed.mat"), a)
+
+
+def test_envi_negative_header_offset_is_refused(tmp_path):
+    (tmp_path / "neg.hdr").write_text("ENVI\nsamples = 2\nlines = 2\nbands = 2\nheader offset = -100\n"
+                                      "data type = 1\ninterleave = bsq\nbyte order = 0\n")
+    (tmp_path / "neg.img").write_bytes(b"\0" * 8)
+    with pytest.raises(ValueError, match=r"neg\.hdr: cannot read ENVI image: header offset -100 is negative"):
+        load_cube(tmp_path / "neg.hdr")

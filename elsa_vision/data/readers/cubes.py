@@ -13,18 +13,21 @@ When ``key`` is not given, the cube is the only 3-D numeric array of the file an
 
 Memory: ``max_bytes`` bounds what reading a file allocates, not only what it declares. The arrays a file
 declares (MATLAB variable headers, HDF5 dataset shapes, the ENVI header, TIFF page shapes, ``.npy``
-headers) are checked before anything is read, and every full-size copy made from them (the float32 cube,
-the int64 label map) is checked beside them before it is made (``FileTooLargeError``); masks and other
-temporaries are made a slice of at most :data:`~elsa_vision.data.readers._common.SLICE_BYTES` at a time. No
-file makes the reader open another path: MATLAB cells, structs and objects are never read, HDF5 files with
-external storage, virtual datasets or external links are refused, and anything but a regular file (a FIFO,
-a device) is refused before it is opened.
+headers) are checked before anything is read, against the limit and, where a reader allocates what is
+declared before reading it, against the bytes the file holds (HDF5 chunks, decoded whole, against their
+dataset); every full-size copy made from them (the float32 cube, the int64 label map) is checked beside
+them before it is made (``FileTooLargeError``); masks and other temporaries are made a slice of at most
+:data:`~elsa_vision.data.readers._common.SLICE_BYTES` at a time. No file makes the reader open another path:
+MATLAB cells, structs and objects are never read, HDF5 files with external storage, virtual datasets or
+external links are refused, and anything but a regular file (a FIFO, a device) is refused before it is
+opened.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import zipfile
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,8 +35,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ...files import FileTooLargeError, check_array_bytes, check_regular_file, npy_header, read_npy
-from ._common import row_slices
+from ...files import (
+    FileTooLargeError,
+    check_array_bytes,
+    check_npy_holds,
+    check_regular_file,
+    npy_header,
+    read_npy,
+)
+from ._common import SLICE_BYTES, row_slices
 from .tiff import read_tiff
 
 __all__ = [
@@ -154,6 +164,11 @@ def _mat5_variables(path: Path) -> tuple[str, list[_MatVariable]] | None:
                     raise ValueError(f"{path}: cannot read MATLAB file: damaged variable at byte {pos}")
                 found.append(_mat5_header(path, body[8:], order, pos, pos + 8 + nbytes, True))
             elif kind == _MI_MATRIX:
+                if pos + 8 + nbytes > size:  # read with np.fromfile, which allocates what it is asked for
+                    raise ValueError(
+                        f"{path}: cannot read MATLAB file: variable at byte {pos} declares {nbytes:,} bytes, "
+                        f"past the end of the {size:,}-byte file"
+                    )
                 body = f.read(min(nbytes, _MAT_HEADER_BYTES))
                 found.append(_mat5_header(path, body, order, pos, pos + 8 + nbytes, False))
             else:
@@ -175,6 +190,11 @@ def _mat5_array(path: Path, f, var: _MatVariable, order: str) -> np.ndarray:
             f"{var.data_bytes} bytes of data type {var.data_type or 'unknown'}"
         )
     if not var.compressed:
+        if var.start + 8 + var.data_at + var.data_bytes > var.stop:  # the variable lies in the file
+            raise ValueError(
+                f"{path}: cannot read MATLAB file: variable {var.name!r} declares {var.data_bytes:,} bytes "
+                "of data, past the end of the variable"
+            )
         f.seek(var.start + 8 + var.data_at)
         data = np.fromfile(f, dtype, count)
     else:
@@ -192,12 +212,48 @@ def _mat5_array(path: Path, f, var: _MatVariable, order: str) -> np.ndarray:
     return data.reshape(var.shape, order="F")
 
 
+# MATLAB v4: the element size of each precision code (the tens digit of a variable's type): double, single,
+# int32, int16, uint16, uint8
+_MAT4_ITEMSIZE = (8, 4, 4, 2, 2, 1)
+_MAT4_SPARSE = 2  # the type's units digit for a sparse matrix (stored as rows of triplets, never doubled)
+
+
+def _mat4_check(path: Path) -> None:
+    """Refuse a MATLAB v4 file whose variable headers (type, rows, columns, imaginary flag, name length)
+    declare a name or data running past the end of the file, before scipy reads it: scipy reads a name or a
+    variable's data with ``read(declared size)``, which allocates that size first (2 GiB from 41 bytes)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(4)
+        # the byte order as scipy guesses it: little-endian unless the first type reads out of 0..5000 so
+        order = ">" if len(first) == 4 and not 0 <= struct.unpack("<i", first)[0] <= 5000 else "<"
+        pos = 0
+        while pos < size:
+            f.seek(pos)
+            head = f.read(20)
+            if len(head) < 20:
+                raise ValueError(f"{path}: cannot read MATLAB file: truncated at byte {pos}")
+            mopt, rows, cols, imagf, namlen = struct.unpack(f"{order}5i", head)
+            precision = mopt % 100 // 10
+            if not 0 <= mopt <= 5000 or precision >= len(_MAT4_ITEMSIZE) or min(rows, cols, namlen) < 0:
+                raise ValueError(f"{path}: cannot read MATLAB file: damaged variable header at byte {pos}")
+            parts = 2 if imagf == 1 and mopt % 10 != _MAT4_SPARSE else 1  # real and imaginary parts
+            data = rows * cols * _MAT4_ITEMSIZE[precision] * parts
+            if pos + 20 + namlen + data > size:
+                raise ValueError(
+                    f"{path}: cannot read MATLAB file: variable at byte {pos} declares a {namlen}-byte name "
+                    f"and {data:,} bytes of data, past the end of the {size:,}-byte file"
+                )
+            pos += 20 + namlen + data
+
+
 def _read_mat_v5(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     """The real numeric variables of a MATLAB v5 (or v4) file; nothing else is read."""
     walked = _mat5_variables(path)
     if walked is None:  # MATLAB v4 (never compressed), read by scipy
         import scipy.io
 
+        _mat4_check(path)
         declared = _scipy_mat(path, scipy.io.whosmat)
         names = [name for name, _, cls in declared if cls in _MAT_DTYPES]
         # whosmat does not say which are complex: each counted as if it were, for its real and imaginary
@@ -245,6 +301,21 @@ def _refuse_other_files(f, path: Path) -> None:
         )
 
 
+def _check_chunks(path: Path, name: str, obj, nbytes: int, held: int, max_bytes: int | None) -> None:
+    """HDF5 decodes whole chunks, and a chunk may be larger than its dataset (of any size when the dataset's
+    maxshape is unlimited): a chunk larger than the dataset ``obj`` (``nbytes``) and than a slice
+    (:data:`~elsa_vision.data.readers._common.SLICE_BYTES`) is refused; any other is counted against
+    ``max_bytes`` beside the ``held`` bytes of the datasets read so far."""
+    chunk = int(np.prod(obj.chunks, dtype=object)) * obj.dtype.itemsize
+    if chunk > max(nbytes, SLICE_BYTES):
+        raise ValueError(
+            f"{path}: HDF5 dataset {name!r} of shape {obj.shape} is stored in chunks of shape {obj.chunks} "
+            f"({chunk:,} bytes, larger than the dataset); HDF5 decodes whole chunks, so it is not read (a "
+            "forged file?)"
+        )
+    check_array_bytes(path, obj.chunks, obj.dtype, max_bytes, f"a chunk of HDF5 dataset {name!r}", held=held)
+
+
 def _read_mat_v73(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
     import h5py
 
@@ -261,8 +332,11 @@ def _read_mat_v73(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
                 if (cls.decode() if isinstance(cls, bytes) else str(cls)) == "char":  # uint16 text codes
                     return
                 # declared shape first: a chunked, compressed dataset can declare gigabytes in a few bytes
-                total[0] += check_array_bytes(path, obj.shape, obj.dtype, max_bytes, f"HDF5 dataset {name!r}")
+                nbytes = check_array_bytes(path, obj.shape, obj.dtype, max_bytes, f"HDF5 dataset {name!r}")
+                total[0] += nbytes
                 check_array_bytes(path, (total[0],), np.uint8, max_bytes, f"the datasets up to {name!r}")
+                if obj.chunks is not None:
+                    _check_chunks(path, name, obj, nbytes, total[0], max_bytes)
                 # MATLAB writes column-major: an (H, W, B) array is stored as (B, W, H).
                 out[name] = np.asarray(obj[()]).T
 
@@ -316,6 +390,8 @@ def _read_envi(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
         raise ValueError(f"{hdr}: cannot read ENVI image: {e}") from e
     if header.get("file type") == "ENVI Spectral Library":
         raise ValueError(f"{hdr}: an ENVI spectral library, not an image")
+    if params.offset < 0:  # an integer (spectral's int()); np.fromfile refuses a negative one unnamed
+        raise ValueError(f"{hdr}: cannot read ENVI image: header offset {params.offset} is negative")
     data = _envi_data(hdr) if path.suffix.lower() == ".hdr" else path
     check_regular_file(data, "ENVI data file")
     rows, cols, bands = params.nrows, params.ncols, params.nbands
@@ -352,11 +428,21 @@ def _read_numpy(path: Path, max_bytes: int | None) -> dict[str, np.ndarray]:
         return {"array": read_npy(path, max_bytes)}  # header checked: declared size, data present
     try:
         with np.load(str(path), allow_pickle=False) as z:
-            total = 0
+            total, size = 0, os.path.getsize(path)
             for k in z.files:  # each member's header, before anything is decompressed
-                with z.zip.open(f"{k}.npy") as f:
+                info = z.zip.getinfo(f"{k}.npy")
+                with z.zip.open(info) as f:
                     shape, dtype = npy_header(f, f"{path}[{k!r}]")
-                total += check_array_bytes(path, shape, dtype, max_bytes, f"array {k!r}")
+                    offset = f.tell()
+                nbytes = check_array_bytes(path, shape, dtype, max_bytes, f"array {k!r}")
+                total += nbytes
+                # the data the member holds, as read_npy requires of a .npy file: NumPy allocates the
+                # declared array before it reads (a deflated member inflates to at most its declared size,
+                # a stored one is read from its stored bytes)
+                held = info.file_size
+                if info.compress_type == zipfile.ZIP_STORED:
+                    held = min(held, info.compress_size, size)
+                check_npy_holds(f"array {k!r}", shape, dtype, nbytes, held - offset)  # named below
             check_array_bytes(path, (total,), np.uint8, max_bytes, f"the {len(z.files)} arrays")
             return {k: z[k] for k in z.files}
     except FileTooLargeError:
