@@ -3,6 +3,7 @@ squeeze), bad input."""
 
 import gzip
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -459,3 +460,194 @@ def test_load_image_pretrained_mean_std(tmp_path):
         np.testing.assert_allclose(x[c], (unit - m) / s, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="mean and std"):
         load_image(read_image(p), in_chans=1, norm="pretrained")
+
+
+# ------------------------------------------------------------------------ forged sizes and sniffed files
+
+
+def _peak_bytes(fn):
+    """(the exception ``fn()`` raised, the peak of what Python allocated meanwhile)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - returned for the caller to check
+        raised = e
+    else:
+        raised = None
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return raised, peak
+
+
+def _tiff_one_strip(compression, bytecount, strip=b"x\x9c\x63\x00\x00\x00\x01\x00"):
+    """A 1x1 uint8 TIFF whose one strip, ``strip`` at byte 8, declares ``bytecount`` bytes."""
+    import struct
+
+    entries = [(256, 3, 1, 1), (257, 3, 1, 1), (258, 3, 1, 8), (259, 3, 1, compression), (262, 3, 1, 1),
+               (273, 4, 1, 8), (277, 3, 1, 1), (278, 3, 1, 1), (279, 4, 1, bytecount)]
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + b"\0" * 4
+    return b"II*\0" + struct.pack("<I", 8 + len(strip)) + strip + ifd
+
+
+@pytest.mark.parametrize("compression", [8, 32773])
+def test_tiff_strip_past_end_of_file_refused_before_reading(tmp_path, compression):
+    """A 130-byte TIFF whose compressed strip declares 0xFFFFFFF0 bytes: tifffile reads a strip whole at its
+    declared size (4 GiB allocated); offsets and byte counts are now checked against the file size first."""
+    from elsa_vision.data.readers import read_tiff
+
+    p = tmp_path / f"strip{compression}.tif"
+    p.write_bytes(_tiff_one_strip(compression, 0xFFFFFFF0))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tifffile.TiffPageSeries, "asarray", lambda *a, **k: pytest.fail("strips were read"))
+        for read in (read_image, lambda q: read_tiff(q, memmap=False)):
+            refused = rf"strip{compression}\.tif'.*4,294,967,280 bytes .*past the end of the 130-byte file"
+            with pytest.raises(ValueError, match=refused):
+                read(p)
+    good = tmp_path / f"good{compression}.tif"  # a strip that lies in the file reads as before
+    strip = zlib.compress(b"\x07") if compression == 8 else b"\x00\x07"  # PackBits: 1 literal byte
+    good.write_bytes(_tiff_one_strip(compression, len(strip), strip))
+    assert read_image(good).data.tolist() == [[[7.0]]]
+
+
+def _dicom_meta(extra=b""):
+    import struct
+
+    def el(tag, vr, val):
+        return struct.pack("<HH", *tag) + vr + struct.pack("<H", len(val)) + val
+
+    meta = el((2, 0x10), b"UI", b"1.2.840.10008.1.2.1\0") + extra  # explicit VR little endian
+    return b"\0" * 128 + b"DICM" + el((2, 0), b"UL", struct.pack("<I", len(meta))) + meta
+
+
+@pytest.mark.parametrize("where", ["file meta", "data set", "sequence item"])
+def test_dicom_value_past_end_of_file_refused(tmp_path, where):
+    """A ~200-byte DICOM with an OB value declaring 256 MiB (in the file meta group, the data set, or an item
+    of an undefined-length sequence, which pydicom reads whatever defer_size says): pydicom reads a value
+    with read(declared length), allocated before it comes back short. Now refused before that read."""
+    import struct
+
+    big = struct.pack("<I", 2**28)
+    ob = lambda g, e: struct.pack("<HH", g, e) + b"OB\0\0" + big + b"\0" * 16  # noqa: E731
+    if where == "file meta":
+        raw = _dicom_meta(ob(2, 0x102))
+    elif where == "data set":
+        raw = _dicom_meta() + ob(9, 0x1010)
+    else:
+        item = struct.pack("<HHI", 0xFFFE, 0xE000, 0xFFFFFFFF) + ob(9, 0x1010)
+        raw = _dicom_meta() + struct.pack("<HH", 8, 0x1115) + b"SQ\0\0" + struct.pack("<I", 0xFFFFFFFF) + item
+    p = tmp_path / "len.dcm"
+    p.write_bytes(raw)
+    raised, peak = _peak_bytes(lambda: read_image(p))
+    assert isinstance(raised, ValueError), raised
+    assert "len.dcm'" in str(raised) and "268,435,456 bytes" in str(raised) and "past the end" in str(raised)
+    assert peak < 2**26, f"{peak:,} bytes allocated"
+
+
+def _nifti_with_extension(path, esize, vox_offset, data=b""):
+    import struct
+
+    hdr = nib.Nifti1Header()
+    hdr.set_data_shape((4, 4, 4))
+    hdr.set_data_dtype(np.int16)
+    hdr["vox_offset"] = vox_offset
+    raw = hdr.binaryblock + b"\x01\0\0\0" + struct.pack("<ii", esize, 6) + b"\0" * 8 + data
+    path.write_bytes(gzip.compress(raw) if str(path).endswith(".gz") else raw)
+
+
+def test_nifti_extension_past_end_of_file_refused(tmp_path):
+    """nibabel reads each header extension with read(esize): a 370-byte file with vox_offset 3e9 and an
+    extension of 2**31-1 bytes allocated 2 GiB, and its HeaderDataError did not name the file. vox_offset and
+    every extension are now checked against the file size (a .nii.gz: the size limit, and the extension must
+    be in the stream) before nibabel reads the header."""
+    from nibabel.nifti1 import Nifti1Extensions
+
+    from elsa_vision.files import FileTooLargeError
+
+    voxels = np.arange(64, dtype=np.int16).reshape(4, 4, 4, order="F")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Nifti1Extensions, "from_fileobj", lambda *a, **k: pytest.fail("extensions were read"))
+        _nifti_with_extension(tmp_path / "far.nii", 2**31 - 1, 3e9)
+        with pytest.raises(ValueError, match=r"far\.nii'.*vox_offset 3,000,000,000 lies past the end"):
+            read_image(tmp_path / "far.nii")
+        _nifti_with_extension(tmp_path / "ext.nii", 2**31 - 1, 368, voxels.tobytes("F"))
+        refused = r"ext\.nii'.*at byte 352 declares 2,147,483,647 bytes, past the end of the 496-byte"
+        with pytest.raises(ValueError, match=refused):
+            read_image(tmp_path / "ext.nii")
+        _nifti_with_extension(tmp_path / "neg.nii", -8, 368, voxels.tobytes("F"))
+        with pytest.raises(ValueError, match=r"neg\.nii'.*less than its own 8-byte header"):
+            read_image(tmp_path / "neg.nii")
+        _nifti_with_extension(tmp_path / "ext.nii.gz", 2**31 - 1, 368, voxels.tobytes("F"))
+        with pytest.raises(ValueError, match=r"ext\.nii\.gz'.*past the end of the decompressed data"):
+            read_image(tmp_path / "ext.nii.gz")
+        with pytest.raises(FileTooLargeError, match=r"ext\.nii\.gz'.*NIfTI header with its extensions"):
+            read_image(tmp_path / "ext.nii.gz", max_bytes=2**30)
+    # nibabel's own HeaderDataError (an extension header cut off at the end) now names the file
+    _nifti_with_extension(tmp_path / "inf.nii", 16, np.inf)
+    with pytest.raises(ValueError, match=r"inf\.nii' is not a readable NIfTI file"):
+        read_image(tmp_path / "inf.nii")
+    for name in ("ok.nii", "ok.nii.gz"):  # true extension sizes read as before
+        _nifti_with_extension(tmp_path / name, 16, 368, voxels.tobytes("F"))
+        np.testing.assert_array_equal(read_image(tmp_path / name, slice_index=1).data[0], voxels[:, :, 1])
+
+
+def test_nifti_slice_span_is_checked(tmp_path, monkeypatch):
+    """A slice across axis 0 (or 1) is strided over the whole volume, which nibabel reads in one read(): a
+    352-byte header declaring (64, 4096, 4096) int16 allocated 2 GiB for slice_axis=0. An uncompressed file
+    must now hold the data it declares, and a request spanning more than the limit is read in slabs."""
+    from nibabel.arrayproxy import ArrayProxy
+
+    real_getitem = ArrayProxy.__getitem__
+    requests = []
+
+    def getitem(self, idx):
+        requests.append(idx)
+        return real_getitem(self, idx)
+
+    monkeypatch.setattr(ArrayProxy, "__getitem__", lambda *a: pytest.fail("data was read"))
+    hdr = nib.Nifti1Header()
+    hdr.set_data_shape((64, 512, 512))
+    hdr.set_data_dtype(np.int16)
+    hdr["vox_offset"] = 352
+    (tmp_path / "hollow.nii").write_bytes(hdr.binaryblock + b"\0" * 4)
+    for axis in (0, 1, 2):
+        with pytest.raises(ValueError, match=r"hollow\.nii'.*33,554,432 bytes\) from byte 352, but the file "
+                                             r"holds 352 bytes"):
+            read_image(tmp_path / "hollow.nii", slice_axis=axis)
+    monkeypatch.setattr(ArrayProxy, "__getitem__", getitem)
+    vol = np.random.default_rng(14).integers(-999, 999, size=(64, 8, 32), dtype=np.int16)
+    # one 8x32 slice across axis 0: 256 voxels, 3 KiB in float32 + float64 held beside the bytes read
+    limit = 256 * 12 + 8192
+    for name in ("slab.nii", "slab.nii.gz"):
+        nib.save(nib.Nifti1Image(vol, np.eye(4)), tmp_path / name)
+        requests.clear()
+        im = read_image(tmp_path / name, slice_index=5, slice_axis=0, max_bytes=limit)
+        np.testing.assert_array_equal(im.data[0], vol[5])
+        # the slice spans 31 planes of 64x8 voxels (1 KiB each): read 8 planes (<= 8 KiB) at a time
+        assert [r[2] for r in requests] == [slice(k, k + 8) for k in range(0, 32, 8)]
+        requests.clear()
+        np.testing.assert_array_equal(read_image(tmp_path / name, slice_index=3, max_bytes=limit).data[0],
+                                      vol[:, :, 3])
+        assert requests == [(slice(None), slice(None), 3)]  # contiguous: one read, as before
+
+
+def test_nifti_sniffed_file_is_read_as_nifti_only(tmp_path, monkeypatch):
+    """A file of unknown extension is sniffed as NIfTI by the magic at byte 344, but nib.load picks its reader
+    by extension: a .mnc went to MINC2 through h5py (an AttributeError not naming the file). Only NIfTI-1 /
+    NIfTI-2 headers are read now, whatever the name, and anything else is refused naming the file."""
+    h5py = pytest.importorskip("h5py")
+
+    mnc = tmp_path / "scan.mnc"  # the HDF5 signature (nibabel's MINC2 test) and "n+1\0" at byte 344
+    mnc.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 336 + b"n+1\0" + b"\0" * 200)
+    assert detect_format(mnc) == "nifti"
+    monkeypatch.setattr(h5py, "File", lambda *a, **k: pytest.fail("opened with h5py"))
+    with pytest.raises(ValueError, match=r"scan\.mnc' is not a readable NIfTI file: no NIfTI-1 or NIfTI-2"):
+        read_image(mnc)
+    vol = np.arange(6 * 5 * 3, dtype=np.float32).reshape(6, 5, 3)
+    for name in ("vol.mnc", "vol.dat", "vol"):  # a true NIfTI-1 file under another name
+        nib.save(nib.Nifti1Image(vol, np.eye(4)), tmp_path / "v.nii")
+        os.replace(tmp_path / "v.nii", tmp_path / name)
+        assert detect_format(tmp_path / name) == "nifti"
+        np.testing.assert_array_equal(read_image(tmp_path / name, slice_index=2).data[0], vol[:, :, 2])

@@ -18,15 +18,18 @@ policy, more pixels or bytes declared than the limits allow: ``FileTooLargeError
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
+import struct
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from ...files import check_array_bytes, check_regular_file
+from ...files import DEFAULT_MAX_ARRAY_BYTES, FileTooLargeError, check_array_bytes, check_regular_file
 from ._common import check_dtype, pick, to_float32
 from .tiff import read_tiff
 
@@ -150,12 +153,34 @@ def _dicom_number(ds: Any, key: str, default: float, path: str, kind: type = int
     return value
 
 
+class _SizedReader(io.BufferedReader):
+    """The file, opened for reading, refusing any read of more than it holds from the current position.
+
+    pydicom reads every element value with ``read(declared length)`` (file meta, data set and nested sequence
+    items alike, whatever ``defer_size`` says for the latter), and ``read(n)`` allocates ``n`` bytes before
+    the read comes back short: a 200-byte file declaring a 4 GiB value would allocate 4 GiB. Reads of up to
+    64 KiB (element headers at the end of the file) pass unchecked, as before."""
+
+    def __init__(self, path: str):
+        super().__init__(io.FileIO(path, "rb"))
+        self._size = os.fstat(self.fileno()).st_size
+
+    def read(self, size: int | None = -1, _read=io.BufferedReader.read) -> bytes:
+        if size is not None and size > 2**16 and size > self._size - self.tell():
+            raise ValueError(
+                f"a value of {size:,} bytes declared at byte {self.tell():,} reaches past the end of the "
+                f"{self._size:,}-byte file (truncated or forged)"
+            )
+        return _read(self, size)
+
+
 def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterator[MedicalImage]:
     import pydicom
     from pydicom.errors import InvalidDicomError
 
     try:
-        ds = pydicom.dcmread(path)
+        with _SizedReader(check_regular_file(path)) as fp:
+            ds = pydicom.dcmread(fp)
     except (InvalidDicomError, OSError, EOFError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"input file {path!r} is not a readable DICOM file: {e}") from e
     if "PixelData" not in ds and "FloatPixelData" not in ds and "DoubleFloatPixelData" not in ds:
@@ -210,19 +235,13 @@ def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterat
 def _nifti_images(
     path: str, slice_index: int | None, slice_axis: int, frame: int | None, max_bytes: int | None
 ) -> Iterator[MedicalImage]:
-    import nibabel as nib
     from nibabel.filebasedimages import ImageFileError
+    from nibabel.spatialimages import HeaderDataError
 
-    if not path.lower().endswith((".nii", ".nii.gz")):  # a NIfTI-1 pair: the header and its .img beside it
-        try:
-            image_file = nib.Nifti1Pair.filespec_to_file_map(path)["image"].filename
-        except Exception:  # not a pair's header name: nib.load says what it is
-            image_file = None
-        if image_file is not None and os.path.lexists(image_file):
-            check_regular_file(image_file, "NIfTI image file")
+    klass, file_map = _nifti_file_map(path, max_bytes)
     try:
-        img = nib.load(path)
-    except (ImageFileError, OSError, EOFError, ValueError) as e:
+        img = klass.from_file_map(file_map)
+    except (ImageFileError, HeaderDataError, OSError, EOFError, ValueError) as e:
         raise ValueError(f"input file {path!r} is not a readable NIfTI file: {e}") from e
     dataobj = img.dataobj
     dtype = img.get_data_dtype()
@@ -256,8 +275,10 @@ def _nifti_images(
     plane = [n for i, n in enumerate(shape[:3]) if len(shape) == 2 or i != slice_axis]
     # a slice is read in its stored type, scaled (scl_slope / scl_inter) in up to float64, copied to float32
     stored = check_array_bytes(path, plane, dtype, max_bytes, "one NIfTI slice")
-    check_array_bytes(path, plane, np.float64, max_bytes, "one NIfTI slice in float64",
-                      held=stored + stored // np.dtype(dtype).itemsize * 4)
+    copies = stored // np.dtype(dtype).itemsize * 4
+    copies += check_array_bytes(path, plane, np.float64, max_bytes, "one NIfTI slice in float64",
+                                held=stored + copies)
+    _check_nifti_data(path, file_map["image"].filename, dataobj.offset, shape, dtype)
     for t in frames:
         for s in slices:
             idx: list[Any] = [slice(None)] * len(shape)
@@ -267,11 +288,163 @@ def _nifti_images(
                 idx[3] = t
             try:
                 # array proxies read only the requested slab from disk (and apply scl_slope / scl_inter)
-                plane = np.asarray(dataobj[tuple(idx)])
+                plane = _read_nifti_slice(dataobj, tuple(idx), path, max_bytes, held=copies)
             except (OSError, EOFError, ValueError) as e:
+                if isinstance(e, FileTooLargeError):
+                    raise
                 raise ValueError(f"input file {path!r}: NIfTI data cannot be read (truncated?): {e}") from e
             data = to_float32(plane, path)[None]
             yield MedicalImage(data, path, "nifti", 0 if s is None else s, count, dict(meta, frame=t))
+
+
+def _nifti_compressed(name: str) -> bool:
+    """nibabel opens ``name`` decompressing (its ``ImageOpener``: ``.gz``, ``.bz2``, ``.zst``, ``.mgz``)."""
+    from nibabel.openers import ImageOpener
+
+    return os.path.splitext(name)[1].lower() in {str(k).lower() for k in ImageOpener.compress_ext_map if k}
+
+
+def _nifti_file_map(path: str, max_bytes: int | None) -> tuple[type, dict]:
+    """The nibabel class (``Nifti1Image`` / ``Nifti2Image``, or the ``Nifti1Pair`` / ``Nifti2Pair`` of a
+    ``.hdr`` header) and file map that read ``path``, chosen from its header and not, as ``nib.load`` does,
+    from its extension (a file sniffed as NIfTI but named ``.mnc`` would be read as MINC2 through h5py, one
+    named ``.mgz`` as MGH...): anything else is refused. Before nibabel reads them, ``vox_offset`` and the
+    header extensions (each read whole at its declared size) must lie in the file, or within the size limit
+    for a compressed one (whose extensions must also be there: skipped over, not read into memory)."""
+    import nibabel as nib
+    from nibabel.fileholders import FileHolder
+    from nibabel.openers import ImageOpener
+
+    single = os.path.splitext(path)[1].lower() not in nib.Nifti1Pair.valid_exts  # any name but .hdr / .img
+    if not single:  # a NIfTI pair: the header and its .img beside it
+        try:
+            file_map = nib.Nifti1Pair.filespec_to_file_map(path)
+        except Exception as e:  # nibabel raises several types for names it cannot pair
+            raise ValueError(f"input file {path!r} is not a readable NIfTI file: {e}") from e
+        image_file = file_map["image"].filename
+        if os.path.lexists(image_file):
+            check_regular_file(image_file, "NIfTI image file")
+    header_file = path if single else file_map["header"].filename
+    try:
+        end = None if _nifti_compressed(header_file) else os.path.getsize(check_regular_file(header_file))
+        with ImageOpener(header_file, "rb") as f:
+            head = f.read(nib.Nifti2Header.sizeof_hdr + 4)
+            # sizeof_hdr, in either byte order, and the magic (which is all nibabel's NIfTI-1 test looks at)
+            sizes = struct.unpack("<i", head[:4]) + struct.unpack(">i", head[:4]) if len(head) >= 4 else ()
+            if 348 in sizes and nib.Nifti1Header.may_contain_header(head):
+                header_class, klass = nib.Nifti1Header, (nib.Nifti1Image if single else nib.Nifti1Pair)
+            elif 540 in sizes and nib.Nifti2Header.may_contain_header(head):
+                header_class, klass = nib.Nifti2Header, (nib.Nifti2Image if single else nib.Nifti2Pair)
+            else:
+                raise ValueError(
+                    f"input file {path!r} is not a readable NIfTI file: no NIfTI-1 or NIfTI-2 header"
+                )
+            n = header_class.sizeof_hdr
+            hdr = header_class(head[:n], check=False)
+            vox_offset = float(hdr["vox_offset"])
+            if single and math.isfinite(vox_offset):
+                if end is not None and vox_offset > end:
+                    raise ValueError(
+                        f"input file {path!r}: NIfTI vox_offset {vox_offset:,.0f} lies past the end of the "
+                        f"{end:,}-byte file (truncated or forged header)"
+                    )
+                if end is None and vox_offset > 0:
+                    check_array_bytes(path, [int(vox_offset)], np.uint8, max_bytes, "NIfTI vox_offset")
+            if len(head) >= n + 4 and head[n:n + 1] != b"\0":  # the extension flag
+                # nibabel reads extensions up to vox_offset (a single file) or to the end (a pair's header)
+                extsize = vox_offset - (n + 4) if single else -1.0
+                _check_nifti_extensions(path, f, n + 4, extsize, end, hdr.endianness, max_bytes)
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"input file {path!r} is not a readable NIfTI file: {e}") from e
+    if single:
+        file_map = {"image": FileHolder(filename=path), "header": FileHolder(filename=path)}
+    return klass, file_map
+
+
+def _check_nifti_extensions(
+    path: str, f, pos: int, size: float, end: int | None, endianness: str, max_bytes: int | None
+) -> None:
+    """Walk the header extensions from ``pos`` as nibabel's ``Nifti1Extensions.from_fileobj`` will (``size``
+    bytes of them; to the end when negative), refusing one whose declared size (nibabel reads it with one
+    ``read(esize - 8)``) is below its own 8-byte header or reaches past ``end`` (the file's size; ``None``
+    for a compressed file: then the size limit, and the extension must be in the stream)."""
+    while size >= 16 or size < 0:
+        f.seek(pos)
+        ext = f.read(8)
+        if len(ext) < 8:  # the end of a pair's header; else nibabel's HeaderDataError says it
+            return
+        esize = struct.unpack(endianness + "i", ext[:4])[0]
+        if esize < 8 or (end is not None and pos + esize > end):
+            beyond = (
+                "less than its own 8-byte header" if esize < 8 else f"past the end of the {end:,}-byte file"
+            )
+            raise ValueError(
+                f"input file {path!r}: NIfTI header extension at byte {pos:,} declares {esize:,} bytes, "
+                f"{beyond} (truncated or forged)"
+            )
+        if end is None:
+            check_array_bytes(path, [pos + esize], np.uint8, max_bytes, "NIfTI header with its extensions")
+            if f.seek(pos + esize) != pos + esize or f.tell() != pos + esize:
+                raise ValueError(
+                    f"input file {path!r}: NIfTI header extension at byte {pos:,} declares {esize:,} bytes, "
+                    "past the end of the decompressed data (truncated or forged)"
+                )
+        pos += esize
+        size -= esize
+
+
+def _check_nifti_data(path: str, data_file: str, offset: int, shape: tuple[int, ...], dtype) -> None:
+    """An uncompressed data file must hold the ``shape`` x ``dtype`` voxels declared from ``offset`` on:
+    nibabel reads a slice with one ``read()`` of the span it covers, allocated before it comes back short."""
+    if _nifti_compressed(data_file):
+        return
+    nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+    try:
+        size = os.path.getsize(data_file)
+    except OSError as e:
+        raise ValueError(f"input file {path!r}: NIfTI image file {data_file!r} cannot be read: {e}") from e
+    if int(offset) + nbytes > size:
+        held = "the file" if data_file == path else repr(data_file)
+        raise ValueError(
+            f"input file {path!r}: NIfTI header declares {shape} {np.dtype(dtype)} data ({nbytes:,} bytes) "
+            f"from byte {int(offset):,}, but {held} holds {size:,} bytes (truncated or forged header)"
+        )
+
+
+def _read_nifti_slice(dataobj, idx: tuple, path: str, max_bytes: int | None, held: int) -> np.ndarray:
+    """``dataobj[idx]``, read so that the file bytes read at once, beside ``held``, fit the size limit.
+
+    nibabel reads the bytes from the first to the last voxel a request covers in one ``read()`` when the
+    voxels lie close together: a slice across axis 0 of a volume spans (nearly) the whole volume. A request
+    spanning more than the limit allows is read in slabs along its outermost axis; others in one piece, as
+    before."""
+    shape = tuple(int(n) for n in dataobj.shape)
+    itemsize = np.dtype(dataobj.dtype).itemsize
+    order = range(len(shape)) if getattr(dataobj, "order", "F") == "F" else range(len(shape) - 1, -1, -1)
+    strides, step = [0] * len(shape), itemsize
+    for k in order:
+        strides[k], step = step, step * shape[k]
+    free = [k for k, i in enumerate(idx) if isinstance(i, slice)]
+    if not free or 0 in shape:
+        return np.asarray(dataobj[idx])
+    outer = max(free, key=lambda k: strides[k])
+    inner = itemsize + sum((shape[k] - 1) * strides[k] for k in free if k != outer)
+    budget = (DEFAULT_MAX_ARRAY_BYTES if max_bytes is None else int(max_bytes)) - held
+    if inner + (shape[outer] - 1) * strides[outer] <= budget:
+        return np.asarray(dataobj[idx])
+    check_array_bytes(path, [inner], np.uint8, max_bytes, "the file span one row of a NIfTI slice covers",
+                      held=held)
+    rows = (budget - inner) // strides[outer] + 1
+    at = free.index(outer)
+    out = None
+    for k0 in range(0, shape[outer], rows):
+        sub = list(idx)
+        sub[outer] = slice(k0, min(k0 + rows, shape[outer]))
+        part = np.asarray(dataobj[tuple(sub)])
+        if out is None:
+            out = np.empty(tuple(shape[k] for k in free), part.dtype)
+        out[(slice(None),) * at + (sub[outer],)] = part
+    return out
 
 
 def _finite_or_none(v) -> float | None:

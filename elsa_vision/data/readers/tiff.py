@@ -61,8 +61,8 @@ def read_tiff(
 
     Raises:
         ValueError: naming the file: not a regular file, not a TIFF, no image series, a series or level out of
-            range, pixel data that cannot be decoded. ``FileTooLargeError`` (a ``ValueError``) for a series
-            over the limit.
+            range, strips or tiles declared past the end of the file, pixel data that cannot be decoded.
+            ``FileTooLargeError`` (a ``ValueError``) for a series over the limit.
     """
     import tifffile
 
@@ -96,8 +96,32 @@ def read_tiff(
         if check is not None:
             check(tuple(page_series.shape), page_series.axes, np.dtype(page_series.dtype), decoded)
         if not mapped:
+            if page_series.dataoffset is None:  # read strip by strip / tile by tile, not in one piece
+                _check_segments(path, page_series)
             try:
                 arr = page_series.asarray()
             except Exception as e:  # tifffile and its codecs raise many types on corrupt data
                 raise ValueError(f"input file {path!r}: TIFF pixel data cannot be decoded: {e}") from e
     return TiffSeries(arr, page_series.axes, s, lv, len(levels), mapped)
+
+
+def _check_segments(path: str, page_series) -> None:
+    """Refuse strips / tiles that reach past the end of the file, before any is read: tifffile reads each one
+    with its declared StripByteCounts / TileByteCounts in one go (a 130-byte file declaring a 4 GiB strip
+    allocates 4 GiB), whatever the image shape. Only offsets and byte counts already parsed are compared."""
+    size = os.path.getsize(path)
+    for i, page in enumerate(page_series):
+        n = 0 if page is None else min(len(page.dataoffsets), len(page.databytecounts))
+        if n == 0:
+            continue
+        offsets = np.asarray(page.dataoffsets[:n], dtype=np.uint64)
+        counts = np.asarray(page.databytecounts[:n], dtype=np.uint64)
+        # offset + count <= size, without wrapping around: count <= size - offset
+        bad = (counts > 0) & ((offsets > size) | (counts > size - np.minimum(offsets, size)))
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(
+                f"input file {path!r}: TIFF page {i} declares {int(counts[j]):,} bytes of pixel data at byte "
+                f"{int(offsets[j]):,} (strip/tile {j}), past the end of the {size:,}-byte file (truncated or "
+                "forged)"
+            )
