@@ -35,6 +35,7 @@ __all__ = [
     "FileTooLargeError",
     "IMAGE_FORMATS",
     "STORAGE_DTYPES",
+    "SizedReader",
     "check_array_bytes",
     "check_image_pixels",
     "check_legacy_torch",
@@ -397,24 +398,25 @@ class _StorageCounter(pickle.Unpickler):
         return _Inert()
 
 
-class _ReadsToTheEnd:
-    """The reads a pickle reader makes of ``f`` (``size`` bytes), none past its end: a read of a declared
-    length returns what is left, so a length the file does not hold fails the reader instead of reserving
-    the declared size."""
+class SizedReader(io.BufferedReader):
+    """A file opened for reading that refuses a read of more bytes than it holds from the current position.
 
-    def __init__(self, f: io.BufferedReader, size: int) -> None:
-        self.f, self.size = f, size
+    Parsers read a value of a declared length with ``read(length)``, and ``read(n)`` allocates ``n`` bytes
+    before the read comes back short: pydicom reads every DICOM element so (4 GiB from a 200-byte file),
+    Python's unpickler a pickle's strings and buffers. Reads of up to 64 KiB (headers at the end of a file)
+    pass unchecked. Raises ``ValueError``: ``expected N bytes at byte P, past the end of the F-byte file``."""
 
-    def read(self, n: int = -1) -> bytes:
-        left = max(0, self.size - self.f.tell())
-        return self.f.read(left if n is None or n < 0 else min(n, left))
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(io.FileIO(os.fspath(path), "rb"))
+        self._size = os.fstat(self.fileno()).st_size
 
-    def readline(self, limit: int = -1) -> bytes:
-        return self.f.readline(limit)
-
-    def readinto(self, b) -> int:
-        left = max(0, self.size - self.f.tell())
-        return self.f.readinto(memoryview(b)[:left])
+    def read(self, size: int | None = -1, _read=io.BufferedReader.read) -> bytes:
+        if size is not None and size > 2**16 and size > self._size - self.tell():
+            raise ValueError(
+                f"expected {size:,} bytes at byte {self.tell():,}, past the end of the {self._size:,}-byte "
+                "file (truncated or forged)"
+            )
+        return _read(self, size)
 
 
 def check_legacy_torch(path: str) -> None:
@@ -427,18 +429,17 @@ def check_legacy_torch(path: str) -> None:
     from a 368-byte file). Those sizes are read here from the object's pickle, with every global it names
     replaced by an inert stand-in (nothing is imported or run), and must fit the file together. A pickle that
     cannot be read this way is a ``ValueError`` naming the file. Each pickle's opcodes are walked first
-    (``pickletools.genops``) through reads that stop at the end of the file: a string or buffer declaring
-    more bytes than are left is refused there, where Python's unpickler would reserve the declared size
-    (``bytearray8`` of 8 GiB) before reading it.
+    (``pickletools.genops``) through a :class:`SizedReader`: a string or buffer declaring more bytes than are
+    left is refused there, where Python's unpickler would reserve the declared size (``bytearray8`` of 8 GiB)
+    before reading it.
     """
     try:
-        with open(path, "rb") as raw:
-            f = _ReadsToTheEnd(raw, os.path.getsize(path))
+        with SizedReader(path) as f:
             for _ in range(4):  # magic number, protocol version, system information, the saved object
-                start = raw.tell()
+                start = f.tell()
                 for _op in pickletools.genops(f):
                     pass
-                raw.seek(start)
+                f.seek(start)
                 counter = _StorageCounter(f)
                 counter.load()
     except Exception as e:  # a forged pickle can fail in many ways; nothing was run either way

@@ -18,7 +18,6 @@ policy, more pixels or bytes declared than the limits allow: ``FileTooLargeError
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import os
 import struct
@@ -29,7 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from ...files import DEFAULT_MAX_ARRAY_BYTES, FileTooLargeError, check_array_bytes, check_regular_file
+from ...files.limits import (
+    DEFAULT_MAX_ARRAY_BYTES,
+    FileTooLargeError,
+    SizedReader,
+    check_array_bytes,
+    check_regular_file,
+)
 from ._common import check_dtype, pick, to_float32
 from .tiff import read_tiff
 
@@ -153,33 +158,12 @@ def _dicom_number(ds: Any, key: str, default: float, path: str, kind: type = int
     return value
 
 
-class _SizedReader(io.BufferedReader):
-    """The file, opened for reading, refusing any read of more than it holds from the current position.
-
-    pydicom reads every element value with ``read(declared length)`` (file meta, data set and nested sequence
-    items alike, whatever ``defer_size`` says for the latter), and ``read(n)`` allocates ``n`` bytes before
-    the read comes back short: a 200-byte file declaring a 4 GiB value would allocate 4 GiB. Reads of up to
-    64 KiB (element headers at the end of the file) pass unchecked, as before."""
-
-    def __init__(self, path: str):
-        super().__init__(io.FileIO(path, "rb"))
-        self._size = os.fstat(self.fileno()).st_size
-
-    def read(self, size: int | None = -1, _read=io.BufferedReader.read) -> bytes:
-        if size is not None and size > 2**16 and size > self._size - self.tell():
-            raise ValueError(
-                f"a value of {size:,} bytes declared at byte {self.tell():,} reaches past the end of the "
-                f"{self._size:,}-byte file (truncated or forged)"
-            )
-        return _read(self, size)
-
-
 def _dicom_images(path: str, frame: int | None, max_bytes: int | None) -> Iterator[MedicalImage]:
     import pydicom
     from pydicom.errors import InvalidDicomError
 
     try:
-        with _SizedReader(check_regular_file(path)) as fp:
+        with SizedReader(check_regular_file(path)) as fp:  # pydicom reads values at their declared length
             ds = pydicom.dcmread(fp)
     except (InvalidDicomError, OSError, EOFError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"input file {path!r} is not a readable DICOM file: {e}") from e
